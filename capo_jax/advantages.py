@@ -1,0 +1,396 @@
+"""Advantage estimators: CAPO (the method) and the paper's baselines.
+
+Every estimator is written for one group (one question's G samples, shape
+[G] -> [G]) and lifted over questions with `jax.vmap`; the public functions
+take and return [Q, G] arrays. See SPEC sections 3 and 6 for the maths.
+
+Two masks (design). A row of a group can be
+  * valid: it exists and takes part in the group: it is a pair partner for
+    CAPO and counts in the group mean / std of GRPO-style estimators.
+    Padding rows, and noise-masked rows in "drop" mode, are not valid.
+  * receiving: it gets a (possibly) non-zero advantage. Receiving rows are a
+    subset of valid rows. A noise-masked row in the default "partner" mode is
+    valid but not receiving: it still counts in the others' pair sums (and
+    group statistics) while its own advantage is exactly 0.
+`split_masks` turns (validity, noise mask, mode) into these two masks; every
+estimator takes `valid_QG` and an optional `receive_QG` (default: valid).
+
+A group whose valid samples are all correct or all wrong ("degenerate") gets
+exactly 0 for every estimator, and so does every non-receiving row. Inputs on
+invalid rows are replaced by 0 before any arithmetic, so NaN / inf there (an
+empty completion's mean log-prob, say) never leaks into the others.
+
+Rewards must be binary {0, 1} (SPEC section 1): a sample is correct when its
+reward is above 1/2.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from capo_jax.types import Array
+
+GRPO_EPS = 1e-6
+NORMS = ("group", "pairs", "none")
+SCORES = ("mean_logprob", "neg_ppl")
+MASK_MODES = ("partner", "drop")
+
+
+# --------------------------------------------------------------------------
+# Per-group kernels ([G] -> [G]).
+# --------------------------------------------------------------------------
+
+
+def _classes(r_G: Array, v_G: Array) -> tuple[Array, Array, Array]:
+  """(positives, negatives, non-degenerate) of one group."""
+  correct_G = r_G > 0.5
+  pos_G = v_G & correct_G
+  neg_G = v_G & ~correct_G
+  return pos_G, neg_G, jnp.any(pos_G) & jnp.any(neg_G)
+
+
+def _masked_mean_std(x_G: Array, v_G: Array) -> tuple[Array, Array]:
+  """Mean and population std of x over the valid rows (0 when none)."""
+  n = jnp.maximum(v_G.sum(), 1)
+  x_G = jnp.where(v_G, x_G, 0.0)
+  mean = x_G.sum() / n
+  var = jnp.where(v_G, (x_G - mean) ** 2, 0.0).sum() / n
+  return mean, jnp.sqrt(var)
+
+
+def _finish(a_G: Array, r_G: Array, v_G: Array, u_G: Array) -> Array:
+  """Zeroes degenerate groups and non-receiving rows (exact zeros, no NaN)."""
+  _, _, live = _classes(r_G, v_G)
+  return jnp.where(live & u_G & v_G, a_G, 0.0)
+
+
+def _grpo_group(r_G: Array, v_G: Array, u_G: Array, eps: float) -> Array:
+  r_G = jnp.where(v_G, r_G, 0.0)
+  mean, std = _masked_mean_std(r_G, v_G)
+  return _finish((r_G - mean) / (std + eps), r_G, v_G, u_G)
+
+
+def _dr_grpo_group(r_G: Array, v_G: Array, u_G: Array) -> Array:
+  r_G = jnp.where(v_G, r_G, 0.0)
+  mean, _ = _masked_mean_std(r_G, v_G)
+  return _finish(r_G - mean, r_G, v_G, u_G)
+
+
+def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array,
+                norm: str) -> Array:
+  pos_G, neg_G, _ = _classes(r_G, v_G)
+  s_G = jnp.where(v_G, s_G, 0.0)
+  # w_GG[i, j] = sigmoid((s_j - s_i) / tau): the logistic loss's slope on
+  # the pair (i correct, j wrong); near 1 when the pair is misranked.
+  w_GG = jax.nn.sigmoid((s_G[None, :] - s_G[:, None]) / tau)
+  w_GG = jnp.where(pos_G[:, None] & neg_G[None, :], w_GG, 0.0)
+  a_G = jnp.where(pos_G, w_GG.sum(axis=1), 0.0) - jnp.where(neg_G, w_GG.sum(axis=0), 0.0)
+  if norm == "group":
+    denom = jnp.maximum(v_G.sum(), 1)
+  elif norm == "pairs":
+    denom = jnp.maximum(pos_G.sum() * neg_G.sum(), 1)
+  else:
+    denom = 1
+  return _finish(a_G / (denom * tau), r_G, v_G, u_G)
+
+
+def _codapo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, eps: float) -> Array:
+  r_G = jnp.where(v_G, r_G, 0.0)
+  acc, _ = _masked_mean_std(r_G, v_G)
+  mean_s, _ = _masked_mean_std(s_G, v_G)
+  d = 1.0 - acc
+  w = 1.0 - 4.0 * (d - 0.5) ** 2
+  c = jnp.exp(mean_s)
+  return _grpo_group(r_G, v_G, u_G, eps) * (c * w + 0.1)
+
+
+def _cde_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
+               kappa: float, alpha: float, eps: float) -> Array:
+  s_G = jnp.where(v_G, s_G, 0.0)
+  signed_G = 2.0 * jnp.where(v_G, r_G, 0.0) - 1.0
+  bonus_G = jnp.minimum(jnp.abs(signed_G) / kappa, alpha * (-s_G))
+  shaped_G = jnp.where(v_G, signed_G + omega * bonus_G, 0.0)
+  mean, std = _masked_mean_std(shaped_G, v_G)
+  return _finish((shaped_G - mean) / (std + eps), r_G, v_G, u_G)
+
+
+# --------------------------------------------------------------------------
+# Public [Q, G] estimators.
+# --------------------------------------------------------------------------
+
+
+def _receive(valid_QG: Array, receive_QG: Array | None) -> tuple[Array, Array]:
+  valid_QG = jnp.asarray(valid_QG).astype(bool)
+  if receive_QG is None:
+    return valid_QG, valid_QG
+  return valid_QG, jnp.asarray(receive_QG).astype(bool) & valid_QG
+
+
+def grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None,
+         eps: float = GRPO_EPS) -> Array:
+  """GRPO: `(R - mean R) / (std R + eps)` per group, population std over valid rows."""
+  v, u = _receive(valid_QG, receive_QG)
+  return jax.vmap(_grpo_group, in_axes=(0, 0, 0, None))(
+      jnp.asarray(rewards_QG, jnp.float32), v, u, eps)
+
+
+def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None) -> Array:
+  """Dr.GRPO: `R - mean R` per group (no std normalisation)."""
+  v, u = _receive(valid_QG, receive_QG)
+  return jax.vmap(_dr_grpo_group)(jnp.asarray(rewards_QG, jnp.float32), v, u)
+
+
+def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | Array,
+         norm: str = "group", receive_QG: Array | None = None) -> Array:
+  """CAPO: minus the gradient of the logistic pairwise AUC surrogate.
+
+  For correct i: `A_i = (1/(n tau)) sum_{j wrong} sigmoid((s_j - s_i)/tau)`;
+  for wrong j: `A_j = -(1/(n tau)) sum_{i correct} sigmoid((s_j - s_i)/tau)`,
+  sums over valid rows. `norm` picks n: "group" = number of valid rows of
+  the group (G without padding), "pairs" = |P| * |N|, "none" = 1.
+
+  Args:
+    rewards_QG: binary rewards.
+    scores_QG: confidence scores (already converted, see `to_score`).
+    valid_QG: rows that exist and act as partners.
+    tau: temperature (a Python float or a traced scalar, e.g. adaptive tau).
+    norm: "group", "pairs" or "none".
+    receive_QG: rows allowed a non-zero advantage (default: valid).
+
+  Returns:
+    adv_QG, float32.
+  """
+  if norm not in NORMS:
+    raise ValueError(f"capo: norm={norm!r} is not one of {NORMS}")
+  if isinstance(tau, (int, float)) and not tau > 0:
+    raise ValueError(f"capo: tau must be > 0, got {tau}")
+  v, u = _receive(valid_QG, receive_QG)
+  kernel = lambda r, s, vv, uu, t: _capo_group(r, s, vv, uu, t, norm)
+  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
+      jnp.asarray(rewards_QG, jnp.float32), jnp.asarray(scores_QG, jnp.float32), v, u,
+      jnp.asarray(tau, jnp.float32))
+
+
+def codapo(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *,
+           receive_QG: Array | None = None, eps: float = GRPO_EPS) -> Array:
+  """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`."""
+  v, u = _receive(valid_QG, receive_QG)
+  return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, None))(
+      jnp.asarray(rewards_QG, jnp.float32), jnp.asarray(mean_logp_QG, jnp.float32), v, u, eps)
+
+
+def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
+  """CDE's bonus weight: 1 for the first half of training (step < total/2), then 0."""
+  return jnp.where(jnp.asarray(step) < jnp.asarray(total_steps) / 2, 1.0, 0.0)
+
+
+def cde(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *, omega: float | Array,
+        kappa: float = 3.0, alpha: float = 1.0, receive_QG: Array | None = None,
+        eps: float = GRPO_EPS) -> Array:
+  """CDE: rewards mapped to {-1, +1} plus `omega * min(|r|/kappa, alpha * (-s))`, then GRPO.
+
+  `-s` is the response's log-perplexity. Degenerate groups get 0 even though
+  the bonus alone would spread them (SPEC: every estimator zeroes them).
+  """
+  v, u = _receive(valid_QG, receive_QG)
+  kernel = lambda r, s, vv, uu, w: _cde_group(r, s, vv, uu, w, kappa, alpha, eps)
+  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
+      jnp.asarray(rewards_QG, jnp.float32), jnp.asarray(mean_logp_QG, jnp.float32), v, u,
+      jnp.asarray(omega, jnp.float32))
+
+
+# --------------------------------------------------------------------------
+# Noise mask, score scale, adaptive tau.
+# --------------------------------------------------------------------------
+
+
+def ref_ppl(ref_mean_logp_QG: Array) -> Array:
+  """Reference perplexity `exp(-mean_t log pi_ref)` from the mean reference log-prob."""
+  return jnp.exp(-jnp.asarray(ref_mean_logp_QG, jnp.float32))
+
+
+def noise_mask(rewards_QG: Array, ref_ppl_QG: Array, *, high: float = 2.5,
+               low: float = 1.05) -> Array:
+  """CAPO's noise mask (True = masked): lucky guesses and near misses.
+
+  A correct sample with reference perplexity above `high`, or a wrong one
+  below `low`, is masked. Combine with validity through `split_masks`.
+  """
+  correct_QG = jnp.asarray(rewards_QG) > 0.5
+  ppl_QG = jnp.asarray(ref_ppl_QG)
+  return (correct_QG & (ppl_QG > high)) | (~correct_QG & (ppl_QG < low))
+
+
+def split_masks(valid_QG: Array, mask_QG: Array | None = None, *,
+                mode: str = "partner") -> tuple[Array, Array]:
+  """(valid_QG, receive_QG) for the estimators, from validity and a noise mask.
+
+  "partner" (default): masked rows stay valid (partners) but do not receive.
+  "drop": masked rows are removed from the group altogether.
+  """
+  if mode not in MASK_MODES:
+    raise ValueError(f"split_masks: mode={mode!r} is not one of {MASK_MODES}")
+  valid_QG = jnp.asarray(valid_QG).astype(bool)
+  if mask_QG is None:
+    return valid_QG, valid_QG
+  keep_QG = valid_QG & ~jnp.asarray(mask_QG).astype(bool)
+  return (valid_QG, keep_QG) if mode == "partner" else (keep_QG, keep_QG)
+
+
+def masked_fraction(mask_QG: Array, rewards_QG: Array, valid_QG: Array) -> dict[str, Array]:
+  """Fractions of valid samples masked: overall, among correct, among wrong (for logging)."""
+  v = jnp.asarray(valid_QG).astype(bool)
+  m = jnp.asarray(mask_QG).astype(bool) & v
+  c = jnp.asarray(rewards_QG) > 0.5
+  frac = lambda sel: (m & sel).sum() / jnp.maximum(sel.sum(), 1)
+  return {"masked_frac": frac(v), "masked_frac_correct": frac(v & c),
+          "masked_frac_wrong": frac(v & ~c)}
+
+
+def to_score(mean_logp_QG: Array, score: str = "mean_logprob") -> Array:
+  """The configured confidence score from the mean token log-prob s.
+
+  "mean_logprob": s itself (= -log PPL). "neg_ppl": -PPL = -exp(-s).
+  Both rank samples identically; CAPO's advantages differ.
+  """
+  if score not in SCORES:
+    raise ValueError(f"to_score: score={score!r} is not one of {SCORES}")
+  s_QG = jnp.asarray(mean_logp_QG, jnp.float32)
+  return s_QG if score == "mean_logprob" else -jnp.exp(-s_QG)
+
+
+def score_spread(scores_QG: Array, rewards_QG: Array, valid_QG: Array) -> Array:
+  """Mean over non-degenerate groups of the within-group std of the valid scores.
+
+  What tau has to be compared with; 0 when every group is degenerate.
+  """
+  v_QG = jnp.asarray(valid_QG).astype(bool)
+  r_QG = jnp.asarray(rewards_QG, jnp.float32)
+  s_QG = jnp.asarray(scores_QG, jnp.float32)
+  std_Q = jax.vmap(lambda s, v: _masked_mean_std(s, v)[1])(s_QG, v_QG)
+  live_Q = jax.vmap(lambda r, v: _classes(r, v)[2])(r_QG, v_QG)
+  return jnp.where(live_Q, std_Q, 0.0).sum() / jnp.maximum(live_Q.sum(), 1)
+
+
+def adaptive_tau(scores_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float,
+                 fallback: float) -> Array:
+  """`scale * score_spread(...)`; `fallback` when the batch has no spread (all degenerate)."""
+  spread = score_spread(scores_QG, rewards_QG, valid_QG)
+  return jnp.where(spread > 0, scale * spread, fallback)
+
+
+# --------------------------------------------------------------------------
+# Registry and the trainer's entry point.
+# --------------------------------------------------------------------------
+# Entries share one signature: (rewards, mean_logp, valid, receive, step,
+# total_steps, **hparams); hparams are keyword-only and checked by name.
+
+
+def _grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
+                eps: float = GRPO_EPS) -> Array:
+  del s, step, total
+  return grpo(r, v, receive_QG=u, eps=eps)
+
+
+def _dr_grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any,
+                   total: Any) -> Array:
+  del s, step, total
+  return dr_grpo(r, v, receive_QG=u)
+
+
+def _capo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
+                tau: float = 0.6, norm: str = "group", score: str = "mean_logprob",
+                tau_scale: float | None = None) -> Array:
+  del step, total
+  scores = to_score(s, score)
+  if tau_scale is not None:
+    tau = adaptive_tau(scores, r, v, scale=tau_scale, fallback=tau)
+  return capo(r, scores, v, tau=tau, norm=norm, receive_QG=u)
+
+
+def _codapo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
+                  eps: float = GRPO_EPS) -> Array:
+  del step, total
+  return codapo(r, s, v, receive_QG=u, eps=eps)
+
+
+def _cde_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
+               kappa: float = 3.0, alpha: float = 1.0, eps: float = GRPO_EPS) -> Array:
+  return cde(r, s, v, omega=cde_omega(step, total), kappa=kappa, alpha=alpha,
+             receive_QG=u, eps=eps)
+
+
+ADVANTAGES: dict[str, Callable[..., Array]] = {
+    "grpo": _grpo_entry,
+    "dr_grpo": _dr_grpo_entry,
+    "capo": _capo_entry,
+    "codapo": _codapo_entry,
+    "cde": _cde_entry,
+    # GSPO and SimKO differ from GRPO in the loss only.
+    "gspo": _grpo_entry,
+    "simko": _grpo_entry,
+}
+
+
+def hparam_names(name: str) -> tuple[str, ...]:
+  """The hyper-parameters estimator `name` accepts."""
+  fn = _lookup(name)
+  return tuple(p.name for p in inspect.signature(fn).parameters.values()
+               if p.kind is inspect.Parameter.KEYWORD_ONLY)
+
+
+def _lookup(name: str) -> Callable[..., Array]:
+  if name not in ADVANTAGES:
+    raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGES)}")
+  return ADVANTAGES[name]
+
+
+def _check_inputs(name: str, arrays: dict[str, Any]) -> None:
+  shapes = {k: np.shape(a) for k, a in arrays.items() if a is not None}
+  if len(set(shapes.values())) != 1 or len(shapes["rewards_QG"]) != 2:
+    raise ValueError(f"{name}: inputs must all have one shape [Q, G]; got {shapes}")
+  r, v = arrays["rewards_QG"], arrays["valid_QG"]
+  if not any(isinstance(a, jax.core.Tracer) for a in (r, v)):
+    bad = ~np.isin(np.asarray(r), (0.0, 1.0)) & np.asarray(v).astype(bool)
+    if bad.any():
+      q, g = np.argwhere(bad)[0]
+      raise ValueError(f"{name}: rewards_QG must be 0 or 1; rewards_QG[{q}, {g}] = "
+                       f"{np.asarray(r)[q, g]}")
+
+
+def compute_advantages(name: str, *, rewards_QG: Array, mean_logp_QG: Array,
+                       valid_QG: Array, receive_QG: Array | None = None,
+                       step: int | Array = 0, total_steps: int | Array = 1,
+                       **hparams: Any) -> Array:
+  """The trainer's entry point: advantages of estimator `name` ([Q, G] -> [Q, G]).
+
+  Args:
+    name: a key of `ADVANTAGES` ("grpo", "dr_grpo", "capo", "codapo", "cde",
+      "gspo", "simko").
+    rewards_QG: binary rewards.
+    mean_logp_QG: mean token log-prob s of each response under the old
+      policy (SPEC section 1). CAPO converts it with its `score` hparam;
+      CoDaPO and CDE use s as written in the SPEC.
+    valid_QG: rows that exist and act as partners (see `split_masks`).
+    receive_QG: rows allowed a non-zero advantage (default: valid).
+    step: training step (CDE's omega schedule).
+    total_steps: planned number of training steps (CDE).
+    **hparams: the estimator's hyper-parameters (`hparam_names(name)`), e.g.
+      capo: tau=0.6, norm="group", score="mean_logprob", tau_scale=None.
+
+  Returns:
+    adv_QG (float32), exactly 0 on non-receiving rows and degenerate groups.
+  """
+  fn = _lookup(name)
+  unknown = set(hparams) - set(hparam_names(name))
+  if unknown:
+    raise ValueError(f"advantage {name!r}: unknown hyper-parameter(s) {sorted(unknown)}; "
+                     f"accepted: {list(hparam_names(name))}")
+  _check_inputs(name, {"rewards_QG": rewards_QG, "mean_logp_QG": mean_logp_QG,
+                       "valid_QG": valid_QG, "receive_QG": receive_QG})
+  return fn(rewards_QG, mean_logp_QG, valid_QG, receive_QG, step, total_steps, **hparams)
