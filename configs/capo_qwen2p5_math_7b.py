@@ -1,0 +1,27 @@
+r"""CAPO on Qwen2.5-Math-7B with the paper's settings (SPEC section 4).
+
+  python -m capo_jax.main --config=configs/capo_qwen2p5_math_7b.py \
+      --workdir=gs://BUCKET/capo-7b --config.model.hf_path=/path/to/Qwen2.5-Math-7B
+
+Tiny CPU variant: ``--config=configs/capo_qwen2p5_math_7b.py:shrink``.
+Another baseline: ``--config.algo.name=grpo`` (capo, grpo, dr_grpo, gspo,
+codapo, cde, simko).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = common.get_base_config()
+  c.model.preset = "qwen2p5_math_7b"
+  c.algo.name = "capo"
+  c.algo.tau = 0.5
+  c.train.num_steps = 400
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+  return common.shrink(c) if arg == "shrink" else c

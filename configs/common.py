@@ -1,0 +1,133 @@
+"""The base config every run file starts from: SPEC section 4 defaults.
+
+Run files (``configs/<run>.py``) call :func:`get_base_config` and change what
+differs. Every field can be overridden on the command line:
+``--config.algo.tau=0.5``. The ``shrink`` switch (``--config=...py:shrink``)
+turns any run into a tiny CPU run with a random model, big_vision-style.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+ALGORITHMS = ("capo", "grpo", "dr_grpo", "gspo", "codapo", "cde", "simko")
+
+
+def get_base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+
+  # Policy: a HF checkpoint directory (hub id resolved by the user beforehand),
+  # or a models.config preset name with random weights (tests, benchmarks).
+  c.model = ml_collections.ConfigDict()
+  c.model.hf_path = ""
+  c.model.preset = ""
+  c.model.preset_overrides = ml_collections.ConfigDict()  # e.g. for tiny models
+  c.model.param_dtype = "float32"  # master params
+  c.model.compute_dtype = "bfloat16"
+  c.model.remat = True
+  c.tokenizer_path = ""  # defaults to model.hf_path
+
+  c.data = ml_collections.ConfigDict()
+  c.data.train = "deepscaler"  # registry name or a file path
+  c.data.data_dir = ""  # defaults to $CAPO_DATA_DIR
+  c.data.skip_bad_rows = False
+  c.data.eval = ("math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench")
+
+  c.rollout = ml_collections.ConfigDict()
+  c.rollout.num_prompts = 128  # Q per step
+  c.rollout.num_samples = 8  # G
+  c.rollout.max_prompt_len = 1024
+  c.rollout.max_new_tokens = 3072
+  c.rollout.temperature = 1.0
+  c.rollout.top_p = 1.0
+  c.rollout.top_k = 0
+  c.rollout.old_logprobs = "trainer"  # or "sampler" (SPEC section 1)
+
+  c.algo = ml_collections.ConfigDict()
+  c.algo.name = "capo"  # one of ALGORITHMS
+  c.algo.tau = 0.6
+  c.algo.norm = "group"  # "group" | "pairs" | "none"
+  c.algo.score = "mean_logprob"  # or "neg_ppl"
+  c.algo.adaptive_tau = 0.0  # > 0: tau = this * mean within-group std of s
+  c.algo.mask = True  # CAPO noise mask from the reference model
+  c.algo.mask_high = 2.5
+  c.algo.mask_low = 1.05
+  c.algo.mask_mode = "partner"  # or "drop"
+  c.algo.cde_kappa = 3.0
+  c.algo.cde_alpha = 1.0
+  c.algo.cde_omega = 1.0
+
+  c.loss = ml_collections.ConfigDict()
+  c.loss.eps_low = 0.2
+  c.loss.eps_high = 0.2
+  c.loss.agg = "seq-mean-token-mean"
+  c.loss.beta = 0.0  # KL to the reference
+  c.loss.kl_estimator = "k3"
+  c.loss.gspo_eps_low = 3e-4
+  c.loss.gspo_eps_high = 4e-4
+  c.loss.simko_alpha = 0.01
+  c.loss.simko_k = 3
+  c.loss.simko_lambda = 1.1
+  c.loss.simko_quantile = 0.8
+
+  c.optim = ml_collections.ConfigDict()
+  c.optim.lr = 1e-6
+  c.optim.warmup_steps = 0
+  c.optim.schedule = "constant"
+  c.optim.weight_decay = 0.01
+  c.optim.b1 = 0.9
+  c.optim.b2 = 0.999
+  c.optim.grad_clip = 1.0
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_steps = 600
+  c.train.mini_batch_prompts = 64  # PPO mini-batch: 2 updates per step at Q=128
+  c.train.ppo_epochs = 1
+  c.train.micro_batch_size = 16  # rows per gradient-accumulation micro-batch
+  c.train.logprob_chunk = 512  # tokens per chunk of the vocab projection; 0 = unchunked
+  c.train.max_consecutive_skips = 5
+
+  # Mesh axes; -1 takes the remaining devices. Rules live in capo_jax/mesh.py.
+  c.mesh = ml_collections.ConfigDict()
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+
+  c.checkpoint = ml_collections.ConfigDict()
+  c.checkpoint.every_steps = 50
+  c.checkpoint.keep = 2
+  c.checkpoint.export_hf = True
+
+  c.log = ml_collections.ConfigDict()
+  c.log.every_steps = 1
+  c.log.samples_every_steps = 10
+  c.log.num_samples_logged = 4
+
+  c.eval = ml_collections.ConfigDict()
+  c.eval.every_steps = 0  # 0: no evaluation during training
+  c.eval.num_samples = 16
+  return c
+
+
+def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
+  """A tiny random-model CPU run of the same algorithm (tests, smoke runs)."""
+  c.model.hf_path = ""
+  c.model.preset = "tiny"
+  c.model.param_dtype = "float32"
+  c.model.compute_dtype = "float32"
+  c.model.remat = False
+  c.rollout.num_prompts = 4
+  c.rollout.num_samples = 4
+  c.rollout.max_prompt_len = 64
+  c.rollout.max_new_tokens = 16
+  c.train.num_steps = 2
+  c.train.mini_batch_prompts = 2
+  c.train.micro_batch_size = 8
+  c.train.logprob_chunk = 0
+  c.optim.lr = 1e-4
+  c.checkpoint.every_steps = 1
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+  return c

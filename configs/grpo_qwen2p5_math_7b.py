@@ -1,0 +1,27 @@
+r"""GRPO on Qwen2.5-Math-7B with the paper's settings (SPEC section 4).
+
+  python -m capo_jax.main --config=configs/grpo_qwen2p5_math_7b.py \
+      --workdir=gs://BUCKET/grpo-7b --config.model.hf_path=/path/to/Qwen2.5-Math-7B
+
+Tiny CPU variant: ``--config=configs/grpo_qwen2p5_math_7b.py:shrink``.
+CAPO: ``--config.algo.name=capo`` (capo, grpo, dr_grpo, gspo,
+codapo, cde, simko).
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from configs import common
+
+
+def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
+  c = common.get_base_config()
+  c.model.preset = "qwen2p5_math_7b"
+  c.algo.name = "grpo"
+  c.algo.tau = 0.5
+  c.train.num_steps = 400
+  c.mesh.data = 1
+  c.mesh.fsdp = -1
+  c.mesh.tensor = 1
+  return common.shrink(c) if arg == "shrink" else c
