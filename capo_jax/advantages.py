@@ -124,6 +124,12 @@ def _cde_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
 # --------------------------------------------------------------------------
 
 
+def _float(x: Array) -> Array:
+  """x as a float array; float64 inputs stay float64 (tests run the maths in x64)."""
+  x = jnp.asarray(x)
+  return x if jnp.issubdtype(x.dtype, jnp.floating) else x.astype(jnp.float32)
+
+
 def _receive(valid_QG: Array, receive_QG: Array | None) -> tuple[Array, Array]:
   valid_QG = jnp.asarray(valid_QG).astype(bool)
   if receive_QG is None:
@@ -136,13 +142,13 @@ def grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None,
   """GRPO: `(R - mean R) / (std R + eps)` per group, population std over valid rows."""
   v, u = _receive(valid_QG, receive_QG)
   return jax.vmap(_grpo_group, in_axes=(0, 0, 0, None))(
-      jnp.asarray(rewards_QG, jnp.float32), v, u, eps)
+      _float(rewards_QG), v, u, eps)
 
 
 def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None) -> Array:
   """Dr.GRPO: `R - mean R` per group (no std normalisation)."""
   v, u = _receive(valid_QG, receive_QG)
-  return jax.vmap(_dr_grpo_group)(jnp.asarray(rewards_QG, jnp.float32), v, u)
+  return jax.vmap(_dr_grpo_group)(_float(rewards_QG), v, u)
 
 
 def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | Array,
@@ -163,7 +169,7 @@ def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | A
     receive_QG: rows allowed a non-zero advantage (default: valid).
 
   Returns:
-    adv_QG, float32.
+    adv_QG (float32, or float64 for float64 inputs).
   """
   if norm not in NORMS:
     raise ValueError(f"capo: norm={norm!r} is not one of {NORMS}")
@@ -172,8 +178,8 @@ def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | A
   v, u = _receive(valid_QG, receive_QG)
   kernel = lambda r, s, vv, uu, t: _capo_group(r, s, vv, uu, t, norm)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-      jnp.asarray(rewards_QG, jnp.float32), jnp.asarray(scores_QG, jnp.float32), v, u,
-      jnp.asarray(tau, jnp.float32))
+      _float(rewards_QG), _float(scores_QG), v, u,
+      jnp.asarray(tau))
 
 
 def codapo(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *,
@@ -181,7 +187,7 @@ def codapo(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *,
   """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`."""
   v, u = _receive(valid_QG, receive_QG)
   return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, None))(
-      jnp.asarray(rewards_QG, jnp.float32), jnp.asarray(mean_logp_QG, jnp.float32), v, u, eps)
+      _float(rewards_QG), _float(mean_logp_QG), v, u, eps)
 
 
 def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
@@ -200,8 +206,8 @@ def cde(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *, omega: float
   v, u = _receive(valid_QG, receive_QG)
   kernel = lambda r, s, vv, uu, w: _cde_group(r, s, vv, uu, w, kappa, alpha, eps)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-      jnp.asarray(rewards_QG, jnp.float32), jnp.asarray(mean_logp_QG, jnp.float32), v, u,
-      jnp.asarray(omega, jnp.float32))
+      _float(rewards_QG), _float(mean_logp_QG), v, u,
+      jnp.asarray(omega))
 
 
 # --------------------------------------------------------------------------
@@ -211,7 +217,7 @@ def cde(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *, omega: float
 
 def ref_ppl(ref_mean_logp_QG: Array) -> Array:
   """Reference perplexity `exp(-mean_t log pi_ref)` from the mean reference log-prob."""
-  return jnp.exp(-jnp.asarray(ref_mean_logp_QG, jnp.float32))
+  return jnp.exp(-_float(ref_mean_logp_QG))
 
 
 def noise_mask(rewards_QG: Array, ref_ppl_QG: Array, *, high: float = 2.5,
@@ -260,7 +266,7 @@ def to_score(mean_logp_QG: Array, score: str = "mean_logprob") -> Array:
   """
   if score not in SCORES:
     raise ValueError(f"to_score: score={score!r} is not one of {SCORES}")
-  s_QG = jnp.asarray(mean_logp_QG, jnp.float32)
+  s_QG = _float(mean_logp_QG)
   return s_QG if score == "mean_logprob" else -jnp.exp(-s_QG)
 
 
@@ -270,8 +276,8 @@ def score_spread(scores_QG: Array, rewards_QG: Array, valid_QG: Array) -> Array:
   What tau has to be compared with; 0 when every group is degenerate.
   """
   v_QG = jnp.asarray(valid_QG).astype(bool)
-  r_QG = jnp.asarray(rewards_QG, jnp.float32)
-  s_QG = jnp.asarray(scores_QG, jnp.float32)
+  r_QG = _float(rewards_QG)
+  s_QG = _float(scores_QG)
   std_Q = jax.vmap(lambda s, v: _masked_mean_std(s, v)[1])(s_QG, v_QG)
   live_Q = jax.vmap(lambda r, v: _classes(r, v)[2])(r_QG, v_QG)
   return jnp.where(live_Q, std_Q, 0.0).sum() / jnp.maximum(live_Q.sum(), 1)
@@ -384,7 +390,8 @@ def compute_advantages(name: str, *, rewards_QG: Array, mean_logp_QG: Array,
       capo: tau=0.6, norm="group", score="mean_logprob", tau_scale=None.
 
   Returns:
-    adv_QG (float32), exactly 0 on non-receiving rows and degenerate groups.
+    adv_QG (float32 unless given float64), exactly 0 on non-receiving rows
+    and degenerate groups.
   """
   fn = _lookup(name)
   unknown = set(hparams) - set(hparam_names(name))

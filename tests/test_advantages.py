@@ -1,0 +1,312 @@
+"""Advantage estimators against the maths of SPEC sections 3 and 6.
+
+References are independent: NumPy double loops over pairs, `jax.grad` of the
+pairwise surrogates written pair by pair, and hand-computed groups. Identities
+with `jax.grad` run in float64 (`jax.enable_x64` context) with tolerance 1e-9;
+float32 comparisons use rtol 1e-5 / atol 1e-6 (float32 epsilon is 1.2e-7 and
+the advantages are O(1)).
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from capo_jax import advantages as adv
+
+METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
+
+
+def _capo_loop(r: np.ndarray, s: np.ndarray, v: np.ndarray, u: np.ndarray, tau: float,
+               norm: str = "group") -> np.ndarray:
+  """SPEC's CAPO formula, one pair at a time, in float64."""
+  out = np.zeros(r.shape)
+  for q in range(r.shape[0]):
+    pos = [i for i in range(r.shape[1]) if v[q, i] and r[q, i] == 1]
+    neg = [j for j in range(r.shape[1]) if v[q, j] and r[q, j] == 0]
+    n = {"group": v[q].sum(), "pairs": len(pos) * len(neg), "none": 1}[norm]
+    for i in pos:
+      for j in neg:
+        w = 1.0 / (1.0 + math.exp(-(s[q, j] - s[q, i]) / tau))
+        out[q, i] += w / (n * tau)
+        out[q, j] -= w / (n * tau)
+  return np.where(u & v, out, 0.0)
+
+
+def _random_batch(seed: int, q: int = 12, g: int = 8, p_valid: float = 0.85):
+  rng = np.random.default_rng(seed)
+  r = (rng.random((q, g)) < 0.5).astype(np.float64)
+  r[0] = 1.0  # all correct
+  r[1] = 0.0  # all wrong
+  s = -rng.gamma(2.0, 0.4, size=(q, g))
+  v = rng.random((q, g)) < p_valid
+  v[:2] = True
+  return r, s, v
+
+
+def _logistic_surrogate(s_G, r_G, v_G, tau: float, norm: str):
+  """(1/n) sum_{i in P, j in N} log(1 + exp(-(s_i - s_j)/tau)), pair by pair."""
+  g = len(r_G)
+  pos = [i for i in range(g) if v_G[i] and r_G[i] == 1]
+  neg = [j for j in range(g) if v_G[j] and r_G[j] == 0]
+  n = {"group": int(v_G.sum()), "pairs": max(len(pos) * len(neg), 1), "none": 1}[norm]
+  total = 0.0
+  for i in pos:
+    for j in neg:
+      total = total + jnp.logaddexp(0.0, -(s_G[i] - s_G[j]) / tau)
+  return total / n
+
+
+@pytest.mark.parametrize("norm", adv.NORMS)
+@pytest.mark.parametrize("tau", [0.1, 0.6, 2.0])
+def test_capo_is_minus_grad_of_logistic_surrogate_float64(norm: str, tau: float) -> None:
+  r, s, v = _random_batch(seed=int(tau * 10) + len(norm))
+  with jax.enable_x64(True):
+    a = np.asarray(adv.capo(r, jnp.asarray(s, jnp.float64), v, tau=tau, norm=norm))
+    assert a.dtype == np.float64
+    for q in range(r.shape[0]):
+      g = -np.asarray(jax.grad(_logistic_surrogate)(jnp.asarray(s[q]), r[q], v[q], tau, norm))
+      np.testing.assert_allclose(a[q], np.where(v[q], g, 0.0), rtol=0, atol=1e-9)
+
+
+@pytest.mark.parametrize("norm", adv.NORMS)
+def test_capo_matches_numpy_double_loop_float32(norm: str) -> None:
+  r, s, v = _random_batch(seed=7, q=20, g=16)
+  rng = np.random.default_rng(1)
+  u = v & (rng.random(v.shape) < 0.8)
+  got = adv.capo(r.astype(np.float32), s.astype(np.float32), v, tau=0.6, norm=norm,
+                 receive_QG=u)
+  assert got.dtype == jnp.float32
+  want = _capo_loop(r, s.astype(np.float32).astype(np.float64), v, u, 0.6, norm)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+
+
+def test_capo_signs() -> None:
+  r, s, v = _random_batch(seed=3, q=30, g=8, p_valid=1.0)
+  a = np.asarray(adv.capo(r, s, v, tau=0.6))
+  live = (r.max(1) == 1) & (r.min(1) == 0)
+  assert live.sum() >= 20
+  assert (a[live][r[live] == 1] > 0).all()
+  assert (a[live][r[live] == 0] < 0).all()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
+  r = np.array([[1, 1, 1, 1, 0], [0, 0, 0, 0, 1], [1, 0, 1, 0, 1], [1, 0, 0, 1, 1]], np.float32)
+  s = np.array([[-.3, -.1, -.9, -.2, np.nan], [-.5, -.4, -.7, -.1, np.inf],
+                [-.2, -.6, np.nan, -.3, -.8], [-.2, -.6, -.4, -.3, -.8]], np.float32)
+  valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], bool)
+  receive = valid.copy()
+  receive[3, 1] = receive[3, 3] = False  # noise-masked, still partners
+  a = np.asarray(adv.compute_advantages(method, rewards_QG=r, mean_logp_QG=s,
+                                        valid_QG=valid, receive_QG=receive, step=0,
+                                        total_steps=10))
+  assert np.isfinite(a).all()
+  assert (a[0] == 0).all() and (a[1] == 0).all()  # all-correct / all-wrong among valid
+  assert a[2, 2] == 0 and a[3, 1] == 0 and a[3, 3] == 0
+  assert (a[2, [0, 1, 3, 4]] != 0).all() and (a[3, [0, 2, 4]] != 0).all()
+
+
+def test_capo_permutation_equivariant() -> None:
+  r, s, v = _random_batch(seed=11, q=10, g=16)
+  a = np.asarray(adv.capo(r, s, v, tau=0.5))
+  rng = np.random.default_rng(0)
+  for _ in range(3):
+    perm = rng.permutation(16)
+    ap = np.asarray(adv.capo(r[:, perm], s[:, perm], v[:, perm], tau=0.5))
+    np.testing.assert_allclose(ap, a[:, perm], rtol=1e-6, atol=1e-7)
+
+
+def test_capo_misranked_pairs_weigh_more() -> None:
+  # Two correct (low and high confidence) and two wrong (low and high).
+  r = np.array([[1, 1, 0, 0]], np.float32)
+  s = np.array([[-1.0, -0.2, -1.1, -0.3]], np.float32)
+  a = np.asarray(adv.capo(r, s, np.ones_like(r, bool), tau=0.3))[0]
+  assert a[0] > a[1] > 0  # the unsure correct answer is pushed up more
+  assert a[3] < a[2] < 0  # the confident wrong answer is pushed down more
+  # One pair each: misranked (wrong more confident) vs well ranked.
+  a_bad = np.asarray(adv.capo(np.array([[1., 0.]]), np.array([[-0.8, -0.2]]),
+                              np.ones((1, 2), bool), tau=0.3))
+  a_good = np.asarray(adv.capo(np.array([[1., 0.]]), np.array([[-0.2, -0.8]]),
+                               np.ones((1, 2), bool), tau=0.3))
+  assert abs(a_bad[0, 0]) > 5 * abs(a_good[0, 0])
+
+
+def test_capo_large_tau_tends_to_dr_grpo_over_2tau() -> None:
+  r, s, v = _random_batch(seed=5)
+  dr = _dr_grpo_loop(r, v)
+  errs = []
+  for tau in (1e1, 1e2, 1e3):
+    a = np.asarray(adv.capo(r, s, v, tau=tau))
+    errs.append(np.abs(2 * tau * a - dr).max())
+  assert errs[2] < 1e-3 and errs[0] > errs[1] > errs[2]
+
+
+def _dr_grpo_loop(r: np.ndarray, v: np.ndarray) -> np.ndarray:
+  out = np.zeros(r.shape)
+  for q in range(r.shape[0]):
+    rv = r[q][v[q]]
+    if rv.min() != rv.max():
+      out[q][v[q]] = rv - rv.mean()
+  return out
+
+
+def test_grpo_and_dr_grpo_against_numpy() -> None:
+  r, s, v = _random_batch(seed=9, q=16, g=8)
+  dr = _dr_grpo_loop(r, v)
+  want = np.zeros(r.shape)
+  for q in range(r.shape[0]):
+    rv = r[q][v[q]]
+    want[q][v[q]] = dr[q][v[q]] / (np.std(rv) + 1e-6)  # np.std: population std
+  np.testing.assert_allclose(np.asarray(adv.dr_grpo(r, v)), dr, rtol=1e-6, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(adv.grpo(r, v)), want, rtol=1e-5, atol=1e-6)
+
+
+def _linear_surrogate(s_G, r_G, v_G):
+  """(1/n) sum_{i in P, j in N} -(s_i - s_j): the surrogate GRPO descends (SPEC 3)."""
+  g = len(r_G)
+  pairs = [(i, j) for i, j in itertools.product(range(g), range(g))
+           if v_G[i] and v_G[j] and r_G[i] == 1 and r_G[j] == 0]
+  return sum(-(s_G[i] - s_G[j]) for i, j in pairs) / int(v_G.sum())
+
+
+def test_grpo_gradient_is_linear_pairwise_surrogate_gradient() -> None:
+  """Dr.GRPO's A = -d/ds of the linear surrogate; GRPO's A = that / (std(R) + 1e-6).
+
+  With A as a stop-gradient weight, the policy gradient -sum_i A_i grad s_i
+  then equals the gradient of the surrogate composed with s(theta).
+  """
+  r, s, v = _random_batch(seed=13)
+  with jax.enable_x64(True):
+    a_dr = np.asarray(adv.dr_grpo(r, v))
+    a_grpo = np.asarray(adv.grpo(r, v))
+    for q in range(2, r.shape[0]):
+      g = -np.asarray(jax.grad(_linear_surrogate)(jnp.asarray(s[q]), r[q], v[q]))
+      g = np.where(v[q], g, 0.0)
+      np.testing.assert_allclose(a_dr[q], g, rtol=0, atol=1e-12)
+      np.testing.assert_allclose(a_grpo[q], g / (np.std(r[q][v[q]]) + 1e-6), atol=1e-9)
+
+
+def test_noise_mask_thresholds() -> None:
+  r = np.array([[1, 1, 1, 0, 0, 0]], np.float32)
+  ppl = np.array([[2.6, 2.5, 1.01, 1.04, 1.05, 3.0]], np.float32)
+  want = np.array([[True, False, False, True, False, False]])
+  np.testing.assert_array_equal(np.asarray(adv.noise_mask(r, ppl)), want)
+  np.testing.assert_array_equal(np.asarray(adv.noise_mask(r, ppl, high=1.0, low=1.5)),
+                                np.array([[True, True, True, True, True, False]]))
+  np.testing.assert_allclose(np.asarray(adv.ref_ppl(np.log([[0.5, 1.0]]))), [[2.0, 1.0]],
+                             rtol=1e-6)
+
+
+def test_capo_noise_mask_partner_and_drop_modes() -> None:
+  r, s, v = _random_batch(seed=17, q=16, g=8, p_valid=1.0)
+  mask = np.random.default_rng(2).random(r.shape) < 0.25
+  # partner: masked rows keep their place in the pair sums, get 0 themselves.
+  valid, receive = adv.split_masks(v, mask, mode="partner")
+  got = np.asarray(adv.capo(r, s, valid, receive_QG=receive, tau=0.6))
+  np.testing.assert_allclose(got, _capo_loop(r, s, v, v & ~mask, 0.6), rtol=1e-5, atol=1e-6)
+  # drop: exactly CAPO on the group with the masked rows deleted.
+  valid, receive = adv.split_masks(v, mask, mode="drop")
+  got = np.asarray(adv.capo(r, s, valid, receive_QG=receive, tau=0.6))
+  for q in range(r.shape[0]):
+    keep = ~mask[q]
+    sub = _capo_loop(r[q:q + 1, keep], s[q:q + 1, keep], np.ones((1, keep.sum()), bool),
+                     np.ones((1, keep.sum()), bool), 0.6)[0]
+    np.testing.assert_allclose(got[q, keep], sub, rtol=1e-5, atol=1e-6)
+    assert (got[q, ~keep] == 0).all()
+  frac = adv.masked_fraction(mask, r, v)
+  np.testing.assert_allclose(float(frac["masked_frac"]), mask.mean(), rtol=1e-6)
+  np.testing.assert_allclose(float(frac["masked_frac_correct"]), mask[r == 1].mean(), rtol=1e-6)
+
+
+def test_codapo_hand_computed() -> None:
+  r = np.array([[1, 0, 0, 0]], np.float32)
+  s = np.array([[-0.2, -0.4, -0.6, -0.8]], np.float32)
+  # acc = 1/4, d = 3/4, w = 1 - 4 (1/4)^2 = 3/4, c = exp(-0.5), std(R) = sqrt(3)/4.
+  scale = math.exp(-0.5) * 0.75 + 0.1
+  base = np.array([0.75, -0.25, -0.25, -0.25]) / (math.sqrt(3) / 4 + 1e-6)
+  got = adv.compute_advantages("codapo", rewards_QG=r, mean_logp_QG=s,
+                               valid_QG=np.ones_like(r, bool))
+  np.testing.assert_allclose(np.asarray(got)[0], base * scale, rtol=1e-5)
+
+
+def test_cde_hand_computed_and_omega_schedule() -> None:
+  r = np.array([[1, 0, 1]], np.float32)
+  s = np.array([[-0.1, -0.5, -2.0]], np.float32)
+  v = np.ones_like(r, bool)
+  # rewards -> [1, -1, 1]; bonus min(1/3, -s) = [0.1, 1/3, 1/3].
+  shaped = np.array([1.1, -1 + 1 / 3, 1 + 1 / 3])
+  want = (shaped - shaped.mean()) / (shaped.std() + 1e-6)
+  early = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=4,
+                                 total_steps=10)
+  np.testing.assert_allclose(np.asarray(early)[0], want, rtol=1e-5)
+  late = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=5,
+                                total_steps=10)
+  plain = np.array([1, -1, 1.0])
+  np.testing.assert_allclose(np.asarray(late)[0],
+                             (plain - plain.mean()) / (plain.std() + 1e-6), rtol=1e-5)
+  # kappa and alpha reach the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
+  got = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, alpha=0.1)
+  shaped = np.array([1.01, -0.95, 1.2])
+  np.testing.assert_allclose(np.asarray(got)[0],
+                             (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
+
+
+def test_score_transform_spread_and_adaptive_tau() -> None:
+  s = np.array([[-0.1, -0.5, -0.9, -0.3], [-0.2, -0.4, -1.0, -2.0], [-1., -2., -3., -4.]])
+  r = np.array([[1, 0, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
+  v = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], bool)
+  np.testing.assert_allclose(np.asarray(adv.to_score(s, "neg_ppl")), -np.exp(-s), rtol=1e-6)
+  np.testing.assert_array_equal(np.asarray(adv.to_score(s, "mean_logprob")), s.astype(np.float32))
+  # Group 1 is degenerate: skipped. Group 2 uses its 3 valid rows.
+  spread = (np.std(s[0]) + np.std(s[2, :3])) / 2
+  np.testing.assert_allclose(float(adv.score_spread(s, r, v)), spread, rtol=1e-6)
+  for score, conv in (("mean_logprob", lambda x: x), ("neg_ppl", lambda x: -np.exp(-x))):
+    z = conv(s)
+    tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
+    got = adv.compute_advantages("capo", rewards_QG=r, mean_logp_QG=s, valid_QG=v,
+                                 score=score, tau_scale=0.5)
+    np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5,
+                               atol=1e-6)
+  # No spread anywhere: adaptive tau falls back to the fixed tau.
+  tau = adv.adaptive_tau(s[1:2], r[1:2], v[1:2], scale=0.5, fallback=0.6)
+  assert float(tau) == pytest.approx(0.6)
+
+
+def test_entry_point_is_jittable_with_traced_step() -> None:
+  r, s, v = _random_batch(seed=21, p_valid=1.0)
+  fn = jax.jit(lambda r, s, v, step: adv.compute_advantages(
+      "cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=step, total_steps=100))
+  eager0 = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=0,
+                                  total_steps=100)
+  np.testing.assert_allclose(np.asarray(fn(r, s, v, 0)), np.asarray(eager0), rtol=1e-6)
+  late = np.asarray(fn(r, s, v, 60))
+  np.testing.assert_allclose(late, np.asarray(adv.grpo(2 * r - 1, v)), rtol=1e-5, atol=1e-6)
+
+
+def test_bad_inputs_raise_clear_errors() -> None:
+  r = np.array([[1, 0.5]], np.float32)
+  s = np.zeros((1, 2), np.float32)
+  v = np.ones((1, 2), bool)
+  with pytest.raises(ValueError, match=r"rewards_QG\[0, 1\] = 0.5"):
+    adv.compute_advantages("grpo", rewards_QG=r, mean_logp_QG=s, valid_QG=v)
+  with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
+    adv.compute_advantages("ppo", rewards_QG=r, mean_logp_QG=s, valid_QG=v)
+  with pytest.raises(ValueError, match=r"unknown hyper-parameter\(s\) \['temperature'\]"):
+    adv.compute_advantages("capo", rewards_QG=np.ones((1, 2)), mean_logp_QG=s, valid_QG=v,
+                           temperature=0.5)
+  with pytest.raises(ValueError, match="one shape"):
+    adv.compute_advantages("grpo", rewards_QG=np.ones((1, 3)), mean_logp_QG=s, valid_QG=v)
+  with pytest.raises(ValueError, match="norm='mean'"):
+    adv.capo(np.ones((1, 2)), s, v, tau=0.6, norm="mean")
+  with pytest.raises(ValueError, match="tau must be > 0"):
+    adv.capo(np.ones((1, 2)), s, v, tau=0.0)
+  with pytest.raises(ValueError, match="score='ppl'"):
+    adv.to_score(s, "ppl")
+  with pytest.raises(ValueError, match="mode='keep'"):
+    adv.split_masks(v, v, mode="keep")
