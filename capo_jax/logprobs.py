@@ -1,0 +1,138 @@
+"""Per-token log-probs of completions, without materialising [B, T, V] logits.
+
+The sequence fed to the model is ``prompt_BP ++ completion_BC`` (prompt
+left-padded, completion right-padded, so real tokens are contiguous and RoPE
+positions come from the mask). The completion token at column c is predicted
+by the hidden state at column ``P - 1 + c``.
+
+With ``chunk_size > 0`` the completion axis is cut into chunks and a
+``lax.scan`` runs the unembedding, log-softmax, entropy and top-k of one
+chunk at a time; the per-chunk function is wrapped in ``jax.checkpoint`` so
+the backward pass recomputes each chunk's logits instead of keeping them:
+peak logits memory is B x chunk_size x V floats instead of B x C x V (with
+V = 151,936 and C = 3,072 the latter is ~1.8 GB per row in float32).
+
+Outputs (a dict, float32, zero on completion padding):
+  logp_BC        log-prob of each completion token (differentiable);
+  entropy_BC     entropy of the next-token distribution (stop-gradient);
+  is_argmax_BC   the token is the distribution's argmax (bool), when top_k > 0
+                 or topk_ids_BCK is given;
+  topk_logp_BCK  log-probs of K tokens (differentiable): the K most likely
+                 ones (top_k > 0) or the given ``topk_ids_BCK``;
+  topk_ids_BCK   the ids those log-probs belong to (int32).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from capo_jax.types import Array
+from models import qwen2
+from models.config import Qwen2Config
+
+Params = qwen2.Params
+
+
+def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC: Array,
+           completion_mask_BC: Array, topk_ids_BCK: Array | None) -> None:
+  B, P = prompt_tokens_BP.shape
+  C = completion_tokens_BC.shape[1] if completion_tokens_BC.ndim == 2 else -1
+  for name, x, want in (("prompt_mask_BP", prompt_mask_BP, (B, P)),
+                        ("completion_tokens_BC", completion_tokens_BC, (B, C)),
+                        ("completion_mask_BC", completion_mask_BC, (B, C))):
+    if x.shape != want:
+      raise ValueError(f"token_logprobs: {name} has shape {x.shape}, expected {want}")
+  if P < 1:
+    raise ValueError("token_logprobs: prompt_tokens_BP needs at least one column (the "
+                     "first completion token is predicted from the last prompt position)")
+  if topk_ids_BCK is not None and (topk_ids_BCK.ndim != 3 or topk_ids_BCK.shape[:2] != (B, C)):
+    raise ValueError(f"token_logprobs: topk_ids_BCK has shape {topk_ids_BCK.shape}, "
+                     f"expected {(B, C)} + (K,)")
+
+
+def _chunk_stats(h_BcD: Array, w_DV: Array, tokens_Bc: Array, ids_BcK: Array | None,
+                 top_k: int, temperature: float) -> dict[str, Array]:
+  """Log-prob, entropy and top-k of one chunk; logits live only inside."""
+  logits = jnp.einsum("bcd,dv->bcv", h_BcD, w_DV, preferred_element_type=jnp.float32)
+  if temperature != 1.0:
+    logits = logits / temperature
+  lse_Bc = jax.nn.logsumexp(logits, axis=-1)
+  logp_Bc = jnp.take_along_axis(logits, tokens_Bc[..., None], axis=-1)[..., 0] - lse_Bc
+  sg = jax.lax.stop_gradient(logits)
+  probs = jnp.exp(sg - jax.lax.stop_gradient(lse_Bc)[..., None])
+  out = {"logp": logp_Bc,
+         "entropy": jax.lax.stop_gradient(lse_Bc) - jnp.sum(probs * sg, axis=-1)}
+  if ids_BcK is None and top_k > 0:
+    _, ids_BcK = jax.lax.top_k(sg, top_k)
+  if ids_BcK is not None:
+    ids_BcK = ids_BcK.astype(jnp.int32)
+    out["topk_logp"] = jnp.take_along_axis(logits, ids_BcK, axis=-1) - lse_Bc[..., None]
+    out["topk_ids"] = ids_BcK
+    out["is_argmax"] = jnp.argmax(sg, axis=-1) == tokens_Bc
+  return out
+
+
+def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
+                   prompt_mask_BP: Array, completion_tokens_BC: Array,
+                   completion_mask_BC: Array, *, chunk_size: int = 0, top_k: int = 0,
+                   topk_ids_BCK: Array | None = None, temperature: float = 1.0
+                   ) -> dict[str, Array]:
+  """Per-token log-probs (and entropy, top-k) of the completion tokens.
+
+  Args:
+    params: Qwen2 params (any float dtype; matmuls run in ``cfg.compute_dtype``).
+    cfg: the model config (``cfg.remat`` rematerialises each layer).
+    prompt_tokens_BP, prompt_mask_BP: left-padded prompts, mask 1 on real tokens.
+    completion_tokens_BC, completion_mask_BC: right-padded completions.
+    chunk_size: completion positions per unembedding chunk; 0 = all at once.
+    top_k: also return the K most likely tokens' log-probs and ids, and
+      ``is_argmax_BC``.
+    topk_ids_BCK: instead of the current top-k, the log-probs of these ids
+      (e.g. the old policy's top-k, for SimKO's ratios); overrides ``top_k``.
+    temperature: divides the logits (1.0 = the model's own distribution).
+
+  Returns:
+    dict with logp_BC, entropy_BC and, when asked, topk_logp_BCK, topk_ids_BCK,
+    is_argmax_BC; every value is 0 / False on completion padding.
+  """
+  _check(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
+         topk_ids_BCK)
+  if chunk_size < 0 or top_k < 0:
+    raise ValueError(f"token_logprobs: chunk_size={chunk_size} and top_k={top_k} must be >= 0")
+  P = prompt_tokens_BP.shape[1]
+  B, C = completion_tokens_BC.shape
+  tokens_BT = jnp.concatenate([prompt_tokens_BP, completion_tokens_BC], axis=1)
+  mask_BT = jnp.concatenate([prompt_mask_BP, completion_mask_BC], axis=1).astype(jnp.bool_)
+  # The last position predicts nothing we need; dropping it saves a column.
+  h_BCD = qwen2.hidden_states(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])[:, P - 1:]
+  w_DV = qwen2.unembed_matrix(params, cfg).astype(cfg.dtype)
+  h_BCD = h_BCD.astype(cfg.dtype)
+  tokens_BC = completion_tokens_BC.astype(jnp.int32)
+  stats = functools.partial(_chunk_stats, top_k=top_k, temperature=temperature)
+
+  if chunk_size == 0 or chunk_size >= C:
+    out = stats(h_BCD, w_DV, tokens_BC, topk_ids_BCK)
+  else:
+    n = -(-C // chunk_size)
+    pad = n * chunk_size - C
+
+    def split(x: Array) -> Array:  # [B, C, ...] -> [n, B, chunk, ...]
+      x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+      x = x.reshape((B, n, chunk_size) + x.shape[2:])
+      return jnp.moveaxis(x, 1, 0)
+
+    xs = (split(h_BCD), split(tokens_BC),
+          None if topk_ids_BCK is None else split(topk_ids_BCK))
+    # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
+    body = jax.checkpoint(lambda w, x: stats(x[0], w, x[1], x[2]))
+    _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)
+    out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size)
+                                                                + y.shape[3:])[:, :C], out)
+
+  m_BC = completion_mask_BC.astype(jnp.bool_)
+  zero = lambda x: jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x,
+                             jnp.zeros((), x.dtype))
+  return {f"{k}_BCK" if k.startswith("topk") else f"{k}_BC": zero(v) for k, v in out.items()}

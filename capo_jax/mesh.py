@@ -1,0 +1,189 @@
+"""Device mesh from config axes, and the logical-to-mesh sharding rules.
+
+The mesh has up to three named axes (``MESH_AXES``):
+  data    pure data parallelism: params replicated, batch rows split;
+  fsdp    batch rows split *and* params sharded (ZeRO-3 style all-gather per
+          use), so memory per device falls with its size;
+  tensor  Megatron-style model parallelism over heads / MLP columns / vocab.
+
+Sharding is data (STYLE lesson 5): params carry logical axis names
+(``models.qwen2.param_axes``), activations and batches use ``"batch"``, and
+a rule list maps logical names to mesh axes. ``TRAIN_RULES`` shard params
+over fsdp and tensor; ``SAMPLING_RULES`` keep params whole on every data /
+fsdp replica (no all-gather per decode step) and split them over tensor only.
+A mesh axis that does not divide a dimension is dropped with a log line
+(``models.sharding``), so a tiny model on a big mesh replicates.
+
+Typical use::
+
+  mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  p_specs = models.qwen2.param_specs(cfg, TRAIN_RULES, mesh)
+  batch = shard_batch(host_batch, mesh, TRAIN_RULES)
+
+Multi-host: ``make_mesh`` uses the global ``jax.devices()``, and
+``shard_batch`` assembles a global array from each process's local rows.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import numpy as np
+from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+
+from models import sharding
+from models.sharding import Rules
+
+log = logging.getLogger(__name__)
+
+MESH_AXES = ("data", "fsdp", "tensor")
+
+# Logical names: params use those of models.qwen2.param_axes; "batch" is the
+# row axis of every batch / activation array.
+TRAIN_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", "fsdp"),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+)
+
+SAMPLING_RULES: Rules = (
+    ("batch", ("data", "fsdp")),
+    ("vocab", "tensor"),
+    ("embed", None),
+    ("q_heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("head_dim", None),
+    ("layers", None),
+    ("norm", None),
+)
+
+RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES}
+
+
+def _axis_items(axes: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
+  items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(a) for a in axes]
+  if not items:
+    raise ValueError("mesh axes: at least one axis is needed, got none")
+  names = [name for name, _ in items]
+  if len(set(names)) != len(names):
+    raise ValueError(f"mesh axes: duplicate axis names in {names}")
+  for name, size in items:
+    if not isinstance(name, str):
+      raise ValueError(f"mesh axes: axis name {name!r} is not a string")
+    if not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
+      raise ValueError(f"mesh axes: {name}={size!r}; sizes are positive ints or -1 "
+                       "(the rest of the devices)")
+  if sum(size == -1 for _, size in items) > 1:
+    raise ValueError(f"mesh axes: only one axis may be -1, got {dict(items)}")
+  return [(name, int(size)) for name, size in items]
+
+
+def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
+              devices: Sequence[Any] | None = None) -> Mesh:
+  """A mesh with the named axes, e.g. ``{"data": -1, "fsdp": 2, "tensor": 1}``.
+
+  Args:
+    axes: axis name -> size, in mesh order; one size may be -1, meaning the
+      devices left once the others are placed.
+    devices: devices to use (default: all of ``jax.devices()``, every host's).
+      A mesh smaller than this list takes its first devices and logs it.
+
+  Raises:
+    ValueError: naming the axis and value when the sizes do not fit the devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  items = _axis_items(axes)
+  known = math.prod(size for _, size in items if size != -1)
+  if any(size == -1 for _, size in items):
+    name = next(n for n, s in items if s == -1)
+    if len(devices) % known:
+      raise ValueError(f"mesh axes {dict(items)}: the other axes multiply to {known}, which "
+                       f"does not divide the {len(devices)} devices, so {name}=-1 has no size")
+    items = [(n, len(devices) // known if s == -1 else s) for n, s in items]
+  total = math.prod(size for _, size in items)
+  if total > len(devices):
+    detail = ", ".join(f"{n}={s}" for n, s in items)
+    raise ValueError(f"mesh axes {detail} need {total} devices but only {len(devices)} are "
+                     f"available ({devices[0].platform}); lower one of them or use -1")
+  if total < len(devices):
+    log.warning("mesh %s uses %d of %d devices", dict(items), total, len(devices))
+    devices = devices[:total]
+  names = tuple(n for n, _ in items)
+  shape = tuple(s for _, s in items)
+  # Auto axes: shardings are stated at jit boundaries and propagated by XLA.
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
+                       devices=devices)
+
+
+def rules_named(name_or_rules: str | Rules) -> Rules:
+  """``"train"`` / ``"sampling"`` -> the rule list; a rule list passes through."""
+  if isinstance(name_or_rules, str):
+    if name_or_rules not in RULES:
+      raise ValueError(f"unknown sharding rules {name_or_rules!r}; known: {sorted(RULES)}")
+    return RULES[name_or_rules]
+  return name_or_rules
+
+
+def spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh,
+         shape: tuple[int, ...] | None = None, name: str = "") -> PartitionSpec:
+  """PartitionSpec of one activation / batch array with logical ``axes``."""
+  return sharding.logical_to_spec(axes, rules, shape, mesh, name=name)
+
+
+def batch_spec(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch"
+               ) -> PartitionSpec:
+  """Spec of an array whose leading axis is ``batch_size`` rows (other axes whole).
+
+  A batch that the batch mesh axes do not divide is replicated over the
+  offending axis, with a log line, rather than failing.
+  """
+  return spec(("batch",), rules, mesh, (batch_size,), name=name)
+
+
+def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch"
+                   ) -> NamedSharding:
+  """NamedSharding of the leading batch axis; usable as a prefix for a whole batch tree."""
+  return NamedSharding(mesh, batch_spec(mesh, rules, batch_size, name))
+
+
+def param_shardings(model_cfg: Any, mesh: Mesh, rules: Rules) -> Any:
+  """NamedShardings of the Qwen2 params under ``rules``."""
+  from models import qwen2  # local import keeps this module light for configs
+  specs = qwen2.param_specs(model_cfg, rules, mesh)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def shard_batch(batch: Any, mesh: Mesh, rules: Rules) -> Any:
+  """Places a host batch (pytree of arrays with a common leading row axis) on the mesh.
+
+  On one process the arrays are the global batch. On several, each process
+  passes its own contiguous rows and they are stitched into global arrays.
+  """
+  leaves = [x for x in jax.tree.leaves(batch)]
+  if not leaves:
+    return batch
+  local_rows = {np.shape(x)[0] for x in leaves}
+  if len(local_rows) != 1:
+    raise ValueError(f"shard_batch: leaves have different leading sizes {sorted(local_rows)}")
+  rows = local_rows.pop() * jax.process_count()
+  sh = batch_sharding(mesh, rules, rows)
+  if jax.process_count() == 1:
+    return jax.device_put(batch, sh)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sh, np.asarray(x)),
+                      batch)

@@ -1,0 +1,322 @@
+"""One pure RL train step ``(state, batch) -> (state, metrics)``, jitted once.
+
+Nanodo style (STYLE lessons 6-7): the state is created already sharded, the
+step is one pure function wrapped by ``jax.jit`` with in/out shardings and
+the state donated; old and reference log-probs are computed before it
+(``make_logprob_fn``) and carried in the batch.
+
+Typical use::
+
+  mesh = capo_jax.mesh.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  rules = capo_jax.mesh.TRAIN_RULES
+  tcfg = TrainConfig(loss_kind="ppo", optim=OptimConfig(learning_rate=1e-6))
+  state = create_train_state(model_cfg, tcfg, rng, mesh, rules)   # or from params
+  logprob_fn = make_logprob_fn(model_cfg, mesh, rules, batch_size=B)
+  step_fn = make_train_step(model_cfg, tcfg, mesh, rules, batch_size=B)
+  old = logprob_fn(state.params, prompt, prompt_mask, completion, completion_mask)
+  batch = TrainBatch(..., old_logp_BC=old["logp_BC"], adv_B=adv_B)
+  state, metrics = step_fn(state, batch)   # `state` is donated: use the new one
+
+Precision: params (and Adam moments) are float32 masters; with
+``model_cfg.compute_dtype == "bfloat16"`` they are cast to bfloat16 once per
+micro-batch before the forward (halving FSDP all-gather traffic), while
+logits, log-softmax and the loss stay float32. ``model_cfg.remat`` remats
+each layer; ``TrainConfig.logprob_chunk_size`` bounds the logits memory.
+
+Gradient accumulation: the B rows are split into ``num_microbatches``
+strided micro-batches (row b goes to micro-batch b % M, so each stays spread
+over the data devices) run under ``lax.scan``. Micro-batch m's loss is
+weighted by its share of the aggregation's denominator (rows with tokens, or
+tokens for "token-mean"), so the summed gradient equals the full-batch one.
+
+Non-finite guard: if the loss or the gradient norm is not finite, params
+and optimizer state are kept as they were (``jnp.where`` over the state),
+``metrics["skipped"]`` is 1 and ``state.num_skipped`` counts it; ``step``
+advances either way.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+from capo_jax import losses
+from capo_jax import mesh as mesh_lib
+from capo_jax.logprobs import token_logprobs
+from capo_jax.optim import OptimConfig, current_lr, make_optimizer
+from capo_jax.types import Array
+from models import qwen2
+from models.config import Qwen2Config
+from models.sharding import Rules
+
+Params = qwen2.Params
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainState:
+  """params: float32 masters; step: steps taken (int32); num_skipped: non-finite ones."""
+  step: Array
+  params: Params
+  opt_state: Any
+  num_skipped: Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class TrainBatch:
+  """One optimizer update's rows (B = Q * G), every array's leading axis B.
+
+  Optional fields may be None: ref_logp_BC (needed when LossConfig.beta > 0;
+  the KL is logged whenever it is given); correct_B, old_topk_ids_BCK and
+  old_topk_logp_BCK (SimKO: the old policy's top-K token ids at each position
+  and their old log-probs, from ``make_logprob_fn(top_k=K)``; the current
+  policy's log-probs of those same ids give the ratios rho(v_k)).
+  """
+  prompt_tokens_BP: Array
+  prompt_mask_BP: Array
+  completion_tokens_BC: Array
+  completion_mask_BC: Array
+  old_logp_BC: Array
+  adv_B: Array
+  ref_logp_BC: Array | None = None
+  correct_B: Array | None = None
+  old_topk_ids_BCK: Array | None = None
+  old_topk_logp_BCK: Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """What the step does; hashable (a static argument of the jitted step).
+
+  Attributes:
+    loss_kind: "ppo" (GRPO, Dr.GRPO, CAPO, ...), "gspo" or "simko".
+    loss: the policy loss hyper-parameters (aggregation, clipping, KL).
+    optim: optimizer and learning-rate schedule.
+    num_microbatches: gradient-accumulation steps per update (divides B).
+    logprob_chunk_size: completion positions per unembedding chunk (0: all).
+    skip_nonfinite: keep the state when the loss or gradients are not finite.
+  """
+  loss_kind: str = "ppo"
+  loss: losses.LossConfig = losses.LossConfig()
+  optim: OptimConfig = OptimConfig()
+  num_microbatches: int = 1
+  logprob_chunk_size: int = 0
+  skip_nonfinite: bool = True
+
+  def __post_init__(self) -> None:
+    if self.loss_kind not in losses.KINDS:
+      raise ValueError(f"TrainConfig.loss_kind={self.loss_kind!r} is not one of "
+                       f"{losses.KINDS}")
+    if self.num_microbatches < 1:
+      raise ValueError(f"TrainConfig.num_microbatches={self.num_microbatches} must be >= 1")
+    if self.logprob_chunk_size < 0:
+      raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be "
+                       ">= 0")
+
+  def replace(self, **changes: Any) -> TrainConfig:
+    return dataclasses.replace(self, **changes)
+
+
+# --------------------------------------------------------------------------
+# State creation, already sharded.
+# --------------------------------------------------------------------------
+
+
+def init_train_state(params: Params, tcfg: TrainConfig) -> TrainState:
+  """A fresh state around ``params`` (cast to float32 masters)."""
+  params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
+  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                    opt_state=make_optimizer(tcfg.optim).init(params),
+                    num_skipped=jnp.zeros((), jnp.int32))
+
+
+def state_shardings(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
+                    ) -> TrainState:
+  """NamedShardings of the train state: Adam moments follow their params."""
+  p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
+  abstract = jax.eval_shape(lambda p: init_train_state(p, tcfg), qwen2.param_shapes(model_cfg))
+  rep = mesh_lib.replicated(mesh)
+  opt_sh = optax.tree_map_params(make_optimizer(tcfg.optim), lambda _, s: s,
+                                 abstract.opt_state, p_sh, transform_non_params=lambda _: rep)
+  return TrainState(step=rep, params=p_sh, opt_state=opt_sh, num_skipped=rep)
+
+
+def train_state_from_params(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
+                            mesh: Mesh, rules: Rules) -> TrainState:
+  """The train state of loaded params, placed in the shardings ``rules`` give."""
+  sh = state_shardings(model_cfg, tcfg, mesh, rules)
+  return jax.jit(functools.partial(init_train_state, tcfg=tcfg), out_shardings=sh)(params)
+
+
+def create_train_state(model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array, mesh: Mesh,
+                       rules: Rules) -> TrainState:
+  """Random init straight into the sharded layout (no full copy on one device)."""
+  sh = state_shardings(model_cfg, tcfg, mesh, rules)
+  init = lambda key: init_train_state(qwen2.init_params(model_cfg, key), tcfg)
+  return jax.jit(init, out_shardings=sh)(rng)
+
+
+# --------------------------------------------------------------------------
+# Loss and gradients, with micro-batch accumulation.
+# --------------------------------------------------------------------------
+
+
+def _compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
+  return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
+
+
+def microbatch_loss(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
+                    tcfg: TrainConfig) -> tuple[Array, dict[str, Array]]:
+  """The policy loss of ``batch`` under ``params`` (one forward, no accumulation)."""
+  simko = tcfg.loss_kind == "simko"
+  if simko:
+    for field in ("correct_B", "old_topk_ids_BCK", "old_topk_logp_BCK"):
+      if getattr(batch, field) is None:
+        raise ValueError(f"loss_kind='simko' needs TrainBatch.{field}; compute the old "
+                         "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
+  lp = token_logprobs(_compute_params(params, model_cfg), model_cfg, batch.prompt_tokens_BP,
+                      batch.prompt_mask_BP, batch.completion_tokens_BC,
+                      batch.completion_mask_BC, chunk_size=tcfg.logprob_chunk_size,
+                      topk_ids_BCK=batch.old_topk_ids_BCK if simko else None)
+  pb = losses.PolicyBatch(
+      logp_BC=lp["logp_BC"], old_logp_BC=batch.old_logp_BC, mask_BC=batch.completion_mask_BC,
+      adv_B=batch.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=batch.ref_logp_BC,
+      topk_logp_BCK=lp.get("topk_logp_BCK") if simko else None,
+      old_topk_logp_BCK=batch.old_topk_logp_BCK if simko else None,
+      is_argmax_BC=lp.get("is_argmax_BC") if simko else None,
+      correct_B=batch.correct_B if simko else None)
+  return losses.policy_loss(tcfg.loss_kind, pb, tcfg.loss)
+
+
+def _denominator_B(mask_BC: Array, agg: str) -> Array:
+  """Each row's share of the aggregation's denominator (tokens or non-empty rows)."""
+  tokens_B = (mask_BC > 0).sum(-1).astype(jnp.float32)
+  return tokens_B if agg == "token-mean" else (tokens_B > 0).astype(jnp.float32)
+
+
+def _combine_aux(key: str, acc: Array, new: Array, w: Array) -> Array:
+  if key.endswith("_min"):
+    return jnp.minimum(acc, new)
+  if key.endswith("_max"):
+    return jnp.maximum(acc, new)
+  return acc + w * new
+
+
+def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
+                   tcfg: TrainConfig, microbatch_sharding: NamedSharding | None = None
+                   ) -> tuple[Array, dict[str, Array], Params]:
+  """Full-batch loss, aux and gradients, accumulated over micro-batches.
+
+  Aux values of several micro-batches are combined with the loss weights
+  (``*_min`` / ``*_max`` keys with min / max), so with one micro-batch they
+  are exact and otherwise weighted means of the per-micro-batch values.
+  """
+  M = tcfg.num_microbatches
+  grad_fn = jax.value_and_grad(
+      lambda p, mb: microbatch_loss(p, mb, model_cfg, tcfg), has_aux=True)
+  if M == 1:
+    (loss, aux), grads = grad_fn(params, batch)
+    return loss, aux, grads
+  B = batch.adv_B.shape[0]
+  if B % M:
+    raise ValueError(f"TrainConfig.num_microbatches={M} does not divide the batch of {B} rows")
+  # Strided split: micro-batch m holds rows m, m + M, ... (see module docstring).
+  split = lambda x: jnp.swapaxes(x.reshape((B // M, M) + x.shape[1:]), 0, 1)
+  mbs = jax.tree.map(split, batch)
+  if microbatch_sharding is not None:
+    mbs = jax.lax.with_sharding_constraint(mbs, microbatch_sharding)
+  den_MB = _denominator_B(mbs.completion_mask_BC, tcfg.loss.agg)
+  w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
+
+  def body(carry, inputs):
+    g_acc, loss_acc, aux_acc = carry
+    mb, w = inputs
+    # The weight scales the loss inside the gradient so grads sum to the full-batch grad.
+    (loss, aux), g = grad_fn(params, mb)
+    g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
+    aux_acc = {k: _combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
+    return (g_acc, loss_acc + w * loss, aux_acc), None
+
+  aux_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))[0][1]
+  init_aux = {k: jnp.full(s.shape, jnp.inf if k.endswith("_min") else
+                          -jnp.inf if k.endswith("_max") else 0.0, s.dtype)
+              for k, s in aux_shape.items()}
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  (grads, loss, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), init_aux),
+                                       (mbs, w_M))
+  return loss, aux, grads
+
+
+def train_step(state: TrainState, batch: TrainBatch, *, model_cfg: Qwen2Config,
+               tcfg: TrainConfig, microbatch_sharding: NamedSharding | None = None
+               ) -> tuple[TrainState, dict[str, Array]]:
+  """One optimizer update on ``batch``; pure (see ``make_train_step`` for the jitted one)."""
+  loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, microbatch_sharding)
+  grad_norm = optax.global_norm(grads)
+  optimizer = make_optimizer(tcfg.optim)
+  updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+  params = optax.apply_updates(state.params, updates)
+  finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+  if tcfg.skip_nonfinite:
+    keep = lambda new, old: jnp.where(finite, new, old)
+    params = jax.tree.map(keep, params, state.params)
+    opt_state = jax.tree.map(keep, opt_state, state.opt_state)
+  skipped = jnp.logical_not(finite).astype(jnp.int32) if tcfg.skip_nonfinite else \
+      jnp.zeros((), jnp.int32)
+  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
+                         num_skipped=state.num_skipped + skipped)
+  metrics = dict(aux)
+  metrics.update(
+      loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
+      param_norm=optax.global_norm(params), skipped=skipped,
+      num_skipped=new_state.num_skipped,
+      num_tokens=(batch.completion_mask_BC > 0).sum().astype(jnp.int32))
+  return new_state, metrics
+
+
+def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules,
+                    batch_size: int):
+  """``step(state, batch) -> (state, metrics)`` jitted with shardings; the state is donated.
+
+  ``batch_size`` is the B of every batch the step will see (the batch
+  sharding depends on it: mesh axes that do not divide it are replicated,
+  with a log line). Metrics come back replicated (scalars).
+  """
+  M = tcfg.num_microbatches
+  if batch_size % M:
+    raise ValueError(f"TrainConfig.num_microbatches={M} does not divide batch_size="
+                     f"{batch_size}")
+  state_sh = state_shardings(model_cfg, tcfg, mesh, rules)
+  batch_sh = mesh_lib.batch_sharding(mesh, rules, batch_size)
+  mb_spec = mesh_lib.batch_spec(mesh, rules, batch_size // M, name="micro-batch")
+  mb_sh = NamedSharding(mesh, PartitionSpec(None, *mb_spec))
+  step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg,
+                           microbatch_sharding=mb_sh if M > 1 else None)
+  return jax.jit(step, in_shardings=(state_sh, batch_sh),
+                 out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, batch_size: int, *,
+                    chunk_size: int = 0, top_k: int = 0):
+  """Jitted forward-only ``fn(params, prompt_BP, prompt_mask_BP, completion_BC,
+  completion_mask_BC) -> token_logprobs dict`` for old / reference log-probs.
+
+  Params are expected in the shardings ``rules`` give (e.g. ``state.params``
+  under the train rules); inputs and outputs are sharded over the batch.
+  """
+  p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
+  b_sh = mesh_lib.batch_sharding(mesh, rules, batch_size)
+
+  def fn(params, prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC):
+    return token_logprobs(_compute_params(params, model_cfg), model_cfg, prompt_tokens_BP,
+                          prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
+                          chunk_size=chunk_size, top_k=top_k)
+
+  return jax.jit(fn, in_shardings=(p_sh,) + (b_sh,) * 4, out_shardings=b_sh)
