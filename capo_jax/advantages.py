@@ -283,7 +283,7 @@ def score_spread(scores_QG: Array, rewards_QG: Array, valid_QG: Array) -> Array:
   return jnp.where(live_Q, std_Q, 0.0).sum() / jnp.maximum(live_Q.sum(), 1)
 
 
-def adaptive_tau(scores_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float,
+def adaptive_tau_value(scores_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float,
                  fallback: float) -> Array:
   """`scale * score_spread(...)`; `fallback` when the batch has no spread (all degenerate)."""
   spread = score_spread(scores_QG, rewards_QG, valid_QG)
@@ -311,11 +311,11 @@ def _dr_grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any,
 
 def _capo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
                 tau: float = 0.6, norm: str = "group", score: str = "mean_logprob",
-                tau_scale: float | None = None) -> Array:
+                adaptive_tau: float = 0.0) -> Array:
   del step, total
   scores = to_score(s, score)
-  if tau_scale is not None:
-    tau = adaptive_tau(scores, r, v, scale=tau_scale, fallback=tau)
+  if adaptive_tau > 0:  # tau = c * the batch's within-group spread of the score
+    tau = adaptive_tau_value(scores, r, v, scale=adaptive_tau, fallback=tau)
   return capo(r, scores, v, tau=tau, norm=norm, receive_QG=u)
 
 
@@ -326,8 +326,9 @@ def _codapo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, tota
 
 
 def _cde_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
-               kappa: float = 3.0, alpha: float = 1.0, eps: float = GRPO_EPS) -> Array:
-  return cde(r, s, v, omega=cde_omega(step, total), kappa=kappa, alpha=alpha,
+               kappa: float = 3.0, alpha: float = 1.0, omega: float = 1.0,
+               eps: float = GRPO_EPS) -> Array:
+  return cde(r, s, v, omega=omega * cde_omega(step, total), kappa=kappa, alpha=alpha,
              receive_QG=u, eps=eps)
 
 
@@ -387,7 +388,9 @@ def compute_advantages(name: str, *, rewards_QG: Array, mean_logp_QG: Array,
     step: training step (CDE's omega schedule).
     total_steps: planned number of training steps (CDE).
     **hparams: the estimator's hyper-parameters (`hparam_names(name)`), e.g.
-      capo: tau=0.6, norm="group", score="mean_logprob", tau_scale=None.
+      capo: tau=0.6, norm="group", score="mean_logprob", adaptive_tau=0.0
+      (> 0: tau = adaptive_tau * `score_spread` of the batch, off by default);
+      cde: kappa=3, alpha=1, omega=1 (the first half's bonus weight).
 
   Returns:
     adv_QG (float32 unless given float64), exactly 0 on non-receiving rows

@@ -250,7 +250,12 @@ def test_cde_hand_computed_and_omega_schedule() -> None:
   plain = np.array([1, -1, 1.0])
   np.testing.assert_allclose(np.asarray(late)[0],
                              (plain - plain.mean()) / (plain.std() + 1e-6), rtol=1e-5)
-  # kappa and alpha reach the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
+  # omega scales the first half's bonus.
+  half = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, omega=0.5)
+  shaped = np.array([1.05, -1 + 1 / 6, 1 + 1 / 6])
+  np.testing.assert_allclose(np.asarray(half)[0],
+                             (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
+  # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
   got = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, alpha=0.1)
   shaped = np.array([1.01, -0.95, 1.2])
   np.testing.assert_allclose(np.asarray(got)[0],
@@ -270,11 +275,11 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
     z = conv(s)
     tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
     got = adv.compute_advantages("capo", rewards_QG=r, mean_logp_QG=s, valid_QG=v,
-                                 score=score, tau_scale=0.5)
+                                 score=score, adaptive_tau=0.5)
     np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5,
                                atol=1e-6)
   # No spread anywhere: adaptive tau falls back to the fixed tau.
-  tau = adv.adaptive_tau(s[1:2], r[1:2], v[1:2], scale=0.5, fallback=0.6)
+  tau = adv.adaptive_tau_value(s[1:2], r[1:2], v[1:2], scale=0.5, fallback=0.6)
   assert float(tau) == pytest.approx(0.6)
 
 
