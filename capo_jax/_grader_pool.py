@@ -120,17 +120,9 @@ class DeadlinePool:
     self._replace(w)
 
   def close(self) -> None:
-    """Stops all workers; a later `map` starts new ones."""
+    """Stops all workers (they hold no state worth a graceful exit); a later `map` starts
+    new ones."""
     for w in self._workers:
-      try:
-        w.to_worker.send(None)
-      except OSError:
-        pass
-    for w in self._workers:
-      try:
-        w.proc.wait(timeout=1)
-      except subprocess.TimeoutExpired:
-        pass
       self._kill(w)
     self._workers = []
 
