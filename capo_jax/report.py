@@ -1,0 +1,383 @@
+"""Per-sample evaluation records -> results.json -> comparison tables and plots.
+
+``samples.jsonl`` (written by the evaluate CLI, one JSON object per line;
+extra fields are allowed and ignored):
+
+  benchmark     str, non-empty     e.g. "aime25"
+  question_id   str, non-empty     the benchmark file's ``id``
+  sample_index  int >= 0           unique within a question; orders "first k"
+  completion    str                the decoded response
+  answer        str or null        extracted final answer (null: none found)
+  correct       bool               graded against the gold answer
+  s             float, finite, <= 0  mean token log-prob of the completion
+  length        int >= 0           completion tokens
+
+``results.json`` (``write_results`` / ``load_results``; NaN is written null):
+
+  {"format": "capo_jax.results", "version": 1, "run": str | null,
+   "benchmarks": {name: {
+      "n_questions", "n_samples", "samples_per_question": [min, max],
+      "mean@8", "mean@16",            null when a question has fewer samples
+      "pass@k": {"1": .., "8": .., "16": ..}, "maj@k": {"8": .., "16": ..},
+      "auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "brier",
+      "auc_by_bucket": {"(0, 0.25]": {"lo", "hi", "auc_mean", "n"}, ...},
+      "auc_per_question": [auc or null per question, in file order],
+      "precision_coverage": {"coverage": [...], "precision": [...]},
+      "scaling": {"n": [1, 2, 4, 8, 16], "n_questions": [...], "n_subsets",
+                  "seed", "pc": [...], "rpc": [...], "majority": [...],
+                  "best_of_n": [...]},
+      "no_answer_rate", "mean_length", "mean_s"}}}
+
+Metric definitions: ``capo_jax.calibration`` and ``capo_jax.scaling``.
+maj@k and the scaling methods group answers with the same equivalence
+(``grouping``; default ``capo_jax.rewards``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from capo_jax import calibration as cal
+from capo_jax import scaling
+
+FORMAT, VERSION = "capo_jax.results", 1
+_FIELDS: dict[str, tuple[type, ...]] = {
+    "benchmark": (str,), "question_id": (str,), "sample_index": (int,),
+    "completion": (str,), "answer": (str, type(None)), "correct": (bool,),
+    "s": (int, float), "length": (int,)}
+MAIN_COLUMNS = (("acc", "mean@16"), ("AUC", "auc_mean"))
+EXTRA_COLUMNS = (("pooled AUC", "pooled_auc"), ("AURC", "aurc"),
+                 ("ECE", "ece"), ("PC@16", "scaling/pc/-1"),
+                 ("maj@16", "maj@k/16"))
+
+
+@dataclasses.dataclass(frozen=True)
+class SampleRecord:
+  """One row of samples.jsonl (see the module docstring)."""
+  benchmark: str
+  question_id: str
+  sample_index: int
+  completion: str
+  answer: str | None
+  correct: bool
+  s: float
+  length: int
+
+
+def parse_sample(row: Any, where: str) -> SampleRecord:
+  """Checks one samples.jsonl row; errors name ``where`` (file:line)."""
+  if not isinstance(row, Mapping):
+    raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
+  vals = {}
+  for name, types in _FIELDS.items():
+    if name not in row:
+      raise ValueError(f"{where}: missing field {name!r}")
+    val = row[name]
+    # bool is an int subclass: only the field 'correct' may be a bool.
+    if not isinstance(val, types) or (isinstance(val, bool) and bool not in types):
+      raise ValueError(f"{where}: field {name!r} must be "
+                       f"{'/'.join(t.__name__ for t in types)}, got {val!r}")
+    vals[name] = val
+  for name in ("benchmark", "question_id"):
+    if not vals[name]:
+      raise ValueError(f"{where}: field {name!r} is empty")
+  for name in ("sample_index", "length"):
+    if vals[name] < 0:
+      raise ValueError(f"{where}: field {name!r} must be >= 0, got {vals[name]}")
+  s = float(vals["s"])
+  if not math.isfinite(s) or s > 1e-6:
+    raise ValueError(f"{where}: field 's' (mean log-prob) must be finite and "
+                     f"<= 0, got {vals['s']!r}")
+  vals["s"] = min(s, 0.0)
+  return SampleRecord(**vals)
+
+
+def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
+  """Reads samples.jsonl; blank lines are skipped, bad rows raise ValueError."""
+  records, first_line = [], {}
+  with open(path, encoding="utf-8") as f:
+    for lineno, line in enumerate(f, 1):
+      if not line.strip():
+        continue
+      where = f"{os.fspath(path)}:{lineno}"
+      try:
+        row = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+      rec = parse_sample(row, where)
+      key = (rec.benchmark, rec.question_id, rec.sample_index)
+      if key in first_line:
+        raise ValueError(f"{where}: duplicate sample {key} (first at line "
+                         f"{first_line[key]})")
+      first_line[key] = lineno
+      records.append(rec)
+  return records
+
+
+def write_samples(path: str | os.PathLike[str],
+                  records: Iterable[SampleRecord]) -> None:
+  """Writes records as samples.jsonl (UTF-8, one object per line)."""
+  with open(path, "w", encoding="utf-8") as f:
+    for rec in records:
+      f.write(json.dumps(dataclasses.asdict(rec), ensure_ascii=False) + "\n")
+
+
+@dataclasses.dataclass(frozen=True)
+class ResultsConfig:
+  """What compute_results reports; ``grouping`` is passed to
+  ``scaling.resolve_same_answer`` ("rewards", "exact" or a callable)."""
+  mean_ks: tuple[int, ...] = (8, 16)
+  pass_ks: tuple[int, ...] = (1, 8, 16)
+  maj_ks: tuple[int, ...] = (8, 16)
+  buckets: tuple[tuple[float, float], ...] = cal.DEFAULT_BUCKETS
+  ece_bins: int = 10
+  curve_points: int = 201  # precision-coverage points kept in results.json
+  grouping: str | Callable[[str, str], bool] = "rewards"
+  scaling: scaling.ScalingConfig = scaling.ScalingConfig()
+
+
+def _clean(x: Any) -> Any:
+  """JSON-ready copy: NaN -> None, NumPy scalars / arrays -> Python."""
+  if isinstance(x, Mapping):
+    return {str(k): _clean(v) for k, v in x.items()}
+  if isinstance(x, (list, tuple, np.ndarray)):
+    return [_clean(v) for v in x]
+  if isinstance(x, (bool, np.bool_)):
+    return bool(x)
+  if isinstance(x, (int, np.integer)):
+    return int(x)
+  if isinstance(x, (float, np.floating)):
+    return None if math.isnan(x) else float(x)
+  return x
+
+
+def _benchmark_results(questions: list[list[SampleRecord]],
+                       config: ResultsConfig,
+                       same_answer: Callable[[str, str], bool]) -> dict[str, Any]:
+  n_q, g_max = len(questions), max(len(q) for q in questions)
+  n_min = min(len(q) for q in questions)
+  s_QG, correct_QG = np.zeros((n_q, g_max)), np.zeros((n_q, g_max), bool)
+  valid_QG = np.zeros((n_q, g_max), bool)
+  keys_QG: list[list[int | None]] = []
+  prepared = []
+  for i, q in enumerate(questions):
+    g = len(q)
+    s_QG[i, :g] = [r.s for r in q]
+    correct_QG[i, :g] = [r.correct for r in q]
+    valid_QG[i, :g] = True
+    prep = scaling.prepare_question([r.answer for r in q],
+                                    [r.completion for r in q], s_QG[i, :g],
+                                    correct_QG[i, :g], same_answer)
+    prepared.append(prep)
+    keys_QG.append([int(k) if k >= 0 else None for k in prep.group_N]
+                   + [None] * (g_max - g))
+  auc_Q = cal.auc_per_question(s_QG, correct_QG, valid_QG)
+  auc_m, auc_n = cal.auc_mean(s_QG, correct_QG, valid_QG)
+  coverage, precision, _ = cal.precision_coverage(s_QG, correct_QG, valid_QG)
+  keep = np.unique(np.linspace(0, coverage.size - 1,
+                               min(coverage.size, config.curve_points)).round().astype(int))
+  out: dict[str, Any] = {
+      "n_questions": n_q, "n_samples": int(valid_QG.sum()),
+      "samples_per_question": [n_min, g_max]}
+  for k in config.mean_ks:
+    out[f"mean@{k}"] = cal.mean_at_k(correct_QG, k, valid_QG) if k <= n_min else None
+  out["pass@k"] = {str(k): cal.pass_at_k(correct_QG, k, valid_QG)
+                   if k <= n_min else None for k in config.pass_ks}
+  out["maj@k"] = {str(k): cal.maj_at_k(keys_QG, correct_QG, k, valid_QG)
+                  if k <= n_min else None for k in config.maj_ks}
+  out.update({
+      "auc_mean": auc_m, "auc_n_used": auc_n,
+      "pooled_auc": cal.pooled_auc(s_QG, correct_QG, valid_QG),
+      "aurc": cal.aurc(s_QG, correct_QG, valid_QG),
+      "ece": cal.ece(s_QG, correct_QG, valid_QG, config.ece_bins),
+      "brier": cal.brier(s_QG, correct_QG, valid_QG),
+      "auc_by_bucket": cal.auc_by_bucket(s_QG, correct_QG, valid_QG, config.buckets),
+      "auc_per_question": auc_Q,
+      "precision_coverage": {"coverage": coverage[keep], "precision": precision[keep]},
+      "scaling": scaling.scaling_curves(prepared, config.scaling),
+      "no_answer_rate": float(np.mean([r.answer is None for q in questions for r in q])),
+      "mean_length": float(np.mean([r.length for q in questions for r in q])),
+      "mean_s": float(s_QG[valid_QG].mean())})
+  return out
+
+
+def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
+                    config: ResultsConfig = ResultsConfig(),
+                    run: str | None = None) -> dict[str, Any]:
+  """All metrics of every benchmark in ``records`` (results.json layout).
+
+  Records may be SampleRecord or samples.jsonl-style mappings; benchmarks and
+  questions keep their order of first appearance, samples are ordered by
+  ``sample_index``.
+  """
+  same_answer = scaling.resolve_same_answer(config.grouping)
+  grouped: dict[str, dict[str, dict[int, SampleRecord]]] = {}
+  for i, rec in enumerate(records):
+    if not isinstance(rec, SampleRecord):
+      rec = parse_sample(rec, f"record {i}")
+    per_q = grouped.setdefault(rec.benchmark, {}).setdefault(rec.question_id, {})
+    if rec.sample_index in per_q:
+      raise ValueError(f"record {i}: duplicate sample_index {rec.sample_index} "
+                       f"for {rec.benchmark}/{rec.question_id}")
+    per_q[rec.sample_index] = rec
+  if not grouped:
+    raise ValueError("compute_results: no records")
+  benchmarks = {
+      name: _clean(_benchmark_results(
+          [[q[j] for j in sorted(q)] for q in qs.values()], config, same_answer))
+      for name, qs in grouped.items()}
+  return {"format": FORMAT, "version": VERSION, "run": run,
+          "benchmarks": benchmarks}
+
+
+def write_results(results: Mapping[str, Any],
+                  out_dir: str | os.PathLike[str]) -> str:
+  """Writes ``out_dir/results.json`` (strict JSON) and returns its path."""
+  os.makedirs(out_dir, exist_ok=True)
+  path = os.path.join(out_dir, "results.json")
+  with open(path, "w", encoding="utf-8") as f:
+    json.dump(_clean(results), f, indent=1, allow_nan=False)
+  return path
+
+
+def load_results(result_dir: str | os.PathLike[str]) -> dict[str, Any]:
+  """Reads ``result_dir/results.json`` (or the file itself) and checks it."""
+  path = os.fspath(result_dir)
+  if os.path.isdir(path):
+    path = os.path.join(path, "results.json")
+  with open(path, encoding="utf-8") as f:
+    try:
+      res = json.load(f)
+    except json.JSONDecodeError as e:
+      raise ValueError(f"{path}: invalid JSON ({e})") from None
+  if not isinstance(res, dict) or res.get("format") != FORMAT:
+    raise ValueError(f"{path}: not a {FORMAT} file")
+  if res.get("version") != VERSION:
+    raise ValueError(f"{path}: version {res.get('version')}, expected {VERSION}")
+  return res
+
+
+def _lookup(bench: Mapping[str, Any], key: str) -> float | None:
+  """Value at a '/'-separated path ('maj@k/16', 'scaling/pc/-1'), or None."""
+  node: Any = bench
+  for part in key.split("/"):
+    if isinstance(node, Mapping):
+      node = node.get(part)
+    elif isinstance(node, list):
+      try:
+        node = node[int(part)]
+      except (ValueError, IndexError):
+        return None
+    else:
+      return None
+  return float(node) if isinstance(node, (int, float)) and not isinstance(node, bool) else None
+
+
+def _fmt(x: float | None, percent: bool) -> str:
+  if x is None:
+    return "-"
+  return f"{100 * x:.1f}" if percent else f"{x:.3f}"
+
+
+def comparison_table(runs: Mapping[str, Mapping[str, Any]],
+                     columns: Sequence[tuple[str, str]] = MAIN_COLUMNS,
+                     average: bool = True) -> str:
+  """Markdown table: rows = benchmarks (+ average), columns = runs x metrics.
+
+  Args:
+    runs: ``{run name: results}`` (results.json contents).
+    columns: ``(header, key)`` per metric; keys are paths into a benchmark's
+      results (see ``_lookup``). Keys naming an accuracy (``mean@``,
+      ``pass@``, ``maj@``, ``PC@``-style scaling entries) print as percent.
+    average: add an "average" row (mean over the benchmarks a run has).
+  """
+  if not runs:
+    raise ValueError("comparison_table: no runs")
+  names: list[str] = []
+  for res in runs.values():
+    names += [b for b in res["benchmarks"] if b not in names]
+  header = ["benchmark"] + [f"{run} {h}" for run in runs for h, _ in columns]
+  lines = ["| " + " | ".join(header) + " |",
+           "|" + "---|" + "---:|" * (len(header) - 1)]
+  percent = [key.startswith(("mean@", "pass@", "maj@", "scaling/"))
+             for _, key in columns]
+  table = {b: [_lookup(res["benchmarks"][b], key) if b in res["benchmarks"]
+               else None for res in runs.values() for _, key in columns]
+           for b in names}
+  if average:
+    cols = list(zip(*table.values()))
+    table["average"] = [float(np.mean([v for v in col if v is not None]))
+                        if any(v is not None for v in col) else None
+                        for col in cols]
+  for b, vals in table.items():
+    cells = [_fmt(v, percent[i % len(columns)]) for i, v in enumerate(vals)]
+    lines.append("| " + " | ".join([b] + cells) + " |")
+  return "\n".join(lines) + "\n"
+
+
+def _plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
+                    out_dir: str | os.PathLike[str]) -> list[str]:
+  """Overlaid precision-coverage, accuracy-vs-N and AUC-histogram PNGs."""
+  from capo_jax import plots  # pylint: disable=import-outside-toplevel
+  out = lambda kind: os.path.join(out_dir, f"{bench}_{kind}.png")  # noqa: E731
+  nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
+  pc = {r: (v["precision_coverage"]["coverage"], v["precision_coverage"]["precision"])
+        for r, v in have.items()}
+  ns = next(iter(have.values()))["scaling"]["n"]
+  curves = {r: {m: nan(v["scaling"][m]) for m in scaling.METHODS if m in v["scaling"]}
+            for r, v in have.items() if v["scaling"]["n"] == ns}
+  aucs = {r: nan(v["auc_per_question"]) for r, v in have.items()}
+  return [plots.plot_precision_coverage(pc, out("precision_coverage"), bench),
+          plots.plot_scaling(curves, ns, out("scaling"), bench),
+          plots.plot_auc_histogram(aucs, out("auc_hist"), title=bench)]
+
+
+def compare(result_dirs: Sequence[str | os.PathLike[str]],
+            out_dir: str | os.PathLike[str],
+            names: Sequence[str] | None = None) -> str:
+  """Writes ``out_dir/comparison.md`` and overlaid plots; returns the md path.
+
+  Runs are named by ``names``, else results.json's "run", else the dir name.
+  """
+  runs: dict[str, dict[str, Any]] = {}
+  for i, d in enumerate(result_dirs):
+    res = load_results(d)
+    name = ((names[i] if names else None) or res.get("run")
+            or os.path.basename(os.path.normpath(os.fspath(d))))
+    runs[name if name not in runs else f"{name}#{i}"] = res
+  os.makedirs(out_dir, exist_ok=True)
+  md = ["# Evaluation comparison", "",
+        "acc = mean@16 (%), AUC = AUC-mean of s over questions.", "",
+        comparison_table(runs), "## Calibration and scaling", "",
+        comparison_table(runs, EXTRA_COLUMNS), "## Plots", ""]
+  benchmarks = {b for res in runs.values() for b in res["benchmarks"]}
+  for b in sorted(benchmarks):
+    have = {r: res["benchmarks"][b] for r, res in runs.items() if b in res["benchmarks"]}
+    files = _plot_benchmark(b, have, out_dir)
+    md += [f"### {b}", ""] + [f"![{b}]({os.path.basename(f)})" for f in files] + [""]
+  path = os.path.join(out_dir, "comparison.md")
+  with open(path, "w", encoding="utf-8") as f:
+    f.write("\n".join(md))
+  return path
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+  """CLI: ``python -m capo_jax.report RUN_DIR [RUN_DIR ...] --out DIR``."""
+  parser = argparse.ArgumentParser(description=main.__doc__)
+  parser.add_argument("result_dirs", nargs="+", help="dirs with results.json")
+  parser.add_argument("--out", required=True, help="output directory")
+  parser.add_argument("--names", nargs="*", help="run names (default: dir names)")
+  args = parser.parse_args(argv)
+  print(compare(args.result_dirs, args.out, args.names))
+
+
+if __name__ == "__main__":
+  main()

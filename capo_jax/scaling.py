@@ -1,0 +1,396 @@
+"""Confidence-based inference-time scaling (SPEC section 5), host-side NumPy.
+
+Over a set of N responses to one question:
+
+- majority vote: the answer given by the most responses wins.
+- best-of-N: the response with the highest confidence s wins.
+- PC (perplexity consistency, Zhou et al. 2025b): responses are grouped by
+  answer equivalence; identical completions count once; an answer's score is
+  the sum of ``p = exp(s)`` over its distinct completions; the best wins.
+- RPC: PC after reasoning pruning. A two-component Weibull mixture is fitted
+  by maximum likelihood (EM) to the set's p values, and a response is dropped
+  when its p is below the set's mean p and its posterior under the component
+  with the lower mean is larger than under the other one.
+
+Conventions (choices): a response without an answer (``None``, group -1)
+abstains in every method and a set where all abstain scores 0. Ties are
+split: the expected accuracy of a uniformly random pick among the tied best
+answers (PC scores tie within a relative ``tie_rtol``; vote counts and s
+exactly). An answer group's correctness is the mean ``correct`` flag of its
+members over the question (identical for a consistent grader).
+
+Accuracy against N averages, per question, over subsets of N of its samples:
+all C(G, N) subsets when there are at most ``n_subsets`` of them (exact),
+else ``n_subsets`` (default 64) random ones, seeded by (seed, question
+position, N). Questions with fewer than N samples are left out at that N.
+
+The Weibull M-step needs no SciPy: for fixed responsibilities the scale has a
+closed form and the shape solves a 1-D monotone equation, solved here for all
+sets at once by a bracketed Newton iteration (one scipy.optimize call per set
+would be ~10^5 Python-level optimiser runs for one evaluation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import math
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "best_of_n")
+# Names looked up, in order, in capo_jax.rewards for answer equivalence.
+_REWARDS_EQUIVALENCE = ("answers_equivalent", "is_equivalent")
+
+
+@dataclasses.dataclass(frozen=True)
+class WeibullFitConfig:
+  """EM settings of the RPC mixture; shapes are kept in [k_min, k_max]."""
+  n_iter: int = 100
+  tol: float = 1e-6  # relative change of the log-likelihood that stops EM
+  newton_steps: int = 3  # shape-equation steps per M-step (warm-started)
+  k_min: float = 1e-2
+  k_max: float = 1e3  # bounds the likelihood when a component collapses
+
+
+@dataclasses.dataclass(frozen=True)
+class ScalingConfig:
+  """Which N, how many subsets, which methods (see the module docstring)."""
+  ns: tuple[int, ...] = (1, 2, 4, 8, 16)
+  n_subsets: int = 64
+  seed: int = 0
+  methods: tuple[str, ...] = METHODS
+  tie_rtol: float = 1e-9
+  weibull: WeibullFitConfig = WeibullFitConfig()
+
+  def __post_init__(self) -> None:
+    if not self.ns or min(self.ns) < 1:
+      raise ValueError(f"ScalingConfig.ns must be positive, got {self.ns}")
+    if self.n_subsets < 1:
+      raise ValueError(f"ScalingConfig.n_subsets must be >= 1, got "
+                       f"{self.n_subsets}")
+    unknown = set(self.methods) - set(METHODS)
+    if unknown:
+      raise ValueError(f"ScalingConfig.methods: unknown {sorted(unknown)}; "
+                       f"known: {METHODS}")
+
+
+@dataclasses.dataclass(frozen=True)
+class QuestionSamples:
+  """One question's responses, ready for selection (all arrays length G).
+
+  group_N: answer-equivalence class (0, 1, ...), -1 for no answer.
+  s_N: confidence (mean token log-prob). correct_N: bool.
+  completion_N: equal ids mark identical completions.
+  """
+  group_N: np.ndarray
+  s_N: np.ndarray
+  correct_N: np.ndarray
+  completion_N: np.ndarray
+
+  def __post_init__(self) -> None:
+    g = len(self.group_N)
+    for name in ("s_N", "correct_N", "completion_N"):
+      if len(getattr(self, name)) != g:
+        raise ValueError(f"QuestionSamples.{name} has length "
+                         f"{len(getattr(self, name))}, group_N has {g}")
+
+
+def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
+                        ) -> Callable[[str, str], bool]:
+  """Answer equivalence: a callable, ``"rewards"`` (default) or ``"exact"``.
+
+  ``"rewards"`` imports ``capo_jax.rewards`` lazily and uses its
+  equivalence; ``"exact"`` (string equality) is only used when asked for.
+  """
+  if callable(grouping):
+    return grouping
+  if grouping == "exact":
+    return lambda a, b: a == b
+  if grouping != "rewards":
+    raise ValueError(f"grouping must be 'rewards', 'exact' or a callable, "
+                     f"got {grouping!r}")
+  from capo_jax import rewards  # pylint: disable=import-outside-toplevel
+  for name in _REWARDS_EQUIVALENCE:
+    fn = getattr(rewards, name, None)
+    if callable(fn):
+      return fn
+  raise AttributeError(f"capo_jax.rewards has none of {_REWARDS_EQUIVALENCE}; "
+                       "pass same_answer=... or grouping='exact'")
+
+
+def group_answers(answers: Sequence[str | None],
+                  same_answer: Callable[[str, str], bool]) -> np.ndarray:
+  """Equivalence-class ids of one question's answers (-1 for None).
+
+  Each answer is compared with the first member of each existing class;
+  identical strings reuse the class without calling ``same_answer``.
+  """
+  ids = np.full(len(answers), -1, dtype=np.int64)
+  reps: list[str] = []
+  seen: dict[str, int] = {}
+  for i, ans in enumerate(answers):
+    if ans is None:
+      continue
+    if ans not in seen:
+      gid = next((j for j, rep in enumerate(reps) if same_answer(rep, ans)),
+                 len(reps))
+      if gid == len(reps):
+        reps.append(ans)
+      seen[ans] = gid
+    ids[i] = seen[ans]
+  return ids
+
+
+def prepare_question(answers: Sequence[str | None], completions: Sequence[str],
+                     s: Sequence[float], correct: Sequence[bool],
+                     same_answer: Callable[[str, str], bool]) -> QuestionSamples:
+  """Builds QuestionSamples from raw strings (groups answers, ids completions)."""
+  ids: dict[str, int] = {}
+  completion_N = np.array([ids.setdefault(c, len(ids)) for c in completions],
+                          dtype=np.int64)
+  return QuestionSamples(group_answers(answers, same_answer),
+                         np.asarray(s, dtype=np.float64),
+                         np.asarray(correct, dtype=bool), completion_N)
+
+
+# ---------------------------------------------------------------- Weibull fit
+# All Weibull maths takes log x = s (p = exp(s)), so tiny p never underflow.
+
+
+def _log_pdf(s: np.ndarray, k: np.ndarray, log_lam: np.ndarray) -> np.ndarray:
+  z = s - log_lam
+  return np.log(k) - log_lam + (k - 1.0) * z - np.exp(k * z)
+
+
+def _tilted(s: np.ndarray, a: np.ndarray, k: np.ndarray
+            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """log sum a e^{ks}, and mean / variance of s under weights a e^{ks}."""
+  ks = np.where(a > 0, k[..., None] * s, -np.inf)
+  top = np.max(ks, axis=-1, keepdims=True)
+  top = np.where(np.isfinite(top), top, 0.0)
+  q = np.where(a > 0, a * np.exp(ks - top), 0.0)
+  tot = q.sum(-1)
+  mean = (q * s).sum(-1) / tot
+  var = (q * (s - mean[..., None]) ** 2).sum(-1) / tot
+  return np.log(tot) + top[..., 0], mean, var
+
+
+def _m_step(s: np.ndarray, a: np.ndarray, k: np.ndarray, steps: int,
+            cfg: WeibullFitConfig) -> tuple[np.ndarray, np.ndarray]:
+  """Weighted Weibull MLE: shape k (warm start given) and log scale.
+
+  The shape solves f(k) = 1/k + mean_a(s) - mean_{a e^{ks}}(s) = 0, which
+  decreases in k (f' = -1/k^2 - var); Newton kept inside a shrinking bracket.
+  """
+  total = a.sum(-1)
+  mean_s = (a * s).sum(-1) / total
+  lo, hi = np.full_like(k, cfg.k_min), np.full_like(k, cfg.k_max)
+  for _ in range(steps):
+    _, mean_q, var_q = _tilted(s, a, k)
+    f = 1.0 / k + mean_s - mean_q
+    lo, hi = np.where(f > 0, k, lo), np.where(f > 0, hi, k)
+    newton = k + f / (1.0 / k**2 + var_q)
+    k = np.where((newton > lo) & (newton < hi), newton, np.sqrt(lo * hi))
+  log_sum, _, _ = _tilted(s, a, k)
+  return k, (log_sum - np.log(total)) / k
+
+
+def _initial_shape(s: np.ndarray, a: np.ndarray,
+                   cfg: WeibullFitConfig) -> np.ndarray:
+  # std(log X) = pi / (k sqrt 6) for a Weibull: a moment guess for k.
+  total = a.sum(-1)
+  mean = (a * s).sum(-1) / total
+  std = np.sqrt((a * (s - mean[..., None]) ** 2).sum(-1) / total)
+  return np.clip(1.2825 / np.maximum(std, 1e-12), cfg.k_min, cfg.k_max)
+
+
+def fit_weibull(p: Sequence[float], weights: Sequence[float] | None = None,
+                config: WeibullFitConfig = WeibullFitConfig()
+                ) -> tuple[float, float]:
+  """Maximum-likelihood (weighted) Weibull fit of positive p: (shape, scale)."""
+  p_arr = np.asarray(p, dtype=np.float64)
+  if p_arr.ndim != 1 or p_arr.size == 0 or (p_arr <= 0).any():
+    raise ValueError("fit_weibull: p must be a non-empty 1-D array of p > 0")
+  a = np.ones_like(p_arr) if weights is None else np.asarray(weights, float)
+  s = np.log(p_arr)[None]
+  k0 = _initial_shape(s, a[None], config)
+  k, log_lam = _m_step(s, a[None], k0, 100, config)
+  return float(k[0]), float(np.exp(log_lam[0]))
+
+
+@dataclasses.dataclass(frozen=True)
+class WeibullMixture:
+  """Fitted mixtures, one per row; component 0 has the lower mean."""
+  weight_M2: np.ndarray
+  shape_M2: np.ndarray
+  scale_M2: np.ndarray
+  loglik_M: np.ndarray
+  fitted_M: np.ndarray  # False: fewer than two distinct p groups, not fitted
+
+
+def fit_weibull_mixture(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
+                        config: WeibullFitConfig = WeibullFitConfig()
+                        ) -> WeibullMixture:
+  """EM fit of a 2-component Weibull mixture to p = exp(s) of each row.
+
+  Starts from the split p < row-mean p (low) / the rest (high).
+  """
+  s = np.asarray(s_MN, dtype=np.float64)
+  v = np.ones(s.shape, bool) if valid_MN is None else np.asarray(valid_MN, bool)
+  s = np.where(v, s, 0.0)
+  p = np.exp(s)
+  mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)
+  low = v & (p < mean_p)
+  fitted = low.any(-1) & (v & ~low).any(-1)
+  # Rows that cannot be split get a harmless dummy split, masked at the end.
+  low = np.where(fitted[:, None], low, v & (np.arange(s.shape[1]) % 2 == 0))
+  resp = np.stack([low, v & ~low], axis=1).astype(np.float64)
+  s3, v3 = s[:, None, :], v[:, None, :]
+  loglik = np.full(s.shape[0], -np.inf)
+  active = np.flatnonzero(fitted)  # rows still iterating
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    k = _initial_shape(s3, resp * v3, config)
+    log_lam, weight = np.zeros_like(k), np.full_like(k, 0.5)
+    for _ in range(config.n_iter):
+      if not active.size:
+        break
+      sa, va, a = s3[active], v3[active], resp[active] * v3[active]
+      total = a.sum(-1)
+      weight[active] = total / total.sum(-1, keepdims=True)
+      k[active], log_lam[active] = _m_step(sa, a, k[active],
+                                           config.newton_steps, config)
+      logf = np.log(weight[active])[..., None] + _log_pdf(
+          sa, k[active][..., None], log_lam[active][..., None])
+      lse = np.logaddexp(logf[:, 0], logf[:, 1])
+      resp[active] = np.exp(logf - lse[:, None])
+      new = np.where(va[:, 0], lse, 0.0).sum(-1)
+      done = np.abs(new - loglik[active]) <= config.tol * (1.0 + np.abs(new))
+      loglik[active] = new
+      active = active[~done]
+    log_mean = log_lam + np.vectorize(math.lgamma)(1.0 + 1.0 / k)
+  fitted &= np.isfinite(loglik) & np.isfinite(log_mean).all(-1)
+  order = np.argsort(np.where(np.isfinite(log_mean), log_mean, 0.0), axis=-1)
+  take = lambda x: np.take_along_axis(x, order, axis=-1)  # noqa: E731
+  return WeibullMixture(take(weight), take(k), take(np.exp(log_lam)), loglik,
+                        fitted)
+
+
+def rpc_keep_mask(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
+                  config: WeibullFitConfig = WeibullFitConfig()) -> np.ndarray:
+  """RPC pruning of each row: False where a sample is dropped."""
+  s = np.asarray(s_MN, dtype=np.float64)
+  v = np.ones(s.shape, bool) if valid_MN is None else np.asarray(valid_MN, bool)
+  mix = fit_weibull_mixture(s, v, config)
+  s_safe = np.where(v, s, 0.0)
+  log_lam = np.log(mix.scale_M2)[:, :, None]
+  with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
+    logpost = (np.log(mix.weight_M2)[:, :, None]
+               + _log_pdf(s_safe[:, None, :], mix.shape_M2[:, :, None], log_lam))
+  p = np.exp(s_safe)
+  mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)
+  drop = (p < mean_p) & (logpost[:, 0] > logpost[:, 1]) & mix.fitted_M[:, None]
+  return v & ~drop
+
+
+# ------------------------------------------------------------------ selection
+
+
+def _pick_groups(group_MN: np.ndarray, weight_MN: np.ndarray,
+                 include_MN: np.ndarray, correct_K: np.ndarray,
+                 rtol: float) -> np.ndarray:
+  """Expected accuracy per row of picking the group with the largest weight."""
+  onehot = (group_MN[..., None] == np.arange(correct_K.size)) & include_MN[..., None]
+  score_MK = np.einsum("mn,mnk->mk", weight_MN, onehot)
+  eligible = onehot.any(axis=1)
+  best = np.max(np.where(eligible, score_MK, 0.0), axis=1, keepdims=True)
+  tied = eligible & (score_MK >= best - rtol * np.abs(best))
+  n_tied = tied.sum(-1)
+  return np.where(n_tied > 0, (tied * correct_K).sum(-1) / np.maximum(n_tied, 1), 0.0)
+
+
+def _group_correct(group_N: np.ndarray, correct_N: np.ndarray) -> np.ndarray:
+  k = int(group_N.max(initial=-1)) + 1
+  answered = group_N >= 0
+  n = np.bincount(group_N[answered], minlength=k)
+  hits = np.bincount(group_N[answered], weights=correct_N[answered], minlength=k)
+  return hits / np.maximum(n, 1)
+
+
+def _first_occurrence(ids_MN: np.ndarray) -> np.ndarray:
+  same = ids_MN[:, :, None] == ids_MN[:, None, :]
+  earlier = np.tril(np.ones(same.shape[1:], bool), k=-1)
+  return ~(same & earlier).any(-1)
+
+
+def subset_accuracy(question: QuestionSamples, idx_MN: np.ndarray, method: str,
+                    keep_MN: np.ndarray | None = None,
+                    tie_rtol: float = 1e-9) -> np.ndarray:
+  """Expected accuracy of ``method`` on each subset (row of sample indices).
+
+  ``keep_MN`` is RPC's pruning mask of the subsets (needed for "rpc").
+  """
+  g, s = question.group_N[idx_MN], question.s_N[idx_MN]
+  correct = np.asarray(question.correct_N, bool)
+  answered = g >= 0
+  if method == "best_of_n":
+    best = np.max(np.where(answered, s, -np.inf), axis=1, keepdims=True)
+    tied = answered & (s == best)
+    n = tied.sum(-1)
+    return np.where(n > 0, (tied & correct[idx_MN]).sum(-1) / np.maximum(n, 1), 0.0)
+  correct_K = _group_correct(question.group_N, correct)
+  if method == "majority":
+    return _pick_groups(g, np.ones(g.shape), answered, correct_K, 0.0)
+  if method not in ("pc", "rpc"):
+    raise ValueError(f"unknown method {method!r}; known: {METHODS}")
+  include = answered & _first_occurrence(question.completion_N[idx_MN])
+  if method == "rpc":
+    if keep_MN is None:
+      raise ValueError("method 'rpc' needs keep_MN (see rpc_keep_mask)")
+    include &= keep_MN
+  return _pick_groups(g, np.exp(s), include, correct_K, tie_rtol)
+
+
+def select_accuracy(question: QuestionSamples, method: str,
+                    config: ScalingConfig = ScalingConfig()) -> float:
+  """Expected accuracy of ``method`` using all of the question's samples."""
+  idx = np.arange(len(question.group_N))[None]
+  keep = (rpc_keep_mask(question.s_N[None], None, config.weibull)
+          if method == "rpc" else None)
+  return float(subset_accuracy(question, idx, method, keep, config.tie_rtol)[0])
+
+
+def _subsets(g: int, n: int, config: ScalingConfig, position: int) -> np.ndarray:
+  if math.comb(g, n) <= config.n_subsets:
+    return np.array(list(itertools.combinations(range(g), n)), dtype=np.int64)
+  rng = np.random.default_rng([config.seed, position, n])
+  return np.argsort(rng.random((config.n_subsets, g)), axis=1)[:, :n]
+
+
+def scaling_curves(questions: Sequence[QuestionSamples],
+                   config: ScalingConfig = ScalingConfig()) -> dict[str, Any]:
+  """Accuracy against N for each method, averaged over subsets and questions.
+
+  Returns ``{"n": [...], "n_questions": [...], "n_subsets": int, "seed": int,
+  <method>: [accuracy per N]}``; accuracy is NaN at an N no question reaches.
+  """
+  out: dict[str, Any] = {"n": list(config.ns), "n_questions": [],
+                         "n_subsets": config.n_subsets, "seed": config.seed}
+  for method in config.methods:
+    out[method] = []
+  for n in config.ns:
+    used = [(i, q) for i, q in enumerate(questions) if len(q.group_N) >= n]
+    out["n_questions"].append(len(used))
+    idx = [_subsets(len(q.group_N), n, config, i) for i, q in used]
+    keep = [None] * len(used)
+    if "rpc" in config.methods and used:
+      s_all = np.concatenate([q.s_N[ix] for (_, q), ix in zip(used, idx)])
+      keep_all = rpc_keep_mask(s_all, None, config.weibull)
+      keep = np.split(keep_all, np.cumsum([len(ix) for ix in idx])[:-1])
+    for method in config.methods:
+      accs = [subset_accuracy(q, ix, method, kp, config.tie_rtol).mean()
+              for (_, q), ix, kp in zip(used, idx, keep)]
+      out[method].append(float(np.mean(accs)) if accs else float("nan"))
+  return out
