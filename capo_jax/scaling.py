@@ -102,8 +102,10 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
                         ) -> Callable[[str, str], bool]:
   """Answer equivalence: a callable, ``"rewards"`` (default) or ``"exact"``.
 
-  ``"rewards"`` imports ``capo_jax.rewards`` lazily and uses its
-  equivalence; ``"exact"`` (string equality) is only used when asked for.
+  ``"rewards"`` imports ``capo_jax.rewards`` lazily and uses its answer
+  equivalence (``answers_equivalent`` / ``is_equivalent`` if it has one, else
+  ``is_correct`` on the boxed answer); ``"exact"`` (string equality) is only
+  used when asked for.
   """
   if callable(grouping):
     return grouping
@@ -117,8 +119,13 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
     fn = getattr(rewards, name, None)
     if callable(fn):
       return fn
-  raise AttributeError(f"capo_jax.rewards has none of {_REWARDS_EQUIVALENCE}; "
-                       "pass same_answer=... or grouping='exact'")
+  is_correct = getattr(rewards, "is_correct", None)
+  if callable(is_correct):
+    # Grade answer a, boxed as a completion, against b as the gold answer:
+    # the grader's fast path, then math-verify in its deadline pool.
+    return lambda a, b: bool(is_correct("\\boxed{" + a + "}", b))
+  raise AttributeError(f"capo_jax.rewards has none of {_REWARDS_EQUIVALENCE} "
+                       "or is_correct; pass grouping=<callable> or 'exact'")
 
 
 def group_answers(answers: Sequence[str | None],
@@ -215,6 +222,8 @@ def fit_weibull(p: Sequence[float], weights: Sequence[float] | None = None,
   if p_arr.ndim != 1 or p_arr.size == 0 or (p_arr <= 0).any():
     raise ValueError("fit_weibull: p must be a non-empty 1-D array of p > 0")
   a = np.ones_like(p_arr) if weights is None else np.asarray(weights, float)
+  if a.shape != p_arr.shape or (a < 0).any() or a.sum() <= 0:
+    raise ValueError("fit_weibull: weights must be >= 0, not all 0, shaped like p")
   s = np.log(p_arr)[None]
   k0 = _initial_shape(s, a[None], config)
   k, log_lam = _m_step(s, a[None], k0, 100, config)
@@ -228,7 +237,7 @@ class WeibullMixture:
   shape_M2: np.ndarray
   scale_M2: np.ndarray
   loglik_M: np.ndarray
-  fitted_M: np.ndarray  # False: fewer than two distinct p groups, not fitted
+  fitted_M: np.ndarray  # False: no p below the row's mean, or the fit failed
 
 
 def fit_weibull_mixture(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
@@ -240,6 +249,11 @@ def fit_weibull_mixture(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
   """
   s = np.asarray(s_MN, dtype=np.float64)
   v = np.ones(s.shape, bool) if valid_MN is None else np.asarray(valid_MN, bool)
+  if s.ndim != 2 or v.shape != s.shape:
+    raise ValueError(f"s_MN must be 2-D with a valid_MN of the same shape, got "
+                     f"{s.shape} and {v.shape}")
+  if not np.isfinite(s[v]).all():
+    raise ValueError("s_MN has NaN or inf at valid positions")
   s = np.where(v, s, 0.0)
   p = np.exp(s)
   mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)

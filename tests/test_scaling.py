@@ -201,8 +201,16 @@ def test_default_grouping_uses_rewards_lazily(monkeypatch):
   monkeypatch.setattr(capo_jax, "rewards", fake, raising=False)
   assert sc.resolve_same_answer() is fake.is_equivalent
   del fake.is_equivalent
-  with pytest.raises(AttributeError, match="grouping='exact'"):
+  with pytest.raises(AttributeError, match="'exact'"):
     sc.resolve_same_answer("rewards")
+
+
+def test_rewards_grouping_treats_equal_values_as_one_answer():
+  pytest.importorskip("capo_jax.rewards")
+  same = sc.resolve_same_answer("rewards")
+  # Decided by the grader's fast path (plain numbers), so no worker pool.
+  assert same("\\frac{1}{2}", "0.5") and same("007", "7") and not same("3", "4")
+  assert list(sc.group_answers(["0.5", "\\frac{1}{2}", "3", None], same)) == [0, 0, 1, -1]
 
 
 def _synthetic_rows(seed: int):
