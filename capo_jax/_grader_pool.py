@@ -25,6 +25,7 @@ import subprocess
 import sys
 import threading
 import time
+import weakref
 from multiprocessing.connection import Connection, wait
 from typing import Any, Sequence
 
@@ -72,6 +73,8 @@ class DeadlinePool:
     self._workers: list[_Worker] = []
     self._failed_starts = 0
     self._lock = threading.Lock()
+    # Kills the workers when the pool is garbage-collected without close().
+    weakref.finalize(self, DeadlinePool._kill_all, self._workers)
 
   # -- worker lifecycle ---------------------------------------------------------------------
 
@@ -119,12 +122,16 @@ class DeadlinePool:
     logger.warning("grader worker failed to start (%s); starting another", why)
     self._replace(w)
 
+  @staticmethod
+  def _kill_all(workers: list[_Worker]) -> None:
+    for w in workers:
+      DeadlinePool._kill(w)
+    workers.clear()
+
   def close(self) -> None:
     """Stops all workers (they hold no state worth a graceful exit); a later `map` starts
     new ones."""
-    for w in self._workers:
-      self._kill(w)
-    self._workers = []
+    self._kill_all(self._workers)
 
   def __enter__(self) -> DeadlinePool:
     return self
@@ -209,7 +216,10 @@ class DeadlinePool:
         w.last_progress = time.monotonic()
         self._finish(results, idx, (kind, value))
     except (EOFError, OSError):
-      code = w.proc.poll()
+      try:  # the pipe closes as the process exits: reap it for its exit code
+        code = w.proc.wait(timeout=2)
+      except subprocess.TimeoutExpired:
+        code = None
       if not w.ready:
         self._start_failed(w, f"exited with code {code}")
         return

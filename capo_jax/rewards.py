@@ -329,7 +329,11 @@ class Grader:
     statuses = np.zeros(len(completions), np.int8)
     slow_idx, slow_items = [], []
     for i, (c, g) in enumerate(zip(completions, golds)):
-      verdict, status, pred = _prepare(c, g)
+      try:
+        verdict, status, pred = _prepare(c, g)
+      except Exception:  # noqa: BLE001 -- one bad item must not lose the batch
+        logger.exception("reward: scoring item %d failed", i)
+        verdict, status, pred = False, Status.EXCEPTION, ""
       if verdict is None:
         slow_idx.append(i)
         slow_items.append((pred, g, int(status)))

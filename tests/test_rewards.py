@@ -234,3 +234,23 @@ def test_pathological_item_times_out_off_the_main_thread(grader: rewards.Grader)
   rew2, health2 = grader.score([_boxed("x > 2")] * 3, ["(2,\\infty)"] * 3)
   np.testing.assert_array_equal(rew2, [1, 1, 1])
   assert health2.timeout == 0
+
+
+def test_deadline_pool_timeout_error_crash_and_close() -> None:
+  from capo_jax._grader_pool import ERROR, OK, TIMEOUT, DeadlinePool
+  pool = DeadlinePool("time:sleep", num_workers=2, timeout_s=0.5)
+  items = [(0.0,), (30.0,), (0.01,), (-1.0,), (0.0,)]  # sleep(-1) raises ValueError
+  t0 = time.perf_counter()
+  out = pool.map(items)
+  assert time.perf_counter() - t0 < 10.0
+  assert [k for k, _ in out] == [OK, TIMEOUT, OK, ERROR, OK]
+  assert "ValueError" in out[3][1] and pool.num_restarts == 1
+  crash = DeadlinePool("os:_exit", num_workers=1, timeout_s=5.0)
+  out = crash.map([(3,), (4,)])  # each item kills its worker; both reported, pool recovers
+  assert [k for k, _ in out] == [ERROR, ERROR] and "exit code 3" in out[0][1]
+  procs = [w.proc for w in pool._workers]
+  pool.close()
+  crash.close()
+  assert all(p.poll() is not None for p in procs)
+  assert pool.map([(0.0,)]) == [(OK, None)]  # a closed pool starts afresh
+  pool.close()
