@@ -94,7 +94,8 @@ class Qwen2Config:
   @classmethod
   def qwen2p5_7b(cls, **kw: Any) -> Qwen2Config:
     return cls(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-               num_heads=28, num_kv_heads=4, tie_word_embeddings=False, **kw)
+               num_heads=28, num_kv_heads=4, tie_word_embeddings=False,
+               max_position_embeddings=131072, **kw)
 
   @classmethod
   def qwen2p5_math_1p5b(cls, **kw: Any) -> Qwen2Config:
