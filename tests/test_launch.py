@@ -180,10 +180,11 @@ def test_run_remote_side_nohup_pid_restart_and_status(env, tmp_path):
   home = tmp_path / "home"
   (home / "capo-venv" / "bin").mkdir(parents=True)
   fake = home / "capo-venv" / "bin" / "python"
-  # Records its argv and env, then idles until terminated (like a trainer).
+  # Records its argv and env, then idles until terminated (like a trainer), 60 s at most.
   fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\" > \"$HOME/argv.$$\"\n"
                   "echo \"$PYTHONPATH $CAPO_DATA_DIR\" > \"$HOME/env.$$\"\n"
-                  "echo started >&2\ntrap 'exit 0' TERM\nwhile :; do sleep 0.05; done\n")
+                  "echo started >&2\ntrap 'exit 0' TERM\n"
+                  "i=0; while [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n")
   fake.chmod(0o755)
   extra = ["--config.model.hf_path=capo-models/Qwen2.5-Math-1.5B", "--config.algo.name=it's x"]
   args = (*POD, f"--config={CONFIG}", f"--workdir={WORKDIR}/",
@@ -223,7 +224,8 @@ def test_run_remote_side_nohup_pid_restart_and_status(env, tmp_path):
       assert time.monotonic() < end, "the restarted run did not append to the log"
       time.sleep(0.05)
   finally:
-    for pid in pids:
+    # Every fake trainer this test started left an argv.<pid> file.
+    for pid in {*pids, *(int(f.suffix[1:]) for f in home.glob("argv.*"))}:
       try:
         os.kill(pid, signal.SIGTERM)
       except ProcessLookupError:
