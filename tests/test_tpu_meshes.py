@@ -1,0 +1,231 @@
+"""Meshes of the 1.5B / 7B configs on common TPU slices, and the memory plan's arithmetic.
+
+Each slice's mesh is built from the run config (plus the mesh flags the plan
+proposes) with capo_jax.mesh in a subprocess that has as many fake CPU
+devices as the slice has chips. The param shardings must keep every sharded
+axis (nothing silently replicated), divide every sharded dimension, and the
+per-chip bytes they imply must fit the chip's HBM per benchmarks/memory_plan.py.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import math
+import os
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+MODELS = ("1.5B", "7B")
+# Chips by hand: v4-N and v5p-N count TensorCores (2 per chip), v5e-N counts chips.
+SLICE_CHIPS = {"v4-8": 4, "v4-32": 16, "v5e-16": 16, "v5p-64": 32}
+HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95}
+
+
+def _load_plan_module():
+  spec = importlib.util.spec_from_file_location("memory_plan", REPO / "benchmarks" /
+                                                "memory_plan.py")
+  module = importlib.util.module_from_spec(spec)
+  sys.modules[spec.name] = module  # dataclasses look their module up
+  spec.loader.exec_module(module)
+  return module
+
+
+mp = _load_plan_module()
+
+_CHILD = r"""
+import importlib.util, json, sys
+import jax
+from jax.sharding import NamedSharding
+spec = importlib.util.spec_from_file_location("memory_plan", sys.argv[1])
+mp = importlib.util.module_from_spec(spec); sys.modules["memory_plan"] = mp
+spec.loader.exec_module(mp)
+from capo_jax import mesh as mesh_lib
+from models import qwen2
+
+out = []
+for model, slice_name in json.loads(sys.argv[2]):
+  c = importlib.import_module(mp.CONFIGS[model]).get_config()
+  run = mp.Run.from_config(c)
+  p = mp.plan(run, mp.parse_slice(slice_name))
+  c.mesh.data, c.mesh.tensor = p.data, p.tensor  # what p.mesh_overrides passes; fsdp stays -1
+  mesh = mesh_lib.make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor})
+  shapes = qwen2.param_shapes(run.model)
+  leaves = {}
+  for rules_name in ("train", "sampling"):
+    rules = mesh_lib.RULES[rules_name]
+    got = jax.tree_util.tree_leaves_with_path(qwen2.param_specs(run.model, rules, mesh),
+                                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    wanted = jax.tree_util.tree_leaves(qwen2.param_specs(run.model, rules),
+                                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    leaves[rules_name] = [
+        dict(path=jax.tree_util.keystr(path), shape=list(s.shape), spec=[
+            None if a is None else [a] if isinstance(a, str) else list(a) for a in sp],
+             wanted=[None if a is None else [a] if isinstance(a, str) else list(a) for a in w],
+             shard=list(NamedSharding(mesh, sp).shard_shape(s.shape)))
+        for (path, sp), w, s in zip(got, wanted, jax.tree_util.tree_leaves(shapes))]
+  out.append(dict(model=model, slice=slice_name, devices=jax.device_count(),
+                  mesh={k: int(v) for k, v in mesh.shape.items()}, plan_tensor=p.tensor,
+                  fits=p.fits, terms=p.terms, hbm=p.slice.chip.hbm_gib * mp.GiB,
+                  params=mp.param_counts(run.model)[0], reference=run.reference,
+                  leaves=leaves))
+print("RESULT" + json.dumps(out))
+"""
+
+
+@pytest.fixture(scope="module")
+def meshes() -> dict[tuple[str, str], dict]:
+  """One subprocess per chip count, each with that many fake CPU devices."""
+  results = {}
+  for chips in sorted(set(SLICE_CHIPS.values())):
+    pairs = [(m, s) for s, n in SLICE_CHIPS.items() if n == chips for m in MODELS]
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}",
+               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO / "benchmarks" /
+                                                            "memory_plan.py"), json.dumps(pairs)],
+                         env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
+    for r in json.loads(line[len("RESULT"):]):
+      results[(r["model"], r["slice"])] = r
+  return results
+
+
+CASES = [(m, s) for s in SLICE_CHIPS for m in MODELS]
+
+
+@pytest.mark.parametrize("model,slice_name", CASES)
+def test_mesh_axis_sizes(meshes, model, slice_name):
+  r = meshes[(model, slice_name)]
+  chips = SLICE_CHIPS[slice_name]
+  assert r["devices"] == chips
+  t = r["plan_tensor"]
+  assert chips % t == 0
+  assert r["mesh"] == {"data": 1, "fsdp": chips // t, "tensor": t}
+
+
+@pytest.mark.parametrize("model,slice_name", CASES)
+def test_param_shardings_divide_and_drop_nothing(meshes, model, slice_name):
+  r = meshes[(model, slice_name)]
+  for rules_name, leaves in r["leaves"].items():
+    sharded = 0
+    for leaf in leaves:
+      where = f"{model} {slice_name} {rules_name} {leaf['path']}"
+      assert leaf["spec"] == leaf["wanted"], f"{where}: a mesh axis was dropped (replicated)"
+      for dim, axes, shard in zip(leaf["shape"], leaf["spec"], leaf["shard"]):
+        ways = math.prod(r["mesh"][a] for a in axes or [])
+        assert dim % ways == 0 and shard == dim // ways, where
+        sharded += ways > 1
+    if rules_name == "train":
+      assert sharded > 0, f"{model} {slice_name}: nothing is sharded"
+
+
+@pytest.mark.parametrize("model,slice_name", CASES)
+def test_sharded_params_fit_the_chip(meshes, model, slice_name):
+  """Per-chip param elements from the actual shard shapes, times the bytes per
+  element of each term, replace the plan's P / shards terms; the result must
+  stay under the HBM whenever the plan says the run fits."""
+  r = meshes[(model, slice_name)]
+  train_elems = sum(math.prod(l["shard"]) for l in r["leaves"]["train"])
+  sample_elems = sum(math.prod(l["shard"]) for l in r["leaves"]["sampling"])
+  shards = r["mesh"]["fsdp"] * r["mesh"]["tensor"]
+  # The plan divides P evenly; the few replicated norms / biases add < 1%.
+  assert r["params"] / shards <= train_elems <= 1.01 * r["params"] / shards
+  assert r["params"] / r["mesh"]["tensor"] <= sample_elems <= 1.01 * r["params"] / r["mesh"][
+      "tensor"]
+  terms = r["terms"]
+  planned = sum(terms[k] for k in ("params (f32 master)", "AdamW moments (2 x f32)",
+                                   "reference (bf16)", "grads (2 x f32) + bf16 copy",
+                                   "sampling weights (bf16)"))
+  per_elem = 4 + 8 + (2 if r["reference"] else 0) + (8 + 2)  # master, Adam, ref, grads + copy
+  actual = train_elems * per_elem + sample_elems * 2
+  assert actual == pytest.approx(planned, rel=0.01)
+  upper = terms["peak"] - planned + actual
+  if r["fits"]:
+    assert upper <= r["hbm"], f"{model} on {slice_name}: {upper / 2**30:.1f} GiB per chip"
+  else:
+    assert terms["peak"] > 0.9 * r["hbm"]
+
+
+def test_param_counts_match_the_hand_formula():
+  for preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):
+    cfg = getattr(mp.Qwen2Config, preset)()
+    D, F, L, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
+                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + N * H + 2 * K * H + 2 * D
+    total = V * D * (1 if cfg.tie_word_embeddings else 2) + L * layer + D
+    assert mp.param_counts(cfg) == (total, layer)
+  # The published sizes: 1.54 B and 7.62 B.
+  assert mp.param_counts(mp.Qwen2Config.qwen2p5_math_1p5b())[0] / 1e9 == pytest.approx(1.54, 0.01)
+  assert mp.param_counts(mp.Qwen2Config.qwen2p5_math_7b())[0] / 1e9 == pytest.approx(7.62, 0.01)
+
+
+def test_kv_and_param_terms_by_hand():
+  run = mp.load_run("1.5B")
+  assert mp.kv_bytes_per_token(run.model) == 2 * 28 * 2 * 128 * 2
+  assert mp.kv_bytes_per_token(mp.load_run("7B").model) == 2 * 28 * 4 * 128 * 2
+  # 1024 prompt slots + 3072 new tokens rounded up to 4096 (the sampler's buckets).
+  assert mp.kv_slots(run) == 1024 + 4096
+  P = mp.param_counts(run.model)[0]
+  terms = mp.memory_terms(run, data=1, fsdp=16, tensor=1)
+  assert terms["KV cache (Q*G rows)"] == (128 * 8 // 16) * 5120 * 28672
+  assert terms["params (f32 master)"] == 4 * P / 16
+  assert terms["AdamW moments (2 x f32)"] == 8 * P / 16
+  assert terms["sampling weights (bf16)"] == 2 * P
+  assert terms["boundary activations"] == 28 * 1 * 4096 * 1536 * 2
+  # Two rollout calls halve the cache.
+  half = mp.memory_terms(run, data=1, fsdp=16, tensor=1, rollout_chunks=2)
+  assert half["KV cache (Q*G rows)"] == terms["KV cache (Q*G rows)"] / 2
+
+
+def test_rows_per_chip_replicates_axes_that_do_not_divide():
+  assert mp.rows_per_chip(16, 1, 16) == 1
+  assert mp.rows_per_chip(16, 1, 32) == 16
+  assert mp.rows_per_chip(16, 2, 16) == 8
+  assert mp.rows_per_chip(1024, 1, 32) == 32
+
+
+def test_step_time_formula_by_hand():
+  run = mp.load_run("1.5B")
+  assert mp.step_time(run, 16, None, 1.0, 1.0) is None
+  t = mp.step_time(run, 16, sample_tok_s=500.0, logprob_tok_s=4000.0, train_tok_s=1500.0)
+  rows = 128 * 8
+  expected = rows * 3072 / (16 * 500) + 2 * rows * 4096 / (16 * 4000) + rows * 4096 / (16 * 1500)
+  assert t == pytest.approx(expected)
+
+
+@pytest.mark.parametrize("name,chips,hosts", [("v4-8", 4, 1), ("v4-32", 16, 4),
+                                              ("v5e-16", 16, 4), ("v5litepod-8", 8, 1),
+                                              ("v5p-64", 32, 8), ("v6e-16", 16, 4)])
+def test_slice_parsing_agrees_with_the_launch_scripts(name, chips, hosts):
+  sl = mp.parse_slice(name)
+  assert (sl.chips, sl.hosts) == (chips, hosts)
+  out = subprocess.run(["bash", str(REPO / "launch" / "create_tpu.sh"), "--name=x",
+                        "--zone=us-central2-b", f"--accelerator={name}", "--dry-run"],
+                       capture_output=True, text=True, timeout=30)
+  assert out.returncode == 0, out.stderr
+  assert f"{sl.name}: {chips} chips on {hosts} worker(s)" in out.stderr
+  with pytest.raises(ValueError, match="v4-12"):
+    mp.parse_slice("v4-12")
+
+
+def test_plans_avoid_replicated_micro_batches():
+  for model in MODELS:
+    run = mp.load_run(model)
+    for name in mp.DEFAULT_SLICES:
+      p = mp.plan(run, mp.parse_slice(name))
+      if p.fits:
+        assert run.micro_batch_size % (p.data * p.fsdp) == 0, (model, name, p.notes)
+
+
+def test_main_prints_a_table_per_model(capsys, monkeypatch):
+  monkeypatch.setattr(sys, "argv", ["memory_plan.py", "--slices", "v5e-16,v4-32"])
+  mp.main()
+  text = capsys.readouterr().out
+  assert text.count("== Qwen2.5-Math-") == 2
+  assert "TODO(measured)" in text and "v5e-16" in text and "v4-32" in text
