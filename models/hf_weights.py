@@ -358,6 +358,7 @@ def save_pretrained(cfg: Qwen2Config, params: Params, path: str | os.PathLike, *
   is merged into config.json; ``generation_config`` is written when given.
   Every process must call it (sharded params are gathered); process 0 writes.
   """
+  limit = _parse_size(max_shard_size)
   np_dtype = np.dtype(dtype or cfg.weight_dtype)
   state = state_dict_from_params(cfg, params, np_dtype)
   if jax.process_index() != 0:
@@ -370,7 +371,6 @@ def save_pretrained(cfg: Qwen2Config, params: Params, path: str | os.PathLike, *
   _write_json(os.path.join(path, "config.json"), config)
   if generation_config is not None:
     _write_json(os.path.join(path, "generation_config.json"), dict(generation_config))
-  limit = _parse_size(max_shard_size)
   shards: list[list[str]] = [[]]
   size = 0
   for name, x in state.items():
