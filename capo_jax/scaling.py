@@ -316,6 +316,8 @@ def _pick_groups(group_MN: np.ndarray, weight_MN: np.ndarray,
                  include_MN: np.ndarray, correct_K: np.ndarray,
                  rtol: float) -> np.ndarray:
   """Expected accuracy per row of picking the group with the largest weight."""
+  if correct_K.size == 0:  # no sample of the question has an answer: all abstain
+    return np.zeros(group_MN.shape[0])
   onehot = (group_MN[..., None] == np.arange(correct_K.size)) & include_MN[..., None]
   score_MK = np.einsum("mn,mnk->mk", weight_MN, onehot)
   eligible = onehot.any(axis=1)
