@@ -1,0 +1,429 @@
+"""Evaluate a policy on math benchmarks: sample, grade, score accuracy and calibration.
+
+    python -m capo_jax.evaluate --policy=DIR --benchmarks=math500,aime24 \
+        --num_samples=16 --max_new_tokens=3072 --out=DIR
+    python -m capo_jax.evaluate --from-samples=samples.jsonl --out=DIR   # e.g. from vLLM
+    python -m capo_jax.evaluate --compare DIR DIR ... --out=DIR          # markdown table
+
+``--policy`` is a Hugging Face model directory, or a trainer workdir: then its
+HF export ``<workdir>/export_hf`` when present, else the params of the latest
+Orbax checkpoint in ``<workdir>/checkpoints`` (see ``load_policy``). Every
+question gets ``num_samples`` responses (T = 1.0, top_p = 1.0 by default,
+SPEC section 5), graded by ``capo_jax.rewards``. The output directory gets
+``samples.jsonl`` and ``results.json`` (schemas in ``capo_jax.report``) and
+three PNG plots per benchmark: ``<bench>_precision_coverage.png``,
+``<bench>_scaling.png`` (PC / RPC / majority / best-of-N against N) and
+``<bench>_auc_hist.png`` (per-question AUC). In-process callers (trainer,
+demo) use ``evaluate_policy`` and ``write_outputs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import dataclasses
+import logging
+import os
+import pathlib
+import time
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from capo_jax import data, report, rewards, sampling, scaling
+from capo_jax.report import SampleRecord
+from capo_jax.tokenizer import Tokenizer
+from models.config import Qwen2Config
+
+log = logging.getLogger(__name__)
+
+Params = dict[str, Any]
+EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
+# Keys of the checkpoint's JSON record that may hold the model's HF config.json dict.
+_META_CONFIG_KEYS = ("hf_config", "model_config")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+@dataclasses.dataclass(frozen=True)
+class EvalConfig:
+  """Sampling settings of an evaluation (SPEC section 5 defaults)."""
+  num_samples: int = 16
+  max_new_tokens: int = 3072
+  temperature: float = 1.0
+  top_p: float = 1.0
+  top_k: int = 0
+  batch_size: int = 8  # questions per sampler call (rows = batch_size * num_samples)
+  progress: bool = True
+
+  def __post_init__(self) -> None:
+    for name in ("num_samples", "max_new_tokens", "batch_size"):
+      if getattr(self, name) < 1:
+        raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}")
+
+
+# --- sampling and grading -------------------------------------------------------
+
+
+def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
+  """Question indices by prompt length, so a batch pads little, cut into batches."""
+  order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
+  return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+
+
+def _progress(total: int, desc: str, enabled: bool) -> Any:
+  from tqdm import auto  # pylint: disable=import-outside-toplevel
+  return auto.tqdm(total=total, desc=desc, unit="q", disable=not enabled)
+
+
+def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
+                        examples: Sequence[data.Example], eval_cfg: EvalConfig, rng: jax.Array,
+                        benchmark: str, grader: Any, sharding: dict[str, Any]
+                        ) -> list[SampleRecord]:
+  """Records of one benchmark in file order (question, then sample index)."""
+  ids = [ex.id for ex in examples]
+  dup = next((i for i, c in collections.Counter(ids).items() if c > 1), None)
+  if dup is not None:
+    raise ValueError(f"benchmark {benchmark!r}: question id {dup!r} appears more than once")
+  lengths = [len(tokenizer.encode(tokenizer.render_prompt(ex.problem))) for ex in examples]
+  bs = min(eval_cfg.batch_size, len(examples))
+  G = eval_cfg.num_samples
+  per_question: list[list[SampleRecord]] = [[] for _ in examples]
+  stats = collections.Counter()
+
+  def dispatch(b: int, idx: list[int]) -> Any:
+    # A short last batch repeats its last question: one batch shape, one compile.
+    padded = idx + [idx[-1]] * (bs - len(idx))
+    tokens, mask = tokenizer.encode_prompts([examples[i].problem for i in padded])
+    return sampling.generate(
+        params, cfg, tokens, mask, jax.random.fold_in(rng, b), num_samples=G,
+        max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
+        top_p=eval_cfg.top_p, top_k=eval_cfg.top_k, stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id, **sharding)
+
+  def finish(idx: list[int], out: sampling.Samples) -> None:
+    n = len(idx) * G
+    tokens = np.asarray(out.tokens)[:n]
+    mask = np.asarray(out.mask)[:n].astype(np.float64)
+    logprobs = np.asarray(out.logprobs)[:n].astype(np.float64)
+    length_B = mask.sum(1)
+    s_B = (logprobs * mask).sum(1) / np.maximum(length_B, 1)  # SPEC 1: stop token counts
+    texts = tokenizer.decode_completions(tokens, mask)
+    golds = [examples[i].answer for i in idx for _ in range(G)]
+    correct_B = np.asarray(grader.score(texts, golds)[0]) > 0
+    stats["truncated"] += int(np.asarray(out.truncated)[:n].sum())
+    stats["tokens"] += int(length_B.sum())
+    for r in range(n):
+      q = idx[r // G]
+      per_question[q].append(SampleRecord(
+          benchmark=benchmark, question_id=examples[q].id, sample_index=r % G,
+          completion=texts[r], answer=rewards.extract_answer(texts[r])[0],
+          correct=bool(correct_B[r]), s=min(float(s_B[r]), 0.0), length=int(length_B[r])))
+    stats["correct"] += int(correct_B.sum())
+
+  start = time.perf_counter()
+  bar = _progress(len(examples), benchmark, eval_cfg.progress)
+  pending = None
+  for b, idx in enumerate(_batches(lengths, bs)):
+    # Dispatch the next batch before decoding / grading this one: the device
+    # samples while the host grades (jax dispatch is asynchronous).
+    out = dispatch(b, idx)
+    if pending is not None:
+      finish(*pending)
+      bar.update(len(pending[0]))
+      bar.set_postfix(acc=f"{stats['correct'] / max(1, bar.n * G):.3f}")
+    pending = (idx, out)
+  finish(*pending)
+  bar.update(len(pending[0]))
+  bar.close()
+  secs = time.perf_counter() - start
+  n_rows = len(examples) * G
+  log.info("%s: %d questions x %d samples in %.1f s (%.0f tokens/s), accuracy %.4f, "
+           "%d of %d truncated at max_new_tokens=%d", benchmark, len(examples), G, secs,
+           stats["tokens"] / max(secs, 1e-9), stats["correct"] / n_rows, stats["truncated"],
+           n_rows, eval_cfg.max_new_tokens)
+  return [rec for recs in per_question for rec in recs]
+
+
+def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
+                    examples: Sequence[data.Example] | Mapping[str, Sequence[data.Example]],
+                    eval_cfg: EvalConfig, rng: jax.Array, *, benchmark: str = "eval",
+                    grader: Any = None, mesh: Any = None, rules: Any = None
+                    ) -> list[SampleRecord]:
+  """Samples ``eval_cfg.num_samples`` responses per question and grades them.
+
+  Args:
+    params, cfg: the policy (params in any dtype; ``cfg.compute_dtype`` is used).
+    tokenizer: renders the SPEC prompt, pads prompts, decodes completions.
+    examples: one benchmark's questions (named ``benchmark``), or
+      ``{benchmark name: questions}``.
+    eval_cfg: sampling settings.
+    rng: PRNG key; batch b of benchmark k samples with ``fold_in(fold_in(rng, k), b)``.
+    grader: has ``score(completions, golds) -> (rewards, health)``; default
+      ``capo_jax.rewards.default_grader()``.
+    mesh, rules: optional device mesh and sampling rules, passed to the sampler.
+
+  Returns:
+    ``SampleRecord`` per sample (samples.jsonl rows), benchmarks and questions
+    in the given order, samples by index. ``s`` is the mean token log-prob of
+    the completion, stop token included when generated.
+  """
+  if not isinstance(examples, Mapping):
+    examples = {benchmark: examples}
+  grader = grader if grader is not None else rewards.default_grader()
+  sharding = {} if mesh is None else {"mesh": mesh, "rules": rules}
+  records: list[SampleRecord] = []
+  for k, (name, exs) in enumerate(examples.items()):
+    if not exs:
+      raise ValueError(f"benchmark {name!r} has no questions")
+    records += _evaluate_benchmark(params, cfg, tokenizer, list(exs), eval_cfg,
+                                   jax.random.fold_in(rng, k), name, grader, sharding)
+  return records
+
+
+# --- policies -------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A loaded policy: ``tokenizer_dir`` is None when none was found next to it."""
+  cfg: Qwen2Config
+  params: Params
+  tokenizer_dir: str | None
+  source: str
+
+
+def _has_tokenizer(path: str | os.PathLike | None) -> bool:
+  return bool(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def _is_hf_dir(path: str) -> bool:
+  return os.path.isfile(os.path.join(path, "config.json"))
+
+
+def _restore_params(workdir: str, dtype: Any, base_model: str | None
+                    ) -> tuple[Qwen2Config, Params, int]:
+  """Config and params of the latest Orbax checkpoint of a trainer workdir."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from capo_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  ckpt = Checkpointer(workdir, every_steps=0)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{ckpt.directory}: no complete checkpoint")
+    step_dir = os.path.join(ckpt.directory, str(step))
+  finally:
+    ckpt.close()
+  meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+      os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore())
+  hf_cfg = next((meta[k] for k in _META_CONFIG_KEYS if isinstance(meta.get(k), dict)), None)
+  if hf_cfg is None and not (base_model and _is_hf_dir(base_model)):
+    raise ValueError(f"{step_dir}: its record has no model config (keys {_META_CONFIG_KEYS}); "
+                     "pass --base_model=<HF dir of the model the run started from>")
+  name = jnp.dtype(dtype).name
+  cfg = Qwen2Config.from_hf(hf_cfg if hf_cfg is not None else base_model,
+                            param_dtype=name, compute_dtype=name)
+  state_dir = os.path.join(step_dir, "state")
+  tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
+  # The trainer's state keeps params under "params"; a bare params tree also works.
+  in_state = "params" in tree
+  shapes = tree["params"] if in_state else tree
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, cfg.weight_dtype), shapes)
+  restore = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device),
+                         abstract)
+  wrap = (lambda x: {"params": x}) if in_state else (lambda x: x)
+  # partial_restore: read only the params, not the optimizer moments (3x the size).
+  out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+      item=wrap(abstract), restore_args=wrap(restore), partial_restore=True))
+  return cfg, (out["params"] if in_state else out), step
+
+
+def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
+                dtype: Any = jnp.bfloat16) -> Policy:
+  """Loads a policy from a HF directory or a trainer workdir, in that order of lookup.
+
+  1. ``path/config.json`` exists: a HF model directory.
+  2. ``path/export_hf/config.json`` exists: the trainer's final HF export.
+  3. ``path/checkpoints``: the params of the latest Orbax checkpoint (only the
+     ``params`` of the saved state are read). The model config comes from the
+     checkpoint's JSON record (``hf_config`` / ``model_config``: a HF
+     config.json dict) or else from ``base_model``'s config.json.
+
+  ``tokenizer_dir`` is the HF directory used when it holds tokenizer files,
+  else ``base_model`` when it does.
+  """
+  path = os.fspath(path)
+  export = os.path.join(path, EXPORT_DIR)
+  for hf_dir in (path, export):
+    if _is_hf_dir(hf_dir):
+      from models import hf_weights  # pylint: disable=import-outside-toplevel
+      cfg, params = hf_weights.load_pretrained(hf_dir, dtype=dtype)
+      tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
+          else None
+      return Policy(cfg, params, tok, hf_dir)
+  if os.path.isdir(os.path.join(path, CHECKPOINT_DIR)):
+    cfg, params, step = _restore_params(path, dtype, base_model)
+    tok = base_model if _has_tokenizer(base_model) else None
+    return Policy(cfg, params, tok, f"{path} (checkpoint step {step})")
+  raise FileNotFoundError(f"--policy {path}: neither a HF model directory (no config.json) nor "
+                          f"a trainer workdir (no {EXPORT_DIR}/config.json, no {CHECKPOINT_DIR}/)")
+
+
+# --- benchmarks and outputs ------------------------------------------------------
+
+
+def load_benchmarks(specs: Sequence[str], data_dir: str | None = None, limit: int = 0
+                    ) -> dict[str, list[data.Example]]:
+  """``{name: questions}`` of registry names or files (named by file stem).
+
+  ``limit`` > 0 keeps the first ``limit`` questions of each benchmark.
+  """
+  out: dict[str, list[data.Example]] = {}
+  for spec in specs:
+    name = spec if spec in data.REGISTRY else pathlib.Path(spec).stem
+    if name in out:
+      raise ValueError(f"--benchmarks: benchmark name {name!r} given twice ({spec})")
+    exs = data.load_examples(spec, data_dir=data_dir or None).examples
+    if not exs:
+      raise ValueError(f"benchmark {spec}: no questions")
+    out[name] = exs[:limit] if limit > 0 else exs
+  return out
+
+
+def write_outputs(records: Sequence[SampleRecord], out_dir: str | os.PathLike, *,
+                  run: str | None = None, config: Mapping[str, Any] | None = None,
+                  results_config: report.ResultsConfig = report.ResultsConfig(),
+                  plots: bool = True, samples: bool = True) -> dict[str, Any]:
+  """Writes samples.jsonl, results.json (+ ``config``) and the plots; returns the results."""
+  os.makedirs(out_dir, exist_ok=True)
+  if samples:
+    report.write_samples(os.path.join(out_dir, "samples.jsonl"), records)
+  results = report.compute_results(records, results_config, run=run)
+  if config is not None:
+    results["config"] = dict(config)
+  report.write_results(results, out_dir)
+  if plots:
+    for bench, res in results["benchmarks"].items():
+      # report's helper overlays runs; with one run it draws this run's curves.
+      report._plot_benchmark(bench, {run or "policy": res}, out_dir)  # pylint: disable=protected-access
+  return results
+
+
+def results_config(num_samples: int, grouping: str = "rewards") -> report.ResultsConfig:
+  """ResultsConfig that also reports k = ``num_samples`` and N = 1, 2, 4, ... up to it."""
+  ks = lambda base: tuple(sorted(set(base) | {num_samples}))  # noqa: E731
+  ns = {1 << i for i in range(num_samples.bit_length()) if 1 << i <= num_samples}
+  return report.ResultsConfig(
+      mean_ks=ks((8, 16)), pass_ks=ks((1, 8, 16)), maj_ks=ks((8, 16)), grouping=grouping,
+      scaling=scaling.ScalingConfig(ns=tuple(sorted(ns | {num_samples}))))
+
+
+def summary_table(results: Mapping[str, Any], run: str, num_samples: int) -> str:
+  """Markdown table of the headline numbers at k = ``num_samples``."""
+  g = num_samples
+  columns = ((f"mean@{g}", f"mean@{g}"), ("AUC", "auc_mean"), ("pooled AUC", "pooled_auc"),
+             ("AURC", "aurc"), ("ECE", "ece"), (f"PC@{g}", "scaling/pc/-1"),
+             (f"maj@{g}", f"maj@k/{g}"))
+  return report.comparison_table({run: results}, columns)
+
+
+# --- command line ---------------------------------------------------------------
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m capo_jax.evaluate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  mode = p.add_mutually_exclusive_group(required=True)
+  mode.add_argument("--policy", help="HF model dir or trainer workdir (see load_policy)")
+  mode.add_argument("--from-samples", "--from_samples", dest="from_samples", metavar="FILE",
+                    help="compute every metric from a samples.jsonl written elsewhere")
+  mode.add_argument("--compare", nargs="+", metavar="DIR",
+                    help="result dirs to compare in OUT/comparison.md (+ overlaid plots)")
+  p.add_argument("--out", required=True, help="output directory")
+  p.add_argument("--benchmarks", default="math500,aime24,aime25,amc23,minerva_math,olympiadbench",
+                 help="comma-separated registry names or files (.jsonl/.json/.parquet)")
+  p.add_argument("--data_dir", default="", help="where registry names are looked up "
+                 "(default $CAPO_DATA_DIR)")
+  p.add_argument("--limit", type=int, default=0, help="first N questions per benchmark (0: all)")
+  p.add_argument("--num_samples", type=int, default=16)
+  p.add_argument("--max_new_tokens", type=int, default=3072)
+  p.add_argument("--temperature", type=float, default=1.0)
+  p.add_argument("--top_p", type=float, default=1.0)
+  p.add_argument("--top_k", type=int, default=0)
+  p.add_argument("--batch_size", type=int, default=8, help="questions per sampler call")
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                 help="params and compute dtype")
+  p.add_argument("--tokenizer", default="", help="tokenizer dir (default: next to the policy)")
+  p.add_argument("--base_model", default="", help="HF dir of the run's base model: config and "
+                 "tokenizer for an Orbax checkpoint")
+  p.add_argument("--tensor_parallel", type=int, default=1,
+                 help="tensor axis of the sampling mesh when several devices are visible")
+  p.add_argument("--grouping", default="rewards", choices=("rewards", "exact"),
+                 help="answer equivalence of maj@k / PC / RPC")
+  p.add_argument("--run", default="", help="run name in results.json (default: out dir name)")
+  p.add_argument("--names", nargs="*", help="--compare: run names")
+  p.add_argument("--no_plots", action="store_true")
+  p.add_argument("--no_progress", action="store_true")
+  return p
+
+
+def _sampling_mesh(tensor: int) -> dict[str, Any]:
+  if jax.device_count() == 1:
+    return {}
+  from capo_jax import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  return {"mesh": mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}),
+          "rules": mesh_lib.SAMPLING_RULES}
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
+  """CLI entry; returns the results dict (or comparison.md's path with --compare)."""
+  args = _parser().parse_args(argv)
+  if not logging.getLogger().handlers:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  if args.compare:
+    path = report.compare(args.compare, args.out, args.names)
+    print(path)
+    return path
+  run = args.run or os.path.basename(os.path.normpath(args.out))
+  if args.from_samples:
+    records = report.load_samples(args.from_samples)
+    per_q = collections.Counter((r.benchmark, r.question_id) for r in records)
+    num_samples = min(per_q.values(), default=1)
+    rcfg = results_config(num_samples, args.grouping)
+    results = write_outputs(records, args.out, run=run, results_config=rcfg,
+                            config={"from_samples": os.path.abspath(args.from_samples)},
+                            plots=not args.no_plots, samples=False)
+  else:
+    dtype = jnp.dtype(args.dtype)
+    policy = load_policy(args.policy, base_model=args.base_model or None, dtype=dtype)
+    tok_dir = args.tokenizer or policy.tokenizer_dir
+    if not tok_dir:
+      raise FileNotFoundError(f"no tokenizer next to {policy.source}: pass --tokenizer=DIR "
+                              "(or --base_model=DIR)")
+    from capo_jax.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+    tokenizer = load_tokenizer(tok_dir)
+    log.info("policy %s (%s), tokenizer %s", policy.source, args.dtype, tok_dir)
+    benchmarks = load_benchmarks([b for b in args.benchmarks.split(",") if b.strip()],
+                                 args.data_dir, args.limit)
+    eval_cfg = EvalConfig(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          batch_size=args.batch_size, progress=not args.no_progress)
+    records = evaluate_policy(policy.params, policy.cfg, tokenizer, benchmarks, eval_cfg,
+                              jax.random.key(args.seed), **_sampling_mesh(args.tensor_parallel))
+    config = dict(dataclasses.asdict(eval_cfg), policy=policy.source, tokenizer=tok_dir,
+                  seed=args.seed, dtype=args.dtype, limit=args.limit,
+                  benchmarks={k: len(v) for k, v in benchmarks.items()})
+    num_samples = args.num_samples
+    results = write_outputs(records, args.out, run=run, config=config,
+                            results_config=results_config(num_samples, args.grouping),
+                            plots=not args.no_plots)
+  print(summary_table(results, run, num_samples))
+  return results
+
+
+if __name__ == "__main__":
+  main()
