@@ -18,9 +18,13 @@ Assumptions (the code this mirrors, where it exists):
   params whole on every fsdp replica and split them over tensor only
   (capo_jax/mesh.py). Batch rows split over data x fsdp (an axis that does
   not divide the rows is replicated, as models/sharding.py does).
-* Rollout (capo_jax/sampling.py): one prefill of the Q prompts that returns
-  float32 logits at every prompt position, then the cache repeated G times;
-  P and C rounded up to powers of two; decode attends over every slot.
+* Rollout (capo_jax/sampling.py): one prefill of the Q prompts, then the
+  cache repeated G times; P and C rounded up to powers of two; decode attends
+  over every slot. Checked against XLA's memory analysis of the compiled
+  sampler (1.5B shapes, 4-8 layers, Q = 8-16; GPU and CPU): the prefill keeps
+  only the last position's logits (XLA moves the slice into the unembedding),
+  and the decode loop holds one more copy of the cache besides the donated one
+  (GPU temp 1.0-1.3 x the cache, CPU 0.5 x), so two copies are counted.
 * Train activations with remat: the bfloat16 residual at every layer boundary
   is saved; one layer is recomputed at a time, with attention scores
   materialised (float32 scores + bfloat16 probs + float32 gradient = 10 bytes
@@ -187,12 +191,12 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   m["sampling weights (bf16)"] = act * P / t
   m["KV cache (Q*G rows)"] = b_rows * S_len * kv_tok
   prompt_kv = q_rows * S_len * kv_tok
-  m["prefill logits + scores"] = (q_rows * P_len * V / t * 4
-                                  + q_rows * N / t * P_len * P_len * 6)
+  m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
+  m["decode cache copy"] = m["KV cache (Q*G rows)"]
   decode = 3 * b_rows * V / t * 4
   rollout = m["sampling weights (bf16)"] + max(
-      prompt_kv + max(m["prefill logits + scores"], m["KV cache (Q*G rows)"]),
-      m["KV cache (Q*G rows)"] + decode)
+      prompt_kv + max(m["prefill scores"], m["KV cache (Q*G rows)"]),
+      m["KV cache (Q*G rows)"] + m["decode cache copy"] + decode)
   # Train.
   m["grads (2 x f32) + bf16 copy"] = (2 * 4 + act) * P / shard
   m["gathered layers + unembed"] = act * (2 * P_layer + V * D) / t

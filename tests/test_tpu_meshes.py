@@ -22,8 +22,7 @@ import pytest
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("1.5B", "7B")
 # Chips by hand: v4-N and v5p-N count TensorCores (2 per chip), v5e-N counts chips.
-SLICE_CHIPS = {"v4-8": 4, "v4-32": 16, "v5e-16": 16, "v5p-64": 32}
-HBM_GIB = {"v4": 32, "v5e": 16, "v5p": 95}
+SLICE_CHIPS = {"v4-8": 4, "v4-32": 16, "v5e-16": 16, "v4-64": 32, "v5e-32": 32, "v5p-64": 32}
 
 
 def _load_plan_module():
@@ -178,6 +177,8 @@ def test_kv_and_param_terms_by_hand():
   assert terms["AdamW moments (2 x f32)"] == 8 * P / 16
   assert terms["sampling weights (bf16)"] == 2 * P
   assert terms["boundary activations"] == 28 * 1 * 4096 * 1536 * 2
+  assert terms["prefill scores"] == 8 * (12 * 1024 * 1024 * 6 + 151936 * 4)
+  assert terms["decode cache copy"] == terms["KV cache (Q*G rows)"]
   # Two rollout calls halve the cache.
   half = mp.memory_terms(run, data=1, fsdp=16, tensor=1, rollout_chunks=2)
   assert half["KV cache (Q*G rows)"] == terms["KV cache (Q*G rows)"] / 2
