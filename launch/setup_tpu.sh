@@ -67,7 +67,9 @@ script='set -e; export PATH="$HOME/.local/bin:$PATH"'
 script+="; grep -qx $(shell_quote "jax==${JAX_VERSION}") ${REMOTE_DIR}/requirements.txt"
 script+=" || { echo 'setup: ${REMOTE_DIR}/requirements.txt is missing or does not pin"
 script+=" jax==${JAX_VERSION}: run sync_code.sh first' >&2; exit 1; }"
-script+="; command -v uv >/dev/null 2>&1 || python3 -m pip install --user --quiet uv"
+# (Newer images mark the system Python as externally managed; older pips ignore the variable.)
+script+="; command -v uv >/dev/null 2>&1 || PIP_BREAK_SYSTEM_PACKAGES=1 python3 -m pip install"
+script+=" --user --quiet uv"
 script+="; [ -x ${REMOTE_VENV}/bin/python ] || uv venv --python ${PYTHON_VERSION} ${REMOTE_VENV}"
 script+="; uv pip install --python ${REMOTE_VENV}/bin/python -r ${REMOTE_DIR}/requirements.txt"
 script+=" ${jax_tpu} -f ${LIBTPU_INDEX}"
