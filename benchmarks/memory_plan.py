@@ -115,6 +115,7 @@ class Run:
   logprob_chunk: int
   reference: bool  # a frozen reference policy is kept (CAPO mask or KL)
   ppo_epochs: int = 1
+  decode_copies_cache: bool = True  # as measured on the sampler today (module docstring)
 
   @classmethod
   def from_config(cls, c: Any) -> Run:
@@ -192,7 +193,7 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   m["KV cache (Q*G rows)"] = b_rows * S_len * kv_tok
   prompt_kv = q_rows * S_len * kv_tok
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
-  m["decode cache copy"] = m["KV cache (Q*G rows)"]
+  m["decode cache copy"] = m["KV cache (Q*G rows)"] if run.decode_copies_cache else 0.0
   decode = 3 * b_rows * V / t * 4
   rollout = m["sampling weights (bf16)"] + max(
       prompt_kv + max(m["prefill scores"], m["KV cache (Q*G rows)"]),
@@ -356,6 +357,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default="1.5B,7B", help="comma list of " + ",".join(CONFIGS))
   ap.add_argument("--slices", default=",".join(DEFAULT_SLICES))
+  ap.add_argument("--no-decode-copy", action="store_true",
+                  help="plan for a sampler whose decode loop keeps a single cache copy")
   ap.add_argument("--headroom", type=float, default=0.9,
                   help="fraction of HBM the plan may use (XLA temporaries, fragmentation)")
   ap.add_argument("--sample-tok-s", type=float, default=None,
@@ -371,7 +374,7 @@ def main() -> None:
   for model in args.models.split(","):
     if model not in CONFIGS:
       raise SystemExit(f"--models: unknown model {model!r}; known: {', '.join(CONFIGS)}")
-    run = load_run(model)
+    run = dataclasses.replace(load_run(model), decode_copies_cache=not args.no_decode_copy)
     print(_table(model, run, [plan(run, s, args.headroom) for s in slices], args.headroom,
                  rates))
     print()
