@@ -59,8 +59,9 @@ config_file="${CONFIG%%:*}"
   die "--config=${CONFIG}: ${config_file} is not a file of this repo (${REPO_ROOT})"
 [[ -n "${WORKDIR}" ]] || die "missing --workdir=gs://BUCKET/PATH"
 [[ "${WORKDIR}" =~ ^gs://[a-z0-9][-a-z0-9_.]{1,220}[a-z0-9](/.*)?$ ]] ||
-  die "--workdir=${WORKDIR}: must be a Cloud Storage path gs://BUCKET/PATH, which every" \
-    "worker can write and a restarted (preempted) VM still has"
+  die "--workdir=${WORKDIR}: must be a Cloud Storage path gs://BUCKET/PATH (bucket names:" \
+    "lowercase letters, digits, '-', '_', '.'), which every worker can write and a" \
+    "restarted (preempted) VM still has"
 for kv in "${ENVS[@]+"${ENVS[@]}"}"; do
   [[ "${kv}" =~ ^[A-Za-z_][A-Za-z0-9_]*= ]] || die "--env=${kv}: expected KEY=VALUE"
 done
