@@ -125,8 +125,15 @@ class Run:
     return cls(model=model, num_prompts=c.rollout.num_prompts, num_samples=c.rollout.num_samples,
                max_prompt_len=c.rollout.max_prompt_len, max_new_tokens=c.rollout.max_new_tokens,
                micro_batch_size=c.train.micro_batch_size, logprob_chunk=c.train.logprob_chunk,
-               reference=bool((c.algo.name == "capo" and c.algo.mask) or c.loss.beta > 0),
+               reference=_uses_reference(c),
                ppo_epochs=c.train.ppo_epochs)
+
+
+def _uses_reference(c: Any) -> bool:
+  """CAPO's noise mask ("auto": CAPO only; "on"; "off"; older configs: a bool) or a KL term."""
+  mask = c.algo.mask
+  masked = mask == "on" or (c.algo.name == "capo" and (mask is True or mask == "auto"))
+  return bool(masked or c.loss.beta > 0)
 
 
 def load_run(model: str) -> Run:
