@@ -50,7 +50,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.algo.norm = "group"  # "group" | "pairs" | "none"
   c.algo.score = "mean_logprob"  # or "neg_ppl"
   c.algo.adaptive_tau = 0.0  # > 0: tau = this * mean within-group std of s
-  c.algo.mask = True  # CAPO noise mask from the reference model
+  c.algo.mask = "auto"  # CAPO noise mask: "auto" (CAPO only), "on", "off"
   c.algo.mask_high = 2.5
   c.algo.mask_low = 1.05
   c.algo.mask_mode = "partner"  # or "drop"
@@ -114,6 +114,7 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   """A tiny random-model CPU run of the same algorithm (tests, smoke runs)."""
   c.model.hf_path = ""
   c.model.preset = "tiny"
+  c.model.preset_overrides = ml_collections.ConfigDict({"vocab_size": 512})
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "float32"
   c.model.remat = False

@@ -1,0 +1,153 @@
+"""From an ml_collections run config to the objects a run needs.
+
+Every check of the configuration happens here, at start, with a message that
+names the field and the value; nothing fails an hour into a run because of a
+typo in a config file.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import jax
+import ml_collections
+
+from capo_jax import advantages, losses
+from capo_jax import mesh as mesh_lib
+from capo_jax.optim import OptimConfig
+from capo_jax.train_step import TrainConfig
+from models.config import PRESETS, Qwen2Config
+
+log = logging.getLogger(__name__)
+
+ALGORITHMS = ("capo", "grpo", "dr_grpo", "gspo", "codapo", "cde", "simko")
+# Which policy loss each algorithm trains with (advantages.py gives its advantage).
+LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "cde": "ppo",
+             "gspo": "gspo", "simko": "simko"}
+
+
+class ConfigError(ValueError):
+  """A configuration field has a bad value."""
+
+
+def _fail(field: str, value: Any, why: str) -> None:
+  raise ConfigError(f"config.{field}={value!r}: {why}")
+
+
+def uses_noise_mask(c: ml_collections.ConfigDict) -> bool:
+  """``algo.mask``: "auto" masks for CAPO only; "on" / "off" force it (ablations)."""
+  mode = c.algo.mask
+  if mode not in ("auto", "on", "off"):
+    _fail("algo.mask", mode, "expected 'auto', 'on' or 'off'")
+  return mode == "on" or (mode == "auto" and c.algo.name == "capo")
+
+
+def needs_reference(c: ml_collections.ConfigDict) -> bool:
+  """Reference log-probs are computed only when the KL term or the mask uses them."""
+  return c.loss.beta > 0 or uses_noise_mask(c)
+
+
+def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
+  """Raises ConfigError naming the first bad field."""
+  if c.algo.name not in ALGORITHMS:
+    _fail("algo.name", c.algo.name, f"unknown algorithm; expected one of {ALGORITHMS}")
+  uses_noise_mask(c)
+  r, t = c.rollout, c.train
+  if r.num_samples < 2:
+    _fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
+  if r.num_prompts < 1:
+    _fail("rollout.num_prompts", r.num_prompts, "must be >= 1")
+  if t.mini_batch_prompts < 1 or r.num_prompts % t.mini_batch_prompts:
+    _fail("train.mini_batch_prompts", t.mini_batch_prompts,
+          f"must divide rollout.num_prompts={r.num_prompts}")
+  rows = t.mini_batch_prompts * r.num_samples
+  if t.micro_batch_size < 1 or rows % t.micro_batch_size:
+    _fail("train.micro_batch_size", t.micro_batch_size,
+          f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}")
+  for field in ("max_prompt_len", "max_new_tokens"):
+    if r[field] < 1:
+      _fail(f"rollout.{field}", r[field], "must be >= 1")
+  if t.num_steps < 0:
+    _fail("train.num_steps", t.num_steps, "must be >= 0")
+  if r.old_logprobs not in ("trainer", "sampler"):
+    _fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
+  if c.algo.tau <= 0:
+    _fail("algo.tau", c.algo.tau, "must be > 0")
+  if c.algo.norm not in advantages.NORMS:
+    _fail("algo.norm", c.algo.norm, f"expected one of {advantages.NORMS}")
+  if c.algo.score not in advantages.SCORES:
+    _fail("algo.score", c.algo.score, f"expected one of {advantages.SCORES}")
+  if c.algo.mask_mode not in advantages.MASK_MODES:
+    _fail("algo.mask_mode", c.algo.mask_mode, f"expected one of {advantages.MASK_MODES}")
+  if bool(c.model.hf_path) == bool(c.model.preset):
+    _fail("model.hf_path", c.model.hf_path,
+          "set exactly one of model.hf_path (a HF checkpoint directory) and model.preset "
+          f"(one of {sorted(PRESETS)})")
+  if c.model.preset and c.model.preset not in PRESETS:
+    _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
+  if c.model.hf_path and not os.path.isdir(c.model.hf_path):
+    _fail("model.hf_path", c.model.hf_path, "no such checkpoint directory")
+  sizes = {ax: c.mesh[ax] for ax in mesh_lib.MESH_AXES}
+  n = num_devices if num_devices is not None else jax.device_count()
+  fixed = 1
+  for ax, size in sizes.items():
+    if size == 0 or size < -1:
+      _fail(f"mesh.{ax}", size, "must be a positive size or -1 (the remaining devices)")
+    fixed *= max(size, 1)
+  if fixed > n or (n % fixed):
+    _fail("mesh", dict(sizes), f"the mesh needs a multiple of {fixed} devices; "
+          f"{n} are available")
+  train_config(c)  # dataclass checks (loss, optimizer) with field names
+
+
+def train_config(c: ml_collections.ConfigDict) -> TrainConfig:
+  """The jitted step's static configuration."""
+  l, o = c.loss, c.optim
+  try:
+    loss_cfg = losses.LossConfig(
+        eps_low=l.eps_low, eps_high=l.eps_high, agg=l.agg, beta=l.beta,
+        kl_estimator=l.kl_estimator, max_len=c.rollout.max_new_tokens,
+        gspo_eps_low=l.gspo_eps_low, gspo_eps_high=l.gspo_eps_high,
+        simko_alpha=l.simko_alpha, simko_k=l.simko_k, simko_lambda=l.simko_lambda,
+        simko_quantile=l.simko_quantile)
+    optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup_steps, schedule=o.schedule,
+                        total_steps=num_updates(c), weight_decay=o.weight_decay, b1=o.b1,
+                        b2=o.b2, grad_clip=o.grad_clip)
+  except ValueError as e:
+    raise ConfigError(f"config.loss / config.optim: {e}") from e
+  rows = c.train.mini_batch_prompts * c.rollout.num_samples
+  return TrainConfig(loss_kind=LOSS_KIND[c.algo.name], loss=loss_cfg, optim=optim,
+                     num_microbatches=rows // c.train.micro_batch_size,
+                     logprob_chunk_size=c.train.logprob_chunk)
+
+
+def num_updates(c: ml_collections.ConfigDict) -> int:
+  """Optimizer updates over the run (PPO mini-batches x epochs x RL steps)."""
+  per_step = c.rollout.num_prompts // c.train.mini_batch_prompts * c.train.ppo_epochs
+  return max(per_step * c.train.num_steps, 1)
+
+
+def advantage_hparams(c: ml_collections.ConfigDict) -> dict[str, Any]:
+  """The chosen estimator's hyper-parameters from ``config.algo``."""
+  a = c.algo
+  available = {"tau": a.tau, "norm": a.norm, "score": a.score, "adaptive_tau": a.adaptive_tau,
+               "kappa": a.cde_kappa, "alpha": a.cde_alpha, "omega": a.cde_omega}
+  return {k: available[k] for k in advantages.hparam_names(a.name) if k in available}
+
+
+def model_config(c: ml_collections.ConfigDict) -> Qwen2Config:
+  m = c.model
+  kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+  try:
+    if m.hf_path:
+      return Qwen2Config.from_hf(m.hf_path, **kw)
+    overrides = dict(m.preset_overrides.to_dict()) if m.preset_overrides else {}
+    return PRESETS[m.preset](**{**overrides, **kw})
+  except (ValueError, TypeError) as e:
+    raise ConfigError(f"config.model: {e}") from e
+
+
+def make_mesh(c: ml_collections.ConfigDict) -> jax.sharding.Mesh:
+  return mesh_lib.make_mesh({ax: c.mesh[ax] for ax in mesh_lib.MESH_AXES})

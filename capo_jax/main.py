@@ -1,0 +1,39 @@
+r"""Command line: ``python -m capo_jax.main --config=configs/<run>.py --workdir=DIR``.
+
+Config fields are overridden with dotted flags (``--config.algo.tau=0.5``);
+``--config=configs/<run>.py:shrink`` runs the tiny CPU variant. Re-running
+the same command with the same workdir resumes from its last checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from absl import app, flags
+from ml_collections import config_flags
+
+from capo_jax import distributed
+
+_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
+                                          lock_config=True)
+_WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (local or gs://).")
+flags.mark_flags_as_required(["config", "workdir"])
+
+
+def main(argv: list[str]) -> None:
+  if len(argv) > 1:
+    raise app.UsageError(f"unexpected arguments: {argv[1:]}")
+  logging.getLogger().setLevel(logging.INFO)
+  logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
+  distributed.maybe_initialize()
+  config = _CONFIG.value
+  if "demo" in config:  # the embedded demo: warm start, then RL, then the report
+    from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
+    demo_run.run(config, _WORKDIR.value)
+    return
+  from capo_jax import rl_loop  # pylint: disable=import-outside-toplevel
+  rl_loop.train(config, _WORKDIR.value)
+
+
+if __name__ == "__main__":
+  app.run(main)

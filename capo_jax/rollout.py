@@ -1,0 +1,226 @@
+"""One RL step's data: prompts -> samples -> rewards -> log-probs -> advantages.
+
+The flow of SPEC section 4 for a batch of Q questions and G samples each
+(B = Q * G rows, grouped by question):
+
+  sampling (jit) -> rewards (host, process pool) -> old / reference log-probs
+  (jit, trainer forward) -> advantages (jit, vmapped per question) -> PPO
+  mini-batches of ``TrainBatch``.
+
+Multi-host: each process reads and grades only its own questions; prompt
+tokens, rewards and log-probs are all-gathered (small integer / float
+arrays), so every process holds the same global host arrays and builds the
+same global device arrays from them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+
+from capo_jax import advantages, calibration, sampling
+from capo_jax.data import Example
+from capo_jax.tokenizer import Tokenizer
+from capo_jax.train_step import TrainBatch
+from models.config import Qwen2Config
+
+LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this
+
+
+def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
+  """The whole (global) value of an array on every process."""
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
+
+
+def gather_rows(x: np.ndarray) -> np.ndarray:
+  """Concatenates each process's rows (in process order) on every process."""
+  if jax.process_count() == 1:
+    return x
+  return np.asarray(multihost_utils.process_allgather(x, tiled=False)).reshape(
+      (-1,) + x.shape[1:])
+
+
+def put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
+  """Host arrays that every process holds in full -> global device arrays."""
+  return jax.tree.map(
+      lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
+
+
+def _trim_left(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+  """Drops all-padding columns of a left-padded batch, keeping a bucketed width."""
+  width = max(int(mask.sum(1).max()), 1)
+  width = min(-(-width // LENGTH_BUCKET) * LENGTH_BUCKET, tokens.shape[1])
+  return tokens[:, -width:], mask[:, -width:]
+
+
+@dataclasses.dataclass(frozen=True)
+class RolloutSpec:
+  """What ``collect`` needs to know besides the arrays (from the run config)."""
+  num_samples: int
+  max_prompt_len: int
+  max_new_tokens: int
+  temperature: float
+  top_p: float
+  top_k: int
+  algo: str
+  hparams: dict[str, Any]
+  noise_mask: bool
+  mask_high: float
+  mask_low: float
+  mask_mode: str
+  old_from_sampler: bool
+  mini_batch_prompts: int
+  num_steps: int
+  simko_k: int = 0
+
+
+@dataclasses.dataclass
+class Rollout:
+  """Host arrays of one step (global, identical on every process)."""
+  prompt_tokens_BP: np.ndarray
+  prompt_mask_BP: np.ndarray
+  completion_tokens_BC: np.ndarray
+  completion_mask_BC: np.ndarray
+  old_logp_BC: np.ndarray
+  ref_logp_BC: np.ndarray | None
+  topk_ids_BCK: np.ndarray | None
+  topk_logp_BCK: np.ndarray | None
+  rewards_QG: np.ndarray
+  s_QG: np.ndarray
+  adv_QG: np.ndarray
+  metrics: dict[str, float]
+  texts: list[str]  # this process's completions
+  local_rows: slice  # which global rows ``texts`` are
+
+  def minibatches(self, mini_batch_prompts: int, num_samples: int) -> list[TrainBatch]:
+    """Consecutive groups of questions, each a ``TrainBatch`` of host arrays."""
+    rows = mini_batch_prompts * num_samples
+    out = []
+    for start in range(0, self.prompt_tokens_BP.shape[0], rows):
+      sl = slice(start, start + rows)
+      pick = lambda x: None if x is None else x[sl]
+      out.append(TrainBatch(
+          prompt_tokens_BP=self.prompt_tokens_BP[sl], prompt_mask_BP=self.prompt_mask_BP[sl],
+          completion_tokens_BC=self.completion_tokens_BC[sl],
+          completion_mask_BC=self.completion_mask_BC[sl], old_logp_BC=self.old_logp_BC[sl],
+          adv_B=self.adv_QG.reshape(-1)[sl], ref_logp_BC=pick(self.ref_logp_BC),
+          correct_B=(self.rewards_QG.reshape(-1)[sl] > 0.5) if self.topk_ids_BCK is not None
+          else None,
+          old_topk_ids_BCK=pick(self.topk_ids_BCK), old_topk_logp_BCK=pick(self.topk_logp_BCK)))
+    return out
+
+
+def mean_logprob(logp_BC: np.ndarray, mask_BC: np.ndarray) -> np.ndarray:
+  """s = mean token log-prob of each completion (SPEC section 1)."""
+  n = np.maximum(mask_BC.sum(-1), 1)
+  return (logp_BC * mask_BC).sum(-1) / n
+
+
+def collect(examples: Sequence[Example], *, params_sampling: Any, params_train: Any,
+            ref_params: Any | None, model_cfg: Qwen2Config, tokenizer: Tokenizer,
+            grader: Any, logprob_fn: Callable[..., dict[str, Any]], spec: RolloutSpec,
+            step: int, rng: jax.Array, mesh: jax.sharding.Mesh, sampling_rules: Any
+            ) -> Rollout:
+  """Samples, grades and scores this step's questions (``examples``: this process's share)."""
+  G = spec.num_samples
+  t0 = time.perf_counter()
+  tok_local, mask_local = tokenizer.encode_prompts([e.problem for e in examples],
+                                                   spec.max_prompt_len)
+  # Equal widths on every process, so the all-gather stacks cleanly.
+  pad = spec.max_prompt_len - tok_local.shape[1]
+  tok_local = np.pad(tok_local, ((0, 0), (pad, 0)), constant_values=tokenizer.pad_id)
+  mask_local = np.pad(mask_local, ((0, 0), (pad, 0)))
+  tokens_QP, mask_QP = _trim_left(gather_rows(tok_local), gather_rows(mask_local))
+  Q = tokens_QP.shape[0]
+
+  samples = sampling.generate(
+      params_sampling, model_cfg, tokens_QP, mask_QP, rng, num_samples=G,
+      max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
+      top_k=spec.top_k, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, mesh=mesh,
+      rules=sampling_rules)
+  comp_BC, cmask_BC = to_host(samples.tokens), to_host(samples.mask)
+  sampler_logp_BC = to_host(samples.logprobs)
+  lengths_B, truncated_B = to_host(samples.lengths), to_host(samples.truncated)
+  t_sample = time.perf_counter() - t0
+
+  # Completion width: the longest sample of the step, bucketed (bounded compiles).
+  C = min(-(-max(int(lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET, comp_BC.shape[1])
+  comp_BC, cmask_BC, sampler_logp_BC = comp_BC[:, :C], cmask_BC[:, :C], sampler_logp_BC[:, :C]
+
+  # Grade this process's own rows only; share the rewards.
+  t1 = time.perf_counter()
+  n_local = len(examples) * G
+  local_rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
+  texts = tokenizer.decode_completions(comp_BC[local_rows], cmask_BC[local_rows])
+  golds = [e.answer for e in examples for _ in range(G)]
+  rewards_local, health = grader.score(texts, golds)
+  rewards_QG = gather_rows(np.asarray(rewards_local, np.float32)).reshape(Q, G)
+  health_counts = gather_rows(np.asarray([list(health.as_dict().values())], np.int64)).sum(0)
+  health_all = dict(zip(health.as_dict().keys(), health_counts.tolist()))
+  t_reward = time.perf_counter() - t1
+
+  t2 = time.perf_counter()
+  prompt_BP = np.repeat(tokens_QP, G, axis=0)
+  pmask_BP = np.repeat(mask_QP, G, axis=0)
+  inputs = (prompt_BP, pmask_BP, comp_BC, cmask_BC)
+  topk_ids = topk_logp = None
+  if spec.old_from_sampler and spec.simko_k == 0:
+    old_logp_BC = sampler_logp_BC
+  else:
+    old = logprob_fn(params_train, *inputs)
+    old_logp_BC = sampler_logp_BC if spec.old_from_sampler else to_host(old["logp_BC"])
+    if spec.simko_k:
+      topk_ids, topk_logp = to_host(old["topk_ids_BCK"]), to_host(old["topk_logp_BCK"])
+  ref_logp_BC = None
+  if ref_params is not None:
+    ref_logp_BC = to_host(logprob_fn(ref_params, *inputs)["logp_BC"])
+  t_logp = time.perf_counter() - t2
+
+  s_QG = mean_logprob(old_logp_BC, cmask_BC).reshape(Q, G)
+  valid_QG = np.ones((Q, G), bool)
+  receive_QG = None
+  mask_metrics: dict[str, float] = {}
+  if spec.noise_mask:
+    ref_s_QG = mean_logprob(ref_logp_BC, cmask_BC).reshape(Q, G)
+    noisy_QG = advantages.noise_mask(jnp.asarray(rewards_QG), advantages.ref_ppl(ref_s_QG),
+                                     high=spec.mask_high, low=spec.mask_low)
+    mask_metrics = {k: float(v) for k, v in advantages.masked_fraction(
+        noisy_QG, jnp.asarray(rewards_QG), jnp.asarray(valid_QG)).items()}
+    valid_QG, receive_QG = advantages.split_masks(jnp.asarray(valid_QG), noisy_QG,
+                                                  mode=spec.mask_mode)
+  adv_QG = np.asarray(advantages.compute_advantages(
+      spec.algo, rewards_QG=jnp.asarray(rewards_QG), mean_logp_QG=jnp.asarray(s_QG),
+      valid_QG=jnp.asarray(valid_QG), receive_QG=receive_QG, step=step,
+      total_steps=spec.num_steps, **spec.hparams))
+
+  correct_QG = rewards_QG > 0.5
+  auc, n_auc = calibration.auc_mean(s_QG, correct_QG)
+  score_QG = advantages.to_score(jnp.asarray(s_QG), spec.hparams.get("score", "mean_logprob"))
+  n_gen = int(lengths_B.sum())
+  metrics = {
+      "accuracy": float(correct_QG.mean()),
+      "auc_mean": auc, "auc_questions": n_auc,
+      "frac_all_correct": float(correct_QG.all(1).mean()),
+      "frac_all_wrong": float((~correct_QG).all(1).mean()),
+      "response_len": float(lengths_B.mean()),
+      "truncation_rate": float(truncated_B.mean()),
+      "s_mean": float(s_QG.mean()),
+      "s_spread": float(advantages.score_spread(score_QG, jnp.asarray(rewards_QG),
+                                                jnp.asarray(valid_QG))),
+      "adv_abs_mean": float(np.abs(adv_QG).mean()),
+      "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
+      "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
+      **mask_metrics,
+      **{f"reward/{k}": float(v) for k, v in health_all.items()},
+  }
+  return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, old_logp_BC, ref_logp_BC, topk_ids,
+                 topk_logp, rewards_QG, s_QG, adv_QG, metrics, texts, local_rows)
