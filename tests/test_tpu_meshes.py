@@ -230,3 +230,13 @@ def test_main_prints_a_table_per_model(capsys, monkeypatch):
   text = capsys.readouterr().out
   assert text.count("== Qwen2.5-Math-") == 2
   assert "TODO(measured)" in text and "v5e-16" in text and "v4-32" in text
+
+
+@pytest.mark.parametrize("name,mask,beta,expected", [
+    ("capo", "auto", 0.0, True), ("grpo", "auto", 0.0, False), ("grpo", "on", 0.0, True),
+    ("capo", "off", 0.0, False), ("grpo", "off", 0.1, True), ("capo", True, 0.0, True),
+    ("capo", False, 0.0, False)])
+def test_reference_copy_only_when_the_mask_or_kl_needs_it(name, mask, beta, expected):
+  import ml_collections
+  c = ml_collections.ConfigDict({"algo": {"name": name, "mask": mask}, "loss": {"beta": beta}})
+  assert mp._uses_reference(c) is expected
