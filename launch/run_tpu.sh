@@ -26,8 +26,9 @@ relative to each worker's home directory.
                        the same workdir resumes from its last checkpoint
   --env=KEY=VALUE      environment variable for the trainer (repeatable),
                        e.g. --env=CAPO_DATA_DIR=capo-data
-  --restart            stop this job's earlier run on the workers first (by the
-                       pid it recorded), instead of refusing to start
+  --restart            stop this job's earlier run on the workers first (SIGTERM to
+                       the pid it recorded: the trainer saves a checkpoint and
+                       exits), instead of refusing to start
 ${COMMON_FLAGS_HELP}
 EOF
 }
@@ -78,8 +79,10 @@ trainer=(env PYTHONPATH="${REMOTE_DIR}" PYTHONUNBUFFERED=1 "${ENVS[@]+"${ENVS[@]
   script="set -e; mkdir -p ${REMOTE_LOGS}; pid=\$(cat ${pid_file} 2>/dev/null || true)"
   script+='; if [ -n "$pid" ] && grep -qs capo_jax.main /proc/$pid/cmdline; then'
   if ((RESTART)); then
-    script+=' kill "$pid"; for _ in $(seq 120); do kill -0 "$pid" 2>/dev/null || break'
-    script+='; sleep 1; done'
+    # SIGTERM makes the trainer save a checkpoint before it exits: give it time.
+    script+=' kill "$pid"; for _ in $(seq 900); do kill -0 "$pid" 2>/dev/null || break'
+    script+='; sleep 1; done; if kill -0 "$pid" 2>/dev/null; then echo "$(hostname): pid $pid'
+    script+=' still running 15 minutes after SIGTERM; not starting another" >&2; exit 1; fi'
   else
     script+=' echo "$(hostname): capo_jax.main is already running (pid $pid): follow it'
     script+=' with logs.sh, or pass --restart" >&2; exit 1'
