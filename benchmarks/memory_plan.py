@@ -70,6 +70,7 @@ CHIPS = {"v4": Chip(32, 1228, 275), "v5e": Chip(16, 819, 197), "v5p": Chip(95, 2
 DEFAULT_SLICES = ("v4-8", "v4-32", "v4-64", "v5e-16", "v5e-32", "v5p-8", "v5p-64", "v6e-8",
                   "v6e-16")
 CONFIGS = {"1.5B": "configs.capo_qwen2p5_math_1p5b", "7B": "configs.capo_qwen2p5_math_7b"}
+PRESETS = {"1.5B": "qwen2p5_math_1p5b", "7B": "qwen2p5_math_7b"}  # when a config sets hf_path
 
 
 @dataclasses.dataclass(frozen=True)
@@ -118,8 +119,9 @@ class Run:
   decode_copies_cache: bool = True  # as measured on the sampler today (module docstring)
 
   @classmethod
-  def from_config(cls, c: Any) -> Run:
-    model = getattr(Qwen2Config, c.model.preset)(
+  def from_config(cls, c: Any, preset: str = "") -> Run:
+    """``preset`` names the architecture when the config has none (only hf_path)."""
+    model = getattr(Qwen2Config, c.model.preset or preset)(
         param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype,
         remat=c.model.remat)
     return cls(model=model, num_prompts=c.rollout.num_prompts, num_samples=c.rollout.num_samples,
@@ -138,7 +140,7 @@ def _uses_reference(c: Any) -> bool:
 
 def load_run(model: str) -> Run:
   """The run shapes of the committed config of ``model`` ("1.5B" or "7B")."""
-  return Run.from_config(importlib.import_module(CONFIGS[model]).get_config())
+  return Run.from_config(importlib.import_module(CONFIGS[model]).get_config(), PRESETS[model])
 
 
 def kv_bytes_per_token(cfg: Qwen2Config) -> int:

@@ -10,7 +10,8 @@
 #
 #   launch/run_tpu.sh --name=capo-v4 --zone=us-central2-b \
 #       --config=configs/capo_qwen2p5_math_7b.py --workdir=gs://BUCKET/capo-7b \
-#       -- --config.model.hf_path=capo-models/Qwen2.5-Math-7B --config.mesh.tensor=4
+#       -- --config.model.preset= --config.model.hf_path=capo-models/Qwen2.5-Math-7B \
+#       --config.mesh.tensor=2
 # shellcheck source-path=SCRIPTDIR source=common.sh
 source "$(dirname "${BASH_SOURCE[0]}")/common.sh"
 
