@@ -27,11 +27,14 @@ import os
 import pathlib
 import time
 from collections.abc import Mapping, Sequence
+from concurrent import futures
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+from etils import epath
+from tqdm import auto as tqdm
 
 from capo_jax import data, report, rewards, sampling, scaling
 from capo_jax.report import SampleRecord
@@ -73,11 +76,6 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
   return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _progress(total: int, desc: str, enabled: bool) -> Any:
-  from tqdm import auto  # pylint: disable=import-outside-toplevel
-  return auto.tqdm(total=total, desc=desc, unit="q", disable=not enabled)
-
-
 def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
                         examples: Sequence[data.Example], eval_cfg: EvalConfig, rng: jax.Array,
                         benchmark: str, grader: Any, sharding: dict[str, Any]
@@ -103,17 +101,16 @@ def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
         top_p=eval_cfg.top_p, top_k=eval_cfg.top_k, stop_ids=tokenizer.stop_ids,
         pad_id=tokenizer.pad_id, **sharding)
 
-  def finish(idx: list[int], out: sampling.Samples) -> None:
-    n = len(idx) * G
-    tokens = np.asarray(out.tokens)[:n]
-    mask = np.asarray(out.mask)[:n].astype(np.float64)
-    logprobs = np.asarray(out.logprobs)[:n].astype(np.float64)
+  def finish(idx: list[int], out: sampling.Samples, bar: Any) -> None:
+    n = len(idx) * G  # rows past n belong to the padding repeats
+    tokens, mask = out.tokens[:n], out.mask[:n].astype(np.float64)
+    logprobs = out.logprobs[:n].astype(np.float64)
     length_B = mask.sum(1)
     s_B = (logprobs * mask).sum(1) / np.maximum(length_B, 1)  # SPEC 1: stop token counts
     texts = tokenizer.decode_completions(tokens, mask)
     golds = [examples[i].answer for i in idx for _ in range(G)]
     correct_B = np.asarray(grader.score(texts, golds)[0]) > 0
-    stats["truncated"] += int(np.asarray(out.truncated)[:n].sum())
+    stats["truncated"] += int(out.truncated[:n].sum())
     stats["tokens"] += int(length_B.sum())
     for r in range(n):
       q = idx[r // G]
@@ -122,21 +119,22 @@ def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
           completion=texts[r], answer=rewards.extract_answer(texts[r])[0],
           correct=bool(correct_B[r]), s=min(float(s_B[r]), 0.0), length=int(length_B[r])))
     stats["correct"] += int(correct_B.sum())
+    stats["rows"] += n
+    bar.update(len(idx))
+    bar.set_postfix(acc=f"{stats['correct'] / stats['rows']:.3f}")
 
   start = time.perf_counter()
-  bar = _progress(len(examples), benchmark, eval_cfg.progress)
-  pending = None
-  for b, idx in enumerate(_batches(lengths, bs)):
-    # Dispatch the next batch before decoding / grading this one: the device
-    # samples while the host grades (jax dispatch is asynchronous).
-    out = dispatch(b, idx)
-    if pending is not None:
-      finish(*pending)
-      bar.update(len(pending[0]))
-      bar.set_postfix(acc=f"{stats['correct'] / max(1, bar.n * G):.3f}")
-    pending = (idx, out)
-  finish(*pending)
-  bar.update(len(pending[0]))
+  bar = tqdm.tqdm(total=len(examples), desc=benchmark, unit="q", disable=not eval_cfg.progress)
+  # Batch b+1 samples on the device while a host thread decodes and grades batch
+  # b. device_get waits for batch b first, so one KV cache is live at a time.
+  with futures.ThreadPoolExecutor(1) as host:
+    prev = None
+    for b, idx in enumerate(_batches(lengths, bs)):
+      out = jax.device_get(dispatch(b, idx))
+      if prev is not None:
+        prev.result()  # re-raises a grading error; keeps the host one batch behind at most
+      prev = host.submit(finish, idx, out, bar)
+    prev.result()
   bar.close()
   secs = time.perf_counter() - start
   n_rows = len(examples) * G
@@ -264,7 +262,7 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
       tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
           else None
       return Policy(cfg, params, tok, hf_dir)
-  if os.path.isdir(os.path.join(path, CHECKPOINT_DIR)):
+  if (epath.Path(path) / CHECKPOINT_DIR).exists():  # local or gs://
     cfg, params, step = _restore_params(path, dtype, base_model)
     tok = base_model if _has_tokenizer(base_model) else None
     return Policy(cfg, params, tok, f"{path} (checkpoint step {step})")
@@ -398,20 +396,24 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
                             config={"from_samples": os.path.abspath(args.from_samples)},
                             plots=not args.no_plots, samples=False)
   else:
-    dtype = jnp.dtype(args.dtype)
-    policy = load_policy(args.policy, base_model=args.base_model or None, dtype=dtype)
+    # Flags and benchmark files are checked before the (slow) policy load.
+    eval_cfg = EvalConfig(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
+                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                          batch_size=args.batch_size, progress=not args.no_progress)
+    benchmarks = load_benchmarks([b.strip() for b in args.benchmarks.split(",") if b.strip()],
+                                 args.data_dir, args.limit)
+    policy = load_policy(args.policy, base_model=args.base_model or None,
+                         dtype=jnp.dtype(args.dtype))
     tok_dir = args.tokenizer or policy.tokenizer_dir
     if not tok_dir:
       raise FileNotFoundError(f"no tokenizer next to {policy.source}: pass --tokenizer=DIR "
                               "(or --base_model=DIR)")
     from capo_jax.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
     tokenizer = load_tokenizer(tok_dir)
+    if tokenizer.vocab_size > policy.cfg.vocab_size:
+      raise ValueError(f"tokenizer {tok_dir} has {tokenizer.vocab_size} tokens but the policy's "
+                       f"vocab_size is {policy.cfg.vocab_size}: wrong --tokenizer?")
     log.info("policy %s (%s), tokenizer %s", policy.source, args.dtype, tok_dir)
-    benchmarks = load_benchmarks([b for b in args.benchmarks.split(",") if b.strip()],
-                                 args.data_dir, args.limit)
-    eval_cfg = EvalConfig(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          batch_size=args.batch_size, progress=not args.no_progress)
     records = evaluate_policy(policy.params, policy.cfg, tokenizer, benchmarks, eval_cfg,
                               jax.random.key(args.seed), **_sampling_mesh(args.tensor_parallel))
     config = dict(dataclasses.asdict(eval_cfg), policy=policy.source, tokenizer=tok_dir,

@@ -28,8 +28,12 @@ G, C = 4, 8  # samples per question, max new tokens
 @pytest.fixture(scope="module")
 def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, pathlib.Path]:
   """(transformers model, HF dir holding it and the tiny tokenizer)."""
+  import torch  # pylint: disable=import-outside-toplevel
   path = tmp_path_factory.mktemp("policy")
-  model, _ = hf_utils.make_hf_model(path, vocab_size=400)
+  model, _ = hf_utils.make_hf_model(None, vocab_size=400)
+  with torch.no_grad():  # <|im_end|> (id 2) gets likely: completions of varied lengths
+    model.model.embed_tokens.weight[2] += 0.5
+  model.save_pretrained(path)
   hf_utils.make_tokenizer().save_pretrained(path)
   return model, path
 
@@ -70,12 +74,16 @@ def _check_plots(out: pathlib.Path, bench: str) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def _parity(text: str, gold: str) -> bool:
+  return (len(text) + int(gold)) % 2 == 0
+
+
 class _ParityGrader:
-  """Fake grader: correct iff the completion has an even number of characters."""
+  """Fake grader: correct iff len(completion) + gold is even (gold mix-ups show)."""
 
   def score(self, texts: list[str], golds: list[str]) -> tuple[np.ndarray, None]:
     assert len(texts) == len(golds)
-    return np.array([len(t) % 2 == 0 for t in texts], np.float32), None
+    return np.array([_parity(t, g) for t, g in zip(texts, golds)], np.float32), None
 
 
 def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
@@ -104,6 +112,7 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
   # Reference: every sampled row re-scored by the transformers model.
   tok = hf_utils.make_tokenizer()
   problem_of = {p: i for i, p, _ in QUESTIONS}
+  gold_of = {i: a for i, _, a in QUESTIONS}
   ref: dict[tuple[str, int], tuple[float, int, str]] = {}
   for tokens_QP, mask_QP, samples in calls:
     for q in range(tokens_QP.shape[0]):
@@ -122,11 +131,12 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
         body = comp[:-1] if comp[-1] in (0, 2) else comp  # stop ids: <|endoftext|>, <|im_end|>
         ref[qid, g] = (float(np.mean(lp)), n, tok.decode(body.tolist(), skip_special_tokens=True))
   assert len(ref) == 3 * G
+  assert len({n for _, n, _ in ref.values()}) > 1, "every completion has the same length"
   for r in rows:
     s, n, text = ref[r["question_id"], r["sample_index"]]
     assert r["s"] == pytest.approx(s, abs=2e-4)
     assert r["length"] == n and r["completion"] == text
-    assert r["correct"] == (len(text) % 2 == 0)
+    assert r["correct"] == _parity(text, gold_of[r["question_id"]])
 
   # results.json against direct metric calls and independent references.
   res = report.load_results(out)
@@ -138,9 +148,8 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
   assert bench["mean@16"] is None  # fewer samples than 16
   auc, n_used = cal.auc_mean(s_QG, correct_QG)
   ref_auc, ref_n = _sklearn_auc_mean(s_QG, correct_QG)
-  assert bench["auc_n_used"] == n_used == ref_n
-  if ref_n:
-    assert bench["auc_mean"] == pytest.approx(auc) and auc == pytest.approx(ref_auc)
+  assert bench["auc_n_used"] == n_used == ref_n and ref_n > 0
+  assert bench["auc_mean"] == pytest.approx(auc) and auc == pytest.approx(ref_auc)
   assert bench["scaling"]["n"] == [1, 2, 4]
   assert res["config"]["num_samples"] == G and res["config"]["limit"] == 3
   _check_plots(out, "tiny")
