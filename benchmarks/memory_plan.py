@@ -132,10 +132,9 @@ class Run:
 
 
 def _uses_reference(c: Any) -> bool:
-  """CAPO's noise mask ("auto": CAPO only; "on"; "off"; older configs: a bool) or a KL term."""
-  mask = c.algo.mask
-  masked = mask == "on" or (c.algo.name == "capo" and (mask is True or mask == "auto"))
-  return bool(masked or c.loss.beta > 0)
+  """Whether the trainer keeps a reference policy (its own rule: noise mask or KL)."""
+  from capo_jax import experiment
+  return bool(experiment.needs_reference(c))
 
 
 def load_run(model: str) -> Run:
