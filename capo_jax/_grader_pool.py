@@ -72,7 +72,7 @@ class DeadlinePool:
     self.num_restarts = 0
     self._workers: list[_Worker] = []
     self._failed_starts = 0
-    self._lock = threading.Lock()
+    self._lock = threading.RLock()
     # Kills the workers when the pool is garbage-collected without close().
     weakref.finalize(self, DeadlinePool._kill_all, self._workers)
 
@@ -87,8 +87,11 @@ class DeadlinePool:
     cmd = [sys.executable, "-c", "from capo_jax._grader_pool import _worker_main; _worker_main()",
            self.target, self.warmup or "", str(child_r), str(child_w)]
     try:
+      # Own process group (Python >= 3.11): a Ctrl-C at the terminal reaches the parent only,
+      # which then kills the workers, instead of every worker printing a KeyboardInterrupt.
+      group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
       proc = subprocess.Popen(cmd, pass_fds=(child_r, child_w), env=env,
-                              stdin=subprocess.DEVNULL)
+                              stdin=subprocess.DEVNULL, **group)
     finally:
       os.close(child_r)
       os.close(child_w)
@@ -128,10 +131,15 @@ class DeadlinePool:
       DeadlinePool._kill(w)
     workers.clear()
 
+  def worker_pids(self) -> list[int]:
+    """Process ids of the current workers (for monitoring)."""
+    return [w.proc.pid for w in self._workers]
+
   def close(self) -> None:
     """Stops all workers (they hold no state worth a graceful exit); a later `map` starts
-    new ones."""
-    self._kill_all(self._workers)
+    new ones. Waits for a `map` running in another thread to finish."""
+    with self._lock:
+      self._kill_all(self._workers)
 
   def __enter__(self) -> DeadlinePool:
     return self
