@@ -81,11 +81,11 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("algo.score", c.algo.score, f"expected one of {advantages.SCORES}")
   if c.algo.mask_mode not in advantages.MASK_MODES:
     _fail("algo.mask_mode", c.algo.mask_mode, f"expected one of {advantages.MASK_MODES}")
-  if bool(c.model.hf_path) == bool(c.model.preset):
+  if not c.model.hf_path and not c.model.preset:
     _fail("model.hf_path", c.model.hf_path,
-          "set exactly one of model.hf_path (a HF checkpoint directory) and model.preset "
-          f"(one of {sorted(PRESETS)})")
-  if c.model.preset and c.model.preset not in PRESETS:
+          "set model.hf_path (a HF checkpoint directory) or model.preset (random weights, "
+          f"one of {sorted(PRESETS)})")
+  if not c.model.hf_path and c.model.preset not in PRESETS:
     _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
   if c.model.hf_path and not os.path.isdir(c.model.hf_path):
     _fail("model.hf_path", c.model.hf_path, "no such checkpoint directory")
@@ -138,6 +138,8 @@ def advantage_hparams(c: ml_collections.ConfigDict) -> dict[str, Any]:
 
 
 def model_config(c: ml_collections.ConfigDict) -> Qwen2Config:
+  """The policy's architecture: from ``model.hf_path`` when set (it wins over
+  ``model.preset``, which the run configs set for shape checks), else the preset."""
   m = c.model
   kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
   try:

@@ -139,11 +139,17 @@ def _sample_records(ro: rollout.Rollout, examples: Sequence[data.Example], G: in
   return recs
 
 
-def export_policy(model_cfg: Qwen2Config, params: Any, path: str) -> None:
-  """Writes the policy as a HF directory (process 0 writes; every process must call)."""
+def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
+                  tokenizer: Tokenizer | None = None) -> None:
+  """Writes the policy (and a HF tokenizer) as a HF directory.
+
+  Process 0 writes; every process must call (the params are gathered).
+  """
   host = jax.tree.map(rollout.to_host, params)
   if is_main_process():
     hf_weights.save_pretrained(model_cfg, host, path)
+    if hasattr(tokenizer, "hf"):
+      tokenizer.hf.save_pretrained(path)
     log.info("exported the policy as a HF checkpoint to %s", path)
 
 
@@ -213,7 +219,8 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
 
   def save(step: int, force: bool = False) -> None:
     checkpointer.save(step, state, {"rng": ckpt_lib.key_to_json(rng), "data": iterator.state(),
-                                    "algo": c.algo.name}, force=force)
+                                    "algo": c.algo.name, "hf_config": model_cfg.to_hf()},
+                      force=force)
 
   if eval_fn is not None and start == 0:
     writer.write(0, {f"eval/{k}": v for k, v in eval_fn(0, state.params).items()})
@@ -273,6 +280,6 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   save(c.train.num_steps, force=True)
   checkpointer.close()
   if c.checkpoint.export_hf and c.train.num_steps > start:
-    export_policy(model_cfg, state.params, os.path.join(workdir, "export_hf"))
+    export_policy(model_cfg, state.params, os.path.join(workdir, "export_hf"), tokenizer)
   writer.close()
   return state.params

@@ -203,7 +203,9 @@ def collect(examples: Sequence[Example], *, params_sampling: Any, params_train: 
       total_steps=spec.num_steps, **spec.hparams))
 
   correct_QG = rewards_QG > 0.5
-  auc, n_auc = calibration.auc_mean(s_QG, correct_QG)
+  finite_QG = np.isfinite(s_QG)  # a diverged policy must not crash the logging
+  auc, n_auc = calibration.auc_mean(np.where(finite_QG, s_QG, 0.0), correct_QG,
+                                    valid_QG=finite_QG)
   score_QG = advantages.to_score(jnp.asarray(s_QG), spec.hparams.get("score", "mean_logprob"))
   n_gen = int(lengths_B.sum())
   metrics = {

@@ -1,0 +1,72 @@
+"""Runs a tiny RL job in its own process, for the trainer's process-level tests.
+
+  python tests/rl_driver.py WORKDIR TOKENIZER_DIR DATA_FILE NUM_STEPS [key=value ...]
+
+A random tiny model never writes a boxed answer, so every reward would be 0
+and every advantage too; the driver's grader instead gives each completion a
+deterministic pseudo-random reward (CRC32 of its text), so updates are real
+and resumption is tested on params that actually move. It writes the SHA-256
+of the final params to WORKDIR/params.<process_index>.sha256.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import sys
+import zlib
+
+import jax
+import numpy as np
+
+from capo_jax import distributed
+from capo_jax.rewards import RewardHealth
+
+
+class HashGrader:
+  """Reward 1 for completions whose CRC32 is odd: fixed, text-dependent, no math."""
+
+  def score(self, completions, golds):
+    del golds
+    r = np.array([zlib.crc32(c.encode()) % 2 for c in completions], np.float32)
+    return r, RewardHealth(total=len(r), correct=int(r.sum()))
+
+
+def tiny_config(tokenizer_dir: str, data_file: str, num_steps: int):
+  from configs import capo_qwen2p5_math_1p5b  # pylint: disable=import-outside-toplevel
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.tokenizer_path = tokenizer_dir
+  c.data.train = data_file
+  c.rollout.max_prompt_len = 256
+  c.rollout.max_new_tokens = 8
+  c.train.num_steps = num_steps
+  c.optim.lr = 1e-3
+  return c
+
+
+def params_digest(params) -> str:
+  h = hashlib.sha256()
+  for leaf in jax.tree.leaves(params):
+    h.update(np.ascontiguousarray(leaf).tobytes())
+  return h.hexdigest()
+
+
+def main(argv: list[str]) -> None:
+  workdir, tok, data_file, steps = argv[1], argv[2], argv[3], int(argv[4])
+  distributed.maybe_initialize()
+  from capo_jax import rl_loop, rollout  # pylint: disable=import-outside-toplevel
+  c = tiny_config(tok, data_file, steps)
+  for kv in argv[5:]:
+    key, value = kv.split("=", 1)
+    node = c
+    *parents, leaf = key.split(".")
+    for p in parents:
+      node = node[p]
+    node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "1"
+  params = rl_loop.train(c, workdir, grader=HashGrader())
+  host = jax.tree.map(rollout.to_host, params)
+  with open(f"{workdir}/params.{jax.process_index()}.sha256", "w") as f:
+    f.write(params_digest(host))
+
+
+if __name__ == "__main__":
+  main(sys.argv)

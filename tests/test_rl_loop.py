@@ -1,0 +1,174 @@
+"""The RL run end to end: configs, bad configs, resume, faults, preemption, multi-host."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import pathlib
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import jax
+import numpy as np
+import pytest
+
+import hf_utils
+import rl_driver
+from capo_jax import experiment, rl_loop
+from capo_jax.data import Example
+from configs import common
+from models import qwen2
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+DRIVER = str(REPO / "tests" / "rl_driver.py")
+CONFIG_FILES = sorted(p.stem for p in (REPO / "configs").glob("*.py")
+                      if p.stem not in ("__init__", "common"))
+QUESTIONS = [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("Compute 6 * 7.", "42"),
+             ("What is 10 / 2?", "5"), ("What is 9 + 9?", "18"), ("What is 3 * 3?", "9"),
+             ("What is 8 - 1?", "7"), ("What is 1 + 1?", "2")]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+  root = tmp_path_factory.mktemp("rl")
+  tok = hf_utils.make_tokenizer_dir(root / "tok")
+  data = root / "train.jsonl"
+  data.write_text("".join(json.dumps({"id": str(i), "problem": q, "answer": a}) + "\n"
+                          for i, (q, a) in enumerate(QUESTIONS)))
+  return {"tok": str(tok), "data": str(data), "root": str(root)}
+
+
+def _env(**extra: str) -> dict[str, str]:
+  env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", CAPO_GRADER_WORKERS="1",
+             JAX_PLATFORMS="cpu")
+  env.pop("XLA_FLAGS", None)
+  env.update(extra)
+  return env
+
+
+def _run_driver(workdir: str, assets: dict[str, str], steps: int, *overrides: str,
+                env: dict[str, str] | None = None, check: bool = True
+                ) -> subprocess.CompletedProcess:
+  cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], str(steps), *overrides]
+  proc = subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=600)
+  if check and proc.returncode:
+    raise AssertionError(f"driver failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
+  return proc
+
+
+def _digest(workdir: str, process: int = 0) -> str:
+  return pathlib.Path(workdir, f"params.{process}.sha256").read_text()
+
+
+@pytest.mark.parametrize("name", CONFIG_FILES)
+def test_every_config_file_loads_and_validates(name):
+  mod = importlib.import_module(f"configs.{name}")
+  full, tiny = mod.get_config(), mod.get_config("shrink")
+  assert full.algo.name in experiment.ALGORITHMS
+  experiment.validate(full, num_devices=8)
+  experiment.validate(tiny, num_devices=1)
+  assert experiment.model_config(tiny).num_layers <= 4  # shrink really shrinks
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("rollout.num_samples", 1, "rollout.num_samples=1"),
+    ("train.mini_batch_prompts", 3, "train.mini_batch_prompts=3"),
+    ("train.micro_batch_size", 5, "train.micro_batch_size=5"),
+    ("algo.name", "ppo_magic", "algo.name='ppo_magic'"),
+    ("mesh.data", 16, "mesh"),
+    ("model.hf_path", "/no/such/checkpoint", "/no/such/checkpoint"),
+    ("model.preset", "qwen9_huge", "qwen9_huge"),
+    ("algo.mask", "sometimes", "algo.mask='sometimes'"),
+])
+def test_bad_config_fails_at_start_naming_the_field(field, value, needle):
+  c = common.shrink(common.get_base_config())
+  section, leaf = field.split(".")
+  c[section][leaf] = value
+  with pytest.raises(experiment.ConfigError, match=needle.replace("(", r"\(")):
+    experiment.validate(c, num_devices=1)
+
+
+def test_resume_after_process_exit_is_bit_exact(assets, tmp_path):
+  """4 uninterrupted steps == 2 steps, exit, 2 more: bit-identical params (CPU)."""
+  straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
+  _run_driver(straight, assets, 4)
+  _run_driver(resumed, assets, 2)
+  first_half = _digest(resumed)
+  _run_driver(resumed, assets, 4)
+  assert _digest(resumed) != first_half  # the second run really trained
+  assert _digest(resumed) == _digest(straight)
+  rows = [json.loads(l) for l in open(os.path.join(resumed, "metrics.jsonl"))]
+  assert [r["step"] for r in rows] == [1, 2, 3, 4]
+  for key in ("accuracy", "auc_mean", "frac_all_correct", "frac_all_wrong", "masked_frac",
+              "response_len", "truncation_rate", "clip_frac", "entropy", "kl", "grad_norm",
+              "lr", "time_step", "sample_tokens_per_s", "train_tokens_per_s",
+              "reward/timeout", "s_spread"):
+    assert key in rows[-1], key
+  assert any(r["grad_norm"] > 0 for r in rows)
+  assert os.path.isfile(os.path.join(resumed, "export_hf", "config.json"))
+
+
+def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path):
+  c = common.shrink(common.get_base_config())
+  c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8
+  c.train.num_steps, c.train.max_consecutive_skips = 6, 2
+  cfg = experiment.model_config(c)
+  params = jax.tree.map(np.array, qwen2.init_params(cfg, jax.random.key(1)))
+  params["final_norm"][0] = np.nan  # every loss is NaN
+  with pytest.raises(rl_loop.TrainingDiverged, match="2 consecutive steps"):
+    rl_loop.train(c, str(tmp_path), policy=rl_loop.Policy(cfg, params),
+                  grader=rl_driver.HashGrader())
+  rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
+  assert [r["skipped_updates"] for r in rows] == [2, 2]  # 2 mini-batch updates per step
+
+
+def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(assets, tmp_path):
+  workdir = str(tmp_path / "preempted")
+  cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], "100",
+         "checkpoint.every_steps=1000"]
+  proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                          text=True)
+  metrics_file = pathlib.Path(workdir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics_file.exists() and metrics_file.read_text()):
+    time.sleep(0.5)
+  proc.send_signal(signal.SIGTERM)
+  _, err = proc.communicate(timeout=300)
+  assert proc.returncode != 0 and "preempted" in err, err[-2000:]
+  steps = [int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir()
+           if p.name.isdigit()]
+  assert steps and max(steps) >= 1  # saved although every_steps=1000
+  done = max(steps)
+  _run_driver(workdir, assets, done + 1, "checkpoint.every_steps=1000")
+  rows = [json.loads(l) for l in open(metrics_file)]
+  assert rows[-1]["step"] == done + 1 and len(rows) == done + 1
+
+
+def _free_port() -> int:
+  with socket.socket() as s:
+    s.bind(("localhost", 0))
+    return s.getsockname()[1]
+
+
+def test_two_processes_train_to_identical_params(assets, tmp_path):
+  """jax.distributed over 2 CPU processes on localhost; only process 0 writes logs."""
+  workdir = str(tmp_path / "multi")
+  port = _free_port()
+  procs = []
+  for pid in range(2):
+    env = _env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
+               JAX_PROCESS_ID=str(pid))
+    cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], "2"]
+    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
+                                  stderr=subprocess.PIPE, text=True))
+  for p in procs:
+    _, err = p.communicate(timeout=600)
+    assert p.returncode == 0, err[-4000:]
+  assert _digest(workdir, 0) == _digest(workdir, 1)
+  rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
+  assert [r["step"] for r in rows] == [1, 2]  # one writer
