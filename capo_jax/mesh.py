@@ -95,7 +95,8 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
 
   Args:
     axes: axis name -> size, in mesh order; one size may be -1, meaning the
-      devices left once the others are placed.
+      devices left once the others are placed. Standard axes (``MESH_AXES``)
+      left out are added with size 1, so every rule list resolves.
     devices: devices to use (default: all of ``jax.devices()``, every host's).
       A mesh smaller than this list takes its first devices and logs it.
 
@@ -119,6 +120,7 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
   if total < len(devices):
     log.warning("mesh %s uses %d of %d devices", dict(items), total, len(devices))
     devices = devices[:total]
+  items += [(name, 1) for name in MESH_AXES if name not in dict(items)]
   names = tuple(n for n, _ in items)
   shape = tuple(s for _, s in items)
   # Auto axes: shardings are stated at jit boundaries and propagated by XLA.

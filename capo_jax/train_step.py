@@ -168,6 +168,10 @@ def create_train_state(model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array
 # --------------------------------------------------------------------------
 
 
+def _global_norm(tree: Any) -> Array:
+  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
+
+
 def _compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
   return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
 
@@ -259,7 +263,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_cfg: Qwen2Config,
                ) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer update on ``batch``; pure (see ``make_train_step`` for the jitted one)."""
   loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, microbatch_sharding)
-  grad_norm = optax.global_norm(grads)
+  grad_norm = _global_norm(grads)
   optimizer = make_optimizer(tcfg.optim)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -275,7 +279,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_cfg: Qwen2Config,
   metrics = dict(aux)
   metrics.update(
       loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
-      param_norm=optax.global_norm(params), skipped=skipped,
+      param_norm=_global_norm(params), skipped=skipped,
       num_skipped=new_state.num_skipped,
       num_tokens=(batch.completion_mask_BC > 0).sum().astype(jnp.int32))
   return new_state, metrics

@@ -1,0 +1,291 @@
+"""Train step: optimizer, gradient accumulation, non-finite skip, 8-device sharding."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from capo_jax import mesh as mesh_lib
+from capo_jax import train_step as ts
+from capo_jax.losses import LossConfig
+from capo_jax.optim import OptimConfig, lr_schedule, make_optimizer
+from models import qwen2
+from models.config import Qwen2Config
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+CFG = Qwen2Config.tiny(vocab_size=128)
+B, P, C = 8, 4, 6
+AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
+_loss_and_grads = jax.jit(ts.loss_and_grads, static_argnums=(2, 3))
+
+
+# --------------------------------------------------------------------------
+# Optimizer.
+# --------------------------------------------------------------------------
+
+
+def test_lr_schedules_by_hand():
+  peak, warm, total, end = 1e-3, 4, 10, 0.1
+  for kind in ("constant", "cosine", "linear"):
+    f = lr_schedule(OptimConfig(learning_rate=peak, warmup_steps=warm, schedule=kind,
+                                total_steps=total, end_lr_frac=end))
+    for step in range(14):
+      if step < warm:
+        want = peak * (step + 1) / warm
+      elif kind == "constant":
+        want = peak
+      else:
+        frac = min((step - warm) / (total - warm), 1.0)
+        shape = 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1 - frac
+        want = peak * end + (peak - peak * end) * shape
+      assert float(f(step)) == pytest.approx(want, rel=1e-5), (kind, step)
+  with pytest.raises(ValueError, match="total_steps"):
+    OptimConfig(schedule="cosine", total_steps=0)
+  with pytest.raises(ValueError, match="schedule"):
+    OptimConfig(schedule="step")
+
+
+def test_adamw_matches_numpy():
+  cfg = OptimConfig(learning_rate=0.1, weight_decay=0.05, grad_clip=1.0, b1=0.8, b2=0.9,
+                    decay_norms_and_biases=False)
+  rng = np.random.default_rng(0)
+  params = {"w_kernel": rng.normal(size=(3, 2)), "w_bias": rng.normal(size=(2,)),
+            "final_norm": rng.normal(size=(2,))}
+  opt = make_optimizer(cfg)
+  p_jax = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
+  state = opt.init(p_jax)
+  m = {k: np.zeros_like(v) for k, v in params.items()}
+  v = {k: np.zeros_like(x) for k, x in params.items()}
+  p_np = dict(params)
+  for t in range(1, 4):
+    grads = {k: rng.normal(size=x.shape) * (3.0 if t == 2 else 0.1) for k, x in params.items()}
+    norm = math.sqrt(sum((g**2).sum() for g in grads.values()))
+    scale = min(1.0, cfg.grad_clip / norm)
+    for k in p_np:
+      g = grads[k] * scale
+      m[k] = cfg.b1 * m[k] + (1 - cfg.b1) * g
+      v[k] = cfg.b2 * v[k] + (1 - cfg.b2) * g * g
+      step = (m[k] / (1 - cfg.b1**t)) / (np.sqrt(v[k] / (1 - cfg.b2**t)) + cfg.eps)
+      decay = cfg.weight_decay * p_np[k] if k == "w_kernel" else 0.0
+      p_np[k] = p_np[k] - cfg.learning_rate * (step + decay)
+    upd, state = opt.update(jax.tree.map(jnp.asarray, grads), state, p_jax)
+    p_jax = jax.tree.map(lambda a, b: a + b, p_jax, upd)
+  for k in params:
+    np.testing.assert_allclose(np.asarray(p_jax[k]), p_np[k], rtol=2e-5, atol=2e-6)
+
+
+# --------------------------------------------------------------------------
+# Loss and gradients against a hand-written full-batch reference.
+# --------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def data():
+  params = qwen2.init_params(CFG, jax.random.key(0))
+  params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p, params)
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, CFG.vocab_size, (B, P)).astype(np.int32)
+  prompt_mask = (np.arange(P)[None] >= rng.integers(0, P - 1, (B, 1))).astype(np.int32)
+  completion = rng.integers(0, CFG.vocab_size, (B, C)).astype(np.int32)
+  lengths = np.array([6, 1, 3, 0, 6, 2, 5, 4])  # uneven, one empty row
+  completion_mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
+  adv = rng.normal(size=(B,)).astype(np.float32)
+  logp = np.asarray(_ref_logp(params, prompt, prompt_mask, completion))
+  old = logp + rng.normal(scale=0.3, size=logp.shape).astype(np.float32)  # some ratios clip
+  batch = ts.TrainBatch(prompt, prompt_mask, completion, completion_mask,
+                        jnp.asarray(old), jnp.asarray(adv))
+  return params, batch, logp
+
+
+@jax.jit
+def _ref_logp(params, prompt, prompt_mask, completion):
+  logits = qwen2.forward(params, CFG, jnp.concatenate([prompt, completion], 1),
+                         jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1))
+  logp_BCV = jax.nn.log_softmax(logits[:, P - 1:P - 1 + C], -1)
+  return jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
+
+
+def _ref_losses(params, batch):
+  """Clipped PPO loss under the three aggregations, written out by hand."""
+  logp = _ref_logp(params, batch.prompt_tokens_BP, batch.prompt_mask_BP,
+                   batch.completion_tokens_BC)
+  m = batch.completion_mask_BC.astype(jnp.float32)
+  ratio = jnp.exp(logp - batch.old_logp_BC)
+  a = batch.adv_B[:, None]
+  obj = jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a) * m
+  rows = (m.sum(1) > 0).sum()
+  return jnp.stack([-(obj.sum(1) / jnp.maximum(m.sum(1), 1)).sum() / rows,
+                    -obj.sum() / m.sum(), -obj.sum() / (C * rows)])
+
+
+_ref_grads = jax.jit(jax.jacrev(_ref_losses))
+
+
+def _assert_tree_close(got, want, atol=1e-4):
+  def check(path, g, w):
+    scale = float(jnp.abs(w).max()) + 1e-12
+    np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=atol,
+                               err_msg=jax.tree_util.keystr(path))
+  jax.tree_util.tree_map_with_path(check, got, want)
+
+
+@pytest.mark.parametrize("agg, micro, remat, chunk", [
+    ("seq-mean-token-mean", 1, False, 0),
+    ("seq-mean-token-mean", 2, True, 4),
+    ("token-mean", 4, False, 0),
+])
+def test_accumulated_gradient_equals_full_batch(data, agg, micro, remat, chunk):
+  params, batch, _ = data
+  tcfg = ts.TrainConfig(loss=LossConfig(agg=agg), num_microbatches=micro,
+                        logprob_chunk_size=chunk)
+  loss, aux, grads = _loss_and_grads(params, batch, CFG.replace(remat=remat), tcfg)
+  i = AGGS.index(agg)
+  np.testing.assert_allclose(float(loss), float(_ref_losses(params, batch)[i]), rtol=1e-5)
+  _assert_tree_close(grads, jax.tree.map(lambda g: g[i], _ref_grads(params, batch)))
+  assert 0.0 < float(aux["clip_frac"]) < 1.0
+
+
+def test_policy_gradient_at_old_policy(data):
+  """SPEC 6: at theta = theta_old, grad L = -(1/R) sum_i A_i grad s_i (seq-mean-token-mean)."""
+  params, batch, logp = data
+  batch = dataclasses.replace(batch, old_logp_BC=jnp.asarray(logp))
+  _, _, grads = _loss_and_grads(params, batch, CFG, ts.TrainConfig())
+  m = batch.completion_mask_BC
+
+  def weighted_scores(p):
+    lp = _ref_logp(p, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC)
+    s_B = (lp * m).sum(1) / jnp.maximum(m.sum(1), 1)
+    return -(batch.adv_B * s_B).sum() / (m.sum(1) > 0).sum()
+
+  _assert_tree_close(grads, jax.jit(jax.grad(weighted_scores))(params))
+
+
+def test_bfloat16_compute_gradients_are_close(data):
+  params, batch, _ = data
+  cfg16 = CFG.replace(compute_dtype="bfloat16", remat=True)
+  tcfg = ts.TrainConfig(num_microbatches=2, logprob_chunk_size=4)
+  loss, _, grads = _loss_and_grads(params, batch, cfg16, tcfg)
+  assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
+  g16 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
+  g32 = np.concatenate([np.ravel(g[0]) for g in jax.tree.leaves(_ref_grads(params, batch))])
+  cos = g16 @ g32 / (np.linalg.norm(g16) * np.linalg.norm(g32))
+  assert cos > 0.98, cos
+  assert float(loss) == pytest.approx(float(_ref_losses(params, batch)[0]), rel=0.05, abs=0.02)
+
+
+def test_simko_needs_old_topk_and_runs(data):
+  params, batch, _ = data
+  tcfg = ts.TrainConfig(loss_kind="simko")
+  with pytest.raises(ValueError, match="old_topk_ids_BCK|correct_B"):
+    ts.loss_and_grads(params, batch, CFG, tcfg)
+  mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  # The layout the logprob fn expects: params placed under the train rules.
+  params = jax.device_put(params, mesh_lib.param_shardings(CFG, mesh, mesh_lib.TRAIN_RULES))
+  old = ts.make_logprob_fn(CFG, mesh, mesh_lib.TRAIN_RULES, B, top_k=3)(
+      params, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
+      batch.completion_mask_BC)
+  batch = dataclasses.replace(batch, old_topk_ids_BCK=old["topk_ids_BCK"],
+                              old_topk_logp_BCK=old["topk_logp_BCK"],
+                              correct_B=jnp.asarray(batch.adv_B > 0))
+  loss, aux, grads = _loss_and_grads(params, batch, CFG, tcfg)
+  assert np.isfinite(float(loss)) and np.isfinite(float(aux["forked_frac"]))
+  assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
+
+
+# --------------------------------------------------------------------------
+# The jitted step: non-finite skip, then one real AdamW update.
+# --------------------------------------------------------------------------
+
+
+def test_step_skips_non_finite_then_updates(data):
+  params, batch, _ = data
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
+  # Adam's first update is lr * g / (|g| + eps): with eps = 1e-8 it is sign(g), which turns
+  # float rounding in near-zero entries into visible differences and hides g's scale.
+  ocfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, grad_clip=1e9, eps=1e-2)
+  tcfg = ts.TrainConfig(optim=ocfg, num_microbatches=2)
+  state = ts.train_state_from_params(params, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
+  step = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, B)
+  p0 = jax.tree.map(np.asarray, params)
+  bad = dataclasses.replace(batch, adv_B=batch.adv_B.at[2].set(jnp.nan))
+  state, met = step(state, mesh_lib.shard_batch(bad, mesh, mesh_lib.TRAIN_RULES))
+  assert int(met["skipped"]) == 1 and int(state.num_skipped) == 1 and int(state.step) == 1
+  jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), p0)
+  assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state)
+             if x.dtype == jnp.float32)  # moments untouched
+  state, met = step(state, mesh_lib.shard_batch(batch, mesh, mesh_lib.TRAIN_RULES))
+  assert int(met["skipped"]) == 0 and int(state.num_skipped) == 1 and int(state.step) == 2
+  assert float(met["lr"]) == pytest.approx(1e-2)
+  # First AdamW update by hand: m/sqrt(v) = g/(|g| + eps) after bias correction.
+  g = jax.tree.map(lambda x: np.asarray(x[0], np.float64), _ref_grads(params, batch))
+  want = jax.tree.map(lambda p, g: p - 1e-2 * (g / (np.abs(g) + 1e-2) + 0.1 * p), p0, g)
+  got = jax.tree.map(np.asarray, state.params)
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), got, want)
+  assert float(met["grad_norm"]) == pytest.approx(
+      math.sqrt(sum((x**2).sum() for x in jax.tree.leaves(g))), rel=1e-4)
+
+
+# --------------------------------------------------------------------------
+# 8 fake CPU devices: (data 2, fsdp 2, tensor 2) equals one device.
+# --------------------------------------------------------------------------
+
+
+def _sharded_check() -> None:
+  from jax.sharding import PartitionSpec as Spec
+  assert len(jax.devices()) == 8
+  cfg = Qwen2Config.tiny()  # D 64, N 4, K 2, F 128, V 256: all divisible by 2
+  # eps 1e-2: see test_step_skips_non_finite_then_updates (first Adam step ~ sign(g)).
+  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, eps=1e-2), num_microbatches=2)
+  rules = mesh_lib.TRAIN_RULES
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, 256, (B, P)).astype(np.int32)
+  pmask = (np.arange(P)[None] >= rng.integers(0, P - 1, (B, 1))).astype(np.int32)
+  comp = rng.integers(0, 256, (B, C)).astype(np.int32)
+  cmask = (np.arange(C)[None] < rng.integers(1, C + 1, (B, 1))).astype(np.int32)
+  adv = rng.normal(size=(B,)).astype(np.float32)
+  results = {}
+  for name, axes, devs in (("one", {"data": 1}, jax.devices()[:1]),
+                           ("eight", {"data": 2, "fsdp": 2, "tensor": 2}, None)):
+    mesh = mesh_lib.make_mesh(axes, devices=devs)
+    state = ts.create_train_state(cfg, tcfg, jax.random.key(1), mesh, rules)
+    old = ts.make_logprob_fn(cfg, mesh, rules, B)(state.params, prompt, pmask, comp, cmask)
+    batch = ts.TrainBatch(prompt, pmask, comp, cmask, old["logp_BC"] - 0.1 * adv[:, None], adv)
+    step = ts.make_train_step(cfg, tcfg, mesh, rules, B)
+    state, met = step(state, mesh_lib.shard_batch(batch, mesh, rules))
+    results[name] = (state, met)
+  (s1, m1), (s8, m8) = results["one"], results["eight"]
+  diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
+             for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)))
+  moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
+      jax.tree.leaves(s1.params), jax.tree.leaves(qwen2.init_params(cfg, jax.random.key(1)))))
+  assert diff <= 1e-5 and moved > 1e-4, (diff, moved)
+  assert abs(float(m1["grad_norm"]) / float(m8["grad_norm"]) - 1) < 1e-5
+  assert abs(float(m1["loss"]) - float(m8["loss"])) < 1e-6
+  lay = s8.params["layers"]
+  assert s8.params["embed"].sharding.spec == Spec("tensor", "fsdp")
+  assert lay["q_kernel"].sharding.spec == Spec(None, "fsdp", "tensor", None)
+  assert lay["down_kernel"].sharding.spec == Spec(None, "tensor", "fsdp")
+  mu = s8.opt_state[1][0].mu  # chain(clip, adamw(...)) -> adamw's ScaleByAdamState
+  assert mu["layers"]["q_kernel"].sharding.spec == Spec(None, "fsdp", "tensor", None)
+  assert s8.step.sharding.is_fully_replicated
+  print("OK", diff)
+
+
+def test_eight_devices_match_one_device():
+  env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=8",
+             JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
+                       capture_output=True, text=True, timeout=600)
+  assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
+
+
+if __name__ == "__main__":
+  _sharded_check()
