@@ -1,0 +1,128 @@
+"""A character-level tokenizer for the synthetic arithmetic task.
+
+Every character of the task is one token, except ``\\boxed{`` which is one
+piece: it is pure boilerplate, and as seven tokens it would dilute the mean
+token log-prob (the confidence score) with near-certain tokens. Special
+tokens: ``<pad>`` (0), ``<eos>`` (the stop token) and ``<bos>`` (put before
+every prompt so the first real character has a context). The prompt is the
+question itself (no chat template).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
+BOXED = "\\boxed{"
+PIECES: tuple[str, ...] = (PAD, EOS, BOS, *"0123456789", "+", "-", "*", "=", "\n", BOXED, "}")
+
+
+class CharTokenizer:
+  """Implements the project's ``Tokenizer`` protocol over ``PIECES``."""
+
+  def __init__(self, pieces: Sequence[str] = PIECES) -> None:
+    if len(set(pieces)) != len(pieces):
+      raise ValueError(f"CharTokenizer: duplicate pieces in {pieces!r}")
+    for special in (PAD, EOS, BOS):
+      if special not in pieces:
+        raise ValueError(f"CharTokenizer: missing special piece {special!r}")
+    self.pieces = tuple(pieces)
+    self._ids = {p: i for i, p in enumerate(self.pieces)}
+    self._special_ids = frozenset(self._ids[p] for p in (PAD, EOS, BOS))
+    # Longest match first, so "\boxed{" wins over any one-character prefix.
+    self._text_pieces = sorted((p for p in self.pieces if p not in (PAD, EOS, BOS)),
+                               key=len, reverse=True)
+
+  @property
+  def vocab_size(self) -> int:
+    return len(self.pieces)
+
+  @property
+  def pad_id(self) -> int:
+    return self._ids[PAD]
+
+  @property
+  def eos_id(self) -> int:
+    return self._ids[EOS]
+
+  @property
+  def bos_id(self) -> int:
+    return self._ids[BOS]
+
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    return (self.eos_id,)
+
+  def encode(self, text: str) -> list[int]:
+    """Token ids of ``text``; raises on a character outside the vocabulary."""
+    ids, i = [], 0
+    while i < len(text):
+      for piece in self._text_pieces:
+        if text.startswith(piece, i):
+          ids.append(self._ids[piece])
+          i += len(piece)
+          break
+      else:
+        raise ValueError(f"CharTokenizer.encode: character {text[i]!r} at position {i} of "
+                         f"{text!r} is not in the vocabulary")
+    return ids
+
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    """Text of ``ids``; special tokens are dropped unless ``skip_special`` is False."""
+    out = []
+    for t in ids:
+      t = int(t)
+      if not 0 <= t < self.vocab_size:
+        raise ValueError(f"CharTokenizer.decode: id {t} outside [0, {self.vocab_size})")
+      if skip_special and t in self._special_ids:
+        continue
+      out.append(self.pieces[t])
+    return "".join(out)
+
+  def render_prompt(self, question: str) -> str:
+    """The demo's prompt is the question itself."""
+    return question
+
+  def encode_prompt(self, question: str) -> list[int]:
+    return [self.bos_id] + self.encode(self.render_prompt(question))
+
+  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded ``(tokens_BP, mask_BP)`` int32 of ``<bos>`` + rendered prompt.
+
+    ``P = max_len`` when given (a fixed shape keeps jit from recompiling),
+    else the longest prompt. A prompt longer than ``max_len`` raises.
+    """
+    rows = [self.encode_prompt(q) for q in questions]
+    longest = max((len(r) for r in rows), default=0)
+    P = longest if max_len is None else max_len
+    if longest > P:
+      i = int(np.argmax([len(r) for r in rows]))
+      raise ValueError(f"encode_prompts: prompt {i} ({questions[i]!r}) has {longest} tokens, "
+                       f"more than max_len={P}")
+    tokens = np.full((len(rows), P), self.pad_id, np.int32)
+    mask = np.zeros((len(rows), P), np.int32)
+    for b, r in enumerate(rows):
+      if r:
+        tokens[b, P - len(r):] = r
+        mask[b, P - len(r):] = 1
+    return tokens, mask
+
+  def completion_length(self, ids: Sequence[int]) -> int:
+    """Tokens up to and including the first stop token (all of them when none)."""
+    for i, t in enumerate(ids):
+      if int(t) in self.stop_ids:
+        return i + 1
+    return len(ids)
+
+  def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
+                         ) -> list[str]:
+    """Texts of right-padded completions, cut at the first stop token."""
+    tokens_BC = np.asarray(tokens_BC)
+    out = []
+    for b in range(tokens_BC.shape[0]):
+      row = tokens_BC[b] if mask_BC is None else tokens_BC[b][np.asarray(mask_BC[b]) > 0]
+      out.append(self.decode(row[:self.completion_length(row)]))
+    return out

@@ -1,0 +1,342 @@
+"""Warm start of the CPU demo: supervised fine-tuning of a tiny Qwen2 to a base policy.
+
+RL needs a policy that is right on some of its samples: ``get_or_train``
+teaches a small random Qwen2-architecture model the task's written solutions
+(teacher forcing, loss on completion tokens only) and stops once its sampled
+accuracy on validation questions enters a target band, so GRPO and CAPO start
+from a policy with room to improve. The result is cached under
+``<workdir>/warm_start/<key>/`` (a HF safetensors directory plus
+``warm_start.json``), keyed by a hash of every setting, and written to a
+temporary directory that is renamed when complete: a second call loads it.
+
+``evaluate_policy`` samples G answers per held-out question and reports
+mean@G accuracy, AUC-mean of the confidence score (mean token log-prob), the
+mean per-token entropy and the mean completion length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+import shutil
+import time
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from tqdm.auto import tqdm
+
+from capo_jax import calibration, logprobs, rewards, sampling
+from capo_jax.demo.char_tokenizer import CharTokenizer
+from capo_jax.demo.task import Example, TaskConfig, make_splits
+from models import hf_weights, qwen2
+from models.config import Qwen2Config
+
+Params = dict[str, Any]
+_INFO_FILE = "warm_start.json"
+
+
+@dataclasses.dataclass(frozen=True)
+class SFTConfig:
+  """Supervised warm start; ``early_stop`` ends it once validation accuracy >= target_low.
+
+  Validation questions are the first ``eval_questions`` of the training split,
+  left out of SFT (the held-out split stays untouched for the final report);
+  accuracy is mean@``eval_samples`` at temperature 1, like the final metric.
+  """
+
+  max_steps: int = 1500
+  batch_size: int = 64
+  lr: float = 1e-3
+  warmup_steps: int = 50
+  weight_decay: float = 0.01
+  grad_clip: float = 1.0
+  eval_every: int = 50
+  eval_questions: int = 128
+  eval_samples: int = 8
+  early_stop: bool = True
+  target_low: float = 0.35
+  target_high: float = 0.55
+  seed: int = 0
+
+  def __post_init__(self) -> None:
+    for name in ("max_steps", "batch_size", "eval_every", "eval_questions", "eval_samples"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"SFTConfig.{name} must be positive, got {getattr(self, name)}")
+    if not 0 <= self.target_low <= self.target_high <= 1:
+      raise ValueError(f"SFTConfig: need 0 <= target_low <= target_high <= 1, got "
+                       f"{self.target_low}, {self.target_high}")
+
+
+class WarmStart(NamedTuple):
+  cfg: Qwen2Config
+  params: Params
+  tokenizer: CharTokenizer
+  info: dict[str, Any]  # settings, SFT history, wall time; ``trained``: False when loaded
+
+
+def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Config:
+  """The demo's model: 4 layers, hidden 128, 4 heads (2 kv), MLP 512, float32 (~0.8M params)."""
+  kw = dict(vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=512,
+            num_layers=4, num_heads=4, num_kv_heads=2, rope_theta=10000.0,
+            tie_word_embeddings=True, max_position_embeddings=256)
+  kw.update(overrides)
+  return Qwen2Config.tiny(**kw)
+
+
+# --- data --------------------------------------------------------------------
+
+
+def encode_sft(tokenizer: CharTokenizer, examples: list[Example], seq_len: int | None = None
+               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+  """Right-padded ``(tokens_BT, mask_BT, loss_mask_BT)`` of ``<bos> question solution <eos>``.
+
+  ``loss_mask`` is 1 on the solution and ``<eos>``: the tokens the policy writes.
+  """
+  rows = []
+  for ex in examples:
+    prompt = tokenizer.encode_prompt(ex.problem)
+    rows.append((prompt, tokenizer.encode(ex.meta["solution"]) + [tokenizer.eos_id]))
+  longest = max(len(p) + len(c) for p, c in rows)
+  T = longest if seq_len is None else seq_len
+  if longest > T:
+    raise ValueError(f"encode_sft: an example has {longest} tokens, more than seq_len={T}")
+  tokens = np.full((len(rows), T), tokenizer.pad_id, np.int32)
+  mask = np.zeros((len(rows), T), np.int32)
+  loss_mask = np.zeros((len(rows), T), np.int32)
+  for b, (p, c) in enumerate(rows):
+    tokens[b, :len(p) + len(c)] = p + c
+    mask[b, :len(p) + len(c)] = 1
+    loss_mask[b, len(p):len(p) + len(c)] = 1
+  return tokens, mask, loss_mask
+
+
+def sft_loss(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
+             loss_mask_BT: jax.Array) -> jax.Array:
+  """Mean next-token cross-entropy over the completion tokens of the batch."""
+  logits_BTV = qwen2.forward(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])
+  logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
+  nll_BT = -jnp.take_along_axis(logp_BTV, tokens_BT[:, 1:, None], axis=-1)[..., 0]
+  w_BT = loss_mask_BT[:, 1:].astype(jnp.float32)
+  return jnp.sum(nll_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
+
+
+def make_optimizer(sft: SFTConfig) -> optax.GradientTransformation:
+  schedule = optax.linear_schedule(0.0, sft.lr, max(sft.warmup_steps, 1))
+  return optax.chain(optax.clip_by_global_norm(sft.grad_clip),
+                     optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=sft.weight_decay))
+
+
+def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation):
+  """A jitted ``(params, opt_state, tokens, mask, loss_mask) -> (params, opt_state, loss)``.
+
+  Params and optimizer state are arguments (donated, updated in place).
+  """
+
+  def step(params, opt_state, tokens_BT, mask_BT, loss_mask_BT):
+    loss, grads = jax.value_and_grad(sft_loss)(params, cfg, tokens_BT, mask_BT, loss_mask_BT)
+    updates, opt_state = optimizer.update(grads, opt_state, params)
+    return optax.apply_updates(params, updates), opt_state, loss
+
+  return jax.jit(step, donate_argnums=(0, 1))
+
+
+# --- evaluation --------------------------------------------------------------
+
+
+_token_stats = jax.jit(logprobs.token_logprobs, static_argnames=("cfg",))
+
+
+def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: CharTokenizer,
+                    examples: list[Example], num_samples: int = 16,
+                    rng: jax.Array | None = None, *, max_new_tokens: int | None = None,
+                    temperature: float = 1.0, chunk_questions: int = 128,
+                    exact_entropy: bool = False) -> dict[str, Any]:
+  """Samples ``num_samples`` answers per question and scores them.
+
+  Returns a dict: ``accuracy`` (mean@G), ``auc_mean`` and ``auc_n_used``
+  (per-question ROC-AUC of s against correctness, SPEC section 5),
+  ``entropy`` (mean per-token entropy of the policy over generated tokens: by
+  default its unbiased sample estimate, the mean of -log pi(token); with
+  ``exact_entropy`` the exact value from an extra teacher-forced pass, which
+  about doubles the cost),
+  ``mean_length`` (tokens, EOS included), ``truncated`` (fraction without a
+  stop token) and ``is_truncated`` [Q, G], ``s`` [Q, G] (mean token log-prob, EOS included) and
+  ``correct`` [Q, G] (bool), ``lengths`` [Q, G] (tokens, EOS included) and
+  ``completions`` (Q*G texts, grouped by question).
+  Questions run in chunks of a fixed size (the last one padded) so the
+  sampler compiles once.
+  """
+  if not examples:
+    raise ValueError("evaluate_policy: no examples")
+  rng = jax.random.key(0) if rng is None else rng
+  if max_new_tokens is None:
+    max_new_tokens = completion_budget(tokenizer, examples)
+  prompt_len = max(len(tokenizer.encode_prompt(ex.problem)) for ex in examples)
+  Qc = min(chunk_questions, len(examples))
+  stats: dict[str, list[np.ndarray]] = {"s": [], "ent": [], "len": [], "trunc": []}
+  texts: list[str] = []
+  for start in range(0, len(examples), Qc):
+    chunk = examples[start:start + Qc]
+    questions = [ex.problem for ex in chunk]
+    questions += [questions[-1]] * (Qc - len(chunk))  # pad to the compiled shape
+    prompt_BP, pmask_BP = tokenizer.encode_prompts(questions, max_len=prompt_len)
+    out = sampling.generate(params, cfg, prompt_BP, pmask_BP, jax.random.fold_in(rng, start),
+                            num_samples=num_samples, max_new_tokens=max_new_tokens,
+                            temperature=temperature, stop_ids=tokenizer.stop_ids,
+                            pad_id=tokenizer.pad_id)
+    n = len(chunk) * num_samples
+    tokens_BC, mask_BC = np.asarray(out.tokens)[:n], np.asarray(out.mask)[:n]
+    logp_BC = np.asarray(out.logprobs)[:n]  # the policy's own log-probs (untempered)
+    length_B = mask_BC.sum(-1)
+    if exact_entropy:
+      prompt_BP, pmask_BP = (np.repeat(x, num_samples, axis=0) for x in (prompt_BP, pmask_BP))
+      lp = _token_stats(params, cfg, prompt_BP, pmask_BP, out.tokens, out.mask)
+      ent_B = np.asarray(lp["entropy_BC"])[:n].sum(-1)
+    else:
+      ent_B = -logp_BC.sum(-1)
+    stats["s"].append(logp_BC.sum(-1) / np.maximum(length_B, 1))
+    stats["ent"].append(ent_B)
+    stats["len"].append(length_B)
+    stats["trunc"].append(np.asarray(out.truncated)[:n])
+    texts += tokenizer.decode_completions(tokens_BC, mask_BC)
+  Q, G = len(examples), num_samples
+  golds = [ex.answer for ex in examples for _ in range(G)]
+  correct_QG = rewards.score(texts, golds).reshape(Q, G) > 0
+  s_QG = np.concatenate(stats["s"]).reshape(Q, G)
+  lengths = np.concatenate(stats["len"])
+  trunc = np.concatenate(stats["trunc"])
+  auc, n_used = calibration.auc_mean(s_QG, correct_QG)
+  return dict(accuracy=float(correct_QG.mean()), auc_mean=auc, auc_n_used=n_used,
+              entropy=float(np.concatenate(stats["ent"]).sum() / max(lengths.sum(), 1)),
+              mean_length=float(lengths.mean()),
+              truncated=float(trunc.mean()), is_truncated=trunc.reshape(Q, G),
+              s=s_QG, correct=correct_QG, lengths=lengths.reshape(Q, G), completions=texts)
+
+
+def completion_budget(tokenizer: CharTokenizer, examples: list[Example], slack: int = 8) -> int:
+  """max_new_tokens: the longest gold solution plus EOS, plus ``slack``."""
+  return max(len(tokenizer.encode(ex.meta["solution"])) for ex in examples) + 1 + slack
+
+
+# --- cache -------------------------------------------------------------------
+
+
+def _settings(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
+  return {"task": dataclasses.asdict(task_cfg), "model": dataclasses.asdict(model_cfg),
+          "sft": dataclasses.asdict(sft_cfg)}
+
+
+def cache_dir(workdir: str, task_cfg: TaskConfig, model_cfg: Qwen2Config,
+              sft_cfg: SFTConfig) -> str:
+  """``<workdir>/warm_start/<hash of every setting>``: new settings train anew."""
+  blob = json.dumps(_settings(task_cfg, model_cfg, sft_cfg), sort_keys=True)
+  return os.path.join(workdir, "warm_start", hashlib.sha1(blob.encode()).hexdigest()[:12])
+
+
+def _load(path: str, model_cfg: Qwen2Config) -> tuple[Params, dict[str, Any]]:
+  info_path = os.path.join(path, _INFO_FILE)
+  try:
+    with open(info_path, encoding="utf-8") as f:
+      info = json.load(f)
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{info_path}: invalid JSON at line {e.lineno}: {e.msg}") from e
+  return hf_weights.load_params(model_cfg, path), info
+
+
+def _save(path: str, model_cfg: Qwen2Config, params: Params, info: dict[str, Any]) -> None:
+  """Writes to a sibling temp dir, then renames: a crash never leaves a partial cache."""
+  parent = os.path.dirname(path)
+  os.makedirs(parent, exist_ok=True)
+  tmp = os.path.join(parent, f".tmp-{os.path.basename(path)}-{os.getpid()}")
+  shutil.rmtree(tmp, ignore_errors=True)
+  hf_weights.save_pretrained(model_cfg, params, tmp)
+  with open(os.path.join(tmp, _INFO_FILE), "w", encoding="utf-8") as f:
+    json.dump(info, f, indent=2, sort_keys=True)
+  try:
+    os.rename(tmp, path)
+  except OSError:  # another process finished first: keep its copy
+    shutil.rmtree(tmp, ignore_errors=True)
+    if not os.path.isdir(path):
+      raise
+
+
+def get_or_train(workdir: str, task_cfg: TaskConfig | None = None,
+                 model_cfg: Qwen2Config | None = None, sft_cfg: SFTConfig | None = None,
+                 *, progress: bool = True) -> WarmStart:
+  """The warm-start policy: loaded from the cache, else trained and cached.
+
+  ``model_cfg`` defaults to ``default_model_config``; its vocabulary must
+  match the char tokenizer.
+  """
+  task_cfg = task_cfg or TaskConfig()
+  sft_cfg = sft_cfg or SFTConfig()
+  tokenizer = CharTokenizer()
+  model_cfg = model_cfg or default_model_config(tokenizer)
+  if model_cfg.vocab_size != tokenizer.vocab_size:
+    raise ValueError(f"model_cfg.vocab_size={model_cfg.vocab_size} but the char tokenizer "
+                     f"has {tokenizer.vocab_size} tokens")
+  path = cache_dir(workdir, task_cfg, model_cfg, sft_cfg)
+  if os.path.isdir(path):
+    params, info = _load(path, model_cfg)
+    return WarmStart(model_cfg, params, tokenizer, dict(info, trained=False, path=path))
+  params, info = train_sft(task_cfg, model_cfg, sft_cfg, tokenizer, progress=progress)
+  info["settings"] = _settings(task_cfg, model_cfg, sft_cfg)
+  _save(path, model_cfg, params, info)
+  return WarmStart(model_cfg, params, tokenizer, dict(info, trained=True, path=path))
+
+
+def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
+              tokenizer: CharTokenizer, *, progress: bool = True
+              ) -> tuple[Params, dict[str, Any]]:
+  """Runs SFT from random init; returns params and a JSON-able history."""
+  t0 = time.perf_counter()
+  train, _ = make_splits(task_cfg)
+  if len(train) <= sft_cfg.eval_questions:
+    raise ValueError(f"TaskConfig.num_train={len(train)} must exceed "
+                     f"SFTConfig.eval_questions={sft_cfg.eval_questions}")
+  val, train = train[:sft_cfg.eval_questions], train[sft_cfg.eval_questions:]
+  tokens, mask, loss_mask = encode_sft(tokenizer, train)
+  max_new = completion_budget(tokenizer, train + val)
+  rng = jax.random.key(sft_cfg.seed)
+  params = qwen2.init_params(model_cfg, jax.random.fold_in(rng, 0))
+  optimizer = make_optimizer(sft_cfg)
+  opt_state = optimizer.init(params)
+  step_fn = make_sft_step(model_cfg, optimizer)
+  order = np.random.default_rng(sft_cfg.seed)
+  perm, cursor = order.permutation(len(train)), 0
+  history: list[dict[str, float]] = []
+  losses: list[float] = []
+  stopped = "max_steps"
+  bar = tqdm(range(1, sft_cfg.max_steps + 1), desc="warm start (SFT)", disable=not progress)
+  for step in bar:
+    if cursor + sft_cfg.batch_size > len(perm):
+      perm, cursor = order.permutation(len(train)), 0
+    idx = perm[cursor:cursor + sft_cfg.batch_size]
+    cursor += sft_cfg.batch_size
+    params, opt_state, loss = step_fn(params, opt_state, tokens[idx], mask[idx], loss_mask[idx])
+    losses.append(float(loss))
+    if step % sft_cfg.eval_every == 0 or step == sft_cfg.max_steps:
+      ev = evaluate_policy(params, model_cfg, tokenizer, val, sft_cfg.eval_samples,
+                           jax.random.fold_in(rng, step), max_new_tokens=max_new)
+      history.append(dict(step=step, loss=float(np.mean(losses[-sft_cfg.eval_every:])),
+                          val_accuracy=ev["accuracy"],
+                          val_auc_mean=None if np.isnan(ev["auc_mean"]) else ev["auc_mean"],
+                          elapsed_s=time.perf_counter() - t0))
+      bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{ev['accuracy']:.3f}",
+                      elapsed=f"{history[-1]['elapsed_s']:.0f}s")
+      if sft_cfg.early_stop and ev["accuracy"] >= sft_cfg.target_low:
+        stopped = "in_band" if ev["accuracy"] <= sft_cfg.target_high else "overshot"
+        break
+    elif step % 10 == 0:
+      bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
+  bar.close()
+  params = jax.device_get(params)
+  info = dict(steps=len(losses), stopped=stopped, wall_s=time.perf_counter() - t0,
+              first_loss=losses[0], final_loss=float(np.mean(losses[-10:])), history=history,
+              num_params=qwen2.num_params(params), max_new_tokens=max_new)
+  return params, info
