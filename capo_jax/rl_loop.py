@@ -195,8 +195,11 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
                        out_shardings=state_sh.params)(params0) if needs_ref else None
   rows_per_update = c.train.mini_batch_prompts * G
   step_fn = ts.make_train_step(model_cfg, tcfg, mesh, train_rules, rows_per_update)
-  logprob_fn = ts.make_logprob_fn(model_cfg, mesh, train_rules, Q * G,
-                                  chunk_size=c.train.logprob_chunk, top_k=spec.simko_k)
+  logprob_jit = ts.make_logprob_fn(model_cfg, mesh, train_rules, Q * G,
+                                   chunk_size=c.train.logprob_chunk, top_k=spec.simko_k)
+  rollout_sh = mesh_lib.batch_sharding(mesh, train_rules, Q * G)
+  # Host inputs become global arrays first: jit refuses sharded numpy inputs multi-host.
+  logprob_fn = lambda params, *xs: logprob_jit(params, *rollout.put_global(xs, rollout_sh))
   sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, sampling_rules)
   to_sampling = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(model_cfg.dtype), p),
                         out_shardings=sampling_sh)
