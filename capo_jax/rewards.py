@@ -27,7 +27,7 @@ import os
 import re
 import threading
 from fractions import Fraction
-from typing import Sequence
+from typing import Any, Sequence
 
 import numpy as np
 
@@ -229,7 +229,7 @@ def _prepare(completion: str, gold: str) -> tuple[bool | None, Status, str]:
 # -- math-verify stage (runs in worker processes) ---------------------------------------------
 
 @functools.lru_cache(maxsize=1)
-def _mv():
+def _mv() -> tuple[Any, list]:
   import math_verify  # noqa: PLC0415 -- heavy (sympy, antlr); only workers need it
   # Its timeouts are disabled on purpose (the pool enforces deadlines); silence the warning.
   logging.getLogger("math_verify").setLevel(logging.ERROR)
