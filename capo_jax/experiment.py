@@ -66,6 +66,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
   if t.micro_batch_size < 1 or rows % t.micro_batch_size:
     _fail("train.micro_batch_size", t.micro_batch_size,
           f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}")
+  if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
+    _fail("rollout.prompts_per_call", r.prompts_per_call,
+          f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}")
   for field in ("max_prompt_len", "max_new_tokens"):
     if r[field] < 1:
       _fail(f"rollout.{field}", r[field], "must be >= 1")

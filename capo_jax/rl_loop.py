@@ -118,7 +118,8 @@ def _spec(c: ml_collections.ConfigDict) -> rollout.RolloutSpec:
       mask_low=c.algo.mask_low, mask_mode=c.algo.mask_mode,
       old_from_sampler=r.old_logprobs == "sampler",
       mini_batch_prompts=c.train.mini_batch_prompts, num_steps=c.train.num_steps,
-      simko_k=c.loss.simko_k if c.algo.name == "simko" else 0)
+      simko_k=c.loss.simko_k if c.algo.name == "simko" else 0,
+      prompts_per_call=r.prompts_per_call)
 
 
 def _mean_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:

@@ -81,6 +81,7 @@ class RolloutSpec:
   mini_batch_prompts: int
   num_steps: int
   simko_k: int = 0
+  prompts_per_call: int = 0  # 0: all Q prompts in one sampler call
 
 
 @dataclasses.dataclass
@@ -142,14 +143,20 @@ def collect(examples: Sequence[Example], *, params_sampling: Any, params_train: 
   tokens_QP, mask_QP = _trim_left(gather_rows(tok_local), gather_rows(mask_local))
   Q = tokens_QP.shape[0]
 
-  samples = sampling.generate(
-      params_sampling, model_cfg, tokens_QP, mask_QP, rng, num_samples=G,
-      max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
-      top_k=spec.top_k, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, mesh=mesh,
-      rules=sampling_rules)
-  comp_BC, cmask_BC = to_host(samples.tokens), to_host(samples.mask)
-  sampler_logp_BC = to_host(samples.logprobs)
-  lengths_B, truncated_B = to_host(samples.lengths), to_host(samples.truncated)
+  # Several sampler calls bound the KV cache when the whole rollout does not fit.
+  per_call = spec.prompts_per_call or Q
+  parts = []
+  for i, start in enumerate(range(0, Q, per_call)):
+    samples = sampling.generate(
+        params_sampling, model_cfg, tokens_QP[start:start + per_call],
+        mask_QP[start:start + per_call], jax.random.fold_in(rng, i), num_samples=G,
+        max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
+        top_k=spec.top_k, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, mesh=mesh,
+        rules=sampling_rules)
+    parts.append([to_host(x) for x in (samples.tokens, samples.mask, samples.logprobs,
+                                       samples.lengths, samples.truncated)])
+  comp_BC, cmask_BC, sampler_logp_BC, lengths_B, truncated_B = (
+      np.concatenate(xs) for xs in zip(*parts))
   t_sample = time.perf_counter() - t0
 
   # Completion width: the longest sample of the step, bucketed (bounded compiles).

@@ -43,6 +43,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
   c.rollout.old_logprobs = "trainer"  # or "sampler" (SPEC section 1)
+  c.rollout.prompts_per_call = 0  # > 0: sample the Q prompts in chunks (bounds the KV cache)
 
   c.algo = ml_collections.ConfigDict()
   c.algo.name = "capo"  # one of ALGORITHMS
