@@ -1,0 +1,174 @@
+"""RL train-step throughput of capo_jax vs a plain PyTorch loop, CPU, same run.
+
+    python benchmarks/train_step.py                          # PERF_NOTES config, 8 x 256 tokens
+    python benchmarks/train_step.py --batch 4 --prompt 64 --completion 448 --chunk 64
+
+Both sides do the same work on the same random weights and batch: forward
+over prompt + completion, float32 log-softmax of the completion positions,
+the clipped PPO surrogate with token-mean aggregation, backward, global-norm
+clipping (1.0) and one AdamW update. The peer is transformers'
+``Qwen2ForCausalLM`` (``logits_to_keep`` so it too unembeds only the
+completion positions) with ``torch.optim.AdamW`` and
+``clip_grad_norm_``. Repeats alternate between the two (the machines are
+shared); medians are reported, with the ratio.
+
+Model FLOPs per step (stated, not measured; "dense" counts the full T x T
+attention square that both implementations compute):
+  forward = 2 * B*T * N_layers  +  2 * B*C * D*V  +  L * 4 * B*T^2 * N*H
+  step    = 3 * forward         (backward = 2 x forward)
+where N_layers is the matmul parameter count of the decoder layers (norms and
+biases excluded), D*V the unembedding. Achieved FLOP/s is divided by the
+float32 matmul peak measured in the same run (``jnp.dot`` 2048 x 2048).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+import hf_utils  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+
+from capo_jax import mesh as mesh_lib  # noqa: E402
+from capo_jax import train_step as ts  # noqa: E402
+from capo_jax.losses import LossConfig  # noqa: E402
+from capo_jax.optim import OptimConfig  # noqa: E402
+from models import hf_weights, qwen2  # noqa: E402
+from models.config import Qwen2Config  # noqa: E402
+
+# /work/shared/PERF_NOTES.md's mid-size config (27.7M parameters, tied embeddings).
+MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
+                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
+                  rope_theta=10000.0)
+LR, WD, CLIP, EPS = 1e-6, 0.01, 1.0, 0.2
+
+
+def step_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
+  """Model FLOPs of one train step (formula in the module docstring)."""
+  T = P + C
+  D, F, N, K, H, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                      cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+  layer_matmul = D * N * H * 2 + D * K * H * 2 + 3 * D * F
+  fwd = 2 * B * T * L * layer_matmul + 2 * B * C * D * cfg.vocab_size + L * 4 * B * T * T * N * H
+  return 3.0 * fwd
+
+
+def matmul_peak(n: int = 2048, reps: int = 5) -> float:
+  """Float32 FLOP/s of one jnp.dot of two n x n matrices (median of reps)."""
+  a = jnp.asarray(np.random.default_rng(0).normal(size=(n, n)), jnp.float32)
+  dot = jax.jit(jnp.dot)
+  dot(a, a).block_until_ready()
+  times = []
+  for _ in range(reps):
+    t0 = time.perf_counter()
+    dot(a, a).block_until_ready()
+    times.append(time.perf_counter() - t0)
+  return 2 * n**3 / statistics.median(times)
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--batch", type=int, default=8)
+  parser.add_argument("--prompt", type=int, default=64)
+  parser.add_argument("--completion", type=int, default=192)
+  parser.add_argument("--chunk", type=int, default=0, help="capo_jax logprob chunk (0: none)")
+  parser.add_argument("--repeats", type=int, default=5)
+  args = parser.parse_args(argv)
+  B, P, C = args.batch, args.prompt, args.completion
+
+  import torch  # pylint: disable=g-import-not-at-top
+  hf_model, _ = hf_utils.make_hf_model(None, seed=0, std=0.02, **MID_CONFIG)
+  cfg = Qwen2Config.from_hf(hf_model.config.to_dict())
+  state_dict = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
+  params = hf_weights.params_from_state_dict(cfg, state_dict)
+  n_params = qwen2.num_params(params)
+
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, cfg.vocab_size, (B, P)).astype(np.int32)
+  completion = rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32)
+  ones_p, ones_c = np.ones((B, P), np.int32), np.ones((B, C), np.int32)
+  adv = rng.normal(size=(B,)).astype(np.float32)
+
+  # capo_jax: one device, float32, token-mean PPO loss.
+  mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
+  rules = mesh_lib.TRAIN_RULES
+  tcfg = ts.TrainConfig(loss=LossConfig(agg="token-mean", eps_low=EPS, eps_high=EPS),
+                        optim=OptimConfig(learning_rate=LR, weight_decay=WD, grad_clip=CLIP),
+                        logprob_chunk_size=args.chunk)
+  state = ts.train_state_from_params(params, cfg, tcfg, mesh, rules)
+  old = ts.make_logprob_fn(cfg, mesh, rules, B, chunk_size=args.chunk)(
+      state.params, prompt, ones_p, completion, ones_c)["logp_BC"]
+  # Perturbed old log-probs so some ratios clip, as in a real update.
+  old = np.asarray(old) + rng.normal(scale=0.1, size=(B, C)).astype(np.float32)
+  batch = mesh_lib.shard_batch(ts.TrainBatch(prompt, ones_p, completion, ones_c, old, adv),
+                               mesh, rules)
+  step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
+
+  # PyTorch: the same loss written out, AdamW, clip_grad_norm_.
+  hf_model.train()
+  opt = torch.optim.AdamW(hf_model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
+                          weight_decay=WD)
+  ids_pt = torch.as_tensor(np.concatenate([prompt, completion], 1), dtype=torch.long)
+  mask_pt = torch.ones_like(ids_pt)
+  comp_pt = torch.as_tensor(completion, dtype=torch.long)
+  old_pt, adv_pt = torch.as_tensor(old), torch.as_tensor(adv)[:, None]
+
+  def torch_step() -> float:
+    logits = hf_model(input_ids=ids_pt, attention_mask=mask_pt, logits_to_keep=C + 1).logits
+    logp_all = torch.log_softmax(logits[:, :-1].float(), dim=-1)
+    logp = logp_all.gather(-1, comp_pt[..., None])[..., 0]
+    ratio = torch.exp(logp - old_pt)
+    obj = torch.minimum(ratio * adv_pt, torch.clamp(ratio, 1 - EPS, 1 + EPS) * adv_pt)
+    loss = -obj.mean()
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(hf_model.parameters(), CLIP)
+    opt.step()
+    return loss.item()
+
+  def jax_step() -> float:
+    nonlocal state
+    state, metrics = step_fn(state, batch)
+    return float(metrics["loss"])  # blocks until the step is done
+
+  t0 = time.perf_counter()
+  loss_jax = jax_step()  # compiles
+  compile_s = time.perf_counter() - t0
+  loss_torch = torch_step()
+  times: dict[str, list[float]] = {"capo_jax": [], "torch": []}
+  peaks = []
+  for _ in range(args.repeats):
+    for name, fn in (("capo_jax", jax_step), ("torch", torch_step)):
+      t0 = time.perf_counter()
+      fn()
+      times[name].append(time.perf_counter() - t0)
+    peaks.append(matmul_peak(reps=3))
+  med = {k: statistics.median(v) for k, v in times.items()}
+  peak = statistics.median(peaks)
+  flops = step_flops(cfg, B, P, C)
+  n_tok = B * (P + C)
+  print(f"config: {n_params / 1e6:.1f}M params, batch {B} x ({P} prompt + {C} completion) tokens, "
+        f"logprob chunk {args.chunk}, {args.repeats} alternating repeats, torch threads "
+        f"{torch.get_num_threads()}, jax compile {compile_s:.1f} s")
+  print(f"first-step loss: capo_jax {loss_jax:.6f}, torch {loss_torch:.6f} "
+        f"(|diff| {abs(loss_jax - loss_torch):.1e})")
+  print(f"model FLOPs per step {flops / 1e9:.1f} G; float32 matmul peak (jnp.dot 2048^2) "
+        f"{peak / 1e9:.0f} GFLOP/s")
+  for k in ("capo_jax", "torch"):
+    spread = f"{min(times[k]):.2f}-{max(times[k]):.2f} s"
+    print(f"  {k:8s}: median {med[k]:6.2f} s ({spread})  {n_tok / med[k]:7.0f} tokens/s  "
+          f"{flops / med[k] / 1e9:6.1f} GFLOP/s = {flops / med[k] / peak:5.1%} of peak")
+  print(f"ratio capo_jax / torch tokens/s: {med['torch'] / med['capo_jax']:.2f}x")
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,178 @@
+"""RL train-step tokens/s and model FLOPs utilisation at the Qwen2.5-1.5B shape, on a GPU.
+
+  python benchmarks/train_step_gpu.py --out train_step_gpu.json           # H200 SXM
+  python benchmarks/train_step_gpu.py --out t.json --peak 989e12          # other dense-bf16 peak
+  python benchmarks/train_step_gpu.py --small --out /tmp/t.json           # CPU smoke run
+
+Random weights; float32 master params and Adam moments, bfloat16 compute
+(params cast once per step, logits / log-softmax / loss in float32), each
+layer rematerialised, completion log-probs in chunks of ``--chunk``
+positions (never the full [B, C, V] logits). Default batch: 16 rows x
+(512 prompt + 1536 completion) tokens = 32,768 tokens per update, the clipped
+PPO loss (seq-mean-token-mean), AdamW, global-norm clipping.
+
+The peer is the chip's dense bfloat16 peak (``--peak``, default 989 TFLOP/s,
+H200 / H100 SXM datasheet). Model FLOPs per step (the convention of MFU:
+recomputation not counted; "dense" attention counts the full T x T square
+the implementation computes):
+  forward = 2 * B*T * N_layers  +  2 * B*C * D*V  +  L * 4 * B*T^2 * N*H
+  model   = 3 * forward;  hardware (with remat) = 4 * forward
+Also timed: the forward-only log-prob function (old / reference log-probs).
+Prints the numbers and writes them as JSON to ``--out``. About 1-2 minutes
+on an H200 (compilation included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import pathlib
+import statistics
+import sys
+import time
+
+import jax
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from capo_jax import mesh as mesh_lib  # noqa: E402
+from capo_jax import train_step as ts  # noqa: E402
+from capo_jax.optim import OptimConfig  # noqa: E402
+from models import qwen2  # noqa: E402
+from models.config import PRESETS, Qwen2Config  # noqa: E402
+
+
+def forward_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
+  """Model FLOPs of one forward over B rows of P + C tokens (module docstring)."""
+  T = P + C
+  D, F, N, K, H, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
+                      cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+  layer_matmul = D * N * H * 2 + D * K * H * 2 + 3 * D * F
+  return (2.0 * B * T * L * layer_matmul + 2.0 * B * C * D * cfg.vocab_size
+          + L * 4.0 * B * T * T * N * H)
+
+
+def _timed(fn, n: int) -> list[float]:
+  times = []
+  for _ in range(n):
+    t0 = time.perf_counter()
+    fn()
+    times.append(time.perf_counter() - t0)
+  return times
+
+
+def main(argv: list[str] | None = None) -> None:
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--out", required=True, help="JSON results file")
+  parser.add_argument("--preset", default="qwen2p5_1p5b", choices=sorted(PRESETS))
+  parser.add_argument("--batch", type=int, default=16)
+  parser.add_argument("--prompt", type=int, default=512)
+  parser.add_argument("--completion", type=int, default=1536)
+  parser.add_argument("--chunk", type=int, default=512, help="log-prob chunk (0: none)")
+  parser.add_argument("--micro", type=int, default=1, help="micro-batches per update")
+  parser.add_argument("--steps", type=int, default=5, help="timed train steps")
+  parser.add_argument("--no-remat", dest="remat", action="store_false")
+  parser.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the chip")
+  parser.add_argument("--small", action="store_true", help="tiny model and batch (CPU check)")
+  args = parser.parse_args(argv)
+
+  if args.small:
+    cfg = Qwen2Config.tiny(vocab_size=1024, hidden_size=128, intermediate_size=256,
+                           num_heads=4, num_kv_heads=2)
+    args.batch, args.prompt, args.completion, args.chunk, args.steps = 4, 16, 48, 16, 2
+  else:
+    cfg = PRESETS[args.preset]()
+  cfg = cfg.replace(param_dtype="float32", compute_dtype="bfloat16", remat=args.remat)
+  B, P, C = args.batch, args.prompt, args.completion
+  dev = jax.devices()[0]
+  print(f"devices: {len(jax.devices())} x {dev.device_kind} ({dev.platform}); jax "
+        f"{jax.__version__}", flush=True)
+
+  mesh = mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  rules = mesh_lib.TRAIN_RULES
+  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-6), num_microbatches=args.micro,
+                        logprob_chunk_size=args.chunk)
+  t0 = time.perf_counter()
+  state = ts.create_train_state(cfg, tcfg, jax.random.key(0), mesh, rules)
+  jax.block_until_ready(state)
+  init_s = time.perf_counter() - t0
+  n_params = qwen2.num_params(state.params)
+  print(f"model {args.preset if not args.small else 'small'}: {n_params / 1e9:.3f}B params, "
+        f"init {init_s:.1f} s", flush=True)
+
+  rng = np.random.default_rng(0)
+  prompt = rng.integers(0, cfg.vocab_size, (B, P)).astype(np.int32)
+  prompt_mask = np.ones((B, P), np.int32)
+  prompt_mask[:, : P // 8] = 0  # some left padding, as real prompts have
+  completion = rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32)
+  completion_mask = np.ones((B, C), np.int32)
+  adv = rng.normal(size=(B,)).astype(np.float32)
+  inputs = mesh_lib.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
+
+  logprob_fn = ts.make_logprob_fn(cfg, mesh, rules, B, chunk_size=args.chunk)
+  t0 = time.perf_counter()
+  old = logprob_fn(state.params, *inputs)["logp_BC"]
+  old.block_until_ready()
+  lp_compile_s = time.perf_counter() - t0
+  lp_times = _timed(lambda: logprob_fn(state.params, *inputs)["logp_BC"].block_until_ready(),
+                    max(args.steps, 2))
+  print(f"logprob fn: first call {lp_compile_s:.1f} s, then median "
+        f"{statistics.median(lp_times):.3f} s", flush=True)
+
+  old = np.asarray(old) + rng.normal(scale=0.05, size=(B, C)).astype(np.float32)
+  batch = mesh_lib.shard_batch(
+      ts.TrainBatch(prompt, prompt_mask, completion, completion_mask, old, adv), mesh, rules)
+  step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
+  losses: list[float] = []
+
+  def one_step() -> None:
+    nonlocal state
+    state, metrics = step_fn(state, batch)
+    losses.append(float(metrics["loss"]))  # blocks until the step is done
+
+  t0 = time.perf_counter()
+  one_step()
+  step_compile_s = time.perf_counter() - t0
+  print(f"train step: first call (compile + run) {step_compile_s:.1f} s", flush=True)
+  step_times = _timed(one_step, args.steps)
+  step_s = statistics.median(step_times)
+
+  fwd = forward_flops(cfg, B, P, C)
+  n_tok = B * (P + C)
+  mem = dev.memory_stats() or {}
+  res = {
+      "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
+      "model": "small" if args.small else args.preset, "params": n_params,
+      "batch": B, "prompt": P, "completion": C, "tokens_per_step": n_tok,
+      "chunk": args.chunk, "micro_batches": args.micro, "remat": args.remat,
+      "compute_dtype": cfg.compute_dtype, "param_dtype": cfg.param_dtype,
+      "init_s": init_s, "step_compile_s": step_compile_s, "step_times_s": step_times,
+      "step_median_s": step_s, "tokens_per_s": n_tok / step_s,
+      "model_flops_per_step": 3 * fwd, "peak_flops": args.peak,
+      "mfu": 3 * fwd / step_s / args.peak,
+      "hfu_with_remat": (4 if args.remat else 3) * fwd / step_s / args.peak,
+      "logprob_compile_s": lp_compile_s, "logprob_times_s": lp_times,
+      "logprob_tokens_per_s": n_tok / statistics.median(lp_times),
+      "logprob_mfu": fwd / statistics.median(lp_times) / args.peak,
+      "losses": losses, "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
+      "bytes_limit": mem.get("bytes_limit"),
+  }
+  print(f"train step: median {step_s:.3f} s over {args.steps} "
+        f"({min(step_times):.3f}-{max(step_times):.3f}), {res['tokens_per_s']:,.0f} tokens/s, "
+        f"model FLOPs {3 * fwd / 1e12:.1f} T/step = {res['mfu']:.1%} MFU of "
+        f"{args.peak / 1e12:.0f} TFLOP/s (HFU with remat {res['hfu_with_remat']:.1%})")
+  print(f"logprob fn: {res['logprob_tokens_per_s']:,.0f} tokens/s, {res['logprob_mfu']:.1%} MFU")
+  if mem:
+    print(f"device memory: peak {mem.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB of "
+          f"{mem.get('bytes_limit', 0) / 2**30:.1f} GiB")
+  print(f"losses: {losses}")
+  out = pathlib.Path(args.out)
+  out.parent.mkdir(parents=True, exist_ok=True)
+  out.write_text(json.dumps(res, indent=2))
+  print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+  main()
