@@ -14,6 +14,7 @@ import pytest
 from capo_jax import rewards
 from capo_jax.demo import task, warm_start
 from capo_jax.demo.char_tokenizer import CharTokenizer
+from capo_jax.tokenizer import Tokenizer
 from models import qwen2
 
 _MIXED = task.TaskConfig(min_operands=2, max_operands=6, num_train=3000, num_heldout=500, seed=3)
@@ -140,6 +141,7 @@ def test_encode_prompts_left_pads():
   assert tokens.shape == (2, 8)
   with pytest.raises(ValueError, match="max_len=4"):
     tok.encode_prompts(["3*45-6="], max_len=4)
+  assert isinstance(tok, Tokenizer)
 
 
 def test_decode_completions_cuts_at_stop():
@@ -189,6 +191,16 @@ def test_sft_loss_matches_per_row_reference():
   np.testing.assert_allclose(got, -np.mean(logps), rtol=1e-5)
 
 
+def test_bad_warm_start_settings_raise(tmp_path):
+  with pytest.raises(ValueError, match="target_low"):
+    warm_start.SFTConfig(target_low=0.6, target_high=0.5)
+  with pytest.raises(ValueError, match="batch_size"):
+    warm_start.SFTConfig(batch_size=0)
+  wrong_vocab = warm_start.default_model_config(CharTokenizer(), vocab_size=32)
+  with pytest.raises(ValueError, match="vocab_size=32"):
+    warm_start.get_or_train(str(tmp_path), model_cfg=wrong_vocab)
+
+
 @pytest.fixture(scope="module")
 def tiny_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("demo"))
@@ -218,25 +230,28 @@ def test_sft_decreases_loss_and_cache_is_reused(tiny_run):
 def test_evaluate_policy_scores_match_reference(tiny_run):
   first, _, task_cfg = tiny_run
   _, heldout = task.make_splits(task_cfg)
-  # 12 questions in chunks of 8 (one padded chunk) x 2 samples: the shapes of the
-  # SFT run's validation evals, so the sampler is not compiled again.
-  examples = heldout[:12]
+  # 16 questions in batches of 8 x 2 samples: the shapes of the SFT run's
+  # validation evals, so the sampler is not compiled again.
+  examples = heldout[:16]
+  budget = first.info["max_new_tokens"]
   ev = warm_start.evaluate_policy(first.params, first.cfg, first.tokenizer, examples,
-                                  num_samples=2, rng=jax.random.key(0), chunk_questions=8)
-  assert ev["s"].shape == ev["correct"].shape == ev["lengths"].shape == (12, 2)
+                                  num_samples=2, rng=jax.random.key(0), batch_questions=8,
+                                  max_new_tokens=budget)
+  assert ev["s"].shape == ev["correct"].shape == ev["lengths"].shape == (16, 2)
   tok = first.tokenizer
   checked = 0
   for q, ex in enumerate(examples):
     for g in range(2):
       text = ev["completions"][q * 2 + g]
       assert ev["correct"][q, g] == rewards.is_correct(text, ex.answer)
-      # s = mean log-prob of the completion tokens (EOS included) by a plain forward.
-      ids = tok.encode(text) + ([] if ev["is_truncated"][q, g] else [tok.eos_id])
-      if len(ids) != ev["lengths"][q, g]:
-        continue  # a special token mid-completion: the text does not hold every id
+      # s = mean log-prob of the completion tokens, EOS included, by a plain forward.
+      # A row shorter than the budget ended with EOS; a special token mid-row is
+      # missing from the text, so such rows cannot be rebuilt and are skipped.
+      ids = tok.encode(text) + [tok.eos_id]
+      if ev["lengths"][q, g] >= budget or len(ids) != ev["lengths"][q, g]:
+        continue
       checked += 1
       ref = _reference_logps(first.params, first.cfg, tok.encode_prompt(ex.problem), ids)
       np.testing.assert_allclose(ev["s"][q, g], np.mean(ref), rtol=1e-4, atol=1e-5)
   assert checked >= 8
   assert ev["accuracy"] == pytest.approx(ev["correct"].mean())
-  assert ev["entropy"] > 0

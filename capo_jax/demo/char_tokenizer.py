@@ -14,13 +14,15 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from capo_jax.tokenizer import completion_length, left_pad
+
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 BOXED = "\\boxed{"
 PIECES: tuple[str, ...] = (PAD, EOS, BOS, *"0123456789", "+", "-", "*", "=", "\n", BOXED, "}")
 
 
 class CharTokenizer:
-  """Implements the project's ``Tokenizer`` protocol over ``PIECES``."""
+  """Implements ``capo_jax.tokenizer.Tokenizer`` over ``PIECES``."""
 
   def __init__(self, pieces: Sequence[str] = PIECES) -> None:
     if len(set(pieces)) != len(pieces):
@@ -88,34 +90,24 @@ class CharTokenizer:
   def encode_prompt(self, question: str) -> list[int]:
     return [self.bos_id] + self.encode(self.render_prompt(question))
 
-  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None
+  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None,
+                     pad_to_multiple: int | None = None, truncate: bool = False
                      ) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded ``(tokens_BP, mask_BP)`` int32 of ``<bos>`` + rendered prompt.
+    """Left-padded int32 ``(tokens_BP, mask_BP)`` of ``<bos>`` + rendered prompt.
 
-    ``P = max_len`` when given (a fixed shape keeps jit from recompiling),
-    else the longest prompt. A prompt longer than ``max_len`` raises.
+    Width and overflow as in ``capo_jax.tokenizer.left_pad``: ``P = max_len``
+    when given (one shape, one jit compile), else the longest prompt; a longer
+    prompt raises unless ``truncate``.
     """
     rows = [self.encode_prompt(q) for q in questions]
-    longest = max((len(r) for r in rows), default=0)
-    P = longest if max_len is None else max_len
-    if longest > P:
-      i = int(np.argmax([len(r) for r in rows]))
-      raise ValueError(f"encode_prompts: prompt {i} ({questions[i]!r}) has {longest} tokens, "
-                       f"more than max_len={P}")
-    tokens = np.full((len(rows), P), self.pad_id, np.int32)
-    mask = np.zeros((len(rows), P), np.int32)
-    for b, r in enumerate(rows):
-      if r:
-        tokens[b, P - len(r):] = r
-        mask[b, P - len(r):] = 1
-    return tokens, mask
+    try:
+      return left_pad(rows, self.pad_id, max_len, pad_to_multiple, truncate)
+    except ValueError as e:
+      raise ValueError(f"encode_prompts: {e}") from e
 
   def completion_length(self, ids: Sequence[int]) -> int:
     """Tokens up to and including the first stop token (all of them when none)."""
-    for i, t in enumerate(ids):
-      if int(t) in self.stop_ids:
-        return i + 1
-    return len(ids)
+    return completion_length(ids, self.stop_ids)
 
   def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
                          ) -> list[str]:

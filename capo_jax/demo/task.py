@@ -22,19 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 import operator
-from typing import Any
-
 import numpy as np
 
-try:  # the project's record type, when present
-  from capo_jax.data import Example
-except ImportError:  # pragma: no cover - fallback until capo_jax.data lands
-  @dataclasses.dataclass(frozen=True)
-  class Example:  # type: ignore[no-redef]
-    id: str
-    problem: str
-    answer: str
-    meta: dict[str, Any] = dataclasses.field(default_factory=dict)
+from capo_jax.data import Example
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 

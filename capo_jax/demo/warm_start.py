@@ -19,6 +19,7 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import shutil
 import time
@@ -30,11 +31,13 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from capo_jax import calibration, logprobs, rewards, sampling
+from capo_jax import calibration, evaluate
 from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo.task import Example, TaskConfig, make_splits
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
+
+log = logging.getLogger(__name__)
 
 Params = dict[str, Any]
 _INFO_FILE = "warm_start.json"
@@ -42,11 +45,15 @@ _INFO_FILE = "warm_start.json"
 
 @dataclasses.dataclass(frozen=True)
 class SFTConfig:
-  """Supervised warm start; ``early_stop`` ends it once validation accuracy >= target_low.
+  """Supervised warm start.
 
-  Validation questions are the first ``eval_questions`` of the training split,
-  left out of SFT (the held-out split stays untouched for the final report);
-  accuracy is mean@``eval_samples`` at temperature 1, like the final metric.
+  Every ``eval_every`` steps the policy's validation accuracy is measured:
+  mean@``eval_samples`` at temperature 1 (like the final metric) on the first
+  ``eval_questions`` questions of the training split, which SFT leaves out
+  (the held-out split stays untouched for the final report). With
+  ``early_stop``, training ends at the first evaluation with accuracy >=
+  ``target_low``; above ``target_high`` it logs that it overshot (evaluate
+  more often). Otherwise it runs ``max_steps``.
   """
 
   max_steps: int = 1500
@@ -59,7 +66,7 @@ class SFTConfig:
   eval_questions: int = 128
   eval_samples: int = 8
   early_stop: bool = True
-  target_low: float = 0.35
+  target_low: float = 0.40
   target_high: float = 0.55
   seed: int = 0
 
@@ -148,74 +155,47 @@ def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation):
 # --- evaluation --------------------------------------------------------------
 
 
-_token_stats = jax.jit(logprobs.token_logprobs, static_argnames=("cfg",))
-
-
 def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: CharTokenizer,
                     examples: list[Example], num_samples: int = 16,
                     rng: jax.Array | None = None, *, max_new_tokens: int | None = None,
-                    temperature: float = 1.0, chunk_questions: int = 128,
-                    exact_entropy: bool = False) -> dict[str, Any]:
-  """Samples ``num_samples`` answers per question and scores them.
+                    temperature: float = 1.0, batch_questions: int = 128,
+                    progress: bool = False) -> dict[str, Any]:
+  """Samples ``num_samples`` answers per question with the project's evaluator and sums up.
 
   Returns a dict: ``accuracy`` (mean@G), ``auc_mean`` and ``auc_n_used``
   (per-question ROC-AUC of s against correctness, SPEC section 5),
-  ``entropy`` (mean per-token entropy of the policy over generated tokens: by
-  default its unbiased sample estimate, the mean of -log pi(token); with
-  ``exact_entropy`` the exact value from an extra teacher-forced pass, which
-  about doubles the cost),
-  ``mean_length`` (tokens, EOS included), ``truncated`` (fraction without a
-  stop token) and ``is_truncated`` [Q, G], ``s`` [Q, G] (mean token log-prob, EOS included) and
-  ``correct`` [Q, G] (bool), ``lengths`` [Q, G] (tokens, EOS included) and
-  ``completions`` (Q*G texts, grouped by question).
-  Questions run in chunks of a fixed size (the last one padded) so the
-  sampler compiles once.
+  ``entropy`` (mean per-token entropy of the policy over its generated
+  tokens, as its unbiased sample estimate: the mean of -log pi(token)),
+  ``mean_length`` (tokens, stop token included), ``truncated`` (fraction of
+  samples that used all ``max_new_tokens``), and per sample, grouped by
+  question: ``s`` [Q, G] (mean token log-prob), ``correct`` [Q, G] (bool),
+  ``lengths`` [Q, G] and ``completions`` (Q*G texts). Questions go to the
+  sampler in equal batches of at most ``batch_questions`` (rows = that x G).
   """
   if not examples:
     raise ValueError("evaluate_policy: no examples")
   rng = jax.random.key(0) if rng is None else rng
   if max_new_tokens is None:
     max_new_tokens = completion_budget(tokenizer, examples)
-  prompt_len = max(len(tokenizer.encode_prompt(ex.problem)) for ex in examples)
-  Qc = min(chunk_questions, len(examples))
-  stats: dict[str, list[np.ndarray]] = {"s": [], "ent": [], "len": [], "trunc": []}
-  texts: list[str] = []
-  for start in range(0, len(examples), Qc):
-    chunk = examples[start:start + Qc]
-    questions = [ex.problem for ex in chunk]
-    questions += [questions[-1]] * (Qc - len(chunk))  # pad to the compiled shape
-    prompt_BP, pmask_BP = tokenizer.encode_prompts(questions, max_len=prompt_len)
-    out = sampling.generate(params, cfg, prompt_BP, pmask_BP, jax.random.fold_in(rng, start),
-                            num_samples=num_samples, max_new_tokens=max_new_tokens,
-                            temperature=temperature, stop_ids=tokenizer.stop_ids,
-                            pad_id=tokenizer.pad_id)
-    n = len(chunk) * num_samples
-    tokens_BC, mask_BC = np.asarray(out.tokens)[:n], np.asarray(out.mask)[:n]
-    logp_BC = np.asarray(out.logprobs)[:n]  # the policy's own log-probs (untempered)
-    length_B = mask_BC.sum(-1)
-    if exact_entropy:
-      prompt_BP, pmask_BP = (np.repeat(x, num_samples, axis=0) for x in (prompt_BP, pmask_BP))
-      lp = _token_stats(params, cfg, prompt_BP, pmask_BP, out.tokens, out.mask)
-      ent_B = np.asarray(lp["entropy_BC"])[:n].sum(-1)
-    else:
-      ent_B = -logp_BC.sum(-1)
-    stats["s"].append(logp_BC.sum(-1) / np.maximum(length_B, 1))
-    stats["ent"].append(ent_B)
-    stats["len"].append(length_B)
-    stats["trunc"].append(np.asarray(out.truncated)[:n])
-    texts += tokenizer.decode_completions(tokens_BC, mask_BC)
+  # Equal batches (200 questions -> 2 x 100, not 128 + 72 padded to 128).
+  n_batches = -(-len(examples) // batch_questions)
+  eval_cfg = evaluate.EvalConfig(num_samples=num_samples, max_new_tokens=max_new_tokens,
+                                 temperature=temperature,
+                                 batch_size=-(-len(examples) // n_batches),
+                                 progress=progress)
+  records = evaluate.evaluate_policy(params, cfg, tokenizer, examples, eval_cfg, rng,
+                                     benchmark="demo")
   Q, G = len(examples), num_samples
-  golds = [ex.answer for ex in examples for _ in range(G)]
-  correct_QG = rewards.score(texts, golds).reshape(Q, G) > 0
-  s_QG = np.concatenate(stats["s"]).reshape(Q, G)
-  lengths = np.concatenate(stats["len"])
-  trunc = np.concatenate(stats["trunc"])
+  s_QG = np.array([r.s for r in records], np.float64).reshape(Q, G)
+  correct_QG = np.array([r.correct for r in records], bool).reshape(Q, G)
+  lengths_QG = np.array([r.length for r in records], np.int64).reshape(Q, G)
   auc, n_used = calibration.auc_mean(s_QG, correct_QG)
   return dict(accuracy=float(correct_QG.mean()), auc_mean=auc, auc_n_used=n_used,
-              entropy=float(np.concatenate(stats["ent"]).sum() / max(lengths.sum(), 1)),
-              mean_length=float(lengths.mean()),
-              truncated=float(trunc.mean()), is_truncated=trunc.reshape(Q, G),
-              s=s_QG, correct=correct_QG, lengths=lengths.reshape(Q, G), completions=texts)
+              entropy=float(-(s_QG * lengths_QG).sum() / max(lengths_QG.sum(), 1)),
+              mean_length=float(lengths_QG.mean()),
+              truncated=float((lengths_QG >= max_new_tokens).mean()),
+              s=s_QG, correct=correct_QG, lengths=lengths_QG,
+              completions=[r.completion for r in records])
 
 
 def completion_budget(tokenizer: CharTokenizer, examples: list[Example], slack: int = 8) -> int:
@@ -310,7 +290,7 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
   order = np.random.default_rng(sft_cfg.seed)
   perm, cursor = order.permutation(len(train)), 0
   history: list[dict[str, float]] = []
-  losses: list[float] = []
+  losses: list[jax.Array] = []  # read back only when logged, so dispatch stays async
   stopped = "max_steps"
   bar = tqdm(range(1, sft_cfg.max_steps + 1), desc="warm start (SFT)", disable=not progress)
   for step in bar:
@@ -319,7 +299,7 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
     idx = perm[cursor:cursor + sft_cfg.batch_size]
     cursor += sft_cfg.batch_size
     params, opt_state, loss = step_fn(params, opt_state, tokens[idx], mask[idx], loss_mask[idx])
-    losses.append(float(loss))
+    losses.append(loss)
     if step % sft_cfg.eval_every == 0 or step == sft_cfg.max_steps:
       ev = evaluate_policy(params, model_cfg, tokenizer, val, sft_cfg.eval_samples,
                            jax.random.fold_in(rng, step), max_new_tokens=max_new)
@@ -331,12 +311,16 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
                       elapsed=f"{history[-1]['elapsed_s']:.0f}s")
       if sft_cfg.early_stop and ev["accuracy"] >= sft_cfg.target_low:
         stopped = "in_band" if ev["accuracy"] <= sft_cfg.target_high else "overshot"
+        if stopped == "overshot":
+          log.warning("warm start overshot the target band: validation accuracy %.3f > %.3f "
+                      "at step %d (evaluate more often: SFTConfig.eval_every)",
+                      ev["accuracy"], sft_cfg.target_high, step)
         break
     elif step % 10 == 0:
       bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
   bar.close()
-  params = jax.device_get(params)
   info = dict(steps=len(losses), stopped=stopped, wall_s=time.perf_counter() - t0,
-              first_loss=losses[0], final_loss=float(np.mean(losses[-10:])), history=history,
+              first_loss=float(losses[0]), final_loss=float(np.mean(losses[-10:])),
+              history=history,
               num_params=qwen2.num_params(params), max_new_tokens=max_new)
   return params, info
