@@ -205,6 +205,17 @@ def forward_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
   (mask 0) occupy slots but are never attended to and do not advance a
   row's RoPE position.
   """
+  h_BTD, cache = hidden_states_with_cache(params, cfg, tokens_BT, mask_BT, cache)
+  return logits_from_hidden(params, cfg, h_BTD), cache
+
+
+def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
+                             mask_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+  """``forward_with_cache`` stopping at the final-norm hidden states [B, T, D].
+
+  A prefill that needs only the last position's logits unembeds just that
+  position: XLA does not narrow a [B, T, V] logits matmul to a later slice.
+  """
   mask_BT = mask_BT.astype(jnp.bool_)
   B, T = tokens_BT.shape
   S = cache.max_len
@@ -234,7 +245,7 @@ def forward_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
   new_cache = KVCache(k_LBSKH=k_all, v_LBSKH=v_all, mask_BS=slot_mask_BS,
                       positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
                       index=index + T)
-  return logits_from_hidden(params, cfg, h), new_cache
+  return h, new_cache
 
 
 def num_params(params_or_shapes: Params) -> int:
