@@ -1,0 +1,258 @@
+"""The jitted sampler against transformers, teacher forcing and exact distributions.
+
+References: transformers ``generate(do_sample=False)`` on a left-padded batch
+(greedy tokens and stopping), ``models.qwen2.forward`` over prompt + completion
+(log-probs), a no-stop greedy run (where each row must stop), softmax(logits/T)
+and its top-k / top-p restrictions computed in NumPy (token frequencies), and
+the traces of the jitted functions (compilations per length bucket). The
+8-device sharding check runs in a subprocess, since XLA_FLAGS must be set
+before jax is imported.
+"""
+
+from __future__ import annotations
+
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from capo_jax import sampling
+from models import hf_weights, qwen2
+import hf_utils
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+PAD = 0
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+  """A random transformers Qwen2 (vocab 256) and the same weights as our params."""
+  model, path = hf_utils.make_hf_model(tmp_path_factory.mktemp("hf"), seed=0)
+  cfg, params = hf_weights.load_pretrained(path)
+  return model, cfg, params
+
+
+def _prompts(vocab: int) -> tuple[np.ndarray, np.ndarray]:
+  return hf_utils.left_padded_batch(np.random.default_rng(0), [5, 11, 8], vocab, low=3)
+
+
+def _hf_greedy(model, tokens, mask, max_new: int, stop: list[int] | None) -> np.ndarray:
+  import torch  # pylint: disable=g-import-not-at-top
+  with torch.no_grad():
+    out = model.generate(
+        input_ids=torch.as_tensor(tokens, dtype=torch.long),
+        attention_mask=torch.as_tensor(mask, dtype=torch.long), max_new_tokens=max_new,
+        do_sample=False, eos_token_id=stop, pad_token_id=PAD)
+  return out[:, tokens.shape[1]:].numpy()
+
+
+def test_greedy_matches_transformers_and_stops(tiny):
+  model, cfg, params = tiny
+  tokens, mask = _prompts(cfg.vocab_size)
+  free = _hf_greedy(model, tokens, mask, 12, None)
+  # Stop ids the rows meet at different steps (and one row maybe never).
+  stops = sorted({int(free[0, 3]), int(free[1, 6])})
+  expected = _hf_greedy(model, tokens, mask, 12, stops)
+  ours = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
+                           max_new_tokens=12, temperature=0.0, stop_ids=stops, pad_id=PAD)
+  np.testing.assert_array_equal(np.asarray(sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
+      temperature=0.0, pad_id=PAD).tokens), free)
+  for b in range(tokens.shape[0]):
+    hits = np.flatnonzero(np.isin(free[b], stops))
+    n = int(hits[0]) + 1 if hits.size else 12
+    np.testing.assert_array_equal(np.asarray(ours.tokens[b, :n]), expected[b, :n])
+    np.testing.assert_array_equal(np.asarray(ours.mask[b]), (np.arange(12) < n).astype(int))
+    assert int(ours.lengths[b]) == n
+    assert bool(ours.truncated[b]) == (hits.size == 0)
+    assert (np.asarray(ours.tokens[b, n:]) == PAD).all()
+    assert (np.asarray(ours.logprobs[b, n:]) == 0).all()
+  assert int(ours.lengths[0]) <= 4 and int(ours.lengths[1]) <= 7  # the stops took effect
+  # A stop on the very last allowed token is a stop, not a truncation.
+  n0 = int(ours.lengths[0])
+  short = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
+                            max_new_tokens=n0, temperature=0.0, stop_ids=stops, pad_id=PAD)
+  stopped = np.isin(free[:, :n0], stops).any(1)
+  np.testing.assert_array_equal(np.asarray(short.truncated), ~stopped)
+  assert stopped[0] and int(short.lengths[0]) == n0
+  np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(ours.tokens[:, :n0]))
+
+
+def test_logprobs_equal_teacher_forcing(tiny):
+  _, cfg, params = tiny
+  tokens, mask = _prompts(cfg.vocab_size)
+  G, C = 2, 10
+  stops = [5, 17]
+  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(3), num_samples=G,
+                          max_new_tokens=C, temperature=0.7, top_k=20, stop_ids=stops)
+  seq = np.concatenate([np.repeat(tokens, G, 0), np.asarray(out.tokens)], axis=1)
+  seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(out.mask)], axis=1)
+  logits = np.asarray(qwen2.forward(params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask)))
+  P = tokens.shape[1]
+  logp = jax.nn.log_softmax(logits[:, P - 1:-1], axis=-1)
+  ref = np.take_along_axis(np.asarray(logp), seq[:, P:, None], axis=-1)[..., 0]
+  m = np.asarray(out.mask).astype(bool)
+  assert m.sum() > G * 3 * 3
+  np.testing.assert_allclose(np.asarray(out.logprobs)[m], ref[m], atol=1e-4)
+  # Rows of one prompt share the prefill yet draw their own tokens.
+  rows = np.asarray(out.tokens)
+  assert all((rows[2 * q] != rows[2 * q + 1]).any() for q in range(3))
+
+
+def test_same_rng_same_samples(tiny):
+  _, cfg, params = tiny
+  tokens, mask = _prompts(cfg.vocab_size)
+  run = lambda key: np.asarray(sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(key), num_samples=2, max_new_tokens=10,
+      temperature=0.7, top_k=20, stop_ids=[5, 17]).tokens)
+  np.testing.assert_array_equal(run(3), run(3))
+  assert (run(3) != run(4)).any()
+
+
+def test_inverse_cdf_is_exact_and_skips_zero_weights():
+  # Integer weights and u on a 1/1024 grid keep every float32 sum exact, so the
+  # draw must equal the brute-force first index whose running sum exceeds u*total.
+  rng = np.random.default_rng(0)
+  w = rng.integers(0, 4, 300).astype(np.float32)
+  w[:130] = 0  # the whole first block and more carry no weight
+  u = np.arange(1024, dtype=np.float32) / 1024  # includes u = 0
+  got = np.asarray(sampling.inverse_cdf(jnp.broadcast_to(jnp.asarray(w), (1024, 300)),
+                                        jnp.asarray(u)))
+  want = np.searchsorted(np.cumsum(w), u * w.sum(), side="right")
+  np.testing.assert_array_equal(got, want)
+  assert (w[got] > 0).all()
+
+
+def _freq_bound(p: np.ndarray, n: int) -> np.ndarray:
+  """4.5 binomial standard deviations (+1/n): fails a wrong distribution, not noise."""
+  return 4.5 * np.sqrt(p * (1 - p) / n) + 1.0 / n
+
+
+def _draw(strategy, logits_V: np.ndarray, n: int, seed: int) -> np.ndarray:
+  logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, logits_V.size))
+  keys = jax.random.split(jax.random.key(seed), n)
+  counts = np.bincount(np.asarray(jax.jit(strategy.next_token)(logits, keys)),
+                       minlength=logits_V.size)
+  return counts / n
+
+
+def _softmax(x: np.ndarray) -> np.ndarray:
+  e = np.exp(x - x.max())
+  return e / e.sum()
+
+
+@pytest.mark.parametrize("strategy", [
+    sampling.Temperature(0.7), sampling.TopK(temperature=1.3, k=7),
+    sampling.TopP(temperature=1.0, p=0.6), sampling.TopP(temperature=0.8, p=0.9, k=40)])
+def test_token_frequencies_match_the_distribution(strategy):
+  # V = 300 is not a multiple of the 128-token block of the inverse-CDF draw.
+  logits = np.random.default_rng(1).normal(0, 2.0, 300)
+  n = 40_000
+  freq = _draw(strategy, logits, n, seed=2)
+  p = _softmax(logits / strategy.temperature)
+  order = np.argsort(-p)
+  keep = np.zeros(300, bool)
+  if isinstance(strategy, sampling.TopK) or getattr(strategy, "k", 0):
+    keep[order[:strategy.k]] = True
+  else:
+    keep[:] = True
+  p = np.where(keep, p, 0) / p[keep].sum()
+  if isinstance(strategy, sampling.TopP):
+    order = np.argsort(-p)
+    above = np.cumsum(p[order]) - p[order]
+    nucleus = np.zeros(300, bool)
+    nucleus[order[above < strategy.p]] = True
+    p = np.where(nucleus, p, 0) / p[nucleus].sum()
+  assert (freq[p == 0] == 0).all(), "an excluded token was emitted"
+  assert (np.abs(freq - p) <= _freq_bound(p, n)).all(), np.abs(freq - p).max()
+
+
+def test_first_token_frequencies_through_generate():
+  cfg = qwen2.Qwen2Config.tiny(vocab_size=12)
+  params = qwen2.init_params(cfg, jax.random.key(5))
+  params["embed"] = params["embed"] * 3.0  # spread the logits
+  tokens, mask = np.array([[0, 0, 4, 7, 1]]), np.array([[0, 0, 1, 1, 1]])
+  logits = np.asarray(qwen2.forward(params, cfg, jnp.asarray(tokens), jnp.asarray(mask)))[0, -1]
+  p = _softmax(logits / 1.5)
+  assert p.max() < 0.6 and (p > 0.02).sum() >= 4
+  n, rounds = 2000, 4
+  counts = np.zeros(12)
+  for r in range(rounds):
+    out = sampling.generate(params, cfg, tokens, mask, jax.random.key(r), num_samples=n,
+                            max_new_tokens=1, temperature=1.5)
+    counts += np.bincount(np.asarray(out.tokens[:, 0]), minlength=12)
+  freq = counts / (n * rounds)
+  assert (np.abs(freq - p) <= _freq_bound(p, n * rounds)).all(), np.abs(freq - p).max()
+
+
+def test_length_buckets_bound_compilations(tiny):
+  _, cfg, params = tiny
+  rng = np.random.default_rng(4)
+  for f in (sampling._prefill, sampling._decode):  # pylint: disable=protected-access
+    f.clear_cache()
+  before = dict(sampling.TRACE_COUNTS)
+  # Prompt lengths in buckets 16, 16, 16, 32, 32; max_new_tokens (and stop sets)
+  # vary within the 16 bucket: two shapes, so two traces of each function.
+  for P, C, stops in [(4, 9, [5]), (9, 16, [5, 17]), (16, 11, []), (17, 9, [5]), (30, 14, [9])]:
+    tokens, mask = hf_utils.left_padded_batch(rng, [P, P - 2, 3], cfg.vocab_size)
+    out = sampling.generate(params, cfg, tokens, mask, jax.random.key(P), num_samples=2,
+                            max_new_tokens=C, temperature=0.7, top_k=20, stop_ids=stops)
+    assert out.tokens.shape == (6, C)
+  new = {k: sampling.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+  assert new == {"prefill": 2, "decode": 2}, new
+
+
+def test_bad_input_is_named(tiny):
+  _, cfg, params = tiny
+  gen = lambda t, m, **kw: sampling.generate(params, cfg, t, m, jax.random.key(0),
+                                             num_samples=1, max_new_tokens=4, **kw)
+  with pytest.raises(ValueError, match="left-padded"):
+    gen(np.ones((1, 4), int), np.array([[1, 1, 0, 0]]))
+  with pytest.raises(ValueError, match="stop_ids"):
+    gen(np.ones((1, 4), int), np.ones((1, 4), int), stop_ids=[cfg.vocab_size])
+  with pytest.raises(ValueError, match="temperature"):
+    sampling.make_strategy(temperature=-1.0)
+  with pytest.raises(ValueError, match="TopP.p"):
+    sampling.TopP(p=0.0)
+
+
+_SHARDED = textwrap.dedent("""
+    import os
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import jax, numpy as np
+    from capo_jax import mesh as capo_mesh, sampling
+    from models import qwen2
+    cfg = qwen2.Qwen2Config.tiny(tie_word_embeddings=False)
+    params = qwen2.init_params(cfg, jax.random.key(0))
+    # Weights of std 0.15 (not 0.02) so greedy does not just repeat the last token.
+    params = jax.tree_util.tree_map_with_path(
+        lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(3, 256, (4, 9)); mask = np.ones((4, 9), int); mask[1, :4] = 0
+    kw = dict(num_samples=2, max_new_tokens=12, temperature=0.0, stop_ids=[70, 182])
+    one = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), **kw)
+    mesh = capo_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
+    rules = capo_mesh.SAMPLING_RULES
+    eight = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), mesh=mesh,
+                              rules=rules, **kw)
+    assert len(jax.devices()) == 8
+    assert eight.tokens.sharding.spec[0] == ("data", "fsdp"), eight.tokens.sharding
+    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(eight.tokens))
+    np.testing.assert_array_equal(np.asarray(one.mask), np.asarray(eight.mask))
+    np.testing.assert_allclose(np.asarray(one.logprobs), np.asarray(eight.logprobs), atol=1e-5)
+    assert sorted(set(np.asarray(one.lengths).tolist())) == [3, 6, 10, 12], one.lengths
+    print("OK")
+""")
+
+
+def test_sharded_greedy_equals_one_device():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
