@@ -49,8 +49,13 @@ def needs_reference(c: ml_collections.ConfigDict) -> bool:
   return c.loss.beta > 0 or uses_noise_mask(c)
 
 
-def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) -> None:
-  """Raises ConfigError naming the first bad field."""
+def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
+             policy_given: bool = False) -> None:
+  """Raises ConfigError naming the first bad field.
+
+  ``policy_given``: the caller supplies the initial policy (the demo's warm
+  start), so no model source is needed in the config.
+  """
   if c.algo.name not in ALGORITHMS:
     _fail("algo.name", c.algo.name, f"unknown algorithm; expected one of {ALGORITHMS}")
   uses_noise_mask(c)
@@ -84,11 +89,13 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None) ->
     _fail("algo.score", c.algo.score, f"expected one of {advantages.SCORES}")
   if c.algo.mask_mode not in advantages.MASK_MODES:
     _fail("algo.mask_mode", c.algo.mask_mode, f"expected one of {advantages.MASK_MODES}")
-  if not c.model.hf_path and not c.model.preset:
+  if policy_given:
+    pass
+  elif not c.model.hf_path and not c.model.preset:
     _fail("model.hf_path", c.model.hf_path,
           "set model.hf_path (a HF checkpoint directory) or model.preset (random weights, "
           f"one of {sorted(PRESETS)})")
-  if not c.model.hf_path and c.model.preset not in PRESETS:
+  elif not c.model.hf_path and c.model.preset not in PRESETS:
     _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
   if c.model.hf_path and not os.path.isdir(c.model.hf_path):
     _fail("model.hf_path", c.model.hf_path, "no such checkpoint directory")

@@ -54,7 +54,8 @@ class MetricsWriter:
     self._jsonl.flush()
     if self._tb is not None:
       for k, v in scalars.items():
-        self._tb.add_scalar(k, v, step)
+        if math.isfinite(v):  # NaN (e.g. AUC with no mixed group) stays in the JSONL only
+          self._tb.add_scalar(k, v, step)
       self._tb.flush()
     return scalars
 

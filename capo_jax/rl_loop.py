@@ -164,7 +164,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   would load (the demo passes its warm start and synthetic task).
   ``eval_fn(step, params)`` is called every ``eval.every_steps`` and at the end.
   """
-  experiment.validate(c)
+  experiment.validate(c, policy_given=policy is not None)
   model_cfg = policy.cfg if policy is not None else experiment.model_config(c)
   tcfg = experiment.train_config(c)
   mesh = experiment.make_mesh(c)

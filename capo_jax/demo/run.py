@@ -1,0 +1,125 @@
+"""The embedded demo: warm start (cached), then RL, then a before/after report.
+
+``run(config, workdir)`` is what ``python -m capo_jax.main
+--config=configs/demo.py --workdir=DIR`` does; ``run_rl`` is the piece the
+GRPO-vs-CAPO benchmark calls once per (algorithm, seed) on a shared warm
+start.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+from typing import Any
+
+import jax
+import ml_collections
+import numpy as np
+
+from capo_jax import calibration, rl_loop
+from capo_jax.demo import task as task_lib
+from capo_jax.demo import warm_start
+
+log = logging.getLogger(__name__)
+
+REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy",
+               "mean_length")
+
+
+def task_config(c: ml_collections.ConfigDict) -> task_lib.TaskConfig:
+  return task_lib.TaskConfig(**c.demo.task.to_dict())
+
+
+def sft_config(c: ml_collections.ConfigDict) -> warm_start.SFTConfig:
+  return warm_start.SFTConfig(**c.demo.sft.to_dict())
+
+
+def get_warm_start(c: ml_collections.ConfigDict, workdir: str) -> warm_start.WarmStart:
+  tokenizer_probe = warm_start.CharTokenizer()
+  model_cfg = warm_start.default_model_config(tokenizer_probe, **c.demo.model.to_dict())
+  return warm_start.get_or_train(workdir, task_config(c), model_cfg, sft_config(c))
+
+
+def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
+                    num_samples: int, seed: int) -> dict[str, float]:
+  """Held-out accuracy and calibration of ``params`` (SPEC section 5, and by difficulty)."""
+  ev = warm_start.evaluate_policy(params, ws.cfg, ws.tokenizer, examples, num_samples,
+                                  jax.random.key(seed))
+  s_QG, correct_QG = ev["s"], ev["correct"]
+  buckets = calibration.auc_by_bucket(s_QG, correct_QG)
+  # Questions the policy mostly gets wrong (<= 1/4 right), where DEMO_NOTES saw GRPO's
+  # damage that AUC-mean hides.
+  low = next(iter(buckets.values()))
+  return {"accuracy": ev["accuracy"], "auc_mean": ev["auc_mean"],
+          "auc_questions": float(ev["auc_n_used"]),
+          "pooled_auc": calibration.pooled_auc(s_QG, correct_QG),
+          "auc_mostly_wrong": low["auc_mean"], "mostly_wrong_questions": float(low["n"]),
+          "entropy": ev["entropy"], "mean_length": ev["mean_length"]}
+
+
+def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
+           *, run_name: str | None = None) -> list[dict[str, float]]:
+  """RL from the warm start with held-out evals; returns them (step 0 = the warm start)."""
+  train, heldout = task_lib.make_splits(task_config(c))
+  heldout = heldout[:c.demo.eval_questions]
+  if c.rollout.max_new_tokens == 0:
+    c.rollout.max_new_tokens = warm_start.completion_budget(ws.tokenizer, train + heldout)
+  run_dir = os.path.join(workdir, run_name or f"{c.algo.name}_seed{c.seed}")
+  evals: list[dict[str, float]] = []
+
+  def eval_fn(step: int, params: Any) -> dict[str, float]:
+    m = heldout_metrics(ws, params, heldout, c.demo.eval_samples, c.demo.eval_seed)
+    evals.append({"step": step, **m})
+    return m
+
+  rl_loop.train(c, run_dir, policy=rl_loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
+                train_examples=train, eval_fn=eval_fn)
+  if not evals:  # resumed a finished run: read its evals back
+    evals = _evals_from_metrics(os.path.join(run_dir, "metrics.jsonl"))
+  with open(os.path.join(run_dir, "evals.json"), "w", encoding="utf-8") as f:
+    json.dump(evals, f, indent=1)
+  return evals
+
+
+def _evals_from_metrics(path: str) -> list[dict[str, float]]:
+  out = []
+  with open(path, encoding="utf-8") as f:
+    for line in f:
+      row = json.loads(line)
+      ev = {k[5:]: v for k, v in row.items() if k.startswith("eval/")}
+      if ev:
+        out.append({"step": row["step"], **ev})
+  return out
+
+
+def _fmt(v: Any) -> str:
+  return "nan" if v is None or (isinstance(v, float) and np.isnan(v)) else f"{v:.3f}"
+
+
+def report(evals: list[dict[str, float]]) -> str:
+  """A before / after table of the held-out metrics."""
+  first, last = evals[0], evals[-1]
+  lines = [f"{'held-out metric':<20} {'warm start':>11} {'step ' + str(last['step']):>11}"]
+  for k in REPORT_KEYS:
+    lines.append(f"{k:<20} {_fmt(first.get(k)):>11} {_fmt(last.get(k)):>11}")
+  return "\n".join(lines)
+
+
+def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict[str, float]]:
+  """The README's main command: warm start if not cached, then CAPO, then the report."""
+  ws = get_warm_start(c, workdir)
+  info = ws.info
+  print(f"warm start: {'trained' if info.get('trained') else 'loaded from cache'} "
+        f"({info.get('steps')} SFT steps, {info.get('wall_s', 0):.0f} s) -> {info.get('path')}")
+  evals = run_rl(c, workdir, ws)
+  print(f"\n{c.algo.name} on the synthetic task, {c.demo.eval_questions} held-out questions "
+        f"x {c.demo.eval_samples} samples:")
+  print(report(evals))
+  return evals
+
+
+def config_summary(c: ml_collections.ConfigDict) -> dict[str, Any]:
+  return {"algo": c.algo.name, "tau": c.algo.tau, "mask": c.algo.mask,
+          "lr": c.optim.lr, "steps": c.train.num_steps, **dataclasses.asdict(task_config(c))}
