@@ -36,7 +36,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
       num_heldout=400, seed=0))
   c.demo.model = ml_collections.ConfigDict()  # overrides of warm_start.default_model_config
   c.demo.sft = ml_collections.ConfigDict(dict(
-      max_steps=1500, batch_size=64, lr=1e-3, warmup_steps=50, eval_every=50,
+      max_steps=1500, batch_size=64, lr=2e-3, warmup_steps=50, eval_every=50,
       eval_questions=128, eval_samples=8, early_stop=True, target_low=0.40, target_high=0.55,
       seed=0))
   c.demo.eval_questions = 400
@@ -60,7 +60,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.every_steps = 50
   c.checkpoint.export_hf = False
   c.log.samples_every_steps = 25
-  c.eval.every_steps = 25
+  c.eval.every_steps = 0  # held-out eval before and after (benchmarks/ evaluates more often)
   if arg == "tiny":
     c.demo.task.num_train, c.demo.task.num_heldout = 600, 32
     c.demo.model = ml_collections.ConfigDict(dict(num_layers=1, hidden_size=32,

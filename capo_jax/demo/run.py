@@ -60,8 +60,13 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
 
 
 def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
-           *, run_name: str | None = None) -> list[dict[str, float]]:
-  """RL from the warm start with held-out evals; returns them (step 0 = the warm start)."""
+           *, run_name: str | None = None, initial_eval: dict[str, float] | None = None
+           ) -> list[dict[str, float]]:
+  """RL from the warm start with held-out evals; returns them (step 0 = the warm start).
+
+  ``initial_eval``: the warm start's held-out metrics, when already known (every
+  run of a comparison shares them: same params, same evaluation seed).
+  """
   train, heldout = task_lib.make_splits(task_config(c))
   heldout = heldout[:c.demo.eval_questions]
   if c.rollout.max_new_tokens == 0:
@@ -70,7 +75,10 @@ def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
   evals: list[dict[str, float]] = []
 
   def eval_fn(step: int, params: Any) -> dict[str, float]:
-    m = heldout_metrics(ws, params, heldout, c.demo.eval_samples, c.demo.eval_seed)
+    if step == 0 and initial_eval is not None:
+      m = dict(initial_eval)
+    else:
+      m = heldout_metrics(ws, params, heldout, c.demo.eval_samples, c.demo.eval_seed)
     evals.append({"step": step, **m})
     return m
 
