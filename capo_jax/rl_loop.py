@@ -205,6 +205,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   to_sampling = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(model_cfg.dtype), p),
                         out_shardings=sampling_sh)
   batch_sh = mesh_lib.batch_sharding(mesh, train_rules, rows_per_update)
+  ctx = rollout.RolloutContext(spec=spec, model_cfg=model_cfg, tokenizer=tokenizer,
+                               grader=grader, logprob_fn=logprob_fn, mesh=mesh,
+                               sampling_rules=sampling_rules)
 
   rng = jax.random.key(c.seed)
   abstract_state = jax.tree.map(
@@ -236,10 +239,8 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       t0 = time.perf_counter()
       examples = iterator.next_batch()
       ro = rollout.collect(
-          examples, params_sampling=to_sampling(state.params), params_train=state.params,
-          ref_params=ref_params, model_cfg=model_cfg, tokenizer=tokenizer, grader=grader,
-          logprob_fn=logprob_fn, spec=spec, step=step, rng=jax.random.fold_in(rng, step),
-          mesh=mesh, sampling_rules=sampling_rules)
+          examples, ctx, params_sampling=to_sampling(state.params), params_train=state.params,
+          ref_params=ref_params, step=step, rng=jax.random.fold_in(rng, step))
       t1 = time.perf_counter()
       update_metrics = []
       for _ in range(c.train.ppo_epochs):

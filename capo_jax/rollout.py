@@ -126,12 +126,28 @@ def mean_logprob(logp_BC: np.ndarray, mask_BC: np.ndarray) -> np.ndarray:
   return (logp_BC * mask_BC).sum(-1) / n
 
 
-def collect(examples: Sequence[Example], *, params_sampling: Any, params_train: Any,
-            ref_params: Any | None, model_cfg: Qwen2Config, tokenizer: Tokenizer,
-            grader: Any, logprob_fn: Callable[..., dict[str, Any]], spec: RolloutSpec,
-            step: int, rng: jax.Array, mesh: jax.sharding.Mesh, sampling_rules: Any
-            ) -> Rollout:
-  """Samples, grades and scores this step's questions (``examples``: this process's share)."""
+@dataclasses.dataclass(frozen=True)
+class RolloutContext:
+  """The fixed parts of a run that every step's rollout uses."""
+  spec: RolloutSpec
+  model_cfg: Qwen2Config
+  tokenizer: Tokenizer
+  grader: Any  # .score(completions, golds) -> (rewards, RewardHealth)
+  logprob_fn: Callable[..., dict[str, Any]]  # (params, prompt, pmask, comp, cmask) -> dict
+  mesh: jax.sharding.Mesh
+  sampling_rules: Any
+
+
+def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling: Any,
+            params_train: Any, ref_params: Any | None, step: int, rng: jax.Array) -> Rollout:
+  """Samples, grades and scores this step's questions (``examples``: this process's share).
+
+  ``params_sampling``: the policy in the sampler's dtype and shardings;
+  ``params_train``: the same policy as trained (old log-probs come from it);
+  ``ref_params``: the frozen reference, or None when nothing needs it.
+  """
+  spec, model_cfg, tokenizer, grader = ctx.spec, ctx.model_cfg, ctx.tokenizer, ctx.grader
+  logprob_fn, mesh, sampling_rules = ctx.logprob_fn, ctx.mesh, ctx.sampling_rules
   G = spec.num_samples
   t0 = time.perf_counter()
   tok_local, mask_local = tokenizer.encode_prompts([e.problem for e in examples],
