@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import operator
+
 import numpy as np
 
 from capo_jax.data import Example
@@ -119,7 +120,11 @@ def make_example(operands: list[int], ops: list[str], ex_id: str) -> Example:
 
 def _draw(cfg: TaskConfig, rng: np.random.Generator, count: int, exclude: set[str],
           prefix: str) -> list[Example]:
-  """``count`` distinct questions not in ``exclude`` (which is extended)."""
+  """``count`` distinct questions not in ``exclude`` (which is extended).
+
+  Duplicates are redrawn, operand count included, so when the questions of a
+  small count run out (2 operands: 300), the larger counts fill in.
+  """
   out: list[Example] = []
   attempts, max_attempts = 0, 50 * count + 1000
   while len(out) < count:

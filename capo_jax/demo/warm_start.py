@@ -58,7 +58,7 @@ class SFTConfig:
 
   max_steps: int = 1500
   batch_size: int = 64
-  lr: float = 2e-3
+  lr: float = 1e-3
   warmup_steps: int = 50
   weight_decay: float = 0.01
   grad_clip: float = 1.0
