@@ -59,9 +59,12 @@ def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
   return run
 
 
-def transformers_runner(ckpt: str, prompts: np.ndarray, new_tokens: int) -> Callable:
+def transformers_runner(ckpt: str, prompts: np.ndarray, new_tokens: int,
+                        threads: int | None) -> Callable:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
+  if threads:
+    torch.set_num_threads(threads)
   model = transformers.Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
   ids = torch.as_tensor(prompts, dtype=torch.long)
   mask = torch.ones_like(ids)
@@ -114,6 +117,9 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--tunix", action="store_true", help="also time Tunix (needs its venv)")
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
+  ap.add_argument("--torch-threads", type=int, default=None,
+                  help="torch intra-op threads (default: torch's, one per core); on a "
+                       "machine shared with other jobs 1 thread can be faster than 2")
   ap.add_argument("--json", help="write the medians here")
   args = ap.parse_args()
   if args.small:
@@ -132,7 +138,8 @@ def main() -> None:
     hf_weights.save_pretrained(cfg, params, ckpt)
     runners: dict[str, Callable] = {
         "capo_jax": ours_runner(params, cfg, prompts, args.new_tokens),
-        "transformers": transformers_runner(ckpt, prompts, args.new_tokens)}
+        "transformers": transformers_runner(ckpt, prompts, args.new_tokens,
+                                            args.torch_threads)}
     tunix = None
     if args.tunix:
       if not TUNIX_PYTHON.exists():
@@ -167,7 +174,8 @@ def main() -> None:
   agree = {n: float((firsts[n, "greedy"][0] == firsts["capo_jax", "greedy"][0]).mean())
            for n in runners if n != "capo_jax"}
   result = {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "rounds": args.rounds, "greedy_row0_agreement": agree}
+            "rounds": args.rounds, "torch_threads": args.torch_threads,
+            "greedy_row0_agreement": agree}
   print(f"\n{'sampler':14s} {'mode':7s} {'median s':>9s} {'tokens/s':>9s} {'ours / it':>9s}")
   for mode in MODES:
     ours = np.median(times["capo_jax", mode])

