@@ -96,7 +96,9 @@ def _evals_from_metrics(path: str) -> list[dict[str, float]]:
   with open(path, encoding="utf-8") as f:
     for line in f:
       row = json.loads(line)
-      ev = {k[5:]: v for k, v in row.items() if k.startswith("eval/")}
+      # MetricsWriter stores NaN / inf as strings ("nan": AUC with no mixed group).
+      ev = {k[5:]: float(v) if isinstance(v, str) else v
+            for k, v in row.items() if k.startswith("eval/")}
       if ev:
         out.append({"step": row["step"], **ev})
   return out
