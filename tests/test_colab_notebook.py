@@ -58,7 +58,8 @@ def test_notebook_is_stored_without_outputs() -> None:
   assert 'REPO_URL = "https://github.com/capo-jax/capo-jax.git"' in install
   # The clone and pip lines sit under the "not importable" branch only.
   guarded = install.split('find_spec("capo_jax") is None', 1)[1].split("\nelse:", 1)[0]
-  for needle in ("!git clone", "pip install -q -r requirements.txt", "pip install -q -e . --no-deps"):
+  for needle in ("!git clone", "pip install -q -r requirements.txt",
+                 "pip install -q -e . --no-deps"):
     assert needle in guarded, needle
 
 
