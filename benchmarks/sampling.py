@@ -12,6 +12,10 @@ tokens in every sampler. Per mode (sampling at T = 1 over the full vocabulary,
 greedy) the samplers take turns, round after round, after one untimed warm-up
 (compilation); reported are medians and the ratio of our tokens/s to each
 peer's. transformers is told ``top_k=0, top_p=1.0`` (its default top_k is 50).
+
+On a machine shared with other jobs, torch's default (one intra-op thread per
+core) ran 5-10x slower than with ``--torch-threads 1``, while JAX ran about as
+fast with one thread as with two: report both settings.
 """
 
 from __future__ import annotations
