@@ -102,6 +102,21 @@ def completion_length(ids: Sequence[int], stop_ids: Sequence[int]) -> int:
   return len(ids)
 
 
+def decode_completions(tokenizer: Tokenizer, tokens_BC: np.ndarray,
+                       mask_BC: np.ndarray | None = None) -> list[str]:
+  """Texts of right-padded completions (real tokens where ``mask_BC`` is 1), each cut
+  before its first stop token; shared by every ``Tokenizer`` implementation."""
+  tokens_BC = np.asarray(tokens_BC)
+  out = []
+  for b in range(tokens_BC.shape[0]):
+    row = tokens_BC[b] if mask_BC is None else tokens_BC[b][np.asarray(mask_BC[b]) > 0]
+    n = completion_length(row, tokenizer.stop_ids)
+    if n and int(row[n - 1]) in tokenizer.stop_ids:
+      n -= 1
+    out.append(tokenizer.decode(row[:n]))
+  return out
+
+
 class HFTokenizer:
   """A local Hugging Face tokenizer behind the ``Tokenizer`` protocol.
 
@@ -184,15 +199,7 @@ class HFTokenizer:
   def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
                          ) -> list[str]:
     """Texts of right-padded completions, cut before the first stop token."""
-    tokens_BC = np.asarray(tokens_BC)
-    out = []
-    for b in range(tokens_BC.shape[0]):
-      row = tokens_BC[b] if mask_BC is None else tokens_BC[b][np.asarray(mask_BC[b]) > 0]
-      n = completion_length(row, self.stop_ids)
-      if n and int(row[n - 1]) in self.stop_ids:
-        n -= 1
-      out.append(self.decode(row[:n]))
-    return out
+    return decode_completions(self, tokens_BC, mask_BC)
 
 
 def load_tokenizer(path: str | os.PathLike, **kw: Any) -> HFTokenizer:

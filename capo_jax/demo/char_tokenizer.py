@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from capo_jax.tokenizer import completion_length, left_pad
+from capo_jax.tokenizer import completion_length, decode_completions, left_pad
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 BOXED = "\\boxed{"
@@ -112,9 +112,4 @@ class CharTokenizer:
   def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
                          ) -> list[str]:
     """Texts of right-padded completions, cut at the first stop token."""
-    tokens_BC = np.asarray(tokens_BC)
-    out = []
-    for b in range(tokens_BC.shape[0]):
-      row = tokens_BC[b] if mask_BC is None else tokens_BC[b][np.asarray(mask_BC[b]) > 0]
-      out.append(self.decode(row[:self.completion_length(row)]))
-    return out
+    return decode_completions(self, tokens_BC, mask_BC)
