@@ -107,7 +107,7 @@ def report(workdir: str, out: str, last: int) -> str:
   os.makedirs(out, exist_ok=True)
   summary: dict[str, dict[str, float]] = {}
   start = next(iter(next(iter(runs.values())).values()))[0]
-  lines = [f"| variant | seeds | " + " | ".join(METRICS) + " |",
+  lines = ["| variant | seeds | " + " | ".join(METRICS) + " |",
            "|---|---|" + "---|" * len(METRICS),
            "| warm start | - | " + " | ".join(f"{start.get(m, float('nan')):.3f}"
                                               for m in METRICS) + " |"]

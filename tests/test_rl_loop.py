@@ -19,7 +19,6 @@ import pytest
 import hf_utils
 import rl_driver
 from capo_jax import experiment, rl_loop
-from capo_jax.data import Example
 from configs import common
 from models import qwen2
 
