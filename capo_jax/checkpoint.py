@@ -91,9 +91,3 @@ def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
   return jax.random.wrap_key_data(np.asarray(data, np.uint32).reshape(shape),
                                   impl=jax.random.key_impl(like))
 
-
-def abstract_like(tree: Any) -> Any:
-  """ShapeDtypeStructs (with shardings) of a pytree of arrays."""
-  return jax.tree.map(
-      lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=getattr(x, "sharding", None)),
-      tree)

@@ -8,7 +8,6 @@ start.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import os
@@ -129,7 +128,3 @@ def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict[str, float]]:
   print(report(evals))
   return evals
 
-
-def config_summary(c: ml_collections.ConfigDict) -> dict[str, Any]:
-  return {"algo": c.algo.name, "tau": c.algo.tau, "mask": c.algo.mask,
-          "lr": c.optim.lr, "steps": c.train.num_steps, **dataclasses.asdict(task_config(c))}
