@@ -13,6 +13,7 @@ layers run under ``lax.scan``, which keeps compile time independent of depth.
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -120,9 +121,15 @@ def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   return out.reshape(B, T, N, H)
 
 
-def _layer(cfg: Qwen2Config, x_BTD: jax.Array, p: Params, positions_BT: jax.Array,
-           k_cache_BSKH: jax.Array | None, v_cache_BSKH: jax.Array | None,
-           mask_BTS: jax.Array, index: jax.Array | None):
+# attend(q_BTNH, k_BTKH, v_BTKH) -> (attn_BTNH, aux): the layer's attention over
+# this call's (RoPE-rotated) keys/values and whatever context it keeps (none,
+# a stacked cache, the sampler's per-layer decode buffers); aux is returned.
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def layer(cfg: Qwen2Config, x_BTD: jax.Array, p: Params, positions_BT: jax.Array,
+          attend: Attend) -> tuple[jax.Array, Any]:
+  """One decoder layer (unstacked params ``p``); attention is ``attend``'s."""
   dt = cfg.dtype
   w = lambda name: p[name].astype(dt)
   h = rms_norm(x_BTD, p["attn_norm"], cfg.rms_norm_eps)
@@ -131,18 +138,13 @@ def _layer(cfg: Qwen2Config, x_BTD: jax.Array, p: Params, positions_BT: jax.Arra
   v = jnp.einsum("btd,dkh->btkh", h, w("v_kernel")) + w("v_bias")
   q = rope(q, positions_BT, cfg.rope_theta)
   k = rope(k, positions_BT, cfg.rope_theta)
-  if k_cache_BSKH is not None:
-    # Write this call's keys/values at the shared slot index, attend over all slots.
-    k_cache_BSKH = jax.lax.dynamic_update_slice_in_dim(k_cache_BSKH, k, index, axis=1)
-    v_cache_BSKH = jax.lax.dynamic_update_slice_in_dim(v_cache_BSKH, v, index, axis=1)
-    k, v = k_cache_BSKH, v_cache_BSKH
-  attn = attention(q, k, v, mask_BTS)
+  attn, aux = attend(q, k, v)
   x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", attn, w("o_kernel"))
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("btd,df->btf", h, w("gate_kernel"))
   up = jnp.einsum("btd,df->btf", h, w("up_kernel"))
   x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down_kernel"))
-  return x_BTD, k_cache_BSKH, v_cache_BSKH
+  return x_BTD, aux
 
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
@@ -162,8 +164,8 @@ def hidden_states(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_B
   x = params["embed"].astype(cfg.dtype)[tokens_BT]
 
   def body(x_BTD, layer_params):
-    x_BTD, _, _ = _layer(cfg, x_BTD, layer_params, positions_BT, None, None, mask_BTS, None)
-    return x_BTD, None
+    attend = lambda q, k, v: (attention(q, k, v, mask_BTS), None)
+    return layer(cfg, x_BTD, layer_params, positions_BT, attend)
 
   if cfg.remat:
     body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
@@ -232,8 +234,14 @@ def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Ar
   def body(carry, inputs):
     x_BTD, k_all, v_all = carry
     layer_params, l = inputs
-    x_BTD, k_l, v_l = _layer(cfg, x_BTD, layer_params, positions_BT, k_all[l], v_all[l],
-                             mask_BTS, index)
+
+    def attend(q, k, v):
+      # Write this call's keys/values at the shared slot index, attend over all slots.
+      k_l = jax.lax.dynamic_update_slice_in_dim(k_all[l], k, index, axis=1)
+      v_l = jax.lax.dynamic_update_slice_in_dim(v_all[l], v, index, axis=1)
+      return attention(q, k_l, v_l, mask_BTS), (k_l, v_l)
+
+    x_BTD, (k_l, v_l) = layer(cfg, x_BTD, layer_params, positions_BT, attend)
     k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, l, axis=0)
     v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, l, axis=0)
     return (x_BTD, k_all, v_all), None
