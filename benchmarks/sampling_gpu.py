@@ -80,8 +80,8 @@ def time_forward_with_cache(params, cfg: Qwen2Config, rows: int, slots: int,
 
 
 def time_choice(strategy, rows: int, vocab: int) -> float:
-  """Seconds per token choice + untempered log-prob over [rows, vocab] float32 logits."""
-  logits = jax.random.normal(jax.random.key(0), (rows, vocab), jnp.float32)
+  """Seconds per token choice + untempered log-prob over [vocab, rows] float32 logits."""
+  logits = jax.random.normal(jax.random.key(0), (vocab, rows), jnp.float32)
   choose = sampling._choose  # pylint: disable=protected-access
   f = jax.jit(lambda l, k: choose(strategy, l, k, jnp.int32(1)))
   jax.block_until_ready(f(logits, jax.random.key(1)))

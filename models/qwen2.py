@@ -139,7 +139,11 @@ def layer(cfg: Qwen2Config, x_BTD: jax.Array, p: Params, positions_BT: jax.Array
   q = rope(q, positions_BT, cfg.rope_theta)
   k = rope(k, positions_BT, cfg.rope_theta)
   attn, aux = attend(q, k, v)
-  x_BTD = x_BTD + jnp.einsum("btnh,nhd->btd", attn, w("o_kernel"))
+  # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
+  # kernel on every call of the sampler's decode loop (~0.3 ms of a 14 ms step).
+  B, T, N, H = attn.shape
+  x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn.reshape(B, T, N * H),
+                             w("o_kernel").reshape(N * H, -1))
   h = rms_norm(x_BTD, p["mlp_norm"], cfg.rms_norm_eps)
   gate = jnp.einsum("btd,df->btf", h, w("gate_kernel"))
   up = jnp.einsum("btd,df->btf", h, w("up_kernel"))

@@ -129,6 +129,24 @@ def test_inverse_cdf_is_exact_and_skips_zero_weights():
   assert (w[got] > 0).all()
 
 
+@pytest.mark.parametrize("strategy", [
+    sampling.Greedy(), sampling.Temperature(1.0), sampling.Temperature(0.6),
+    sampling.TopK(temperature=1.0, k=5), sampling.TopP(temperature=1.2, p=0.5, k=30)])
+def test_choose_returns_the_untempered_logprob(strategy):
+  # Vocab-major logits (the decode loop's layout); V = 300 spans a partial block.
+  logits_VB = jax.random.normal(jax.random.key(0), (300, 16)) * 3.0
+  u_B = jax.random.uniform(jax.random.key(1), (16,))
+  tokens_B, logprobs_B = jax.jit(strategy.choose)(logits_VB, u_B)
+  x_BV = np.asarray(logits_VB, np.float64).T
+  ref_BV = x_BV - x_BV.max(-1, keepdims=True)
+  ref_BV -= np.log(np.exp(ref_BV).sum(-1, keepdims=True))  # log_softmax in float64
+  rows = np.arange(16)
+  np.testing.assert_allclose(np.asarray(logprobs_B), ref_BV[rows, np.asarray(tokens_B)],
+                             atol=1e-5)
+  if isinstance(strategy, sampling.Greedy):
+    np.testing.assert_array_equal(np.asarray(tokens_B), ref_BV.argmax(-1))
+
+
 def _freq_bound(p: np.ndarray, n: int) -> np.ndarray:
   """4.5 binomial standard deviations (+1/n): fails a wrong distribution, not noise."""
   return 4.5 * np.sqrt(p * (1 - p) / n) + 1.0 / n
