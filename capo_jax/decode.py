@@ -79,13 +79,21 @@ def _attend_one(q_BKGH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
   return jnp.einsum("bkgs,bksh->bkgh", probs, v_BKSH)
 
 
-def step(params: Params, layers: list[Params], unembed: jax.Array, cfg: Qwen2Config,
-         tokens_B: jax.Array, cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+def rope_for_slots(cfg: Qwen2Config, cache: DecodeCache) -> tuple[jax.Array, jax.Array]:
+  """cos and sin [S, H/2] of every position a row can reach in this cache."""
+  S = cache.mask_BS.shape[1]
+  cos, sin = qwen2.rope_tables(jnp.arange(S)[None], cfg.head_dim, cfg.rope_theta)
+  return cos[0], sin[0]
+
+
+def step(params: Params, layers: list[Params], unembed: jax.Array,
+         rope_Sh: tuple[jax.Array, jax.Array], cfg: Qwen2Config, tokens_B: jax.Array,
+         cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
   """Float32 logits [V, B] of the next token after ``tokens_B``, and the updated cache.
 
   ``qwen2.forward_with_cache`` for T = 1 (same positions, masking and
-  numerics), with ``layers`` from ``layer_params`` and ``unembed`` from
-  ``unembed_VD``.
+  numerics), with ``layers`` from ``layer_params``, ``unembed`` from
+  ``unembed_VD`` and ``rope_Sh`` from ``rope_for_slots``, made once per loop.
   """
   B, S = cache.mask_BS.shape
   K, H = cfg.num_kv_heads, cfg.head_dim
@@ -94,7 +102,9 @@ def step(params: Params, layers: list[Params], unembed: jax.Array, cfg: Qwen2Con
                                          (0, index))
   # Slots past ``index`` are free (stale values of nothing): never attended.
   visible_BS = mask_BS & (jnp.arange(S) <= index)[None]
-  positions_B1 = cache.positions_B[:, None]
+  # Rows of the tables: computing cos / sin here instead, XLA fused them into
+  # every layer's rotation, evaluated once per head and element.
+  rope_B1 = tuple(t[cache.positions_B][:, None] for t in rope_Sh)
   x_B1D = params["embed"].astype(cfg.dtype)[tokens_B[:, None]]
   ks, vs = list(cache.k), list(cache.v)
   for l, p in enumerate(layers):
@@ -105,7 +115,7 @@ def step(params: Params, layers: list[Params], unembed: jax.Array, cfg: Qwen2Con
       out_BKGH = _attend_one(q_B1NH.reshape(B, K, -1, H), ks[l], vs[l], visible_BS)
       return out_BKGH.reshape(B, 1, -1, H), None
 
-    x_B1D, _ = qwen2.layer(cfg, x_B1D, p, positions_B1, attend)
+    x_B1D, _ = qwen2.layer(cfg, x_B1D, p, rope_B1, attend)
   h_BD = qwen2.rms_norm(x_B1D[:, 0], params["final_norm"], cfg.rms_norm_eps)
   logits_VB = jnp.einsum("vd,bd->vb", unembed, h_BD.astype(cfg.dtype),
                          preferred_element_type=jnp.float32)

@@ -146,6 +146,7 @@ def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.A
   TRACE_COUNTS["decode"] += 1
   layers = decode.layer_params(params, cfg)
   unembed = decode.unembed_VD(params, cfg)
+  rope_Sh = decode.rope_for_slots(cfg, cache)
 
   def cond(carry: tuple[_State, decode.DecodeCache]) -> jax.Array:
     s, _ = carry
@@ -153,7 +154,7 @@ def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.A
 
   def body(carry: tuple[_State, decode.DecodeCache]) -> tuple[_State, decode.DecodeCache]:
     s, cache = carry
-    logits_VB, cache = decode.step(params, layers, unembed, cfg, s.last_B, cache)
+    logits_VB, cache = decode.step(params, layers, unembed, rope_Sh, cfg, s.last_B, cache)
     logits_VB = layout.constrain(logits_VB, ("vocab", "batch"))
     token_B, logprob_B = _choose(strategy, logits_VB, rng, s.step)
     active_B = ~s.done_B
