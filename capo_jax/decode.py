@@ -109,13 +109,15 @@ def step(params: Params, layers: list[Params], unembed: jax.Array,
   ks, vs = list(cache.k), list(cache.v)
   for l, p in enumerate(layers):
 
-    def attend(q_B1NH, k_B1KH, v_B1KH, l=l):
-      ks[l] = jax.lax.dynamic_update_slice(ks[l], k_B1KH[:, 0, :, :, None], (0, 0, 0, index))
-      vs[l] = jax.lax.dynamic_update_slice(vs[l], v_B1KH.transpose(0, 2, 1, 3), (0, 0, index, 0))
-      out_BKGH = _attend_one(q_B1NH.reshape(B, K, -1, H), ks[l], vs[l], visible_BS)
-      return out_BKGH.reshape(B, 1, -1, H), None
+    def attend(q_B1NH, k_B1KH, v_B1KH, k_BKHS=ks[l], v_BKSH=vs[l]):
+      # Write this token's key / value at slot ``index``, attend over all slots.
+      k_BKHS = jax.lax.dynamic_update_slice(k_BKHS, k_B1KH[:, 0, :, :, None], (0, 0, 0, index))
+      v_BKSH = jax.lax.dynamic_update_slice(v_BKSH, v_B1KH.transpose(0, 2, 1, 3),
+                                            (0, 0, index, 0))
+      out_BKGH = _attend_one(q_B1NH.reshape(B, K, -1, H), k_BKHS, v_BKSH, visible_BS)
+      return out_BKGH.reshape(B, 1, -1, H), (k_BKHS, v_BKSH)
 
-    x_B1D, _ = qwen2.layer(cfg, x_B1D, p, rope_B1, attend)
+    x_B1D, (ks[l], vs[l]) = qwen2.layer(cfg, x_B1D, p, rope_B1, attend)
   h_BD = qwen2.rms_norm(x_B1D[:, 0], params["final_norm"], cfg.rms_norm_eps)
   logits_VB = jnp.einsum("vd,bd->vb", unembed, h_BD.astype(cfg.dtype),
                          preferred_element_type=jnp.float32)
