@@ -84,25 +84,49 @@ def test_greedy_matches_transformers_and_stops(tiny):
   np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(ours.tokens[:, :n0]))
 
 
-def test_logprobs_equal_teacher_forcing(tiny):
-  _, cfg, params = tiny
-  tokens, mask = _prompts(cfg.vocab_size)
-  G, C = 2, 10
-  stops = [5, 17]
-  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(3), num_samples=G,
-                          max_new_tokens=C, temperature=0.7, top_k=20, stop_ids=stops)
+def _teacher_forced(params, cfg, tokens, mask, out, G: int) -> tuple[np.ndarray, np.ndarray]:
+  """Log-probs of the sampled tokens under ``qwen2.forward`` over prompt + completion."""
   seq = np.concatenate([np.repeat(tokens, G, 0), np.asarray(out.tokens)], axis=1)
   seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(out.mask)], axis=1)
   logits = np.asarray(qwen2.forward(params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask)))
   P = tokens.shape[1]
   logp = jax.nn.log_softmax(logits[:, P - 1:-1], axis=-1)
   ref = np.take_along_axis(np.asarray(logp), seq[:, P:, None], axis=-1)[..., 0]
-  m = np.asarray(out.mask).astype(bool)
+  return ref, np.asarray(out.mask).astype(bool)
+
+
+def test_logprobs_equal_teacher_forcing(tiny):
+  _, cfg, params = tiny
+  tokens, mask = _prompts(cfg.vocab_size)
+  G, C = 2, 10
+  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(3), num_samples=G,
+                          max_new_tokens=C, temperature=0.7, top_k=20, stop_ids=[5, 17])
+  ref, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   assert m.sum() > G * 3 * 3
   np.testing.assert_allclose(np.asarray(out.logprobs)[m], ref[m], atol=1e-4)
   # Rows of one prompt share the prefill yet draw their own tokens.
   rows = np.asarray(out.tokens)
   assert all((rows[2 * q] != rows[2 * q + 1]).any() for q in range(3))
+
+
+def test_bfloat16_sampler_logprobs(tiny):
+  # The TPU / GPU setting: bfloat16 weights, activations and cache. Reference:
+  # the bfloat16 teacher-forced forward (same dtype, other matmul shapes, so
+  # a bfloat16-sized tolerance); the float32 forward bounds the dtype's drift.
+  _, cfg32, params32 = tiny
+  cfg = cfg32.replace(param_dtype="bfloat16", compute_dtype="bfloat16")
+  params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32)
+  tokens, mask = _prompts(cfg.vocab_size)
+  G = 2
+  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(5), num_samples=G,
+                          max_new_tokens=12, temperature=1.0, stop_ids=[5, 17])
+  assert out.logprobs.dtype == jnp.float32
+  ref16, m = _teacher_forced(params, cfg, tokens, mask, out, G)
+  ref32, _ = _teacher_forced(params32, cfg32, tokens, mask, out, G)
+  got = np.asarray(out.logprobs)[m]
+  assert m.sum() > G * 3 * 3
+  np.testing.assert_allclose(got, ref16[m], atol=0.05)
+  np.testing.assert_allclose(got, ref32[m], atol=0.15)
 
 
 def test_same_rng_same_samples(tiny):
