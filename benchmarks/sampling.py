@@ -188,7 +188,12 @@ def main() -> None:
       result[f"{name}_{mode}_tokens_per_s"] = n_tokens / med
       ratio = ours and med / ours
       result[f"ratio_vs_{name}_{mode}"] = ratio
-      print(f"{name:14s} {mode:7s} {med:9.3f} {n_tokens / med:9.0f} {ratio:8.2f}x")
+      # Round by round (the samplers of a round run back to back): the spread
+      # shows how much of the ratio is the machine's drift.
+      paired = [t / o for t, o in zip(times[name, mode], times["capo_jax", mode])]
+      result[f"ratio_range_vs_{name}_{mode}"] = [min(paired), max(paired)]
+      spread = "" if name == "capo_jax" else f"  (rounds {min(paired):.2f}-{max(paired):.2f}x)"
+      print(f"{name:14s} {mode:7s} {med:9.3f} {n_tokens / med:9.0f} {ratio:8.2f}x{spread}")
   print("greedy tokens of row 0 equal to ours (fraction):", agree)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
