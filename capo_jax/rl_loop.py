@@ -245,7 +245,10 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       for _ in range(c.train.ppo_epochs):
         for mb in ro.minibatches(c.train.mini_batch_prompts, G):
           state, m = step_fn(state, rollout.put_global(mb, batch_sh))
-          update_metrics.append(jax.device_get(m))
+          update_metrics.append(m)
+      # One host sync per step, once every update is dispatched: reading each
+      # update's metrics back at once would stall the dispatch of the next.
+      update_metrics = jax.device_get(update_metrics)
       t_train = time.perf_counter() - t1
       m = _mean_metrics(update_metrics)
       skipped = int(sum(float(u["skipped"]) for u in update_metrics))
