@@ -89,14 +89,13 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
     _fail("algo.score", c.algo.score, f"expected one of {advantages.SCORES}")
   if c.algo.mask_mode not in advantages.MASK_MODES:
     _fail("algo.mask_mode", c.algo.mask_mode, f"expected one of {advantages.MASK_MODES}")
-  if policy_given:
-    pass
-  elif not c.model.hf_path and not c.model.preset:
-    _fail("model.hf_path", c.model.hf_path,
-          "set model.hf_path (a HF checkpoint directory) or model.preset (random weights, "
-          f"one of {sorted(PRESETS)})")
-  elif not c.model.hf_path and c.model.preset not in PRESETS:
-    _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
+  if not policy_given and not c.model.hf_path:
+    if not c.model.preset:
+      _fail("model.hf_path", c.model.hf_path,
+            "set model.hf_path (a HF checkpoint directory) or model.preset (random weights, "
+            f"one of {sorted(PRESETS)})")
+    if c.model.preset not in PRESETS:
+      _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
   if c.model.hf_path and not os.path.isdir(c.model.hf_path):
     _fail("model.hf_path", c.model.hf_path, "no such checkpoint directory")
   sizes = {ax: c.mesh[ax] for ax in mesh_lib.MESH_AXES}
