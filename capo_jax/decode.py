@@ -57,15 +57,32 @@ class DecodeCache:
         positions_B=cache.positions_B, index=cache.index)
 
 
-def unembed_VD(params: Params, cfg: Qwen2Config) -> jax.Array:
-  """The output projection as [V, D]: the embedding itself when tied."""
-  w = params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T
-  return w.astype(cfg.dtype)
+@dataclasses.dataclass(frozen=True)
+class DecodeWeights:
+  """What every decode step reads, prepared once per loop (``prepare``).
+
+  Per-layer slices of the stacked weights (sliced per layer per step, XLA
+  would copy them every step), the output projection as [V, D] (the embedding
+  itself when tied) and RoPE cos / sin [S, H/2] for every position a row can
+  reach in the cache: computing them inside the step instead, XLA fused cos /
+  sin into every layer's rotation, evaluated once per head and element.
+  """
+  embed_VD: jax.Array
+  final_norm_D: jax.Array
+  layers: list[Params]
+  unembed_VD: jax.Array
+  rope_Sh: tuple[jax.Array, jax.Array]
 
 
-def layer_params(params: Params, cfg: Qwen2Config) -> list[Params]:
-  """Per-layer weights, sliced once per ``generate`` call, not per layer per step."""
-  return [jax.tree.map(lambda w, l=l: w[l], params["layers"]) for l in range(cfg.num_layers)]
+def prepare(params: Params, cfg: Qwen2Config, num_slots: int) -> DecodeWeights:
+  """``DecodeWeights`` of ``params`` for a cache of ``num_slots`` slots."""
+  unembed = params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T
+  cos, sin = qwen2.rope_tables(jnp.arange(num_slots)[None], cfg.head_dim, cfg.rope_theta)
+  return DecodeWeights(
+      embed_VD=params["embed"], final_norm_D=params["final_norm"],
+      layers=[jax.tree.map(lambda w, l=l: w[l], params["layers"])
+              for l in range(cfg.num_layers)],
+      unembed_VD=unembed.astype(cfg.dtype), rope_Sh=(cos[0], sin[0]))
 
 
 def _attend_one(q_BKGH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
@@ -79,21 +96,12 @@ def _attend_one(q_BKGH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
   return jnp.einsum("bkgs,bksh->bkgh", probs, v_BKSH)
 
 
-def rope_for_slots(cfg: Qwen2Config, cache: DecodeCache) -> tuple[jax.Array, jax.Array]:
-  """cos and sin [S, H/2] of every position a row can reach in this cache."""
-  S = cache.mask_BS.shape[1]
-  cos, sin = qwen2.rope_tables(jnp.arange(S)[None], cfg.head_dim, cfg.rope_theta)
-  return cos[0], sin[0]
-
-
-def step(params: Params, layers: list[Params], unembed: jax.Array,
-         rope_Sh: tuple[jax.Array, jax.Array], cfg: Qwen2Config, tokens_B: jax.Array,
-         cache: DecodeCache) -> tuple[jax.Array, DecodeCache]:
+def step(w: DecodeWeights, cfg: Qwen2Config, tokens_B: jax.Array, cache: DecodeCache
+         ) -> tuple[jax.Array, DecodeCache]:
   """Float32 logits [V, B] of the next token after ``tokens_B``, and the updated cache.
 
   ``qwen2.forward_with_cache`` for T = 1 (same positions, masking and
-  numerics), with ``layers`` from ``layer_params``, ``unembed`` from
-  ``unembed_VD`` and ``rope_Sh`` from ``rope_for_slots``, made once per loop.
+  numerics), with the weights of ``prepare``.
   """
   B, S = cache.mask_BS.shape
   K, H = cfg.num_kv_heads, cfg.head_dim
@@ -102,12 +110,10 @@ def step(params: Params, layers: list[Params], unembed: jax.Array,
                                          (0, index))
   # Slots past ``index`` are free (stale values of nothing): never attended.
   visible_BS = mask_BS & (jnp.arange(S) <= index)[None]
-  # Rows of the tables: computing cos / sin here instead, XLA fused them into
-  # every layer's rotation, evaluated once per head and element.
-  rope_B1 = tuple(t[cache.positions_B][:, None] for t in rope_Sh)
-  x_B1D = params["embed"].astype(cfg.dtype)[tokens_B[:, None]]
+  rope_B1 = tuple(t[cache.positions_B][:, None] for t in w.rope_Sh)
+  x_B1D = w.embed_VD.astype(cfg.dtype)[tokens_B[:, None]]
   ks, vs = list(cache.k), list(cache.v)
-  for l, p in enumerate(layers):
+  for l, p in enumerate(w.layers):
 
     def attend(q_B1NH, k_B1KH, v_B1KH, k_BKHS=ks[l], v_BKSH=vs[l]):
       # Write this token's key / value at slot ``index``, attend over all slots.
@@ -118,7 +124,7 @@ def step(params: Params, layers: list[Params], unembed: jax.Array,
       return out_BKGH.reshape(B, 1, -1, H), (k_BKHS, v_BKSH)
 
     x_B1D, (ks[l], vs[l]) = qwen2.layer(cfg, x_B1D, p, rope_B1, attend)
-  h_BD = qwen2.rms_norm(x_B1D[:, 0], params["final_norm"], cfg.rms_norm_eps)
-  logits_VB = jnp.einsum("vd,bd->vb", unembed, h_BD.astype(cfg.dtype),
+  h_BD = qwen2.rms_norm(x_B1D[:, 0], w.final_norm_D, cfg.rms_norm_eps)
+  logits_VB = jnp.einsum("vd,bd->vb", w.unembed_VD, h_BD.astype(cfg.dtype),
                          preferred_element_type=jnp.float32)
   return logits_VB, DecodeCache(tuple(ks), tuple(vs), mask_BS, cache.positions_B + 1, index + 1)

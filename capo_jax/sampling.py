@@ -39,7 +39,7 @@ from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
 from capo_jax import decode
 from capo_jax.strategies import (  # noqa: F401  (re-exported)
-    Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy, untempered_logprobs)
+    Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
 from models import kv_cache, qwen2, sharding
 from models.config import Qwen2Config
 
@@ -144,9 +144,7 @@ def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.A
             ) -> tuple[Samples, decode.DecodeCache]:
   """Decodes until every row stopped or ``max_new_tokens``; one device program."""
   TRACE_COUNTS["decode"] += 1
-  layers = decode.layer_params(params, cfg)
-  unembed = decode.unembed_VD(params, cfg)
-  rope_Sh = decode.rope_for_slots(cfg, cache)
+  weights = decode.prepare(params, cfg, cache.mask_BS.shape[1])
 
   def cond(carry: tuple[_State, decode.DecodeCache]) -> jax.Array:
     s, _ = carry
@@ -154,7 +152,7 @@ def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.A
 
   def body(carry: tuple[_State, decode.DecodeCache]) -> tuple[_State, decode.DecodeCache]:
     s, cache = carry
-    logits_VB, cache = decode.step(params, layers, unembed, rope_Sh, cfg, s.last_B, cache)
+    logits_VB, cache = decode.step(weights, cfg, s.last_B, cache)
     logits_VB = layout.constrain(logits_VB, ("vocab", "batch"))
     token_B, logprob_B = _choose(strategy, logits_VB, rng, s.step)
     active_B = ~s.done_B

@@ -24,7 +24,7 @@ import jax.numpy as jnp
 _BLOCK = 128  # vocabulary block of the two-level inverse-CDF draw
 
 
-def row_uniforms(rng: jax.Array, batch: int) -> jax.Array:
+def _row_uniforms(rng: jax.Array, batch: int) -> jax.Array:
   """One uniform in [0, 1) per row; ``rng`` is one key or one key per row."""
   typed = jax.dtypes.issubdtype(rng.dtype, jax.dtypes.prng_key)
   if rng.ndim == (0 if typed else 1):  # a single (typed or raw uint32[2]) key
@@ -79,13 +79,6 @@ def _logsumexp(logits_VB: jax.Array, max_1B: jax.Array) -> jax.Array:
   return max_1B[0] + jnp.log(jnp.sum(jnp.exp(logits_VB - max_1B), axis=0))
 
 
-def untempered_logprobs(logits_BV: jax.Array, tokens_B: jax.Array) -> jax.Array:
-  """log_softmax(logits)[token]: the policy's log-prob, whatever the strategy."""
-  logits_VB = logits_BV.T
-  return _pick(logits_VB, tokens_B) - _logsumexp(
-      logits_VB, jnp.max(logits_VB, axis=0, keepdims=True))
-
-
 class _Strategy:
   """``next_token`` for batch-major logits, on top of a subclass's ``choose``."""
 
@@ -95,7 +88,7 @@ class _Strategy:
   def next_token(self, logits_BV: jax.Array, rng: jax.Array | None = None) -> jax.Array:
     """``rng``: one key, or one key per row (rows then draw independently)."""
     B = logits_BV.shape[0]
-    u_B = jnp.zeros((B,), jnp.float32) if rng is None else row_uniforms(rng, B)
+    u_B = jnp.zeros((B,), jnp.float32) if rng is None else _row_uniforms(rng, B)
     return self.choose(logits_BV.T, u_B)[0]
 
 
