@@ -9,9 +9,9 @@ after. ``--config.algo.name=grpo`` runs the baseline instead;
 
 Why tau = 0.1 and not the paper's 0.6: on this task the mean token log-probs
 of one question's samples differ by only ~0.05-0.2 (median 0.08 over a
-100-step run), so at tau = 0.6 every
-sigmoid weight sits near 1/2 and CAPO degenerates to Dr.GRPO (DEMO_NOTES);
-the paper's tau is relative to gaps of up to ~0.9. ``s_spread`` in
+100-step run), so at tau = 0.6 every sigmoid weight sits near 1/2 and CAPO
+degenerates to Dr.GRPO (DEMO_NOTES); the paper's tau is relative to gaps of
+up to ~0.9. ``s_spread`` in
 metrics.jsonl shows the spread; ``--config.algo.adaptive_tau=c`` sets
 tau = c * spread instead.
 """
