@@ -3,18 +3,24 @@
 Local files are JSON Lines (one object per line), JSON (a list of objects, or an object holding
 one) or parquet (needs pyarrow). A name from `REGISTRY` resolves to a file in the data dir
 (argument `data_dir`, else $CAPO_DATA_DIR) when present there, else to its hub dataset, loaded
-with the `datasets` package when installed and online.
+with the `datasets` package when installed and online. Files and data dirs may be local or on
+Cloud Storage (``gs://``; see `capo_jax.fs`).
 """
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
+import logging
 import os
-import pathlib
 from typing import Any, Iterator, Sequence
 
 import numpy as np
+
+from capo_jax import fs
+
+log = logging.getLogger(__name__)
 
 # Our field -> the source keys tried in order, unless a field map says otherwise.
 DEFAULT_FIELDS: dict[str, tuple[str, ...]] = {
@@ -83,15 +89,15 @@ class Dataset:
     return iter(self.examples)
 
 
-def _data_dir(data_dir: str | os.PathLike | None) -> pathlib.Path | None:
+def _data_dir(data_dir: str | os.PathLike | None) -> fs.Path | None:
   d = data_dir if data_dir is not None else os.environ.get("CAPO_DATA_DIR")
-  return pathlib.Path(d) if d else None
+  return fs.path(d) if d else None
 
 
 def resolve(name_or_path: str | os.PathLike,
-            data_dir: str | os.PathLike | None = None) -> pathlib.Path | DatasetSpec:
+            data_dir: str | os.PathLike | None = None) -> fs.Path | DatasetSpec:
   """An existing file path, a registry name's file in the data dir, or its spec (hub)."""
-  path = pathlib.Path(name_or_path)
+  path = fs.path(name_or_path)
   if path.is_file():
     return path
   spec = REGISTRY.get(str(name_or_path))
@@ -143,11 +149,11 @@ def _to_example(row: Any, where: str, default_id: str, field_map: dict[str, str]
   return Example(id=values["id"], problem=values["problem"], answer=values["answer"], meta=meta)
 
 
-def _read_rows(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
+def _read_rows(path: fs.Path) -> Iterator[tuple[str, Any]]:
   """(location, row or the exception that made it unreadable) for each row of a file."""
   suffix = path.suffix.lower()
   if suffix in (".jsonl", ".ndjson"):
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
       for lineno, raw in enumerate(f, 1):
         if not raw.strip():
           continue
@@ -177,7 +183,9 @@ def _read_rows(path: pathlib.Path) -> Iterator[tuple[str, Any]]:
     except ImportError as e:
       raise ImportError(f"reading {path} needs the package 'pyarrow' (pip install pyarrow), "
                         "which is not installed; or convert the file to JSONL") from e
-    for i, row in enumerate(pq.read_table(path).to_pylist()):
+    with path.open("rb") as f:
+      rows = pq.read_table(f).to_pylist()
+    for i, row in enumerate(rows):
       yield f"{path}: row {i}", row
   else:
     raise DataError(f"{path}: unknown format {suffix!r} (use .jsonl, .json or .parquet)")
@@ -232,6 +240,46 @@ def load_examples(path_or_name: str | os.PathLike, *, data_dir: str | os.PathLik
       if len(out.skipped) < 20:
         out.skipped.append(str(e))
   return out
+
+
+@dataclasses.dataclass(frozen=True)
+class Split:
+  """A training set and the held-out validation set drawn from the same file."""
+  train: list[Example]
+  val: list[Example]
+
+  def ids(self) -> dict[str, list[str]]:
+    return {"train_ids": [e.id for e in self.train], "val_ids": [e.id for e in self.val]}
+
+
+def split_train_val(examples: Sequence[Example], train_size: int, val_size: int, seed: int,
+                    source: str = "the training data") -> Split:
+  """A fixed-seed split: ``val_size`` held-out questions, then ``train_size`` for training.
+
+  The paper trains on 20,000 DeepScaleR problems and validates on 240 others.
+  One permutation of (seed) orders the file; the first ``val_size`` are the
+  validation set and the next ``train_size`` (0: all the rest) the training
+  set, so the two never overlap. Ids must be unique (they name the split).
+  """
+  if train_size < 0 or val_size < 0:
+    raise ValueError(f"train_size ({train_size}) and val_size ({val_size}) must be >= 0")
+  counts = collections.Counter(e.id for e in examples)
+  dup = next((i for i, n in counts.items() if n > 1), None)
+  if dup is not None:
+    raise DataError(f"{source}: question id {dup!r} appears more than once; the split "
+                    "needs unique ids")
+  if val_size >= len(examples):
+    raise DataError(f"{source}: {len(examples)} questions, not enough for a validation set "
+                    f"of {val_size} plus training questions (config.data.val_size)")
+  order = np.random.default_rng(seed).permutation(len(examples))
+  val = [examples[i] for i in order[:val_size]]
+  rest = order[val_size:]
+  if train_size and train_size > len(rest):
+    log.warning("%s: %d questions left after the %d held out, fewer than "
+                "config.data.train_size=%d; training on all of them", source, len(rest),
+                val_size, train_size)
+  train = [examples[i] for i in (rest[:train_size] if train_size else rest)]
+  return Split(train=train, val=val)
 
 
 class PromptIterator:

@@ -24,7 +24,6 @@ import collections
 import dataclasses
 import logging
 import os
-import pathlib
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -33,10 +32,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from etils import epath
 from tqdm import auto as tqdm
 
-from capo_jax import data, report, rewards, sampling, scaling
+from capo_jax import data, fs, report, rewards, rollout, sampling, scaling
+from capo_jax.policy_io import load_policy
 from capo_jax.report import SampleRecord
 from capo_jax.tokenizer import Tokenizer
 from models.config import Qwen2Config
@@ -44,10 +43,6 @@ from models.config import Qwen2Config
 log = logging.getLogger(__name__)
 
 Params = dict[str, Any]
-EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
-# Keys of the checkpoint's JSON record that may hold the model's HF config.json dict.
-_META_CONFIG_KEYS = ("hf_config", "model_config")
-_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -130,7 +125,8 @@ def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
   with futures.ThreadPoolExecutor(1) as host:
     prev = None
     for b, idx in enumerate(_batches(lengths, bs)):
-      out = jax.device_get(dispatch(b, idx))
+      # to_host gathers the rows of every process when the mesh spans several.
+      out = jax.tree.map(rollout.to_host, dispatch(b, idx))
       if prev is not None:
         prev.result()  # re-raises a grading error; keeps the host one batch behind at most
       prev = host.submit(finish, idx, out, bar)
@@ -181,95 +177,6 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
   return records
 
 
-# --- policies -------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Policy:
-  """A loaded policy: ``tokenizer_dir`` is None when none was found next to it."""
-  cfg: Qwen2Config
-  params: Params
-  tokenizer_dir: str | None
-  source: str
-
-
-def _has_tokenizer(path: str | os.PathLike | None) -> bool:
-  return bool(path) and any(os.path.isfile(os.path.join(path, f)) for f in _TOKENIZER_FILES)
-
-
-def _is_hf_dir(path: str) -> bool:
-  return os.path.isfile(os.path.join(path, "config.json"))
-
-
-def _restore_params(workdir: str, dtype: Any, base_model: str | None
-                    ) -> tuple[Qwen2Config, Params, int]:
-  """Config and params of the latest Orbax checkpoint of a trainer workdir."""
-  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from capo_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
-  ckpt = Checkpointer(workdir, every_steps=0)
-  try:
-    step = ckpt.latest_step()
-    if step is None:
-      raise FileNotFoundError(f"{ckpt.directory}: no complete checkpoint")
-    step_dir = os.path.join(ckpt.directory, str(step))
-  finally:
-    ckpt.close()
-  meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
-      os.path.join(step_dir, "meta"), args=ocp.args.JsonRestore())
-  hf_cfg = next((meta[k] for k in _META_CONFIG_KEYS if isinstance(meta.get(k), dict)), None)
-  if hf_cfg is None and not (base_model and _is_hf_dir(base_model)):
-    raise ValueError(f"{step_dir}: its record has no model config (keys {_META_CONFIG_KEYS}); "
-                     "pass --base_model=<HF dir of the model the run started from>")
-  name = jnp.dtype(dtype).name
-  cfg = Qwen2Config.from_hf(hf_cfg if hf_cfg is not None else base_model,
-                            param_dtype=name, compute_dtype=name)
-  state_dir = os.path.join(step_dir, "state")
-  tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
-  # The trainer's state keeps params under "params"; a bare params tree also works.
-  in_state = "params" in tree
-  shapes = tree["params"] if in_state else tree
-  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
-  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, cfg.weight_dtype), shapes)
-  restore = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device),
-                         abstract)
-  wrap = (lambda x: {"params": x}) if in_state else (lambda x: x)
-  # partial_restore: read only the params, not the optimizer moments (3x the size).
-  out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=wrap(abstract), restore_args=wrap(restore), partial_restore=True))
-  return cfg, (out["params"] if in_state else out), step
-
-
-def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
-                dtype: Any = jnp.bfloat16) -> Policy:
-  """Loads a policy from a HF directory or a trainer workdir, in that order of lookup.
-
-  1. ``path/config.json`` exists: a HF model directory.
-  2. ``path/export_hf/config.json`` exists: the trainer's final HF export.
-  3. ``path/checkpoints``: the params of the latest Orbax checkpoint (only the
-     ``params`` of the saved state are read). The model config comes from the
-     checkpoint's JSON record (``hf_config`` / ``model_config``: a HF
-     config.json dict) or else from ``base_model``'s config.json.
-
-  ``tokenizer_dir`` is the HF directory used when it holds tokenizer files,
-  else ``base_model`` when it does.
-  """
-  path = os.fspath(path)
-  export = os.path.join(path, EXPORT_DIR)
-  for hf_dir in (path, export):
-    if _is_hf_dir(hf_dir):
-      from models import hf_weights  # pylint: disable=import-outside-toplevel
-      cfg, params = hf_weights.load_pretrained(hf_dir, dtype=dtype)
-      tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
-          else None
-      return Policy(cfg, params, tok, hf_dir)
-  if (epath.Path(path) / CHECKPOINT_DIR).exists():  # local or gs://
-    cfg, params, step = _restore_params(path, dtype, base_model)
-    tok = base_model if _has_tokenizer(base_model) else None
-    return Policy(cfg, params, tok, f"{path} (checkpoint step {step})")
-  raise FileNotFoundError(f"--policy {path}: neither a HF model directory (no config.json) nor "
-                          f"a trainer workdir (no {EXPORT_DIR}/config.json, no {CHECKPOINT_DIR}/)")
-
-
 # --- benchmarks and outputs ------------------------------------------------------
 
 
@@ -281,7 +188,7 @@ def load_benchmarks(specs: Sequence[str], data_dir: str | None = None, limit: in
   """
   out: dict[str, list[data.Example]] = {}
   for spec in specs:
-    name = spec if spec in data.REGISTRY else pathlib.Path(spec).stem
+    name = spec if spec in data.REGISTRY else fs.path(spec).stem
     if name in out:
       raise ValueError(f"--benchmarks: benchmark name {name!r} given twice ({spec})")
     exs = data.load_examples(spec, data_dir=data_dir or None).examples
@@ -295,18 +202,21 @@ def write_outputs(records: Sequence[SampleRecord], out_dir: str | os.PathLike, *
                   run: str | None = None, config: Mapping[str, Any] | None = None,
                   results_config: report.ResultsConfig = report.ResultsConfig(),
                   plots: bool = True, samples: bool = True) -> dict[str, Any]:
-  """Writes samples.jsonl, results.json (+ ``config``) and the plots; returns the results."""
-  os.makedirs(out_dir, exist_ok=True)
-  if samples:
-    report.write_samples(os.path.join(out_dir, "samples.jsonl"), records)
+  """Writes samples.jsonl, results.json (+ ``config``) and the plots; returns the results.
+
+  ``out_dir`` may be local or ``gs://`` (files are staged locally and uploaded).
+  """
   results = report.compute_results(records, results_config, run=run)
   if config is not None:
     results["config"] = dict(config)
-  report.write_results(results, out_dir)
-  if plots:
-    for bench, res in results["benchmarks"].items():
-      # report's helper overlays runs; with one run it draws this run's curves.
-      report._plot_benchmark(bench, {run or "policy": res}, out_dir)  # pylint: disable=protected-access
+  with fs.output_dir(out_dir) as local:
+    if samples:
+      report.write_samples(os.path.join(local, "samples.jsonl"), records)
+    report.write_results(results, local)
+    if plots:
+      for bench, res in results["benchmarks"].items():
+        # With one run, the overlay helper draws this run's curves.
+        report.plot_benchmark(bench, {run or "policy": res}, local)
   return results
 
 
@@ -386,14 +296,15 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     path = report.compare(args.compare, args.out, args.names)
     print(path)
     return path
-  run = args.run or os.path.basename(os.path.normpath(args.out))
+  run = args.run or fs.path(args.out).name
   if args.from_samples:
     records = report.load_samples(args.from_samples)
     per_q = collections.Counter((r.benchmark, r.question_id) for r in records)
     num_samples = min(per_q.values(), default=1)
     rcfg = results_config(num_samples, args.grouping)
     results = write_outputs(records, args.out, run=run, results_config=rcfg,
-                            config={"from_samples": os.path.abspath(args.from_samples)},
+                            config={"from_samples": args.from_samples if fs.is_remote(
+                                args.from_samples) else os.path.abspath(args.from_samples)},
                             plots=not args.no_plots, samples=False)
   else:
     # Flags and benchmark files are checked before the (slow) policy load.

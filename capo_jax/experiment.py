@@ -8,13 +8,12 @@ typo in a config file.
 from __future__ import annotations
 
 import logging
-import os
 from typing import Any
 
 import jax
 import ml_collections
 
-from capo_jax import advantages, losses
+from capo_jax import advantages, fs, losses
 from capo_jax import mesh as mesh_lib
 from capo_jax.optim import OptimConfig
 from capo_jax.train_step import TrainConfig
@@ -96,8 +95,24 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
             f"one of {sorted(PRESETS)})")
     if c.model.preset not in PRESETS:
       _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
-  if c.model.hf_path and not os.path.isdir(c.model.hf_path):
-    _fail("model.hf_path", c.model.hf_path, "no such checkpoint directory")
+  if c.model.hf_path and not fs.is_file(fs.join(c.model.hf_path, "config.json")):
+    _fail("model.hf_path", c.model.hf_path, "not a HF checkpoint directory (no config.json)")
+  for field in ("train_size", "val_size"):
+    if c.data[field] < 0:
+      _fail(f"data.{field}", c.data[field], "must be >= 0 (0: all the rest / no validation)")
+  e = c.eval
+  if e.every_steps < 0:
+    _fail("eval.every_steps", e.every_steps, "must be >= 0 (0: no evaluation)")
+  for field in ("num_samples", "max_new_tokens", "batch_size"):
+    if e[field] < 1:
+      _fail(f"eval.{field}", e[field], "must be >= 1")
+  if e.limit < 0:
+    _fail("eval.limit", e.limit, "must be >= 0 (0: every question)")
+  for field in ("every_steps", "samples_every_steps"):
+    if c.log[field] < 0:
+      _fail(f"log.{field}", c.log[field], "must be >= 0")
+  if c.checkpoint.export_hf_every < 0:
+    _fail("checkpoint.export_hf_every", c.checkpoint.export_hf_every, "must be >= 0")
   sizes = {ax: c.mesh[ax] for ax in mesh_lib.MESH_AXES}
   n = num_devices if num_devices is not None else jax.device_count()
   fixed = 1
@@ -153,7 +168,7 @@ def model_config(c: ml_collections.ConfigDict) -> Qwen2Config:
   kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
   try:
     if m.hf_path:
-      return Qwen2Config.from_hf(m.hf_path, **kw)
+      return Qwen2Config.from_hf(fs.local_copy(fs.join(m.hf_path, "config.json")), **kw)
     overrides = dict(m.preset_overrides.to_dict()) if m.preset_overrides else {}
     return PRESETS[m.preset](**{**overrides, **kw})
   except (ValueError, TypeError) as e:

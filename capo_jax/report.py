@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 
 from capo_jax import calibration as cal
-from capo_jax import scaling
+from capo_jax import fs, scaling
 
 FORMAT, VERSION = "capo_jax.results", 1
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -103,7 +103,7 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
 def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
   """Reads samples.jsonl; blank lines are skipped, bad rows raise ValueError."""
   records, first_line = [], {}
-  with open(path, encoding="utf-8") as f:
+  with fs.path(path).open("r", encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
         continue
@@ -124,8 +124,8 @@ def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
 
 def write_samples(path: str | os.PathLike[str],
                   records: Iterable[SampleRecord]) -> None:
-  """Writes records as samples.jsonl (UTF-8, one object per line)."""
-  with open(path, "w", encoding="utf-8") as f:
+  """Writes records as samples.jsonl (UTF-8, one object per line; local or gs://)."""
+  with fs.path(path).open("w", encoding="utf-8") as f:
     for rec in records:
       f.write(json.dumps(dataclasses.asdict(rec), ensure_ascii=False) + "\n")
 
@@ -240,24 +240,21 @@ def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
 
 def write_results(results: Mapping[str, Any],
                   out_dir: str | os.PathLike[str]) -> str:
-  """Writes ``out_dir/results.json`` (strict JSON) and returns its path."""
-  os.makedirs(out_dir, exist_ok=True)
-  path = os.path.join(out_dir, "results.json")
-  with open(path, "w", encoding="utf-8") as f:
-    json.dump(_clean(results), f, indent=1, allow_nan=False)
+  """Writes ``out_dir/results.json`` (strict JSON; local or gs://) and returns its path."""
+  path = fs.join(out_dir, "results.json")
+  fs.write_text(path, json.dumps(_clean(results), indent=1, allow_nan=False))
   return path
 
 
 def load_results(result_dir: str | os.PathLike[str]) -> dict[str, Any]:
   """Reads ``result_dir/results.json`` (or the file itself) and checks it."""
   path = os.fspath(result_dir)
-  if os.path.isdir(path):
-    path = os.path.join(path, "results.json")
-  with open(path, encoding="utf-8") as f:
-    try:
-      res = json.load(f)
-    except json.JSONDecodeError as e:
-      raise ValueError(f"{path}: invalid JSON ({e})") from None
+  if fs.is_dir(path):
+    path = fs.join(path, "results.json")
+  try:
+    res = json.loads(fs.read_text(path))
+  except json.JSONDecodeError as e:
+    raise ValueError(f"{path}: invalid JSON ({e})") from None
   if not isinstance(res, dict) or res.get("format") != FORMAT:
     raise ValueError(f"{path}: not a {FORMAT} file")
   if res.get("version") != VERSION:
@@ -323,7 +320,7 @@ def comparison_table(runs: Mapping[str, Mapping[str, Any]],
   return "\n".join(lines) + "\n"
 
 
-def _plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
+def plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
                     out_dir: str | os.PathLike[str]) -> list[str]:
   """Overlaid precision-coverage, accuracy-vs-N and AUC-histogram PNGs."""
   from capo_jax import plots  # pylint: disable=import-outside-toplevel
@@ -353,7 +350,12 @@ def compare(result_dirs: Sequence[str | os.PathLike[str]],
     name = ((names[i] if names else None) or res.get("run")
             or os.path.basename(os.path.normpath(os.fspath(d))))
     runs[name if name not in runs else f"{name}#{i}"] = res
-  os.makedirs(out_dir, exist_ok=True)
+  with fs.output_dir(out_dir) as local:
+    return fs.join(out_dir, _write_comparison(runs, local))
+
+
+def _write_comparison(runs: Mapping[str, Mapping[str, Any]], out_dir: str) -> str:
+  """comparison.md and its plots in the local ``out_dir``; returns the md's name."""
   md = ["# Evaluation comparison", "",
         "acc = mean@16 (%), AUC = AUC-mean of s over questions.", "",
         comparison_table(runs), "## Calibration and scaling", "",
@@ -361,12 +363,11 @@ def compare(result_dirs: Sequence[str | os.PathLike[str]],
   benchmarks = {b for res in runs.values() for b in res["benchmarks"]}
   for b in sorted(benchmarks):
     have = {r: res["benchmarks"][b] for r, res in runs.items() if b in res["benchmarks"]}
-    files = _plot_benchmark(b, have, out_dir)
+    files = plot_benchmark(b, have, out_dir)
     md += [f"### {b}", ""] + [f"![{b}]({os.path.basename(f)})" for f in files] + [""]
-  path = os.path.join(out_dir, "comparison.md")
-  with open(path, "w", encoding="utf-8") as f:
+  with open(os.path.join(out_dir, "comparison.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(md))
-  return path
+  return "comparison.md"
 
 
 def main(argv: Sequence[str] | None = None) -> None:

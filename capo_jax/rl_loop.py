@@ -2,18 +2,27 @@
 
 Each step (SPEC section 4): draw Q prompts, sample G responses each, grade
 them, compute old-policy (and, when the KL term or the noise mask needs them,
-reference) log-probs, advantages, then PPO mini-batch updates. Metrics go to
-``metrics.jsonl`` and TensorBoard every step; checkpoints are periodic and
-atomic, and a restart with the same workdir resumes where the last one
-stopped. SIGTERM (a TPU preemption notice) saves a checkpoint and exits.
+reference) log-probs, advantages, then PPO mini-batch updates.
+
+What the run writes to its workdir (local or ``gs://``):
+
+  config.json        the resolved config, package version and git commit
+  data_split.json    ids of the training and held-out validation questions
+  metrics.jsonl, tb/ every ``log.every_steps`` steps (JSONL and TensorBoard)
+  samples.jsonl      a few completions every ``log.samples_every_steps``
+  checkpoints/<N>/   Orbax, every ``checkpoint.every_steps`` and at the end
+  eval/step_<N>/     results.json of each ``eval.every_steps`` evaluation
+  exports/step_<N>/  HF exports every ``checkpoint.export_hf_every`` steps
+  export_hf/         the final HF export
+
+A restart with the same workdir resumes from the newest readable checkpoint
+and drops the metrics rows logged past it. SIGTERM (a TPU preemption notice)
+makes every process save the same step and exit with status 0.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import logging
-import os
-import signal
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -24,13 +33,13 @@ import numpy as np
 from tqdm import tqdm
 
 from capo_jax import checkpoint as ckpt_lib
-from capo_jax import data, experiment, metrics, rewards, rollout
+from capo_jax import data, experiment, fs, metrics, preemption, rewards, rollout, run_record
 from capo_jax import mesh as mesh_lib
+from capo_jax import run_setup, train_eval
 from capo_jax import train_step as ts
 from capo_jax.distributed import is_main_process
-from capo_jax.tokenizer import Tokenizer, load_tokenizer
-from models import hf_weights, qwen2
-from models.config import Qwen2Config
+from capo_jax.run_setup import Policy, export_policy
+from capo_jax.tokenizer import Tokenizer
 
 log = logging.getLogger(__name__)
 
@@ -39,72 +48,6 @@ EvalFn = Callable[[int, Any], dict[str, float]]
 
 class TrainingDiverged(RuntimeError):
   """Too many consecutive steps had a non-finite loss or gradient."""
-
-
-@dataclasses.dataclass
-class Policy:
-  """An initial policy handed in by the caller (e.g. the demo's warm start)."""
-  cfg: Qwen2Config
-  params: Any
-
-
-class _Preemption:
-  """Turns SIGTERM into a flag the loop checks after each step."""
-
-  def __init__(self) -> None:
-    self.requested = False
-    self._previous = None
-
-  def __enter__(self) -> _Preemption:
-    try:
-      self._previous = signal.signal(signal.SIGTERM, self._handle)
-    except ValueError:  # not the main thread: no handler, no preemption saves
-      self._previous = None
-    return self
-
-  def _handle(self, signum: int, frame: Any) -> None:
-    del signum, frame
-    log.warning("SIGTERM received: saving a checkpoint after this step, then exiting")
-    self.requested = True
-
-  def __exit__(self, *exc: object) -> None:
-    if self._previous is not None:
-      signal.signal(signal.SIGTERM, self._previous)
-
-
-def _tokenizer(c: ml_collections.ConfigDict) -> Tokenizer:
-  path = c.tokenizer_path or c.model.hf_path
-  if not path:
-    raise experiment.ConfigError("config.tokenizer_path is empty and there is no "
-                                 "model.hf_path to take the tokenizer from")
-  return load_tokenizer(path)
-
-
-def _initial_params(c: ml_collections.ConfigDict, model_cfg: Qwen2Config,
-                    policy: Policy | None, shardings: Any) -> Any:
-  """The run's starting params (also the frozen reference), in the train shardings."""
-  if policy is not None:
-    return jax.device_put(policy.params, shardings)
-  if c.model.hf_path:
-    _, params = hf_weights.load_pretrained(c.model.hf_path, dtype=model_cfg.weight_dtype,
-                                           shardings=shardings)
-    return params
-  init = lambda key: qwen2.init_params(model_cfg, key)
-  return jax.jit(init, out_shardings=shardings)(jax.random.key(c.seed))
-
-
-def _drop_long_prompts(examples: Sequence[data.Example], tokenizer: Tokenizer, max_len: int
-                       ) -> list[data.Example]:
-  """Drops questions whose rendered prompt exceeds ``max_len`` tokens (logged, as verl does)."""
-  kept = [e for e in examples if len(tokenizer.encode(tokenizer.render_prompt(e.problem)))
-          <= max_len]
-  if len(kept) < len(examples):
-    log.warning("dropped %d of %d training questions longer than rollout.max_prompt_len=%d",
-                len(examples) - len(kept), len(examples), max_len)
-  if not kept:
-    raise experiment.ConfigError(f"config.rollout.max_prompt_len={max_len}: every training "
-                                 "prompt is longer")
-  return kept
 
 
 def _spec(c: ml_collections.ConfigDict) -> rollout.RolloutSpec:
@@ -139,20 +82,6 @@ def _sample_records(ro: rollout.Rollout, examples: Sequence[data.Example], G: in
   return recs
 
 
-def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
-                  tokenizer: Tokenizer | None = None) -> None:
-  """Writes the policy (and a HF tokenizer) as a HF directory.
-
-  Process 0 writes; every process must call (the params are gathered).
-  """
-  host = jax.tree.map(rollout.to_host, params)
-  if is_main_process():
-    hf_weights.save_pretrained(model_cfg, host, path)
-    if hasattr(tokenizer, "hf"):
-      tokenizer.hf.save_pretrained(path)
-    log.info("exported the policy as a HF checkpoint to %s", path)
-
-
 def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None = None,
           tokenizer: Tokenizer | None = None,
           train_examples: Sequence[data.Example] | None = None,
@@ -161,34 +90,43 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
 
   ``policy``, ``tokenizer`` and ``train_examples`` replace what the config
   would load (the demo passes its warm start and synthetic task).
-  ``eval_fn(step, params)`` is called every ``eval.every_steps`` and at the end.
+  ``eval_fn(step, params)`` is called every ``eval.every_steps`` and at the
+  end; by default it evaluates the validation split and ``data.eval``
+  (``capo_jax.train_eval``). Raises ``preemption.Preempted`` (exit status 0)
+  after a preemption checkpoint.
   """
   experiment.validate(c, policy_given=policy is not None)
+  workdir = str(workdir)
   model_cfg = policy.cfg if policy is not None else experiment.model_config(c)
   tcfg = experiment.train_config(c)
   mesh = experiment.make_mesh(c)
   train_rules, sampling_rules = mesh_lib.TRAIN_RULES, mesh_lib.SAMPLING_RULES
-  tokenizer = tokenizer or _tokenizer(c)
+  tokenizer = tokenizer or run_setup.tokenizer_for(c)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise experiment.ConfigError(
         f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
         f"{model_cfg.vocab_size} (config.model / config.tokenizer_path)")
+  main = is_main_process()
+  fs.makedirs(workdir)
+  checkpointer = ckpt_lib.Checkpointer(workdir, every_steps=c.checkpoint.every_steps,
+                                       keep=c.checkpoint.keep)
+  # Config changes are checked before anything slow is loaded.
+  run_record.record(c, workdir, resuming=checkpointer.latest_step() is not None, write=main)
+  val_examples: list[data.Example] = []
+  source = "the given training questions"
   if train_examples is None:
-    train_examples = data.load_examples(c.data.train, data_dir=c.data.data_dir or None,
-                                        skip_bad=c.data.skip_bad_rows).examples
-  train_examples = _drop_long_prompts(train_examples, tokenizer, c.rollout.max_prompt_len)
+    split = run_setup.training_data(c, workdir)
+    train_examples, val_examples, source = split.train, split.val, str(c.data.train)
+  train_examples = run_setup.drop_long_prompts(train_examples, tokenizer,
+                                               c.rollout.max_prompt_len, source)
   Q, G = c.rollout.num_prompts, c.rollout.num_samples
   iterator = data.PromptIterator(train_examples, Q, c.seed, process_index=jax.process_index(),
                                  process_count=jax.process_count())
   grader = grader or rewards.default_grader()
   spec = _spec(c)
-  main = is_main_process()
-  writer = metrics.MetricsWriter(workdir, enabled=main)
-  checkpointer = ckpt_lib.Checkpointer(workdir, every_steps=c.checkpoint.every_steps,
-                                       keep=c.checkpoint.keep)
 
   state_sh = ts.state_shardings(model_cfg, tcfg, mesh, train_rules)
-  params0 = _initial_params(c, model_cfg, policy, state_sh.params)
+  params0 = run_setup.initial_params(c, model_cfg, policy, state_sh.params)
   needs_ref = experiment.needs_reference(c)
   # The reference is frozen at the initial params, kept in the compute dtype.
   ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(model_cfg.dtype), p),
@@ -207,6 +145,11 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   ctx = rollout.RolloutContext(spec=spec, model_cfg=model_cfg, tokenizer=tokenizer,
                                grader=grader, logprob_fn=logprob_fn, mesh=mesh,
                                sampling_rules=sampling_rules)
+  if eval_fn is None and c.eval.every_steps > 0:
+    eval_fn = train_eval.make_eval_fn(
+        c, model_cfg=model_cfg, tokenizer=tokenizer,
+        benchmarks=train_eval.eval_benchmarks(c, val_examples), workdir=workdir,
+        to_sampling=to_sampling, mesh=mesh, rules=sampling_rules, grader=grader)
 
   rng = jax.random.key(c.seed)
   abstract_state = jax.tree.map(
@@ -222,18 +165,25 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
     start = 0
     state = ts.train_state_from_params(params0, model_cfg, tcfg, mesh, train_rules)
   del params0
+  writer = metrics.MetricsWriter(workdir, enabled=main, resume_step=start,
+                                 wandb=_wandb_config(c))
 
   def save(step: int, force: bool = False) -> None:
     checkpointer.save(step, state, {"rng": ckpt_lib.key_to_json(rng), "data": iterator.state(),
                                     "algo": c.algo.name, "hf_config": model_cfg.to_hf()},
                       force=force)
 
+  def evaluate(step: int) -> None:
+    log.info("evaluating the policy of step %d", step)
+    writer.write(step, {f"eval/{k}": v for k, v in eval_fn(step, state.params).items()})
+
   if eval_fn is not None and start == 0:
-    writer.write(0, {f"eval/{k}": v for k, v in eval_fn(0, state.params).items()})
+    evaluate(0)
   consecutive_skips = 0
+  every = lambda n, step: n > 0 and step % n == 0  # noqa: E731
   bar = tqdm(total=c.train.num_steps, initial=start, disable=not main, desc=c.algo.name,
              dynamic_ncols=True)
-  with _Preemption() as preemption:
+  with preemption.PreemptionWatch() as watch:
     for step in range(start, c.train.num_steps):
       t0 = time.perf_counter()
       examples = iterator.next_batch()
@@ -258,35 +208,48 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       row = {**ro.metrics, **m, "skipped_updates": skipped,
              "time_train": t_train, "time_step": time.perf_counter() - t0,
              "train_tokens_per_s": n_train_tokens / max(t_train, 1e-9)}
-      writer.write(step + 1, row)
-      if c.log.samples_every_steps and (step + 1) % c.log.samples_every_steps == 0:
-        writer.write_samples(step + 1, _sample_records(ro, examples, G,
-                                                        c.log.num_samples_logged))
+      done = step + 1
+      if every(c.log.every_steps, done) or done == c.train.num_steps:
+        writer.write(done, row)
+      if every(c.log.samples_every_steps, done):
+        writer.write_samples(done, _sample_records(ro, examples, G, c.log.num_samples_logged))
       bar.update(1)
       bar.set_postfix_str(metrics.summary_line(row))
       if consecutive_skips >= c.train.max_consecutive_skips:
         raise TrainingDiverged(
             f"{consecutive_skips} consecutive steps had a non-finite loss or gradient (step "
-            f"{step + 1}); the last checkpoint is in {checkpointer.directory}. Lower "
+            f"{done}); the last checkpoint is in {checkpointer.directory}. Lower "
             "config.optim.lr or check the data.")
-      if eval_fn is not None and c.eval.every_steps and (step + 1) % c.eval.every_steps == 0:
-        writer.write(step + 1, {f"eval/{k}": v for k, v in eval_fn(step + 1,
-                                                                   state.params).items()})
-      save(step + 1, force=preemption.requested)
-      if preemption.requested:
+      if eval_fn is not None and every(c.eval.every_steps, done):
+        evaluate(done)
+      preempted = watch.reached(done)  # every process, every step (JAX's protocol)
+      save(done, force=preempted)
+      if every(c.checkpoint.export_hf_every, done) and done < c.train.num_steps:
+        export_policy(model_cfg, state.params, fs.join(workdir, "exports", f"step_{done:06d}"),
+                      tokenizer)
+      if preempted and done < c.train.num_steps:
         bar.close()
         checkpointer.close()
         writer.close()
-        raise SystemExit(f"preempted: checkpoint of step {step + 1} saved; rerun the same "
-                         "command to resume")
+        stop = preemption.Preempted(done, checkpointer.directory)
+        log.warning(stop.message)
+        raise stop
   bar.close()
-  if eval_fn is not None and c.train.num_steps > start and not (
-      c.eval.every_steps and c.train.num_steps % c.eval.every_steps == 0):
-    writer.write(c.train.num_steps, {f"eval/{k}": v for k, v in eval_fn(
-        c.train.num_steps, state.params).items()})
+  if eval_fn is not None and c.train.num_steps > start and not every(c.eval.every_steps,
+                                                                      c.train.num_steps):
+    evaluate(c.train.num_steps)
   save(c.train.num_steps, force=True)
   checkpointer.close()
-  if c.checkpoint.export_hf and c.train.num_steps > start:
-    export_policy(model_cfg, state.params, os.path.join(workdir, "export_hf"), tokenizer)
+  export_dir = fs.join(workdir, "export_hf")
+  if c.checkpoint.export_hf and (c.train.num_steps > start
+                                 or not fs.exists(fs.join(export_dir, "config.json"))):
+    export_policy(model_cfg, state.params, export_dir, tokenizer)
   writer.close()
   return state.params
+
+
+def _wandb_config(c: ml_collections.ConfigDict) -> metrics.WandbConfig | None:
+  if not c.log.wandb_project:
+    return None
+  return metrics.WandbConfig(project=c.log.wandb_project, entity=c.log.wandb_entity,
+                             name=c.log.wandb_name, config=c.to_dict())

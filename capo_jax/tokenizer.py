@@ -203,5 +203,7 @@ class HFTokenizer:
 
 
 def load_tokenizer(path: str | os.PathLike, **kw: Any) -> HFTokenizer:
-  """``HFTokenizer.from_pretrained``: the tokenizer of a local HF model directory."""
-  return HFTokenizer.from_pretrained(path, **kw)
+  """``HFTokenizer.from_pretrained`` of a HF model directory, local or ``gs://``
+  (copied to the local cache first: HF tokenizers read local files)."""
+  from capo_jax import fs  # pylint: disable=import-outside-toplevel
+  return HFTokenizer.from_pretrained(fs.local_copy(path), **kw)

@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import ml_collections
 
-ALGORITHMS = ("capo", "grpo", "dr_grpo", "gspo", "codapo", "cde", "simko")
-
 
 def get_base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -29,9 +27,15 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.tokenizer_path = ""  # defaults to model.hf_path
 
   c.data = ml_collections.ConfigDict()
-  c.data.train = "deepscaler"  # registry name or a file path
-  c.data.data_dir = ""  # defaults to $CAPO_DATA_DIR
+  c.data.train = "deepscaler"  # registry name or a file path (local or gs://)
+  c.data.data_dir = ""  # defaults to $CAPO_DATA_DIR (local or gs://)
   c.data.skip_bad_rows = False
+  # The paper's split: a fixed-seed 20k training subset and 240 held-out
+  # validation questions, evaluated every eval.every_steps. 0 = all the rest / none.
+  c.data.train_size = 20_000
+  c.data.val_size = 240
+  c.data.split_seed = 0
+  # Benchmarks evaluated during training (eval.every_steps) besides the validation split.
   c.data.eval = ("math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench")
 
   c.rollout = ml_collections.ConfigDict()
@@ -98,16 +102,27 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 50
   c.checkpoint.keep = 2
-  c.checkpoint.export_hf = True
+  c.checkpoint.export_hf = True  # the final policy as a HF directory: <workdir>/export_hf
+  c.checkpoint.export_hf_every = 0  # > 0: also <workdir>/exports/step_<N> every N steps
 
   c.log = ml_collections.ConfigDict()
-  c.log.every_steps = 1
+  c.log.every_steps = 1  # metrics rows (JSONL, TensorBoard, W&B) every N steps
   c.log.samples_every_steps = 10
   c.log.num_samples_logged = 4
+  c.log.wandb_project = ""  # set to mirror metrics and config to W&B (pip install wandb)
+  c.log.wandb_entity = ""
+  c.log.wandb_name = ""  # default: the workdir's name
 
+  # Evaluation during training: the validation split and data.eval, with the
+  # evaluator's metrics, logged as eval/<benchmark>/<metric>.
   c.eval = ml_collections.ConfigDict()
   c.eval.every_steps = 0  # 0: no evaluation during training
   c.eval.num_samples = 16
+  c.eval.max_new_tokens = 3072
+  c.eval.temperature = 1.0
+  c.eval.limit = 0  # questions per benchmark (0: all)
+  c.eval.batch_size = 8  # questions per sampler call
+  c.eval.seed = 0  # the same draws at every evaluation
   return c
 
 
@@ -129,6 +144,8 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.train.logprob_chunk = 0
   c.optim.lr = 1e-4
   c.checkpoint.every_steps = 1
+  c.data.train_size, c.data.val_size = 0, 2
+  c.eval.num_samples, c.eval.max_new_tokens, c.eval.limit, c.eval.batch_size = 4, 8, 2, 2
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1

@@ -1,0 +1,113 @@
+"""Loading a policy to evaluate: a HF directory, or a trainer workdir (local or gs://).
+
+``load_policy`` looks, in order, for ``path/config.json`` (a HF model
+directory), ``path/export_hf/config.json`` (the trainer's final HF export) and
+``path/checkpoints`` (the params of the newest Orbax checkpoint). HF
+directories on Cloud Storage are copied to the local cache first
+(``capo_jax.fs.local_copy``): safetensors and tokenizers read local files.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from capo_jax import fs
+from models.config import Qwen2Config
+
+Params = dict[str, Any]
+EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
+# Keys of the checkpoint's JSON record that may hold the model's HF config.json dict.
+_META_CONFIG_KEYS = ("hf_config", "model_config")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+
+
+
+@dataclasses.dataclass(frozen=True)
+class Policy:
+  """A loaded policy: ``tokenizer_dir`` is None when none was found next to it."""
+  cfg: Qwen2Config
+  params: Params
+  tokenizer_dir: str | None
+  source: str
+
+
+def _has_tokenizer(path: str | os.PathLike | None) -> bool:
+  return bool(path) and any(fs.is_file(fs.join(path, f)) for f in _TOKENIZER_FILES)
+
+
+def _is_hf_dir(path: str) -> bool:
+  return fs.is_file(fs.join(path, "config.json"))
+
+
+def _restore_params(workdir: str, dtype: Any, base_model: str | None
+                    ) -> tuple[Qwen2Config, Params, int]:
+  """Config and params of the latest Orbax checkpoint of a trainer workdir."""
+  import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+  from capo_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  ckpt = Checkpointer(workdir, every_steps=0)
+  try:
+    step = ckpt.latest_step()
+    if step is None:
+      raise FileNotFoundError(f"{ckpt.directory}: no complete checkpoint")
+    step_dir = fs.join(ckpt.directory, str(step))
+  finally:
+    ckpt.close()
+  meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
+      fs.join(step_dir, "meta"), args=ocp.args.JsonRestore())
+  hf_cfg = next((meta[k] for k in _META_CONFIG_KEYS if isinstance(meta.get(k), dict)), None)
+  if hf_cfg is None and not (base_model and _is_hf_dir(base_model)):
+    raise ValueError(f"{step_dir}: its record has no model config (keys {_META_CONFIG_KEYS}); "
+                     "pass --base_model=<HF dir of the model the run started from>")
+  name = jnp.dtype(dtype).name
+  cfg = Qwen2Config.from_hf(hf_cfg if hf_cfg is not None else fs.local_copy(base_model),
+                            param_dtype=name, compute_dtype=name)
+  state_dir = fs.join(step_dir, "state")
+  tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
+  # The trainer's state keeps params under "params"; a bare params tree also works.
+  in_state = "params" in tree
+  shapes = tree["params"] if in_state else tree
+  device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, cfg.weight_dtype), shapes)
+  restore = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device),
+                         abstract)
+  wrap = (lambda x: {"params": x}) if in_state else (lambda x: x)
+  # partial_restore: read only the params, not the optimizer moments (3x the size).
+  out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
+      item=wrap(abstract), restore_args=wrap(restore), partial_restore=True))
+  return cfg, (out["params"] if in_state else out), step
+
+
+def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
+                dtype: Any = jnp.bfloat16) -> Policy:
+  """Loads a policy from a HF directory or a trainer workdir, in that order of lookup.
+
+  1. ``path/config.json`` exists: a HF model directory.
+  2. ``path/export_hf/config.json`` exists: the trainer's final HF export.
+  3. ``path/checkpoints``: the params of the latest Orbax checkpoint (only the
+     ``params`` of the saved state are read). The model config comes from the
+     checkpoint's JSON record (``hf_config`` / ``model_config``: a HF
+     config.json dict) or else from ``base_model``'s config.json.
+
+  ``tokenizer_dir`` is the HF directory used when it holds tokenizer files,
+  else ``base_model`` when it does.
+  """
+  path = os.fspath(path)
+  export = fs.join(path, EXPORT_DIR)
+  for hf_dir in (path, export):
+    if _is_hf_dir(hf_dir):
+      from models import hf_weights  # pylint: disable=import-outside-toplevel
+      cfg, params = hf_weights.load_pretrained(fs.local_copy(hf_dir), dtype=dtype)
+      tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
+          else None
+      return Policy(cfg, params, tok, hf_dir)
+  if fs.exists(fs.join(path, CHECKPOINT_DIR)):
+    cfg, params, step = _restore_params(path, dtype, base_model)
+    tok = base_model if _has_tokenizer(base_model) else None
+    return Policy(cfg, params, tok, f"{path} (checkpoint step {step})")
+  raise FileNotFoundError(f"--policy {path}: neither a HF model directory (no config.json) nor "
+                          f"a trainer workdir (no {EXPORT_DIR}/config.json, no {CHECKPOINT_DIR}/)")

@@ -1,0 +1,119 @@
+"""What a run loads before its first step, and what it exports: the trainer's I/O.
+
+Every path here may be local or ``gs://`` (``capo_jax.fs``): HF checkpoint
+and tokenizer directories are copied to the local cache first, the training
+file is read through the path layer, and the HF export is staged locally and
+then moved (local) or uploaded (Cloud Storage) into place.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+import jax
+import ml_collections
+
+from capo_jax import data, experiment, fs
+from capo_jax.distributed import is_main_process
+from capo_jax.tokenizer import Tokenizer, load_tokenizer
+from models import hf_weights, qwen2
+from models.config import Qwen2Config
+
+log = logging.getLogger(__name__)
+
+SPLIT_FILE = "data_split.json"
+
+
+@dataclasses.dataclass
+class Policy:
+  """An initial policy handed in by the caller (e.g. the demo's warm start)."""
+  cfg: Qwen2Config
+  params: Any
+
+
+def tokenizer_for(c: ml_collections.ConfigDict) -> Tokenizer:
+  path = c.tokenizer_path or c.model.hf_path
+  if not path:
+    raise experiment.ConfigError("config.tokenizer_path is empty and there is no "
+                                 "model.hf_path to take the tokenizer from")
+  return load_tokenizer(path)
+
+
+def initial_params(c: ml_collections.ConfigDict, model_cfg: Qwen2Config,
+                   policy: Policy | None, shardings: Any) -> Any:
+  """The run's starting params (also the frozen reference), in the train shardings."""
+  if policy is not None:
+    return jax.device_put(policy.params, shardings)
+  if c.model.hf_path:
+    _, params = hf_weights.load_pretrained(fs.local_copy(c.model.hf_path),
+                                           dtype=model_cfg.weight_dtype, shardings=shardings)
+    return params
+  init = lambda key: qwen2.init_params(model_cfg, key)
+  return jax.jit(init, out_shardings=shardings)(jax.random.key(c.seed))
+
+
+def drop_long_prompts(examples: Sequence[data.Example], tokenizer: Tokenizer, max_len: int,
+                      source: str) -> list[data.Example]:
+  """Drops questions whose rendered prompt exceeds ``max_len`` tokens (logged, as verl does)."""
+  if not examples:
+    raise data.DataError(f"{source}: no training questions (the file is empty)")
+  kept = [e for e in examples if len(tokenizer.encode(tokenizer.render_prompt(e.problem)))
+          <= max_len]
+  if len(kept) < len(examples):
+    log.warning("dropped %d of %d training questions longer than rollout.max_prompt_len=%d",
+                len(examples) - len(kept), len(examples), max_len)
+  if not kept:
+    raise experiment.ConfigError(f"config.rollout.max_prompt_len={max_len}: every training "
+                                 f"prompt of {source} is longer")
+  return kept
+
+
+def training_data(c: ml_collections.ConfigDict, workdir: str) -> data.Split:
+  """The fixed-seed train / validation split of ``data.train``; ids go to the workdir.
+
+  ``data_split.json`` records both id lists. A resumed run recomputes the
+  split and stops if it differs (the data file changed under the run).
+  """
+  ds = data.load_examples(c.data.train, data_dir=c.data.data_dir or None,
+                          skip_bad=c.data.skip_bad_rows)
+  if not ds.examples:
+    raise data.DataError(f"{ds.source}: no training questions (the file is empty"
+                         + (f"; {ds.num_skipped} bad rows skipped" if ds.num_skipped else "")
+                         + ")")
+  split = data.split_train_val(ds.examples, c.data.train_size, c.data.val_size,
+                               c.data.split_seed, ds.source)
+  record = {"source": ds.source, "split_seed": c.data.split_seed,
+            "train_size": len(split.train), "val_size": len(split.val), **split.ids()}
+  path = fs.join(workdir, SPLIT_FILE)
+  if fs.exists(path):
+    old = json.loads(fs.read_text(path))
+    if old.get("train_ids") != record["train_ids"] or old.get("val_ids") != record["val_ids"]:
+      raise data.DataError(f"{path}: the run's recorded train / validation split differs "
+                           f"from the split of {ds.source} now; did the file change? Use "
+                           "another --workdir for a new run.")
+  elif is_main_process():
+    fs.write_text(path, json.dumps(record) + "\n")
+  log.info("data: %d training and %d validation questions from %s (split seed %d)",
+           len(split.train), len(split.val), ds.source, c.data.split_seed)
+  return split
+
+
+def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
+                  tokenizer: Tokenizer | None = None) -> None:
+  """Writes the policy (and a HF tokenizer) as a HF directory, local or ``gs://``.
+
+  Process 0 writes; every process must call (the params are gathered).
+  ``config.json`` is written last, so a reader that finds it finds the weights.
+  """
+  from capo_jax import rollout  # pylint: disable=import-outside-toplevel
+  host = jax.tree.map(rollout.to_host, params)
+  if is_main_process():
+    with fs.staged_dir(path, last=("config.json",)) as local:
+      hf_weights.save_pretrained(model_cfg, host, local)
+      if hasattr(tokenizer, "hf"):
+        tokenizer.hf.save_pretrained(local)
+    log.info("exported the policy as a HF checkpoint to %s", path)

@@ -1,0 +1,88 @@
+"""Evaluation during training: the evaluator's own code, every ``eval.every_steps``.
+
+The current policy samples ``eval.num_samples`` responses per question of the
+held-out validation split and of each ``data.eval`` benchmark (first
+``eval.limit`` questions, 0: all), graded like every rollout. The metrics are
+those of ``python -m capo_jax.evaluate`` (``capo_jax.report``): mean@k,
+pass@k, AUC-mean, pooled AUC, AURC, ECE and AUC by difficulty bucket, logged
+as ``eval/<benchmark>/<metric>``; each evaluation's results.json goes to
+``<workdir>/eval/step_<N>/``. The sampling seed is the same at every step, so
+a change between steps is the policy's, not the draw's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import jax
+import ml_collections
+
+from capo_jax import data, evaluate, fs, report
+from capo_jax.distributed import is_main_process
+from capo_jax.tokenizer import Tokenizer
+from models.config import Qwen2Config
+
+EvalFn = Callable[[int, Any], dict[str, float]]
+VAL_BENCHMARK = "val"
+
+
+def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
+  """``{"<benchmark>/<metric>": value}`` of the headline numbers of a results dict."""
+  out: dict[str, float] = {}
+  for bench, r in results["benchmarks"].items():
+    for key, value in r.items():
+      if key.startswith("mean@") and value is not None:
+        out[f"{bench}/{key}"] = value
+    for kind in ("pass@k", "maj@k"):
+      for k, value in r[kind].items():
+        if value is not None:
+          out[f"{bench}/{kind[:-1]}{k}"] = value
+    for key in ("auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "mean_length"):
+      if r.get(key) is not None:
+        out[f"{bench}/{key}"] = r[key]
+    for label, b in r["auc_by_bucket"].items():
+      if b["auc_mean"] is not None:
+        out[f"{bench}/auc_bucket_{label}"] = b["auc_mean"]
+  return out
+
+
+def eval_benchmarks(c: ml_collections.ConfigDict, val: Sequence[data.Example]
+                    ) -> dict[str, list[data.Example]]:
+  """The validation split (when there is one) and the ``data.eval`` benchmarks."""
+  limit = c.eval.limit
+  out = {VAL_BENCHMARK: list(val[:limit] if limit > 0 else val)} if val else {}
+  names = [b for b in c.data.eval if b]
+  if names:
+    out.update(evaluate.load_benchmarks(names, c.data.data_dir or None, limit))
+  return out
+
+
+def make_eval_fn(c: ml_collections.ConfigDict, *, model_cfg: Qwen2Config, tokenizer: Tokenizer,
+                 benchmarks: Mapping[str, Sequence[data.Example]], workdir: str,
+                 to_sampling: Callable[[Any], Any], mesh: jax.sharding.Mesh, rules: Any,
+                 grader: Any = None) -> EvalFn:
+  """``eval_fn(step, params) -> {"<benchmark>/<metric>": value}``, as the trainer calls it.
+
+  ``to_sampling`` casts and reshards the train params for the sampler; every
+  process samples its share and grades all rows, process 0 writes results.
+  """
+  if not benchmarks:
+    raise ValueError("config.eval.every_steps > 0 but there is nothing to evaluate: "
+                     "config.data.val_size is 0 and config.data.eval is empty")
+  eval_cfg = evaluate.EvalConfig(num_samples=c.eval.num_samples,
+                                 max_new_tokens=c.eval.max_new_tokens,
+                                 temperature=c.eval.temperature,
+                                 batch_size=c.eval.batch_size, progress=is_main_process())
+  rcfg = evaluate.results_config(eval_cfg.num_samples)
+  rng = jax.random.key(c.eval.seed)
+
+  def eval_fn(step: int, params: Any) -> dict[str, float]:
+    records = evaluate.evaluate_policy(to_sampling(params), model_cfg, tokenizer, benchmarks,
+                                       eval_cfg, rng, grader=grader, mesh=mesh, rules=rules)
+    results = report.compute_results(records, rcfg, run=f"step {step}")
+    if is_main_process():
+      report.write_results(results, fs.join(workdir, "eval", f"step_{step:06d}"))
+    return flat_metrics(results)
+
+  return eval_fn
