@@ -13,15 +13,20 @@ functions, at the run's padded shapes (prompt ``max_prompt_len``, completion
 
   prefill   ``sampling._prefill`` over one sampler call's prompts
   decode    ``sampling._decode``, the ``lax.while_loop`` over the donated cache
-  logprobs  ``train_step.make_logprob_fn`` over all Q*G rows (old policy, float32 params)
+  logprobs  ``train_step.make_logprob_fn`` over all Q*G rows, as the trainer calls
+            it today (``logprob_rows``: fewer rows per call), float32 params
   logprobs_ref  the same program with the bfloat16 reference (when the run keeps one)
   train     ``train_step.make_train_step``: micro-batch scan + AdamW update
 
+A program whose temporaries exceed the chip's HBM is refused by the compiler
+(RESOURCE_EXHAUSTED); it is reported, with the bytes the error names, not raised.
+
 Typical use (benchmarks/aot_tpu.py is the command line)::
 
-  set_tpu_env("v5e-16")                  # before jax initialises a backend
-  mesh = experiment.make_mesh(c)  # no: the topology's devices, see topology_mesh
-  for prog in compile_step(c, topology_mesh(c, "v5e-16")): print(prog.name, prog.memory)
+  acc = parse_accelerator("v5e-16")
+  set_tpu_env(acc)                           # before jax initialises a backend
+  for prog in compile_step(c, topology_mesh(c, acc)):
+    print(prog.name, prog.memory, prog.cost)
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import ml_collections
-from jax.sharding import Mesh, NamedSharding, PartitionSpec
+from jax.sharding import Mesh, NamedSharding
 
 from capo_jax import experiment, hlo_cost, sampling
 from capo_jax import mesh as mesh_lib
@@ -95,6 +100,9 @@ def set_tpu_env(acc: Accelerator) -> None:
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", acc.gcloud_type)
   os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
   os.environ.setdefault("TPU_WORKER_ID", "0")
+  # libtpu takes /tmp/libtpu_lockfile to own the chips; compiling owns none, so
+  # several compiling processes (a test next to a benchmark) may share the host.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 
 def topology_devices(acc: Accelerator) -> list[Any]:
@@ -299,15 +307,14 @@ class Compiled:
 
   @property
   def cost(self) -> dict[str, float]:
-    """Per-device FLOPs and bytes, loop bodies times their trip counts (``hlo_cost``);
-    ``xla_flops`` / ``xla_bytes``: XLA's own figures (every body once)."""
+    """Per-device matmul FLOPs and memory bytes with loop bodies times their trip
+    counts (``hlo_cost``); ``xla_flops`` / ``xla_bytes``: ``cost_analysis()`` as is."""
     if self.compiled is None:
       return {}
     ca = self.compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
-    xla = {"flops": float(ca.get("flops", 0.0)), "bytes": float(ca.get("bytes accessed", 0.0))}
-    out = hlo_cost.scaled_cost(self.compiled.as_text(), xla)
-    out.update(xla_flops=xla["flops"], xla_bytes=xla["bytes"])
+    out = hlo_cost.hlo_cost(self.compiled.as_text())
+    out.update(xla_flops=float(ca.get("flops", 0.0)), xla_bytes=float(ca.get("bytes accessed", 0.0)))
     return out
 
 

@@ -12,6 +12,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
   parser.addoption("--runslow", action="store_true", help="run tests marked slow")
 
 
+def pytest_configure(config: pytest.Config) -> None:
+  config.addinivalue_line("markers", "tpu_aot: compiles for TPU topologies ahead of time; needs "
+                          "libtpu (benchmarks/setup_aot_tpu.sh), skipped without it")
+
+
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
   if config.getoption("--runslow"):
     return

@@ -1,0 +1,129 @@
+"""Ahead-of-time TPU compilation of a tiny run's programs (capo_jax.aot), on a CPU host.
+
+Needs libtpu (``jax[tpu]`` at the pinned jax version), which the default venv
+does not have: these tests skip there. Run them from the TPU venv:
+
+  benchmarks/setup_aot_tpu.sh
+  benchmarks/.venv-tpu/bin/python -m pytest -q tests/test_aot_tpu.py
+
+They compile the decode loop and the train step of the shrunk 1.5B config for
+a v5e-8 topology (2x4 chips, one host) over a (1, 4, 2) mesh, and check that
+XLA's TPU memory and cost analyses come back and that the compiled programs
+take their inputs in the shardings the rules give.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+
+import jax
+import pytest
+
+from capo_jax import aot, hlo_cost
+from capo_jax import mesh as mesh_lib
+from capo_jax import train_step as ts
+from capo_jax import experiment
+from configs import capo_qwen2p5_math_1p5b
+from models import sharding
+
+pytestmark = [
+    pytest.mark.tpu_aot,
+    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                       reason="libtpu is not installed (the default venv is CPU-only); run from "
+                              "benchmarks/.venv-tpu, made by benchmarks/setup_aot_tpu.sh"),
+]
+
+ACCELERATOR = "v5e-8"
+
+
+@pytest.fixture(scope="module")
+def compiled():
+  acc = aot.parse_accelerator(ACCELERATOR)
+  aot.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.mesh.fsdp, c.mesh.tensor = -1, 2
+  mesh = aot.topology_mesh(c, acc)
+  progs = {p.name: p for p in aot.compile_step(c, mesh, only=("decode", "train"))}
+  return c, mesh, progs
+
+
+def _assert_same_shardings(got, want, shapes, what: str) -> None:
+  got_l, want_l, shape_l = (jax.tree.leaves(t) for t in (got, want, shapes))
+  assert len(got_l) == len(want_l) == len(shape_l), what
+  for i, (g, w, s) in enumerate(zip(got_l, want_l, shape_l)):
+    assert g.is_equivalent_to(w, len(s.shape)), f"{what} leaf {i}: {g} != {w}"
+
+
+def test_topology_devices_are_tpu_chips():
+  acc = aot.parse_accelerator(ACCELERATOR)
+  aot.set_tpu_env(acc)
+  devices = aot.topology_devices(acc)
+  assert len(devices) == 8 and all(d.platform == "tpu" for d in devices)
+  assert aot.parse_accelerator("v4-32").chips == 16
+  assert aot.parse_accelerator("v5p-64").topology == "v5p:2x4x4"
+
+
+def test_memory_and_cost_analysis(compiled):
+  _, _, progs = compiled
+  assert set(progs) == {"decode", "train"}
+  for p in progs.values():
+    assert not p.error, p.error
+    mem = p.memory
+    assert mem["arguments"] > 0 and mem["temporaries"] >= 0 and mem["peak"] > 0, mem
+    cost = p.cost
+    assert cost["xla_flops"] > 0 and cost["xla_bytes"] > 0, cost
+  # The tiny model's 2 layers run under lax.scan: counted per iteration they
+  # cost about twice one body (less: the unembedding and update run once).
+  text = progs["train"].compiled.as_text()
+  once, full = hlo_cost.hlo_cost(text, trip_counts=False), hlo_cost.hlo_cost(text)
+  assert 1.3 < full["flops"] / once["flops"] < 2.01, (once, full)
+  assert full["flops"] == progs["train"].cost["flops"]
+  # The decode loop has no constant bound: counted once, and reported.
+  assert progs["decode"].cost["unbounded_loops"] == 1
+
+
+def test_train_step_input_shardings_follow_the_rules(compiled):
+  c, mesh, progs = compiled
+  model_cfg, tcfg = experiment.model_config(c), experiment.train_config(c)
+  rows = c.train.mini_batch_prompts * c.rollout.num_samples
+  (state_sh, batch_sh), _ = progs["train"].compiled.input_shardings
+  want_state = ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
+  state_shapes = jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
+                                aot.qwen2.param_shapes(model_cfg))
+  _assert_same_shardings(state_sh, want_state, state_shapes, "train state")
+  # Params really are split over fsdp and tensor (a tiny model could replicate).
+  q_spec = state_sh.params["layers"]["q_kernel"].spec
+  assert "fsdp" in jax.tree.leaves(tuple(q_spec)) and "tensor" in jax.tree.leaves(tuple(q_spec))
+  want_rows = mesh_lib.batch_sharding(mesh, mesh_lib.TRAIN_RULES, rows)
+  for i, sh in enumerate(jax.tree.leaves(batch_sh)):
+    assert sh.is_equivalent_to(want_rows, 1) or sh.spec[0] == want_rows.spec[0], (i, sh)
+
+
+def test_decode_input_shardings_follow_the_rules(compiled):
+  c, mesh, progs = compiled
+  model_cfg = experiment.model_config(c)
+  args_sh, _ = progs["decode"].compiled.input_shardings
+  params_sh, _, cache_sh = args_sh[:3]
+  want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
+  _assert_same_shardings(params_sh, want, aot.qwen2.param_shapes(model_cfg), "sampling params")
+  B = c.rollout.num_prompts * c.rollout.num_samples
+  k_BKHS = cache_sh.k[0]
+  shape = (B, model_cfg.num_kv_heads, model_cfg.head_dim, 1)
+  spec = sharding.logical_to_spec(("batch", "kv_heads", None, None), mesh_lib.SAMPLING_RULES,
+                                  shape, mesh)
+  assert k_BKHS.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), 4), k_BKHS
+
+
+def test_hlo_cost_counts_scan_bodies_per_iteration():
+  acc = aot.parse_accelerator(ACCELERATOR)
+  aot.set_tpu_env(acc)
+  mesh = jax.sharding.Mesh(aot.topology_devices(acc), ("x",))
+  w = jax.ShapeDtypeStruct((6, 256, 256), "bfloat16",
+                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+  x = jax.ShapeDtypeStruct((1024, 256), "bfloat16", sharding=jax.sharding.NamedSharding(
+      mesh, jax.sharding.PartitionSpec("x")))
+  f = lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w)[0]
+  text = jax.jit(f).lower(w, x).compile().as_text()
+  per_layer = 2 * (1024 // 8) * 256 * 256  # one [128, 256] x [256, 256] matmul per device
+  assert hlo_cost.hlo_cost(text, trip_counts=False)["flops"] == per_layer
+  assert hlo_cost.hlo_cost(text)["flops"] == 6 * per_layer
