@@ -123,6 +123,20 @@ def _cache_root() -> str:
       os.path.expanduser("~"), ".cache", "capo_jax")
 
 
+def _files(root: epath.Path, prefix: str = "") -> Iterator[tuple[str, epath.Path]]:
+  """(relative path, path) of every file under ``root``, one listing per folder.
+
+  (epath refuses recursive globs on Cloud Storage, and its ``walk`` drops the
+  ``gs://`` scheme; ``iterdir`` keeps it.)
+  """
+  for child in sorted(root.iterdir()):
+    rel = f"{prefix}{child.name}"
+    if child.is_dir():
+      yield from _files(child, rel + "/")
+    else:
+      yield rel, child
+
+
 def local_copy(p: PathLike) -> str:
   """A local path with the contents of ``p``: ``p`` itself when local.
 
@@ -145,14 +159,10 @@ def local_copy(p: PathLike) -> str:
   shutil.rmtree(dest, ignore_errors=True)
   log.info("copying %s to the local cache %s", s, dest)
   if src.is_dir():
-    # (epath refuses recursive globs on Cloud Storage; walk lists each folder once.)
-    for folder, _, names in src.walk():
-      for name in names:
-        f = folder / name
-        rel = os.fspath(f.relative_to(src))
-        os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
-        with f.open("rb") as r, open(os.path.join(dest, rel), "wb") as w:
-          shutil.copyfileobj(r, w, length=16 << 20)
+    for rel, f in _files(src):
+      os.makedirs(os.path.dirname(os.path.join(dest, rel)), exist_ok=True)
+      with f.open("rb") as r, open(os.path.join(dest, rel), "wb") as w:
+        shutil.copyfileobj(r, w, length=16 << 20)
   else:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with src.open("rb") as r, open(dest, "wb") as w:

@@ -41,7 +41,10 @@ def _has_tokenizer(path: str | os.PathLike | None) -> bool:
 
 
 def _is_hf_dir(path: str) -> bool:
-  return fs.is_file(fs.join(path, "config.json"))
+  """config.json and safetensors weights (a trainer workdir has a config.json too)."""
+  from models import hf_weights  # pylint: disable=import-outside-toplevel
+  return fs.is_file(fs.join(path, "config.json")) and any(
+      fs.is_file(fs.join(path, f)) for f in (hf_weights.SINGLE_FILE, hf_weights.INDEX_FILE))
 
 
 def _restore_params(workdir: str, dtype: Any, base_model: str | None
@@ -86,7 +89,7 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
                 dtype: Any = jnp.bfloat16) -> Policy:
   """Loads a policy from a HF directory or a trainer workdir, in that order of lookup.
 
-  1. ``path/config.json`` exists: a HF model directory.
+  1. ``path/config.json`` and safetensors weights exist: a HF model directory.
   2. ``path/export_hf/config.json`` exists: the trainer's final HF export.
   3. ``path/checkpoints``: the params of the latest Orbax checkpoint (only the
      ``params`` of the saved state are read). The model config comes from the

@@ -145,7 +145,7 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(assets, tmp_path):
     time.sleep(0.5)
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=300)
-  assert proc.returncode != 0 and "preempted" in err, err[-2000:]
+  assert proc.returncode == 0 and "preempted" in err, err[-2000:]
   steps = [int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir()
            if p.name.isdigit()]
   assert steps and max(steps) >= 1  # saved although every_steps=1000
@@ -161,23 +161,61 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def test_two_processes_train_to_identical_params(assets, tmp_path):
-  """jax.distributed over 2 CPU processes on localhost; only process 0 writes logs."""
-  workdir = str(tmp_path / "multi")
+def _launch_two(workdir: str, assets: dict[str, str], steps: int, *overrides: str
+                ) -> list[subprocess.Popen]:
   port = _free_port()
   procs = []
   for pid in range(2):
     env = _env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
                JAX_PROCESS_ID=str(pid))
-    cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], "2"]
+    cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], str(steps),
+           *overrides]
     procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                   stderr=subprocess.PIPE, text=True))
+  return procs
+
+
+def _wait_all(procs: list[subprocess.Popen]) -> list[str]:
+  errs = []
   for p in procs:
     _, err = p.communicate(timeout=600)
     assert p.returncode == 0, err[-4000:]
+    errs.append(err)
+  return errs
+
+
+def test_two_processes_train_to_identical_params(assets, tmp_path):
+  """jax.distributed over 2 CPU processes on localhost; only process 0 writes logs."""
+  workdir = str(tmp_path / "multi")
+  _wait_all(_launch_two(workdir, assets, 2))
   assert _digest(workdir, 0) == _digest(workdir, 1)
   rows = [json.loads(l) for l in open(os.path.join(workdir, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [1, 2]  # one writer
+
+
+def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(assets, tmp_path):
+  """JAX's preemption sync: only process 1 is told, both save step N and exit 0; the
+  rerun to N + 1 steps equals an uninterrupted 2-process run of N + 1 steps bit for bit."""
+  workdir = str(tmp_path / "preempted")
+  keep_going = ("checkpoint.every_steps=1000",)
+  procs = _launch_two(workdir, assets, 100, *keep_going)
+  metrics_file = pathlib.Path(workdir, "metrics.jsonl")
+  deadline = time.time() + 300
+  while time.time() < deadline and not (metrics_file.exists() and metrics_file.read_text()):
+    time.sleep(0.5)
+  procs[1].send_signal(signal.SIGTERM)
+  errs = _wait_all(procs)
+  assert all("preempted" in e for e in errs), errs[0][-2000:]
+  steps = sorted(int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir()
+                 if p.name.isdigit())
+  assert len(steps) == 1 and 1 <= steps[0] < 100, steps  # one step, saved by both
+  done = steps[0]
+  _wait_all(_launch_two(workdir, assets, done + 1, *keep_going))
+  straight = str(tmp_path / "straight")
+  _wait_all(_launch_two(straight, assets, done + 1, *keep_going))
+  assert _digest(workdir, 0) == _digest(workdir, 1) == _digest(straight, 0)
+  rows = [json.loads(l) for l in open(metrics_file)]
+  assert [r["step"] for r in rows] == list(range(1, done + 2))
 
 
 @pytest.mark.parametrize("algo", [

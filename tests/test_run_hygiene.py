@@ -1,0 +1,155 @@
+"""What a long run needs besides the maths: its config on record, the paper's data split,
+clean resumes after kills and damaged checkpoints, clear errors, W&B."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import pathlib
+
+import pytest
+
+import rl_driver
+from capo_jax import data, experiment, metrics, rl_loop, run_record, run_setup
+from configs import common
+
+QUESTIONS = [(f"What is {a} * {b}?", str(a * b)) for a in range(2, 5) for b in range(2, 5)]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+  import hf_utils  # pylint: disable=import-outside-toplevel
+  root = tmp_path_factory.mktemp("hygiene")
+  tok = hf_utils.make_tokenizer_dir(root / "tok")
+  train = root / "train.jsonl"
+  train.write_text("".join(json.dumps({"id": f"q{i}", "problem": q, "answer": a}) + "\n"
+                           for i, (q, a) in enumerate(QUESTIONS)))
+  empty = root / "empty.jsonl"
+  empty.write_text("\n")
+  return {"tok": str(tok), "train": str(train), "empty": str(empty)}
+
+
+def _config(assets: dict[str, str], steps: int):
+  c = rl_driver.tiny_config(assets["tok"], assets["train"], steps)
+  c.checkpoint.keep = 3
+  c.checkpoint.export_hf = False
+  return c
+
+
+def _steps(workdir: pathlib.Path) -> list[int]:
+  return [r["step"] for r in metrics.read_jsonl(str(workdir / "metrics.jsonl")) if "loss" in r]
+
+
+def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_path, caplog,
+                                                                    monkeypatch):
+  monkeypatch.setenv("WANDB_MODE", "offline")
+  pytest.importorskip("wandb", reason="wandb is an optional extra (pip install wandb)")
+  workdir = tmp_path / "run"
+  c = _config(assets, 3)
+  c.log.wandb_project = "capo-test"
+  rl_loop.train(c, str(workdir), grader=rl_driver.HashGrader())
+  assert _steps(workdir) == [1, 2, 3]
+  record = json.loads((workdir / "config.json").read_text())
+  assert record["config"]["train"]["num_steps"] == 3 and "git_commit" in record
+  # W&B (offline) mirrored the config and the metrics.
+  run_dirs = list((workdir / "wandb").glob("offline-run-*"))
+  assert run_dirs, list(workdir.iterdir())
+  assert "capo-test" in (run_dirs[0] / "files" / "config.yaml").read_text() or \
+      "num_steps" in (run_dirs[0] / "files" / "config.yaml").read_text()
+
+  # As if the machine died after step 3's metrics and while its checkpoint was written:
+  # the newest checkpoint is truncated. The rerun names it, resumes from step 2, logs 3 once.
+  for f in (workdir / "checkpoints" / "3").rglob("*"):
+    if f.is_file() and "commit_success" not in f.name:
+      os.truncate(f, f.stat().st_size // 2)
+  c4 = _config(assets, 4)
+  with caplog.at_level(logging.INFO):
+    rl_loop.train(c4, str(workdir), grader=rl_driver.HashGrader())
+  log_text = caplog.text
+  assert "checkpoint step 3" in log_text and "unreadable" in log_text
+  assert "resuming at step 2" in log_text
+  assert _steps(workdir) == [1, 2, 3, 4]
+  assert (workdir / "checkpoints" / "3" / "_CHECKPOINT_METADATA").is_file()  # saved again
+
+  # A shape-changing field differs from the recorded run: a clear error before any work.
+  c_bad = _config(assets, 5)
+  c_bad.rollout.num_samples = 2
+  with pytest.raises(run_record.ConfigChanged, match="rollout.num_samples: 4 -> 2"):
+    rl_loop.train(c_bad, str(workdir), grader=rl_driver.HashGrader())
+
+
+def test_config_record_warns_on_changed_fields_and_stops_on_shape_fields(tmp_path, caplog):
+  c = common.shrink(common.get_base_config())
+  run_record.record(c, str(tmp_path), resuming=False)
+  c.optim.lr = 5e-5
+  with caplog.at_level(logging.WARNING):
+    rec = run_record.record(c, str(tmp_path), resuming=True)
+  assert "optim.lr: 0.0001 -> 5e-05" in caplog.text
+  assert rec["previous"]["config"]["optim"]["lr"] == 1e-4
+  assert json.loads((tmp_path / "config.json").read_text())["config"]["optim"]["lr"] == 5e-5
+  for field, value in (("model.preset", "qwen2p5_0p5b"), ("mesh.tensor", 2),
+                       ("train.micro_batch_size", 4)):
+    c2 = common.shrink(common.get_base_config())
+    c2.optim.lr = 5e-5
+    section, leaf = field.split(".")
+    c2[section][leaf] = value
+    with pytest.raises(run_record.ConfigChanged, match=field.replace(".", r"\.")):
+      run_record.record(c2, str(tmp_path), resuming=True)
+  assert run_record.is_shape_field("model.preset_overrides.vocab_size")
+  assert not run_record.is_shape_field("train.num_steps")
+
+
+def test_metrics_writer_drops_rows_past_the_restored_step(tmp_path):
+  w = metrics.MetricsWriter(str(tmp_path), tensorboard=False)
+  for step in (0, 1, 2, 3):
+    w.write(step, {"loss": float(step)})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"step": 4, "lo')  # torn by a kill mid-write
+  w = metrics.MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False)
+  w.write(3, {"loss": 30.0})
+  w.close()
+  rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  assert [(r["step"], r["loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+  metrics.MetricsWriter(str(tmp_path), resume_step=0, tensorboard=False).close()
+  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == []  # a fresh start
+
+
+def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
+  ds = data.load_examples("deepscaler", data_dir=shared_data)
+  n = len(ds.examples)
+  split = data.split_train_val(ds.examples, 1000, 240, seed=0)
+  assert len(split.val) == 240 and len(split.train) == 1000
+  val, train = set(split.ids()["val_ids"]), set(split.ids()["train_ids"])
+  assert not val & train and len(val) == 240 and len(train) == 1000
+  again = data.split_train_val(list(ds.examples), 1000, 240, seed=0)
+  assert again.ids() == split.ids()  # fixed seed: the same split every time
+  other = data.split_train_val(ds.examples, 1000, 240, seed=1)
+  assert other.ids()["val_ids"] != split.ids()["val_ids"]
+  everything = data.split_train_val(ds.examples, 0, 240, seed=0)
+  assert len(everything.train) == n - 240  # train_size 0: all the rest
+  # Through the trainer's loader: the ids land in the workdir.
+  c = common.get_base_config()
+  c.data.data_dir, c.data.train_size, c.data.val_size = str(shared_data), 1000, 240
+  got = run_setup.training_data(c, str(tmp_path))
+  rec = json.loads((tmp_path / run_setup.SPLIT_FILE).read_text())
+  assert rec["val_ids"] == [e.id for e in got.val] == split.ids()["val_ids"]
+  assert rec["train_ids"] == split.ids()["train_ids"]
+  with pytest.raises(data.DataError, match="not enough"):
+    data.split_train_val(ds.examples[:100], 0, 240, seed=0)
+
+
+def test_an_empty_training_file_is_named_as_empty(assets, tmp_path):
+  c = _config(assets, 1)
+  c.data.train = assets["empty"]
+  with pytest.raises(data.DataError, match=r"empty\.jsonl: no training questions \(the file is "
+                     "empty"):
+    rl_loop.train(c, str(tmp_path), grader=rl_driver.HashGrader())
+
+
+def test_eval_config_fields_are_checked(assets):
+  c = _config(assets, 1)
+  c.eval.num_samples = 0
+  with pytest.raises(experiment.ConfigError, match="eval.num_samples=0"):
+    experiment.validate(c, num_devices=1)
