@@ -41,8 +41,8 @@ _ACCEL = flags.DEFINE_string("accelerator", None, "TPU slice: v4-32, v5e-16, v5p
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 when a program does not fit in HBM.")
 _ONLY = flags.DEFINE_list("only", [], "Compile only these programs (prefill, decode, logprobs, "
                           "logprobs_ref, train).")
-_LOGPROB_ROWS = flags.DEFINE_integer("logprob_rows", 0, "Rows per log-prob call (0: all Q*G, "
-                                     "as the trainer does today).")
+_LOGPROB_ROWS = flags.DEFINE_integer("logprob_rows", -1, "Rows per log-prob call (-1: the "
+                                     "config's train.logprob_rows; 0: all Q*G at once).")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 0, "Decode steps per sampler call for the "
                                      "roofline (0: max_new_tokens).")
 _JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
@@ -142,7 +142,8 @@ def main(argv: list[str]) -> None:
   print(f"mesh {dict(mesh.shape)} over {acc.name}; config {c.model.preset or c.model.hf_path}, "
         f"Q={c.rollout.num_prompts} G={c.rollout.num_samples} P={c.rollout.max_prompt_len} "
         f"C={c.rollout.max_new_tokens}", flush=True)
-  progs = aot.compile_step(c, mesh, only=tuple(_ONLY.value), logprob_rows=_LOGPROB_ROWS.value,
+  rows = c.train.logprob_rows if _LOGPROB_ROWS.value < 0 else _LOGPROB_ROWS.value
+  progs = aot.compile_step(c, mesh, only=tuple(_ONLY.value), logprob_rows=rows,
                            log=lambda s: print(s, flush=True))
   if _DUMP.value:
     os.makedirs(_DUMP.value, exist_ok=True)

@@ -13,8 +13,8 @@ functions, at the run's padded shapes (prompt ``max_prompt_len``, completion
 
   prefill   ``sampling._prefill`` over one sampler call's prompts
   decode    ``sampling._decode``, the ``lax.while_loop`` over the donated cache
-  logprobs  ``train_step.make_logprob_fn`` over all Q*G rows, as the trainer calls
-            it today (``logprob_rows``: fewer rows per call), float32 params
+  logprobs  ``train_step.make_logprob_fn`` over one call of ``train.logprob_rows``
+            rows, as the trainer calls it (0: all Q*G rows), float32 params
   logprobs_ref  the same program with the bfloat16 reference (when the run keeps one)
   train     ``train_step.make_train_step``: micro-batch scan + AdamW update
 
@@ -336,8 +336,8 @@ def compile_step(c: ml_collections.ConfigDict, mesh: Mesh, only: tuple[str, ...]
   """Compiles every program of one RL step of config ``c`` on ``mesh``.
 
   ``only``: a subset of program names. ``logprob_rows`` > 0 compiles the
-  log-prob pass for that many rows per call instead of all Q*G (what a pass
-  chunked over rows would run, ``Q*G / logprob_rows`` times).
+  log-prob pass for that many rows per call instead of all Q*G (the trainer
+  runs it ``Q*G / logprob_rows`` times per pass; ``train.logprob_rows``).
   """
   model_cfg = experiment.model_config(c)
   sh = Shapes.from_config(c)

@@ -70,6 +70,10 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
   if t.micro_batch_size < 1 or rows % t.micro_batch_size:
     _fail("train.micro_batch_size", t.micro_batch_size,
           f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}")
+  B = r.num_prompts * r.num_samples
+  if t.logprob_rows < 0 or (t.logprob_rows and B % t.logprob_rows):
+    _fail("train.logprob_rows", t.logprob_rows,
+          f"must be 0 (all rows at once) or divide num_prompts * num_samples = {B}")
   if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
     _fail("rollout.prompts_per_call", r.prompts_per_call,
           f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}")

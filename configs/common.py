@@ -91,6 +91,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.ppo_epochs = 1
   c.train.micro_batch_size = 16  # rows per gradient-accumulation micro-batch
   c.train.logprob_chunk = 512  # tokens per chunk of the vocab projection; 0 = unchunked
+  # Rows per call of the old / reference log-prob pass (0: all Q*G at once). 64
+  # fits every slice of the README at 4k tokens (benchmarks/aot_tpu.py).
+  c.train.logprob_rows = 64
   c.train.max_consecutive_skips = 5
 
   # Mesh axes; -1 takes the remaining devices. Rules live in capo_jax/mesh.py.
@@ -142,6 +145,7 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.train.mini_batch_prompts = 2
   c.train.micro_batch_size = 8
   c.train.logprob_chunk = 0
+  c.train.logprob_rows = 8  # two calls per pass: the chunked path runs in every test
   c.optim.lr = 1e-4
   c.checkpoint.every_steps = 1
   c.data.train_size, c.data.val_size = 0, 2

@@ -57,6 +57,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.mini_batch_prompts = 16  # 2 updates per step, as in the paper
   c.train.micro_batch_size = 128
   c.train.logprob_chunk = 0
+  c.train.logprob_rows = 0  # all rows in one log-prob call: small enough on a CPU
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
   c.checkpoint.every_steps = 50
   c.checkpoint.export_hf = False
