@@ -133,21 +133,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
                        out_shardings=state_sh.params)(params0) if needs_ref else None
   rows_per_update = c.train.mini_batch_prompts * G
   step_fn = ts.make_train_step(model_cfg, tcfg, mesh, train_rules, rows_per_update)
-  # The old / reference log-prob passes run over the step's rows in calls of
-  # train.logprob_rows: one call over all Q*G rows needs [Q*G, T] activations
-  # per layer, more than any TPU slice's HBM at the paper's shapes.
-  L = c.train.logprob_rows or Q * G
-  logprob_jit = ts.make_logprob_fn(model_cfg, mesh, train_rules, L,
-                                   chunk_size=c.train.logprob_chunk, top_k=spec.simko_k)
-  rows_sh = mesh_lib.batch_sharding(mesh, train_rules, L)
-
-  def logprob_fn(params: Any, *xs: np.ndarray) -> dict[str, np.ndarray]:
-    # Host inputs become global arrays first: jit refuses sharded numpy inputs multi-host.
-    # Every call is dispatched before the first is read back.
-    outs = [logprob_jit(params, *rollout.put_global(tuple(x[i:i + L] for x in xs), rows_sh))
-            for i in range(0, Q * G, L)]
-    return {k: np.concatenate([rollout.to_host(o[k]) for o in outs]) for k in outs[0]}
-
+  logprob_fn = rollout.make_host_logprob_fn(
+      model_cfg, mesh, train_rules, Q * G, rows_per_call=c.train.logprob_rows,
+      chunk_size=c.train.logprob_chunk, top_k=spec.simko_k)
   sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, sampling_rules)
   to_sampling = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(model_cfg.dtype), p),
                         out_shardings=sampling_sh)

@@ -25,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from capo_jax import advantages, calibration, sampling
+from capo_jax import advantages, calibration, sampling, train_step
+from capo_jax import mesh as mesh_lib
 from capo_jax.data import Example
 from capo_jax.tokenizer import Tokenizer
 from capo_jax.train_step import TrainBatch
@@ -53,6 +54,33 @@ def put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
   """Host arrays that every process holds in full -> global device arrays."""
   return jax.tree.map(
       lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
+
+
+def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any, rows: int, *,
+                         rows_per_call: int = 0, chunk_size: int = 0, top_k: int = 0
+                         ) -> Callable[..., dict[str, np.ndarray]]:
+  """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC) -> {name: host array}``.
+
+  The old / reference log-prob pass over ``rows`` host rows, in calls of
+  ``rows_per_call`` rows (0: all at once): one call over all of a step's rows
+  needs [rows, T] activations per layer, more than any TPU slice's HBM at the
+  paper's shapes (``benchmarks/aot_tpu.py``). Every call is dispatched before
+  the first is read back; the outputs hold every process's rows.
+  """
+  L = rows_per_call or rows
+  if rows % L:
+    raise ValueError(f"rows_per_call={L} must divide the {rows} rows of a pass")
+  jitted = train_step.make_logprob_fn(model_cfg, mesh, rules, L, chunk_size=chunk_size,
+                                      top_k=top_k)
+  sharding = mesh_lib.batch_sharding(mesh, rules, L)
+
+  def fn(params: Any, *xs: np.ndarray) -> dict[str, np.ndarray]:
+    # Host inputs become global arrays first: jit refuses sharded numpy inputs multi-host.
+    outs = [jitted(params, *put_global(tuple(x[i:i + L] for x in xs), sharding))
+            for i in range(0, rows, L)]
+    return {k: np.concatenate([to_host(o[k]) for o in outs]) for k in outs[0]}
+
+  return fn
 
 
 def _trim_left(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -52,11 +52,13 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
   assert _steps(workdir) == [1, 2, 3]
   record = json.loads((workdir / "config.json").read_text())
   assert record["config"]["train"]["num_steps"] == 3 and "git_commit" in record
-  # W&B (offline) mirrored the config and the metrics.
-  run_dirs = list((workdir / "wandb").glob("offline-run-*"))
-  assert run_dirs, list(workdir.iterdir())
-  assert "capo-test" in (run_dirs[0] / "files" / "config.yaml").read_text() or \
-      "num_steps" in (run_dirs[0] / "files" / "config.yaml").read_text()
+  # W&B (offline) mirrored the config and the metrics into its run file (protobuf
+  # records, their strings stored as they are).
+  run_files = list((workdir / "wandb").glob("offline-run-*/run-*.wandb"))
+  assert len(run_files) == 1, list(workdir.iterdir())
+  blob = run_files[0].read_bytes()
+  assert b"num_steps" in blob and b"mini_batch_prompts" in blob  # the config
+  assert blob.count(b"grad_norm") >= 3  # one history row per step
 
   # As if the machine died after step 3's metrics and while its checkpoint was written:
   # the newest checkpoint is truncated. The rerun names it, resumes from step 2, logs 3 once.
@@ -74,8 +76,8 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
 
   # A shape-changing field differs from the recorded run: a clear error before any work.
   c_bad = _config(assets, 5)
-  c_bad.rollout.num_samples = 2
-  with pytest.raises(run_record.ConfigChanged, match="rollout.num_samples: 4 -> 2"):
+  c_bad.rollout.max_new_tokens = 12
+  with pytest.raises(run_record.ConfigChanged, match="rollout.max_new_tokens: 8 -> 12"):
     rl_loop.train(c_bad, str(workdir), grader=rl_driver.HashGrader())
 
 
@@ -153,3 +155,37 @@ def test_eval_config_fields_are_checked(assets):
   c.eval.num_samples = 0
   with pytest.raises(experiment.ConfigError, match="eval.num_samples=0"):
     experiment.validate(c, num_devices=1)
+
+
+def test_log_prob_pass_in_row_calls_equals_one_call():
+  """train.logprob_rows: the old / reference pass in calls of 4 rows == one call of 16,
+  on 1 device and on a 2 x 2 x 2 mesh of 8 fake devices when they exist."""
+  import jax  # pylint: disable=import-outside-toplevel
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  from capo_jax import mesh as mesh_lib, rollout  # pylint: disable=import-outside-toplevel
+  from models import qwen2  # pylint: disable=import-outside-toplevel
+  c = common.shrink(common.get_base_config())
+  cfg = experiment.model_config(c)
+  params = qwen2.init_params(cfg, jax.random.key(0))
+  rng = np.random.default_rng(0)
+  B, P, C = 16, 6, 5
+  prompt = rng.integers(1, cfg.vocab_size, (B, P)).astype(np.int32)
+  pmask = np.ones((B, P), np.int32)
+  pmask[::3, :2] = 0  # left padding
+  comp = rng.integers(1, cfg.vocab_size, (B, C)).astype(np.int32)
+  cmask = (np.arange(C)[None] < rng.integers(1, C + 1, (B, 1))).astype(np.int32)
+  meshes = [mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])]
+  if jax.device_count() >= 8:
+    meshes.append(mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2},
+                                     devices=jax.devices()[:8]))
+  for mesh in meshes:
+    p = jax.device_put(params, mesh_lib.param_shardings(cfg, mesh, mesh_lib.TRAIN_RULES))
+    one, calls = (rollout.make_host_logprob_fn(cfg, mesh, mesh_lib.TRAIN_RULES, B,
+                                               rows_per_call=L, top_k=3)
+                  for L in (0, 4))
+    want, got = one(p, prompt, pmask, comp, cmask), calls(p, prompt, pmask, comp, cmask)
+    assert set(got) == set(want) and got["logp_BC"].shape == (B, C)
+    for k in want:
+      np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
+  with pytest.raises(ValueError, match="rows_per_call=5 must divide the 16 rows"):
+    rollout.make_host_logprob_fn(cfg, meshes[0], mesh_lib.TRAIN_RULES, B, rows_per_call=5)
