@@ -17,6 +17,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from typing import Any
 
@@ -46,17 +47,22 @@ class GcsEmulator:
     self.port = _free_port()
     self.url = f"http://127.0.0.1:{self.port}"
     self._proc: subprocess.Popen | None = None
+    self._log: Any = None
 
   def __enter__(self) -> GcsEmulator:
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator_server.py")
     cmd = [sys.executable, server, "start", "--host",
            "127.0.0.1", "--port", str(self.port), "--default-bucket", self.bucket,
            "--in-memory", "-q"]
-    self._proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    # Its log goes to a file, never a pipe: the server is single-threaded and prints a
+    # traceback for every dropped connection; a full pipe would stall it mid-request.
+    self._log = tempfile.TemporaryFile()
+    self._proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT)
     deadline = time.time() + 30
     while time.time() < deadline:
       if self._proc.poll() is not None:
-        raise RuntimeError(f"gcp-storage-emulator exited: {self._proc.stderr.read()!r}")
+        self._log.seek(0)
+        raise RuntimeError(f"gcp-storage-emulator exited: {self._log.read()[-2000:]!r}")
       try:
         socket.create_connection(("127.0.0.1", self.port), timeout=1).close()
         return self
@@ -80,3 +86,5 @@ class GcsEmulator:
         self._proc.wait(timeout=10)
       except subprocess.TimeoutExpired:
         self._proc.kill()
+    if self._log is not None:
+      self._log.close()
