@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import json
 import logging
 import os
 import shutil
@@ -137,25 +138,38 @@ def _files(root: epath.Path, prefix: str = "") -> Iterator[tuple[str, epath.Path
       yield rel, child
 
 
+def _fingerprint(src: epath.Path) -> list[tuple[str, int, int]]:
+  """(relative path, size, mtime) of a remote file or of every file under a folder."""
+  files = _files(src) if src.is_dir() else [(src.name, src)]
+  out = []
+  for rel, f in files:
+    st = f.stat()
+    out.append((rel, int(st.length), int(st.mtime or 0)))
+  return out
+
+
 def local_copy(p: PathLike) -> str:
   """A local path with the contents of ``p``: ``p`` itself when local.
 
-  A remote file or directory is downloaded once into
-  ``$CAPO_CACHE_DIR`` (default ``~/.cache/capo_jax``) under a name derived
-  from its URL; a ``.complete`` marker makes an interrupted download start
-  over instead of being used half-written.
+  A remote file or directory is downloaded into ``$CAPO_CACHE_DIR`` (default
+  ``~/.cache/capo_jax``) under a name derived from its URL. The copy is
+  reused while every remote file keeps its size and modification time (a
+  listing, no download), and fetched again when one changed: a run's
+  ``export_hf`` is rewritten when the run is resumed. The fingerprint is
+  written last, so an interrupted download starts over.
   """
   s = os.fspath(p)
   if not is_remote(s):
     return s
   src = epath.Path(s)
+  if not src.exists():
+    raise FileNotFoundError(f"{s}: no such file or directory")
   key = hashlib.sha1(s.rstrip("/").encode()).hexdigest()[:16]
   dest = os.path.join(_cache_root(), "remote", f"{key}-{src.name}")
   marker = dest + ".complete"
-  if os.path.exists(marker):
+  fingerprint = json.dumps(_fingerprint(src))
+  if os.path.exists(marker) and open(marker, encoding="utf-8").read() == fingerprint:
     return dest
-  if not src.exists():
-    raise FileNotFoundError(f"{s}: no such file or directory")
   shutil.rmtree(dest, ignore_errors=True)
   log.info("copying %s to the local cache %s", s, dest)
   if src.is_dir():
@@ -167,7 +181,7 @@ def local_copy(p: PathLike) -> str:
     os.makedirs(os.path.dirname(dest), exist_ok=True)
     with src.open("rb") as r, open(dest, "wb") as w:
       shutil.copyfileobj(r, w, length=16 << 20)
-  open(marker, "w", encoding="utf-8").close()
+  write_text(marker, fingerprint)
   return dest
 
 

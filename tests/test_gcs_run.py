@@ -114,3 +114,26 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   assert results["benchmarks"]["bench"]["n_questions"] == 3
   assert fs.exists(f"{out}/samples.jsonl") and fs.exists(f"{out}/bench_scaling.png")
   assert not _no_gs_dirs(tmp_path, REPO), _no_gs_dirs(tmp_path, REPO)
+
+
+def test_local_copy_of_a_bucket_folder_follows_remote_changes(gcs, tmp_path, monkeypatch):
+  """HF directories on gs:// are read through a local cache, refreshed when they change."""
+  gcs.apply(monkeypatch)
+  monkeypatch.setenv("CAPO_CACHE_DIR", str(tmp_path / "cache"))
+  from capo_jax import fs  # pylint: disable=import-outside-toplevel
+  src = tmp_path / "src"
+  (src / "sub").mkdir(parents=True)
+  (src / "config.json").write_text('{"a": 1}')
+  (src / "sub" / "w.bin").write_bytes(b"\0" * 100)
+  remote = f"gs://{BUCKET}/copy-test/model"
+  fs.upload_tree(str(src), remote)
+  local = pathlib.Path(fs.local_copy(remote))
+  assert (local / "config.json").read_text() == '{"a": 1}'
+  assert (local / "sub" / "w.bin").read_bytes() == b"\0" * 100
+  (local / "config.json").write_text("local edit")  # unchanged remote: the cache is reused
+  assert fs.local_copy(remote) == str(local)
+  assert (local / "config.json").read_text() == "local edit"
+  fs.write_text(f"{remote}/config.json", '{"a": 22}')  # a new export: fetched again
+  assert pathlib.Path(fs.local_copy(remote), "config.json").read_text() == '{"a": 22}'
+  with pytest.raises(FileNotFoundError, match="no-such"):
+    fs.local_copy(f"gs://{BUCKET}/no-such")
