@@ -27,6 +27,17 @@ LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "c
              "gspo": "gspo", "simko": "simko"}
 
 
+# loss.agg="auto": each algorithm's published token aggregation. SimKO's paper
+# aggregates with the token mean (DAPO's); the others with GRPO's per-sequence mean.
+DEFAULT_AGG = {"simko": "token-mean"}
+
+
+def loss_aggregation(c: ml_collections.ConfigDict) -> str:
+  """``loss.agg``, with "auto" resolved for ``algo.name``."""
+  return DEFAULT_AGG.get(c.algo.name, "seq-mean-token-mean") if c.loss.agg == "auto" \
+      else c.loss.agg
+
+
 class ConfigError(ValueError):
   """A configuration field has a bad value."""
 
@@ -135,7 +146,7 @@ def train_config(c: ml_collections.ConfigDict) -> TrainConfig:
   l, o = c.loss, c.optim
   try:
     loss_cfg = losses.LossConfig(
-        eps_low=l.eps_low, eps_high=l.eps_high, agg=l.agg, beta=l.beta,
+        eps_low=l.eps_low, eps_high=l.eps_high, agg=loss_aggregation(c), beta=l.beta,
         kl_estimator=l.kl_estimator, max_len=c.rollout.max_new_tokens,
         gspo_eps_low=l.gspo_eps_low, gspo_eps_high=l.gspo_eps_high,
         simko_alpha=l.simko_alpha, simko_k=l.simko_k, simko_lambda=l.simko_lambda,

@@ -21,8 +21,8 @@ from models.config import Qwen2Config
 
 Params = dict[str, Any]
 EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
-# Keys of the checkpoint's JSON record that may hold the model's HF config.json dict.
-_META_CONFIG_KEYS = ("hf_config", "model_config")
+# Key of the checkpoint's JSON record that holds the model's HF config.json dict.
+_META_CONFIG_KEY = "hf_config"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
 
 
@@ -62,9 +62,9 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
     ckpt.close()
   meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
       fs.join(step_dir, "meta"), args=ocp.args.JsonRestore())
-  hf_cfg = next((meta[k] for k in _META_CONFIG_KEYS if isinstance(meta.get(k), dict)), None)
+  hf_cfg = meta.get(_META_CONFIG_KEY) if isinstance(meta.get(_META_CONFIG_KEY), dict) else None
   if hf_cfg is None and not (base_model and _is_hf_dir(base_model)):
-    raise ValueError(f"{step_dir}: its record has no model config (keys {_META_CONFIG_KEYS}); "
+    raise ValueError(f"{step_dir}: its record has no model config (key {_META_CONFIG_KEY!r}); "
                      "pass --base_model=<HF dir of the model the run started from>")
   name = jnp.dtype(dtype).name
   cfg = Qwen2Config.from_hf(hf_cfg if hf_cfg is not None else fs.local_copy(base_model),
@@ -93,7 +93,7 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
   2. ``path/export_hf/config.json`` exists: the trainer's final HF export.
   3. ``path/checkpoints``: the params of the latest Orbax checkpoint (only the
      ``params`` of the saved state are read). The model config comes from the
-     checkpoint's JSON record (``hf_config`` / ``model_config``: a HF
+     checkpoint's JSON record (``hf_config``: a HF
      config.json dict) or else from ``base_model``'s config.json.
 
   ``tokenizer_dir`` is the HF directory used when it holds tokenizer files,

@@ -35,7 +35,6 @@ maj@k and the scaling methods group answers with the same equivalence
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import math
@@ -368,17 +367,3 @@ def _write_comparison(runs: Mapping[str, Mapping[str, Any]], out_dir: str) -> st
   with open(os.path.join(out_dir, "comparison.md"), "w", encoding="utf-8") as f:
     f.write("\n".join(md))
   return "comparison.md"
-
-
-def main(argv: Sequence[str] | None = None) -> None:
-  """CLI: ``python -m capo_jax.report RUN_DIR [RUN_DIR ...] --out DIR``."""
-  parser = argparse.ArgumentParser(description=main.__doc__)
-  parser.add_argument("result_dirs", nargs="+", help="dirs with results.json")
-  parser.add_argument("--out", required=True, help="output directory")
-  parser.add_argument("--names", nargs="*", help="run names (default: dir names)")
-  args = parser.parse_args(argv)
-  print(compare(args.result_dirs, args.out, args.names))
-
-
-if __name__ == "__main__":
-  main()

@@ -41,8 +41,6 @@ from typing import Any
 import numpy as np
 
 METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "best_of_n")
-# Names looked up, in order, in capo_jax.rewards for answer equivalence.
-_REWARDS_EQUIVALENCE = ("answers_equivalent", "is_equivalent")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,10 +100,9 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
                         ) -> Callable[[str, str], bool]:
   """Answer equivalence: a callable, ``"rewards"`` (default) or ``"exact"``.
 
-  ``"rewards"`` imports ``capo_jax.rewards`` lazily and uses its answer
-  equivalence (``answers_equivalent`` / ``is_equivalent`` if it has one, else
-  ``is_correct`` on the boxed answer); ``"exact"`` (string equality) is only
-  used when asked for.
+  ``"rewards"`` imports ``capo_jax.rewards`` lazily and grades one answer,
+  boxed, against the other with its ``is_correct``; ``"exact"`` (string
+  equality) is only used when asked for.
   """
   if callable(grouping):
     return grouping
@@ -115,17 +112,9 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
     raise ValueError(f"grouping must be 'rewards', 'exact' or a callable, "
                      f"got {grouping!r}")
   from capo_jax import rewards  # pylint: disable=import-outside-toplevel
-  for name in _REWARDS_EQUIVALENCE:
-    fn = getattr(rewards, name, None)
-    if callable(fn):
-      return fn
-  is_correct = getattr(rewards, "is_correct", None)
-  if callable(is_correct):
-    # Grade answer a, boxed as a completion, against b as the gold answer:
-    # the grader's fast path, then math-verify in its deadline pool.
-    return lambda a, b: bool(is_correct("\\boxed{" + a + "}", b))
-  raise AttributeError(f"capo_jax.rewards has none of {_REWARDS_EQUIVALENCE} "
-                       "or is_correct; pass grouping=<callable> or 'exact'")
+  # Grade answer a, boxed as a completion, against b as the gold answer: the
+  # grader's fast path, then math-verify in its deadline pool.
+  return lambda a, b: bool(rewards.is_correct("\\boxed{" + a + "}", b))
 
 
 def group_answers(answers: Sequence[str | None],

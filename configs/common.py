@@ -66,7 +66,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.loss = ml_collections.ConfigDict()
   c.loss.eps_low = 0.2
   c.loss.eps_high = 0.2
-  c.loss.agg = "seq-mean-token-mean"
+  # "auto": the algorithm's own (token-mean for simko, as in SimKO's paper;
+  # seq-mean-token-mean otherwise), or one of capo_jax.losses.AGGS.
+  c.loss.agg = "auto"
   c.loss.beta = 0.0  # KL to the reference
   c.loss.kl_estimator = "k3"
   c.loss.gspo_eps_low = 3e-4

@@ -189,3 +189,13 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
       np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
   with pytest.raises(ValueError, match="rows_per_call=5 must divide the 16 rows"):
     rollout.make_host_logprob_fn(cfg, meshes[0], mesh_lib.TRAIN_RULES, B, rows_per_call=5)
+
+
+@pytest.mark.parametrize("algo,agg,want", [
+    ("simko", "auto", "token-mean"), ("capo", "auto", "seq-mean-token-mean"),
+    ("grpo", "auto", "seq-mean-token-mean"), ("simko", "seq-mean-token-mean",
+                                              "seq-mean-token-mean")])
+def test_simko_is_one_field_away_with_its_papers_aggregation(algo, agg, want):
+  c = common.shrink(common.get_base_config())
+  c.algo.name, c.loss.agg = algo, agg
+  assert experiment.train_config(c).loss.agg == want

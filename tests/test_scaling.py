@@ -195,14 +195,16 @@ def test_scaling_skips_questions_with_too_few_samples():
 
 
 def test_default_grouping_uses_rewards_lazily(monkeypatch):
+  """"rewards" grades answer a, boxed, against b with capo_jax.rewards.is_correct."""
+  calls = []
   fake = types.ModuleType("capo_jax.rewards")
-  fake.is_equivalent = lambda a, b: a.strip() == b.strip()
+  fake.is_correct = lambda completion, gold: calls.append((completion, gold)) or \
+      completion == "\\boxed{" + gold + "}"
   monkeypatch.setitem(sys.modules, "capo_jax.rewards", fake)
   monkeypatch.setattr(capo_jax, "rewards", fake, raising=False)
-  assert sc.resolve_same_answer() is fake.is_equivalent
-  del fake.is_equivalent
-  with pytest.raises(AttributeError, match="'exact'"):
-    sc.resolve_same_answer("rewards")
+  same = sc.resolve_same_answer()
+  assert same("7", "7") and not same("7", "8")
+  assert calls == [("\\boxed{7}", "7"), ("\\boxed{7}", "8")]
 
 
 def test_rewards_grouping_treats_equal_values_as_one_answer():
