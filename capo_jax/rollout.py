@@ -56,10 +56,14 @@ def put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
       lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
 
 
-def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any, rows: int, *,
-                         rows_per_call: int = 0, chunk_size: int = 0, top_k: int = 0
-                         ) -> Callable[..., dict[str, np.ndarray]]:
-  """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC) -> {name: host array}``.
+def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
+                         rows: int, *, rows_per_call: int = 0, chunk_size: int = 0,
+                         top_k: int = 0) -> Callable[..., dict[str, np.ndarray]]:
+  """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC, keys=("logp_BC",))``.
+
+  Returns ``{key: host array}`` for the requested outputs of
+  ``logprobs.token_logprobs`` only: each key read back is a gather of
+  [rows, C] values to every host, and the entropy is not needed here.
 
   The old / reference log-prob pass over ``rows`` host rows, in calls of
   ``rows_per_call`` rows (0: all at once): one call over all of a step's rows
@@ -74,11 +78,12 @@ def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules:
                                       top_k=top_k)
   sharding = mesh_lib.batch_sharding(mesh, rules, L)
 
-  def fn(params: Any, *xs: np.ndarray) -> dict[str, np.ndarray]:
+  def fn(params: Any, *xs: np.ndarray, keys: Sequence[str] = ("logp_BC",)
+         ) -> dict[str, np.ndarray]:
     # Host inputs become global arrays first: jit refuses sharded numpy inputs multi-host.
     outs = [jitted(params, *put_global(tuple(x[i:i + L] for x in xs), sharding))
             for i in range(0, rows, L)]
-    return {k: np.concatenate([to_host(o[k]) for o in outs]) for k in outs[0]}
+    return {k: np.concatenate([to_host(o[k]) for o in outs]) for k in keys}
 
   return fn
 
@@ -161,7 +166,8 @@ class RolloutContext:
   model_cfg: Qwen2Config
   tokenizer: Tokenizer
   grader: Any  # .score(completions, golds) -> (rewards, RewardHealth)
-  logprob_fn: Callable[..., dict[str, Any]]  # (params, prompt, pmask, comp, cmask) -> dict
+  # (params, prompt, pmask, comp, cmask, keys=...) -> {key: host array}
+  logprob_fn: Callable[..., dict[str, np.ndarray]]
   mesh: jax.sharding.Mesh
   sampling_rules: Any
 
@@ -227,13 +233,15 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   if spec.old_from_sampler and spec.simko_k == 0:
     old_logp_BC = sampler_logp_BC
   else:
-    old = logprob_fn(params_train, *inputs)
-    old_logp_BC = sampler_logp_BC if spec.old_from_sampler else to_host(old["logp_BC"])
+    keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
+        ("topk_ids_BCK", "topk_logp_BCK") if spec.simko_k else ())
+    old = logprob_fn(params_train, *inputs, keys=keys)
+    old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
     if spec.simko_k:
-      topk_ids, topk_logp = to_host(old["topk_ids_BCK"]), to_host(old["topk_logp_BCK"])
+      topk_ids, topk_logp = old["topk_ids_BCK"], old["topk_logp_BCK"]
   ref_logp_BC = None
   if ref_params is not None:
-    ref_logp_BC = to_host(logprob_fn(ref_params, *inputs)["logp_BC"])
+    ref_logp_BC = logprob_fn(ref_params, *inputs)["logp_BC"]
   t_logp = time.perf_counter() - t2
 
   s_QG = mean_logprob(old_logp_BC, cmask_BC).reshape(Q, G)

@@ -183,8 +183,11 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
     one, calls = (rollout.make_host_logprob_fn(cfg, mesh, mesh_lib.TRAIN_RULES, B,
                                                rows_per_call=L, top_k=3)
                   for L in (0, 4))
-    want, got = one(p, prompt, pmask, comp, cmask), calls(p, prompt, pmask, comp, cmask)
-    assert set(got) == set(want) and got["logp_BC"].shape == (B, C)
+    keys = ("logp_BC", "entropy_BC", "topk_ids_BCK", "topk_logp_BCK")
+    want = one(p, prompt, pmask, comp, cmask, keys=keys)
+    got = calls(p, prompt, pmask, comp, cmask, keys=keys)
+    assert set(got) == set(want) == set(keys) and got["logp_BC"].shape == (B, C)
+    assert set(calls(p, prompt, pmask, comp, cmask)) == {"logp_BC"}  # only what is asked
     for k in want:
       np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
   with pytest.raises(ValueError, match="rows_per_call=5 must divide the 16 rows"):
