@@ -22,7 +22,7 @@ from typing import Callable
 import jax
 import numpy as np
 
-from capo_jax import advantages
+from capo_jax.rl import advantages
 
 
 def capo_numpy_loop(r_QG: np.ndarray, s_QG: np.ndarray, tau: float) -> np.ndarray:

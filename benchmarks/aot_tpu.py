@@ -7,11 +7,11 @@ r"""Compile every program of one RL step for a TPU slice, ahead of time, on this
 Builds the run's mesh over the slice's devices (``jax.experimental.topologies``;
 no TPU needed), compiles prefill, the decode loop, the log-prob pass(es) and the
 train step (micro-batch scan + AdamW) at the run's padded shapes with its
-shardings (``capo_jax.aot``), and prints per program and per device XLA's memory
+shardings (``capo_jax.runtime.aot``), and prints per program and per device XLA's memory
 analysis, what else is resident on the chip while it runs (train state,
 reference, sampler weights), the total against the chip's HBM, and the FLOPs
 and bytes of XLA's cost analysis with loop bodies counted per iteration
-(``capo_jax.hlo_cost``). ``--check`` exits 1 when a program does not fit.
+(``capo_jax.runtime.hlo_cost``). ``--check`` exits 1 when a program does not fit.
 
 Then a roofline estimate of the step: per program max(FLOPs / peak bfloat16
 FLOP/s, bytes / HBM bandwidth) per device, times its calls per step; the
@@ -34,7 +34,7 @@ from absl import app, flags
 from ml_collections import config_flags
 
 import memory_plan  # benchmarks/ is on sys.path when this file runs as a script
-from capo_jax import aot
+from capo_jax.runtime import aot
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
 _ACCEL = flags.DEFINE_string("accelerator", None, "TPU slice: v4-32, v5e-16, v5p-64, v6e-16, ...")

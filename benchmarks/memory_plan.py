@@ -9,16 +9,16 @@ peer of every number is the chip's HBM (the ``use`` row is the ratio).
   python benchmarks/memory_plan.py --slices v5e-16,v4-32 --sample-tok-s 900 --train-tok-s 2500
 
 Assumptions (the code this mirrors, where it exists):
-* Params, AdamW moments and gradients float32 (capo_jax/train_step.py); per
+* Params, AdamW moments and gradients float32 (capo_jax/rl/train_step.py); per
   micro-batch the params are cast to bfloat16 once (a sharded copy) and XLA
   gathers one layer at a time under ``lax.scan`` (2 layers in flight). The
   frozen reference policy (CAPO noise mask, or KL with beta > 0) is kept in
   bfloat16, sharded like the policy.
 * Train rules shard params over fsdp x tensor; sampling rules keep bfloat16
   params whole on every fsdp replica and split them over tensor only
-  (capo_jax/mesh.py). Batch rows split over data x fsdp (an axis that does
+  (capo_jax/runtime/mesh.py). Batch rows split over data x fsdp (an axis that does
   not divide the rows is replicated, as models/sharding.py does).
-* Rollout (capo_jax/sampling.py): one prefill of the Q prompts, then the
+* Rollout (capo_jax/sampling/sampler.py): one prefill of the Q prompts, then the
   cache repeated G times; P and C rounded up to powers of two; decode attends
   over every slot. Checked against XLA's memory analysis of the compiled
   sampler (1.5B shapes, 4-8 layers, Q = 8-16; GPU and CPU): the prefill keeps
@@ -50,7 +50,7 @@ from typing import Any
 # Run as `python benchmarks/memory_plan.py`: the run configs are imported from the repo root.
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
-from capo_jax.sampling import bucket_length
+from capo_jax.sampling.sampler import bucket_length
 from models import qwen2
 from models.config import Qwen2Config
 
@@ -133,7 +133,7 @@ class Run:
 
 def _uses_reference(c: Any) -> bool:
   """Whether the trainer keeps a reference policy (its own rule: noise mask or KL)."""
-  from capo_jax import experiment
+  from capo_jax.rl import experiment
   return bool(experiment.needs_reference(c))
 
 

@@ -22,7 +22,7 @@ import time
 
 import numpy as np
 
-from capo_jax import rewards
+from capo_jax.data import rewards
 
 _DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" / "math500.jsonl"
 

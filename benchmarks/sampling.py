@@ -1,4 +1,4 @@
-"""Generated tokens/s of capo_jax.sampling vs transformers generate (and Tunix), same weights.
+"""Generated tokens/s of capo_jax.sampling.sampler vs transformers generate (and Tunix), same weights.
 
   python benchmarks/sampling.py              # 32 prompts x 64 tokens, 128 new, 5 rounds
   python benchmarks/sampling.py --tunix      # also Tunix (benchmarks/.venv-tunix, see
@@ -36,7 +36,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from capo_jax import sampling  # noqa: E402
+from capo_jax.sampling import sampler as sampling  # noqa: E402
 from models import hf_weights, qwen2  # noqa: E402
 from models.config import Qwen2Config  # noqa: E402
 

@@ -1,4 +1,4 @@
-"""Decode tokens/s of capo_jax.sampling at the Qwen2.5-1.5B shape, next to the bandwidth bound.
+"""Decode tokens/s of capo_jax.sampling.sampler at the Qwen2.5-1.5B shape, next to the bandwidth bound.
 
   python benchmarks/sampling_gpu.py --out sampling_gpu.json            # H200 (4.8 TB/s)
   python benchmarks/sampling_gpu.py --out s.json --bandwidth 3.35e12   # H100 SXM
@@ -35,7 +35,7 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from capo_jax import sampling  # noqa: E402
+from capo_jax.sampling import sampler as sampling  # noqa: E402
 from models import kv_cache, qwen2  # noqa: E402
 from models.config import Qwen2Config  # noqa: E402
 

@@ -38,10 +38,10 @@ sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 import hf_utils  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
 
-from capo_jax import mesh as mesh_lib  # noqa: E402
-from capo_jax import train_step as ts  # noqa: E402
-from capo_jax.losses import LossConfig  # noqa: E402
-from capo_jax.optim import OptimConfig  # noqa: E402
+from capo_jax.rl import train_step as ts  # noqa: E402
+from capo_jax.rl.losses import LossConfig  # noqa: E402
+from capo_jax.rl.optim import OptimConfig  # noqa: E402
+from capo_jax.runtime import mesh as mesh_lib  # noqa: E402
 from models import hf_weights, qwen2  # noqa: E402
 from models.config import Qwen2Config  # noqa: E402
 

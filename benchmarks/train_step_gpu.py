@@ -37,9 +37,9 @@ import numpy as np
 REPO = pathlib.Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from capo_jax import mesh as mesh_lib  # noqa: E402
-from capo_jax import train_step as ts  # noqa: E402
-from capo_jax.optim import OptimConfig  # noqa: E402
+from capo_jax.rl import train_step as ts  # noqa: E402
+from capo_jax.rl.optim import OptimConfig  # noqa: E402
+from capo_jax.runtime import mesh as mesh_lib  # noqa: E402
 from models import qwen2  # noqa: E402
 from models.config import PRESETS, Qwen2Config  # noqa: E402
 

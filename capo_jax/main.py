@@ -12,7 +12,7 @@ import logging
 from absl import app, flags
 from ml_collections import config_flags
 
-from capo_jax import distributed
+from capo_jax.runtime import distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
                                           lock_config=True)
@@ -31,7 +31,7 @@ def main(argv: list[str]) -> None:
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
     demo_run.run(config, _WORKDIR.value)
     return
-  from capo_jax import rl_loop  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
   rl_loop.train(config, _WORKDIR.value)
 
 

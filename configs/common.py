@@ -67,7 +67,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.loss.eps_low = 0.2
   c.loss.eps_high = 0.2
   # "auto": the algorithm's own (token-mean for simko, as in SimKO's paper;
-  # seq-mean-token-mean otherwise), or one of capo_jax.losses.AGGS.
+  # seq-mean-token-mean otherwise), or one of capo_jax.rl.losses.AGGS.
   c.loss.agg = "auto"
   c.loss.beta = 0.0  # KL to the reference
   c.loss.kl_estimator = "k3"
@@ -98,7 +98,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.logprob_rows = 64
   c.train.max_consecutive_skips = 5
 
-  # Mesh axes; -1 takes the remaining devices. Rules live in capo_jax/mesh.py.
+  # Mesh axes; -1 takes the remaining devices. Rules live in capo_jax/runtime/mesh.py.
   c.mesh = ml_collections.ConfigDict()
   c.mesh.data = 1
   c.mesh.fsdp = -1

@@ -31,7 +31,7 @@ def _free_port() -> int:
 def available() -> str | None:
   """None when the emulator and gcsfs are installed, else why not."""
   # find_spec, not import: gcsfs picks its file system class when first imported,
-  # and capo_jax.fs must set GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before that.
+  # and capo_jax.runtime.fs must set GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT before that.
   if importlib.util.find_spec("gcsfs") is None:
     return "gcsfs is not installed"
   if importlib.util.find_spec("gcp_storage_emulator") is None:

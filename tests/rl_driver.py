@@ -18,8 +18,8 @@ import zlib
 import jax
 import numpy as np
 
-from capo_jax import distributed
-from capo_jax.rewards import RewardHealth
+from capo_jax.data.rewards import RewardHealth
+from capo_jax.runtime import distributed
 
 
 class HashGrader:
@@ -53,7 +53,8 @@ def params_digest(params) -> str:
 def main(argv: list[str]) -> None:
   workdir, tok, data_file, steps = argv[1], argv[2], argv[3], int(argv[4])
   distributed.maybe_initialize()
-  from capo_jax import rl_loop, rollout  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import rollout
   c = tiny_config(tok, data_file, steps)
   for kv in argv[5:]:
     key, value = kv.split("=", 1)

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax import advantages as adv
+from capo_jax.rl import advantages as adv
 
 METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
 

@@ -1,4 +1,4 @@
-"""Ahead-of-time TPU compilation of a tiny run's programs (capo_jax.aot), on a CPU host.
+"""Ahead-of-time TPU compilation of a tiny run's programs (capo_jax.runtime.aot), on a CPU host.
 
 Needs libtpu (``jax[tpu]`` at the pinned jax version), which the default venv
 does not have: these tests skip there. Run them from the TPU venv:
@@ -20,10 +20,11 @@ import importlib.util
 import jax
 import pytest
 
-from capo_jax import aot, hlo_cost
-from capo_jax import mesh as mesh_lib
-from capo_jax import train_step as ts
-from capo_jax import experiment
+from capo_jax.rl import experiment
+from capo_jax.rl import train_step as ts
+from capo_jax.runtime import aot
+from capo_jax.runtime import hlo_cost
+from capo_jax.runtime import mesh as mesh_lib
 from configs import capo_qwen2p5_math_1p5b
 from models import sharding
 

@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from capo_jax import calibration as cal
-from capo_jax import report
+from capo_jax.eval import calibration as cal
+from capo_jax.eval import report
 
 
 def _ragged_batch(seed: int, q: int = 40, g: int = 12):

@@ -1,4 +1,4 @@
-"""Tests of capo_jax.data: loaders, registry, bad rows and the resumable prompt iterator."""
+"""Tests of capo_jax.data.datasets: loaders, registry, bad rows and the resumable prompt iterator."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from capo_jax import data
+from capo_jax.data import datasets as data
 
 
 def _readme_counts(shared_data) -> dict[str, int]:

@@ -11,10 +11,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax import rewards
+from capo_jax.data import rewards
+from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.demo import task, warm_start
 from capo_jax.demo.char_tokenizer import CharTokenizer
-from capo_jax.tokenizer import Tokenizer
 from models import qwen2
 
 _MIXED = task.TaskConfig(min_operands=2, max_operands=6, num_train=3000, num_heldout=500, seed=3)

@@ -1,4 +1,4 @@
-"""Tests of the evaluation CLI and API (capo_jax.evaluate), on a tiny random HF model."""
+"""Tests of the evaluation CLI and API (capo_jax.eval.evaluate), on a tiny random HF model."""
 
 from __future__ import annotations
 
@@ -14,9 +14,12 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from capo_jax import calibration as cal
-from capo_jax import evaluate, report, rewards, sampling
-from capo_jax.checkpoint import Checkpointer
+from capo_jax.data import rewards
+from capo_jax.eval import calibration as cal
+from capo_jax.eval import evaluate
+from capo_jax.eval import report
+from capo_jax.runtime.checkpoint import Checkpointer
+from capo_jax.sampling import sampler as sampling
 from models import hf_weights
 
 # Prompts of these questions fall in one sampler length bucket: one compile.
@@ -163,7 +166,7 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
 def test_evaluate_policy_uses_the_reward_grader(policy, tmp_path):
   _, path = policy
   pol = evaluate.load_policy(path, dtype=jnp.float32)
-  from capo_jax.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+  from capo_jax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
   tokenizer = load_tokenizer(pol.tokenizer_dir)
   exs = evaluate.load_benchmarks([str(_bench_file(tmp_path))])["tiny"][:2]
   cfg = evaluate.EvalConfig(num_samples=G, max_new_tokens=C, batch_size=2, progress=False)

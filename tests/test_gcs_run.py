@@ -54,7 +54,8 @@ def _no_gs_dirs(*roots: pathlib.Path) -> list[str]:
 
 def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch):
   gcs.apply(monkeypatch)
-  from capo_jax import fs, metrics  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import metrics
   assets = tmp_path / "assets"
   hf_utils.make_hf_model(assets / "model", vocab_size=512)
   hf_utils.make_tokenizer_dir(assets / "model")
@@ -107,7 +108,7 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   assert fs.exists(f"{run}/checkpoints/3/_CHECKPOINT_METADATA")
 
   out = f"{base}/eval"
-  _run(["-m", "capo_jax.evaluate", f"--policy={run}", f"--out={out}",
+  _run(["-m", "capo_jax.eval.evaluate", f"--policy={run}", f"--out={out}",
         f"--benchmarks={base}/assets/data/bench.jsonl", "--num_samples=2",
         "--max_new_tokens=8", "--no_progress", "--dtype=float32"], env, cwd)
   results = json.loads(fs.read_text(f"{out}/results.json"))
@@ -120,7 +121,7 @@ def test_local_copy_of_a_bucket_folder_follows_remote_changes(gcs, tmp_path, mon
   """HF directories on gs:// are read through a local cache, refreshed when they change."""
   gcs.apply(monkeypatch)
   monkeypatch.setenv("CAPO_CACHE_DIR", str(tmp_path / "cache"))
-  from capo_jax import fs  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
   src = tmp_path / "src"
   (src / "sub").mkdir(parents=True)
   (src / "config.json").write_text('{"a": 1}')

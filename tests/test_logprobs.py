@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax.logprobs import token_logprobs
+from capo_jax.rl.logprobs import token_logprobs
 from models import qwen2
 from models.config import Qwen2Config
 

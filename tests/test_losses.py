@@ -13,8 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax import losses
-from capo_jax.losses import LossConfig, PolicyBatch
+from capo_jax.rl import losses
+from capo_jax.rl.losses import LossConfig, PolicyBatch
 
 
 def _batch(seed: int, b: int = 6, c: int = 9, k: int = 3, spread: float = 0.3,
@@ -292,7 +292,7 @@ def test_policy_gradient_identity_on_tiny_qwen2() -> None:
   `models.qwen2.forward`. The same holds for GSPO; for token-mean the weight
   of row i is |o_i| / (total tokens) instead of 1/B.
   """
-  from capo_jax import advantages
+  from capo_jax.rl import advantages
   from models import qwen2
 
   cfg = qwen2.Qwen2Config.tiny(num_layers=1, vocab_size=64)

@@ -12,7 +12,7 @@ import jax
 import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
-from capo_jax import mesh as mesh_lib
+from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
 
@@ -91,7 +91,7 @@ def test_rules_named():
 
 _EIGHT_DEVICES = textwrap.dedent("""
     import jax, numpy as np
-    from capo_jax import mesh as mesh_lib
+    from capo_jax.runtime import mesh as mesh_lib
     assert len(jax.devices()) == 8
     m = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": -1})
     assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2}, m.shape

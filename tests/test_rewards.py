@@ -1,4 +1,4 @@
-"""Tests of capo_jax.rewards: extraction, equivalence, health counters and the deadline pool."""
+"""Tests of capo_jax.data.rewards: extraction, equivalence, health counters and the deadline pool."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from capo_jax import rewards
+from capo_jax.data import rewards
 
 BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench")
 
@@ -237,7 +237,7 @@ def test_pathological_item_times_out_off_the_main_thread(grader: rewards.Grader)
 
 
 def test_deadline_pool_timeout_error_crash_and_close() -> None:
-  from capo_jax._grader_pool import ERROR, OK, TIMEOUT, DeadlinePool
+  from capo_jax.data._grader_pool import ERROR, OK, TIMEOUT, DeadlinePool
   pool = DeadlinePool("time:sleep", num_workers=2, timeout_s=0.5)
   items = [(0.0,), (30.0,), (0.01,), (-1.0,), (0.0,)]  # sleep(-1) raises ValueError
   t0 = time.perf_counter()

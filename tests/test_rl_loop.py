@@ -18,7 +18,8 @@ import pytest
 
 import hf_utils
 import rl_driver
-from capo_jax import experiment, rl_loop
+from capo_jax.rl import experiment
+from capo_jax.rl import loop as rl_loop
 from configs import common
 from models import qwen2
 

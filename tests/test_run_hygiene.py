@@ -11,7 +11,12 @@ import pathlib
 import pytest
 
 import rl_driver
-from capo_jax import data, experiment, metrics, rl_loop, run_record, run_setup
+from capo_jax.data import datasets as data
+from capo_jax.rl import experiment
+from capo_jax.rl import loop as rl_loop
+from capo_jax.rl import run_setup
+from capo_jax.runtime import metrics
+from capo_jax.runtime import run_record
 from configs import common
 
 QUESTIONS = [(f"What is {a} * {b}?", str(a * b)) for a in range(2, 5) for b in range(2, 5)]
@@ -162,7 +167,8 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
   on 1 device and on a 2 x 2 x 2 mesh of 8 fake devices when they exist."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from capo_jax import mesh as mesh_lib, rollout  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import rollout
   from models import qwen2  # pylint: disable=import-outside-toplevel
   c = common.shrink(common.get_base_config())
   cfg = experiment.model_config(c)

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax import sampling
+from capo_jax.sampling import sampler as sampling
 from models import hf_weights, qwen2
 import hf_utils
 
@@ -268,7 +268,8 @@ _SHARDED = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
     import jax, numpy as np
-    from capo_jax import mesh as capo_mesh, sampling
+    from capo_jax.runtime import mesh as capo_mesh
+    from capo_jax.sampling import sampler as sampling
     from models import qwen2
     cfg = qwen2.Qwen2Config.tiny(tie_word_embeddings=False)
     params = qwen2.init_params(cfg, jax.random.key(0))

@@ -14,10 +14,10 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 import capo_jax
-from capo_jax import calibration as cal
-from capo_jax import plots
-from capo_jax import report
-from capo_jax import scaling as sc
+from capo_jax.eval import calibration as cal
+from capo_jax.eval import plots
+from capo_jax.eval import report
+from capo_jax.eval import scaling as sc
 
 EXACT = sc.resolve_same_answer("exact")
 
@@ -195,12 +195,12 @@ def test_scaling_skips_questions_with_too_few_samples():
 
 
 def test_default_grouping_uses_rewards_lazily(monkeypatch):
-  """"rewards" grades answer a, boxed, against b with capo_jax.rewards.is_correct."""
+  """"rewards" grades answer a, boxed, against b with capo_jax.data.rewards.is_correct."""
   calls = []
-  fake = types.ModuleType("capo_jax.rewards")
+  fake = types.ModuleType("capo_jax.data.rewards")
   fake.is_correct = lambda completion, gold: calls.append((completion, gold)) or \
       completion == "\\boxed{" + gold + "}"
-  monkeypatch.setitem(sys.modules, "capo_jax.rewards", fake)
+  monkeypatch.setitem(sys.modules, "capo_jax.data.rewards", fake)
   monkeypatch.setattr(capo_jax, "rewards", fake, raising=False)
   same = sc.resolve_same_answer()
   assert same("7", "7") and not same("7", "8")
@@ -208,7 +208,7 @@ def test_default_grouping_uses_rewards_lazily(monkeypatch):
 
 
 def test_rewards_grouping_treats_equal_values_as_one_answer():
-  pytest.importorskip("capo_jax.rewards")
+  pytest.importorskip("capo_jax.data.rewards")
   same = sc.resolve_same_answer("rewards")
   # Decided by the grader's fast path (plain numbers), so no worker pool.
   assert same("\\frac{1}{2}", "0.5") and same("007", "7") and not same("3", "4")

@@ -6,7 +6,7 @@ import hf_utils
 import numpy as np
 import pytest
 
-from capo_jax import tokenizer as tk
+from capo_jax.data import tokenizer as tk
 
 # SPEC section 1, verbatim.
 SPEC_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within "

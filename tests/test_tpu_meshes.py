@@ -1,7 +1,7 @@
 """Meshes of the 1.5B / 7B configs on common TPU slices, and the memory plan's arithmetic.
 
 Each slice's mesh is built from the run config (plus the mesh flags the plan
-proposes) with capo_jax.mesh in a subprocess that has as many fake CPU
+proposes) with capo_jax.runtime.mesh in a subprocess that has as many fake CPU
 devices as the slice has chips. The param shardings must keep every sharded
 axis (nothing silently replicated), divide every sharded dimension, and the
 per-chip bytes they imply must fit the chip's HBM per benchmarks/memory_plan.py.
@@ -43,7 +43,7 @@ from jax.sharding import NamedSharding
 spec = importlib.util.spec_from_file_location("memory_plan", sys.argv[1])
 mp = importlib.util.module_from_spec(spec); sys.modules["memory_plan"] = mp
 spec.loader.exec_module(mp)
-from capo_jax import mesh as mesh_lib
+from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 
 out = []

@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax import mesh as mesh_lib
-from capo_jax import train_step as ts
-from capo_jax.losses import LossConfig
-from capo_jax.optim import OptimConfig, lr_schedule, make_optimizer
+from capo_jax.rl import train_step as ts
+from capo_jax.rl.losses import LossConfig
+from capo_jax.rl.optim import OptimConfig, lr_schedule, make_optimizer
+from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
 

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from capo_jax.tokenizer import completion_length, decode_completions, left_pad
+from capo_jax.data.tokenizer import completion_length, decode_completions, left_pad
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 BOXED = "\\boxed{"
@@ -22,7 +22,7 @@ PIECES: tuple[str, ...] = (PAD, EOS, BOS, *"0123456789", "+", "-", "*", "=", "\n
 
 
 class CharTokenizer:
-  """Implements ``capo_jax.tokenizer.Tokenizer`` over ``PIECES``."""
+  """Implements ``capo_jax.data.tokenizer.Tokenizer`` over ``PIECES``."""
 
   def __init__(self, pieces: Sequence[str] = PIECES) -> None:
     if len(set(pieces)) != len(pieces):
@@ -95,7 +95,7 @@ class CharTokenizer:
                      ) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded int32 ``(tokens_BP, mask_BP)`` of ``<bos>`` + rendered prompt.
 
-    Width and overflow as in ``capo_jax.tokenizer.left_pad``: ``P = max_len``
+    Width and overflow as in ``capo_jax.data.tokenizer.left_pad``: ``P = max_len``
     when given (one shape, one jit compile), else the longest prompt; a longer
     prompt raises unless ``truncate``.
     """

@@ -17,9 +17,10 @@ import jax
 import ml_collections
 import numpy as np
 
-from capo_jax import calibration, rl_loop
 from capo_jax.demo import task as task_lib
 from capo_jax.demo import warm_start
+from capo_jax.eval import calibration
+from capo_jax.rl import loop as rl_loop
 
 log = logging.getLogger(__name__)
 

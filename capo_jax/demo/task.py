@@ -25,7 +25,7 @@ import operator
 
 import numpy as np
 
-from capo_jax.data import Example
+from capo_jax.data.datasets import Example
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
 

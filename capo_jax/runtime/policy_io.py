@@ -4,7 +4,7 @@
 directory), ``path/export_hf/config.json`` (the trainer's final HF export) and
 ``path/checkpoints`` (the params of the newest Orbax checkpoint). HF
 directories on Cloud Storage are copied to the local cache first
-(``capo_jax.fs.local_copy``): safetensors and tokenizers read local files.
+(``capo_jax.runtime.fs.local_copy``): safetensors and tokenizers read local files.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from capo_jax import fs
+from capo_jax.runtime import fs
 from models.config import Qwen2Config
 
 Params = dict[str, Any]
@@ -51,7 +51,7 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
                     ) -> tuple[Qwen2Config, Params, int]:
   """Config and params of the latest Orbax checkpoint of a trainer workdir."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-  from capo_jax.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   ckpt = Checkpointer(workdir, every_steps=0)
   try:
     step = ckpt.latest_step()

@@ -1,16 +1,16 @@
 """Evaluate a policy on math benchmarks: sample, grade, score accuracy and calibration.
 
-    python -m capo_jax.evaluate --policy=DIR --benchmarks=math500,aime24 \
+    python -m capo_jax.eval --policy=DIR --benchmarks=math500,aime24 \
         --num_samples=16 --max_new_tokens=3072 --out=DIR
-    python -m capo_jax.evaluate --from-samples=samples.jsonl --out=DIR   # e.g. from vLLM
-    python -m capo_jax.evaluate --compare DIR DIR ... --out=DIR          # markdown table
+    python -m capo_jax.eval --from-samples=samples.jsonl --out=DIR   # e.g. from vLLM
+    python -m capo_jax.eval --compare DIR DIR ... --out=DIR          # markdown table
 
 ``--policy`` is a Hugging Face model directory, or a trainer workdir: then its
 HF export ``<workdir>/export_hf`` when present, else the params of the latest
 Orbax checkpoint in ``<workdir>/checkpoints`` (see ``load_policy``). Every
 question gets ``num_samples`` responses (T = 1.0, top_p = 1.0 by default,
-SPEC section 5), graded by ``capo_jax.rewards``. The output directory gets
-``samples.jsonl`` and ``results.json`` (schemas in ``capo_jax.report``) and
+SPEC section 5), graded by ``capo_jax.data.rewards``. The output directory gets
+``samples.jsonl`` and ``results.json`` (schemas in ``capo_jax.eval.report``) and
 three PNG plots per benchmark: ``<bench>_precision_coverage.png``,
 ``<bench>_scaling.png`` (PC / RPC / majority / best-of-N against N) and
 ``<bench>_auc_hist.png`` (per-question AUC). In-process callers (trainer,
@@ -34,10 +34,16 @@ import jax.numpy as jnp
 import numpy as np
 from tqdm import auto as tqdm
 
-from capo_jax import data, fs, report, rewards, rollout, sampling, scaling
-from capo_jax.policy_io import load_policy
-from capo_jax.report import SampleRecord
-from capo_jax.tokenizer import Tokenizer
+from capo_jax.data import datasets as data
+from capo_jax.data import rewards
+from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.eval import report
+from capo_jax.eval import scaling
+from capo_jax.eval.report import SampleRecord
+from capo_jax.rl import rollout
+from capo_jax.runtime import fs
+from capo_jax.runtime.policy_io import load_policy
+from capo_jax.sampling import sampler as sampling
 from models.config import Qwen2Config
 
 log = logging.getLogger(__name__)
@@ -156,7 +162,7 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
     eval_cfg: sampling settings.
     rng: PRNG key; batch b of benchmark k samples with ``fold_in(fold_in(rng, k), b)``.
     grader: has ``score(completions, golds) -> (rewards, health)``; default
-      ``capo_jax.rewards.default_grader()``.
+      ``capo_jax.data.rewards.default_grader()``.
     mesh, rules: optional device mesh and sampling rules, passed to the sampler.
 
   Returns:
@@ -242,7 +248,7 @@ def summary_table(results: Mapping[str, Any], run: str, num_samples: int) -> str
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m capo_jax.evaluate", description=__doc__,
+  p = argparse.ArgumentParser(prog="python -m capo_jax.eval", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   mode = p.add_mutually_exclusive_group(required=True)
   mode.add_argument("--policy", help="HF model dir or trainer workdir (see load_policy)")
@@ -282,7 +288,7 @@ def _parser() -> argparse.ArgumentParser:
 def _sampling_mesh(tensor: int) -> dict[str, Any]:
   if jax.device_count() == 1:
     return {}
-  from capo_jax import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   return {"mesh": mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}),
           "rules": mesh_lib.SAMPLING_RULES}
 
@@ -319,7 +325,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     if not tok_dir:
       raise FileNotFoundError(f"no tokenizer next to {policy.source}: pass --tokenizer=DIR "
                               "(or --base_model=DIR)")
-    from capo_jax.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+    from capo_jax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
     tokenizer = load_tokenizer(tok_dir)
     if tokenizer.vocab_size > policy.cfg.vocab_size:
       raise ValueError(f"tokenizer {tok_dir} has {tokenizer.vocab_size} tokens but the policy's "

@@ -7,10 +7,10 @@ a prompt share one prefill) and decodes all B = Q*G rows in a single jitted
 updated in place and no token crosses to the host until the end. Rows stop at
 any stop id or at ``max_new_tokens``; the loop exits when every row is done.
 
-Token choice is a small frozen strategy (capo_jax.strategies, re-exported
+Token choice is a small frozen strategy (capo_jax.sampling.strategies, re-exported
 here): ``Greedy``, ``Temperature``, ``TopK``, ``TopP``. The decode step itself
 (per-layer caches laid out for decoding, vocab-major logits) is
-capo_jax.decode.
+capo_jax.sampling.decode.
 
 Randomness: step t draws one uniform per row from ``fold_in(rng, t)`` (a
 vector of B independent uniforms), so the same rng and batch give the same
@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
 
-from capo_jax import decode
-from capo_jax.strategies import (  # noqa: F401  (re-exported)
+from capo_jax.sampling import decode
+from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
     Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
 from models import kv_cache, qwen2, sharding
 from models.config import Qwen2Config
@@ -223,7 +223,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Any, prompt_mas
       stop token is part of the completion.
     pad_id: token written after a row's end.
     mesh, rules: optional device mesh and (logical, mesh axes) rules (e.g.
-      ``capo_jax.mesh.SAMPLING_RULES``): rows are split over the ``"batch"``
+      ``capo_jax.runtime.mesh.SAMPLING_RULES``): rows are split over the ``"batch"``
       axes, params placed per the rules. Without a mesh, runs unsharded.
 
   Returns:
@@ -237,7 +237,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Any, prompt_mas
     raise ValueError("pass both mesh and rules, or neither")
   if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
     raise ValueError(f"mesh axis types {mesh.axis_types}: the sampler states shardings with "
-                     "constraints and needs AxisType.Auto axes (capo_jax.mesh.make_mesh)")
+                     "constraints and needs AxisType.Auto axes (capo_jax.runtime.mesh.make_mesh)")
   strategy = strategy or make_strategy(temperature, top_p, top_k)
   tokens = np.asarray(prompt_tokens_BP)
   mask = np.asarray(prompt_mask_BP)

@@ -7,8 +7,8 @@ the state donated; old and reference log-probs are computed before it
 
 Typical use::
 
-  mesh = capo_jax.mesh.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
-  rules = capo_jax.mesh.TRAIN_RULES
+  mesh = capo_jax.runtime.mesh.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
+  rules = capo_jax.runtime.mesh.TRAIN_RULES
   tcfg = TrainConfig(loss_kind="ppo", optim=OptimConfig(learning_rate=1e-6))
   state = create_train_state(model_cfg, tcfg, rng, mesh, rules)   # or from params
   logprob_fn = make_logprob_fn(model_cfg, mesh, rules, batch_size=B)
@@ -46,10 +46,10 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from capo_jax import losses
-from capo_jax import mesh as mesh_lib
-from capo_jax.logprobs import token_logprobs
-from capo_jax.optim import OptimConfig, current_lr, make_optimizer
+from capo_jax.rl import losses
+from capo_jax.rl.logprobs import token_logprobs
+from capo_jax.rl.optim import OptimConfig, current_lr, make_optimizer
+from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.types import Array
 from models import qwen2
 from models.config import Qwen2Config

@@ -13,10 +13,12 @@ from typing import Any
 import jax
 import ml_collections
 
-from capo_jax import advantages, fs, losses
-from capo_jax import mesh as mesh_lib
-from capo_jax.optim import OptimConfig
-from capo_jax.train_step import TrainConfig
+from capo_jax.rl import advantages
+from capo_jax.rl import losses
+from capo_jax.rl.optim import OptimConfig
+from capo_jax.rl.train_step import TrainConfig
+from capo_jax.runtime import fs
+from capo_jax.runtime import mesh as mesh_lib
 from models.config import PRESETS, Qwen2Config
 
 log = logging.getLogger(__name__)

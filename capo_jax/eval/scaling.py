@@ -100,7 +100,7 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
                         ) -> Callable[[str, str], bool]:
   """Answer equivalence: a callable, ``"rewards"`` (default) or ``"exact"``.
 
-  ``"rewards"`` imports ``capo_jax.rewards`` lazily and grades one answer,
+  ``"rewards"`` imports ``capo_jax.data.rewards`` lazily and grades one answer,
   boxed, against the other with its ``is_correct``; ``"exact"`` (string
   equality) is only used when asked for.
   """
@@ -111,7 +111,7 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
   if grouping != "rewards":
     raise ValueError(f"grouping must be 'rewards', 'exact' or a callable, "
                      f"got {grouping!r}")
-  from capo_jax import rewards  # pylint: disable=import-outside-toplevel
+  from capo_jax.data import rewards  # pylint: disable=import-outside-toplevel
   # Grade answer a, boxed as a completion, against b as the gold answer: the
   # grader's fast path, then math-verify in its deadline pool.
   return lambda a, b: bool(rewards.is_correct("\\boxed{" + a + "}", b))

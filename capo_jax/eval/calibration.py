@@ -14,7 +14,7 @@ more confident. Definitions follow SPEC section 5:
 - ``maj_at_k``: majority vote over the answers of the first k valid samples.
   ``None`` answers abstain. Ties: ``"split"`` (default) scores the expected
   accuracy of a uniformly random pick among the tied answers, like PC in
-  ``capo_jax.scaling``; ``"first"`` picks the tied answer that appears first
+  ``capo_jax.eval.scaling``; ``"first"`` picks the tied answer that appears first
   (lowest sample position). An answer's correctness is the mean of its
   samples' ``correct`` flags (identical for a consistent grader).
 - ``auc_per_question`` / ``auc_mean``: ROC-AUC of s against correctness inside

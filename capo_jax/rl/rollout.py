@@ -25,11 +25,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.experimental import multihost_utils
 
-from capo_jax import advantages, calibration, sampling, train_step
-from capo_jax import mesh as mesh_lib
-from capo_jax.data import Example
-from capo_jax.tokenizer import Tokenizer
-from capo_jax.train_step import TrainBatch
+from capo_jax.data.datasets import Example
+from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.eval import calibration
+from capo_jax.rl import advantages
+from capo_jax.rl import train_step
+from capo_jax.rl.train_step import TrainBatch
+from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.sampling import sampler as sampling
 from models.config import Qwen2Config
 
 LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this

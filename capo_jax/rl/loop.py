@@ -32,14 +32,22 @@ import ml_collections
 import numpy as np
 from tqdm import tqdm
 
-from capo_jax import checkpoint as ckpt_lib
-from capo_jax import data, experiment, fs, metrics, preemption, rewards, rollout, run_record
-from capo_jax import mesh as mesh_lib
-from capo_jax import run_setup, train_eval
-from capo_jax import train_step as ts
-from capo_jax.distributed import is_main_process
-from capo_jax.run_setup import Policy, export_policy
-from capo_jax.tokenizer import Tokenizer
+from capo_jax.data import datasets as data
+from capo_jax.data import rewards
+from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.eval import train_eval
+from capo_jax.rl import experiment
+from capo_jax.rl import rollout
+from capo_jax.rl import run_setup
+from capo_jax.rl import train_step as ts
+from capo_jax.rl.run_setup import Policy, export_policy
+from capo_jax.runtime import checkpoint as ckpt_lib
+from capo_jax.runtime import fs
+from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.runtime import metrics
+from capo_jax.runtime import preemption
+from capo_jax.runtime import run_record
+from capo_jax.runtime.distributed import is_main_process
 
 log = logging.getLogger(__name__)
 
@@ -92,7 +100,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   would load (the demo passes its warm start and synthetic task).
   ``eval_fn(step, params)`` is called every ``eval.every_steps`` and at the
   end; by default it evaluates the validation split and ``data.eval``
-  (``capo_jax.train_eval``). Raises ``preemption.Preempted`` (exit status 0)
+  (``capo_jax.eval.train_eval``). Raises ``preemption.Preempted`` (exit status 0)
   after a preemption checkpoint.
   """
   experiment.validate(c, policy_given=policy is not None)

@@ -205,5 +205,5 @@ class HFTokenizer:
 def load_tokenizer(path: str | os.PathLike, **kw: Any) -> HFTokenizer:
   """``HFTokenizer.from_pretrained`` of a HF model directory, local or ``gs://``
   (copied to the local cache first: HF tokenizers read local files)."""
-  from capo_jax import fs  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
   return HFTokenizer.from_pretrained(fs.local_copy(path), **kw)

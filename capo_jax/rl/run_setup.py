@@ -1,6 +1,6 @@
 """What a run loads before its first step, and what it exports: the trainer's I/O.
 
-Every path here may be local or ``gs://`` (``capo_jax.fs``): HF checkpoint
+Every path here may be local or ``gs://`` (``capo_jax.runtime.fs``): HF checkpoint
 and tokenizer directories are copied to the local cache first, the training
 file is read through the path layer, and the HF export is staged locally and
 then moved (local) or uploaded (Cloud Storage) into place.
@@ -17,9 +17,11 @@ from typing import Any
 import jax
 import ml_collections
 
-from capo_jax import data, experiment, fs
-from capo_jax.distributed import is_main_process
-from capo_jax.tokenizer import Tokenizer, load_tokenizer
+from capo_jax.data import datasets as data
+from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
+from capo_jax.rl import experiment
+from capo_jax.runtime import fs
+from capo_jax.runtime.distributed import is_main_process
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 
@@ -109,7 +111,7 @@ def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
   Process 0 writes; every process must call (the params are gathered).
   ``config.json`` is written last, so a reader that finds it finds the weights.
   """
-  from capo_jax import rollout  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
   host = jax.tree.map(rollout.to_host, params)
   if is_main_process():
     with fs.staged_dir(path, last=("config.json",)) as local:

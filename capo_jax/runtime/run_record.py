@@ -20,7 +20,7 @@ from typing import Any
 
 import ml_collections
 
-from capo_jax import fs
+from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)
 

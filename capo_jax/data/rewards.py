@@ -31,9 +31,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from capo_jax._grader_pool import OK as _POOL_OK
-from capo_jax._grader_pool import TIMEOUT as _POOL_TIMEOUT
-from capo_jax._grader_pool import DeadlinePool
+from capo_jax.data._grader_pool import DeadlinePool
+from capo_jax.data._grader_pool import OK as _POOL_OK
+from capo_jax.data._grader_pool import TIMEOUT as _POOL_TIMEOUT
 
 logger = logging.getLogger(__name__)
 

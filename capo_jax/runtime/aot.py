@@ -7,7 +7,7 @@ result carries the per-device memory analysis (arguments, outputs,
 temporaries, aliased bytes) and cost analysis (FLOPs, bytes accessed) of the
 program that would run on the chip. Nothing is allocated.
 
-The programs are the ones ``capo_jax.rl_loop.train`` jits, built by the same
+The programs are the ones ``capo_jax.rl.loop.train`` jits, built by the same
 functions, at the run's padded shapes (prompt ``max_prompt_len``, completion
 ``max_new_tokens``: the largest shapes a step can see) and with its shardings:
 
@@ -44,9 +44,11 @@ import jax.numpy as jnp
 import ml_collections
 from jax.sharding import Mesh, NamedSharding
 
-from capo_jax import experiment, hlo_cost, sampling
-from capo_jax import mesh as mesh_lib
-from capo_jax import train_step as ts
+from capo_jax.rl import experiment
+from capo_jax.rl import train_step as ts
+from capo_jax.runtime import hlo_cost
+from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.sampling import sampler as sampling
 from models import qwen2, sharding
 
 # Chips per slice -> the topology string libtpu takes ("<gen>:<chip grid>").

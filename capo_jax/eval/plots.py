@@ -39,7 +39,7 @@ def plot_precision_coverage(
 
   Args:
     curves: ``{label: (coverage, precision)}``, e.g. from
-      ``capo_jax.calibration.precision_coverage``.
+      ``capo_jax.eval.calibration.precision_coverage``.
     path: output PNG.
     title: axes title (e.g. the benchmark).
   """

@@ -2,7 +2,7 @@
 
 Only process 0 writes; other processes get a writer whose methods do nothing,
 so call sites need no ``if process_index == 0`` of their own. The workdir may
-be local or ``gs://`` (``capo_jax.fs``).
+be local or ``gs://`` (``capo_jax.runtime.fs``).
 
 Resuming: a run killed between a step's metrics and its checkpoint logs that
 step again after the restart. ``MetricsWriter(..., resume_step=N)`` therefore
@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from capo_jax import fs
+from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)
 

@@ -15,7 +15,7 @@ runs the layers unrolled (``qwen2.layer``) over one donated buffer per layer:
 
 Logits come out vocab-major [V, B] (``unembed_VD @ h_DB``): XLA's CPU dot ran
 that ~20% faster than ``h_BD @ unembed_DV`` at B=32 (5.97 vs 7.34 ms for a
-32,000 x 512 unembedding); the strategies (capo_jax.strategies) take it as is.
+32,000 x 512 unembedding); the strategies (capo_jax.sampling.strategies) take it as is.
 With these layouts and the strategies' lazy weights, the decode step of the CPU
 benchmark (benchmarks/sampling.py: 32 rows, 192 slots, 27.7M params) went from
 17.5 ms (greedy) / 20 ms (T = 1) to 14-15 ms for both; of that, the

@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import orbax.checkpoint as ocp
 
-from capo_jax import fs
+from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ Local files are JSON Lines (one object per line), JSON (a list of objects, or an
 one) or parquet (needs pyarrow). A name from `REGISTRY` resolves to a file in the data dir
 (argument `data_dir`, else $CAPO_DATA_DIR) when present there, else to its hub dataset, loaded
 with the `datasets` package when installed and online. Files and data dirs may be local or on
-Cloud Storage (``gs://``; see `capo_jax.fs`).
+Cloud Storage (``gs://``; see `capo_jax.runtime.fs`).
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Any, Iterator, Sequence
 
 import numpy as np
 
-from capo_jax import fs
+from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)
 
@@ -132,7 +132,7 @@ def _to_example(row: Any, where: str, default_id: str, field_map: dict[str, str]
     keys = (field_map[field],) if field_map and field in field_map else keys
     key = next((k for k in keys if k in row and row[k] is not None), None)
     if key is None and field == "answer" and answer_from and answer_from in row:
-      from capo_jax.rewards import extract_boxed  # noqa: PLC0415
+      from capo_jax.data.rewards import extract_boxed  # noqa: PLC0415
       key, value = answer_from, extract_boxed(_text(row[answer_from])) or ""
     elif key is None:
       if field == "id":

@@ -28,9 +28,9 @@ extra fields are allowed and ignored):
                   "best_of_n": [...]},
       "no_answer_rate", "mean_length", "mean_s"}}}
 
-Metric definitions: ``capo_jax.calibration`` and ``capo_jax.scaling``.
+Metric definitions: ``capo_jax.eval.calibration`` and ``capo_jax.eval.scaling``.
 maj@k and the scaling methods group answers with the same equivalence
-(``grouping``; default ``capo_jax.rewards``).
+(``grouping``; default ``capo_jax.data.rewards``).
 """
 
 from __future__ import annotations
@@ -44,8 +44,9 @@ from typing import Any
 
 import numpy as np
 
-from capo_jax import calibration as cal
-from capo_jax import fs, scaling
+from capo_jax.eval import calibration as cal
+from capo_jax.eval import scaling
+from capo_jax.runtime import fs
 
 FORMAT, VERSION = "capo_jax.results", 1
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -322,7 +323,7 @@ def comparison_table(runs: Mapping[str, Mapping[str, Any]],
 def plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
                     out_dir: str | os.PathLike[str]) -> list[str]:
   """Overlaid precision-coverage, accuracy-vs-N and AUC-histogram PNGs."""
-  from capo_jax import plots  # pylint: disable=import-outside-toplevel
+  from capo_jax.eval import plots  # pylint: disable=import-outside-toplevel
   out = lambda kind: os.path.join(out_dir, f"{bench}_{kind}.png")  # noqa: E731
   nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
   pc = {r: (v["precision_coverage"]["coverage"], v["precision_coverage"]["precision"])

@@ -84,7 +84,7 @@ class DeadlinePool:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-c", "from capo_jax._grader_pool import _worker_main; _worker_main()",
+    cmd = [sys.executable, "-c", "from capo_jax.data._grader_pool import _worker_main; _worker_main()",
            self.target, self.warmup or "", str(child_r), str(child_w)]
     try:
       # Own process group (Python >= 3.11): a Ctrl-C at the terminal reaches the parent only,

@@ -3,7 +3,7 @@
 The current policy samples ``eval.num_samples`` responses per question of the
 held-out validation split and of each ``data.eval`` benchmark (first
 ``eval.limit`` questions, 0: all), graded like every rollout. The metrics are
-those of ``python -m capo_jax.evaluate`` (``capo_jax.report``): mean@k,
+those of ``python -m capo_jax.eval`` (``capo_jax.eval.report``): mean@k,
 pass@k, AUC-mean, pooled AUC, AURC, ECE and AUC by difficulty bucket, logged
 as ``eval/<benchmark>/<metric>``; each evaluation's results.json goes to
 ``<workdir>/eval/step_<N>/``. The sampling seed is the same at every step, so
@@ -18,9 +18,12 @@ from typing import Any
 import jax
 import ml_collections
 
-from capo_jax import data, evaluate, fs, report
-from capo_jax.distributed import is_main_process
-from capo_jax.tokenizer import Tokenizer
+from capo_jax.data import datasets as data
+from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.eval import evaluate
+from capo_jax.eval import report
+from capo_jax.runtime import fs
+from capo_jax.runtime.distributed import is_main_process
 from models.config import Qwen2Config
 
 EvalFn = Callable[[int, Any], dict[str, float]]

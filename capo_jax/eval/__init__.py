@@ -1,0 +1,9 @@
+"""What the paper reports: accuracy, per-question AUC, precision-coverage, confidence scaling.
+
+``python -m capo_jax.eval`` is the evaluator's command line (``capo_jax.eval.evaluate``).
+"""
+
+from capo_jax.eval.evaluate import EvalConfig, evaluate_policy
+from capo_jax.eval.report import compare, compute_results, load_results
+
+__all__ = ["EvalConfig", "compare", "compute_results", "evaluate_policy", "load_results"]

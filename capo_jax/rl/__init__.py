@@ -1,0 +1,9 @@
+"""One RL step: rollouts -> advantages -> policy loss -> sharded update, and the loop around it."""
+
+from capo_jax.rl.advantages import compute_advantages
+from capo_jax.rl.losses import LossConfig, policy_loss
+from capo_jax.rl.optim import OptimConfig
+from capo_jax.rl.train_step import TrainBatch, TrainConfig, TrainState, make_train_step
+
+__all__ = ["LossConfig", "OptimConfig", "TrainBatch", "TrainConfig", "TrainState",
+           "compute_advantages", "make_train_step", "policy_loss"]
