@@ -169,7 +169,7 @@ def test_maj_at_k_ties_split_and_first():
 
 
 def test_bad_inputs_raise_clear_errors():
-  with pytest.raises(ValueError, match="scores_QG has shape"):
+  with pytest.raises(ValueError, match="s_QG has shape"):
     cal.auc_mean(np.zeros((2, 3)), np.zeros((2, 4), bool))
   with pytest.raises(ValueError, match="NaN or inf"):
     cal.auc_mean([[np.nan, 0.0]], [[1, 0]])

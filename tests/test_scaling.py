@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-import capo_jax
+import capo_jax.data
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import plots
 from capo_jax.eval import report
@@ -68,7 +68,7 @@ def test_pc_groups_equivalent_answers_with_callable():
   same = lambda a, b: canon[a] == canon[b]  # noqa: E731
   q = _question(["1/2", "2", "0.5"], ["x", "y", "z"], [0.4, 0.6, 0.3],
                 [1, 0, 1], same)
-  assert list(q.group_N) == [0, 1, 0]
+  assert list(q.group_G) == [0, 1, 0]
   assert sc.select_accuracy(q, "pc") == 1.0  # 0.7 for 1/2 = 0.5 beats 0.6
   q_exact = _question(["1/2", "2", "0.5"], ["x", "y", "z"], [0.4, 0.6, 0.3], [1, 0, 1])
   assert sc.select_accuracy(q_exact, "pc") == 0.0
@@ -201,7 +201,7 @@ def test_default_grouping_uses_rewards_lazily(monkeypatch):
   fake.is_correct = lambda completion, gold: calls.append((completion, gold)) or \
       completion == "\\boxed{" + gold + "}"
   monkeypatch.setitem(sys.modules, "capo_jax.data.rewards", fake)
-  monkeypatch.setattr(capo_jax, "rewards", fake, raising=False)
+  monkeypatch.setattr(capo_jax.data, "rewards", fake, raising=False)
   same = sc.resolve_same_answer()
   assert same("7", "7") and not same("7", "8")
   assert calls == [("\\boxed{7}", "7"), ("\\boxed{7}", "8")]

@@ -36,7 +36,8 @@ OK = "ok"
 TIMEOUT = "timeout"
 ERROR = "error"
 
-_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# The directory that holds the capo_jax package (this file is capo_jax/data/_grader_pool.py).
+_PACKAGE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 
 @dataclasses.dataclass

@@ -1,11 +1,13 @@
 """Accuracy and calibration metrics of sampled responses (host-side NumPy).
 
-Every function takes arrays shaped ``[Q, G]`` (Q questions, G samples per
-question) and an optional boolean ``valid_QG`` mask for ragged data (questions
-with different numbers of samples, padding, or masked samples); invalid cells
-are ignored and may hold anything. The confidence score ``s`` of a response is
-its mean token log-probability (``s = -log PPL``, SPEC section 1); higher means
-more confident. Definitions follow SPEC section 5:
+Axis letters: Q questions, G samples per question. Per-question functions
+take ``s_QG`` / ``correct_QG`` shaped ``[Q, G]`` and an optional boolean
+``valid_QG`` mask for ragged data (questions with different numbers of
+samples, padding, or masked samples); invalid cells are ignored and may hold
+anything. Pooled functions take ``s`` / ``correct`` of any shape. The
+confidence score ``s`` of a response is its mean token log-probability over
+its completion tokens (``s = -log PPL``); higher means more confident.
+Definitions (docs/algorithms.md, "Evaluation metrics"):
 
 - ``mean_at_k``: mean correctness of the first k valid samples of each
   question, averaged over questions (each question weighs the same).
@@ -72,33 +74,33 @@ def _valid(valid_QG: Any, shape: tuple[int, ...]) -> np.ndarray:
   return valid
 
 
-def _inputs_qg(scores_QG: Any, correct_QG: Any, valid_QG: Any
+def _inputs_qg(s_QG: Any, correct_QG: Any, valid_QG: Any
                ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-  """Checks shapes / values and returns float scores, bool correct, bool valid."""
+  """Checks shapes / values and returns float s, bool correct, bool valid."""
   correct = _as_bool("correct_QG", _check_2d("correct_QG", correct_QG))
   valid = _valid(valid_QG, correct.shape)
-  if scores_QG is None:
+  if s_QG is None:
     return np.zeros(correct.shape), correct, valid
-  scores = _check_2d("scores_QG", scores_QG).astype(np.float64)
-  if scores.shape != correct.shape:
+  s = _check_2d("s_QG", s_QG).astype(np.float64)
+  if s.shape != correct.shape:
     raise ValueError(
-        f"scores_QG has shape {scores.shape} but correct_QG has {correct.shape}")
-  if not np.isfinite(scores[valid]).all():
-    raise ValueError("scores_QG has NaN or inf at valid positions")
-  return scores, correct, valid
+        f"s_QG has shape {s.shape} but correct_QG has {correct.shape}")
+  if not np.isfinite(s[valid]).all():
+    raise ValueError("s_QG has NaN or inf at valid positions")
+  return s, correct, valid
 
 
-def _inputs_flat(scores: Any, correct: Any, valid: Any
+def _inputs_flat(s: Any, correct: Any, valid: Any
                  ) -> tuple[np.ndarray, np.ndarray]:
-  """Pools valid samples of any shape into 1-D float scores and bool correct."""
-  s = np.asarray(scores, dtype=np.float64)
+  """Pools valid samples of any shape into 1-D float s and bool correct."""
+  s = np.asarray(s, dtype=np.float64)
   c = _as_bool("correct", np.asarray(correct))
   if s.shape != c.shape:
-    raise ValueError(f"scores has shape {s.shape} but correct has {c.shape}")
+    raise ValueError(f"s has shape {s.shape} but correct has {c.shape}")
   v = _valid(valid, s.shape)
   s, c = s[v], c[v]
   if not np.isfinite(s).all():
-    raise ValueError("scores has NaN or inf at valid positions")
+    raise ValueError("s has NaN or inf at valid positions")
   return s, c
 
 
@@ -189,7 +191,7 @@ def maj_at_k(answers_QG: Any, correct_QG: Any, k: int | None = None,
   return float(np.mean(accs))
 
 
-def auc_per_question(scores_QG: Any, correct_QG: Any,
+def auc_per_question(s_QG: Any, correct_QG: Any,
                      valid_QG: Any = None) -> np.ndarray:
   """ROC-AUC of s against correctness per question; NaN when undefined.
 
@@ -197,13 +199,13 @@ def auc_per_question(scores_QG: Any, correct_QG: Any,
   over ``|P| * |N|`` pairs. Vectorised over a [Q, G, G] pair tensor, chunked
   over Q; cheap for the G <= 64 of RL batches and evaluations.
   """
-  scores, correct, valid = _inputs_qg(scores_QG, correct_QG, valid_QG)
-  q, g = scores.shape
+  s_QG, correct, valid = _inputs_qg(s_QG, correct_QG, valid_QG)
+  q, g = s_QG.shape
   pos, neg = correct & valid, ~correct & valid
   num = np.zeros(q)
   step = max(1, _PAIR_CHUNK_ELEMENTS // max(1, g * g))
   for lo in range(0, q, step):
-    s = scores[lo:lo + step]
+    s = s_QG[lo:lo + step]
     pair = pos[lo:lo + step, :, None] & neg[lo:lo + step, None, :]
     diff = s[:, :, None] - s[:, None, :]
     win = (diff > 0) + 0.5 * (diff == 0)
@@ -213,13 +215,13 @@ def auc_per_question(scores_QG: Any, correct_QG: Any,
     return np.where(den > 0, num / np.maximum(den, 1), np.nan)
 
 
-def auc_mean(scores_QG: Any, correct_QG: Any,
+def auc_mean(s_QG: Any, correct_QG: Any,
              valid_QG: Any = None) -> tuple[float, int]:
   """Mean per-question AUC over non-degenerate questions, and their number.
 
   Returns ``(nan, 0)`` when every question is all-correct or all-wrong.
   """
-  auc_Q = auc_per_question(scores_QG, correct_QG, valid_QG)
+  auc_Q = auc_per_question(s_QG, correct_QG, valid_QG)
   used = ~np.isnan(auc_Q)
   n = int(used.sum())
   return (float(auc_Q[used].mean()) if n else float("nan")), n
@@ -230,7 +232,7 @@ def bucket_label(lo: float, hi: float) -> str:
   return f"({lo:g}, {hi:g})" if hi >= 1.0 else f"({lo:g}, {hi:g}]"
 
 
-def auc_by_bucket(scores_QG: Any, correct_QG: Any, valid_QG: Any = None,
+def auc_by_bucket(s_QG: Any, correct_QG: Any, valid_QG: Any = None,
                   buckets: Sequence[tuple[float, float]] = DEFAULT_BUCKETS
                   ) -> dict[str, dict[str, float | int]]:
   """AUC-mean per difficulty bucket (fraction of correct valid samples).
@@ -240,7 +242,7 @@ def auc_by_bucket(scores_QG: Any, correct_QG: Any, valid_QG: Any = None,
   ``auc_mean`` is NaN when it holds none.
   """
   _, correct, valid = _inputs_qg(None, correct_QG, valid_QG)
-  auc_Q = auc_per_question(scores_QG, correct, valid)
+  auc_Q = auc_per_question(s_QG, correct, valid)
   n_valid = valid.sum(axis=1)
   with np.errstate(invalid="ignore", divide="ignore"):
     frac = (correct & valid).sum(axis=1) / n_valid
@@ -256,9 +258,9 @@ def auc_by_bucket(scores_QG: Any, correct_QG: Any, valid_QG: Any = None,
   return out
 
 
-def pooled_auc(scores: Any, correct: Any, valid: Any = None) -> float:
+def pooled_auc(s: Any, correct: Any, valid: Any = None) -> float:
   """One ROC-AUC over all valid samples (Mann-Whitney with mid-ranks)."""
-  s, c = _inputs_flat(scores, correct, valid)
+  s, c = _inputs_flat(s, correct, valid)
   n_pos, n_neg = int(c.sum()), int((~c).sum())
   if n_pos == 0 or n_neg == 0:
     return float("nan")
@@ -269,14 +271,14 @@ def pooled_auc(scores: Any, correct: Any, valid: Any = None) -> float:
   return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
-def precision_coverage(scores: Any, correct: Any, valid: Any = None
+def precision_coverage(s: Any, correct: Any, valid: Any = None
                        ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Precision-coverage curve of pooled samples, answering when s >= t.
 
   Returns ``(coverage, precision, thresholds)``, one point per distinct score,
   thresholds decreasing (coverage increasing to 1).
   """
-  s, c = _inputs_flat(scores, correct, valid)
+  s, c = _inputs_flat(s, correct, valid)
   if s.size == 0:
     raise ValueError("precision_coverage: no valid samples")
   order = np.argsort(-s, kind="stable")
@@ -286,16 +288,16 @@ def precision_coverage(scores: Any, correct: Any, valid: Any = None
   return answered / s.size, hits[last] / answered, s_sorted[last]
 
 
-def aurc(scores: Any, correct: Any, valid: Any = None) -> float:
+def aurc(s: Any, correct: Any, valid: Any = None) -> float:
   """Area under the risk-coverage step curve (risk = 1 - precision)."""
-  coverage, precision, _ = precision_coverage(scores, correct, valid)
+  coverage, precision, _ = precision_coverage(s, correct, valid)
   widths = np.diff(coverage, prepend=0.0)
   return float(np.sum(widths * (1.0 - precision)))
 
 
-def ece(scores: Any, correct: Any, valid: Any = None, n_bins: int = 10) -> float:
+def ece(s: Any, correct: Any, valid: Any = None, n_bins: int = 10) -> float:
   """Expected calibration error of ``exp(s)`` with equal-width bins."""
-  s, c = _inputs_flat(scores, correct, valid)
+  s, c = _inputs_flat(s, correct, valid)
   if n_bins < 1:
     raise ValueError(f"n_bins must be >= 1, got {n_bins}")
   if s.size == 0:
@@ -308,9 +310,9 @@ def ece(scores: Any, correct: Any, valid: Any = None, n_bins: int = 10) -> float
   return float(np.abs(gap).sum() / s.size)
 
 
-def brier(scores: Any, correct: Any, valid: Any = None) -> float:
+def brier(s: Any, correct: Any, valid: Any = None) -> float:
   """Brier score: mean of ``(exp(s) - correct)^2``."""
-  s, c = _inputs_flat(scores, correct, valid)
+  s, c = _inputs_flat(s, correct, valid)
   if s.size == 0:
     return float("nan")
   return float(np.mean((np.clip(np.exp(s), 0.0, 1.0) - c) ** 2))

@@ -177,7 +177,7 @@ def _benchmark_results(questions: list[list[SampleRecord]],
                                     [r.completion for r in q], s_QG[i, :g],
                                     correct_QG[i, :g], same_answer)
     prepared.append(prep)
-    keys_QG.append([int(k) if k >= 0 else None for k in prep.group_N]
+    keys_QG.append([int(k) if k >= 0 else None for k in prep.group_G]
                    + [None] * (g_max - g))
   auc_Q = cal.auc_per_question(s_QG, correct_QG, valid_QG)
   auc_m, auc_n = cal.auc_mean(s_QG, correct_QG, valid_QG)

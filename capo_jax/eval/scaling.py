@@ -1,16 +1,12 @@
-"""Confidence-based inference-time scaling (SPEC section 5), host-side NumPy.
+"""Confidence-based inference-time scaling, host-side NumPy.
 
-Over a set of N responses to one question:
-
-- majority vote: the answer given by the most responses wins.
-- best-of-N: the response with the highest confidence s wins.
-- PC (perplexity consistency, Zhou et al. 2025b): responses are grouped by
-  answer equivalence; identical completions count once; an answer's score is
-  the sum of ``p = exp(s)`` over its distinct completions; the best wins.
-- RPC: PC after reasoning pruning. A two-component Weibull mixture is fitted
-  by maximum likelihood (EM) to the set's p values, and a response is dropped
-  when its p is below the set's mean p and its posterior under the component
-  with the lower mean is larger than under the other one.
+Over a set of N responses to one question (docs/algorithms.md, "Confidence-
+based scaling"): majority vote; best-of-N (highest confidence s wins); PC
+(perplexity consistency: answers grouped by equivalence, identical
+completions count once, an answer scores the sum of ``p = exp(s)`` over its
+distinct completions); RPC (PC after dropping a response whose p is below the
+set's mean p and more likely under the lower-mean component of a
+two-component Weibull mixture fitted by EM to the set's p values).
 
 Conventions (choices): a response without an answer (``None``, group -1)
 abstains in every method and a set where all abstain scores 0. Ties are
@@ -28,6 +24,10 @@ The Weibull M-step needs no SciPy: for fixed responsibilities the scale has a
 closed form and the shape solves a 1-D monotone equation, solved here for all
 sets at once by a bracketed Newton iteration (one scipy.optimize call per set
 would be ~10^5 Python-level optimiser runs for one evaluation).
+
+Axis letters: G samples of one question, M sets (subsets of a question's
+samples, or rows of a batch of sets), R responses in a set (R = N above),
+A answer classes of a question; ``_M2`` holds the two mixture components.
 """
 
 from __future__ import annotations
@@ -79,21 +79,21 @@ class ScalingConfig:
 class QuestionSamples:
   """One question's responses, ready for selection (all arrays length G).
 
-  group_N: answer-equivalence class (0, 1, ...), -1 for no answer.
-  s_N: confidence (mean token log-prob). correct_N: bool.
-  completion_N: equal ids mark identical completions.
+  group_G: answer-equivalence class (0, 1, ...), -1 for no answer.
+  s_G: confidence (mean token log-prob). correct_G: bool.
+  completion_G: equal ids mark identical completions.
   """
-  group_N: np.ndarray
-  s_N: np.ndarray
-  correct_N: np.ndarray
-  completion_N: np.ndarray
+  group_G: np.ndarray
+  s_G: np.ndarray
+  correct_G: np.ndarray
+  completion_G: np.ndarray
 
   def __post_init__(self) -> None:
-    g = len(self.group_N)
-    for name in ("s_N", "correct_N", "completion_N"):
+    g = len(self.group_G)
+    for name in ("s_G", "correct_G", "completion_G"):
       if len(getattr(self, name)) != g:
         raise ValueError(f"QuestionSamples.{name} has length "
-                         f"{len(getattr(self, name))}, group_N has {g}")
+                         f"{len(getattr(self, name))}, group_G has {g}")
 
 
 def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
@@ -145,11 +145,11 @@ def prepare_question(answers: Sequence[str | None], completions: Sequence[str],
                      same_answer: Callable[[str, str], bool]) -> QuestionSamples:
   """Builds QuestionSamples from raw strings (groups answers, ids completions)."""
   ids: dict[str, int] = {}
-  completion_N = np.array([ids.setdefault(c, len(ids)) for c in completions],
+  completion_G = np.array([ids.setdefault(c, len(ids)) for c in completions],
                           dtype=np.int64)
   return QuestionSamples(group_answers(answers, same_answer),
                          np.asarray(s, dtype=np.float64),
-                         np.asarray(correct, dtype=bool), completion_N)
+                         np.asarray(correct, dtype=bool), completion_G)
 
 
 # ---------------------------------------------------------------- Weibull fit
@@ -229,20 +229,20 @@ class WeibullMixture:
   fitted_M: np.ndarray  # False: no p below the row's mean, or the fit failed
 
 
-def fit_weibull_mixture(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
+def fit_weibull_mixture(s_MR: np.ndarray, valid_MR: np.ndarray | None = None,
                         config: WeibullFitConfig = WeibullFitConfig()
                         ) -> WeibullMixture:
   """EM fit of a 2-component Weibull mixture to p = exp(s) of each row.
 
   Starts from the split p < row-mean p (low) / the rest (high).
   """
-  s = np.asarray(s_MN, dtype=np.float64)
-  v = np.ones(s.shape, bool) if valid_MN is None else np.asarray(valid_MN, bool)
+  s = np.asarray(s_MR, dtype=np.float64)
+  v = np.ones(s.shape, bool) if valid_MR is None else np.asarray(valid_MR, bool)
   if s.ndim != 2 or v.shape != s.shape:
-    raise ValueError(f"s_MN must be 2-D with a valid_MN of the same shape, got "
+    raise ValueError(f"s_MR must be 2-D with a valid_MR of the same shape, got "
                      f"{s.shape} and {v.shape}")
   if not np.isfinite(s[v]).all():
-    raise ValueError("s_MN has NaN or inf at valid positions")
+    raise ValueError("s_MR has NaN or inf at valid positions")
   s = np.where(v, s, 0.0)
   p = np.exp(s)
   mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)
@@ -281,11 +281,11 @@ def fit_weibull_mixture(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
                         fitted)
 
 
-def rpc_keep_mask(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
+def rpc_keep_mask(s_MR: np.ndarray, valid_MR: np.ndarray | None = None,
                   config: WeibullFitConfig = WeibullFitConfig()) -> np.ndarray:
   """RPC pruning of each row: False where a sample is dropped."""
-  s = np.asarray(s_MN, dtype=np.float64)
-  v = np.ones(s.shape, bool) if valid_MN is None else np.asarray(valid_MN, bool)
+  s = np.asarray(s_MR, dtype=np.float64)
+  v = np.ones(s.shape, bool) if valid_MR is None else np.asarray(valid_MR, bool)
   mix = fit_weibull_mixture(s, v, config)
   s_safe = np.where(v, s, 0.0)
   log_lam = np.log(mix.scale_M2)[:, :, None]
@@ -301,68 +301,68 @@ def rpc_keep_mask(s_MN: np.ndarray, valid_MN: np.ndarray | None = None,
 # ------------------------------------------------------------------ selection
 
 
-def _pick_groups(group_MN: np.ndarray, weight_MN: np.ndarray,
-                 include_MN: np.ndarray, correct_K: np.ndarray,
+def _pick_groups(group_MR: np.ndarray, weight_MR: np.ndarray,
+                 include_MR: np.ndarray, correct_A: np.ndarray,
                  rtol: float) -> np.ndarray:
   """Expected accuracy per row of picking the group with the largest weight."""
-  if correct_K.size == 0:  # no sample of the question has an answer: all abstain
-    return np.zeros(group_MN.shape[0])
-  onehot = (group_MN[..., None] == np.arange(correct_K.size)) & include_MN[..., None]
-  score_MK = np.einsum("mn,mnk->mk", weight_MN, onehot)
+  if correct_A.size == 0:  # no sample of the question has an answer: all abstain
+    return np.zeros(group_MR.shape[0])
+  onehot = (group_MR[..., None] == np.arange(correct_A.size)) & include_MR[..., None]
+  score_MA = np.einsum("mr,mra->ma", weight_MR, onehot)
   eligible = onehot.any(axis=1)
-  best = np.max(np.where(eligible, score_MK, 0.0), axis=1, keepdims=True)
-  tied = eligible & (score_MK >= best - rtol * np.abs(best))
+  best = np.max(np.where(eligible, score_MA, 0.0), axis=1, keepdims=True)
+  tied = eligible & (score_MA >= best - rtol * np.abs(best))
   n_tied = tied.sum(-1)
-  return np.where(n_tied > 0, (tied * correct_K).sum(-1) / np.maximum(n_tied, 1), 0.0)
+  return np.where(n_tied > 0, (tied * correct_A).sum(-1) / np.maximum(n_tied, 1), 0.0)
 
 
-def _group_correct(group_N: np.ndarray, correct_N: np.ndarray) -> np.ndarray:
-  k = int(group_N.max(initial=-1)) + 1
-  answered = group_N >= 0
-  n = np.bincount(group_N[answered], minlength=k)
-  hits = np.bincount(group_N[answered], weights=correct_N[answered], minlength=k)
+def _group_correct(group_G: np.ndarray, correct_G: np.ndarray) -> np.ndarray:
+  k = int(group_G.max(initial=-1)) + 1
+  answered = group_G >= 0
+  n = np.bincount(group_G[answered], minlength=k)
+  hits = np.bincount(group_G[answered], weights=correct_G[answered], minlength=k)
   return hits / np.maximum(n, 1)
 
 
-def _first_occurrence(ids_MN: np.ndarray) -> np.ndarray:
-  same = ids_MN[:, :, None] == ids_MN[:, None, :]
+def _first_occurrence(ids_MR: np.ndarray) -> np.ndarray:
+  same = ids_MR[:, :, None] == ids_MR[:, None, :]
   earlier = np.tril(np.ones(same.shape[1:], bool), k=-1)
   return ~(same & earlier).any(-1)
 
 
-def subset_accuracy(question: QuestionSamples, idx_MN: np.ndarray, method: str,
-                    keep_MN: np.ndarray | None = None,
+def subset_accuracy(question: QuestionSamples, idx_MR: np.ndarray, method: str,
+                    keep_MR: np.ndarray | None = None,
                     tie_rtol: float = 1e-9) -> np.ndarray:
   """Expected accuracy of ``method`` on each subset (row of sample indices).
 
-  ``keep_MN`` is RPC's pruning mask of the subsets (needed for "rpc").
+  ``keep_MR`` is RPC's pruning mask of the subsets (needed for "rpc").
   """
-  g, s = question.group_N[idx_MN], question.s_N[idx_MN]
-  correct = np.asarray(question.correct_N, bool)
+  g, s = question.group_G[idx_MR], question.s_G[idx_MR]
+  correct = np.asarray(question.correct_G, bool)
   answered = g >= 0
   if method == "best_of_n":
     best = np.max(np.where(answered, s, -np.inf), axis=1, keepdims=True)
     tied = answered & (s == best)
     n = tied.sum(-1)
-    return np.where(n > 0, (tied & correct[idx_MN]).sum(-1) / np.maximum(n, 1), 0.0)
-  correct_K = _group_correct(question.group_N, correct)
+    return np.where(n > 0, (tied & correct[idx_MR]).sum(-1) / np.maximum(n, 1), 0.0)
+  correct_A = _group_correct(question.group_G, correct)
   if method == "majority":
-    return _pick_groups(g, np.ones(g.shape), answered, correct_K, 0.0)
+    return _pick_groups(g, np.ones(g.shape), answered, correct_A, 0.0)
   if method not in ("pc", "rpc"):
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
-  include = answered & _first_occurrence(question.completion_N[idx_MN])
+  include = answered & _first_occurrence(question.completion_G[idx_MR])
   if method == "rpc":
-    if keep_MN is None:
-      raise ValueError("method 'rpc' needs keep_MN (see rpc_keep_mask)")
-    include &= keep_MN
-  return _pick_groups(g, np.exp(s), include, correct_K, tie_rtol)
+    if keep_MR is None:
+      raise ValueError("method 'rpc' needs keep_MR (see rpc_keep_mask)")
+    include &= keep_MR
+  return _pick_groups(g, np.exp(s), include, correct_A, tie_rtol)
 
 
 def select_accuracy(question: QuestionSamples, method: str,
                     config: ScalingConfig = ScalingConfig()) -> float:
   """Expected accuracy of ``method`` using all of the question's samples."""
-  idx = np.arange(len(question.group_N))[None]
-  keep = (rpc_keep_mask(question.s_N[None], None, config.weibull)
+  idx = np.arange(len(question.group_G))[None]
+  keep = (rpc_keep_mask(question.s_G[None], None, config.weibull)
           if method == "rpc" else None)
   return float(subset_accuracy(question, idx, method, keep, config.tie_rtol)[0])
 
@@ -386,12 +386,12 @@ def scaling_curves(questions: Sequence[QuestionSamples],
   for method in config.methods:
     out[method] = []
   for n in config.ns:
-    used = [(i, q) for i, q in enumerate(questions) if len(q.group_N) >= n]
+    used = [(i, q) for i, q in enumerate(questions) if len(q.group_G) >= n]
     out["n_questions"].append(len(used))
-    idx = [_subsets(len(q.group_N), n, config, i) for i, q in used]
+    idx = [_subsets(len(q.group_G), n, config, i) for i, q in used]
     keep = [None] * len(used)
     if "rpc" in config.methods and used:
-      s_all = np.concatenate([q.s_N[ix] for (_, q), ix in zip(used, idx)])
+      s_all = np.concatenate([q.s_G[ix] for (_, q), ix in zip(used, idx)])
       keep_all = rpc_keep_mask(s_all, None, config.weibull)
       keep = np.split(keep_all, np.cumsum([len(ix) for ix in idx])[:-1])
     for method in config.methods:
