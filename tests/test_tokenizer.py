@@ -8,10 +8,10 @@ import pytest
 
 from capo_jax.data import tokenizer as tk
 
-# SPEC section 1, verbatim.
-SPEC_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer within "
-               "\\boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
-               "<|im_start|>assistant\n")
+# The Qwen2.5-Math chain-of-thought prompt (docs/algorithms.md), verbatim.
+QWEN_MATH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer "
+                    "within \\boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+                    "<|im_start|>assistant\n")
 QUESTIONS = ["What is 1 + 2?", "Let x be a real number such that 2x + 3 = 11. Find x.", "Hi"]
 
 
@@ -25,7 +25,7 @@ def tok(request, tmp_path_factory) -> tk.HFTokenizer:
 
 def test_render_prompt_is_the_spec_prompt(tok):
   for q in QUESTIONS:
-    assert tok.render_prompt(q) == SPEC_PROMPT.replace("{question}", q)
+    assert tok.render_prompt(q) == QWEN_MATH_PROMPT.replace("{question}", q)
 
 
 def test_special_ids(tok):
@@ -46,7 +46,7 @@ def test_encode_prompts_left_pads(tok):
   tokens, mask = tok.encode_prompts(QUESTIONS, max_len=96)
   assert tokens.shape == mask.shape == (3, 96) and tokens.dtype == mask.dtype == np.int32
   for b, q in enumerate(QUESTIONS):
-    ids = tok.hf.encode(SPEC_PROMPT.replace("{question}", q), add_special_tokens=False)
+    ids = tok.hf.encode(QWEN_MATH_PROMPT.replace("{question}", q), add_special_tokens=False)
     n = len(ids)
     assert tokens[b, -n:].tolist() == ids
     assert (tokens[b, :-n] == tok.pad_id).all()

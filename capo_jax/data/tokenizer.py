@@ -19,7 +19,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-# SPEC section 1: the Qwen2.5-Math chain-of-thought prompt.
+# The Qwen2.5-Math chain-of-thought prompt the paper trains and evaluates with.
 SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
 PROMPT_FORMAT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
                  "<|im_start|>assistant\n")
@@ -176,7 +176,7 @@ class HFTokenizer:
     return self.hf.decode([int(t) for t in ids], skip_special_tokens=skip_special)
 
   def render_prompt(self, question: str) -> str:
-    """The chat prompt of SPEC section 1 (through the chat template when there is one)."""
+    """The Qwen2.5-Math chat prompt (through the chat template when there is one)."""
     if self.use_chat_template:
       messages = [{"role": "system", "content": self.system_prompt},
                   {"role": "user", "content": question}]
