@@ -304,8 +304,9 @@ def score_serial(completions: Sequence[str],
 class Grader:
   """Scores completions with math-verify in `num_workers` processes, `timeout_s` per item.
 
-  Safe to call from any thread. Workers start on first use (about 1-2 s) and are reused;
-  call `close()` (or use as a context manager) to stop them.
+  Safe to call from any thread. Workers start on first use (a one-time cost; the README's
+  benchmark table has it) and are reused; call `close()` (or use as a context manager) to
+  stop them.
   """
 
   def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0) -> None:
