@@ -22,8 +22,7 @@ position, N). Questions with fewer than N samples are left out at that N.
 
 The Weibull M-step needs no SciPy: for fixed responsibilities the scale has a
 closed form and the shape solves a 1-D monotone equation, solved here for all
-sets at once by a bracketed Newton iteration (one scipy.optimize call per set
-would be ~10^5 Python-level optimiser runs for one evaluation).
+sets at once by a bracketed Newton iteration (not ~10^5 scipy.optimize calls).
 
 Axis letters: G samples of one question, M sets (subsets of a question's
 samples, or rows of a batch of sets), R responses in a set (R = N above),

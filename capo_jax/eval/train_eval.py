@@ -69,6 +69,9 @@ def make_eval_fn(c: ml_collections.ConfigDict, *, model_cfg: Qwen2Config, tokeni
 
   ``to_sampling`` casts and reshards the train params for the sampler; every
   process samples its share and grades all rows, process 0 writes results.
+  Nine keyword-only parameters because this is the trainer's one hand-off to the
+  evaluator: each is an object the trainer has already built (model, tokenizer,
+  data, mesh, grader), and bundling them would only rename them.
   """
   if not benchmarks:
     raise ValueError("config.eval.every_steps > 0 but there is nothing to evaluate: "
