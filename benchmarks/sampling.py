@@ -58,8 +58,8 @@ def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
   def run(mode: str, seed: int) -> np.ndarray:
     out = sampling.generate(params, cfg, prompts, mask, jax.random.key(seed), num_samples=1,
                             max_new_tokens=new_tokens,
-                            temperature=1.0 if mode == "sample" else 0.0)
-    return np.asarray(out.tokens)
+                            strategy=sampling.make_strategy(1.0 if mode == "sample" else 0.0))
+    return np.asarray(out.tokens_BC)
   return run
 
 

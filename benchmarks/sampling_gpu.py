@@ -138,7 +138,7 @@ def main() -> None:
     state, cache = sampling._prefill(  # pylint: disable=protected-access
         params, t, m, jax.random.key(seed), jnp.full((8,), -1, jnp.int32), jnp.int32(0),
         cfg=cfg, strategy=strategy, num_samples=G, gen_len=c_slots,
-        layout=sampling._Layout())  # pylint: disable=protected-access
+        layout=None)
     return state.tokens_BC
 
   live = {"ideal": float(lengths.mean()) + (C - 1) / 2, "as_run": float(p_slots + c_slots)}
@@ -157,15 +157,15 @@ def main() -> None:
         strategy=strategy)
     t0 = time.perf_counter()
     out = gen(0)
-    jax.block_until_ready(out.tokens)
+    jax.block_until_ready(out.tokens_BC)
     compile_s = time.perf_counter() - t0
-    if int(np.asarray(out.lengths).min()) != C:
-      raise RuntimeError(f"{mode}: some rows stopped early: {np.asarray(out.lengths)}")
+    if int(np.asarray(out.lengths_B).min()) != C:
+      raise RuntimeError(f"{mode}: some rows stopped early: {np.asarray(out.lengths_B)}")
     jax.block_until_ready(prefill(strategy, 0))
     full, pre = [], []
     for r in range(args.rounds):
       t0 = time.perf_counter()
-      np.asarray(gen(r + 1).tokens)
+      np.asarray(gen(r + 1).tokens_BC)
       full.append(time.perf_counter() - t0)
       t0 = time.perf_counter()
       np.asarray(prefill(strategy, r + 1))

@@ -1,13 +1,21 @@
-"""Pure-functional Qwen2 / Qwen2.5 decoder.
+"""Qwen2 / Qwen2.5 decoder as Flax linen modules, used pure-functionally.
 
 Axis legend (array-name suffixes and einsum letters):
-  B batch, T query length, S key/value length, D model dim, N query heads,
-  K kv heads, G query heads per kv head (N = K*G), H head dim, F MLP dim,
-  V vocab, L layers.
+  B batch, T query length, S key/value length (cache slots), D model dim,
+  N query heads, K kv heads, R query heads per kv head (N = K*R), H head dim,
+  F MLP dim, V vocab, L layers.
 
-Params are a plain nested dict of arrays passed to every function (never
-closed over); per-layer weights are stacked on a leading L axis and the
-layers run under ``lax.scan``, which keeps compile time independent of depth.
+``Qwen2(cfg).apply({"params": params}, ...)`` is a pure function of the
+params: no mutable collections, and the KV cache is an explicit pytree passed
+in and returned (``models.kv_cache``). The functions below (``forward``,
+``forward_with_cache``, ...) wrap those applies with the signatures the rest of
+the code uses. The layers are one ``nn.scan`` over a stacked leading L axis,
+which keeps compile time independent of depth, optionally under ``nn.remat``.
+
+The param tree is ``{"embed", "layers": {"attn_norm", "q_kernel", ...},
+"final_norm"[, "lm_head"]}``. Each param carries logical axis names
+(``nn.with_logical_partitioning``; the scan adds ``"layers"``), from which
+``models.sharding`` derives shardings under a rule list.
 """
 
 from __future__ import annotations
@@ -16,8 +24,10 @@ import functools
 from collections.abc import Callable
 from typing import Any
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import sharding
 from models.config import PRESETS, Qwen2Config  # noqa: F401  (re-exported)
@@ -25,65 +35,14 @@ from models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
 
 Params = dict[str, Any]
 
-# Logical axis names of every parameter; ``layers`` is the stacked-layer axis.
-_LAYER_AXES = {
-    "attn_norm": ("layers", "norm"),
-    "q_kernel": ("layers", "embed", "q_heads", "head_dim"),
-    "q_bias": ("layers", "q_heads", "head_dim"),
-    "k_kernel": ("layers", "embed", "kv_heads", "head_dim"),
-    "k_bias": ("layers", "kv_heads", "head_dim"),
-    "v_kernel": ("layers", "embed", "kv_heads", "head_dim"),
-    "v_bias": ("layers", "kv_heads", "head_dim"),
-    "o_kernel": ("layers", "q_heads", "head_dim", "embed"),
-    "mlp_norm": ("layers", "norm"),
-    "gate_kernel": ("layers", "embed", "mlp"),
-    "up_kernel": ("layers", "embed", "mlp"),
-    "down_kernel": ("layers", "mlp", "embed"),
-}
+_normal = nn.initializers.normal(stddev=0.02)
 
 
-def param_axes(cfg: Qwen2Config) -> Params:
-  """Logical axis names of each parameter, same tree structure as the params."""
-  axes: Params = {"embed": ("vocab", "embed"), "layers": dict(_LAYER_AXES),
-                  "final_norm": ("norm",)}
-  if not cfg.tie_word_embeddings:
-    axes["lm_head"] = ("embed", "vocab")
-  return axes
-
-
-def param_specs(cfg: Qwen2Config, rules: sharding.Rules, mesh: jax.sharding.Mesh | None = None
-                ) -> Params:
-  """PartitionSpecs of the params under a logical-axis rule list."""
-  return sharding.tree_specs(param_axes(cfg), rules, param_shapes(cfg), mesh)
-
-
-def param_shapes(cfg: Qwen2Config) -> Params:
-  """ShapeDtypeStructs of the params, without allocating them."""
-  return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
-
-
-def init_params(cfg: Qwen2Config, rng: jax.Array) -> Params:
-  """Random params (normal(0.02) kernels, zero biases, unit norms)."""
-  D, F, L, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-                         cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
-  shapes = {
-      "q_kernel": (L, D, N, H), "k_kernel": (L, D, K, H), "v_kernel": (L, D, K, H),
-      "o_kernel": (L, N, H, D), "gate_kernel": (L, D, F), "up_kernel": (L, D, F),
-      "down_kernel": (L, F, D),
-  }
-  keys = jax.random.split(rng, len(shapes) + 2)
-  dt = cfg.weight_dtype
-  normal = lambda k, s: (0.02 * jax.random.normal(k, s, jnp.float32)).astype(dt)
-  layers = {name: normal(k, s) for k, (name, s) in zip(keys[2:], shapes.items())}
-  layers.update(
-      q_bias=jnp.zeros((L, N, H), dt), k_bias=jnp.zeros((L, K, H), dt),
-      v_bias=jnp.zeros((L, K, H), dt), attn_norm=jnp.ones((L, D), dt),
-      mlp_norm=jnp.ones((L, D), dt))
-  params: Params = {"embed": normal(keys[0], (V, D)), "layers": layers,
-                    "final_norm": jnp.ones((D,), dt)}
-  if not cfg.tie_word_embeddings:
-    params["lm_head"] = normal(keys[1], (D, V))
-  return params
+def _param(module: nn.Module, name: str, init: Callable[..., jax.Array],
+           shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+  """A param of the module's weight dtype whose dimensions carry logical ``axes``."""
+  return module.param(name, nn.with_logical_partitioning(init, axes), shape,
+                      module.cfg.weight_dtype)
 
 
 def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -115,50 +74,182 @@ def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   """Grouped-query attention; scores and softmax in float32."""
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
-  q_BTKGH = q_BTNH.reshape(B, T, K, N // K, H)
-  scores = jnp.einsum("btkgh,bskh->bkgts", q_BTKGH, k_BSKH,
+  q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
+  scores = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH,
                       preferred_element_type=jnp.float32) * (H ** -0.5)
   # A finite minimum keeps fully-masked (padding) query rows free of NaNs.
   scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
-  out = jnp.einsum("bkgts,bskh->btkgh", probs, v_BSKH)
+  out = jnp.einsum("bkrts,bskh->btkrh", probs, v_BSKH)
   return out.reshape(B, T, N, H)
 
 
-# attend(q_BTNH, k_BTKH, v_BTKH) -> (attn_BTNH, aux): the layer's attention over
-# this call's (RoPE-rotated) keys/values and whatever context it keeps (none,
-# a stacked cache, the sampler's per-layer decode buffers); aux is returned.
-Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+class DecoderLayer(nn.Module):
+  """One pre-norm decoder layer, split where attention plugs in.
 
-
-def layer(cfg: Qwen2Config, x_BTD: jax.Array, p: Params,
-          rope_BT: tuple[jax.Array, jax.Array], attend: Attend) -> tuple[jax.Array, Any]:
-  """One decoder layer (unstacked params ``p``); attention is ``attend``'s.
-
-  ``rope_BT`` is ``rope_tables`` of the tokens' positions, computed once for all
-  layers: left to each layer, XLA fused the cos / sin into the rotation and
-  evaluated them once per head and element, in every layer.
+  ``attention_inputs`` gives the RoPE-rotated q / k / v, ``attention_output``
+  the rest of the layer given the attention result: the full forward, the
+  stacked-cache path and the sampler's per-layer decode step each attend in
+  their own way between the two.
   """
-  dt = cfg.dtype
-  w = lambda name: p[name].astype(dt)
-  h = rms_norm(x_BTD, p["attn_norm"], cfg.rms_norm_eps)
-  q = jnp.einsum("btd,dnh->btnh", h, w("q_kernel")) + w("q_bias")
-  k = jnp.einsum("btd,dkh->btkh", h, w("k_kernel")) + w("k_bias")
-  v = jnp.einsum("btd,dkh->btkh", h, w("v_kernel")) + w("v_bias")
-  q = apply_rope(q, *rope_BT)
-  k = apply_rope(k, *rope_BT)
-  attn, aux = attend(q, k, v)
-  # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
-  # kernel on every call of the sampler's decode loop (~0.3 ms of a 14 ms step).
-  B, T, N, H = attn.shape
-  x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn.reshape(B, T, N * H),
-                             w("o_kernel").reshape(N * H, -1))
-  h = rms_norm(x_BTD, p["mlp_norm"], cfg.rms_norm_eps)
-  gate = jnp.einsum("btd,df->btf", h, w("gate_kernel"))
-  up = jnp.einsum("btd,df->btf", h, w("up_kernel"))
-  x_BTD = x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up, w("down_kernel"))
-  return x_BTD, aux
+  cfg: Qwen2Config
 
+  def setup(self) -> None:
+    c = self.cfg
+    D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
+                     c.head_dim)
+    p = functools.partial(_param, self)
+    ones, zeros = nn.initializers.ones, nn.initializers.zeros
+    self.attn_norm = p("attn_norm", ones, (D,), ("norm",))
+    self.q_kernel = p("q_kernel", _normal, (D, N, H), ("embed", "q_heads", "head_dim"))
+    self.q_bias = p("q_bias", zeros, (N, H), ("q_heads", "head_dim"))
+    self.k_kernel = p("k_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
+    self.k_bias = p("k_bias", zeros, (K, H), ("kv_heads", "head_dim"))
+    self.v_kernel = p("v_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
+    self.v_bias = p("v_bias", zeros, (K, H), ("kv_heads", "head_dim"))
+    self.o_kernel = p("o_kernel", _normal, (N, H, D), ("q_heads", "head_dim", "embed"))
+    self.mlp_norm = p("mlp_norm", ones, (D,), ("norm",))
+    self.gate_kernel = p("gate_kernel", _normal, (D, F), ("embed", "mlp"))
+    self.up_kernel = p("up_kernel", _normal, (D, F), ("embed", "mlp"))
+    self.down_kernel = p("down_kernel", _normal, (F, D), ("mlp", "embed"))
+
+  def attention_inputs(self, x_BTD: jax.Array, rope_BT: tuple[jax.Array, jax.Array]
+                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    """q [B, T, N, H] and k, v [B, T, K, H] of this call's tokens, RoPE applied."""
+    dt = self.cfg.dtype
+    h = rms_norm(x_BTD, self.attn_norm, self.cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt)) + self.q_bias.astype(dt)
+    k = jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt)) + self.k_bias.astype(dt)
+    v = jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt)) + self.v_bias.astype(dt)
+    return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
+
+  def attention_output(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
+    """The residual stream after the output projection and the MLP."""
+    dt = self.cfg.dtype
+    B, T, N, H = attn_BTNH.shape
+    # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
+    # kernel on every call of the sampler's decode loop.
+    x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn_BTNH.reshape(B, T, N * H),
+                               self.o_kernel.astype(dt).reshape(N * H, -1))
+    h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
+    gate = jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt))
+    up = jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt))
+    return x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up,
+                              self.down_kernel.astype(dt))
+
+  def __call__(self, carry: tuple[jax.Array, Any], l: jax.Array, ctx: dict[str, Any]
+               ) -> tuple[tuple[jax.Array, Any], None]:
+    """The scan body: layer ``l`` on the carried residual stream (and stacked cache).
+
+    ``carry`` is ``(x_BTD, None)`` for a full forward, where attention covers
+    this call's tokens, or ``(x_BTD, (k_LBSKH, v_LBSKH))`` with a cache: this
+    call's keys / values go in at slot ``ctx["index"]`` of layer ``l`` and
+    attention covers every slot. The cache rides in the carry (not the scan's
+    xs / ys) so each layer updates the donated buffer in place instead of
+    materialising a fresh copy.
+    """
+    x_BTD, kv = carry
+    q, k, v = self.attention_inputs(x_BTD, ctx["rope"])
+    if kv is not None:
+      k_all, v_all = kv
+      k = jax.lax.dynamic_update_slice_in_dim(k_all[l], k, ctx["index"], axis=1)
+      v = jax.lax.dynamic_update_slice_in_dim(v_all[l], v, ctx["index"], axis=1)
+      kv = (jax.lax.dynamic_update_index_in_dim(k_all, k, l, axis=0),
+            jax.lax.dynamic_update_index_in_dim(v_all, v, l, axis=0))
+    x_BTD = self.attention_output(x_BTD, attention(q, k, v, ctx["mask_BTS"]))
+    return (x_BTD, kv), None
+
+
+class Qwen2(nn.Module):
+  """The decoder: embedding, ``num_layers`` scanned ``DecoderLayer``s, final norm.
+
+  ``__call__`` returns the final-norm hidden states [B, T, D] (and the cache's k / v);
+  ``logits`` unembeds hidden states. Splitting the two lets callers unembed
+  only the positions they need.
+  """
+  cfg: Qwen2Config
+
+  def setup(self) -> None:
+    c = self.cfg
+    D, V = c.hidden_size, c.vocab_size
+    self.embed = _param(self, "embed", _normal, (V, D), ("vocab", "embed"))
+    layer = DecoderLayer
+    if c.remat:
+      layer = nn.remat(layer, policy=jax.checkpoint_policies.nothing_saveable)
+    self.layers = nn.scan(
+        layer, length=c.num_layers, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(0, nn.broadcast), metadata_params={nn.PARTITION_NAME: "layers"})(c)
+    self.final_norm = _param(self, "final_norm", nn.initializers.ones, (D,), ("norm",))
+    if not c.tie_word_embeddings:
+      self.lm_head = _param(self, "lm_head", _normal, (D, V), ("embed", "vocab"))
+
+  def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
+               kv: tuple[jax.Array, jax.Array] | None = None, index: jax.Array | None = None
+               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """Hidden states [B, T, D]; with a stacked cache ``kv`` (k_LBSKH, v_LBSKH), writes
+    this call's keys / values at slot ``index`` and returns the updated pair."""
+    c = self.cfg
+    x_BTD = self.embed.astype(c.dtype)[tokens_BT]
+    # RoPE tables once for all layers: left to each layer, XLA fused the cos /
+    # sin into the rotation and evaluated them once per head and element.
+    ctx = {"rope": rope_tables(positions_BT, c.head_dim, c.rope_theta), "mask_BTS": mask_BTS,
+           "index": index}
+    (x_BTD, kv), _ = self.layers((x_BTD, kv), jnp.arange(c.num_layers), ctx)
+    return rms_norm(x_BTD, self.final_norm, c.rms_norm_eps), kv
+
+  def unembed_matrix(self) -> jax.Array:
+    """The [D, V] output projection (the embedding, transposed, when tied)."""
+    return self.embed.T if self.cfg.tie_word_embeddings else self.lm_head
+
+  def logits(self, h_BTD: jax.Array) -> jax.Array:
+    """Float32 logits; the matmul accumulates in float32 on the bfloat16 path."""
+    dt = self.cfg.dtype
+    return jnp.einsum("btd,dv->btv", h_BTD.astype(dt), self.unembed_matrix().astype(dt),
+                      preferred_element_type=jnp.float32)
+
+
+# --- params: creation, shapes, logical axes, shardings ------------------------
+
+def _init_boxed(cfg: Qwen2Config, rng: jax.Array) -> Params:
+  """Params with their ``nn.LogicallyPartitioned`` boxes (logical axis names)."""
+  tokens = jnp.zeros((1, 1), jnp.int32)
+  model = Qwen2(cfg)
+  return model.init(rng, tokens, tokens, jnp.ones((1, 1, 1), jnp.bool_))["params"]
+
+
+def init_params(cfg: Qwen2Config, rng: jax.Array) -> Params:
+  """Random params (normal(0.02) kernels, zero biases, unit norms)."""
+  return nn.unbox(_init_boxed(cfg, rng))
+
+
+def param_shapes(cfg: Qwen2Config) -> Params:
+  """ShapeDtypeStructs of the params, without allocating them."""
+  return jax.eval_shape(functools.partial(init_params, cfg), jax.random.key(0))
+
+
+def param_axes(cfg: Qwen2Config) -> Params:
+  """Logical axis names of each param (a PartitionSpec of names), same tree as the params."""
+  boxed = jax.eval_shape(functools.partial(_init_boxed, cfg), jax.random.key(0))
+  return nn.get_partition_spec(boxed)
+
+
+def param_specs(cfg: Qwen2Config, rules: sharding.Rules, mesh: Mesh | None = None) -> Params:
+  """Mesh PartitionSpecs of the params under a logical-axis rule list."""
+  return sharding.tree_specs(param_axes(cfg), rules, param_shapes(cfg), mesh)
+
+
+def param_shardings(cfg: Qwen2Config, layout: sharding.Layout) -> Params:
+  """NamedShardings of the params on the layout's mesh."""
+  return jax.tree.map(lambda s: NamedSharding(layout.mesh, s),
+                      param_specs(cfg, layout.rules, layout.mesh),
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
+def num_params(params_or_shapes: Params) -> int:
+  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params_or_shapes))
+
+
+# --- pure functions over (params, cfg) -----------------------------------------
 
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
   """RoPE positions of a left-padded batch: 0 at each row's first real token."""
@@ -172,34 +263,19 @@ def hidden_states(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_B
   if positions_BT is None:
     positions_BT = positions_from_mask(mask_BT)
   T = tokens_BT.shape[1]
-  causal_TS = jnp.tril(jnp.ones((T, T), jnp.bool_))
-  mask_BTS = causal_TS[None] & mask_BT[:, None, :]
-  x = params["embed"].astype(cfg.dtype)[tokens_BT]
-
-  rope_BT = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
-
-  def body(x_BTD, layer_params):
-    attend = lambda q, k, v: (attention(q, k, v, mask_BTS), None)
-    return layer(cfg, x_BTD, layer_params, rope_BT, attend)
-
-  if cfg.remat:
-    body = jax.checkpoint(body, policy=jax.checkpoint_policies.nothing_saveable)
-  x, _ = jax.lax.scan(body, x, params["layers"])
-  return rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
+  mask_BTS = jnp.tril(jnp.ones((T, T), jnp.bool_))[None] & mask_BT[:, None, :]
+  h_BTD, _ = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, mask_BTS)
+  return h_BTD
 
 
 def unembed_matrix(params: Params, cfg: Qwen2Config) -> jax.Array:
   """The [D, V] output projection (the embedding, transposed, when tied)."""
-  if cfg.tie_word_embeddings:
-    return params["embed"].T
-  return params["lm_head"]
+  return Qwen2(cfg).apply({"params": params}, method=Qwen2.unembed_matrix)
 
 
 def logits_from_hidden(params: Params, cfg: Qwen2Config, h_BTD: jax.Array) -> jax.Array:
-  """Float32 logits; the matmul accumulates in float32 on the bfloat16 path."""
-  w_DV = unembed_matrix(params, cfg).astype(cfg.dtype)
-  return jnp.einsum("btd,dv->btv", h_BTD.astype(cfg.dtype), w_DV,
-                    preferred_element_type=jnp.float32)
+  """Float32 logits [B, T, V] of final-norm hidden states."""
+  return Qwen2(cfg).apply({"params": params}, h_BTD, method=Qwen2.logits)
 
 
 def forward(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
@@ -234,43 +310,33 @@ def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Ar
   position: XLA does not narrow a [B, T, V] logits matmul to a later slice.
   """
   mask_BT = mask_BT.astype(jnp.bool_)
-  B, T = tokens_BT.shape
-  S = cache.max_len
+  T = tokens_BT.shape[1]
   index = cache.index
   positions_BT = cache.positions_B[:, None] + positions_from_mask(mask_BT)
   slot_mask_BS = jax.lax.dynamic_update_slice_in_dim(cache.mask_BS, mask_BT, index, axis=1)
-  query_slot_T = index + jnp.arange(T)
-  causal_TS = jnp.arange(S)[None, :] <= query_slot_T[:, None]
+  causal_TS = jnp.arange(cache.max_len)[None, :] <= (index + jnp.arange(T))[:, None]
   mask_BTS = causal_TS[None] & slot_mask_BS[:, None, :]
-  x = params["embed"].astype(cfg.dtype)[tokens_BT]
-  rope_BT = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
-
-  # The cache rides in the scan carry (not xs/ys) so each step updates the
-  # donated buffer in place instead of materialising a fresh copy per layer.
-  def body(carry, inputs):
-    x_BTD, k_all, v_all = carry
-    layer_params, l = inputs
-
-    def attend(q, k, v):
-      # Write this call's keys/values at the shared slot index, attend over all slots.
-      k_l = jax.lax.dynamic_update_slice_in_dim(k_all[l], k, index, axis=1)
-      v_l = jax.lax.dynamic_update_slice_in_dim(v_all[l], v, index, axis=1)
-      return attention(q, k_l, v_l, mask_BTS), (k_l, v_l)
-
-    x_BTD, (k_l, v_l) = layer(cfg, x_BTD, layer_params, rope_BT, attend)
-    k_all = jax.lax.dynamic_update_index_in_dim(k_all, k_l, l, axis=0)
-    v_all = jax.lax.dynamic_update_index_in_dim(v_all, v_l, l, axis=0)
-    return (x_BTD, k_all, v_all), None
-
-  (x, k_all, v_all), _ = jax.lax.scan(
-      body, (x, cache.k_LBSKH, cache.v_LBSKH),
-      (params["layers"], jnp.arange(cfg.num_layers)))
-  h = rms_norm(x, params["final_norm"], cfg.rms_norm_eps)
-  new_cache = KVCache(k_LBSKH=k_all, v_LBSKH=v_all, mask_BS=slot_mask_BS,
-                      positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
-                      index=index + T)
-  return h, new_cache
+  h_BTD, (k, v) = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, mask_BTS,
+                                   (cache.k_LBSKH, cache.v_LBSKH), index)
+  return h_BTD, KVCache(k_LBSKH=k, v_LBSKH=v, mask_BS=slot_mask_BS,
+                        positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
+                        index=index + T)
 
 
-def num_params(params_or_shapes: Params) -> int:
-  return sum(int(x.size) for x in jax.tree_util.tree_leaves(params_or_shapes))
+# attend(q_BTNH, k_BTKH, v_BTKH) -> (attn_BTNH, aux): the layer's attention over
+# this call's (RoPE-rotated) keys / values and whatever context it keeps (the
+# sampler's per-layer decode buffers); aux is returned.
+Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
+
+
+def layer(cfg: Qwen2Config, x_BTD: jax.Array, layer_params: Params,
+          rope_BT: tuple[jax.Array, jax.Array], attend: Attend) -> tuple[jax.Array, Any]:
+  """One decoder layer with unstacked params (``params["layers"]`` sliced at l).
+
+  For callers that run the layers themselves (the sampler's unrolled decode
+  step); attention is ``attend``'s.
+  """
+  mod, variables = DecoderLayer(cfg), {"params": layer_params}
+  q, k, v = mod.apply(variables, x_BTD, rope_BT, method=DecoderLayer.attention_inputs)
+  attn, aux = attend(q, k, v)
+  return mod.apply(variables, x_BTD, attn, method=DecoderLayer.attention_output), aux

@@ -1,82 +1,118 @@
-"""Logical axis names -> mesh PartitionSpecs.
+"""Shardings from logical axis names, through Flax's logical partitioning.
 
-A rule list maps each logical axis (``"embed"``, ``"mlp"``, ...) to a mesh
-axis, a tuple of mesh axes, or ``None`` (replicated). The first rule naming a
-logical axis wins. When a mesh and the array shape are given, a mesh axis
-that does not divide the dimension (or is already used by an earlier
-dimension) is dropped and logged, so a small model on a big mesh replicates
-instead of crashing.
+Params carry logical axis names (``nn.with_logical_partitioning`` in
+``models.qwen2``); activations and batches name theirs where they are placed
+(``"batch"`` for rows). A rule list maps each logical name to a mesh axis, a
+tuple of mesh axes, or ``None`` (replicated); Flax's
+``nn.logical_to_mesh_axes`` resolves it (earlier rules take precedence, a mesh
+axis serves one dimension at most).
+
+One step is ours: against a concrete mesh and shape, a mesh axis that does not
+divide its dimension is dropped and logged, so a small model on a big mesh
+replicates instead of failing in ``device_put``.
+
+``Layout`` bundles a mesh with its rule list: the one value that says how a
+program is laid out.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import math
 from collections.abc import Sequence
 from typing import Any
 
+import flax.linen as nn
 import jax
-from jax.sharding import Mesh, PartitionSpec
+from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 
 log = logging.getLogger(__name__)
 
 
-def logical_to_spec(axes: tuple[str | None, ...], rules: Rules,
-                    shape: tuple[int, ...] | None = None, mesh: Mesh | None = None,
-                    name: str = "") -> PartitionSpec:
-  """The PartitionSpec of one array whose dimensions carry ``axes`` names."""
-  table: dict[str, Any] = {}
-  for logical, physical in rules:
-    table.setdefault(logical, physical)
-  used: set[str] = set()
-  spec: list[Any] = []
-  for dim, logical in enumerate(axes):
-    physical = table.get(logical) if logical is not None else None
-    if physical is None:
-      spec.append(None)
-      continue
-    mesh_axes = (physical,) if isinstance(physical, str) else tuple(physical)
-    kept = []
+def _fit(spec: PartitionSpec, axes: Sequence[str | None], shape: Sequence[int] | None,
+         mesh: Mesh | AbstractMesh, name: str) -> PartitionSpec:
+  """``spec`` without the mesh axes that do not divide their dimension.
+
+  Within a tuple entry, axes are kept left to right while their product
+  divides the dimension.
+  """
+  out: list[Any] = []
+  for dim, (entry, logical) in enumerate(zip(spec, axes)):
+    mesh_axes = () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+    kept: list[str] = []
     for ax in mesh_axes:
-      if mesh is not None and ax not in mesh.shape:
+      if ax not in mesh.shape:
         raise ValueError(f"sharding rule {logical!r} -> {ax!r}: mesh has no axis {ax!r} "
                          f"(axes {tuple(mesh.shape)})")
-      size = mesh.shape[ax] if mesh is not None else 1
-      if ax in used:
-        log.info("%s dim %d (%s): mesh axis %r already used; replicating it", name, dim,
-                 logical, ax)
+      size = math.prod(mesh.shape[a] for a in kept + [ax])
+      if shape is not None and shape[dim] % size:
+        log.info("%s dim %d (%s) of size %d is not divisible by mesh axis %r (%d); "
+                 "replicating over it", name, dim, logical, shape[dim], ax, mesh.shape[ax])
         continue
-      if shape is not None and mesh is not None:
-        total = size
-        for k in kept:
-          total *= mesh.shape[k]
-        if shape[dim] % total:
-          log.info("%s dim %d (%s) of size %d is not divisible by mesh axis %r (%d); "
-                   "replicating over it", name, dim, logical, shape[dim], ax, size)
-          continue
       kept.append(ax)
-    used.update(kept)
-    spec.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
-  return PartitionSpec(*spec)
+    out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
+  return PartitionSpec(*out)
 
 
-def tree_specs(axes_tree: Any, rules: Rules, shapes_tree: Any = None,
-               mesh: Mesh | None = None) -> Any:
-  """PartitionSpecs for a pytree of axis-name tuples (e.g. ``param_axes(cfg)``)."""
-  is_axes = lambda x: isinstance(x, tuple) and all(a is None or isinstance(a, str) for a in x)
-  paths_axes = jax.tree_util.tree_flatten_with_path(axes_tree, is_leaf=is_axes)
-  leaves_axes, treedef = paths_axes
-  if shapes_tree is None:
-    shapes = [None] * len(leaves_axes)
-  else:
-    shapes = [tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes_tree)]
-    if len(shapes) != len(leaves_axes):
-      raise ValueError(f"axes tree has {len(leaves_axes)} leaves, shapes tree {len(shapes)}")
+def logical_to_spec(axes: Sequence[str | None], rules: Rules,
+                    shape: Sequence[int] | None = None, mesh: Mesh | AbstractMesh | None = None,
+                    name: str = "") -> PartitionSpec:
+  """The mesh PartitionSpec of one array whose dimensions carry logical ``axes``."""
+  spec = nn.logical_to_mesh_axes(tuple(axes), list(rules))
+  if mesh is None:
+    return spec
+  return _fit(spec, tuple(axes), shape, mesh, name)
+
+
+def tree_specs(logical_tree: Any, rules: Rules, shapes_tree: Any = None,
+               mesh: Mesh | AbstractMesh | None = None) -> Any:
+  """Mesh PartitionSpecs of a tree of logical PartitionSpecs (``nn.get_partition_spec``)."""
+  is_spec = lambda x: isinstance(x, PartitionSpec)
+  leaves, treedef = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=is_spec)
+  shapes = ([None] * len(leaves) if shapes_tree is None
+            else [tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes_tree)])
+  if len(shapes) != len(leaves):
+    raise ValueError(f"logical tree has {len(leaves)} leaves, shapes tree {len(shapes)}")
   specs = []
-  for (path, axes), shape in zip(leaves_axes, shapes):
+  for (path, axes), shape in zip(leaves, shapes):
     if shape is not None and len(shape) != len(axes):
-      raise ValueError(f"{jax.tree_util.keystr(path)}: {len(axes)} axis names {axes} for "
-                       f"shape {shape}")
-    specs.append(logical_to_spec(axes, rules, shape, mesh, name=jax.tree_util.keystr(path)))
+      raise ValueError(f"{jax.tree_util.keystr(path)}: {len(axes)} axis names {tuple(axes)} "
+                       f"for shape {shape}")
+    specs.append(logical_to_spec(tuple(axes), rules, shape, mesh,
+                                 name=jax.tree_util.keystr(path)))
   return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """A device mesh and the rules that map logical axis names onto it.
+
+  Frozen and hashable, so it can be a static argument of ``jax.jit``.
+  ``Layout.of(mesh, rules)`` normalises a rule list (lists become tuples).
+  """
+  mesh: Mesh
+  rules: tuple[tuple[str, Any], ...]
+
+  @classmethod
+  def of(cls, mesh: Mesh, rules: Rules) -> Layout:
+    return cls(mesh, tuple((name, tuple(ax) if isinstance(ax, list) else ax)
+                           for name, ax in rules))
+
+  def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
+           name: str = "") -> PartitionSpec:
+    return logical_to_spec(axes, self.rules, shape, self.mesh, name)
+
+  def sharding(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
+               name: str = "") -> NamedSharding:
+    return NamedSharding(self.mesh, self.spec(axes, shape, name))
+
+  def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+    """``x`` constrained to its logical ``axes`` (inside jit)."""
+    return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))
+
+  def put(self, x: Any, axes: Sequence[str | None]) -> jax.Array:
+    """``x`` placed on the mesh along its logical ``axes`` (outside jit)."""
+    return jax.device_put(x, self.sharding(axes, x.shape))

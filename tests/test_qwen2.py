@@ -236,7 +236,7 @@ def test_param_axes_cover_every_param():
     cfg = Qwen2Config.tiny(tie_word_embeddings=tied)
     axes = qwen2.param_axes(cfg)
     shapes = qwen2.param_shapes(cfg)
-    is_axes = lambda x: isinstance(x, tuple)
+    is_axes = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     flat_axes, _ = jax.tree_util.tree_flatten_with_path(axes, is_leaf=is_axes)
     flat_shapes, _ = jax.tree_util.tree_flatten_with_path(shapes)
     assert [p for p, _ in flat_axes] == [p for p, _ in flat_shapes]

@@ -60,39 +60,39 @@ def test_greedy_matches_transformers_and_stops(tiny):
   stops = sorted({int(free[0, 3]), int(free[1, 6])})
   expected = _hf_greedy(model, tokens, mask, 12, stops)
   ours = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                           max_new_tokens=12, temperature=0.0, stop_ids=stops, pad_id=PAD)
+                           max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD)
   np.testing.assert_array_equal(np.asarray(sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
-      temperature=0.0, pad_id=PAD).tokens), free)
+      strategy=sampling.Greedy(), pad_id=PAD).tokens_BC), free)
   for b in range(tokens.shape[0]):
     hits = np.flatnonzero(np.isin(free[b], stops))
     n = int(hits[0]) + 1 if hits.size else 12
-    np.testing.assert_array_equal(np.asarray(ours.tokens[b, :n]), expected[b, :n])
-    np.testing.assert_array_equal(np.asarray(ours.mask[b]), (np.arange(12) < n).astype(int))
-    assert int(ours.lengths[b]) == n
-    assert bool(ours.truncated[b]) == (hits.size == 0)
-    assert (np.asarray(ours.tokens[b, n:]) == PAD).all()
-    assert (np.asarray(ours.logprobs[b, n:]) == 0).all()
-  assert int(ours.lengths[0]) <= 4 and int(ours.lengths[1]) <= 7  # the stops took effect
+    np.testing.assert_array_equal(np.asarray(ours.tokens_BC[b, :n]), expected[b, :n])
+    np.testing.assert_array_equal(np.asarray(ours.mask_BC[b]), (np.arange(12) < n).astype(int))
+    assert int(ours.lengths_B[b]) == n
+    assert bool(ours.truncated_B[b]) == (hits.size == 0)
+    assert (np.asarray(ours.tokens_BC[b, n:]) == PAD).all()
+    assert (np.asarray(ours.logprobs_BC[b, n:]) == 0).all()
+  assert int(ours.lengths_B[0]) <= 4 and int(ours.lengths_B[1]) <= 7  # the stops took effect
   # A stop on the very last allowed token is a stop, not a truncation.
-  n0 = int(ours.lengths[0])
+  n0 = int(ours.lengths_B[0])
   short = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                            max_new_tokens=n0, temperature=0.0, stop_ids=stops, pad_id=PAD)
+                            max_new_tokens=n0, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD)
   stopped = np.isin(free[:, :n0], stops).any(1)
-  np.testing.assert_array_equal(np.asarray(short.truncated), ~stopped)
-  assert stopped[0] and int(short.lengths[0]) == n0
-  np.testing.assert_array_equal(np.asarray(short.tokens), np.asarray(ours.tokens[:, :n0]))
+  np.testing.assert_array_equal(np.asarray(short.truncated_B), ~stopped)
+  assert stopped[0] and int(short.lengths_B[0]) == n0
+  np.testing.assert_array_equal(np.asarray(short.tokens_BC), np.asarray(ours.tokens_BC[:, :n0]))
 
 
 def _teacher_forced(params, cfg, tokens, mask, out, G: int) -> tuple[np.ndarray, np.ndarray]:
   """Log-probs of the sampled tokens under ``qwen2.forward`` over prompt + completion."""
-  seq = np.concatenate([np.repeat(tokens, G, 0), np.asarray(out.tokens)], axis=1)
-  seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(out.mask)], axis=1)
+  seq = np.concatenate([np.repeat(tokens, G, 0), np.asarray(out.tokens_BC)], axis=1)
+  seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(out.mask_BC)], axis=1)
   logits = np.asarray(qwen2.forward(params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask)))
   P = tokens.shape[1]
   logp = jax.nn.log_softmax(logits[:, P - 1:-1], axis=-1)
   ref = np.take_along_axis(np.asarray(logp), seq[:, P:, None], axis=-1)[..., 0]
-  return ref, np.asarray(out.mask).astype(bool)
+  return ref, np.asarray(out.mask_BC).astype(bool)
 
 
 def test_logprobs_equal_teacher_forcing(tiny):
@@ -100,12 +100,12 @@ def test_logprobs_equal_teacher_forcing(tiny):
   tokens, mask = _prompts(cfg.vocab_size)
   G, C = 2, 10
   out = sampling.generate(params, cfg, tokens, mask, jax.random.key(3), num_samples=G,
-                          max_new_tokens=C, temperature=0.7, top_k=20, stop_ids=[5, 17])
+                          max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20), stop_ids=[5, 17])
   ref, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   assert m.sum() > G * 3 * 3
-  np.testing.assert_allclose(np.asarray(out.logprobs)[m], ref[m], atol=1e-4)
+  np.testing.assert_allclose(np.asarray(out.logprobs_BC)[m], ref[m], atol=1e-4)
   # Rows of one prompt share the prefill yet draw their own tokens.
-  rows = np.asarray(out.tokens)
+  rows = np.asarray(out.tokens_BC)
   assert all((rows[2 * q] != rows[2 * q + 1]).any() for q in range(3))
 
 
@@ -119,11 +119,11 @@ def test_bfloat16_sampler_logprobs(tiny):
   tokens, mask = _prompts(cfg.vocab_size)
   G = 2
   out = sampling.generate(params, cfg, tokens, mask, jax.random.key(5), num_samples=G,
-                          max_new_tokens=12, temperature=1.0, stop_ids=[5, 17])
-  assert out.logprobs.dtype == jnp.float32
+                          max_new_tokens=12, strategy=sampling.Temperature(1.0), stop_ids=[5, 17])
+  assert out.logprobs_BC.dtype == jnp.float32
   ref16, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   ref32, _ = _teacher_forced(params32, cfg32, tokens, mask, out, G)
-  got = np.asarray(out.logprobs)[m]
+  got = np.asarray(out.logprobs_BC)[m]
   assert m.sum() > G * 3 * 3
   np.testing.assert_allclose(got, ref16[m], atol=0.05)
   np.testing.assert_allclose(got, ref32[m], atol=0.15)
@@ -134,7 +134,7 @@ def test_same_rng_same_samples(tiny):
   tokens, mask = _prompts(cfg.vocab_size)
   run = lambda key: np.asarray(sampling.generate(
       params, cfg, tokens, mask, jax.random.key(key), num_samples=2, max_new_tokens=10,
-      temperature=0.7, top_k=20, stop_ids=[5, 17]).tokens)
+      strategy=sampling.TopK(temperature=0.7, k=20), stop_ids=[5, 17]).tokens_BC)
   np.testing.assert_array_equal(run(3), run(3))
   assert (run(3) != run(4)).any()
 
@@ -227,8 +227,8 @@ def test_first_token_frequencies_through_generate():
   counts = np.zeros(12)
   for r in range(rounds):
     out = sampling.generate(params, cfg, tokens, mask, jax.random.key(r), num_samples=n,
-                            max_new_tokens=1, temperature=1.5)
-    counts += np.bincount(np.asarray(out.tokens[:, 0]), minlength=12)
+                            max_new_tokens=1, strategy=sampling.Temperature(1.5))
+    counts += np.bincount(np.asarray(out.tokens_BC[:, 0]), minlength=12)
   freq = counts / (n * rounds)
   assert (np.abs(freq - p) <= _freq_bound(p, n * rounds)).all(), np.abs(freq - p).max()
 
@@ -244,8 +244,8 @@ def test_length_buckets_bound_compilations(tiny):
   for P, C, stops in [(4, 9, [5]), (9, 16, [5, 17]), (16, 11, []), (17, 9, [5]), (30, 14, [9])]:
     tokens, mask = hf_utils.left_padded_batch(rng, [P, P - 2, 3], cfg.vocab_size)
     out = sampling.generate(params, cfg, tokens, mask, jax.random.key(P), num_samples=2,
-                            max_new_tokens=C, temperature=0.7, top_k=20, stop_ids=stops)
-    assert out.tokens.shape == (6, C)
+                            max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20), stop_ids=stops)
+    assert out.tokens_BC.shape == (6, C)
   new = {k: sampling.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
   assert new == {"prefill": 2, "decode": 2}, new
 
@@ -271,6 +271,7 @@ _SHARDED = textwrap.dedent("""
     from capo_jax.runtime import mesh as capo_mesh
     from capo_jax.sampling import sampler as sampling
     from models import qwen2
+    from models.sharding import Layout
     cfg = qwen2.Qwen2Config.tiny(tie_word_embeddings=False)
     params = qwen2.init_params(cfg, jax.random.key(0))
     # Weights of std 0.15 (not 0.02) so greedy does not just repeat the last token.
@@ -278,18 +279,23 @@ _SHARDED = textwrap.dedent("""
         lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 256, (4, 9)); mask = np.ones((4, 9), int); mask[1, :4] = 0
-    kw = dict(num_samples=2, max_new_tokens=12, temperature=0.0, stop_ids=[70, 182])
+    kw = dict(num_samples=2, max_new_tokens=12, strategy=sampling.Greedy())
+    # Stop ids taken from an unstopped run (row 0 at step 2, row 4 at step 6), so rows end
+    # at different lengths whatever the random weights.
+    free = np.asarray(sampling.generate(params, cfg, tokens, mask, jax.random.key(1),
+                                        **kw).tokens_BC)
+    kw["stop_ids"] = sorted({int(free[0, 2]), int(free[4, 6])})
     one = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), **kw)
     mesh = capo_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     rules = capo_mesh.SAMPLING_RULES
-    eight = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), mesh=mesh,
-                              rules=rules, **kw)
+    layout = Layout.of(mesh, rules)
+    eight = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), layout=layout, **kw)
     assert len(jax.devices()) == 8
-    assert eight.tokens.sharding.spec[0] == ("data", "fsdp"), eight.tokens.sharding
-    np.testing.assert_array_equal(np.asarray(one.tokens), np.asarray(eight.tokens))
-    np.testing.assert_array_equal(np.asarray(one.mask), np.asarray(eight.mask))
-    np.testing.assert_allclose(np.asarray(one.logprobs), np.asarray(eight.logprobs), atol=1e-5)
-    assert sorted(set(np.asarray(one.lengths).tolist())) == [3, 6, 10, 12], one.lengths
+    assert eight.tokens_BC.sharding.spec[0] == ("data", "fsdp"), eight.tokens_BC.sharding
+    np.testing.assert_array_equal(np.asarray(one.tokens_BC), np.asarray(eight.tokens_BC))
+    np.testing.assert_array_equal(np.asarray(one.mask_BC), np.asarray(eight.mask_BC))
+    np.testing.assert_allclose(np.asarray(one.logprobs_BC), np.asarray(eight.logprobs_BC), atol=1e-5)
+    assert len(set(np.asarray(one.lengths_B).tolist())) > 1, one.lengths_B  # the stops took effect
     print("OK")
 """)
 

@@ -50,6 +50,7 @@ from capo_jax.runtime import hlo_cost
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import sampler as sampling
 from models import qwen2, sharding
+from models.sharding import Layout
 
 # Chips per slice -> the topology string libtpu takes ("<gen>:<chip grid>").
 # v4 and v5p are 3-D tori counted in TensorCores (2 per chip); v5e and v6e are
@@ -185,9 +186,7 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
                       ) -> tuple[Lowerable, Any]:
   """The prefill, and a function of its compiled form giving the decode loop."""
   rules = mesh_lib.SAMPLING_RULES
-  # generate() turns the rule list into a hashable tuple; its jit cache key is the layout.
-  layout = sampling._Layout(mesh, tuple((n, tuple(a) if isinstance(a, list) else a)  # pylint: disable=protected-access
-                                        for n, a in rules))
+  layout = Layout.of(mesh, rules)  # the value generate() is given, so the same jit cache key
   rep = mesh_lib.replicated(mesh)
   params = _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
   strategy = sampling.make_strategy(c.rollout.temperature, c.rollout.top_p, c.rollout.top_k)

@@ -6,9 +6,10 @@ The mesh has up to three named axes (``MESH_AXES``):
           use), so memory per device falls with its size;
   tensor  Megatron-style model parallelism over heads / MLP columns / vocab.
 
-Sharding is data (STYLE lesson 5): params carry logical axis names
-(``models.qwen2.param_axes``), activations and batches use ``"batch"``, and
-a rule list maps logical names to mesh axes. ``TRAIN_RULES`` shard params
+Sharding is data: params carry logical axis names (Flax's
+``nn.with_logical_partitioning``, listed by ``models.qwen2.param_axes``),
+activations and batches use ``"batch"``, and a rule list maps logical names
+to mesh axes (``models.sharding``, on Flax's ``nn.logical_to_mesh_axes``). ``TRAIN_RULES`` shard params
 over fsdp and tensor; ``SAMPLING_RULES`` keep params whole on every data /
 fsdp replica (no all-gather per decode step) and split them over tensor only.
 A mesh axis that does not divide a dimension is dropped with a log line
@@ -18,10 +19,10 @@ Typical use::
 
   mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   p_specs = models.qwen2.param_specs(cfg, TRAIN_RULES, mesh)
-  batch = shard_batch(host_batch, mesh, TRAIN_RULES)
+  batch = capo_jax.runtime.host.shard_batch(host_batch, mesh, TRAIN_RULES)
 
 Multi-host: ``make_mesh`` uses the global ``jax.devices()``, and
-``shard_batch`` assembles a global array from each process's local rows.
+``host.shard_batch`` assembles a global array from each process's local rows.
 """
 
 from __future__ import annotations
@@ -162,30 +163,8 @@ def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch
 def param_shardings(model_cfg: Any, mesh: Mesh, rules: Rules) -> Any:
   """NamedShardings of the Qwen2 params under ``rules``."""
   from models import qwen2  # local import keeps this module light for configs
-  specs = qwen2.param_specs(model_cfg, rules, mesh)
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return qwen2.param_shardings(model_cfg, sharding.Layout.of(mesh, rules))
 
 
 def replicated(mesh: Mesh) -> NamedSharding:
   return NamedSharding(mesh, PartitionSpec())
-
-
-def shard_batch(batch: Any, mesh: Mesh, rules: Rules) -> Any:
-  """Places a host batch (pytree of arrays with a common leading row axis) on the mesh.
-
-  On one process the arrays are the global batch. On several, each process
-  passes its own contiguous rows and they are stitched into global arrays.
-  """
-  leaves = [x for x in jax.tree.leaves(batch)]
-  if not leaves:
-    return batch
-  local_rows = {np.shape(x)[0] for x in leaves}
-  if len(local_rows) != 1:
-    raise ValueError(f"shard_batch: leaves have different leading sizes {sorted(local_rows)}")
-  rows = local_rows.pop() * jax.process_count()
-  sh = batch_sharding(mesh, rules, rows)
-  if jax.process_count() == 1:
-    return jax.device_put(batch, sh)
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sh, np.asarray(x)),
-                      batch)

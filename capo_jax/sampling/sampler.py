@@ -35,12 +35,13 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import AxisType, Mesh, NamedSharding, PartitionSpec
+from jax.sharding import AxisType
 
 from capo_jax.sampling import decode
 from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
     Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
-from models import kv_cache, qwen2, sharding
+from models import kv_cache, qwen2
+from models.sharding import Layout
 from models.config import Qwen2Config
 
 Params = dict[str, Any]
@@ -61,17 +62,17 @@ def _choose(strategy: Strategy, logits_VB: jax.Array, rng: jax.Array, step: jax.
 class Samples:
   """Completions, rows grouped by prompt (the G samples of prompt 0 first).
 
-  ``mask`` is 1 up to and including the stop token, 0 after; ``tokens`` hold
-  the pad id where ``mask`` is 0 and ``logprobs`` hold 0 there. ``logprobs``
-  are log_softmax of the raw logits at the sampled token (the untempered
-  policy), whatever the temperature / top-k / top-p. ``truncated`` marks rows
+  ``mask_BC`` is 1 up to and including the stop token, 0 after; ``tokens_BC``
+  hold the pad id where the mask is 0 and ``logprobs_BC`` hold 0 there. The
+  log-probs are log_softmax of the raw logits at the sampled token (the
+  untempered policy), whatever the strategy. ``truncated_B`` marks rows
   that reached ``max_new_tokens`` without a stop token.
   """
-  tokens: jax.Array  # [B, C] int32
-  mask: jax.Array  # [B, C] int32
-  logprobs: jax.Array  # [B, C] float32
-  lengths: jax.Array  # [B] int32
-  truncated: jax.Array  # [B] bool
+  tokens_BC: jax.Array  # int32
+  mask_BC: jax.Array  # int32
+  logprobs_BC: jax.Array  # float32
+  lengths_B: jax.Array  # int32
+  truncated_B: jax.Array  # bool
 
 
 @jax.tree_util.register_dataclass
@@ -85,25 +86,17 @@ class _State:
   mask_BC: jax.Array
 
 
-@dataclasses.dataclass(frozen=True)
-class _Layout:
-  """Static sharding context: no mesh means unsharded."""
-  mesh: Mesh | None = None
-  rules: tuple[tuple[str, Any], ...] = ()
+def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  return x if layout is None else layout.constrain(x, axes)
 
-  def constrain(self, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-    if self.mesh is None:
-      return x
-    spec = sharding.logical_to_spec(axes, self.rules, x.shape, self.mesh)
-    return jax.lax.with_sharding_constraint(x, NamedSharding(self.mesh, spec))
 
-  def constrain_tree(self, tree: Any) -> Any:
-    """Rows over the batch axes, a cache's kv heads over theirs, scalars whole."""
-    def one(x: jax.Array) -> jax.Array:
-      axes = {0: (), 1: ("batch",), 4: ("batch", "kv_heads", None, None),
-              5: (None, "batch", None, "kv_heads", None)}.get(x.ndim, ("batch", None))
-      return self.constrain(x, axes) if axes else x
-    return jax.tree.map(one, tree)
+def _constrain_tree(layout: Layout | None, tree: Any) -> Any:
+  """Rows over the batch axes, a cache's kv heads over theirs, scalars whole."""
+  def one(x: jax.Array) -> jax.Array:
+    axes = {0: (), 1: ("batch",), 4: ("batch", "kv_heads", None, None),
+            5: (None, "batch", None, "kv_heads", None)}.get(x.ndim, ("batch", None))
+    return _constrain(layout, x, axes) if axes else x
+  return tree if layout is None else jax.tree.map(one, tree)
 
 
 def _is_stop(tokens_B: jax.Array, stop_ids: jax.Array) -> jax.Array:
@@ -114,33 +107,33 @@ def _is_stop(tokens_B: jax.Array, stop_ids: jax.Array) -> jax.Array:
                                              "layout"))
 def _prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array,
              stop_ids: jax.Array, pad_id: jax.Array, *, cfg: Qwen2Config, strategy: Strategy,
-             num_samples: int, gen_len: int, layout: _Layout
+             num_samples: int, gen_len: int, layout: Layout | None
              ) -> tuple[_State, decode.DecodeCache]:
   """Prompt cache for all B = Q*G rows (with ``gen_len`` free slots) and token 0."""
   TRACE_COUNTS["prefill"] += 1
   Q, P = tokens_QP.shape
   B = Q * num_samples
-  cache = layout.constrain_tree(kv_cache.init_cache(cfg, Q, P))
+  cache = _constrain_tree(layout, kv_cache.init_cache(cfg, Q, P))
   h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
   caches = decode.DecodeCache.from_prefill(kv_cache.repeat_rows(cache, num_samples), gen_len)
-  logits_VB = layout.constrain(jnp.repeat(logits_QV, num_samples, axis=0).T,
-                               ("vocab", "batch"))
+  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T,
+                         ("vocab", "batch"))
   token_B, logprob_B = _choose(strategy, logits_VB, rng, jnp.zeros((), jnp.int32))
   state = _State(
       step=jnp.ones((), jnp.int32), last_B=token_B, done_B=_is_stop(token_B, stop_ids),
       tokens_BC=jnp.full((B, gen_len), pad_id, jnp.int32).at[:, 0].set(token_B),
       logprobs_BC=jnp.zeros((B, gen_len), jnp.float32).at[:, 0].set(logprob_B),
       mask_BC=jnp.zeros((B, gen_len), jnp.int32).at[:, 0].set(1))
-  return layout.constrain_tree(state), layout.constrain_tree(caches)
+  return _constrain_tree(layout, state), _constrain_tree(layout, caches)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "strategy", "layout"),
                    donate_argnames=("cache",))
 def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.Array,
             stop_ids: jax.Array, pad_id: jax.Array, max_new_tokens: jax.Array, *,
-            cfg: Qwen2Config, strategy: Strategy, layout: _Layout
+            cfg: Qwen2Config, strategy: Strategy, layout: Layout | None
             ) -> tuple[Samples, decode.DecodeCache]:
   """Decodes until every row stopped or ``max_new_tokens``; one device program."""
   TRACE_COUNTS["decode"] += 1
@@ -153,7 +146,7 @@ def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.A
   def body(carry: tuple[_State, decode.DecodeCache]) -> tuple[_State, decode.DecodeCache]:
     s, cache = carry
     logits_VB, cache = decode.step(weights, cfg, s.last_B, cache)
-    logits_VB = layout.constrain(logits_VB, ("vocab", "batch"))
+    logits_VB = _constrain(layout, logits_VB, ("vocab", "batch"))
     token_B, logprob_B = _choose(strategy, logits_VB, rng, s.step)
     active_B = ~s.done_B
     put = lambda buf, col: jax.lax.dynamic_update_slice(buf, col[:, None], (0, s.step))
@@ -162,11 +155,12 @@ def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.A
         tokens_BC=put(s.tokens_BC, jnp.where(active_B, token_B, pad_id)),
         logprobs_BC=put(s.logprobs_BC, jnp.where(active_B, logprob_B, 0.0)),
         mask_BC=put(s.mask_BC, active_B.astype(jnp.int32)))
-    return layout.constrain_tree(s), layout.constrain_tree(cache)
+    return _constrain_tree(layout, s), _constrain_tree(layout, cache)
 
   state, cache = jax.lax.while_loop(cond, body, (state, cache))
-  samples = Samples(tokens=state.tokens_BC, mask=state.mask_BC, logprobs=state.logprobs_BC,
-                    lengths=state.mask_BC.sum(-1), truncated=~state.done_B)
+  samples = Samples(tokens_BC=state.tokens_BC, mask_BC=state.mask_BC,
+                    logprobs_BC=state.logprobs_BC, lengths_B=state.mask_BC.sum(-1),
+                    truncated_B=~state.done_B)
   return samples, cache
 
 
@@ -187,10 +181,10 @@ GEN_BUCKET_MIN = 16
 
 def _check_prompts(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> None:
   if tokens.ndim != 2 or mask.shape != tokens.shape:
-    raise ValueError(f"prompt_tokens_BP {tokens.shape} and prompt_mask_BP {mask.shape} must be "
+    raise ValueError(f"prompt_tokens_QP {tokens.shape} and prompt_mask_QP {mask.shape} must be "
                      "2-D arrays of the same shape")
   if not np.isin(mask, (0, 1)).all():
-    raise ValueError("prompt_mask_BP must hold only 0 and 1")
+    raise ValueError("prompt_mask_QP must hold only 0 and 1")
   bad = np.nonzero(np.any(np.diff(mask.astype(np.int32), axis=1) < 0, axis=1)
                    | (mask.sum(1) == 0))[0]
   if bad.size:
@@ -202,29 +196,32 @@ def _check_prompts(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> Non
                      f"[{real.min()}, {real.max()}]")
 
 
-def generate(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Any, prompt_mask_BP: Any,
+def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mask_QP: Any,
              rng: jax.Array, *, num_samples: int, max_new_tokens: int,
-             temperature: float = 1.0, top_p: float = 1.0, top_k: int = 0,
-             stop_ids: Sequence[int] = (), pad_id: int = 0, strategy: Strategy | None = None,
-             mesh: Mesh | None = None, rules: sharding.Rules | None = None) -> Samples:
+             strategy: Strategy = Temperature(1.0), stop_ids: Sequence[int] = (),
+             pad_id: int = 0, layout: Layout | None = None) -> Samples:
   """Samples ``num_samples`` completions of each left-padded prompt.
+
+  Ten arguments, all but the model, prompts and rng keyword-only knobs that
+  callers set independently (a sampling-config object would only move them).
 
   Args:
     params, cfg: the Qwen2 policy.
-    prompt_tokens_BP, prompt_mask_BP: [Q, P] left-padded prompts, mask 1 on
+    prompt_tokens_QP, prompt_mask_QP: [Q, P] left-padded prompts, mask 1 on
       real tokens.
     rng: a PRNG key; the same key gives the same samples.
     num_samples: G, samples per prompt; output row q*G + g is sample g of
       prompt q.
     max_new_tokens: C, the completion length limit (and the output width).
-    temperature, top_p, top_k: as in transformers; temperature 0 is greedy,
-      top_k 0 and top_p 1 are off. Ignored when ``strategy`` is given.
+    strategy: token choice (``Greedy()``, ``Temperature(t)``, ``TopK``,
+      ``TopP``; ``make_strategy(temperature, top_p, top_k)`` builds one from
+      transformers-style values). Default: the policy's own distribution.
     stop_ids: token ids that end a row (e.g. EOS and ``<|im_end|>``); the
       stop token is part of the completion.
     pad_id: token written after a row's end.
-    mesh, rules: optional device mesh and (logical, mesh axes) rules (e.g.
-      ``capo_jax.runtime.mesh.SAMPLING_RULES``): rows are split over the ``"batch"``
-      axes, params placed per the rules. Without a mesh, runs unsharded.
+    layout: optional ``models.sharding.Layout`` (mesh + rules, e.g.
+      ``capo_jax.runtime.mesh.SAMPLING_RULES``): rows are split over the
+      ``"batch"`` axes, params placed per the rules. Without one, runs unsharded.
 
   Returns:
     ``Samples`` of [Q*G, C] tokens / mask / logprobs and [Q*G] lengths /
@@ -233,14 +230,12 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Any, prompt_mas
   if num_samples < 1 or max_new_tokens < 1:
     raise ValueError(f"num_samples ({num_samples}) and max_new_tokens ({max_new_tokens}) "
                      "must be >= 1")
-  if (mesh is None) != (rules is None):
-    raise ValueError("pass both mesh and rules, or neither")
-  if mesh is not None and any(t != AxisType.Auto for t in mesh.axis_types):
-    raise ValueError(f"mesh axis types {mesh.axis_types}: the sampler states shardings with "
-                     "constraints and needs AxisType.Auto axes (capo_jax.runtime.mesh.make_mesh)")
-  strategy = strategy or make_strategy(temperature, top_p, top_k)
-  tokens = np.asarray(prompt_tokens_BP)
-  mask = np.asarray(prompt_mask_BP)
+  if layout is not None and any(t != AxisType.Auto for t in layout.mesh.axis_types):
+    raise ValueError(f"mesh axis types {layout.mesh.axis_types}: the sampler states shardings "
+                     "with constraints and needs AxisType.Auto axes "
+                     "(capo_jax.runtime.mesh.make_mesh)")
+  tokens = np.asarray(prompt_tokens_QP)
+  mask = np.asarray(prompt_mask_QP)
   _check_prompts(tokens, mask, cfg.vocab_size)
   stops = np.asarray(list(stop_ids), np.int32).reshape(-1)
   if stops.size and (stops.min() < 0 or stops.max() >= cfg.vocab_size):
@@ -254,16 +249,9 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Any, prompt_mas
   gen_len = bucket_length(max_new_tokens, GEN_BUCKET_MIN)
   tokens = np.pad(tokens.astype(np.int32), ((0, 0), (P_pad, 0)), constant_values=pad_id)
   mask = np.pad(mask.astype(np.bool_), ((0, 0), (P_pad, 0)))
-  layout = _Layout()
-  if mesh is not None:
-    layout = _Layout(mesh, tuple((name, tuple(ax) if isinstance(ax, list) else ax)
-                                 for name, ax in rules))
-    shard = lambda x, axes: jax.device_put(x, NamedSharding(
-        mesh, sharding.logical_to_spec(axes, layout.rules, x.shape, mesh)))
-    tokens, mask = shard(tokens, ("batch", None)), shard(mask, ("batch", None))
-    specs = qwen2.param_specs(cfg, layout.rules, mesh)
-    params = jax.device_put(params, jax.tree.map(
-        lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)))
+  if layout is not None:
+    tokens, mask = layout.put(tokens, ("batch", None)), layout.put(mask, ("batch", None))
+    params = jax.device_put(params, qwen2.param_shardings(cfg, layout))
   # -1 never matches a token; padding the stop list to 8 ids keeps its shape
   # (a jit argument) fixed across stop sets.
   width = max(8, -(-stops.size // 8) * 8)

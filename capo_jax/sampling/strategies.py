@@ -94,7 +94,7 @@ class _Strategy:
 
 @dataclasses.dataclass(frozen=True)
 class Greedy(_Strategy):
-  """Argmax (the first index of the maximum); ``generate(temperature=0)`` selects it."""
+  """Argmax (the first index of the maximum); ``make_strategy(temperature=0)`` selects it."""
 
   def choose(self, logits_VB: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array]:
     del u_B
