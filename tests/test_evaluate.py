@@ -18,6 +18,7 @@ from capo_jax.data import rewards
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import evaluate
 from capo_jax.eval import report
+from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
 from capo_jax.sampling import sampler as sampling
 from models import hf_weights
@@ -165,7 +166,7 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
 
 def test_evaluate_policy_uses_the_reward_grader(policy, tmp_path):
   _, path = policy
-  pol = evaluate.load_policy(path, dtype=jnp.float32)
+  pol = policy_io.load_policy(path, dtype=jnp.float32)
   from capo_jax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
   tokenizer = load_tokenizer(pol.tokenizer_dir)
   exs = evaluate.load_benchmarks([str(_bench_file(tmp_path))])["tiny"][:2]
@@ -254,25 +255,25 @@ def test_load_policy_prefers_export_then_checkpoint(policy, tmp_path):
   ckpt = Checkpointer(str(workdir), every_steps=1)
   ckpt.save(7, state, {"hf_config": cfg.to_hf()}, force=True)
   ckpt.close()
-  got = evaluate.load_policy(workdir, dtype=jnp.float32)
+  got = policy_io.load_policy(workdir, dtype=jnp.float32)
   assert got.cfg == cfg and "step 7" in got.source and got.tokenizer_dir is None
   for a, b in zip(jax.tree.leaves(got.params), jax.tree.leaves(shifted)):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
   # The HF export wins over the checkpoint.
   hf_weights.save_pretrained(cfg, hf_params, workdir / "export_hf")
-  got = evaluate.load_policy(workdir, base_model=str(path), dtype=jnp.float32)
+  got = policy_io.load_policy(workdir, base_model=str(path), dtype=jnp.float32)
   assert got.source.endswith("export_hf") and got.tokenizer_dir == str(path)
   np.testing.assert_array_equal(np.asarray(got.params["embed"]), np.asarray(hf_params["embed"]))
 
 
 def test_bad_inputs_raise_clear_errors(tmp_path):
   with pytest.raises(FileNotFoundError, match="neither a HF model directory"):
-    evaluate.load_policy(tmp_path)
+    policy_io.load_policy(tmp_path)
   ckpt = Checkpointer(str(tmp_path / "w"), every_steps=1)
   ckpt.save(1, {"params": {"embed": jnp.zeros((2, 2))}}, {}, force=True)
   ckpt.close()
   with pytest.raises(ValueError, match="base_model"):
-    evaluate.load_policy(tmp_path / "w")
+    policy_io.load_policy(tmp_path / "w")
   dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "problem": "x", "answer": "1"}] * 2)
   exs = evaluate.load_benchmarks([str(dup)])["dup"]
   with pytest.raises(ValueError, match="'a' appears more than once"):

@@ -7,9 +7,10 @@
 
 ``--policy`` is a Hugging Face model directory, or a trainer workdir: then its
 HF export ``<workdir>/export_hf`` when present, else the params of the latest
-Orbax checkpoint in ``<workdir>/checkpoints`` (see ``load_policy``). Every
-question gets ``num_samples`` responses (T = 1.0, top_p = 1.0 by default,
-SPEC section 5), graded by ``capo_jax.data.rewards``. The output directory gets
+Orbax checkpoint in ``<workdir>/checkpoints`` (``runtime.policy_io.load_policy``). Every
+question gets ``num_samples`` responses (T = 1.0, top_p = 1.0 by default, as
+in the paper), graded by ``capo_jax.data.rewards``; the metrics are defined in
+docs/algorithms.md ("Evaluation metrics"). The output directory gets
 ``samples.jsonl`` and ``results.json`` (schemas in ``capo_jax.eval.report``) and
 three PNG plots per benchmark: ``<bench>_precision_coverage.png``,
 ``<bench>_scaling.png`` (PC / RPC / majority / best-of-N against N) and
@@ -53,7 +54,7 @@ Params = dict[str, Any]
 
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
-  """Sampling settings of an evaluation (SPEC section 5 defaults)."""
+  """Sampling settings of an evaluation (defaults: the paper's, 16 samples at T = 1)."""
   num_samples: int = 16
   max_new_tokens: int = 3072
   temperature: float = 1.0
@@ -77,11 +78,21 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
   return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
 
 
-def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
-                        examples: Sequence[data.Example], eval_cfg: EvalConfig, rng: jax.Array,
-                        benchmark: str, grader: Any, sharding: dict[str, Any]
+@dataclasses.dataclass(frozen=True)
+class _Sampler:
+  """What samples, the same for every benchmark of an evaluation."""
+  params: Params
+  cfg: Qwen2Config
+  tokenizer: Tokenizer
+  sharding: dict[str, Any]
+
+
+def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
+                        eval_cfg: EvalConfig, rng: jax.Array, benchmark: str, grader: Any
                         ) -> list[SampleRecord]:
   """Records of one benchmark in file order (question, then sample index)."""
+  params, cfg, tokenizer, sharding = (sampler.params, sampler.cfg, sampler.tokenizer,
+                                      sampler.sharding)
   ids = [ex.id for ex in examples]
   dup = next((i for i, c in collections.Counter(ids).items() if c > 1), None)
   if dup is not None:
@@ -107,7 +118,7 @@ def _evaluate_benchmark(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
     tokens, mask = out.tokens[:n], out.mask[:n].astype(np.float64)
     logprobs = out.logprobs[:n].astype(np.float64)
     length_B = mask.sum(1)
-    s_B = (logprobs * mask).sum(1) / np.maximum(length_B, 1)  # SPEC 1: stop token counts
+    s_B = (logprobs * mask).sum(1) / np.maximum(length_B, 1)  # the stop token counts in s
     texts = tokenizer.decode_completions(tokens, mask)
     golds = [examples[i].answer for i in idx for _ in range(G)]
     correct_B = np.asarray(grader.score(texts, golds)[0]) > 0
@@ -154,9 +165,14 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
                     ) -> list[SampleRecord]:
   """Samples ``eval_cfg.num_samples`` responses per question and grades them.
 
+  Ten parameters: the six positional ones are what every evaluation needs (the
+  trainer, the CLI and the demo each hold them as separate objects already);
+  the keyword-only four are optional and default to one benchmark, the
+  default grader and a single device.
+
   Args:
     params, cfg: the policy (params in any dtype; ``cfg.compute_dtype`` is used).
-    tokenizer: renders the SPEC prompt, pads prompts, decodes completions.
+    tokenizer: renders the chat prompt, pads prompts, decodes completions.
     examples: one benchmark's questions (named ``benchmark``), or
       ``{benchmark name: questions}``.
     eval_cfg: sampling settings.
@@ -173,13 +189,14 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
   if not isinstance(examples, Mapping):
     examples = {benchmark: examples}
   grader = grader if grader is not None else rewards.default_grader()
-  sharding = {} if mesh is None else {"mesh": mesh, "rules": rules}
+  sampler = _Sampler(params, cfg, tokenizer, {} if mesh is None else {"mesh": mesh,
+                                                                     "rules": rules})
   records: list[SampleRecord] = []
   for k, (name, exs) in enumerate(examples.items()):
     if not exs:
       raise ValueError(f"benchmark {name!r} has no questions")
-    records += _evaluate_benchmark(params, cfg, tokenizer, list(exs), eval_cfg,
-                                   jax.random.fold_in(rng, k), name, grader, sharding)
+    records += _evaluate_benchmark(sampler, list(exs), eval_cfg, jax.random.fold_in(rng, k),
+                                   name, grader)
   return records
 
 
