@@ -1,6 +1,7 @@
-"""Shared RL types and the axis legend used in names across capo_jax.
+"""Shared types and the axis legend of array names in capo_jax.
 
-Axis legend (suffixes of array names, e.g. ``adv_QG``, ``logprobs_BC``):
+Axis legend of the RL code (suffixes of array names, e.g. ``adv_QG``,
+``logp_BC``); each letter names one axis:
   Q  questions (prompts) in a batch
   G  samples (responses) per question
   B  rows of a batch; in RL batches B = Q * G, grouped by question
@@ -8,7 +9,9 @@ Axis legend (suffixes of array names, e.g. ``adv_QG``, ``logprobs_BC``):
   C  completion length (right-padded)
   T  full sequence length (P + C)
   V  vocabulary
-Model axes (D, N, K, H, F, L, S) are listed at the top of ``models/qwen2.py``.
+  M  micro-batches of one update (gradient accumulation)
+The model's axes (heads, kv heads, head dim, layers, cache slots, ...) are
+listed at the top of ``models/qwen2.py``.
 """
 
 from __future__ import annotations
@@ -19,3 +22,5 @@ import jax
 
 PyTree = Any
 Array = jax.Array
+# A policy's parameters: the nested dict of arrays ``models.qwen2`` builds.
+Params = dict[str, Any]

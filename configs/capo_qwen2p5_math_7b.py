@@ -1,4 +1,4 @@
-r"""CAPO on Qwen2.5-Math-7B with the paper's settings (SPEC section 4).
+r"""CAPO on Qwen2.5-Math-7B with the paper's settings.
 
   python -m capo_jax.main --config=configs/capo_qwen2p5_math_7b.py \
       --workdir=gs://BUCKET/capo-7b --config.model.hf_path=/path/to/Qwen2.5-Math-7B
@@ -24,4 +24,4 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
-  return common.shrink(c) if arg == "shrink" else c
+  return common.shrink(c) if common.wants_shrink(arg, __file__) else c

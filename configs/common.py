@@ -1,12 +1,15 @@
-"""The base config every run file starts from: SPEC section 4 defaults.
+"""The base config every run file starts from: the paper's training settings.
 
 Run files (``configs/<run>.py``) call :func:`get_base_config` and change what
 differs. Every field can be overridden on the command line:
-``--config.algo.tau=0.5``. The ``shrink`` switch (``--config=...py:shrink``)
-turns any run into a tiny CPU run with a random model, big_vision-style.
+``--config.algo.tau=0.5``. The one config argument, ``shrink``
+(``--config=...py:shrink``), turns any run into a tiny CPU run,
+big_vision-style; any other argument is an error (:func:`wants_shrink`).
 """
 
 from __future__ import annotations
+
+import os
 
 import ml_collections
 
@@ -46,7 +49,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.rollout.temperature = 1.0
   c.rollout.top_p = 1.0
   c.rollout.top_k = 0
-  c.rollout.old_logprobs = "trainer"  # or "sampler" (SPEC section 1)
+  # Old log-probs (the ratio's denominator and the score s): a trainer forward
+  # pass, or the sampler's own (cheaper; differs by sampler / trainer numerics).
+  c.rollout.old_logprobs = "trainer"  # or "sampler"
   c.rollout.prompts_per_call = 0  # > 0: sample the Q prompts in chunks (bounds the KV cache)
 
   c.algo = ml_collections.ConfigDict()
@@ -129,6 +134,24 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 8  # questions per sampler call
   c.eval.seed = 0  # the same draws at every evaluation
   return c
+
+
+ARGS = ("shrink",)  # the config arguments a run file accepts after ``file.py:``
+
+
+def wants_shrink(arg: str | None, config_file: str) -> bool:
+  """Whether ``arg`` (the text after ``file.py:``) asks for the shrunk run.
+
+  Raises ValueError naming the argument and the known ones for anything
+  else, so ``--config=configs/x.py:bogus`` never silently runs the full size.
+  """
+  if arg is None or arg == "":
+    return False
+  if arg not in ARGS:
+    name = os.path.basename(config_file)
+    raise ValueError(f"unknown config argument {arg!r} in --config=configs/{name}:{arg}; "
+                     f"known: {', '.join(ARGS)} (or none)")
+  return True
 
 
 def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:

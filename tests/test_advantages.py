@@ -1,4 +1,4 @@
-"""Advantage estimators against the maths of SPEC sections 3 and 6.
+"""Advantage estimators against their equations (docs/algorithms.md, "Advantages").
 
 References are independent: NumPy double loops over pairs, `jax.grad` of the
 pairwise surrogates written pair by pair, and hand-computed groups. Identities
@@ -24,7 +24,8 @@ METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
 
 def _capo_loop(r: np.ndarray, s: np.ndarray, v: np.ndarray, u: np.ndarray, tau: float,
                norm: str = "group") -> np.ndarray:
-  """SPEC's CAPO formula, one pair at a time, in float64."""
+  """CAPO's formula, one pair at a time, in float64: for i correct,
+  A_i = (1/(n tau)) sum_{j wrong} sigmoid((s_j - s_i)/tau); for j wrong, minus the sum over i."""
   out = np.zeros(r.shape)
   for q in range(r.shape[0]):
     pos = [i for i in range(r.shape[1]) if v[q, i] and r[q, i] == 1]
@@ -103,7 +104,7 @@ def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
   valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], bool)
   receive = valid.copy()
   receive[3, 1] = receive[3, 3] = False  # noise-masked, still partners
-  a = np.asarray(adv.compute_advantages(method, rewards_QG=r, mean_logp_QG=s,
+  a = np.asarray(adv.compute_advantages(method, rewards_QG=r, s_QG=s,
                                         valid_QG=valid, receive_QG=receive, step=0,
                                         total_steps=10))
   assert np.isfinite(a).all()
@@ -168,7 +169,7 @@ def test_grpo_and_dr_grpo_against_numpy() -> None:
 
 
 def _linear_surrogate(s_G, r_G, v_G):
-  """(1/n) sum_{i in P, j in N} -(s_i - s_j): the surrogate GRPO descends (SPEC 3)."""
+  """(1/n) sum_{i in P, j in N} -(s_i - s_j): the surrogate GRPO descends."""
   g = len(r_G)
   pairs = [(i, j) for i, j in itertools.product(range(g), range(g))
            if v_G[i] and v_G[j] and r_G[i] == 1 and r_G[j] == 0]
@@ -230,7 +231,7 @@ def test_codapo_hand_computed() -> None:
   # acc = 1/4, d = 3/4, w = 1 - 4 (1/4)^2 = 3/4, c = exp(-0.5), std(R) = sqrt(3)/4.
   scale = math.exp(-0.5) * 0.75 + 0.1
   base = np.array([0.75, -0.25, -0.25, -0.25]) / (math.sqrt(3) / 4 + 1e-6)
-  got = adv.compute_advantages("codapo", rewards_QG=r, mean_logp_QG=s,
+  got = adv.compute_advantages("codapo", rewards_QG=r, s_QG=s,
                                valid_QG=np.ones_like(r, bool))
   np.testing.assert_allclose(np.asarray(got)[0], base * scale, rtol=1e-5)
 
@@ -242,21 +243,21 @@ def test_cde_hand_computed_and_omega_schedule() -> None:
   # rewards -> [1, -1, 1]; bonus min(1/3, -s) = [0.1, 1/3, 1/3].
   shaped = np.array([1.1, -1 + 1 / 3, 1 + 1 / 3])
   want = (shaped - shaped.mean()) / (shaped.std() + 1e-6)
-  early = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=4,
+  early = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, step=4,
                                  total_steps=10)
   np.testing.assert_allclose(np.asarray(early)[0], want, rtol=1e-5)
-  late = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=5,
+  late = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, step=5,
                                 total_steps=10)
   plain = np.array([1, -1, 1.0])
   np.testing.assert_allclose(np.asarray(late)[0],
                              (plain - plain.mean()) / (plain.std() + 1e-6), rtol=1e-5)
   # omega scales the first half's bonus.
-  half = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, omega=0.5)
+  half = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, omega=0.5)
   shaped = np.array([1.05, -1 + 1 / 6, 1 + 1 / 6])
   np.testing.assert_allclose(np.asarray(half)[0],
                              (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
   # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
-  got = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, alpha=0.1)
+  got = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, alpha=0.1)
   shaped = np.array([1.01, -0.95, 1.2])
   np.testing.assert_allclose(np.asarray(got)[0],
                              (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
@@ -274,7 +275,7 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
   for score, conv in (("mean_logprob", lambda x: x), ("neg_ppl", lambda x: -np.exp(-x))):
     z = conv(s)
     tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
-    got = adv.compute_advantages("capo", rewards_QG=r, mean_logp_QG=s, valid_QG=v,
+    got = adv.compute_advantages("capo", rewards_QG=r, s_QG=s, valid_QG=v,
                                  score=score, adaptive_tau=0.5)
     np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5,
                                atol=1e-6)
@@ -286,8 +287,8 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
 def test_entry_point_is_jittable_with_traced_step() -> None:
   r, s, v = _random_batch(seed=21, p_valid=1.0)
   fn = jax.jit(lambda r, s, v, step: adv.compute_advantages(
-      "cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=step, total_steps=100))
-  eager0 = adv.compute_advantages("cde", rewards_QG=r, mean_logp_QG=s, valid_QG=v, step=0,
+      "cde", rewards_QG=r, s_QG=s, valid_QG=v, step=step, total_steps=100))
+  eager0 = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, step=0,
                                   total_steps=100)
   np.testing.assert_allclose(np.asarray(fn(r, s, v, 0)), np.asarray(eager0), rtol=1e-6)
   late = np.asarray(fn(r, s, v, 60))
@@ -299,14 +300,14 @@ def test_bad_inputs_raise_clear_errors() -> None:
   s = np.zeros((1, 2), np.float32)
   v = np.ones((1, 2), bool)
   with pytest.raises(ValueError, match=r"rewards_QG\[0, 1\] = 0.5"):
-    adv.compute_advantages("grpo", rewards_QG=r, mean_logp_QG=s, valid_QG=v)
+    adv.compute_advantages("grpo", rewards_QG=r, s_QG=s, valid_QG=v)
   with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-    adv.compute_advantages("ppo", rewards_QG=r, mean_logp_QG=s, valid_QG=v)
+    adv.compute_advantages("ppo", rewards_QG=r, s_QG=s, valid_QG=v)
   with pytest.raises(ValueError, match=r"unknown hyper-parameter\(s\) \['temperature'\]"):
-    adv.compute_advantages("capo", rewards_QG=np.ones((1, 2)), mean_logp_QG=s, valid_QG=v,
+    adv.compute_advantages("capo", rewards_QG=np.ones((1, 2)), s_QG=s, valid_QG=v,
                            temperature=0.5)
   with pytest.raises(ValueError, match="one shape"):
-    adv.compute_advantages("grpo", rewards_QG=np.ones((1, 3)), mean_logp_QG=s, valid_QG=v)
+    adv.compute_advantages("grpo", rewards_QG=np.ones((1, 3)), s_QG=s, valid_QG=v)
   with pytest.raises(ValueError, match="norm='mean'"):
     adv.capo(np.ones((1, 2)), s, v, tau=0.6, norm="mean")
   with pytest.raises(ValueError, match="tau must be > 0"):
@@ -315,3 +316,33 @@ def test_bad_inputs_raise_clear_errors() -> None:
     adv.to_score(s, "ppl")
   with pytest.raises(ValueError, match="mode='keep'"):
     adv.split_masks(v, v, mode="keep")
+
+
+@pytest.mark.parametrize("mode", ["partner", "drop"])
+def test_score_rollout_is_one_program_matching_numpy(mode: str) -> None:
+  """rollout.score_rollout (mask -> split -> CAPO -> metrics, jitted) against NumPy loops;
+  the step is traced, so a new step reuses the compiled program."""
+  from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
+  r, s, _ = _random_batch(7)
+  ref_s = -np.random.default_rng(8).gamma(1.0, 0.6, size=r.shape)  # ppl from 1 to ~10
+  ppl = np.exp(-ref_s)
+  noisy = ((r == 1) & (ppl > 2.5)) | ((r == 0) & (ppl < 1.05))
+  assert noisy.any() and (~noisy).any()
+  ones = np.ones(r.shape, bool)
+  v, u = (ones, ~noisy) if mode == "partner" else (~noisy, ~noisy)
+  spec = rollout.AdvantageSpec(algo="capo", hparams=(("norm", "group"), ("tau", 0.6)),
+                               noise_mask=True, mask_mode=mode, num_steps=10)
+  got, met = rollout.score_rollout(r.astype(np.float32), s, ref_s, 3, spec=spec)
+  want = _capo_loop(r, s, v, u, 0.6)
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  c = r == 1
+  np.testing.assert_allclose(float(met["masked_frac"]), noisy.mean(), rtol=1e-6)
+  np.testing.assert_allclose(float(met["masked_frac_correct"]), noisy[c].mean(), rtol=1e-6)
+  np.testing.assert_allclose(float(met["masked_frac_wrong"]), noisy[~c].mean(), rtol=1e-6)
+  live = [q for q in range(r.shape[0]) if len(set(r[q][v[q]])) == 2]
+  spread = np.mean([np.std(s[q][v[q]]) for q in live])
+  np.testing.assert_allclose(float(met["s_spread"]), spread, rtol=1e-5)
+  np.testing.assert_allclose(float(met["adv_abs_mean"]), np.abs(want).mean(), rtol=1e-5)
+  n_compiled = rollout.score_rollout._cache_size()  # pylint: disable=protected-access
+  rollout.score_rollout(r.astype(np.float32), s, ref_s, 4, spec=spec)
+  assert rollout.score_rollout._cache_size() == n_compiled  # pylint: disable=protected-access

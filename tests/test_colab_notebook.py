@@ -4,7 +4,7 @@ The cells run unmodified through nbclient in an ipykernel ``python3`` kernel
 (jupyter_client falls back to ipykernel's built-in spec when no kernel.json
 is installed), so IPython syntax (the ``!`` lines of the install cell) and
 the inline matplotlib backend behave as on Colab. ``CAPO_NOTEBOOK_TINY=1``
-selects ``configs/demo.py:tiny``; ``PYTHONPATH`` points the kernel at this
+selects ``configs/demo.py:shrink``; ``PYTHONPATH`` points the kernel at this
 checkout, so the install cell takes its "already installed" branch and
 clones nothing.
 """

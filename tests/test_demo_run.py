@@ -1,4 +1,4 @@
-"""The embedded demo end to end: ``python -m capo_jax.main --config=configs/demo.py:tiny``.
+"""The embedded demo end to end: ``python -m capo_jax.main --config=configs/demo.py:shrink``.
 
 The first call goes through the real command line (a subprocess) and trains
 and caches the warm start; the second runs ``capo_jax.demo.run.run`` in
@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-# configs/demo.py:tiny: 2 RL steps, held-out evaluation before and after only,
+# configs/demo.py:shrink: 2 RL steps, held-out evaluation before and after only,
 # 16 held-out questions x 2 samples.
 TINY_STEPS = 2
 TINY_SAMPLES = 16 * 2
@@ -51,7 +51,7 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
       [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
   proc = subprocess.run(
-      [sys.executable, "-m", "capo_jax.main", "--config=configs/demo.py:tiny",
+      [sys.executable, "-m", "capo_jax.main", "--config=configs/demo.py:shrink",
        f"--workdir={workdir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
       check=False)
   assert proc.returncode == 0, proc.stderr[-4000:]
@@ -94,7 +94,7 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   monkeypatch.setattr(warm_start, "train_sft", no_training)
   before = _cache_files(workdir)
   capsys.readouterr()
-  evals_again = demo_run.run(demo.get_config("tiny"), str(workdir))
+  evals_again = demo_run.run(demo.get_config("shrink"), str(workdir))
   out2 = capsys.readouterr().out
   assert "warm start: loaded from cache" in out2, out2
   assert _cache_files(workdir) == before

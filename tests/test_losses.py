@@ -281,7 +281,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
 
 
 # --------------------------------------------------------------------------
-# End to end on the tiny Qwen2: the policy-gradient identity (SPEC section 6).
+# End to end on the tiny Qwen2: the policy-gradient identity at theta = theta_old.
 # --------------------------------------------------------------------------
 
 

@@ -67,8 +67,8 @@ def _digest(workdir: str, process: int = 0) -> str:
 @pytest.mark.parametrize("name", CONFIG_FILES)
 def test_every_config_file_loads_and_validates(name):
   mod = importlib.import_module(f"configs.{name}")
-  if name == "demo":  # the warm start supplies the policy; "tiny" is its smoke variant
-    full, tiny = mod.get_config(), mod.get_config("tiny")
+  if name == "demo":  # the warm start supplies the policy; "shrink" is its smoke variant
+    full, tiny = mod.get_config(), mod.get_config("shrink")
     full.rollout.max_new_tokens = tiny.rollout.max_new_tokens = 40
     experiment.validate(full, num_devices=1, policy_given=True)
     experiment.validate(tiny, num_devices=1, policy_given=True)

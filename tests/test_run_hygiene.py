@@ -162,6 +162,28 @@ def test_eval_config_fields_are_checked(assets):
     experiment.validate(c, num_devices=1)
 
 
+@pytest.mark.parametrize("name", ["capo_qwen2p5_math_1p5b", "grpo_qwen2p5_math_7b", "demo"])
+def test_an_unknown_config_argument_is_an_error_naming_it(name):
+  import importlib  # pylint: disable=import-outside-toplevel
+  mod = importlib.import_module(f"configs.{name}")
+  want = rf"unknown config argument 'tiny' in --config=configs/{name}\.py:tiny; known: shrink"
+  with pytest.raises(ValueError, match=want):
+    mod.get_config("tiny")  # the old demo switch: one name now, not two
+  assert mod.get_config("shrink").train.num_steps < mod.get_config().train.num_steps
+
+
+def test_an_unknown_config_argument_stops_the_cli_before_anything_runs(tmp_path):
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  repo = pathlib.Path(__file__).resolve().parent.parent
+  proc = subprocess.run([sys.executable, "-m", "capo_jax.main",
+                         "--config=configs/demo.py:bogus", f"--workdir={tmp_path / 'run'}"],
+                        cwd=repo, capture_output=True, text=True, timeout=120, check=False)
+  assert proc.returncode != 0
+  assert "unknown config argument 'bogus' in --config=configs/demo.py:bogus" in proc.stderr
+  assert "known: shrink" in proc.stderr and not (tmp_path / "run").exists()
+
+
 def test_log_prob_pass_in_row_calls_equals_one_call():
   """train.logprob_rows: the old / reference pass in calls of 4 rows == one call of 16,
   on 1 device and on a 2 x 2 x 2 mesh of 8 fake devices when they exist."""

@@ -44,13 +44,14 @@ def get_warm_start(c: ml_collections.ConfigDict, workdir: str) -> warm_start.War
 
 def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
                     num_samples: int, seed: int) -> dict[str, float]:
-  """Held-out accuracy and calibration of ``params`` (SPEC section 5, and by difficulty)."""
+  """Held-out accuracy and calibration of ``params`` (``docs/algorithms.md``, "Evaluation
+  metrics"), also on the questions the policy mostly gets wrong."""
   ev = warm_start.evaluate_policy(params, ws.cfg, ws.tokenizer, examples, num_samples,
                                   jax.random.key(seed))
   s_QG, correct_QG = ev["s"], ev["correct"]
   buckets = calibration.auc_by_bucket(s_QG, correct_QG)
-  # Questions the policy mostly gets wrong (<= 1/4 right), where DEMO_NOTES saw GRPO's
-  # damage that AUC-mean hides.
+  # Questions the policy mostly gets wrong (<= 1/4 right): in the demo's runs GRPO's
+  # loss of calibration showed there, hidden in AUC-mean by the mostly-right questions.
   low = next(iter(buckets.values()))
   return {"accuracy": ev["accuracy"], "auc_mean": ev["auc_mean"],
           "auc_questions": float(ev["auc_n_used"]),

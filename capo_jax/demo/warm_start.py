@@ -35,12 +35,13 @@ from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo.task import Example, TaskConfig, make_splits
 from capo_jax.eval import calibration
 from capo_jax.eval import evaluate
+from capo_jax.rl.optim import OptimConfig, make_optimizer
+from capo_jax.types import Params
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 
 log = logging.getLogger(__name__)
 
-Params = dict[str, Any]
 _INFO_FILE = "warm_start.json"
 
 
@@ -133,10 +134,10 @@ def sft_loss(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: ja
   return jnp.sum(nll_BT * w_BT) / jnp.maximum(jnp.sum(w_BT), 1.0)
 
 
-def make_optimizer(sft: SFTConfig) -> optax.GradientTransformation:
-  schedule = optax.linear_schedule(0.0, sft.lr, max(sft.warmup_steps, 1))
-  return optax.chain(optax.clip_by_global_norm(sft.grad_clip),
-                     optax.adamw(schedule, b1=0.9, b2=0.99, weight_decay=sft.weight_decay))
+def optim_config(sft: SFTConfig) -> OptimConfig:
+  """The trainer's AdamW (``capo_jax.rl.optim``) with the warm start's settings."""
+  return OptimConfig(learning_rate=sft.lr, warmup_steps=sft.warmup_steps, b1=0.9, b2=0.99,
+                     weight_decay=sft.weight_decay, grad_clip=sft.grad_clip)
 
 
 def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation):
@@ -164,7 +165,8 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: CharTokenizer,
   """Samples ``num_samples`` answers per question with the project's evaluator and sums up.
 
   Returns a dict: ``accuracy`` (mean@G), ``auc_mean`` and ``auc_n_used``
-  (per-question ROC-AUC of s against correctness, SPEC section 5),
+  (per-question ROC-AUC of s against correctness, ties 1/2; all-right or
+  all-wrong questions skipped),
   ``entropy`` (mean per-token entropy of the policy over its generated
   tokens, as its unbiased sample estimate: the mean of -log pi(token)),
   ``mean_length`` (tokens, stop token included), ``truncated`` (fraction of
@@ -285,7 +287,7 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
   max_new = completion_budget(tokenizer, train + val)
   rng = jax.random.key(sft_cfg.seed)
   params = qwen2.init_params(model_cfg, jax.random.fold_in(rng, 0))
-  optimizer = make_optimizer(sft_cfg)
+  optimizer = make_optimizer(optim_config(sft_cfg))
   opt_state = optimizer.init(params)
   step_fn = make_sft_step(model_cfg, optimizer)
   order = np.random.default_rng(sft_cfg.seed)

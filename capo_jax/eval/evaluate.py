@@ -41,8 +41,8 @@ from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import report
 from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
-from capo_jax.rl import rollout
 from capo_jax.runtime import fs
+from capo_jax.runtime.host import to_host
 from capo_jax.runtime.policy_io import load_policy
 from capo_jax.sampling import sampler as sampling
 from models.config import Qwen2Config
@@ -143,7 +143,7 @@ def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
     prev = None
     for b, idx in enumerate(_batches(lengths, bs)):
       # to_host gathers the rows of every process when the mesh spans several.
-      out = jax.tree.map(rollout.to_host, dispatch(b, idx))
+      out = jax.tree.map(to_host, dispatch(b, idx))
       if prev is not None:
         prev.result()  # re-raises a grading error; keeps the host one batch behind at most
       prev = host.submit(finish, idx, out, bar)

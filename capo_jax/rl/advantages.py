@@ -2,7 +2,8 @@
 
 Every estimator is written for one group (one question's G samples, shape
 [G] -> [G]) and lifted over questions with `jax.vmap`; the public functions
-take and return [Q, G] arrays. See SPEC sections 3 and 6 for the maths.
+take and return [Q, G] arrays. The equations: ``docs/algorithms.md``, "Advantages"
+and "Noise mask".
 
 Two masks (design). A row of a group can be
   * valid: it exists and takes part in the group: it is a pair partner for
@@ -20,8 +21,10 @@ exactly 0 for every estimator, and so does every non-receiving row. Inputs on
 invalid rows are replaced by 0 before any arithmetic, so NaN / inf there (an
 empty completion's mean log-prob, say) never leaks into the others.
 
-Rewards must be binary {0, 1} (SPEC section 1): a sample is correct when its
-reward is above 1/2.
+Rewards must be binary {0, 1} (1: the final answer is equivalent to the gold
+one): a sample is correct when its reward is above 1/2. The score ``s_QG`` is
+each response's mean token log-prob under the old policy
+(``logprobs.mean_logprob``); CAPO may convert it first (``to_score``).
 """
 
 from __future__ import annotations
@@ -33,6 +36,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capo_jax.rl.logprobs import masked_mean
 from capo_jax.types import Array
 
 GRPO_EPS = 1e-6
@@ -56,11 +60,8 @@ def _classes(r_G: Array, v_G: Array) -> tuple[Array, Array, Array]:
 
 def _masked_mean_std(x_G: Array, v_G: Array) -> tuple[Array, Array]:
   """Mean and population std of x over the valid rows (0 when none)."""
-  n = jnp.maximum(v_G.sum(), 1)
-  x_G = jnp.where(v_G, x_G, 0.0)
-  mean = x_G.sum() / n
-  var = jnp.where(v_G, (x_G - mean) ** 2, 0.0).sum() / n
-  return mean, jnp.sqrt(var)
+  mean = masked_mean(x_G, v_G)
+  return mean, jnp.sqrt(masked_mean((x_G - mean) ** 2, v_G))
 
 
 def _finish(a_G: Array, r_G: Array, v_G: Array, u_G: Array) -> Array:
@@ -151,7 +152,7 @@ def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = No
   return jax.vmap(_dr_grpo_group)(_float(rewards_QG), v, u)
 
 
-def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | Array,
+def capo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, tau: float | Array,
          norm: str = "group", receive_QG: Array | None = None) -> Array:
   """CAPO: minus the gradient of the logistic pairwise AUC surrogate.
 
@@ -162,7 +163,7 @@ def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | A
 
   Args:
     rewards_QG: binary rewards.
-    scores_QG: confidence scores (already converted, see `to_score`).
+    s_QG: confidence scores (already converted by `to_score`).
     valid_QG: rows that exist and act as partners.
     tau: temperature (a Python float or a traced scalar, e.g. adaptive tau).
     norm: "group", "pairs" or "none".
@@ -178,16 +179,16 @@ def capo(rewards_QG: Array, scores_QG: Array, valid_QG: Array, *, tau: float | A
   v, u = _receive(valid_QG, receive_QG)
   kernel = lambda r, s, vv, uu, t: _capo_group(r, s, vv, uu, t, norm)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-      _float(rewards_QG), _float(scores_QG), v, u,
+      _float(rewards_QG), _float(s_QG), v, u,
       jnp.asarray(tau))
 
 
-def codapo(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *,
+def codapo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *,
            receive_QG: Array | None = None, eps: float = GRPO_EPS) -> Array:
   """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`."""
   v, u = _receive(valid_QG, receive_QG)
   return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, None))(
-      _float(rewards_QG), _float(mean_logp_QG), v, u, eps)
+      _float(rewards_QG), _float(s_QG), v, u, eps)
 
 
 def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
@@ -195,18 +196,18 @@ def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
   return jnp.where(jnp.asarray(step) < jnp.asarray(total_steps) / 2, 1.0, 0.0)
 
 
-def cde(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *, omega: float | Array,
+def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array,
         kappa: float = 3.0, alpha: float = 1.0, receive_QG: Array | None = None,
         eps: float = GRPO_EPS) -> Array:
   """CDE: rewards mapped to {-1, +1} plus `omega * min(|r|/kappa, alpha * (-s))`, then GRPO.
 
   `-s` is the response's log-perplexity. Degenerate groups get 0 even though
-  the bonus alone would spread them (SPEC: every estimator zeroes them).
+  the bonus alone would spread them (every estimator zeroes them).
   """
   v, u = _receive(valid_QG, receive_QG)
   kernel = lambda r, s, vv, uu, w: _cde_group(r, s, vv, uu, w, kappa, alpha, eps)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-      _float(rewards_QG), _float(mean_logp_QG), v, u,
+      _float(rewards_QG), _float(s_QG), v, u,
       jnp.asarray(omega))
 
 
@@ -215,9 +216,9 @@ def cde(rewards_QG: Array, mean_logp_QG: Array, valid_QG: Array, *, omega: float
 # --------------------------------------------------------------------------
 
 
-def ref_ppl(ref_mean_logp_QG: Array) -> Array:
-  """Reference perplexity `exp(-mean_t log pi_ref)` from the mean reference log-prob."""
-  return jnp.exp(-_float(ref_mean_logp_QG))
+def ref_ppl(ref_s_QG: Array) -> Array:
+  """Reference perplexity `exp(-mean_t log pi_ref)` from the reference's score s."""
+  return jnp.exp(-_float(ref_s_QG))
 
 
 def noise_mask(rewards_QG: Array, ref_ppl_QG: Array, *, high: float = 2.5,
@@ -258,7 +259,7 @@ def masked_fraction(mask_QG: Array, rewards_QG: Array, valid_QG: Array) -> dict[
           "masked_frac_wrong": frac(v & ~c)}
 
 
-def to_score(mean_logp_QG: Array, score: str = "mean_logprob") -> Array:
+def to_score(s_QG: Array, score: str = "mean_logprob") -> Array:
   """The configured confidence score from the mean token log-prob s.
 
   "mean_logprob": s itself (= -log PPL). "neg_ppl": -PPL = -exp(-s).
@@ -266,34 +267,34 @@ def to_score(mean_logp_QG: Array, score: str = "mean_logprob") -> Array:
   """
   if score not in SCORES:
     raise ValueError(f"to_score: score={score!r} is not one of {SCORES}")
-  s_QG = _float(mean_logp_QG)
+  s_QG = _float(s_QG)
   return s_QG if score == "mean_logprob" else -jnp.exp(-s_QG)
 
 
-def score_spread(scores_QG: Array, rewards_QG: Array, valid_QG: Array) -> Array:
+def score_spread(s_QG: Array, rewards_QG: Array, valid_QG: Array) -> Array:
   """Mean over non-degenerate groups of the within-group std of the valid scores.
 
   What tau has to be compared with; 0 when every group is degenerate.
   """
   v_QG = jnp.asarray(valid_QG).astype(bool)
   r_QG = _float(rewards_QG)
-  s_QG = _float(scores_QG)
+  s_QG = _float(s_QG)
   std_Q = jax.vmap(lambda s, v: _masked_mean_std(s, v)[1])(s_QG, v_QG)
   live_Q = jax.vmap(lambda r, v: _classes(r, v)[2])(r_QG, v_QG)
   return jnp.where(live_Q, std_Q, 0.0).sum() / jnp.maximum(live_Q.sum(), 1)
 
 
-def adaptive_tau_value(scores_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float,
-                 fallback: float) -> Array:
+def adaptive_tau_value(s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float,
+                       fallback: float) -> Array:
   """`scale * score_spread(...)`; `fallback` when the batch has no spread (all degenerate)."""
-  spread = score_spread(scores_QG, rewards_QG, valid_QG)
+  spread = score_spread(s_QG, rewards_QG, valid_QG)
   return jnp.where(spread > 0, scale * spread, fallback)
 
 
 # --------------------------------------------------------------------------
 # Registry and the trainer's entry point.
 # --------------------------------------------------------------------------
-# Entries share one signature: (rewards, mean_logp, valid, receive, step,
+# Entries share one signature: (rewards, s, valid, receive, step,
 # total_steps, **hparams); hparams are keyword-only and checked by name.
 
 
@@ -313,10 +314,10 @@ def _capo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total:
                 tau: float = 0.6, norm: str = "group", score: str = "mean_logprob",
                 adaptive_tau: float = 0.0) -> Array:
   del step, total
-  scores = to_score(s, score)
+  s = to_score(s, score)
   if adaptive_tau > 0:  # tau = c * the batch's within-group spread of the score
-    tau = adaptive_tau_value(scores, r, v, scale=adaptive_tau, fallback=tau)
-  return capo(r, scores, v, tau=tau, norm=norm, receive_QG=u)
+    tau = adaptive_tau_value(s, r, v, scale=adaptive_tau, fallback=tau)
+  return capo(r, s, v, tau=tau, norm=norm, receive_QG=u)
 
 
 def _codapo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
@@ -370,7 +371,7 @@ def _check_inputs(name: str, arrays: dict[str, Any]) -> None:
                        f"{np.asarray(r)[q, g]}")
 
 
-def compute_advantages(name: str, *, rewards_QG: Array, mean_logp_QG: Array,
+def compute_advantages(name: str, *, rewards_QG: Array, s_QG: Array,
                        valid_QG: Array, receive_QG: Array | None = None,
                        step: int | Array = 0, total_steps: int | Array = 1,
                        **hparams: Any) -> Array:
@@ -380,9 +381,9 @@ def compute_advantages(name: str, *, rewards_QG: Array, mean_logp_QG: Array,
     name: a key of `ADVANTAGES` ("grpo", "dr_grpo", "capo", "codapo", "cde",
       "gspo", "simko").
     rewards_QG: binary rewards.
-    mean_logp_QG: mean token log-prob s of each response under the old
-      policy (SPEC section 1). CAPO converts it with its `score` hparam;
-      CoDaPO and CDE use s as written in the SPEC.
+    s_QG: the score s of each response: its mean token log-prob under the
+      old policy. CAPO converts it with its `score` hparam; CoDaPO and CDE
+      use s itself, as their papers do.
     valid_QG: rows that exist and act as partners (see `split_masks`).
     receive_QG: rows allowed a non-zero advantage (default: valid).
     step: training step (CDE's omega schedule).
@@ -401,6 +402,6 @@ def compute_advantages(name: str, *, rewards_QG: Array, mean_logp_QG: Array,
   if unknown:
     raise ValueError(f"advantage {name!r}: unknown hyper-parameter(s) {sorted(unknown)}; "
                      f"accepted: {list(hparam_names(name))}")
-  _check_inputs(name, {"rewards_QG": rewards_QG, "mean_logp_QG": mean_logp_QG,
+  _check_inputs(name, {"rewards_QG": rewards_QG, "s_QG": s_QG,
                        "valid_QG": valid_QG, "receive_QG": receive_QG})
-  return fn(rewards_QG, mean_logp_QG, valid_QG, receive_QG, step, total_steps, **hparams)
+  return fn(rewards_QG, s_QG, valid_QG, receive_QG, step, total_steps, **hparams)

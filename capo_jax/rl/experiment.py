@@ -15,6 +15,7 @@ import ml_collections
 
 from capo_jax.rl import advantages
 from capo_jax.rl import losses
+from capo_jax.rl import rollout
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
 from capo_jax.runtime import fs
@@ -162,6 +163,26 @@ def train_config(c: ml_collections.ConfigDict) -> TrainConfig:
   return TrainConfig(loss_kind=LOSS_KIND[c.algo.name], loss=loss_cfg, optim=optim,
                      num_microbatches=rows // c.train.micro_batch_size,
                      logprob_chunk_size=c.train.logprob_chunk)
+
+
+def advantage_spec(c: ml_collections.ConfigDict) -> rollout.AdvantageSpec:
+  """The static configuration of ``rollout.score_rollout``."""
+  a = c.algo
+  return rollout.AdvantageSpec(
+      algo=a.name, hparams=tuple(sorted(advantage_hparams(c).items())),
+      noise_mask=uses_noise_mask(c), mask_high=a.mask_high, mask_low=a.mask_low,
+      mask_mode=a.mask_mode, num_steps=c.train.num_steps)
+
+
+def rollout_spec(c: ml_collections.ConfigDict) -> rollout.RolloutSpec:
+  """What ``rollout.collect`` needs from the config: sampling, advantages, log-probs."""
+  r = c.rollout
+  return rollout.RolloutSpec(
+      num_samples=r.num_samples, max_prompt_len=r.max_prompt_len,
+      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
+      adv=advantage_spec(c), old_from_sampler=r.old_logprobs == "sampler",
+      simko_k=c.loss.simko_k if c.algo.name == "simko" else 0,
+      prompts_per_call=r.prompts_per_call)
 
 
 def num_updates(c: ml_collections.ConfigDict) -> int:

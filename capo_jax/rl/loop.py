@@ -1,8 +1,9 @@
 """The RL training run: ``train(config, workdir)``.
 
-Each step (SPEC section 4): draw Q prompts, sample G responses each, grade
-them, compute old-policy (and, when the KL term or the noise mask needs them,
-reference) log-probs, advantages, then PPO mini-batch updates.
+Each step: draw Q prompts, sample G responses each, grade them, compute
+old-policy (and, when the KL term or the noise mask needs them, reference)
+log-probs, advantages, then PPO mini-batch updates (``rollout.collect``, then
+``train.ppo_epochs`` passes over ``train.mini_batch_prompts``-question batches).
 
 What the run writes to its workdir (local or ``gs://``):
 
@@ -43,6 +44,7 @@ from capo_jax.rl import train_step as ts
 from capo_jax.rl.run_setup import Policy, export_policy
 from capo_jax.runtime import checkpoint as ckpt_lib
 from capo_jax.runtime import fs
+from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.runtime import metrics
 from capo_jax.runtime import preemption
@@ -56,20 +58,6 @@ EvalFn = Callable[[int, Any], dict[str, float]]
 
 class TrainingDiverged(RuntimeError):
   """Too many consecutive steps had a non-finite loss or gradient."""
-
-
-def _spec(c: ml_collections.ConfigDict) -> rollout.RolloutSpec:
-  r = c.rollout
-  return rollout.RolloutSpec(
-      num_samples=r.num_samples, max_prompt_len=r.max_prompt_len,
-      max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-      algo=c.algo.name, hparams=experiment.advantage_hparams(c),
-      noise_mask=experiment.uses_noise_mask(c), mask_high=c.algo.mask_high,
-      mask_low=c.algo.mask_low, mask_mode=c.algo.mask_mode,
-      old_from_sampler=r.old_logprobs == "sampler",
-      mini_batch_prompts=c.train.mini_batch_prompts, num_steps=c.train.num_steps,
-      simko_k=c.loss.simko_k if c.algo.name == "simko" else 0,
-      prompts_per_call=r.prompts_per_call)
 
 
 def _mean_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
@@ -131,7 +119,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   iterator = data.PromptIterator(train_examples, Q, c.seed, process_index=jax.process_index(),
                                  process_count=jax.process_count())
   grader = grader or rewards.default_grader()
-  spec = _spec(c)
+  spec = experiment.rollout_spec(c)
 
   state_sh = ts.state_shardings(model_cfg, tcfg, mesh, train_rules)
   params0 = run_setup.initial_params(c, model_cfg, policy, state_sh.params)
@@ -200,7 +188,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       update_metrics = []
       for _ in range(c.train.ppo_epochs):
         for mb in ro.minibatches(c.train.mini_batch_prompts, G):
-          state, m = step_fn(state, rollout.put_global(mb, batch_sh))
+          state, m = step_fn(state, host.put_global(mb, batch_sh))
           update_metrics.append(m)
       # One host sync per step, once every update is dispatched: reading each
       # update's metrics back at once would stall the dispatch of the next.

@@ -5,7 +5,7 @@ Inputs are per-token arrays over the completion (axis C), rows B = Q * G.
 (used by grpo, dr_grpo, capo, codapo and cde), "gspo" or "simko". Every loss
 returns `(loss, aux)` with aux a flat dict of scalars for logging.
 
-Conventions (SPEC section 2):
+Conventions (the equations: ``docs/algorithms.md``, "Policy losses"):
   * rho = exp(logp - old_logp); token objective
     `min(rho * A, clip(rho, 1 - eps_low, 1 + eps_high) * A)`; loss = -objective.
   * Aggregation over tokens (`LossConfig.agg`):
@@ -27,6 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from capo_jax.rl.logprobs import masked_mean
 from capo_jax.types import Array
 
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -64,7 +65,8 @@ class PolicyBatch(NamedTuple):
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Hyper-parameters of the policy losses (defaults: SPEC sections 2 and 3)."""
+  """Hyper-parameters of the policy losses; the defaults are the papers' (eps 0.2 for
+  PPO; GSPO's 3e-4 / 4e-4; SimKO's alpha 0.01, K 3, lambda 1.1, 0.8 entropy quantile)."""
   eps_low: float = 0.2
   eps_high: float = 0.2
   agg: str = "seq-mean-token-mean"
@@ -108,17 +110,15 @@ class LossConfig:
 
 def aggregate(x_BC: Array, mask_BC: Array, agg: str, max_len: int | None = None) -> Array:
   """Reduces a per-token quantity to a scalar with aggregation mode `agg`."""
-  m = mask_BC.astype(x_BC.dtype)
-  x_BC = jnp.where(mask_BC > 0, x_BC, 0.0)  # padding may hold inf / NaN
-  len_B = m.sum(-1)
-  rows = jnp.maximum((len_B > 0).sum(), 1)
+  m = mask_BC > 0
+  rows = jnp.maximum(m.any(-1).sum(), 1)
   if agg == "seq-mean-token-mean":
-    return ((x_BC * m).sum(-1) / jnp.maximum(len_B, 1)).sum() / rows
+    return masked_mean(x_BC, m, axis=-1).sum() / rows
   if agg == "token-mean":
-    return (x_BC * m).sum() / jnp.maximum(m.sum(), 1)
+    return masked_mean(x_BC, m)
   if agg == "seq-mean-token-sum-norm":
     norm = x_BC.shape[-1] if max_len is None else max_len
-    return (x_BC * m).sum() / (norm * rows)
+    return jnp.where(m, x_BC, 0.0).sum() / (norm * rows)  # padding may hold inf / NaN
   raise ValueError(f"aggregate: agg={agg!r} is not one of {AGGS}")
 
 
@@ -134,11 +134,6 @@ def kl_per_token(logp_BC: Array, ref_logp_BC: Array, estimator: str = "k3") -> A
   raise ValueError(f"kl_per_token: estimator={estimator!r} is not one of {KL_ESTIMATORS}")
 
 
-def _masked_mean(x_BC: Array, mask_BC: Array) -> Array:
-  m = mask_BC > 0
-  return jnp.where(m, x_BC, 0.0).sum() / jnp.maximum(m.sum(), 1)
-
-
 def _clipped(ratio_BC: Array, adv_BC: Array, mask_BC: Array, eps_low: float,
              eps_high: float, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
   """The clipped surrogate loss (aggregated) and its clip statistics."""
@@ -152,10 +147,10 @@ def _clipped(ratio_BC: Array, adv_BC: Array, mask_BC: Array, eps_low: float,
   high_BC = (r > 1.0 + eps_high) & (adv_BC > 0)
   big = jnp.finfo(r.dtype).max
   aux = {
-      "clip_frac_low": _masked_mean(low_BC.astype(r.dtype), mask_BC),
-      "clip_frac_high": _masked_mean(high_BC.astype(r.dtype), mask_BC),
-      "clip_frac": _masked_mean((low_BC | high_BC).astype(r.dtype), mask_BC),
-      "ratio_mean": _masked_mean(r, mask_BC),
+      "clip_frac_low": masked_mean(low_BC.astype(r.dtype), mask_BC),
+      "clip_frac_high": masked_mean(high_BC.astype(r.dtype), mask_BC),
+      "clip_frac": masked_mean((low_BC | high_BC).astype(r.dtype), mask_BC),
+      "ratio_mean": masked_mean(r, mask_BC),
       "ratio_min": jnp.where(m, r, big).min(),
       "ratio_max": jnp.where(m, r, -big).max(),
       "pg_loss": loss,
@@ -173,7 +168,7 @@ def _common_aux(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, A
       "token_frac": (mask > 0).mean(),
   }
   if batch.entropy_BC is not None:
-    aux["entropy"] = _masked_mean(jax.lax.stop_gradient(batch.entropy_BC), mask)
+    aux["entropy"] = masked_mean(jax.lax.stop_gradient(batch.entropy_BC), mask)
   penalty = jnp.zeros((), batch.logp_BC.dtype)
   if batch.ref_logp_BC is not None:
     kl_BC = kl_per_token(batch.logp_BC, batch.ref_logp_BC, cfg.kl_estimator)
@@ -200,10 +195,8 @@ def ppo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Arra
 
 def gspo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
   """GSPO: one ratio per response, `exp(mean_t(logp - old_logp))`, clipped per response."""
-  m = batch.mask_BC > 0
-  delta_BC = jnp.where(m, batch.logp_BC - batch.old_logp_BC, 0.0)
-  log_ratio_B = delta_BC.sum(-1) / jnp.maximum(m.sum(-1), 1)
-  ratio_BC = jnp.broadcast_to(jnp.exp(log_ratio_B)[:, None], delta_BC.shape)
+  log_ratio_B = masked_mean(batch.logp_BC - batch.old_logp_BC, batch.mask_BC, axis=-1)
+  ratio_BC = jnp.broadcast_to(jnp.exp(log_ratio_B)[:, None], batch.mask_BC.shape)
   adv_BC = jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape)
   return _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.gspo_eps_low, cfg.gspo_eps_high, cfg)
 
@@ -247,8 +240,8 @@ def simko_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Ar
   boost_BC = fork_BC & ~correct_B1 & batch.is_argmax_BC.astype(bool)
   adv_BC = batch.adv_B[:, None] * jnp.where(boost_BC, cfg.simko_lambda, 1.0)
   loss, aux = _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
-  aux["forked_frac"] = _masked_mean(fork_BC.astype(rho_BC.dtype), batch.mask_BC)
-  aux["boosted_frac"] = _masked_mean(boost_BC.astype(rho_BC.dtype), batch.mask_BC)
+  aux["forked_frac"] = masked_mean(fork_BC.astype(rho_BC.dtype), batch.mask_BC)
+  aux["boosted_frac"] = masked_mean(boost_BC.astype(rho_BC.dtype), batch.mask_BC)
   return loss, aux
 
 

@@ -1,4 +1,4 @@
-"""AdamW with warmup, global-norm clipping and weight decay (SPEC section 4).
+"""AdamW with warmup, global-norm clipping and weight decay (the paper: lr 1e-6, clip 1.0).
 
 ``make_optimizer(OptimConfig(...))`` returns an ``optax.GradientTransformation``
 (clip by global norm -> Adam moments -> decoupled weight decay -> -lr);

@@ -1,11 +1,11 @@
 """One RL step's data: prompts -> samples -> rewards -> log-probs -> advantages.
 
-The flow of SPEC section 4 for a batch of Q questions and G samples each
-(B = Q * G rows, grouped by question):
+For a batch of Q questions and G samples each (B = Q * G rows, grouped by
+question), ``collect`` orchestrates, on the host:
 
   sampling (jit) -> rewards (host, process pool) -> old / reference log-probs
-  (jit, trainer forward) -> advantages (jit, vmapped per question) -> PPO
-  mini-batches of ``TrainBatch``.
+  (jit, trainer forward) -> ``score_rollout`` (one jitted program: noise mask,
+  advantages, their metrics) -> PPO mini-batches of ``TrainBatch``.
 
 Multi-host: each process reads and grades only its own questions; prompt
 tokens, rewards and log-probs are all-gathered (small integer / float
@@ -16,6 +16,7 @@ same global device arrays from them.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -23,40 +24,22 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.experimental import multihost_utils
 
 from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
 from capo_jax.rl import advantages
 from capo_jax.rl import train_step
+from capo_jax.rl.logprobs import mean_logprob
 from capo_jax.rl.train_step import TrainBatch
 from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.runtime.host import gather_rows, put_global, to_host
+from capo_jax.types import Array
 from capo_jax.sampling import sampler as sampling
 from models.config import Qwen2Config
+from models.sharding import Layout
 
 LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this
-
-
-def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
-  """The whole (global) value of an array on every process."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
-
-
-def gather_rows(x: np.ndarray) -> np.ndarray:
-  """Concatenates each process's rows (in process order) on every process."""
-  if jax.process_count() == 1:
-    return x
-  return np.asarray(multihost_utils.process_allgather(x, tiled=False)).reshape(
-      (-1,) + x.shape[1:])
-
-
-def put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
-  """Host arrays that every process holds in full -> global device arrays."""
-  return jax.tree.map(
-      lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
 
 
 def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
@@ -99,6 +82,59 @@ def _trim_left(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.nda
 
 
 @dataclasses.dataclass(frozen=True)
+class AdvantageSpec:
+  """The static half of ``score_rollout`` (hashable: a jit static argument).
+
+  Attributes:
+    algo: the estimator (a key of ``advantages.ADVANTAGES``).
+    hparams: its hyper-parameters as sorted ``(name, value)`` pairs.
+    noise_mask: apply CAPO's noise mask (needs the reference's scores).
+    mask_high, mask_low: reference-perplexity thresholds of the mask.
+    mask_mode: "partner" or "drop" (``advantages.split_masks``).
+    num_steps: the run's planned steps (CDE's bonus schedule).
+  """
+  algo: str
+  hparams: tuple[tuple[str, Any], ...] = ()
+  noise_mask: bool = False
+  mask_high: float = 2.5
+  mask_low: float = 1.05
+  mask_mode: str = "partner"
+  num_steps: int = 1
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: Array, *,
+                  spec: AdvantageSpec) -> tuple[Array, dict[str, Array]]:
+  """One step's advantages and their metrics, as one pure jitted program.
+
+  Noise mask (when ``spec.noise_mask``: from the reference's scores
+  ``ref_s_QG``), split into valid / receiving rows, the estimator, the masked
+  fractions and the within-group spread of the score. ``step`` is traced (CDE's
+  schedule), so every step runs the same compiled program.
+
+  Returns:
+    (adv_QG, metrics): float32 advantages and scalar metrics ``s_spread``,
+    ``adv_abs_mean`` and, with the mask, ``masked_frac{,_correct,_wrong}``.
+  """
+  hparams = dict(spec.hparams)
+  valid_QG = jnp.ones(rewards_QG.shape, bool)
+  receive_QG = None
+  metrics: dict[str, Array] = {}
+  if spec.noise_mask:
+    noisy_QG = advantages.noise_mask(rewards_QG, advantages.ref_ppl(ref_s_QG),
+                                     high=spec.mask_high, low=spec.mask_low)
+    metrics.update(advantages.masked_fraction(noisy_QG, rewards_QG, valid_QG))
+    valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
+  adv_QG = advantages.compute_advantages(
+      spec.algo, rewards_QG=rewards_QG, s_QG=s_QG, valid_QG=valid_QG, receive_QG=receive_QG,
+      step=step, total_steps=spec.num_steps, **hparams)
+  score_QG = advantages.to_score(s_QG, hparams.get("score", "mean_logprob"))
+  metrics["s_spread"] = advantages.score_spread(score_QG, rewards_QG, valid_QG)
+  metrics["adv_abs_mean"] = jnp.abs(adv_QG).mean()
+  return adv_QG, metrics
+
+
+@dataclasses.dataclass(frozen=True)
 class RolloutSpec:
   """What ``collect`` needs to know besides the arrays (from the run config)."""
   num_samples: int
@@ -107,15 +143,8 @@ class RolloutSpec:
   temperature: float
   top_p: float
   top_k: int
-  algo: str
-  hparams: dict[str, Any]
-  noise_mask: bool
-  mask_high: float
-  mask_low: float
-  mask_mode: str
+  adv: AdvantageSpec
   old_from_sampler: bool
-  mini_batch_prompts: int
-  num_steps: int
   simko_k: int = 0
   prompts_per_call: int = 0  # 0: all Q prompts in one sampler call
 
@@ -154,12 +183,6 @@ class Rollout:
           else None,
           old_topk_ids_BCK=pick(self.topk_ids_BCK), old_topk_logp_BCK=pick(self.topk_logp_BCK)))
     return out
-
-
-def mean_logprob(logp_BC: np.ndarray, mask_BC: np.ndarray) -> np.ndarray:
-  """s = mean token log-prob of each completion (SPEC section 1)."""
-  n = np.maximum(mask_BC.sum(-1), 1)
-  return (logp_BC * mask_BC).sum(-1) / n
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,11 +226,12 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
     samples = sampling.generate(
         params_sampling, model_cfg, tokens_QP[start:start + per_call],
         mask_QP[start:start + per_call], jax.random.fold_in(rng, i), num_samples=G,
-        max_new_tokens=spec.max_new_tokens, temperature=spec.temperature, top_p=spec.top_p,
-        top_k=spec.top_k, stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, mesh=mesh,
-        rules=sampling_rules)
-    parts.append([to_host(x) for x in (samples.tokens, samples.mask, samples.logprobs,
-                                       samples.lengths, samples.truncated)])
+        max_new_tokens=spec.max_new_tokens,
+        strategy=sampling.make_strategy(spec.temperature, spec.top_p, spec.top_k),
+        stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+        layout=Layout.of(mesh, sampling_rules))
+    parts.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.logprobs_BC,
+                                       samples.lengths_B, samples.truncated_B)])
   comp_BC, cmask_BC, sampler_logp_BC, lengths_B, truncated_B = (
       np.concatenate(xs) for xs in zip(*parts))
   t_sample = time.perf_counter() - t0
@@ -248,27 +272,18 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   t_logp = time.perf_counter() - t2
 
   s_QG = mean_logprob(old_logp_BC, cmask_BC).reshape(Q, G)
-  valid_QG = np.ones((Q, G), bool)
-  receive_QG = None
-  mask_metrics: dict[str, float] = {}
-  if spec.noise_mask:
-    ref_s_QG = mean_logprob(ref_logp_BC, cmask_BC).reshape(Q, G)
-    noisy_QG = advantages.noise_mask(jnp.asarray(rewards_QG), advantages.ref_ppl(ref_s_QG),
-                                     high=spec.mask_high, low=spec.mask_low)
-    mask_metrics = {k: float(v) for k, v in advantages.masked_fraction(
-        noisy_QG, jnp.asarray(rewards_QG), jnp.asarray(valid_QG)).items()}
-    valid_QG, receive_QG = advantages.split_masks(jnp.asarray(valid_QG), noisy_QG,
-                                                  mode=spec.mask_mode)
-  adv_QG = np.asarray(advantages.compute_advantages(
-      spec.algo, rewards_QG=jnp.asarray(rewards_QG), mean_logp_QG=jnp.asarray(s_QG),
-      valid_QG=jnp.asarray(valid_QG), receive_QG=receive_QG, step=step,
-      total_steps=spec.num_steps, **spec.hparams))
+  ref_s_QG = (mean_logprob(ref_logp_BC, cmask_BC).reshape(Q, G) if spec.adv.noise_mask
+              else None)
+  if not np.isin(rewards_QG, (0.0, 1.0)).all():
+    raise ValueError(f"the grader returned rewards other than 0 and 1: "
+                     f"{sorted(set(rewards_QG.ravel().tolist()) - {0.0, 1.0})[:5]}")
+  adv_QG, adv_metrics = jax.device_get(
+      score_rollout(rewards_QG, s_QG, ref_s_QG, step, spec=spec.adv))
 
   correct_QG = rewards_QG > 0.5
   finite_QG = np.isfinite(s_QG)  # a diverged policy must not crash the logging
   auc, n_auc = calibration.auc_mean(np.where(finite_QG, s_QG, 0.0), correct_QG,
                                     valid_QG=finite_QG)
-  score_QG = advantages.to_score(jnp.asarray(s_QG), spec.hparams.get("score", "mean_logprob"))
   n_gen = int(lengths_B.sum())
   metrics = {
       "accuracy": float(correct_QG.mean()),
@@ -278,12 +293,9 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
       "response_len": float(lengths_B.mean()),
       "truncation_rate": float(truncated_B.mean()),
       "s_mean": float(s_QG.mean()),
-      "s_spread": float(advantages.score_spread(score_QG, jnp.asarray(rewards_QG),
-                                                jnp.asarray(valid_QG))),
-      "adv_abs_mean": float(np.abs(adv_QG).mean()),
+      **{k: float(v) for k, v in adv_metrics.items()},
       "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
       "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
-      **mask_metrics,
       **{f"reward/{k}": float(v) for k, v in health_all.items()},
   }
   return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, old_logp_BC, ref_logp_BC, topk_ids,

@@ -21,6 +21,7 @@ from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from capo_jax.rl import experiment
 from capo_jax.runtime import fs
+from capo_jax.runtime import host
 from capo_jax.runtime.distributed import is_main_process
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
@@ -111,11 +112,10 @@ def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
   Process 0 writes; every process must call (the params are gathered).
   ``config.json`` is written last, so a reader that finds it finds the weights.
   """
-  from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
-  host = jax.tree.map(rollout.to_host, params)
+  host_params = jax.tree.map(host.to_host, params)
   if is_main_process():
     with fs.staged_dir(path, last=("config.json",)) as local:
-      hf_weights.save_pretrained(model_cfg, host, local)
+      hf_weights.save_pretrained(model_cfg, host_params, local)
       if hasattr(tokenizer, "hf"):
         tokenizer.hf.save_pretrained(local)
     log.info("exported the policy as a HF checkpoint to %s", path)

@@ -1,6 +1,6 @@
 """One pure RL train step ``(state, batch) -> (state, metrics)``, jitted once.
 
-Nanodo style (STYLE lessons 6-7): the state is created already sharded, the
+Nanodo style: the state is created already sharded, the
 step is one pure function wrapped by ``jax.jit`` with in/out shardings and
 the state donated; old and reference log-probs are computed before it
 (``make_logprob_fn``) and carried in the batch.
@@ -50,12 +50,10 @@ from capo_jax.rl import losses
 from capo_jax.rl.logprobs import token_logprobs
 from capo_jax.rl.optim import OptimConfig, current_lr, make_optimizer
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.types import Array
+from capo_jax.types import Array, Params
 from models import qwen2
 from models.config import Qwen2Config
 from models.sharding import Rules
-
-Params = qwen2.Params
 
 
 @jax.tree_util.register_dataclass
@@ -168,10 +166,6 @@ def create_train_state(model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array
 # --------------------------------------------------------------------------
 
 
-def _global_norm(tree: Any) -> Array:
-  return jnp.sqrt(sum(jnp.sum(jnp.square(x.astype(jnp.float32))) for x in jax.tree.leaves(tree)))
-
-
 def _compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
   return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
 
@@ -263,7 +257,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_cfg: Qwen2Config,
                ) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer update on ``batch``; pure (see ``make_train_step`` for the jitted one)."""
   loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, microbatch_sharding)
-  grad_norm = _global_norm(grads)
+  grad_norm = optax.global_norm(grads)  # float32: grads of the float32 masters
   optimizer = make_optimizer(tcfg.optim)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -279,7 +273,7 @@ def train_step(state: TrainState, batch: TrainBatch, *, model_cfg: Qwen2Config,
   metrics = dict(aux)
   metrics.update(
       loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
-      param_norm=_global_norm(params), skipped=skipped,
+      param_norm=optax.global_norm(params), skipped=skipped,
       num_skipped=new_state.num_skipped,
       num_tokens=(batch.completion_mask_BC > 0).sum().astype(jnp.int32))
   return new_state, metrics
