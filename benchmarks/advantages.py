@@ -2,14 +2,14 @@
 
 Peers, measured in the same run on the same inputs (Q questions x G samples,
 half correct on average, every row valid):
-  * numpy-loop: the SPEC formula as a double loop over (correct, wrong) pairs;
+  * numpy-loop: CAPO's formula (docs/algorithms.md) as a double loop over (correct, wrong) pairs;
   * numpy-vec: the same maths broadcast over [Q, G, G] in NumPy.
 The JAX kernel is timed with `block_until_ready` after a warm-up (compile)
 call; every timing is the median of `--repeats` calls, JAX and numpy-vec
 interleaved so machine load hits them alike; the slow loop gets
 `--loop_repeats` calls right after. Ratios are peer time / JAX time.
 
-  python benchmarks/advantages.py [--q 128] [--g 8 16 64] [--repeats 21]
+  python -m benchmarks.advantages [--q 128] [--g 8 16 64] [--repeats 21]
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 r"""Compile every program of one RL step for a TPU slice, ahead of time, on this CPU.
 
   benchmarks/setup_aot_tpu.sh                          # once: benchmarks/.venv-tpu with libtpu
-  benchmarks/.venv-tpu/bin/python benchmarks/aot_tpu.py \
+  benchmarks/.venv-tpu/bin/python -m benchmarks.aot_tpu \
       --config=configs/capo_qwen2p5_math_1p5b.py --accelerator=v5e-32 --config.mesh.tensor=2
 
 Builds the run's mesh over the slice's devices (``jax.experimental.topologies``;
@@ -33,7 +33,7 @@ import sys
 from absl import app, flags
 from ml_collections import config_flags
 
-import memory_plan  # benchmarks/ is on sys.path when this file runs as a script
+from benchmarks import memory_plan
 from capo_jax.runtime import aot
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")

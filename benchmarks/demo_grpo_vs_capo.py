@@ -1,8 +1,8 @@
 r"""GRPO vs CAPO (and the paper's two ablations) on the demo task, several seeds.
 
-  python benchmarks/demo_grpo_vs_capo.py --workdir=/tmp/capo_bench          # all runs + report
-  python benchmarks/demo_grpo_vs_capo.py --workdir=/tmp/capo_bench --runs=capo_seed0,grpo_seed0
-  python benchmarks/demo_grpo_vs_capo.py --workdir=/tmp/capo_bench --report_only
+  python -m benchmarks.demo_grpo_vs_capo --workdir=/tmp/capo_bench          # all runs + report
+  python -m benchmarks.demo_grpo_vs_capo --workdir=/tmp/capo_bench --runs=capo_seed0,grpo_seed0
+  python -m benchmarks.demo_grpo_vs_capo --workdir=/tmp/capo_bench --report_only
 
 Every run starts from the same cached warm start (configs/demo.py) and
 evaluates held-out accuracy, AUC-mean, pooled AUC, AUC on mostly-wrong
@@ -26,12 +26,10 @@ import argparse
 import json
 import os
 import pathlib
-import sys
 
 import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
 
 VARIANTS = {
     "capo": {"algo.name": "capo", "algo.mask": "on"},

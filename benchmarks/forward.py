@@ -4,28 +4,24 @@ Both run the same random weights on the same batch in one process, repeats
 alternating between them (the machines are shared, so only a ratio measured
 side by side means anything); medians are reported.
 
-    python benchmarks/forward.py                      # PERF_NOTES config, 8 x 128 tokens
-    python benchmarks/forward.py --batch 4 --seq 512 --repeats 9
+    python -m benchmarks.forward                      # 27.7M-param config, 8 x 128 tokens
+    python -m benchmarks.forward --batch 4 --seq 512 --repeats 9
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import jax
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
-import hf_utils  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from models import hf_weights, qwen2
+from models.config import Qwen2Config
+from tests import hf_utils
 
-from models import hf_weights, qwen2  # noqa: E402  pylint: disable=g-import-not-at-top
-from models.config import Qwen2Config  # noqa: E402  pylint: disable=g-import-not-at-top
-
-# /work/shared/PERF_NOTES.md's mid-size config (27.7M parameters, tied embeddings).
+# A mid-size Qwen2 config (27.7M parameters, tied embeddings), the same in every CPU benchmark.
 MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
                   rope_theta=10000.0)

@@ -5,8 +5,8 @@ chosen, every memory term in GiB per chip, the peak against the chip's HBM,
 and lower bounds of the step time from HBM bandwidth and peak FLOP/s. The
 peer of every number is the chip's HBM (the ``use`` row is the ratio).
 
-  python benchmarks/memory_plan.py                       # 1.5B and 7B, common slices
-  python benchmarks/memory_plan.py --slices v5e-16,v4-32 --sample-tok-s 900 --train-tok-s 2500
+  python -m benchmarks.memory_plan                       # 1.5B and 7B, common slices
+  python -m benchmarks.memory_plan --slices v5e-16,v4-32 --sample-tok-s 900 --train-tok-s 2500
 
 Assumptions (the code this mirrors, where it exists):
 * Params, AdamW moments and gradients float32 (capo_jax/rl/train_step.py); per
@@ -42,13 +42,8 @@ import argparse
 import dataclasses
 import importlib
 import math
-import pathlib
 import re
-import sys
 from typing import Any
-
-# Run as `python benchmarks/memory_plan.py`: the run configs are imported from the repo root.
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 
 from capo_jax.sampling.sampler import bucket_length
 from models import qwen2

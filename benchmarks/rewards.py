@@ -8,7 +8,7 @@ alternating order (shared machines drift); pool start-up is timed separately. CP
 reported too: where the scheduler shares CPU per session (Linux autogroup on a shared box),
 more processes get no more CPU, and only the CPU cost per pair tells how the pool would scale.
 
-  python benchmarks/rewards.py [--n 10000] [--workers N] [--data ../shared/data/math500.jsonl]
+  python -m benchmarks.rewards [--n 10000] [--workers N] [--data ../shared/data/math500.jsonl]
 """
 
 from __future__ import annotations

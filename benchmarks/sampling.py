@@ -1,9 +1,9 @@
 """Generated tokens/s of capo_jax.sampling.sampler vs transformers generate (and Tunix), same weights.
 
-  python benchmarks/sampling.py              # 32 prompts x 64 tokens, 128 new, 5 rounds
-  python benchmarks/sampling.py --tunix      # also Tunix (benchmarks/.venv-tunix, see
+  python -m benchmarks.sampling              # 32 prompts x 64 tokens, 128 new, 5 rounds
+  python -m benchmarks.sampling --tunix      # also Tunix (benchmarks/.venv-tunix, see
                                              # benchmarks/tunix_sampling.py)
-  python benchmarks/sampling.py --small      # a seconds-long smoke run
+  python -m benchmarks.sampling --small      # a seconds-long smoke run
 
 A random Qwen2 (hidden 512, MLP 1408, 4 layers, 8 heads / 2 kv heads, vocab
 32,000, tied; float32) is saved once as a HF checkpoint that every sampler
@@ -25,7 +25,6 @@ import json
 import os
 import pathlib
 import subprocess
-import sys
 import tempfile
 import time
 from typing import Callable
@@ -33,13 +32,11 @@ from typing import Callable
 import jax
 import numpy as np
 
+from capo_jax.sampling import sampler as sampling
+from models import hf_weights, qwen2
+from models.config import Qwen2Config
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from capo_jax.sampling import sampler as sampling  # noqa: E402
-from models import hf_weights, qwen2  # noqa: E402
-from models.config import Qwen2Config  # noqa: E402
-
 TUNIX_PYTHON = REPO / "benchmarks" / ".venv-tunix" / "bin" / "python"
 MODES = ("sample", "greedy")
 

@@ -1,8 +1,8 @@
 """Decode tokens/s of capo_jax.sampling.sampler at the Qwen2.5-1.5B shape, next to the bandwidth bound.
 
-  python benchmarks/sampling_gpu.py --out sampling_gpu.json            # H200 (4.8 TB/s)
-  python benchmarks/sampling_gpu.py --out s.json --bandwidth 3.35e12   # H100 SXM
-  python benchmarks/sampling_gpu.py --small --out /tmp/s.json          # CPU smoke run
+  python -m benchmarks.sampling_gpu --out sampling_gpu.json            # H200 (4.8 TB/s)
+  python -m benchmarks.sampling_gpu --out s.json --bandwidth 3.35e12   # H100 SXM
+  python -m benchmarks.sampling_gpu --small --out /tmp/s.json          # CPU smoke run
 
 Random bfloat16 weights (params and compute in bfloat16, the KV cache too),
 32 prompts x 8 samples = 256 rows, prompts of 64-128 real tokens (left-padded
@@ -25,19 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import pathlib
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from capo_jax.sampling import sampler as sampling  # noqa: E402
-from models import kv_cache, qwen2  # noqa: E402
-from models.config import Qwen2Config  # noqa: E402
+from capo_jax.sampling import sampler as sampling
+from models import kv_cache, qwen2
+from models.config import Qwen2Config
 
 
 def step_bytes(cfg: Qwen2Config, rows: int, kv_len: float) -> dict[str, float]:

@@ -1,7 +1,7 @@
 """RL train-step throughput of capo_jax vs a plain PyTorch loop, CPU, same run.
 
-    python benchmarks/train_step.py                          # PERF_NOTES config, 8 x 256 tokens
-    python benchmarks/train_step.py --batch 4 --prompt 64 --completion 448 --chunk 64
+    python -m benchmarks.train_step                          # 27.7M-param config, 8 x 256 tokens
+    python -m benchmarks.train_step --batch 4 --prompt 64 --completion 448 --chunk 64
 
 Both sides do the same work on the same random weights and batch: forward
 over prompt + completion, float32 log-softmax of the completion positions,
@@ -24,28 +24,23 @@ float32 matmul peak measured in the same run (``jnp.dot`` 2048 x 2048).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
-import sys
 import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-REPO = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..")
-sys.path.insert(0, REPO)
-sys.path.insert(0, os.path.join(REPO, "tests"))
-import hf_utils  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
+from capo_jax.rl import train_step as ts
+from capo_jax.rl.losses import LossConfig
+from capo_jax.rl.optim import OptimConfig
+from capo_jax.runtime import host
+from capo_jax.runtime import mesh as mesh_lib
+from models import hf_weights, qwen2
+from models.config import Qwen2Config
+from tests import hf_utils
 
-from capo_jax.rl import train_step as ts  # noqa: E402
-from capo_jax.rl.losses import LossConfig  # noqa: E402
-from capo_jax.rl.optim import OptimConfig  # noqa: E402
-from capo_jax.runtime import mesh as mesh_lib  # noqa: E402
-from models import hf_weights, qwen2  # noqa: E402
-from models.config import Qwen2Config  # noqa: E402
-
-# /work/shared/PERF_NOTES.md's mid-size config (27.7M parameters, tied embeddings).
+# A mid-size Qwen2 config (27.7M parameters, tied embeddings), the same in every CPU benchmark.
 MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
                   num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
                   rope_theta=10000.0)
@@ -109,7 +104,7 @@ def main(argv: list[str] | None = None) -> None:
       state.params, prompt, ones_p, completion, ones_c)["logp_BC"]
   # Perturbed old log-probs so some ratios clip, as in a real update.
   old = np.asarray(old) + rng.normal(scale=0.1, size=(B, C)).astype(np.float32)
-  batch = mesh_lib.shard_batch(ts.TrainBatch(prompt, ones_p, completion, ones_c, old, adv),
+  batch = host.shard_batch(ts.TrainBatch(prompt, ones_p, completion, ones_c, old, adv),
                                mesh, rules)
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
 

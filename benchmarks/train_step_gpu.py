@@ -1,8 +1,8 @@
 """RL train-step tokens/s and model FLOPs utilisation at the Qwen2.5-1.5B shape, on a GPU.
 
-  python benchmarks/train_step_gpu.py --out train_step_gpu.json           # H200 SXM
-  python benchmarks/train_step_gpu.py --out t.json --peak 989e12          # other dense-bf16 peak
-  python benchmarks/train_step_gpu.py --small --out /tmp/t.json           # CPU smoke run
+  python -m benchmarks.train_step_gpu --out train_step_gpu.json           # H200 SXM
+  python -m benchmarks.train_step_gpu --out t.json --peak 989e12          # other dense-bf16 peak
+  python -m benchmarks.train_step_gpu --small --out /tmp/t.json           # CPU smoke run
 
 Random weights; float32 master params and Adam moments, bfloat16 compute
 (params cast once per step, logits / log-softmax / loss in float32), each
@@ -28,20 +28,17 @@ import argparse
 import json
 import pathlib
 import statistics
-import sys
 import time
 
 import jax
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))
-
-from capo_jax.rl import train_step as ts  # noqa: E402
-from capo_jax.rl.optim import OptimConfig  # noqa: E402
-from capo_jax.runtime import mesh as mesh_lib  # noqa: E402
-from models import qwen2  # noqa: E402
-from models.config import PRESETS, Qwen2Config  # noqa: E402
+from capo_jax.rl import train_step as ts
+from capo_jax.rl.optim import OptimConfig
+from capo_jax.runtime import host
+from capo_jax.runtime import mesh as mesh_lib
+from models import qwen2
+from models.config import PRESETS, Qwen2Config
 
 
 def forward_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
@@ -109,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
   completion = rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32)
   completion_mask = np.ones((B, C), np.int32)
   adv = rng.normal(size=(B,)).astype(np.float32)
-  inputs = mesh_lib.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
+  inputs = host.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
 
   logprob_fn = ts.make_logprob_fn(cfg, mesh, rules, B, chunk_size=args.chunk)
   t0 = time.perf_counter()
@@ -122,7 +119,7 @@ def main(argv: list[str] | None = None) -> None:
         f"{statistics.median(lp_times):.3f} s", flush=True)
 
   old = np.asarray(old) + rng.normal(scale=0.05, size=(B, C)).astype(np.float32)
-  batch = mesh_lib.shard_batch(
+  batch = host.shard_batch(
       ts.TrainBatch(prompt, prompt_mask, completion, completion_mask, old, adv), mesh, rules)
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
   losses: list[float] = []
