@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 
+import flax.linen as nn
 import hf_utils
 import jax
 import jax.numpy as jnp
@@ -242,3 +243,23 @@ def test_param_axes_cover_every_param():
     assert [p for p, _ in flat_axes] == [p for p, _ in flat_shapes]
     for (_, ax), (_, s) in zip(flat_axes, flat_shapes):
       assert len(ax) == len(s.shape)
+
+
+def test_flax_module_is_pure_and_remat_is_real():
+  cfg = Qwen2Config.tiny(num_layers=3)
+  tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+  mask_BTS = jnp.tril(jnp.ones((5, 5), bool))[None].repeat(2, 0)
+  positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
+  variables = qwen2.Qwen2(cfg).init(jax.random.key(0), tokens, positions, mask_BTS)
+  assert set(variables) == {"params"}  # no state collections: apply is a pure function
+  # Stacked layers: one leading axis of num_layers on every layer param.
+  assert all(x.shape[0] == 3 for x in jax.tree.leaves(nn.unbox(variables["params"]["layers"])))
+  params = qwen2.init_params(cfg, jax.random.key(0))
+  ones = jnp.ones((2, 5), jnp.int32)
+
+  def grad_jaxpr(remat: bool) -> str:
+    loss = lambda p: qwen2.forward(p, cfg.replace(remat=remat), tokens, ones).sum()
+    return str(jax.make_jaxpr(jax.grad(loss))(params))
+
+  assert "remat" in grad_jaxpr(True) or "checkpoint" in grad_jaxpr(True)
+  assert "remat" not in grad_jaxpr(False) and "checkpoint" not in grad_jaxpr(False)

@@ -2,24 +2,20 @@
 
 The prefill fills the model's stacked ``KVCache`` [L, B, S, K, H]; decoding
 re-lays it out once per ``generate`` call (``DecodeCache.from_prefill``) and
-runs the layers unrolled (``qwen2.layer``) over one donated buffer per layer:
+runs the layers unrolled (``qwen2.layer``, the model's own ``DecoderLayer``)
+over one donated buffer per layer:
 
 - keys as [B, K, H, S] and values as [B, K, S, H], the operand layouts of the
   two attention matmuls, so no step transposes the cache (with the model's
   [B, S, K, H] layout XLA transposed every layer's whole cache every step).
 - one buffer per layer, not a slice of a stacked array: inside the model's
   layer scan XLA copies every layer's cache slice (and weight slice) in and
-  out each step. At the Qwen2.5-1.5B shape, B=256, S=640, on an H200,
-  ``forward_with_cache`` alone took 13.5 ms per decode step, the sampler's
-  whole per-layer step (token choice included; [B, S, K, H] buffers then) 4.8 ms.
+  out each step.
 
-Logits come out vocab-major [V, B] (``unembed_VD @ h_DB``): XLA's CPU dot ran
-that ~20% faster than ``h_BD @ unembed_DV`` at B=32 (5.97 vs 7.34 ms for a
-32,000 x 512 unembedding); the strategies (capo_jax.sampling.strategies) take it as is.
-With these layouts and the strategies' lazy weights, the decode step of the CPU
-benchmark (benchmarks/sampling.py: 32 rows, 192 slots, 27.7M params) went from
-17.5 ms (greedy) / 20 ms (T = 1) to 14-15 ms for both; of that, the
-unembedding is ~6 ms and attention, which is bound by reading the cache, ~1.8.
+Logits come out vocab-major [V, B] (``unembed_VD @ h_DB``), which XLA's CPU
+dot ran faster than ``h_BD @ unembed_DV``; the strategies
+(capo_jax.sampling.strategies) take it as is. The README's benchmark table
+has the measured effect of each of these layouts.
 """
 
 from __future__ import annotations
@@ -32,8 +28,8 @@ import jax.numpy as jnp
 
 from models import kv_cache, qwen2
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
-Params = dict[str, Any]
 
 
 @jax.tree_util.register_dataclass
@@ -85,15 +81,15 @@ def prepare(params: Params, cfg: Qwen2Config, num_slots: int) -> DecodeWeights:
       unembed_VD=unembed.astype(cfg.dtype), rope_Sh=(cos[0], sin[0]))
 
 
-def _attend_one(q_BKGH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
+def _attend_one(q_BKRH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
                 mask_BS: jax.Array) -> jax.Array:
   """One query token per row against all slots; scores and softmax in float32."""
-  H = q_BKGH.shape[-1]
-  scores_BKGS = jnp.einsum("bkgh,bkhs->bkgs", q_BKGH, k_BKHS,
+  H = q_BKRH.shape[-1]
+  scores_BKRS = jnp.einsum("bkrh,bkhs->bkrs", q_BKRH, k_BKHS,
                            preferred_element_type=jnp.float32) * (H ** -0.5)
-  scores_BKGS = jnp.where(mask_BS[:, None, None], scores_BKGS, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores_BKGS, axis=-1).astype(v_BKSH.dtype)
-  return jnp.einsum("bkgs,bksh->bkgh", probs, v_BKSH)
+  scores_BKRS = jnp.where(mask_BS[:, None, None], scores_BKRS, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores_BKRS, axis=-1).astype(v_BKSH.dtype)
+  return jnp.einsum("bkrs,bksh->bkrh", probs, v_BKSH)
 
 
 def step(w: DecodeWeights, cfg: Qwen2Config, tokens_B: jax.Array, cache: DecodeCache
@@ -120,8 +116,8 @@ def step(w: DecodeWeights, cfg: Qwen2Config, tokens_B: jax.Array, cache: DecodeC
       k_BKHS = jax.lax.dynamic_update_slice(k_BKHS, k_B1KH[:, 0, :, :, None], (0, 0, 0, index))
       v_BKSH = jax.lax.dynamic_update_slice(v_BKSH, v_B1KH.transpose(0, 2, 1, 3),
                                             (0, 0, index, 0))
-      out_BKGH = _attend_one(q_B1NH.reshape(B, K, -1, H), k_BKHS, v_BKSH, visible_BS)
-      return out_BKGH.reshape(B, 1, -1, H), (k_BKHS, v_BKSH)
+      out_BKRH = _attend_one(q_B1NH.reshape(B, K, -1, H), k_BKHS, v_BKSH, visible_BS)
+      return out_BKRH.reshape(B, 1, -1, H), (k_BKHS, v_BKSH)
 
     x_B1D, (ks[l], vs[l]) = qwen2.layer(cfg, x_B1D, p, rope_B1, attend)
   h_BD = qwen2.rms_norm(x_B1D[:, 0], w.final_norm_D, cfg.rms_norm_eps)

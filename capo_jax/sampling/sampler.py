@@ -41,10 +41,9 @@ from capo_jax.sampling import decode
 from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
     Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
 from models import kv_cache, qwen2
-from models.sharding import Layout
 from models.config import Qwen2Config
-
-Params = dict[str, Any]
+from models.qwen2 import Params
+from models.sharding import Layout
 
 # Traces of each jitted function (one per compilation), for tests and logs.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
