@@ -164,6 +164,9 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: CharTokenizer,
                     progress: bool = False) -> dict[str, Any]:
   """Samples ``num_samples`` answers per question with the project's evaluator and sums up.
 
+  Ten parameters: the policy, its questions and the draw, then keyword-only
+  sampler settings that the warm start and the demo report set differently.
+
   Returns a dict: ``accuracy`` (mean@G), ``auc_mean`` and ``auc_n_used``
   (per-question ROC-AUC of s against correctness, ties 1/2; all-right or
   all-wrong questions skipped),

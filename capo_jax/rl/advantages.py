@@ -1,9 +1,8 @@
 """Advantage estimators: CAPO (the method) and the paper's baselines.
 
-Every estimator is written for one group (one question's G samples, shape
-[G] -> [G]) and lifted over questions with `jax.vmap`; the public functions
-take and return [Q, G] arrays. The equations: ``docs/algorithms.md``, "Advantages"
-and "Noise mask".
+Every estimator is written for one group (one question's G samples, [G] -> [G])
+and lifted over questions with `jax.vmap`; the public functions take and return
+[Q, G] arrays. Equations: ``docs/algorithms.md``, "Advantages" and "Noise mask".
 
 Two masks (design). A row of a group can be
   * valid: it exists and takes part in the group: it is a pair partner for
@@ -21,9 +20,8 @@ exactly 0 for every estimator, and so does every non-receiving row. Inputs on
 invalid rows are replaced by 0 before any arithmetic, so NaN / inf there (an
 empty completion's mean log-prob, say) never leaks into the others.
 
-Rewards must be binary {0, 1} (1: the final answer is equivalent to the gold
-one): a sample is correct when its reward is above 1/2. The score ``s_QG`` is
-each response's mean token log-prob under the old policy
+Rewards are binary {0, 1}: a sample is correct when its reward is above 1/2.
+The score ``s_QG`` is each response's mean token log-prob under the old policy
 (``logprobs.mean_logprob``); CAPO may convert it first (``to_score``).
 """
 
@@ -45,9 +43,7 @@ SCORES = ("mean_logprob", "neg_ppl")
 MASK_MODES = ("partner", "drop")
 
 
-# --------------------------------------------------------------------------
-# Per-group kernels ([G] -> [G]).
-# --------------------------------------------------------------------------
+# --- Per-group kernels ([G] -> [G]). ---
 
 
 def _classes(r_G: Array, v_G: Array) -> tuple[Array, Array, Array]:
@@ -120,9 +116,7 @@ def _cde_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
   return _finish((shaped_G - mean) / (std + eps), r_G, v_G, u_G)
 
 
-# --------------------------------------------------------------------------
-# Public [Q, G] estimators.
-# --------------------------------------------------------------------------
+# --- Public [Q, G] estimators. ---
 
 
 def _float(x: Array) -> Array:
@@ -211,9 +205,7 @@ def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array
       jnp.asarray(omega))
 
 
-# --------------------------------------------------------------------------
-# Noise mask, score scale, adaptive tau.
-# --------------------------------------------------------------------------
+# --- Noise mask, score scale, adaptive tau. ---
 
 
 def ref_ppl(ref_s_QG: Array) -> Array:
@@ -291,11 +283,9 @@ def adaptive_tau_value(s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale
   return jnp.where(spread > 0, scale * spread, fallback)
 
 
-# --------------------------------------------------------------------------
-# Registry and the trainer's entry point.
-# --------------------------------------------------------------------------
-# Entries share one signature: (rewards, s, valid, receive, step,
-# total_steps, **hparams); hparams are keyword-only and checked by name.
+# --- Registry and the trainer's entry point. ---
+# Entries share one signature: (rewards, s, valid, receive, step, total_steps,
+# **hparams); hparams are keyword-only and checked by name.
 
 
 def _grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
@@ -313,6 +303,7 @@ def _dr_grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any,
 def _capo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
                 tau: float = 0.6, norm: str = "group", score: str = "mean_logprob",
                 adaptive_tau: float = 0.0) -> Array:
+  """Ten parameters: the registry's six shared ones, then CAPO's four hyper-parameters."""
   del step, total
   s = to_score(s, score)
   if adaptive_tau > 0:  # tau = c * the batch's within-group spread of the score
@@ -329,6 +320,7 @@ def _codapo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, tota
 def _cde_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
                kappa: float = 3.0, alpha: float = 1.0, omega: float = 1.0,
                eps: float = GRPO_EPS) -> Array:
+  """Ten parameters: the registry's six shared ones, then CDE's four hyper-parameters."""
   return cde(r, s, v, omega=omega * cde_omega(step, total), kappa=kappa, alpha=alpha,
              receive_QG=u, eps=eps)
 
@@ -347,9 +339,8 @@ ADVANTAGES: dict[str, Callable[..., Array]] = {
 
 def hparam_names(name: str) -> tuple[str, ...]:
   """The hyper-parameters estimator `name` accepts."""
-  fn = _lookup(name)
-  return tuple(p.name for p in inspect.signature(fn).parameters.values()
-               if p.kind is inspect.Parameter.KEYWORD_ONLY)
+  params = inspect.signature(_lookup(name)).parameters.values()
+  return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
 
 
 def _lookup(name: str) -> Callable[..., Array]:
