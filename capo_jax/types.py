@@ -10,8 +10,11 @@ Axis legend of the RL code (suffixes of array names, e.g. ``adv_QG``,
   T  full sequence length (P + C)
   V  vocabulary
   M  micro-batches of one update (gradient accumulation)
-The model's axes (heads, kv heads, head dim, layers, cache slots, ...) are
-listed at the top of ``models/qwen2.py``.
+  J  top-k candidate tokens (SimKO's top-K log-probs, ``topk_logp_BCJ``)
+Confidence-based scaling (``capo_jax.eval.scaling``) adds E sets of responses,
+U responses in a set and A answer classes. The model's axes (D, F, H, K kv
+heads, N query heads, R query heads per kv head, L layers, S cache slots) are
+listed at the top of ``models/qwen2.py``; no letter means two axes.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from typing import Any
 
 import jax
 
+from models.qwen2 import Params  # noqa: F401  (re-exported: the one definition, the model's tree)
+
 PyTree = Any
 Array = jax.Array
-# A policy's parameters: the nested dict of arrays ``models.qwen2`` builds.
-Params = dict[str, Any]

@@ -30,10 +30,10 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import qwen2
+from models import qwen2, sharding
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
-Params = dict[str, Any]
 log = logging.getLogger(__name__)
 
 SINGLE_FILE = "model.safetensors"
@@ -212,7 +212,7 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
   out: Params = {"layers": {}}
   for i, (path, m) in enumerate(leaves):
     shape_struct = shapes[path[0]] if len(path) == 1 else shapes["layers"][path[1]]
-    sharding = shardings[path[0]] if len(path) == 1 else shardings["layers"][path[1]]
+    sh = shardings[path[0]] if len(path) == 1 else shardings["layers"][path[1]]
     memo: dict[Any, np.ndarray] = {}
 
     def callback(idx, m=m, path=path, memo=memo):
@@ -227,7 +227,7 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
         memo[key] = np.ascontiguousarray(block.astype(dtype))
       return memo[key]
 
-    arr = jax.make_array_from_callback(shape_struct.shape, sharding, callback)
+    arr = jax.make_array_from_callback(shape_struct.shape, sh, callback)
     if len(path) == 1:
       out[path[0]] = arr
     else:
@@ -309,13 +309,6 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
 # --- writing -----------------------------------------------------------------
 
 
-def _to_host(x: jax.Array) -> np.ndarray:
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-    x = multihost_utils.process_allgather(x, tiled=True)
-  return np.asarray(jax.device_get(x))
-
-
 def state_dict_from_params(cfg: Qwen2Config, params: Params, dtype: Any = None
                            ) -> dict[str, np.ndarray]:
   """HF-named numpy arrays (in ``dtype``, default ``cfg.param_dtype``) of params."""
@@ -324,7 +317,7 @@ def state_dict_from_params(cfg: Qwen2Config, params: Params, dtype: Any = None
   for path, m in _leaves(cfg):
     x = params[path[0]] if len(path) == 1 else params["layers"][path[1]]
     inverse = tuple(np.argsort(m.perm))
-    x = _to_host(x).astype(np_dtype)
+    x = sharding.to_host(x).astype(np_dtype)
     hf_shape = _hf_shape(m, cfg)
     if path[0] == "layers":
       for l in range(cfg.num_layers):

@@ -25,6 +25,8 @@ from typing import Any
 
 import flax.linen as nn
 import jax
+import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import AbstractMesh, Mesh, NamedSharding, PartitionSpec
 
 Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
@@ -84,6 +86,16 @@ def tree_specs(logical_tree: Any, rules: Rules, shapes_tree: Any = None,
     specs.append(logical_to_spec(tuple(axes), rules, shape, mesh,
                                  name=jax.tree_util.keystr(path)))
   return jax.tree_util.tree_unflatten(treedef, specs)
+
+
+def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
+  """The whole (global) value of an array as NumPy, on every process.
+
+  An array sharded over several processes is all-gathered first.
+  """
+  if isinstance(x, jax.Array) and not x.is_fully_addressable:
+    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
+  return np.asarray(x)
 
 
 @dataclasses.dataclass(frozen=True)

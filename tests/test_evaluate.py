@@ -132,8 +132,8 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
         continue
       for g in range(G):
         b = q * G + g
-        n = int(samples.mask[b].sum())
-        comp = samples.tokens[b, :n]
+        n = int(samples.mask_BC[b].sum())
+        comp = samples.tokens_BC[b, :n]
         seq = np.concatenate([prompt, comp])[None]
         logp = jax.nn.log_softmax(hf_utils.hf_logits(model, seq)[0], axis=-1)
         lp = [float(logp[len(prompt) - 1 + t, comp[t]]) for t in range(n)]

@@ -68,15 +68,15 @@ def test_unchunked_and_chunked_match_forward(setup):
   mask = np.asarray(inputs[3]) > 0
   full = _run(params, inputs, top_k=K)
   # chunk 3 does not divide C = 7: exercises the padded last chunk.
-  chunked = _run(params, inputs, chunk_size=3, topk_ids_BCK=jnp.asarray(ids, jnp.int32))
+  chunked = _run(params, inputs, chunk_size=3, topk_ids_BCJ=jnp.asarray(ids, jnp.int32))
   for out in (full, chunked):
     np.testing.assert_allclose(out["logp_BC"][mask], logp[mask], atol=2e-5, rtol=1e-5)
     np.testing.assert_allclose(out["entropy_BC"][mask], entropy[mask], atol=2e-5, rtol=1e-5)
-    np.testing.assert_allclose(out["topk_logp_BCK"][mask], topk[mask], atol=2e-5, rtol=1e-5)
-    np.testing.assert_array_equal(out["topk_ids_BCK"][mask], ids[mask])
+    np.testing.assert_allclose(out["topk_logp_BCJ"][mask], topk[mask], atol=2e-5, rtol=1e-5)
+    np.testing.assert_array_equal(out["topk_ids_BCJ"][mask], ids[mask])
     np.testing.assert_array_equal(out["is_argmax_BC"][mask], is_max[mask])
     assert not out["is_argmax_BC"][~mask].any()
-    for key in ("logp_BC", "entropy_BC", "topk_logp_BCK"):
+    for key in ("logp_BC", "entropy_BC", "topk_logp_BCJ"):
       assert (out[key][~mask] == 0).all(), key
   assert is_max[:, 0].all() and not is_max[mask].all()  # both cases occur
 
@@ -85,12 +85,12 @@ def test_gradients_chunked_equal_unchunked_and_forward(setup):
   params, inputs = setup
   rng = np.random.default_rng(1)
   w_BC = jnp.asarray(rng.normal(size=(B, C)), jnp.float32)
-  w_BCK = jnp.asarray(rng.normal(size=(B, C, K)), jnp.float32)
+  w_BCJ = jnp.asarray(rng.normal(size=(B, C, K)), jnp.float32)
   ids = jnp.asarray(_reference(params, inputs)[3], jnp.int32)
 
   def objective(p, chunk):
-    out = token_logprobs(p, CFG, *inputs, chunk_size=chunk, topk_ids_BCK=ids)
-    return (out["logp_BC"] * w_BC).sum() + (out["topk_logp_BCK"] * w_BCK).sum()
+    out = token_logprobs(p, CFG, *inputs, chunk_size=chunk, topk_ids_BCJ=ids)
+    return (out["logp_BC"] * w_BC).sum() + (out["topk_logp_BCJ"] * w_BCJ).sum()
 
   def reference(p):
     prompt, prompt_mask, completion, completion_mask = inputs
@@ -100,7 +100,7 @@ def test_gradients_chunked_equal_unchunked_and_forward(setup):
     m = completion_mask > 0
     logp = jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
     topk = jnp.take_along_axis(logp_BCV, ids, -1)
-    return (jnp.where(m, logp, 0) * w_BC).sum() + (jnp.where(m[..., None], topk, 0) * w_BCK).sum()
+    return (jnp.where(m, logp, 0) * w_BC).sum() + (jnp.where(m[..., None], topk, 0) * w_BCJ).sum()
 
   g_full = jax.jit(jax.grad(functools.partial(objective, chunk=0)))(params)
   g_chunk = jax.jit(jax.grad(functools.partial(objective, chunk=2)))(params)
@@ -132,6 +132,6 @@ def test_bad_shapes_name_the_field(setup):
     token_logprobs(params, CFG, prompt, prompt_mask, completion, completion_mask[:, :-1])
   with pytest.raises(ValueError, match="prompt_mask_BP"):
     token_logprobs(params, CFG, prompt, prompt_mask[:2], completion, completion_mask)
-  with pytest.raises(ValueError, match="topk_ids_BCK"):
+  with pytest.raises(ValueError, match="topk_ids_BCJ"):
     token_logprobs(params, CFG, prompt, prompt_mask, completion, completion_mask,
-                   topk_ids_BCK=jnp.zeros((B, C), jnp.int32))
+                   topk_ids_BCJ=jnp.zeros((B, C), jnp.int32))

@@ -33,7 +33,7 @@ def _batch(seed: int, b: int = 6, c: int = 9, k: int = 3, spread: float = 0.3,
       logp_BC=jnp.asarray(logp), old_logp_BC=jnp.asarray(old), mask_BC=jnp.asarray(mask),
       adv_B=jnp.asarray(adv), entropy_BC=jnp.asarray(rng.uniform(0, 3, (b, c)), jnp.float32),
       ref_logp_BC=jnp.asarray(old + 0.2 * rng.standard_normal((b, c)), jnp.float32),
-      topk_logp_BCK=jnp.asarray(topk), old_topk_logp_BCK=jnp.asarray(old_topk),
+      topk_logp_BCJ=jnp.asarray(topk), old_topk_logp_BCJ=jnp.asarray(old_topk),
       is_argmax_BC=jnp.asarray(rng.random((b, c)) < 0.6),
       correct_B=jnp.asarray(np.arange(b) % 2 == 0))
 
@@ -230,9 +230,9 @@ def test_simko_gradient_split_by_hand() -> None:
   """
   batch = _batch(seed=9, c=12, spread=0.05)
   cfg = LossConfig(agg="token-mean", simko_alpha=0.3, simko_lambda=1.5)
-  f = lambda lp, tk: losses.policy_loss("simko", batch._replace(logp_BC=lp, topk_logp_BCK=tk),
+  f = lambda lp, tk: losses.policy_loss("simko", batch._replace(logp_BC=lp, topk_logp_BCJ=tk),
                                         cfg)[0]
-  g_lp, g_tk = jax.jit(jax.grad(f, argnums=(0, 1)))(batch.logp_BC, batch.topk_logp_BCK)
+  g_lp, g_tk = jax.jit(jax.grad(f, argnums=(0, 1)))(batch.logp_BC, batch.topk_logp_BCJ)
   m = np.asarray(batch.mask_BC) > 0
   ent = np.asarray(batch.entropy_BC)
   rho = np.exp(np.asarray(batch.logp_BC, np.float64) - np.asarray(batch.old_logp_BC, np.float64))

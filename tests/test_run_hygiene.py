@@ -211,7 +211,7 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
     one, calls = (rollout.make_host_logprob_fn(cfg, mesh, mesh_lib.TRAIN_RULES, B,
                                                rows_per_call=L, top_k=3)
                   for L in (0, 4))
-    keys = ("logp_BC", "entropy_BC", "topk_ids_BCK", "topk_logp_BCK")
+    keys = ("logp_BC", "entropy_BC", "topk_ids_BCJ", "topk_logp_BCJ")
     want = one(p, prompt, pmask, comp, cmask, keys=keys)
     got = calls(p, prompt, pmask, comp, cmask, keys=keys)
     assert set(got) == set(want) == set(keys) and got["logp_BC"].shape == (B, C)

@@ -119,10 +119,10 @@ def test_mixture_recovers_two_separated_components():
   high = 0.9 * rng.weibull(40.0, 900)
   mix = sc.fit_weibull_mixture(np.log(np.concatenate([low, high]))[None],
                                config=sc.WeibullFitConfig(n_iter=500))
-  assert mix.fitted_M[0]
-  np.testing.assert_allclose(mix.weight_M2[0], [0.4, 0.6], atol=0.03)
-  np.testing.assert_allclose(mix.scale_M2[0], [0.3, 0.9], rtol=0.03)
-  np.testing.assert_allclose(mix.shape_M2[0], [8.0, 40.0], rtol=0.15)
+  assert mix.fitted_E[0]
+  np.testing.assert_allclose(mix.weight_E2[0], [0.4, 0.6], atol=0.03)
+  np.testing.assert_allclose(mix.scale_E2[0], [0.3, 0.9], rtol=0.03)
+  np.testing.assert_allclose(mix.shape_E2[0], [8.0, 40.0], rtol=0.15)
 
 
 def _random_questions(seed: int, n_q: int, g: int):

@@ -185,7 +185,7 @@ def test_bfloat16_compute_gradients_are_close(data):
 def test_simko_needs_old_topk_and_runs(data):
   params, batch, _ = data
   tcfg = ts.TrainConfig(loss_kind="simko")
-  with pytest.raises(ValueError, match="old_topk_ids_BCK|correct_B"):
+  with pytest.raises(ValueError, match="old_topk_ids_BCJ|correct_B"):
     ts.loss_and_grads(params, batch, CFG, tcfg)
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   # The layout the logprob fn expects: params placed under the train rules.
@@ -193,8 +193,8 @@ def test_simko_needs_old_topk_and_runs(data):
   old = ts.make_logprob_fn(CFG, mesh, mesh_lib.TRAIN_RULES, B, top_k=3)(
       params, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
       batch.completion_mask_BC)
-  batch = dataclasses.replace(batch, old_topk_ids_BCK=old["topk_ids_BCK"],
-                              old_topk_logp_BCK=old["topk_logp_BCK"],
+  batch = dataclasses.replace(batch, old_topk_ids_BCJ=old["topk_ids_BCJ"],
+                              old_topk_logp_BCJ=old["topk_logp_BCJ"],
                               correct_B=jnp.asarray(batch.adv_B > 0))
   loss, aux, grads = _loss_and_grads(params, batch, CFG, tcfg)
   assert np.isfinite(float(loss)) and np.isfinite(float(aux["forked_frac"]))

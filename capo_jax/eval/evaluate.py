@@ -41,15 +41,16 @@ from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import report
 from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
+from capo_jax.rl.logprobs import mean_logprob
 from capo_jax.runtime import fs
 from capo_jax.runtime.host import to_host
 from capo_jax.runtime.policy_io import load_policy
 from capo_jax.sampling import sampler as sampling
+from capo_jax.types import Params
 from models.config import Qwen2Config
+from models.sharding import Layout
 
 log = logging.getLogger(__name__)
-
-Params = dict[str, Any]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -84,15 +85,14 @@ class _Sampler:
   params: Params
   cfg: Qwen2Config
   tokenizer: Tokenizer
-  sharding: dict[str, Any]
+  layout: Layout | None
 
 
 def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
                         eval_cfg: EvalConfig, rng: jax.Array, benchmark: str, grader: Any
                         ) -> list[SampleRecord]:
   """Records of one benchmark in file order (question, then sample index)."""
-  params, cfg, tokenizer, sharding = (sampler.params, sampler.cfg, sampler.tokenizer,
-                                      sampler.sharding)
+  params, cfg, tokenizer, layout = sampler.params, sampler.cfg, sampler.tokenizer, sampler.layout
   ids = [ex.id for ex in examples]
   dup = next((i for i, c in collections.Counter(ids).items() if c > 1), None)
   if dup is not None:
@@ -109,20 +109,20 @@ def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
     tokens, mask = tokenizer.encode_prompts([examples[i].problem for i in padded])
     return sampling.generate(
         params, cfg, tokens, mask, jax.random.fold_in(rng, b), num_samples=G,
-        max_new_tokens=eval_cfg.max_new_tokens, temperature=eval_cfg.temperature,
-        top_p=eval_cfg.top_p, top_k=eval_cfg.top_k, stop_ids=tokenizer.stop_ids,
-        pad_id=tokenizer.pad_id, **sharding)
+        max_new_tokens=eval_cfg.max_new_tokens,
+        strategy=sampling.make_strategy(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k),
+        stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, layout=layout)
 
   def finish(idx: list[int], out: sampling.Samples, bar: Any) -> None:
     n = len(idx) * G  # rows past n belong to the padding repeats
-    tokens, mask = out.tokens[:n], out.mask[:n].astype(np.float64)
-    logprobs = out.logprobs[:n].astype(np.float64)
+    tokens, mask = out.tokens_BC[:n], out.mask_BC[:n].astype(np.float64)
+    logprobs = out.logprobs_BC[:n].astype(np.float64)
     length_B = mask.sum(1)
-    s_B = (logprobs * mask).sum(1) / np.maximum(length_B, 1)  # the stop token counts in s
+    s_B = mean_logprob(logprobs, mask)  # the stop token counts in s
     texts = tokenizer.decode_completions(tokens, mask)
     golds = [examples[i].answer for i in idx for _ in range(G)]
     correct_B = np.asarray(grader.score(texts, golds)[0]) > 0
-    stats["truncated"] += int(out.truncated[:n].sum())
+    stats["truncated"] += int(out.truncated_B[:n].sum())
     stats["tokens"] += int(length_B.sum())
     for r in range(n):
       q = idx[r // G]
@@ -189,8 +189,7 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
   if not isinstance(examples, Mapping):
     examples = {benchmark: examples}
   grader = grader if grader is not None else rewards.default_grader()
-  sampler = _Sampler(params, cfg, tokenizer, {} if mesh is None else {"mesh": mesh,
-                                                                     "rules": rules})
+  sampler = _Sampler(params, cfg, tokenizer, None if mesh is None else Layout.of(mesh, rules))
   records: list[SampleRecord] = []
   for k, (name, exs) in enumerate(examples.items()):
     if not exs:

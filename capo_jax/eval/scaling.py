@@ -24,9 +24,10 @@ The Weibull M-step needs no SciPy: for fixed responsibilities the scale has a
 closed form and the shape solves a 1-D monotone equation, solved here for all
 sets at once by a bracketed Newton iteration (not ~10^5 scipy.optimize calls).
 
-Axis letters: G samples of one question, M sets (subsets of a question's
-samples, or rows of a batch of sets), R responses in a set (R = N above),
-A answer classes of a question; ``_M2`` holds the two mixture components.
+Axis letters (unique across the package, see ``capo_jax/types.py``): G
+samples of one question, E sets (subsets of a question's samples, or rows of
+a batch of sets), U responses in a set (U = N above), A answer classes of a
+question; ``_E2`` holds each set's two mixture components.
 """
 
 from __future__ import annotations
@@ -221,27 +222,27 @@ def fit_weibull(p: Sequence[float], weights: Sequence[float] | None = None,
 @dataclasses.dataclass(frozen=True)
 class WeibullMixture:
   """Fitted mixtures, one per row; component 0 has the lower mean."""
-  weight_M2: np.ndarray
-  shape_M2: np.ndarray
-  scale_M2: np.ndarray
-  loglik_M: np.ndarray
-  fitted_M: np.ndarray  # False: no p below the row's mean, or the fit failed
+  weight_E2: np.ndarray
+  shape_E2: np.ndarray
+  scale_E2: np.ndarray
+  loglik_E: np.ndarray
+  fitted_E: np.ndarray  # False: no p below the row's mean, or the fit failed
 
 
-def fit_weibull_mixture(s_MR: np.ndarray, valid_MR: np.ndarray | None = None,
+def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
                         config: WeibullFitConfig = WeibullFitConfig()
                         ) -> WeibullMixture:
   """EM fit of a 2-component Weibull mixture to p = exp(s) of each row.
 
   Starts from the split p < row-mean p (low) / the rest (high).
   """
-  s = np.asarray(s_MR, dtype=np.float64)
-  v = np.ones(s.shape, bool) if valid_MR is None else np.asarray(valid_MR, bool)
+  s = np.asarray(s_EU, dtype=np.float64)
+  v = np.ones(s.shape, bool) if valid_EU is None else np.asarray(valid_EU, bool)
   if s.ndim != 2 or v.shape != s.shape:
-    raise ValueError(f"s_MR must be 2-D with a valid_MR of the same shape, got "
+    raise ValueError(f"s_EU must be 2-D with a valid_EU of the same shape, got "
                      f"{s.shape} and {v.shape}")
   if not np.isfinite(s[v]).all():
-    raise ValueError("s_MR has NaN or inf at valid positions")
+    raise ValueError("s_EU has NaN or inf at valid positions")
   s = np.where(v, s, 0.0)
   p = np.exp(s)
   mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)
@@ -280,37 +281,37 @@ def fit_weibull_mixture(s_MR: np.ndarray, valid_MR: np.ndarray | None = None,
                         fitted)
 
 
-def rpc_keep_mask(s_MR: np.ndarray, valid_MR: np.ndarray | None = None,
+def rpc_keep_mask(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
                   config: WeibullFitConfig = WeibullFitConfig()) -> np.ndarray:
   """RPC pruning of each row: False where a sample is dropped."""
-  s = np.asarray(s_MR, dtype=np.float64)
-  v = np.ones(s.shape, bool) if valid_MR is None else np.asarray(valid_MR, bool)
+  s = np.asarray(s_EU, dtype=np.float64)
+  v = np.ones(s.shape, bool) if valid_EU is None else np.asarray(valid_EU, bool)
   mix = fit_weibull_mixture(s, v, config)
   s_safe = np.where(v, s, 0.0)
-  log_lam = np.log(mix.scale_M2)[:, :, None]
+  log_lam = np.log(mix.scale_E2)[:, :, None]
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-    logpost = (np.log(mix.weight_M2)[:, :, None]
-               + _log_pdf(s_safe[:, None, :], mix.shape_M2[:, :, None], log_lam))
+    logpost = (np.log(mix.weight_E2)[:, :, None]
+               + _log_pdf(s_safe[:, None, :], mix.shape_E2[:, :, None], log_lam))
   p = np.exp(s_safe)
   mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)
-  drop = (p < mean_p) & (logpost[:, 0] > logpost[:, 1]) & mix.fitted_M[:, None]
+  drop = (p < mean_p) & (logpost[:, 0] > logpost[:, 1]) & mix.fitted_E[:, None]
   return v & ~drop
 
 
 # ------------------------------------------------------------------ selection
 
 
-def _pick_groups(group_MR: np.ndarray, weight_MR: np.ndarray,
-                 include_MR: np.ndarray, correct_A: np.ndarray,
+def _pick_groups(group_EU: np.ndarray, weight_EU: np.ndarray,
+                 include_EU: np.ndarray, correct_A: np.ndarray,
                  rtol: float) -> np.ndarray:
   """Expected accuracy per row of picking the group with the largest weight."""
   if correct_A.size == 0:  # no sample of the question has an answer: all abstain
-    return np.zeros(group_MR.shape[0])
-  onehot = (group_MR[..., None] == np.arange(correct_A.size)) & include_MR[..., None]
-  score_MA = np.einsum("mr,mra->ma", weight_MR, onehot)
+    return np.zeros(group_EU.shape[0])
+  onehot = (group_EU[..., None] == np.arange(correct_A.size)) & include_EU[..., None]
+  score_EA = np.einsum("mr,mra->ma", weight_EU, onehot)
   eligible = onehot.any(axis=1)
-  best = np.max(np.where(eligible, score_MA, 0.0), axis=1, keepdims=True)
-  tied = eligible & (score_MA >= best - rtol * np.abs(best))
+  best = np.max(np.where(eligible, score_EA, 0.0), axis=1, keepdims=True)
+  tied = eligible & (score_EA >= best - rtol * np.abs(best))
   n_tied = tied.sum(-1)
   return np.where(n_tied > 0, (tied * correct_A).sum(-1) / np.maximum(n_tied, 1), 0.0)
 
@@ -323,37 +324,37 @@ def _group_correct(group_G: np.ndarray, correct_G: np.ndarray) -> np.ndarray:
   return hits / np.maximum(n, 1)
 
 
-def _first_occurrence(ids_MR: np.ndarray) -> np.ndarray:
-  same = ids_MR[:, :, None] == ids_MR[:, None, :]
+def _first_occurrence(ids_EU: np.ndarray) -> np.ndarray:
+  same = ids_EU[:, :, None] == ids_EU[:, None, :]
   earlier = np.tril(np.ones(same.shape[1:], bool), k=-1)
   return ~(same & earlier).any(-1)
 
 
-def subset_accuracy(question: QuestionSamples, idx_MR: np.ndarray, method: str,
-                    keep_MR: np.ndarray | None = None,
+def subset_accuracy(question: QuestionSamples, idx_EU: np.ndarray, method: str,
+                    keep_EU: np.ndarray | None = None,
                     tie_rtol: float = 1e-9) -> np.ndarray:
   """Expected accuracy of ``method`` on each subset (row of sample indices).
 
-  ``keep_MR`` is RPC's pruning mask of the subsets (needed for "rpc").
+  ``keep_EU`` is RPC's pruning mask of the subsets (needed for "rpc").
   """
-  g, s = question.group_G[idx_MR], question.s_G[idx_MR]
+  g, s = question.group_G[idx_EU], question.s_G[idx_EU]
   correct = np.asarray(question.correct_G, bool)
   answered = g >= 0
   if method == "best_of_n":
     best = np.max(np.where(answered, s, -np.inf), axis=1, keepdims=True)
     tied = answered & (s == best)
     n = tied.sum(-1)
-    return np.where(n > 0, (tied & correct[idx_MR]).sum(-1) / np.maximum(n, 1), 0.0)
+    return np.where(n > 0, (tied & correct[idx_EU]).sum(-1) / np.maximum(n, 1), 0.0)
   correct_A = _group_correct(question.group_G, correct)
   if method == "majority":
     return _pick_groups(g, np.ones(g.shape), answered, correct_A, 0.0)
   if method not in ("pc", "rpc"):
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
-  include = answered & _first_occurrence(question.completion_G[idx_MR])
+  include = answered & _first_occurrence(question.completion_G[idx_EU])
   if method == "rpc":
-    if keep_MR is None:
-      raise ValueError("method 'rpc' needs keep_MR (see rpc_keep_mask)")
-    include &= keep_MR
+    if keep_EU is None:
+      raise ValueError("method 'rpc' needs keep_EU (see rpc_keep_mask)")
+    include &= keep_EU
   return _pick_groups(g, np.exp(s), include, correct_A, tie_rtol)
 
 

@@ -16,10 +16,10 @@ Outputs (a dict, float32, zero on completion padding):
   logp_BC        log-prob of each completion token (differentiable);
   entropy_BC     entropy of the next-token distribution (stop-gradient);
   is_argmax_BC   the token is the distribution's argmax (bool), when top_k > 0
-                 or topk_ids_BCK is given;
-  topk_logp_BCK  log-probs of K tokens (differentiable): the K most likely
-                 ones (top_k > 0) or the given ``topk_ids_BCK``;
-  topk_ids_BCK   the ids those log-probs belong to (int32).
+                 or topk_ids_BCJ is given;
+  topk_logp_BCJ  log-probs of K tokens (differentiable): the K most likely
+                 ones (top_k > 0) or the given ``topk_ids_BCJ``;
+  topk_ids_BCJ   the ids those log-probs belong to (int32).
 
 ``masked_mean`` is the one masked mean of the RL code (losses, advantages,
 the score s = ``mean_logprob``).
@@ -60,7 +60,7 @@ def mean_logprob(logp_BC: Array, mask_BC: Array) -> Array:
 
 
 def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC: Array,
-           completion_mask_BC: Array, topk_ids_BCK: Array | None) -> None:
+           completion_mask_BC: Array, topk_ids_BCJ: Array | None) -> None:
   B, P = prompt_tokens_BP.shape
   C = completion_tokens_BC.shape[1] if completion_tokens_BC.ndim == 2 else -1
   for name, x, want in (("prompt_mask_BP", prompt_mask_BP, (B, P)),
@@ -71,9 +71,9 @@ def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC:
   if P < 1:
     raise ValueError("token_logprobs: prompt_tokens_BP needs at least one column (the "
                      "first completion token is predicted from the last prompt position)")
-  if topk_ids_BCK is not None and (topk_ids_BCK.ndim != 3 or topk_ids_BCK.shape[:2] != (B, C)):
-    raise ValueError(f"token_logprobs: topk_ids_BCK has shape {topk_ids_BCK.shape}, "
-                     f"expected {(B, C)} + (K,)")
+  if topk_ids_BCJ is not None and (topk_ids_BCJ.ndim != 3 or topk_ids_BCJ.shape[:2] != (B, C)):
+    raise ValueError(f"token_logprobs: topk_ids_BCJ has shape {topk_ids_BCJ.shape}, "
+                     f"expected {(B, C)} + (J,)")
 
 
 def _chunk_stats(h_BcD: Array, w_DV: Array, tokens_Bc: Array, ids_BcK: Array | None,
@@ -101,7 +101,7 @@ def _chunk_stats(h_BcD: Array, w_DV: Array, tokens_Bc: Array, ids_BcK: Array | N
 def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
                    prompt_mask_BP: Array, completion_tokens_BC: Array,
                    completion_mask_BC: Array, *, chunk_size: int = 0, top_k: int = 0,
-                   topk_ids_BCK: Array | None = None, temperature: float = 1.0
+                   topk_ids_BCJ: Array | None = None, temperature: float = 1.0
                    ) -> dict[str, Array]:
   """Per-token log-probs (and entropy, top-k) of the completion tokens.
 
@@ -116,16 +116,16 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
     chunk_size: completion positions per unembedding chunk; 0 = all at once.
     top_k: also return the K most likely tokens' log-probs and ids, and
       ``is_argmax_BC``.
-    topk_ids_BCK: instead of the current top-k, the log-probs of these ids
+    topk_ids_BCJ: instead of the current top-k, the log-probs of these ids
       (e.g. the old policy's top-k, for SimKO's ratios); overrides ``top_k``.
     temperature: divides the logits (1.0 = the model's own distribution).
 
   Returns:
-    dict with logp_BC, entropy_BC and, when asked, topk_logp_BCK, topk_ids_BCK,
+    dict with logp_BC, entropy_BC and, when asked, topk_logp_BCJ, topk_ids_BCJ,
     is_argmax_BC; every value is 0 / False on completion padding.
   """
   _check(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-         topk_ids_BCK)
+         topk_ids_BCJ)
   if chunk_size < 0 or top_k < 0:
     raise ValueError(f"token_logprobs: chunk_size={chunk_size} and top_k={top_k} must be >= 0")
   P = prompt_tokens_BP.shape[1]
@@ -140,7 +140,7 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
   stats = functools.partial(_chunk_stats, top_k=top_k, temperature=temperature)
 
   if chunk_size == 0 or chunk_size >= C:
-    out = stats(h_BCD, w_DV, tokens_BC, topk_ids_BCK)
+    out = stats(h_BCD, w_DV, tokens_BC, topk_ids_BCJ)
   else:
     n = -(-C // chunk_size)
     pad = n * chunk_size - C
@@ -151,7 +151,7 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
       return jnp.moveaxis(x, 1, 0)
 
     xs = (split(h_BCD), split(tokens_BC),
-          None if topk_ids_BCK is None else split(topk_ids_BCK))
+          None if topk_ids_BCJ is None else split(topk_ids_BCJ))
     # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
     body = jax.checkpoint(lambda w, x: stats(x[0], w, x[1], x[2]))
     _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)

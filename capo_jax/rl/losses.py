@@ -46,8 +46,8 @@ class PolicyBatch(NamedTuple):
     entropy_BC: per-token entropy of the current policy (logging, SimKO gating;
       treated as stop-gradient).
     ref_logp_BC: log-prob under the frozen reference (KL; needed when beta > 0).
-    topk_logp_BCK: SimKO: current log-probs of the K most likely tokens (differentiable).
-    old_topk_logp_BCK: SimKO: old-policy log-probs of those same tokens.
+    topk_logp_BCJ: SimKO: current log-probs of the K most likely tokens (differentiable).
+    old_topk_logp_BCJ: SimKO: old-policy log-probs of those same tokens.
     is_argmax_BC: SimKO: the sampled token is the current argmax.
     correct_B: SimKO: the response is correct (reward 1).
   """
@@ -57,8 +57,8 @@ class PolicyBatch(NamedTuple):
   adv_B: Array
   entropy_BC: Array | None = None
   ref_logp_BC: Array | None = None
-  topk_logp_BCK: Array | None = None
-  old_topk_logp_BCK: Array | None = None
+  topk_logp_BCJ: Array | None = None
+  old_topk_logp_BCJ: Array | None = None
   is_argmax_BC: Array | None = None
   correct_B: Array | None = None
 
@@ -221,18 +221,18 @@ def simko_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Ar
   response, forked tokens whose sampled token is the argmax get their
   advantage multiplied by lambda. Then the usual clipped loss.
   """
-  for field in ("entropy_BC", "topk_logp_BCK", "old_topk_logp_BCK", "is_argmax_BC",
+  for field in ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC",
                 "correct_B"):
     if getattr(batch, field) is None:
       raise ValueError(f"simko loss: PolicyBatch.{field} is required, got None")
-  k = batch.topk_logp_BCK.shape[-1]
-  if k != cfg.simko_k or batch.old_topk_logp_BCK.shape != batch.topk_logp_BCK.shape:
-    raise ValueError(f"simko loss: topk_logp_BCK {batch.topk_logp_BCK.shape} and "
-                     f"old_topk_logp_BCK {batch.old_topk_logp_BCK.shape} must end in "
+  k = batch.topk_logp_BCJ.shape[-1]
+  if k != cfg.simko_k or batch.old_topk_logp_BCJ.shape != batch.topk_logp_BCJ.shape:
+    raise ValueError(f"simko loss: topk_logp_BCJ {batch.topk_logp_BCJ.shape} and "
+                     f"old_topk_logp_BCJ {batch.old_topk_logp_BCJ.shape} must end in "
                      f"LossConfig.simko_k={cfg.simko_k}")
   rho_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
-  rho_BCK = jnp.exp(batch.topk_logp_BCK - batch.old_topk_logp_BCK)
-  lifted_BC = (rho_BCK * jax.lax.stop_gradient(rho_BC[..., None] / rho_BCK)).mean(-1)
+  rho_BCJ = jnp.exp(batch.topk_logp_BCJ - batch.old_topk_logp_BCJ)
+  lifted_BC = (rho_BCJ * jax.lax.stop_gradient(rho_BC[..., None] / rho_BCJ)).mean(-1)
   fork_BC = forked_tokens(batch.entropy_BC, batch.mask_BC, cfg.simko_quantile)
   correct_B1 = batch.correct_B.astype(bool)[:, None]
   alpha_BC = jnp.where(fork_BC & correct_B1, cfg.simko_alpha, 0.0)
@@ -260,10 +260,10 @@ def _check_batch(batch: PolicyBatch) -> None:
     x = getattr(batch, field)
     if x is not None and x.shape != shape[:1]:
       raise ValueError(f"policy_loss: {field} has shape {x.shape}, expected {shape[:1]}")
-  for field in ("topk_logp_BCK", "old_topk_logp_BCK"):
+  for field in ("topk_logp_BCJ", "old_topk_logp_BCJ"):
     x = getattr(batch, field)
     if x is not None and x.shape[:2] != shape:
-      raise ValueError(f"policy_loss: {field} has shape {x.shape}, expected {shape} + (K,)")
+      raise ValueError(f"policy_loss: {field} has shape {x.shape}, expected {shape} + (J,)")
 
 
 def _zero_padding(batch: PolicyBatch) -> PolicyBatch:
@@ -274,8 +274,8 @@ def _zero_padding(batch: PolicyBatch) -> PolicyBatch:
   return batch._replace(
       logp_BC=fix(batch.logp_BC), old_logp_BC=fix(batch.old_logp_BC),
       entropy_BC=fix(batch.entropy_BC), ref_logp_BC=fix(batch.ref_logp_BC),
-      topk_logp_BCK=fix(batch.topk_logp_BCK),
-      old_topk_logp_BCK=fix(batch.old_topk_logp_BCK))
+      topk_logp_BCJ=fix(batch.topk_logp_BCJ),
+      old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ))
 
 
 def policy_loss(kind: str, batch: PolicyBatch,

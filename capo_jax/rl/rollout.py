@@ -158,8 +158,8 @@ class Rollout:
   completion_mask_BC: np.ndarray
   old_logp_BC: np.ndarray
   ref_logp_BC: np.ndarray | None
-  topk_ids_BCK: np.ndarray | None
-  topk_logp_BCK: np.ndarray | None
+  topk_ids_BCJ: np.ndarray | None
+  topk_logp_BCJ: np.ndarray | None
   rewards_QG: np.ndarray
   s_QG: np.ndarray
   adv_QG: np.ndarray
@@ -179,9 +179,9 @@ class Rollout:
           completion_tokens_BC=self.completion_tokens_BC[sl],
           completion_mask_BC=self.completion_mask_BC[sl], old_logp_BC=self.old_logp_BC[sl],
           adv_B=self.adv_QG.reshape(-1)[sl], ref_logp_BC=pick(self.ref_logp_BC),
-          correct_B=(self.rewards_QG.reshape(-1)[sl] > 0.5) if self.topk_ids_BCK is not None
+          correct_B=(self.rewards_QG.reshape(-1)[sl] > 0.5) if self.topk_ids_BCJ is not None
           else None,
-          old_topk_ids_BCK=pick(self.topk_ids_BCK), old_topk_logp_BCK=pick(self.topk_logp_BCK)))
+          old_topk_ids_BCJ=pick(self.topk_ids_BCJ), old_topk_logp_BCJ=pick(self.topk_logp_BCJ)))
     return out
 
 
@@ -261,11 +261,11 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
     old_logp_BC = sampler_logp_BC
   else:
     keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
-        ("topk_ids_BCK", "topk_logp_BCK") if spec.simko_k else ())
+        ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ())
     old = logprob_fn(params_train, *inputs, keys=keys)
     old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
     if spec.simko_k:
-      topk_ids, topk_logp = old["topk_ids_BCK"], old["topk_logp_BCK"]
+      topk_ids, topk_logp = old["topk_ids_BCJ"], old["topk_logp_BCJ"]
   ref_logp_BC = None
   if ref_params is not None:
     ref_logp_BC = logprob_fn(ref_params, *inputs)["logp_BC"]

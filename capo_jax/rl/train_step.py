@@ -72,8 +72,8 @@ class TrainBatch:
   """One optimizer update's rows (B = Q * G), every array's leading axis B.
 
   Optional fields may be None: ref_logp_BC (needed when LossConfig.beta > 0;
-  the KL is logged whenever it is given); correct_B, old_topk_ids_BCK and
-  old_topk_logp_BCK (SimKO: the old policy's top-K token ids at each position
+  the KL is logged whenever it is given); correct_B, old_topk_ids_BCJ and
+  old_topk_logp_BCJ (SimKO: the old policy's top-K token ids at each position
   and their old log-probs, from ``make_logprob_fn(top_k=K)``; the current
   policy's log-probs of those same ids give the ratios rho(v_k)).
   """
@@ -85,8 +85,8 @@ class TrainBatch:
   adv_B: Array
   ref_logp_BC: Array | None = None
   correct_B: Array | None = None
-  old_topk_ids_BCK: Array | None = None
-  old_topk_logp_BCK: Array | None = None
+  old_topk_ids_BCJ: Array | None = None
+  old_topk_logp_BCJ: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,19 +175,19 @@ def microbatch_loss(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   """The policy loss of ``batch`` under ``params`` (one forward, no accumulation)."""
   simko = tcfg.loss_kind == "simko"
   if simko:
-    for field in ("correct_B", "old_topk_ids_BCK", "old_topk_logp_BCK"):
+    for field in ("correct_B", "old_topk_ids_BCJ", "old_topk_logp_BCJ"):
       if getattr(batch, field) is None:
         raise ValueError(f"loss_kind='simko' needs TrainBatch.{field}; compute the old "
                          "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
   lp = token_logprobs(_compute_params(params, model_cfg), model_cfg, batch.prompt_tokens_BP,
                       batch.prompt_mask_BP, batch.completion_tokens_BC,
                       batch.completion_mask_BC, chunk_size=tcfg.logprob_chunk_size,
-                      topk_ids_BCK=batch.old_topk_ids_BCK if simko else None)
+                      topk_ids_BCJ=batch.old_topk_ids_BCJ if simko else None)
   pb = losses.PolicyBatch(
       logp_BC=lp["logp_BC"], old_logp_BC=batch.old_logp_BC, mask_BC=batch.completion_mask_BC,
       adv_B=batch.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=batch.ref_logp_BC,
-      topk_logp_BCK=lp.get("topk_logp_BCK") if simko else None,
-      old_topk_logp_BCK=batch.old_topk_logp_BCK if simko else None,
+      topk_logp_BCJ=lp.get("topk_logp_BCJ") if simko else None,
+      old_topk_logp_BCJ=batch.old_topk_logp_BCJ if simko else None,
       is_argmax_BC=lp.get("is_argmax_BC") if simko else None,
       correct_B=batch.correct_B if simko else None)
   return losses.policy_loss(tcfg.loss_kind, pb, tcfg.loss)

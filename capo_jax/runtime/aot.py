@@ -247,8 +247,8 @@ def _trainer_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
       completion_mask_BC=cmask, old_logp_BC=f32(B, C), adv_B=f32(B),
       ref_logp_BC=f32(B, C) if reference else None,
       correct_B=_rows(mesh, rules, (B,), jnp.bool_) if simko_k else None,
-      old_topk_ids_BCK=_rows(mesh, rules, (B, C, simko_k), jnp.int32) if simko_k else None,
-      old_topk_logp_BCK=f32(B, C, simko_k) if simko_k else None)
+      old_topk_ids_BCJ=_rows(mesh, rules, (B, C, simko_k), jnp.int32) if simko_k else None,
+      old_topk_logp_BCJ=f32(B, C, simko_k) if simko_k else None)
   updates = c.rollout.num_prompts // c.train.mini_batch_prompts * c.train.ppo_epochs
   step = ts.make_train_step(model_cfg, tcfg, mesh, rules, B)
   out.append(Lowerable("train", step, (state, batch), {}, updates, ("reference",)))

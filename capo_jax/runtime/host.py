@@ -23,13 +23,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import Mesh
 
 from capo_jax.runtime import mesh as mesh_lib
-
-
-def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
-  """The whole (global) value of an array, on every process."""
-  if isinstance(x, jax.Array) and not x.is_fully_addressable:
-    return np.asarray(multihost_utils.process_allgather(x, tiled=True))
-  return np.asarray(x)
+from models.sharding import to_host  # noqa: F401  (re-exported: the one to_host)
 
 
 def gather_rows(x: np.ndarray) -> np.ndarray:

@@ -17,14 +17,13 @@ import jax
 import jax.numpy as jnp
 
 from capo_jax.runtime import fs
+from capo_jax.types import Params
 from models.config import Qwen2Config
 
-Params = dict[str, Any]
 EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
 # Key of the checkpoint's JSON record that holds the model's HF config.json dict.
 _META_CONFIG_KEY = "hf_config"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
-
 
 
 @dataclasses.dataclass(frozen=True)

@@ -2,9 +2,9 @@
 
 Each strategy's ``choose(logits_VB, u_B)`` works on *vocab-major* logits
 [V, B]: the sampler computes them as ``unembed_VD @ h_DB``, which XLA's CPU
-dot runs ~20% faster than ``h_BD @ unembed_DV`` at decode batch sizes
-(benchmarks/sampling.py), and every reduction over the vocabulary then runs
-down the columns. ``next_token(logits_BV, rng)`` is the batch-major
+dot runs faster than ``h_BD @ unembed_DV`` at decode batch sizes (measured in
+the README's benchmark table), and every reduction over the vocabulary then
+runs down the columns. ``next_token(logits_BV, rng)`` is the batch-major
 convenience form. ``choose`` returns the token and its log-probability under
 the untempered policy, log_softmax(logits)[token], whatever the strategy.
 
