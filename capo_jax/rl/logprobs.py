@@ -161,4 +161,4 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
   m_BC = completion_mask_BC.astype(jnp.bool_)
   zero = lambda x: jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x,
                              jnp.zeros((), x.dtype))
-  return {f"{k}_BCK" if k.startswith("topk") else f"{k}_BC": zero(v) for k, v in out.items()}
+  return {f"{k}_BCJ" if k.startswith("topk") else f"{k}_BC": zero(v) for k, v in out.items()}
