@@ -212,9 +212,14 @@ def completion_budget(tokenizer: CharTokenizer, examples: list[Example], slack: 
 # --- cache -------------------------------------------------------------------
 
 
+# Part of the cache key: bump it when the code changes what a warm start trains to
+# (2: Flax params init, the trainer's optimizer), so an older cached policy is not reused.
+_RECIPE = 2
+
+
 def _settings(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
-  return {"task": dataclasses.asdict(task_cfg), "model": dataclasses.asdict(model_cfg),
-          "sft": dataclasses.asdict(sft_cfg)}
+  return {"recipe": _RECIPE, "task": dataclasses.asdict(task_cfg),
+          "model": dataclasses.asdict(model_cfg), "sft": dataclasses.asdict(sft_cfg)}
 
 
 def cache_dir(workdir: str, task_cfg: TaskConfig, model_cfg: Qwen2Config,
