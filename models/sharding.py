@@ -98,6 +98,11 @@ def to_host(x: jax.Array | np.ndarray) -> np.ndarray:
   return np.asarray(x)
 
 
+def hashable_rules(rules: Rules) -> tuple[tuple[str, Any], ...]:
+  """A rule list as nested tuples (lists, e.g. from a config, become tuples)."""
+  return tuple((name, tuple(ax) if isinstance(ax, list) else ax) for name, ax in rules)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   """A device mesh and the rules that map logical axis names onto it.
@@ -110,8 +115,7 @@ class Layout:
 
   @classmethod
   def of(cls, mesh: Mesh, rules: Rules) -> Layout:
-    return cls(mesh, tuple((name, tuple(ax) if isinstance(ax, list) else ax)
-                           for name, ax in rules))
+    return cls(mesh, hashable_rules(rules))
 
   def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
            name: str = "") -> PartitionSpec:

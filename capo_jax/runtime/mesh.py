@@ -57,17 +57,9 @@ TRAIN_RULES: Rules = (
     ("norm", None),
 )
 
-SAMPLING_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", None),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("norm", None),
-)
+# The train rules with "embed" whole: no fsdp all-gather of the weights per decode step.
+SAMPLING_RULES: Rules = tuple((name, None if name == "embed" else axes)
+                              for name, axes in TRAIN_RULES)
 
 RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES}
 
