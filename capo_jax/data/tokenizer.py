@@ -117,7 +117,45 @@ def decode_completions(tokenizer: Tokenizer, tokens_BC: np.ndarray,
   return out
 
 
-class HFTokenizer:
+class PromptCodec:
+  """What every ``Tokenizer`` derives from ``encode_prompt`` / ``encode`` / ``decode``:
+  batched left-padded prompts, completion lengths and completion texts."""
+
+  stop_ids: tuple[int, ...]
+  pad_id: int
+
+  def encode_prompt(self, question: str) -> list[int]:
+    raise NotImplementedError
+
+  def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
+    raise NotImplementedError
+
+  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None,
+                     pad_to_multiple: int | None = None, truncate: bool = False
+                     ) -> tuple[np.ndarray, np.ndarray]:
+    """Left-padded int32 ``(tokens_BP, mask_BP)`` of ``encode_prompt`` of each question.
+
+    Width and overflow as in ``left_pad``: ``P = max_len`` when given (one
+    shape, one jit compile), else the longest prompt; a longer prompt raises
+    unless ``truncate``.
+    """
+    rows = [self.encode_prompt(q) for q in questions]
+    try:
+      return left_pad(rows, self.pad_id, max_len, pad_to_multiple, truncate)
+    except ValueError as e:
+      raise ValueError(f"encode_prompts: {e}") from e
+
+  def completion_length(self, ids: Sequence[int]) -> int:
+    """Tokens up to and including the first stop token (all of them when none)."""
+    return completion_length(ids, self.stop_ids)
+
+  def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
+                         ) -> list[str]:
+    """Texts of right-padded completions, cut before the first stop token."""
+    return decode_completions(self, tokens_BC, mask_BC)
+
+
+class HFTokenizer(PromptCodec):
   """A local Hugging Face tokenizer behind the ``Tokenizer`` protocol.
 
   ``stop_ids``: ``<|endoftext|>`` and ``<|im_end|>`` (those in the vocabulary)
@@ -183,23 +221,8 @@ class HFTokenizer:
       return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return PROMPT_FORMAT.format(system=self.system_prompt, question=question)
 
-  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None,
-                     pad_to_multiple: int | None = None, truncate: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded int32 ``(tokens_BP, mask_BP)`` of rendered prompts; see ``left_pad``."""
-    rows = [self.encode(self.render_prompt(q)) for q in questions]
-    try:
-      return left_pad(rows, self.pad_id, max_len, pad_to_multiple, truncate)
-    except ValueError as e:
-      raise ValueError(f"encode_prompts: {e}") from e
-
-  def completion_length(self, ids: Sequence[int]) -> int:
-    return completion_length(ids, self.stop_ids)
-
-  def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
-                         ) -> list[str]:
-    """Texts of right-padded completions, cut before the first stop token."""
-    return decode_completions(self, tokens_BC, mask_BC)
+  def encode_prompt(self, question: str) -> list[int]:
+    return self.encode(self.render_prompt(question))
 
 
 def load_tokenizer(path: str | os.PathLike, **kw: Any) -> HFTokenizer:

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
-
-from capo_jax.data.tokenizer import completion_length, decode_completions, left_pad
+from capo_jax.data.tokenizer import PromptCodec
 
 PAD, EOS, BOS = "<pad>", "<eos>", "<bos>"
 BOXED = "\\boxed{"
 PIECES: tuple[str, ...] = (PAD, EOS, BOS, *"0123456789", "+", "-", "*", "=", "\n", BOXED, "}")
 
 
-class CharTokenizer:
+class CharTokenizer(PromptCodec):
   """Implements ``capo_jax.data.tokenizer.Tokenizer`` over ``PIECES``."""
 
   def __init__(self, pieces: Sequence[str] = PIECES) -> None:
@@ -89,27 +87,3 @@ class CharTokenizer:
 
   def encode_prompt(self, question: str) -> list[int]:
     return [self.bos_id] + self.encode(self.render_prompt(question))
-
-  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None,
-                     pad_to_multiple: int | None = None, truncate: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray]:
-    """Left-padded int32 ``(tokens_BP, mask_BP)`` of ``<bos>`` + rendered prompt.
-
-    Width and overflow as in ``capo_jax.data.tokenizer.left_pad``: ``P = max_len``
-    when given (one shape, one jit compile), else the longest prompt; a longer
-    prompt raises unless ``truncate``.
-    """
-    rows = [self.encode_prompt(q) for q in questions]
-    try:
-      return left_pad(rows, self.pad_id, max_len, pad_to_multiple, truncate)
-    except ValueError as e:
-      raise ValueError(f"encode_prompts: {e}") from e
-
-  def completion_length(self, ids: Sequence[int]) -> int:
-    """Tokens up to and including the first stop token (all of them when none)."""
-    return completion_length(ids, self.stop_ids)
-
-  def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
-                         ) -> list[str]:
-    """Texts of right-padded completions, cut at the first stop token."""
-    return decode_completions(self, tokens_BC, mask_BC)
