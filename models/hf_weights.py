@@ -9,6 +9,7 @@ Writes the same layout back, so ``transformers.AutoModelForCausalLM`` loads
 an exported directory.
 
     cfg, params = load_pretrained("/ckpt/Qwen2.5-Math-1.5B", dtype=jnp.bfloat16)
+    cfg, params = load_pretrained("Qwen/Qwen3-1.7B")  # a hub id (models.hub)
     save_pretrained(cfg, params, "/out/step_100")
 """
 
@@ -30,7 +31,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import qwen2, sharding
+from models import hub, qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 
@@ -299,11 +300,15 @@ def load_params(cfg: Qwen2Config, path: str | os.PathLike, shardings: Any = None
 def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None,
                     *, compute_dtype: Any = None, **cfg_overrides: Any
                     ) -> tuple[Qwen2Config, Params]:
-  """Config and params of a HF Qwen2 checkpoint directory.
+  """Config and params of a HF Qwen2 / Qwen3 checkpoint directory or hub id.
 
-  Params are stored in ``dtype``; activations use ``compute_dtype`` (default:
-  the same). ``cfg_overrides`` (e.g. ``remat=True``) go to ``Qwen2Config.from_hf``.
+  ``path`` is a local directory or a hub id such as "Qwen/Qwen2.5-Math-1.5B",
+  fetched (safetensors, config, tokenizer) into the hub cache by
+  ``models.hub.resolve``. Params are stored in ``dtype``; activations use
+  ``compute_dtype`` (default: the same). ``cfg_overrides`` (e.g. ``remat=True``)
+  go to ``Qwen2Config.from_hf``.
   """
+  path = hub.resolve(path)
   name = lambda d: jnp.dtype(d).name
   cfg = Qwen2Config.from_hf(path, param_dtype=name(dtype),
                             compute_dtype=name(compute_dtype or dtype), **cfg_overrides)
