@@ -224,7 +224,8 @@ class Qwen2Config:
     if theta is None:
       raise KeyError(f"{source}: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
     if hf.get("use_sliding_window", False) or "sliding_attention" in (hf.get("layer_types") or ()):
-      raise NotImplementedError(f"{source}: sliding-window attention is not supported")
+      raise NotImplementedError(f"{source}: sliding-window attention (use_sliding_window, "
+                                "layer_types 'sliding_attention') is not supported")
     num_heads = need("num_attention_heads")
     # transformers' Qwen3Config defaults head_dim to 128; Qwen2's derives it.
     head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else 0)

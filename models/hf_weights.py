@@ -300,13 +300,11 @@ def load_params(cfg: Qwen2Config, path: str | os.PathLike, shardings: Any = None
 def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None,
                     *, compute_dtype: Any = None, **cfg_overrides: Any
                     ) -> tuple[Qwen2Config, Params]:
-  """Config and params of a HF Qwen2 / Qwen3 checkpoint directory or hub id.
+  """Config and params of a HF Qwen2 / Qwen3 checkpoint: a local directory or a hub id
+  ("Qwen/Qwen2.5-Math-1.5B", fetched into the hub cache by ``models.hub.resolve``).
 
-  ``path`` is a local directory or a hub id such as "Qwen/Qwen2.5-Math-1.5B",
-  fetched (safetensors, config, tokenizer) into the hub cache by
-  ``models.hub.resolve``. Params are stored in ``dtype``; activations use
-  ``compute_dtype`` (default: the same). ``cfg_overrides`` (e.g. ``remat=True``)
-  go to ``Qwen2Config.from_hf``.
+  Params are stored in ``dtype``; activations use ``compute_dtype`` (default:
+  the same). ``cfg_overrides`` (e.g. ``remat=True``) go to ``Qwen2Config.from_hf``.
   """
   path = hub.resolve(path)
   name = lambda d: jnp.dtype(d).name
