@@ -9,7 +9,6 @@ Writes the same layout back, so ``transformers.AutoModelForCausalLM`` loads
 an exported directory.
 
     cfg, params = load_pretrained("/ckpt/Qwen2.5-Math-1.5B", dtype=jnp.bfloat16)
-    cfg, params = load_pretrained("Qwen/Qwen3-1.7B")  # a hub id (models.hub)
     save_pretrained(cfg, params, "/out/step_100")
 """
 
@@ -307,6 +306,8 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
   the same). ``cfg_overrides`` (e.g. ``remat=True``) go to ``Qwen2Config.from_hf``.
   """
   path = hub.resolve(path)
+  if "://" in path:  # safetensors reads local files; the gs:// layer lives in capo_jax
+    raise ValueError(f"load_pretrained({path!r}): copy a URL first (capo_jax.runtime.fs.model_dir)")
   name = lambda d: jnp.dtype(d).name
   cfg = Qwen2Config.from_hf(path, param_dtype=name(dtype),
                             compute_dtype=name(compute_dtype or dtype), **cfg_overrides)

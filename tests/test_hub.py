@@ -119,6 +119,8 @@ def test_errors_name_the_local_path_and_the_hub_id(stand_in, tmp_path):
     with pytest.raises(FileNotFoundError, match="does not exist, and it is not a Hugging Face"):
       hub.resolve(path)
   assert [c[0] for c in stand_in.calls] == [missing]
+  with pytest.raises(ValueError, match="fs.model_dir"):
+    hf_weights.load_pretrained("gs://bucket/Qwen2.5-Math-1.5B")
 
 
 def test_trainer_config_takes_a_hub_id(repo, stand_in):
