@@ -102,13 +102,14 @@ class DecoderLayer(nn.Module):
     p = functools.partial(_param, self)
     ones, zeros = nn.initializers.ones, nn.initializers.zeros
     self.attn_norm = p("attn_norm", ones, (D,), ("norm",))
+    # Creation order fixes each param's init rng (Flax counts draws): Qwen2's is unchanged.
+    bias = c.qkv_bias  # Qwen2; Qwen3 has none
     self.q_kernel = p("q_kernel", _normal, (D, N, H), ("embed", "q_heads", "head_dim"))
+    self.q_bias = p("q_bias", zeros, (N, H), ("q_heads", "head_dim")) if bias else None
     self.k_kernel = p("k_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
+    self.k_bias = p("k_bias", zeros, (K, H), ("kv_heads", "head_dim")) if bias else None
     self.v_kernel = p("v_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
-    if c.qkv_bias:  # Qwen2
-      self.q_bias = p("q_bias", zeros, (N, H), ("q_heads", "head_dim"))
-      self.k_bias = p("k_bias", zeros, (K, H), ("kv_heads", "head_dim"))
-      self.v_bias = p("v_bias", zeros, (K, H), ("kv_heads", "head_dim"))
+    self.v_bias = p("v_bias", zeros, (K, H), ("kv_heads", "head_dim")) if bias else None
     if c.qk_norm:  # Qwen3: one [H] scale shared by every head
       self.q_norm = p("q_norm", ones, (H,), ("norm",))
       self.k_norm = p("k_norm", ones, (H,), ("norm",))
