@@ -182,3 +182,29 @@ def test_real_snapshot_download_honours_hf_home_and_offline_mode(repo, tmp_path)
   assert out["hit"] == str(store / "snapshots" / commit)
   assert "Qwen/Not-Cached" in out["miss"] and "local hub cache (HF_HUB_OFFLINE is set)" in out[
       "miss"] and "does not exist" in out["miss"]
+
+
+@pytest.mark.slow  # ~80 s on the shared 2-core box: sampler, logprob and train-step compiles
+def test_rl_run_from_a_qwen3_hub_id(repo, stand_in, tmp_path):
+  """The trainer end to end on ``model.hf_path=Qwen/...`` (a Qwen3, tokenizer included):
+  one CAPO step updates the policy and the export reloads as a Qwen3."""
+  import rl_driver  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
+  c = common.shrink(common.get_base_config())
+  c.model.hf_path, c.tokenizer_path = HUB_ID, ""  # the tokenizer comes from the snapshot
+  c.data.train = str(tmp_path / "train.jsonl")
+  pathlib.Path(c.data.train).write_text("".join(
+      json.dumps({"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
+      for i in range(8)))
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.train.num_steps = 256, 8, 1
+  c.optim.lr = 1e-3
+  workdir = tmp_path / "run"
+  params = rl_loop.train(c, str(workdir), grader=rl_driver.HashGrader())
+  base = hf_weights.load_pretrained(repo[1])[1]
+  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
+                       params, base)
+  assert moved["layers"]["q_norm"] > 0 and moved["layers"]["q_kernel"] > 0
+  rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
+  assert rows[-1]["step"] == 1 and rows[-1]["grad_norm"] > 0
+  exported = json.loads((workdir / "export_hf" / "config.json").read_text())
+  assert exported["model_type"] == "qwen3" and exported["architectures"] == ["Qwen3ForCausalLM"]
