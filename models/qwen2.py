@@ -14,9 +14,9 @@ which keeps compile time independent of depth, optionally under ``nn.remat``.
 
 The param tree is ``{"embed", "layers": {"attn_norm", "q_kernel", ...},
 "final_norm"[, "lm_head"]}``; a Qwen2 layer has ``q_bias`` / ``k_bias`` /
-``v_bias``, a Qwen3 layer ``q_norm`` / ``k_norm`` instead. Each param carries logical axis names
-(``nn.with_logical_partitioning``; the scan adds ``"layers"``), from which
-``models.sharding`` derives shardings under a rule list.
+``v_bias``, a Qwen3 layer ``q_norm`` / ``k_norm`` instead. Each param carries
+logical axis names (``nn.with_logical_partitioning``; the scan adds
+``"layers"``), from which ``models.sharding`` derives shardings under a rule list.
 """
 
 from __future__ import annotations

@@ -110,8 +110,8 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
   if not policy_given and not c.model.hf_path:
     if not c.model.preset:
       _fail("model.hf_path", c.model.hf_path,
-            "set model.hf_path (a HF checkpoint directory or hub id) or model.preset (random weights, "
-            f"one of {sorted(PRESETS)})")
+            "set model.hf_path (a HF checkpoint directory or hub id) or model.preset (random "
+            f"weights, one of {sorted(PRESETS)})")
     if c.model.preset not in PRESETS:
       _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
   if c.model.hf_path:

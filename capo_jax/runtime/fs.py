@@ -9,8 +9,8 @@ with the VM.
 
 Libraries that only read local files (``safetensors.safe_open``, HF
 tokenizers, matplotlib's ``savefig``) get a local copy of a remote directory
-(``local_copy``; ``model_dir`` also takes Hugging Face hub ids) or write into a local staging directory that is uploaded when
-complete (``staged_dir``).
+(``local_copy``; ``model_dir`` also takes Hugging Face hub ids) or write into a
+local staging directory that is uploaded when complete (``staged_dir``).
 
 Cloud Storage emulators: ``gcsfs`` follows ``STORAGE_EMULATOR_HOST`` and
 TensorStore (Orbax's array store) ``TENSORSTORE_GCS_HTTP_URL``.
