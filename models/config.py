@@ -1,7 +1,11 @@
-"""Qwen2 / Qwen2.5 model configuration with named presets.
+"""Qwen2 / Qwen2.5 / Qwen3 (dense) model configuration with named presets.
 
 The presets carry the numbers of the released Hugging Face checkpoints, so a
 full-size model can be shape-checked (``jax.eval_shape``) without weights.
+Qwen3 dense is the Qwen2 decoder with two changes, chosen by ``model_type``:
+no bias on the q / k / v projections, and an RMSNorm over the head dim of
+each query and key head (before RoPE). Its ``head_dim`` is set on its own
+(0.6B: hidden 1024, 16 heads of 128).
 """
 
 from __future__ import annotations
@@ -14,11 +18,13 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+MODEL_TYPES = ("qwen2", "qwen3")  # HF config.json ``model_type`` values we read and write
+_ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 
 
 @dataclasses.dataclass(frozen=True)
 class Qwen2Config:
-  """Hyper-parameters of a Qwen2-architecture decoder.
+  """Hyper-parameters of a Qwen2-architecture decoder (Qwen2 / Qwen2.5 or Qwen3 dense).
 
   Frozen and hashable so it can be a static argument of ``jax.jit``.
   ``param_dtype`` is the dtype params are created / loaded in;
@@ -40,8 +46,12 @@ class Qwen2Config:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass
+  model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
 
   def __post_init__(self) -> None:
+    if self.model_type not in MODEL_TYPES:
+      raise ValueError(f"Qwen2Config.model_type={self.model_type!r}; expected one of "
+                       f"{list(MODEL_TYPES)}")
     if self.head_dim == 0:
       if self.hidden_size % self.num_heads:
         raise ValueError(
@@ -69,6 +79,16 @@ class Qwen2Config:
   @property
   def weight_dtype(self) -> Any:
     return _DTYPES[self.param_dtype]
+
+  @property
+  def qkv_bias(self) -> bool:
+    """Qwen2 has biases on the q / k / v projections; Qwen3 has none."""
+    return self.model_type == "qwen2"
+
+  @property
+  def qk_norm(self) -> bool:
+    """Qwen3 RMS-normalises each query and key head over its head dim, before RoPE."""
+    return self.model_type == "qwen3"
 
   def replace(self, **changes: Any) -> Qwen2Config:
     return dataclasses.replace(self, **changes)
@@ -109,6 +129,45 @@ class Qwen2Config:
                num_heads=28, num_kv_heads=4, rope_theta=10000.0, tie_word_embeddings=False,
                max_position_embeddings=4096, **kw)
 
+  # Qwen3 dense (Qwen/Qwen3-*): head_dim 128 throughout, 8 kv heads, rope base 1e6,
+  # 40960 positions; tied embeddings up to 4B.
+
+  @classmethod
+  def _qwen3(cls, **kw: Any) -> Qwen2Config:
+    defaults = dict(vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
+                    max_position_embeddings=40960, model_type="qwen3")
+    return cls(**{**defaults, **kw})
+
+  @classmethod
+  def qwen3_0p6b(cls, **kw: Any) -> Qwen2Config:
+    return cls._qwen3(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
+                      tie_word_embeddings=True, **kw)
+
+  @classmethod
+  def qwen3_1p7b(cls, **kw: Any) -> Qwen2Config:
+    return cls._qwen3(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
+                      tie_word_embeddings=True, **kw)
+
+  @classmethod
+  def qwen3_4b(cls, **kw: Any) -> Qwen2Config:
+    return cls._qwen3(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
+                      tie_word_embeddings=True, **kw)
+
+  @classmethod
+  def qwen3_8b(cls, **kw: Any) -> Qwen2Config:
+    return cls._qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
+                      tie_word_embeddings=False, **kw)
+
+  @classmethod
+  def qwen3_14b(cls, **kw: Any) -> Qwen2Config:
+    return cls._qwen3(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
+                      tie_word_embeddings=False, **kw)
+
+  @classmethod
+  def qwen3_32b(cls, **kw: Any) -> Qwen2Config:
+    return cls._qwen3(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
+                      tie_word_embeddings=False, **kw)
+
   @classmethod
   def tiny(cls, **kw: Any) -> Qwen2Config:
     """A few-hundred-thousand-parameter model for tests and CPU demos."""
@@ -126,6 +185,7 @@ class Qwen2Config:
 
     Both spellings of the RoPE base are accepted: top-level ``rope_theta``
     (transformers < 5) and ``rope_parameters: {"rope_theta": ...}`` (>= 5).
+    ``model_type`` "qwen2" (the default when absent) or "qwen3" (dense).
     """
     source = "config dict"
     if isinstance(dict_or_path, dict):
@@ -149,8 +209,12 @@ class Qwen2Config:
       return hf[key]
 
     model_type = hf.get("model_type", "qwen2")
-    if model_type != "qwen2":
-      raise ValueError(f"{source}: model_type={model_type!r}, expected 'qwen2'")
+    if model_type not in MODEL_TYPES:
+      raise ValueError(f"{source}: model_type={model_type!r}, expected one of "
+                       f"{list(MODEL_TYPES)}")
+    if model_type == "qwen3" and hf.get("attention_bias", False):
+      # transformers' Qwen3 then biases o_proj too, which this decoder does not have.
+      raise NotImplementedError(f"{source}: attention_bias=true is not supported for qwen3")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
@@ -159,9 +223,12 @@ class Qwen2Config:
     theta = rope.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
       raise KeyError(f"{source}: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
-    if hf.get("use_sliding_window", False):
-      raise NotImplementedError(f"{source}: use_sliding_window=true is not supported")
+    if hf.get("use_sliding_window", False) or "sliding_attention" in (hf.get("layer_types") or ()):
+      raise NotImplementedError(f"{source}: sliding-window attention (use_sliding_window, "
+                                "layer_types 'sliding_attention') is not supported")
     num_heads = need("num_attention_heads")
+    # transformers' Qwen3Config defaults head_dim to 128; Qwen2's derives it.
+    head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else 0)
     args = dict(
         vocab_size=need("vocab_size"),
         hidden_size=need("hidden_size"),
@@ -169,20 +236,23 @@ class Qwen2Config:
         num_layers=need("num_hidden_layers"),
         num_heads=num_heads,
         num_kv_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=hf.get("head_dim") or 0,
+        head_dim=head_dim,
         rope_theta=float(theta),
         rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
         max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+        model_type=model_type,
     )
     args.update(kw)
     return cls(**args)
 
   def to_hf(self) -> dict[str, Any]:
-    """The ``config.json`` dict that ``transformers`` reads as a Qwen2 model."""
+    """The ``config.json`` dict that ``transformers`` reads as a Qwen2 / Qwen3 model."""
+    extra = {"attention_bias": False} if self.model_type == "qwen3" else {}
     return {
-        "architectures": ["Qwen2ForCausalLM"],
-        "model_type": "qwen2",
+        "architectures": [_ARCHITECTURES[self.model_type]],
+        "model_type": self.model_type,
+        **extra,
         "vocab_size": self.vocab_size,
         "hidden_size": self.hidden_size,
         "intermediate_size": self.intermediate_size,
@@ -209,5 +279,11 @@ PRESETS = {
     "qwen2p5_7b": Qwen2Config.qwen2p5_7b,
     "qwen2p5_math_1p5b": Qwen2Config.qwen2p5_math_1p5b,
     "qwen2p5_math_7b": Qwen2Config.qwen2p5_math_7b,
+    "qwen3_0p6b": Qwen2Config.qwen3_0p6b,
+    "qwen3_1p7b": Qwen2Config.qwen3_1p7b,
+    "qwen3_4b": Qwen2Config.qwen3_4b,
+    "qwen3_8b": Qwen2Config.qwen3_8b,
+    "qwen3_14b": Qwen2Config.qwen3_14b,
+    "qwen3_32b": Qwen2Config.qwen3_32b,
     "tiny": Qwen2Config.tiny,
 }

@@ -1,4 +1,4 @@
-"""Hugging Face Qwen2 checkpoints <-> capo-jax params, without torch.
+"""Hugging Face Qwen2 / Qwen3 checkpoints <-> capo-jax params, without torch.
 
 Reads ``model.safetensors`` or a sharded ``model.safetensors.index.json``
 directory (float32 / bfloat16 / float16 tensors) lazily through
@@ -30,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import qwen2, sharding
+from models import hub, qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 
@@ -67,16 +67,20 @@ def _maps(cfg: Qwen2Config) -> dict[str, Any]:
       "mlp_norm": _Map("model.layers.{l}.post_attention_layernorm.weight", lambda c: (D,), (1,),
                        (0,)),
       "q_kernel": _Map(attn + "q_proj.weight", lambda c: (N, H, D), (2, 1), (2, 0, 1)),
-      "q_bias": _Map(attn + "q_proj.bias", lambda c: (N, H), (2,), (0, 1)),
       "k_kernel": _Map(attn + "k_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
-      "k_bias": _Map(attn + "k_proj.bias", lambda c: (K, H), (2,), (0, 1)),
       "v_kernel": _Map(attn + "v_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
-      "v_bias": _Map(attn + "v_proj.bias", lambda c: (K, H), (2,), (0, 1)),
       "o_kernel": _Map(attn + "o_proj.weight", lambda c: (D, N, H), (1, 2), (1, 2, 0)),
       "gate_kernel": _Map(mlp + "gate_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
       "up_kernel": _Map(mlp + "up_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
       "down_kernel": _Map(mlp + "down_proj.weight", lambda c: (D, F), (1, 1), (1, 0)),
   }
+  if cfg.qkv_bias:  # Qwen2
+    layers["q_bias"] = _Map(attn + "q_proj.bias", lambda c: (N, H), (2,), (0, 1))
+    layers["k_bias"] = _Map(attn + "k_proj.bias", lambda c: (K, H), (2,), (0, 1))
+    layers["v_bias"] = _Map(attn + "v_proj.bias", lambda c: (K, H), (2,), (0, 1))
+  if cfg.qk_norm:  # Qwen3
+    layers["q_norm"] = _Map(attn + "q_norm.weight", lambda c: (H,), (1,), (0,))
+    layers["k_norm"] = _Map(attn + "k_norm.weight", lambda c: (H,), (1,), (0,))
   maps: dict[str, Any] = {
       "embed": _Map("model.embed_tokens.weight", lambda c: (V, D), (1, 1), (0, 1)),
       "layers": layers,
@@ -295,11 +299,15 @@ def load_params(cfg: Qwen2Config, path: str | os.PathLike, shardings: Any = None
 def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None,
                     *, compute_dtype: Any = None, **cfg_overrides: Any
                     ) -> tuple[Qwen2Config, Params]:
-  """Config and params of a HF Qwen2 checkpoint directory.
+  """Config and params of a HF Qwen2 / Qwen3 checkpoint: a local directory or a hub id
+  ("Qwen/Qwen2.5-Math-1.5B", fetched into the hub cache by ``models.hub.resolve``).
 
   Params are stored in ``dtype``; activations use ``compute_dtype`` (default:
   the same). ``cfg_overrides`` (e.g. ``remat=True``) go to ``Qwen2Config.from_hf``.
   """
+  path = hub.resolve(path)
+  if "://" in path:  # safetensors reads local files; the gs:// layer lives in capo_jax
+    raise ValueError(f"load_pretrained({path!r}): copy a URL first (capo_jax.runtime.fs.model_dir)")
   name = lambda d: jnp.dtype(d).name
   cfg = Qwen2Config.from_hf(path, param_dtype=name(dtype),
                             compute_dtype=name(compute_dtype or dtype), **cfg_overrides)

@@ -1,4 +1,4 @@
-"""Qwen2 / Qwen2.5 decoder as Flax linen modules, used pure-functionally.
+"""Qwen2 / Qwen2.5 / Qwen3 (dense) decoder as Flax linen modules, used pure-functionally.
 
 Axis legend (array-name suffixes and einsum letters):
   B batch, T query length, S key/value length (cache slots), D model dim,
@@ -13,9 +13,10 @@ the code uses. The layers are one ``nn.scan`` over a stacked leading L axis,
 which keeps compile time independent of depth, optionally under ``nn.remat``.
 
 The param tree is ``{"embed", "layers": {"attn_norm", "q_kernel", ...},
-"final_norm"[, "lm_head"]}``. Each param carries logical axis names
-(``nn.with_logical_partitioning``; the scan adds ``"layers"``), from which
-``models.sharding`` derives shardings under a rule list.
+"final_norm"[, "lm_head"]}``; a Qwen2 layer has ``q_bias`` / ``k_bias`` /
+``v_bias``, a Qwen3 layer ``q_norm`` / ``k_norm`` instead. Each param carries
+logical axis names (``nn.with_logical_partitioning``; the scan adds
+``"layers"``), from which ``models.sharding`` derives shardings under a rule list.
 """
 
 from __future__ import annotations
@@ -101,12 +102,17 @@ class DecoderLayer(nn.Module):
     p = functools.partial(_param, self)
     ones, zeros = nn.initializers.ones, nn.initializers.zeros
     self.attn_norm = p("attn_norm", ones, (D,), ("norm",))
+    # Creation order fixes each param's init rng (Flax counts draws): Qwen2's is unchanged.
+    bias = c.qkv_bias  # Qwen2; Qwen3 has none
     self.q_kernel = p("q_kernel", _normal, (D, N, H), ("embed", "q_heads", "head_dim"))
-    self.q_bias = p("q_bias", zeros, (N, H), ("q_heads", "head_dim"))
+    self.q_bias = p("q_bias", zeros, (N, H), ("q_heads", "head_dim")) if bias else None
     self.k_kernel = p("k_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
-    self.k_bias = p("k_bias", zeros, (K, H), ("kv_heads", "head_dim"))
+    self.k_bias = p("k_bias", zeros, (K, H), ("kv_heads", "head_dim")) if bias else None
     self.v_kernel = p("v_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
-    self.v_bias = p("v_bias", zeros, (K, H), ("kv_heads", "head_dim"))
+    self.v_bias = p("v_bias", zeros, (K, H), ("kv_heads", "head_dim")) if bias else None
+    if c.qk_norm:  # Qwen3: one [H] scale shared by every head
+      self.q_norm = p("q_norm", ones, (H,), ("norm",))
+      self.k_norm = p("k_norm", ones, (H,), ("norm",))
     self.o_kernel = p("o_kernel", _normal, (N, H, D), ("q_heads", "head_dim", "embed"))
     self.mlp_norm = p("mlp_norm", ones, (D,), ("norm",))
     self.gate_kernel = p("gate_kernel", _normal, (D, F), ("embed", "mlp"))
@@ -116,11 +122,16 @@ class DecoderLayer(nn.Module):
   def attention_inputs(self, x_BTD: jax.Array, rope_BT: tuple[jax.Array, jax.Array]
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, N, H] and k, v [B, T, K, H] of this call's tokens, RoPE applied."""
-    dt = self.cfg.dtype
-    h = rms_norm(x_BTD, self.attn_norm, self.cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt)) + self.q_bias.astype(dt)
-    k = jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt)) + self.k_bias.astype(dt)
-    v = jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt)) + self.v_bias.astype(dt)
+    c, dt = self.cfg, self.cfg.dtype
+    h = rms_norm(x_BTD, self.attn_norm, c.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt))
+    k = jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt))
+    v = jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt))
+    if c.qkv_bias:
+      q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt),
+                 v + self.v_bias.astype(dt))
+    if c.qk_norm:  # over the head dim of each head, before RoPE (as transformers' Qwen3)
+      q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
     return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
 
   def attention_output(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:

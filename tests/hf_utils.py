@@ -1,9 +1,10 @@
-"""Shared test helpers: tiny random transformers Qwen2 models and an offline tokenizer.
+"""Shared test helpers: tiny random transformers Qwen2 / Qwen3 models and an offline tokenizer.
 
 Nothing here touches the network. Test modules import it as ``import hf_utils``
 (pytest puts tests/ on sys.path, as there is no tests/__init__.py).
 
     hf_model, path = make_hf_model(tmp_path, tie_word_embeddings=False)
+    hf_model, path = make_hf_model(tmp_path, arch="qwen3", head_dim=32)  # Qwen3ForCausalLM
     cfg, params = models.hf_weights.load_pretrained(path)
     tok_path = make_tokenizer_dir(tmp_path / "tok")
 """
@@ -38,12 +39,24 @@ _CORPUS = [
 ]
 
 
-def make_hf_config(**overrides: Any) -> Any:
-  """A ``transformers.Qwen2Config``: TINY_HF_CONFIG updated with ``overrides``."""
+# model_type -> (transformers config class, model class).
+HF_CLASSES = {"qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+              "qwen3": ("Qwen3Config", "Qwen3ForCausalLM")}
+
+
+def make_hf_config(arch: str = "qwen2", **overrides: Any) -> Any:
+  """A ``transformers.Qwen2Config`` (or ``Qwen3Config``): TINY_HF_CONFIG updated with
+  ``overrides``. (transformers' Qwen3 default head_dim is 128: pass it for tiny ones.)"""
   import transformers  # pylint: disable=g-import-not-at-top
   kw = dict(TINY_HF_CONFIG)
   kw.update(overrides)
-  return transformers.Qwen2Config(**kw)
+  return getattr(transformers, HF_CLASSES[arch][0])(**kw)
+
+
+def hf_model_class(hf_cfg: Any) -> Any:
+  """``transformers.Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` for a config."""
+  import transformers  # pylint: disable=g-import-not-at-top
+  return getattr(transformers, HF_CLASSES[hf_cfg.model_type][1])
 
 
 def randomize_(model: Any, seed: int = 0, std: float = 0.15) -> Any:
@@ -65,8 +78,10 @@ def randomize_(model: Any, seed: int = 0, std: float = 0.15) -> Any:
 
 def make_hf_model(tmp_path: str | os.PathLike | None, seed: int = 0, std: float = 0.15,
                   dtype: str = "float32", max_shard_size: str | int | None = None,
-                  **config_overrides: Any) -> tuple[Any, pathlib.Path | None]:
-  """A random tiny ``transformers.Qwen2ForCausalLM`` (eval mode, float32 in memory).
+                  arch: str = "qwen2", **config_overrides: Any
+                  ) -> tuple[Any, pathlib.Path | None]:
+  """A random tiny ``transformers.Qwen2ForCausalLM`` (eval mode, float32 in memory);
+  ``arch="qwen3"``: a ``Qwen3ForCausalLM``.
 
   When ``tmp_path`` is given the model is saved there with ``save_pretrained``
   (in ``dtype``; sharded when ``max_shard_size`` is given) and that directory is
@@ -74,10 +89,10 @@ def make_hf_model(tmp_path: str | os.PathLike | None, seed: int = 0, std: float 
   (``tie_word_embeddings``, ``rope_theta``, ``num_key_value_heads``, ...).
   """
   import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
-  hf_cfg = make_hf_config(**config_overrides)
+  hf_cfg = make_hf_config(arch, **config_overrides)
+  model_class = hf_model_class(hf_cfg)
   torch.manual_seed(seed)
-  model = transformers.Qwen2ForCausalLM(hf_cfg).to(torch.float32)
+  model = model_class(hf_cfg).to(torch.float32)
   randomize_(model, seed, std)
   model.eval()
   if tmp_path is None:
@@ -88,7 +103,7 @@ def make_hf_model(tmp_path: str | os.PathLike | None, seed: int = 0, std: float 
     model.save_pretrained(path, **kw)
   else:
     # Save a converted copy so the returned model keeps its float32 weights.
-    copy = transformers.Qwen2ForCausalLM(hf_cfg)
+    copy = model_class(hf_cfg)
     copy.load_state_dict(model.state_dict())
     copy.to(getattr(torch, dtype)).save_pretrained(path, **kw)
   return model, path
@@ -111,12 +126,14 @@ def hf_logits(model: Any, tokens_BT: np.ndarray, mask_BT: np.ndarray | None = No
 
 
 def hf_num_params(hf_config_dict: dict[str, Any]) -> int:
-  """Parameter count of the transformers model of a config, on the meta device."""
+  """Parameter count of the transformers model of a config (Qwen2 or Qwen3, by its
+  ``model_type``), on the meta device."""
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  hf_cfg = transformers.Qwen2Config(**hf_config_dict)
+  arch = hf_config_dict.get("model_type", "qwen2")
+  hf_cfg = getattr(transformers, HF_CLASSES[arch][0])(**hf_config_dict)
   with torch.device("meta"):
-    model = transformers.Qwen2ForCausalLM(hf_cfg)
+    model = hf_model_class(hf_cfg)(hf_cfg)
   # parameters() de-duplicates the tied embedding / lm_head.
   return sum(p.numel() for p in model.parameters())
 

@@ -124,7 +124,7 @@ def test_preset_param_count_and_hf_config_roundtrip(name):
   import transformers  # pylint: disable=g-import-not-at-top
   cfg = PRESETS[name]()
   assert qwen2.num_params(qwen2.param_shapes(cfg)) == hf_utils.hf_num_params(cfg.to_hf())
-  hf_dict = transformers.Qwen2Config(**cfg.to_hf()).to_dict()
+  hf_dict = transformers.AutoConfig.for_model(**cfg.to_hf()).to_dict()  # Qwen2 or Qwen3
   assert Qwen2Config.from_hf(hf_dict) == cfg
 
 

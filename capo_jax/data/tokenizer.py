@@ -227,6 +227,7 @@ class HFTokenizer(PromptCodec):
 
 def load_tokenizer(path: str | os.PathLike, **kw: Any) -> HFTokenizer:
   """``HFTokenizer.from_pretrained`` of a HF model directory, local or ``gs://``
-  (copied to the local cache first: HF tokenizers read local files)."""
+  (copied to the local cache first: HF tokenizers read local files), or of a
+  hub id ("Qwen/Qwen2.5-Math-1.5B", fetched by ``fs.model_dir``)."""
   from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
-  return HFTokenizer.from_pretrained(fs.local_copy(path), **kw)
+  return HFTokenizer.from_pretrained(fs.model_dir(path), **kw)

@@ -267,7 +267,8 @@ def _parser() -> argparse.ArgumentParser:
   p = argparse.ArgumentParser(prog="python -m capo_jax.eval", description=__doc__,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
   mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--policy", help="HF model dir or trainer workdir (see load_policy)")
+  mode.add_argument("--policy", help="HF model dir, hub id (Qwen/...) or trainer workdir "
+                    "(see load_policy)")
   mode.add_argument("--from-samples", "--from_samples", dest="from_samples", metavar="FILE",
                     help="compute every metric from a samples.jsonl written elsewhere")
   mode.add_argument("--compare", nargs="+", metavar="DIR",
@@ -288,8 +289,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                  help="params and compute dtype")
   p.add_argument("--tokenizer", default="", help="tokenizer dir (default: next to the policy)")
-  p.add_argument("--base_model", default="", help="HF dir of the run's base model: config and "
-                 "tokenizer for an Orbax checkpoint")
+  p.add_argument("--base_model", default="", help="HF dir or hub id of the run's base model: "
+                 "config and tokenizer for an Orbax checkpoint")
   p.add_argument("--tensor_parallel", type=int, default=1,
                  help="tensor axis of the sampling mesh when several devices are visible")
   p.add_argument("--grouping", default="rewards", choices=("rewards", "exact"),

@@ -20,6 +20,7 @@ from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
 from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
+from models import hub
 from models.config import PRESETS, Qwen2Config
 
 log = logging.getLogger(__name__)
@@ -109,12 +110,17 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
   if not policy_given and not c.model.hf_path:
     if not c.model.preset:
       _fail("model.hf_path", c.model.hf_path,
-            "set model.hf_path (a HF checkpoint directory) or model.preset (random weights, "
-            f"one of {sorted(PRESETS)})")
+            "set model.hf_path (a HF checkpoint directory or hub id) or model.preset (random "
+            f"weights, one of {sorted(PRESETS)})")
     if c.model.preset not in PRESETS:
       _fail("model.preset", c.model.preset, f"expected one of {sorted(PRESETS)}")
-  if c.model.hf_path and not fs.is_file(fs.join(c.model.hf_path, "config.json")):
-    _fail("model.hf_path", c.model.hf_path, "not a HF checkpoint directory (no config.json)")
+  if c.model.hf_path:
+    try:  # a hub id is fetched here (once, into the hub cache): its config is needed next
+      hf_dir = hub.resolve(c.model.hf_path)
+    except FileNotFoundError as e:
+      _fail("model.hf_path", c.model.hf_path, str(e))
+    if not fs.is_file(fs.join(hf_dir, "config.json")):
+      _fail("model.hf_path", c.model.hf_path, "not a HF checkpoint directory (no config.json)")
   for field in ("train_size", "val_size"):
     if c.data[field] < 0:
       _fail(f"data.{field}", c.data[field], "must be >= 0 (0: all the rest / no validation)")
@@ -206,7 +212,8 @@ def model_config(c: ml_collections.ConfigDict) -> Qwen2Config:
   kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
   try:
     if m.hf_path:
-      return Qwen2Config.from_hf(fs.local_copy(fs.join(m.hf_path, "config.json")), **kw)
+      return Qwen2Config.from_hf(fs.local_copy(fs.join(hub.resolve(m.hf_path), "config.json")),
+                                 **kw)
     overrides = dict(m.preset_overrides.to_dict()) if m.preset_overrides else {}
     return PRESETS[m.preset](**{**overrides, **kw})
   except (ValueError, TypeError) as e:

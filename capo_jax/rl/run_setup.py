@@ -52,7 +52,7 @@ def initial_params(c: ml_collections.ConfigDict, model_cfg: Qwen2Config,
   if policy is not None:
     return jax.device_put(policy.params, shardings)
   if c.model.hf_path:
-    _, params = hf_weights.load_pretrained(fs.local_copy(c.model.hf_path),
+    _, params = hf_weights.load_pretrained(fs.model_dir(c.model.hf_path),
                                            dtype=model_cfg.weight_dtype, shardings=shardings)
     return params
   init = lambda key: qwen2.init_params(model_cfg, key)

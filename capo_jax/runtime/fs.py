@@ -9,8 +9,8 @@ with the VM.
 
 Libraries that only read local files (``safetensors.safe_open``, HF
 tokenizers, matplotlib's ``savefig``) get a local copy of a remote directory
-(``local_copy``) or write into a local staging directory that is uploaded when
-complete (``staged_dir``).
+(``local_copy``; ``model_dir`` also takes Hugging Face hub ids) or write into a
+local staging directory that is uploaded when complete (``staged_dir``).
 
 Cloud Storage emulators: ``gcsfs`` follows ``STORAGE_EMULATOR_HOST`` and
 TensorStore (Orbax's array store) ``TENSORSTORE_GCS_HTTP_URL``.
@@ -183,6 +183,20 @@ def local_copy(p: PathLike) -> str:
       shutil.copyfileobj(r, w, length=16 << 20)
   write_text(marker, fingerprint)
   return dest
+
+
+def model_dir(p: PathLike) -> str:
+  """A local directory with the model (weights, config, tokenizer) named by ``p``.
+
+  ``gs://`` directories are copied to the local cache (``local_copy``), local
+  paths are used as they are, and anything else is taken for a Hugging Face
+  hub id ("Qwen/Qwen2.5-Math-1.5B") and fetched into the hub cache
+  (``models.hub.resolve``; ``HF_HOME``, ``HF_HUB_OFFLINE``). Raises
+  ``FileNotFoundError`` naming both the local path and the hub id when ``p``
+  is neither.
+  """
+  from models import hub  # pylint: disable=import-outside-toplevel
+  return local_copy(hub.resolve(p))
 
 
 @contextlib.contextmanager

@@ -1,10 +1,12 @@
-"""Loading a policy to evaluate: a HF directory, or a trainer workdir (local or gs://).
+"""Loading a policy to evaluate: a HF directory or hub id, or a trainer workdir (local or gs://).
 
 ``load_policy`` looks, in order, for ``path/config.json`` (a HF model
 directory), ``path/export_hf/config.json`` (the trainer's final HF export) and
 ``path/checkpoints`` (the params of the newest Orbax checkpoint). HF
 directories on Cloud Storage are copied to the local cache first
 (``capo_jax.runtime.fs.local_copy``): safetensors and tokenizers read local files.
+A path that is neither local nor a URL is taken for a Hugging Face hub id
+("Qwen/Qwen2.5-Math-1.5B") and fetched into the hub cache (``models.hub``).
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import jax.numpy as jnp
 
 from capo_jax.runtime import fs
 from capo_jax.types import Params
+from models import hub
 from models.config import Qwen2Config
 
 EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
@@ -96,9 +99,13 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
      config.json dict) or else from ``base_model``'s config.json.
 
   ``tokenizer_dir`` is the HF directory used when it holds tokenizer files,
-  else ``base_model`` when it does.
+  else ``base_model`` when it does. ``path`` and ``base_model`` may be hub ids
+  (``models.hub.resolve``: fetched into the hub cache, or an error naming
+  both the local path and the hub id).
   """
-  path = os.fspath(path)
+  given = os.fspath(path)
+  path = hub.resolve(given)
+  base_model = hub.resolve(base_model) if base_model else None
   export = fs.join(path, EXPORT_DIR)
   for hf_dir in (path, export):
     if _is_hf_dir(hf_dir):
@@ -106,7 +113,7 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
       cfg, params = hf_weights.load_pretrained(fs.local_copy(hf_dir), dtype=dtype)
       tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
           else None
-      return Policy(cfg, params, tok, hf_dir)
+      return Policy(cfg, params, tok, given if hf_dir == path else hf_dir)
   if fs.exists(fs.join(path, CHECKPOINT_DIR)):
     cfg, params, step = _restore_params(path, dtype, base_model)
     tok = base_model if _has_tokenizer(base_model) else None
