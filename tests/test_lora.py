@@ -25,6 +25,9 @@ from models import hf_weights, lora, qwen2
 
 CFG = qwen2.Qwen2Config.tiny(tie_word_embeddings=False)
 LCFG = lora.LoraConfig(rank=3, alpha=6.0)  # scale 2: a wrong scale shows
+# Jitted once each: eager Flax applies dispatch (and compile) op by op, slowly.
+forward = jax.jit(qwen2.forward, static_argnums=1)
+merge = jax.jit(lora.merge, static_argnums=2)
 
 
 def _batch(seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
@@ -51,8 +54,8 @@ def test_fresh_adapters_leave_the_logits_of_the_base():
   assert ad["layers"]["o_kernel_lora_a"].shape == (CFG.num_layers, CFG.num_heads,
                                                    CFG.head_dim, 3)
   tokens, mask = _batch()
-  np.testing.assert_array_equal(qwen2.forward(lora.with_adapters(base, ad, LCFG), CFG, tokens,
-                                              mask), qwen2.forward(base, CFG, tokens, mask))
+  np.testing.assert_array_equal(forward(lora.with_adapters(base, ad, LCFG), CFG, tokens, mask),
+                                forward(base, CFG, tokens, mask))
 
 
 def test_merged_export_equals_the_adapted_forward_in_ours_and_transformers(tmp_path):
@@ -62,9 +65,9 @@ def test_merged_export_equals_the_adapted_forward_in_ours_and_transformers(tmp_p
   ad = _nonzero_adapters(qwen2.param_shapes(cfg), seed=5)
   tokens, mask = _batch(1)
   real = mask.astype(bool)
-  adapted = np.asarray(qwen2.forward(lora.with_adapters(base, ad, LCFG), cfg, tokens, mask))
+  adapted = np.asarray(forward(lora.with_adapters(base, ad, LCFG), cfg, tokens, mask))
   # The adapters really move the logits, so agreement below is not the base's.
-  assert np.abs(adapted - np.asarray(qwen2.forward(base, cfg, tokens, mask)))[real].max() > 0.05
+  assert np.abs(adapted - np.asarray(forward(base, cfg, tokens, mask)))[real].max() > 0.05
   # Independent of models.lora.merge: the delta W + s * A @ B written out per kernel.
   L, s = cfg.num_layers, LCFG.scale
   a, b = ad["layers"], base["layers"]
@@ -72,14 +75,14 @@ def test_merged_export_equals_the_adapted_forward_in_ours_and_transformers(tmp_p
                                          a["q_kernel_lora_b"])
   want_o = b["o_kernel"] + s * np.einsum("lnhr,lrd->lnhd", a["o_kernel_lora_a"],
                                          a["o_kernel_lora_b"])
-  merged = lora.merge(base, ad, LCFG)
+  merged = merge(base, ad, LCFG)
   np.testing.assert_allclose(merged["layers"]["q_kernel"], want_q, atol=1e-6)
   np.testing.assert_allclose(merged["layers"]["o_kernel"], want_o, atol=1e-6)
   assert L == merged["layers"]["q_kernel"].shape[0]
 
   hf_weights.save_pretrained(cfg, merged, tmp_path / "merged")
   _, reloaded = hf_weights.load_pretrained(tmp_path / "merged")
-  ours = np.asarray(qwen2.forward(reloaded, cfg, tokens, mask))
+  ours = np.asarray(forward(reloaded, cfg, tokens, mask))
   assert np.abs(ours - adapted)[real].max() <= 1e-5
   hf = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "merged").eval()
   np.testing.assert_array_equal(
@@ -100,8 +103,7 @@ def _train_batch(B: int, P: int = 5, C: int = 6) -> ts.TrainBatch:
 
 
 def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp_path):
-  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, weight_decay=0.0), lora=LCFG,
-                        num_microbatches=2)
+  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, weight_decay=0.0), lora=LCFG)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   base = jax.device_put(qwen2.init_params(CFG, jax.random.key(0)),
                         mesh_lib.param_shardings(CFG, mesh, mesh_lib.TRAIN_RULES))
@@ -113,11 +115,10 @@ def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp
   # The LoRA gradient against the chain rule through the full-weight gradient
   # at the merged weights: dA = s * dW B^T, dB = s * A^T dW.
   # Jitted: one compile each instead of an eager op-by-op run.
-  one = tcfg.replace(num_microbatches=1)
-  g_lora = jax.jit(lambda a, b: ts.loss_and_grads(a, batch, CFG, one, base=b)[2])(ad, base)
+  g_lora = jax.jit(lambda a, b: ts.loss_and_grads(a, batch, CFG, tcfg, base=b)[2])(ad, base)
   full = ts.TrainConfig(optim=tcfg.optim)
   g_full = jax.jit(lambda p: ts.loss_and_grads(p, batch, CFG, full)[2])(
-      lora.merge(base, ad, LCFG))
+      merge(base, ad, LCFG))
   s = LCFG.scale
   for kernel, n_in in (("q_kernel", 1), ("o_kernel", 2), ("down_kernel", 1)):
     dW = np.asarray(g_full["layers"][kernel])
