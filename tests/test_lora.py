@@ -216,3 +216,25 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   assert [r["step"] for r in rows] == [1, 2] and rows[-1]["grad_norm"] > 0
   one = pathlib.Path(resumed / "checkpoints" / "1")
   assert one.is_dir() and (resumed / "checkpoints" / "2").is_dir()
+
+
+def test_memory_plan_lora_terms_by_hand():
+  from benchmarks import memory_plan as mp  # pylint: disable=g-import-not-at-top
+  full = mp.load_run("7B")
+  run = mp.with_lora(full, 64)
+  D, F, K, H, L = 3584, 18944, 4, 128, 28
+  # q, o: D -> N*H = D; k, v: D -> K*H; gate, up: D -> F; down: F -> D.
+  per_layer = 64 * (2 * (D + D) + 2 * (D + K * H) + 3 * (D + F))
+  assert mp.adapter_count(run) == L * per_layer == 161_480_704
+  P, _ = mp.param_counts(run.model)
+  shard = 8 * 2
+  t = mp.memory_terms(run, 1, 8, 2)
+  assert t["frozen base (bf16, = reference)"] == 2 * P / shard
+  assert t["adapters (f32)"] == 4 * L * per_layer / shard
+  assert t["AdamW moments (2 x f32)"] == 8 * L * per_layer / shard
+  assert t["reference (bf16)"] == 0  # the base is the reference
+  assert t["grads (2 x f32) + bf16 copy"] == 8 * L * per_layer / shard  # bf16 base: no copy
+  # The README's claim: LoRA fits 7B on half the slice.
+  for small in ("v4-16", "v5e-16", "v6e-8"):
+    assert mp.plan(run, mp.parse_slice(small)).fits
+    assert not mp.plan(full, mp.parse_slice(small)).fits
