@@ -19,6 +19,7 @@ from capo_jax.rl import loop as rl_loop
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
 from configs import common
 from models import hf_weights, lora, qwen2
@@ -183,6 +184,8 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   data.write_text("".join(json.dumps({"id": str(i), "problem": f"What is {i} + {i}?",
                                       "answer": str(2 * i)}) + "\n" for i in range(8)))
   c = rl_driver.tiny_config(str(tok), str(data), 2)
+  _, base_dir = hf_utils.make_hf_model(tmp_path / "base", seed=2, vocab_size=512)
+  c.model.hf_path = str(base_dir)  # a HF base, so a checkpoint alone can be evaluated
   c.model.lora_rank, c.model.lora_alpha, c.model.lora_targets = 4, 8.0, "q,v,o,up,down"
   c.data.val_size = 0
   assert c.algo.name == "capo" and experiment.needs_reference(c)
@@ -200,11 +203,20 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   assert n_ad < n_base / 10 and 3 * n_ad <= n_saved <= 3 * n_ad + 8, (n_ad, n_saved, n_base)
   meta = json.loads((straight / "checkpoints" / "2" / "meta" / "metadata").read_text())
   assert meta["lora"] == {"rank": 4, "alpha": 8.0, "targets": ["q", "v", "o", "up", "down"],
-                          "base": None}
+                          "base": str(base_dir)}
   # The export is the merged policy, in a HF directory.
   _, exported = hf_weights.load_pretrained(straight / "export_hf")
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                exported, want)
+
+  # evaluate --policy=<workdir> without an export: the checkpoint's adapters merged
+  # into the recorded base.
+  shutil.copytree(straight, tmp_path / "ckpt_only")
+  shutil.rmtree(tmp_path / "ckpt_only" / "export_hf")
+  loaded = policy_io.load_policy(str(tmp_path / "ckpt_only"), dtype=jnp.float32)
+  assert "checkpoint step 2" in loaded.source
+  jax.tree.map(lambda x, y: np.testing.assert_allclose(np.asarray(x), np.asarray(y), atol=1e-6),
+               loaded.params, want)
 
   shutil.copytree(straight, resumed)
   shutil.rmtree(resumed / "checkpoints" / "2")
