@@ -3,7 +3,7 @@
 Axis legend (array-name suffixes and einsum letters):
   B batch, T query length, S key/value length (cache slots), D model dim,
   N query heads, K kv heads, R query heads per kv head (N = K*R), H head dim,
-  F MLP dim, V vocab, L layers.
+  F MLP dim, V vocab, L layers; Z the LoRA rank (models.lora).
 
 ``Qwen2(cfg).apply({"params": params}, ...)`` is a pure function of the
 params: no mutable collections, and the KV cache is an explicit pytree passed

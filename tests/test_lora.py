@@ -125,8 +125,8 @@ def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp
     dW = np.asarray(g_full["layers"][kernel])
     A = np.asarray(ad["layers"][f"{kernel}_lora_a"])
     B = np.asarray(ad["layers"][f"{kernel}_lora_b"])
-    L, R = A.shape[0], A.shape[-1]
-    dW2, A2, B2 = dW.reshape(L, A[0, ..., 0].size, -1), A.reshape(L, -1, R), B.reshape(L, R, -1)
+    L, Z = A.shape[0], A.shape[-1]
+    dW2, A2, B2 = dW.reshape(L, A[0, ..., 0].size, -1), A.reshape(L, -1, Z), B.reshape(L, Z, -1)
     np.testing.assert_allclose(g_lora["layers"][f"{kernel}_lora_a"],
                                (s * dW2 @ B2.transpose(0, 2, 1)).reshape(A.shape), atol=2e-6)
     np.testing.assert_allclose(g_lora["layers"][f"{kernel}_lora_b"],
