@@ -34,6 +34,15 @@ Assumptions (the code this mirrors, where it exists):
   T = P_max + C_max tokens per row, which is what static shapes compute.
 * When nothing fits, the plan splits the rollout into 2, 4 or 8 sequential
   ``generate`` calls (fewer KV rows at a time), printed as "rollout calls".
+* ``--lora-rank R`` (models/lora.py, ``--config.model.lora_rank=R``): the base is
+  frozen in bfloat16 (``--config.model.param_dtype=bfloat16``), sharded like
+  params, and is also the reference (no second copy); adapters, their AdamW
+  moments and gradients are float32; the sampler gets the adapters merged
+  into a bfloat16 copy once per step (the same term as without LoRA) and the
+  merge holds one layer's float32 product at a time. Activations and their
+  gradients are those of full training (the backward still runs through every
+  layer); the train FLOPs drop from 3 to 2 forward passes (no weight gradients).
+  ``--compare`` prints, per model, the slices that fit with and without LoRA.
 """
 
 from __future__ import annotations
@@ -46,7 +55,7 @@ import re
 from typing import Any
 
 from capo_jax.sampling.sampler import bucket_length
-from models import qwen2
+from models import lora, qwen2
 from models.config import Qwen2Config
 
 GiB = 1024**3
@@ -112,6 +121,7 @@ class Run:
   reference: bool  # a frozen reference policy is kept (CAPO mask or KL)
   ppo_epochs: int = 1
   decode_copies_cache: bool = True  # as measured on the sampler today (module docstring)
+  lora: lora.LoraConfig | None = None  # adapters on a frozen base (module docstring)
 
   @classmethod
   def from_config(cls, c: Any, preset: str = "") -> Run:
@@ -140,6 +150,18 @@ def load_run(model: str) -> Run:
 def kv_bytes_per_token(cfg: Qwen2Config) -> int:
   """2 (K and V) * L * K * H * bytes of the compute dtype."""
   return 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * cfg.dtype.dtype.itemsize
+
+
+def with_lora(run: Run, rank: int, targets: str = lora.ALL_TARGETS) -> Run:
+  """The run as LoRA: rank ``rank`` adapters (alpha is irrelevant to memory), bf16 base."""
+  return dataclasses.replace(run, model=run.model.replace(param_dtype="bfloat16"),
+                             reference=False, lora=lora.LoraConfig.parse(rank, 1.0, targets))
+
+
+def adapter_count(run: Run) -> int:
+  if run.lora is None:
+    return 0
+  return qwen2.num_params(lora.adapter_shapes(qwen2.param_shapes(run.model), run.lora))
 
 
 def param_counts(cfg: Qwen2Config) -> tuple[int, int]:
@@ -187,8 +209,14 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   r = rows_per_chip(run.micro_batch_size, data, fsdp)
   T = run.max_prompt_len + run.max_new_tokens
   m: dict[str, float] = {}
-  m["params (f32 master)"] = master * P / shard
-  m["AdamW moments (2 x f32)"] = 2 * 4 * P / shard
+  # LoRA: the optimizer's params are the adapters; the base is frozen (and the reference).
+  trained = adapter_count(run) if run.lora else P
+  if run.lora:
+    m["frozen base (bf16, = reference)"] = master * P / shard
+    m["adapters (f32)"] = 4 * trained / shard
+  else:
+    m["params (f32 master)"] = master * P / shard
+  m["AdamW moments (2 x f32)"] = 2 * 4 * trained / shard
   m["reference (bf16)"] = act * P / shard if run.reference else 0.0
   persistent = sum(m.values())
   # Rollout.
@@ -198,11 +226,16 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
   m["decode cache copy"] = m["KV cache (Q*G rows)"] if run.decode_copies_cache else 0.0
   decode = 3 * b_rows * V / t * 4
-  rollout = m["sampling weights (bf16)"] + max(
+  # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
+  m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / t if run.lora else 0.0
+  rollout = m["sampling weights (bf16)"] + m["LoRA merge (1 layer f32)"] + max(
       prompt_kv + max(m["prefill scores"], m["KV cache (Q*G rows)"]),
       m["KV cache (Q*G rows)"] + m["decode cache copy"] + decode)
   # Train.
-  m["grads (2 x f32) + bf16 copy"] = (2 * 4 + act) * P / shard
+  # Gradients (and their accumulator) of what trains; the bf16 copy of the
+  # weights only where they are not stored in bf16 already.
+  m["grads (2 x f32) + bf16 copy"] = (2 * 4 * trained + (act * P if master != act else 0)
+                                      ) / shard
   m["gathered layers + unembed"] = act * (2 * P_layer + V * D) / t
   m["boundary activations"] = L * r * T * D * act
   m["layer working set"] = r * (N / t * T * T * 10 + T * F / t * act * 4 + T * D * act * 8)
@@ -293,6 +326,8 @@ def step_time_bounds(run: Run, p: Plan) -> dict[str, float]:
   per_step = (p.terms["sampling weights (bf16)"] + p.terms["KV cache (Q*G rows)"]) / (
       chip.hbm_gb_s * 1e9)
   fwd, train = flops_per_token(cfg, T)
+  if run.lora:
+    train = 2 * fwd  # no weight gradients: forward + the activations' backward
   passes = 1 + int(run.reference)  # old log-probs (+ reference log-probs)
   peak = chip.bf16_tflops * 1e12 * n
   return {"rollout": p.rollout_chunks * run.max_new_tokens * per_step,
@@ -326,6 +361,9 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   lines = []
   row = lambda label, vals: lines.append(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
   P, _ = param_counts(run.model)
+  if run.lora:
+    model += (f" LoRA rank {run.lora.rank} on {','.join(run.lora.targets)} "
+              f"({adapter_count(run) / 1e6:.1f} M adapter params)")
   lines.append(f"== Qwen2.5-Math-{model}: {P / 1e9:.3f} B params, Q={run.num_prompts} x "
                f"G={run.num_samples}, prompt {run.max_prompt_len} + response "
                f"{run.max_new_tokens} tokens, micro-batch {run.micro_batch_size}; KV "
@@ -356,6 +394,22 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   return "\n".join(lines)
 
 
+def fit_summary(model: str, run: Run, slices: list[Slice], headroom: float, rank: int,
+                targets: str) -> str:
+  """Per slice: peak GiB per chip and whether it fits, full training vs LoRA rank ``rank``."""
+  lines = [f"== Qwen2.5-Math-{model}: peak GiB per chip (mesh, rollout calls); * = fits in "
+           f"{headroom:.0%} of HBM"]
+  runs = {"full": run, f"LoRA r={rank}": with_lora(run, rank or 64, targets)}
+  for name, r in runs.items():
+    cells = []
+    for sl in slices:
+      p = plan(r, sl, headroom)
+      cells.append(f"{sl.name.replace('v5litepod', 'v5e')}: {p.terms['peak'] / GiB:.1f}"
+                   f" ({p.data}x{p.fsdp}x{p.tensor}, {p.rollout_chunks}){'*' if p.fits else ''}")
+    lines.append(f"  {name:<10} " + "; ".join(cells))
+  return "\n".join(lines)
+
+
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default="1.5B,7B", help="comma list of " + ",".join(CONFIGS))
@@ -370,6 +424,11 @@ def main() -> None:
                   help="measured forward tokens/s per chip (TODO(measured))")
   ap.add_argument("--train-tok-s", type=float, default=None,
                   help="measured train (fwd+bwd) tokens/s per chip (TODO(measured))")
+  ap.add_argument("--lora-rank", type=int, default=0,
+                  help="plan a LoRA run of this rank (bf16 frozen base; module docstring)")
+  ap.add_argument("--lora-targets", default=lora.ALL_TARGETS)
+  ap.add_argument("--compare", action="store_true",
+                  help="only list the slices that fit, full training vs --lora-rank")
   args = ap.parse_args()
   rates = dict(sample_tok_s=args.sample_tok_s, logprob_tok_s=args.logprob_tok_s,
                train_tok_s=args.train_tok_s)
@@ -378,6 +437,11 @@ def main() -> None:
     if model not in CONFIGS:
       raise SystemExit(f"--models: unknown model {model!r}; known: {', '.join(CONFIGS)}")
     run = dataclasses.replace(load_run(model), decode_copies_cache=not args.no_decode_copy)
+    if args.compare:
+      print(fit_summary(model, run, slices, args.headroom, args.lora_rank, args.lora_targets))
+      continue
+    if args.lora_rank:
+      run = with_lora(run, args.lora_rank, args.lora_targets)
     print(_table(model, run, [plan(run, s, args.headroom) for s in slices], args.headroom,
                  rates))
     print()

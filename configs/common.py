@@ -27,6 +27,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"  # master params
   c.model.compute_dtype = "bfloat16"
   c.model.remat = True
+  # LoRA (models/lora.py): rank > 0 trains adapters on the frozen base (which is
+  # also the reference); alpha / rank scales the delta; targets from q,k,v,o,gate,up,down.
+  c.model.lora_rank = 0
+  c.model.lora_alpha = 32.0
+  c.model.lora_targets = "q,k,v,o,gate,up,down"
   c.tokenizer_path = ""  # defaults to model.hf_path
 
   c.data = ml_collections.ConfigDict()

@@ -3,7 +3,7 @@
 Axis legend (array-name suffixes and einsum letters):
   B batch, T query length, S key/value length (cache slots), D model dim,
   N query heads, K kv heads, R query heads per kv head (N = K*R), H head dim,
-  F MLP dim, V vocab, L layers.
+  F MLP dim, V vocab, L layers; Z the LoRA rank (models.lora).
 
 ``Qwen2(cfg).apply({"params": params}, ...)`` is a pure function of the
 params: no mutable collections, and the KV cache is an explicit pytree passed
@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from models import sharding
+from models import lora, sharding
 from models.config import PRESETS, Qwen2Config  # noqa: F401  (re-exported)
 from models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
 
@@ -124,9 +124,9 @@ class DecoderLayer(nn.Module):
     """q [B, T, N, H] and k, v [B, T, K, H] of this call's tokens, RoPE applied."""
     c, dt = self.cfg, self.cfg.dtype
     h = rms_norm(x_BTD, self.attn_norm, c.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt))
-    k = jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt))
-    v = jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt))
+    q = self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt)))
+    k = self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt)))
+    v = self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt)))
     if c.qkv_bias:
       q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt),
                  v + self.v_bias.astype(dt))
@@ -134,19 +134,26 @@ class DecoderLayer(nn.Module):
       q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
     return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
 
+  def _lora(self, kernel: str, x: jax.Array, y: jax.Array, n_in: int = 1) -> jax.Array:
+    """``y = x @ kernel`` plus the LoRA delta when the params carry adapters (models.lora)."""
+    d = lora.delta(self, kernel, x, n_in)
+    return y if d is None else y + d
+
   def attention_output(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     """The residual stream after the output projection and the MLP."""
     dt = self.cfg.dtype
     B, T, N, H = attn_BTNH.shape
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
     # kernel on every call of the sampler's decode loop.
-    x_BTD = x_BTD + jnp.einsum("bte,ed->btd", attn_BTNH.reshape(B, T, N * H),
-                               self.o_kernel.astype(dt).reshape(N * H, -1))
+    x_BTD = x_BTD + self._lora("o_kernel", attn_BTNH, jnp.einsum(
+        "bte,ed->btd", attn_BTNH.reshape(B, T, N * H),
+        self.o_kernel.astype(dt).reshape(N * H, -1)), n_in=2)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
-    gate = jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt))
-    up = jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt))
-    return x_BTD + jnp.einsum("btf,fd->btd", jax.nn.silu(gate) * up,
-                              self.down_kernel.astype(dt))
+    gate = self._lora("gate_kernel", h, jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt)))
+    up = self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt)))
+    act = jax.nn.silu(gate) * up
+    return x_BTD + self._lora("down_kernel", act,
+                              jnp.einsum("btf,fd->btd", act, self.down_kernel.astype(dt)))
 
   def __call__(self, carry: tuple[jax.Array, Any], l: jax.Array, ctx: dict[str, Any]
                ) -> tuple[tuple[jax.Array, Any], None]:

@@ -20,7 +20,7 @@ from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
 from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
-from models import hub
+from models import hub, lora
 from models.config import PRESETS, Qwen2Config
 
 log = logging.getLogger(__name__)
@@ -147,6 +147,7 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
   if fixed > n or (n % fixed):
     _fail("mesh", dict(sizes), f"the mesh needs a multiple of {fixed} devices; "
           f"{n} are available")
+  lora_config(c)
   train_config(c)  # dataclass checks (loss, optimizer) with field names
 
 
@@ -168,7 +169,24 @@ def train_config(c: ml_collections.ConfigDict) -> TrainConfig:
   rows = c.train.mini_batch_prompts * c.rollout.num_samples
   return TrainConfig(loss_kind=LOSS_KIND[c.algo.name], loss=loss_cfg, optim=optim,
                      num_microbatches=rows // c.train.micro_batch_size,
-                     logprob_chunk_size=c.train.logprob_chunk)
+                     logprob_chunk_size=c.train.logprob_chunk, lora=lora_config(c))
+
+
+def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:
+  """``model.lora_rank`` > 0: adapters on a frozen base (``models.lora``); 0: full training."""
+  m = c.model
+  if m.lora_rank < 0:
+    _fail("model.lora_rank", m.lora_rank, "must be >= 0 (0: no LoRA, train every param)")
+  if m.lora_rank == 0:
+    return None
+  if m.lora_alpha <= 0:
+    _fail("model.lora_alpha", m.lora_alpha, "must be > 0 (the delta is scaled by alpha / rank)")
+  names = [t.strip() for t in str(m.lora_targets).split(",") if t.strip()]
+  bad = [t for t in names if t not in lora.TARGETS]
+  if bad or not names:
+    _fail("model.lora_targets", m.lora_targets, f"unknown target(s) {bad}; expected a "
+          f"comma-separated subset of {lora.ALL_TARGETS}")
+  return lora.LoraConfig(int(m.lora_rank), float(m.lora_alpha), tuple(names))
 
 
 def advantage_spec(c: ml_collections.ConfigDict) -> rollout.AdvantageSpec:

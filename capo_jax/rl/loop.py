@@ -122,19 +122,14 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   spec = experiment.rollout_spec(c)
 
   state_sh = ts.state_shardings(model_cfg, tcfg, mesh, train_rules)
-  params0 = run_setup.initial_params(c, model_cfg, policy, state_sh.params)
-  needs_ref = experiment.needs_reference(c)
-  # The reference is frozen at the initial params, kept in the compute dtype.
-  ref_params = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(model_cfg.dtype), p),
-                       out_shardings=state_sh.params)(params0) if needs_ref else None
+  w = run_setup.policy_weights(c, model_cfg, policy, tcfg, mesh, train_rules)
+  params0 = w.trainable0
   rows_per_update = c.train.mini_batch_prompts * G
   step_fn = ts.make_train_step(model_cfg, tcfg, mesh, train_rules, rows_per_update)
   logprob_fn = rollout.make_host_logprob_fn(
       model_cfg, mesh, train_rules, Q * G, rows_per_call=c.train.logprob_rows,
-      chunk_size=c.train.logprob_chunk, top_k=spec.simko_k)
-  sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, sampling_rules)
-  to_sampling = jax.jit(lambda p: jax.tree.map(lambda x: x.astype(model_cfg.dtype), p),
-                        out_shardings=sampling_sh)
+      chunk_size=c.train.logprob_chunk, top_k=spec.simko_k, lora=tcfg.lora)
+  to_sampling = w.to_sampling
   batch_sh = mesh_lib.batch_sharding(mesh, train_rules, rows_per_update)
   ctx = rollout.RolloutContext(spec=spec, model_cfg=model_cfg, tokenizer=tokenizer,
                                grader=grader, logprob_fn=logprob_fn, mesh=mesh,
@@ -159,12 +154,14 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
     start = 0
     state = ts.train_state_from_params(params0, model_cfg, tcfg, mesh, train_rules)
   del params0
+  w.trainable0 = None
   writer = metrics.MetricsWriter(workdir, enabled=main, resume_step=start,
                                  wandb=_wandb_config(c))
 
   def save(step: int, force: bool = False) -> None:
     checkpointer.save(step, state, {"rng": ckpt_lib.key_to_json(rng), "data": iterator.state(),
-                                    "algo": c.algo.name, "hf_config": model_cfg.to_hf()},
+                                    "algo": c.algo.name, "hf_config": model_cfg.to_hf(),
+                                    **w.checkpoint_record(c)},
                       force=force)
 
   def evaluate(step: int) -> None:
@@ -182,13 +179,15 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       t0 = time.perf_counter()
       examples = iterator.next_batch()
       ro = rollout.collect(
-          examples, ctx, params_sampling=to_sampling(state.params), params_train=state.params,
-          ref_params=ref_params, step=step, rng=jax.random.fold_in(rng, step))
+          examples, ctx, params_sampling=to_sampling(state.params),
+          params_train=w.base if tcfg.lora else state.params, ref_params=w.reference,
+          step=step, rng=jax.random.fold_in(rng, step),
+          adapters=state.params if tcfg.lora else None)
       t1 = time.perf_counter()
       update_metrics = []
       for _ in range(c.train.ppo_epochs):
         for mb in ro.minibatches(c.train.mini_batch_prompts, G):
-          state, m = step_fn(state, host.put_global(mb, batch_sh))
+          state, m = step_fn(state, host.put_global(mb, batch_sh), *w.frozen)
           update_metrics.append(m)
       # One host sync per step, once every update is dispatched: reading each
       # update's metrics back at once would stall the dispatch of the next.
@@ -219,8 +218,8 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       preempted = watch.reached(done)  # every process, every step (JAX's protocol)
       save(done, force=preempted)
       if every(c.checkpoint.export_hf_every, done) and done < c.train.num_steps:
-        export_policy(model_cfg, state.params, fs.join(workdir, "exports", f"step_{done:06d}"),
-                      tokenizer)
+        export_policy(model_cfg, w.full(state.params),
+                      fs.join(workdir, "exports", f"step_{done:06d}"), tokenizer)
       if preempted and done < c.train.num_steps:
         bar.close()
         checkpointer.close()
@@ -237,9 +236,9 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   export_dir = fs.join(workdir, "export_hf")
   if c.checkpoint.export_hf and (c.train.num_steps > start
                                  or not fs.exists(fs.join(export_dir, "config.json"))):
-    export_policy(model_cfg, state.params, export_dir, tokenizer)
+    export_policy(model_cfg, w.full(state.params), export_dir, tokenizer)
   writer.close()
-  return state.params
+  return w.full(state.params)
 
 
 def _wandb_config(c: ml_collections.ConfigDict) -> metrics.WandbConfig | None:

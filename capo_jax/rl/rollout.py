@@ -44,8 +44,8 @@ LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of
 
 def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
                          rows: int, *, rows_per_call: int = 0, chunk_size: int = 0,
-                         top_k: int = 0) -> Callable[..., dict[str, np.ndarray]]:
-  """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC, keys=("logp_BC",))``.
+                         top_k: int = 0, lora: Any = None) -> Callable[..., dict[str, np.ndarray]]:
+  """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC, keys=("logp_BC",), adapters=None)``.
 
   Returns ``{key: host array}`` for the requested outputs of
   ``logprobs.token_logprobs`` only: each key read back is a gather of
@@ -61,13 +61,15 @@ def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules:
   if rows % L:
     raise ValueError(f"rows_per_call={L} must divide the {rows} rows of a pass")
   jitted = train_step.make_logprob_fn(model_cfg, mesh, rules, L, chunk_size=chunk_size,
-                                      top_k=top_k)
+                                      top_k=top_k, lora=lora)
+  # ``adapters`` (LoRA, ``lora`` set): the policy is params + adapters; params alone the base.
   sharding = mesh_lib.batch_sharding(mesh, rules, L)
 
-  def fn(params: Any, *xs: np.ndarray, keys: Sequence[str] = ("logp_BC",)
-         ) -> dict[str, np.ndarray]:
+  def fn(params: Any, *xs: np.ndarray, keys: Sequence[str] = ("logp_BC",),
+         adapters: Any = None) -> dict[str, np.ndarray]:
+    extra = {} if adapters is None else {"adapters": adapters}
     # Host inputs become global arrays first: jit refuses sharded numpy inputs multi-host.
-    outs = [jitted(params, *put_global(tuple(x[i:i + L] for x in xs), sharding))
+    outs = [jitted(params, *put_global(tuple(x[i:i + L] for x in xs), sharding), **extra)
             for i in range(0, rows, L)]
     return {k: np.concatenate([to_host(o[k]) for o in outs]) for k in keys}
 
@@ -199,12 +201,15 @@ class RolloutContext:
 
 
 def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling: Any,
-            params_train: Any, ref_params: Any | None, step: int, rng: jax.Array) -> Rollout:
+            params_train: Any, ref_params: Any | None, step: int, rng: jax.Array,
+            adapters: Any = None) -> Rollout:
   """Samples, grades and scores this step's questions (``examples``: this process's share).
 
   ``params_sampling``: the policy in the sampler's dtype and shardings;
   ``params_train``: the same policy as trained (old log-probs come from it);
   ``ref_params``: the frozen reference, or None when nothing needs it.
+  LoRA: ``params_train`` is the frozen base (also ``ref_params``: one copy)
+  and ``adapters`` the trained adapters; the policy is the two together.
   """
   spec, model_cfg, tokenizer, grader = ctx.spec, ctx.model_cfg, ctx.tokenizer, ctx.grader
   logprob_fn, mesh, sampling_rules = ctx.logprob_fn, ctx.mesh, ctx.sampling_rules
@@ -262,7 +267,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   else:
     keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
         ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ())
-    old = logprob_fn(params_train, *inputs, keys=keys)
+    old = logprob_fn(params_train, *inputs, keys=keys, adapters=adapters)
     old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
     if spec.simko_k:
       topk_ids, topk_logp = old["topk_ids_BCJ"], old["topk_logp_BCJ"]

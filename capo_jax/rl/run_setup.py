@@ -11,19 +11,22 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from capo_jax.rl import experiment
+from capo_jax.rl import train_step as ts
 from capo_jax.runtime import fs
 from capo_jax.runtime import host
+from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.runtime.distributed import is_main_process
-from models import hf_weights, qwen2
+from models import hf_weights, lora, qwen2
 from models.config import Qwen2Config
 
 log = logging.getLogger(__name__)
@@ -57,6 +60,68 @@ def initial_params(c: ml_collections.ConfigDict, model_cfg: Qwen2Config,
     return params
   init = lambda key: qwen2.init_params(model_cfg, key)
   return jax.jit(init, out_shardings=shardings)(jax.random.key(c.seed))
+
+
+@dataclasses.dataclass
+class PolicyWeights:
+  """What a run keeps of the policy besides its train state, and how it reads it.
+
+  Attributes:
+    trainable0: the initial trainable params: every param, or fresh LoRA
+      adapters; the trainer drops it once the train state exists.
+    base: LoRA's frozen base (the param dtype, train shardings); None without LoRA.
+    reference: the frozen reference policy: LoRA's base itself (no second copy),
+      else a compute-dtype copy of the initial params when the noise mask or
+      the KL term needs it, else None.
+    to_sampling: trainable params -> the sampler's weights (compute dtype,
+      sampling shardings); LoRA merges the adapters into them, once per step.
+    full: trainable params -> every param of the policy (LoRA: merged, float32),
+      for the HF exports.
+    lora: the LoRA config, or None.
+  """
+  trainable0: Any
+  base: Any
+  reference: Any
+  to_sampling: Callable[[Any], Any]
+  full: Callable[[Any], Any]
+  lora: lora.LoraConfig | None
+
+  @property
+  def frozen(self) -> tuple[Any, ...]:
+    """The train step's arguments after the batch: (base,) with LoRA."""
+    return () if self.base is None else (self.base,)
+
+  def checkpoint_record(self, c: ml_collections.ConfigDict) -> dict[str, Any]:
+    """What a checkpoint of adapters needs besides them: the LoRA config and the base."""
+    if self.lora is None:
+      return {}
+    return {"lora": {**self.lora.to_json(), "base": c.model.hf_path or None}}
+
+
+def policy_weights(c: ml_collections.ConfigDict, model_cfg: Qwen2Config, policy: Policy | None,
+                   tcfg: ts.TrainConfig, mesh: jax.sharding.Mesh, rules: Any) -> PolicyWeights:
+  """The run's initial policy (``initial_params``) split into what trains and what is frozen."""
+  p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
+  sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
+  cast = lambda p, dt: jax.tree.map(lambda x: x.astype(dt), p)  # noqa: E731
+  params0 = initial_params(c, model_cfg, policy, p_sh)
+  lcfg = tcfg.lora
+  if lcfg is None:
+    # The reference is frozen at the initial params, kept in the compute dtype.
+    ref = jax.jit(lambda p: cast(p, model_cfg.dtype), out_shardings=p_sh)(params0) \
+        if experiment.needs_reference(c) else None
+    return PolicyWeights(params0, None, ref, jax.jit(lambda p: cast(p, model_cfg.dtype),
+                                                     out_shardings=sampling_sh),
+                         lambda p: p, None)
+  shapes = qwen2.param_shapes(model_cfg)
+  adapters0 = jax.jit(lambda key: lora.init_adapters(shapes, lcfg, key),
+                      out_shardings=ts.trainable_shardings(model_cfg, tcfg, mesh, rules))(
+                          jax.random.fold_in(jax.random.key(c.seed), 1))
+  merge_sampling = jax.jit(lambda a, b: lora.merge(b, a, lcfg, model_cfg.dtype),
+                           out_shardings=sampling_sh)
+  merge_full = jax.jit(lambda a, b: lora.merge(b, a, lcfg, jnp.float32), out_shardings=p_sh)
+  return PolicyWeights(adapters0, params0, params0, lambda a: merge_sampling(a, params0),
+                       lambda a: merge_full(a, params0), lcfg)
 
 
 def drop_long_prompts(examples: Sequence[data.Example], tokenizer: Tokenizer, max_len: int,

@@ -29,6 +29,12 @@ over the data devices) run under ``lax.scan``. Micro-batch m's loss is
 weighted by its share of the aggregation's denominator (rows with tokens, or
 tokens for "token-mean"), so the summed gradient equals the full-batch one.
 
+LoRA (``TrainConfig.lora``): the state's params are the adapters only
+(``models.lora``), so the optimizer state and the checkpoints hold nothing
+else; the frozen base is the step's third argument, sharded like params
+under the rules, never donated and never updated. The step differentiates
+the loss of ``with_adapters(base, adapters)`` with respect to the adapters.
+
 Non-finite guard: if the loss or the gradient norm is not finite, params
 and optimizer state are kept as they were (``jnp.where`` over the state),
 ``metrics["skipped"]`` is 1 and ``state.num_skipped`` counts it; ``step``
@@ -51,15 +57,18 @@ from capo_jax.rl.logprobs import token_logprobs
 from capo_jax.rl.optim import OptimConfig, current_lr, make_optimizer
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.types import Array, Params
+from models import lora as lora_lib
 from models import qwen2
 from models.config import Qwen2Config
+from models import sharding
 from models.sharding import Rules
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class TrainState:
-  """params: float32 masters; step: steps taken (int32); num_skipped: non-finite ones."""
+  """params: float32 masters (LoRA: the adapters); step: steps taken (int32);
+  num_skipped: non-finite ones."""
   step: Array
   params: Params
   opt_state: Any
@@ -100,6 +109,7 @@ class TrainConfig:
     num_microbatches: gradient-accumulation steps per update (divides B).
     logprob_chunk_size: completion positions per unembedding chunk (0: all).
     skip_nonfinite: keep the state when the loss or gradients are not finite.
+    lora: train low-rank adapters on a frozen base (``models.lora``); None: all params.
   """
   loss_kind: str = "ppo"
   loss: losses.LossConfig = losses.LossConfig()
@@ -107,6 +117,7 @@ class TrainConfig:
   num_microbatches: int = 1
   logprob_chunk_size: int = 0
   skip_nonfinite: bool = True
+  lora: lora_lib.LoraConfig | None = None
 
   def __post_init__(self) -> None:
     if self.loss_kind not in losses.KINDS:
@@ -135,11 +146,29 @@ def init_train_state(params: Params, tcfg: TrainConfig) -> TrainState:
                     num_skipped=jnp.zeros((), jnp.int32))
 
 
+def trainable_shapes(model_cfg: Qwen2Config, tcfg: TrainConfig) -> Params:
+  """Shapes of what the optimizer updates: every param, or (LoRA) the adapters."""
+  shapes = qwen2.param_shapes(model_cfg)
+  return shapes if tcfg.lora is None else lora_lib.adapter_shapes(shapes, tcfg.lora)
+
+
+def trainable_shardings(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
+                        ) -> Params:
+  """NamedShardings of ``trainable_shapes`` under ``rules``."""
+  if tcfg.lora is None:
+    return mesh_lib.param_shardings(model_cfg, mesh, rules)
+  axes = lora_lib.adapter_axes(qwen2.param_axes(model_cfg), tcfg.lora)
+  specs = sharding.tree_specs(axes, rules, trainable_shapes(model_cfg, tcfg), mesh)
+  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
+                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+
+
 def state_shardings(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
                     ) -> TrainState:
   """NamedShardings of the train state: Adam moments follow their params."""
-  p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
-  abstract = jax.eval_shape(lambda p: init_train_state(p, tcfg), qwen2.param_shapes(model_cfg))
+  p_sh = trainable_shardings(model_cfg, tcfg, mesh, rules)
+  abstract = jax.eval_shape(lambda p: init_train_state(p, tcfg),
+                            trainable_shapes(model_cfg, tcfg))
   rep = mesh_lib.replicated(mesh)
   opt_sh = optax.tree_map_params(make_optimizer(tcfg.optim), lambda _, s: s,
                                  abstract.opt_state, p_sh, transform_non_params=lambda _: rep)
@@ -155,8 +184,15 @@ def train_state_from_params(params: Params, model_cfg: Qwen2Config, tcfg: TrainC
 
 def create_train_state(model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array, mesh: Mesh,
                        rules: Rules) -> TrainState:
-  """Random init straight into the sharded layout (no full copy on one device)."""
+  """Random init straight into the sharded layout (no full copy on one device).
+
+  LoRA: fresh adapters (B = 0); the base comes from elsewhere.
+  """
   sh = state_shardings(model_cfg, tcfg, mesh, rules)
+  if tcfg.lora is not None:
+    shapes = qwen2.param_shapes(model_cfg)
+    init = lambda key: init_train_state(lora_lib.init_adapters(shapes, tcfg.lora, key), tcfg)
+    return jax.jit(init, out_shardings=sh)(rng)
   init = lambda key: init_train_state(qwen2.init_params(model_cfg, key), tcfg)
   return jax.jit(init, out_shardings=sh)(rng)
 
@@ -170,8 +206,21 @@ def _compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
   return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
 
 
+def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
+                   base: Params | None = None) -> Params:
+  """What the model applies, in the compute dtype: ``params``, or (LoRA) the
+  frozen ``base`` with the adapters ``params``."""
+  if tcfg.lora is None:
+    return _compute_params(params, model_cfg)
+  if base is None:
+    raise ValueError("TrainConfig.lora is set: the step needs the frozen base params")
+  return lora_lib.with_adapters(_compute_params(base, model_cfg),
+                                _compute_params(params, model_cfg), tcfg.lora)
+
+
 def microbatch_loss(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
-                    tcfg: TrainConfig) -> tuple[Array, dict[str, Array]]:
+                    tcfg: TrainConfig, base: Params | None = None
+                    ) -> tuple[Array, dict[str, Array]]:
   """The policy loss of ``batch`` under ``params`` (one forward, no accumulation)."""
   simko = tcfg.loss_kind == "simko"
   if simko:
@@ -179,7 +228,8 @@ def microbatch_loss(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
       if getattr(batch, field) is None:
         raise ValueError(f"loss_kind='simko' needs TrainBatch.{field}; compute the old "
                          "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
-  lp = token_logprobs(_compute_params(params, model_cfg), model_cfg, batch.prompt_tokens_BP,
+  lp = token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg,
+                      batch.prompt_tokens_BP,
                       batch.prompt_mask_BP, batch.completion_tokens_BC,
                       batch.completion_mask_BC, chunk_size=tcfg.logprob_chunk_size,
                       topk_ids_BCJ=batch.old_topk_ids_BCJ if simko else None)
@@ -208,8 +258,8 @@ def _combine_aux(key: str, acc: Array, new: Array, w: Array) -> Array:
 
 
 def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
-                   tcfg: TrainConfig, microbatch_sharding: NamedSharding | None = None
-                   ) -> tuple[Array, dict[str, Array], Params]:
+                   tcfg: TrainConfig, microbatch_sharding: NamedSharding | None = None,
+                   base: Params | None = None) -> tuple[Array, dict[str, Array], Params]:
   """Full-batch loss, aux and gradients, accumulated over micro-batches.
 
   Aux values of several micro-batches are combined with the loss weights
@@ -218,7 +268,7 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   """
   M = tcfg.num_microbatches
   grad_fn = jax.value_and_grad(
-      lambda p, mb: microbatch_loss(p, mb, model_cfg, tcfg), has_aux=True)
+      lambda p, mb: microbatch_loss(p, mb, model_cfg, tcfg, base), has_aux=True)
   if M == 1:
     (loss, aux), grads = grad_fn(params, batch)
     return loss, aux, grads
@@ -252,11 +302,16 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   return loss, aux, grads
 
 
-def train_step(state: TrainState, batch: TrainBatch, *, model_cfg: Qwen2Config,
-               tcfg: TrainConfig, microbatch_sharding: NamedSharding | None = None
+def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None, *,
+               model_cfg: Qwen2Config, tcfg: TrainConfig,
+               microbatch_sharding: NamedSharding | None = None
                ) -> tuple[TrainState, dict[str, Array]]:
-  """One optimizer update on ``batch``; pure (see ``make_train_step`` for the jitted one)."""
-  loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, microbatch_sharding)
+  """One optimizer update on ``batch``; pure (see ``make_train_step`` for the jitted one).
+
+  ``base``: the frozen base params when ``tcfg.lora`` is set (else None).
+  """
+  loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, microbatch_sharding,
+                                    base)
   grad_norm = optax.global_norm(grads)  # float32: grads of the float32 masters
   optimizer = make_optimizer(tcfg.optim)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -283,6 +338,9 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
                     batch_size: int):
   """``step(state, batch) -> (state, metrics)`` jitted with shardings; the state is donated.
 
+  LoRA (``tcfg.lora``): ``step(state, batch, base)``; the base is sharded like
+  params under ``rules`` and not donated (it is the same array every step).
+
   ``batch_size`` is the B of every batch the step will see (the batch
   sharding depends on it: mesh axes that do not divide it are replicated,
   with a log line). Metrics come back replicated (scalars).
@@ -297,24 +355,45 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
   mb_sh = NamedSharding(mesh, PartitionSpec(None, *mb_spec))
   step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg,
                            microbatch_sharding=mb_sh if M > 1 else None)
+  if tcfg.lora is not None:
+    base_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
+    return jax.jit(step, in_shardings=(state_sh, batch_sh, base_sh),
+                   out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
   return jax.jit(step, in_shardings=(state_sh, batch_sh),
                  out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
 
 
 def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, batch_size: int, *,
-                    chunk_size: int = 0, top_k: int = 0):
+                    chunk_size: int = 0, top_k: int = 0,
+                    lora: lora_lib.LoraConfig | None = None):
   """Jitted forward-only ``fn(params, prompt_BP, prompt_mask_BP, completion_BC,
   completion_mask_BC) -> token_logprobs dict`` for old / reference log-probs.
 
   Params are expected in the shardings ``rules`` give (e.g. ``state.params``
   under the train rules); inputs and outputs are sharded over the batch.
+  With ``lora``, ``fn(base, ..., adapters=state.params)`` is the policy and
+  ``fn(base, ...)`` the base alone (the reference): two programs, one base.
   """
   p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
   b_sh = mesh_lib.batch_sharding(mesh, rules, batch_size)
+  tcfg = TrainConfig(lora=lora)
 
-  def fn(params, prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC):
-    return token_logprobs(_compute_params(params, model_cfg), model_cfg, prompt_tokens_BP,
+  def fn(params, adapters, prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC,
+         completion_mask_BC):
+    weights = _compute_params(params, model_cfg) if adapters is None else policy_weights(
+        adapters, model_cfg, tcfg, params)
+    return token_logprobs(weights, model_cfg, prompt_tokens_BP,
                           prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
                           chunk_size=chunk_size, top_k=top_k)
 
-  return jax.jit(fn, in_shardings=(p_sh,) + (b_sh,) * 4, out_shardings=b_sh)
+  plain = jax.jit(lambda p, *xs: fn(p, None, *xs), in_shardings=(p_sh,) + (b_sh,) * 4,
+                  out_shardings=b_sh)
+  if lora is None:
+    return plain
+  a_sh = trainable_shardings(model_cfg, tcfg, mesh, rules)
+  adapted = jax.jit(fn, in_shardings=(p_sh, a_sh) + (b_sh,) * 4, out_shardings=b_sh)
+
+  def call(params: Params, *xs: Array, adapters: Params | None = None) -> dict[str, Array]:
+    return plain(params, *xs) if adapters is None else adapted(params, adapters, *xs)
+
+  return call

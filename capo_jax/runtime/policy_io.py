@@ -77,6 +77,14 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
   in_state = "params" in tree
   shapes = tree["params"] if in_state else tree
   device = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+  lora_rec = meta.get("lora")
+  if lora_rec:  # LoRA: the checkpoint holds float32 adapters; the base is a HF directory
+    base_dir = base_model or lora_rec.get("base")
+    if not (base_dir and _is_hf_dir(base_dir)):
+      raise ValueError(f"{step_dir}: a LoRA checkpoint holds only the adapters and its run "
+                       f"had no HF base (model.hf_path={lora_rec.get('base')!r}); pass "
+                       "--base_model=<HF dir of the base model>")
+    cfg = dataclasses.replace(cfg, param_dtype="float32")
   abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, cfg.weight_dtype), shapes)
   restore = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device),
                          abstract)
@@ -84,7 +92,14 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
   # partial_restore: read only the params, not the optimizer moments (3x the size).
   out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
       item=wrap(abstract), restore_args=wrap(restore), partial_restore=True))
-  return cfg, (out["params"] if in_state else out), step
+  params = out["params"] if in_state else out
+  if lora_rec:
+    from models import hf_weights, lora  # pylint: disable=import-outside-toplevel
+    cfg, base = hf_weights.load_pretrained(fs.local_copy(base_dir), dtype=dtype)
+    lcfg = lora.LoraConfig(int(lora_rec["rank"]), float(lora_rec["alpha"]),
+                           tuple(lora_rec["targets"]))
+    params = jax.jit(lora.merge, static_argnums=2)(base, params, lcfg)
+  return cfg, params, step
 
 
 def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
@@ -96,7 +111,9 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
   3. ``path/checkpoints``: the params of the latest Orbax checkpoint (only the
      ``params`` of the saved state are read). The model config comes from the
      checkpoint's JSON record (``hf_config``: a HF
-     config.json dict) or else from ``base_model``'s config.json.
+     config.json dict) or else from ``base_model``'s config.json. A LoRA
+     checkpoint (adapters only) is merged into ``base_model``, or else into the
+     run's recorded ``model.hf_path``.
 
   ``tokenizer_dir`` is the HF directory used when it holds tokenizer files,
   else ``base_model`` when it does. ``path`` and ``base_model`` may be hub ids

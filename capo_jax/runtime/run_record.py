@@ -28,6 +28,7 @@ CONFIG_FILE = "config.json"
 # Dotted prefixes of the fields that a resumed run may not change.
 SHAPE_FIELDS = (
     "model.hf_path", "model.preset", "model.preset_overrides.", "model.param_dtype",
+    "model.lora_rank", "model.lora_alpha", "model.lora_targets",
     "tokenizer_path", "seed",
     "rollout.num_prompts", "rollout.num_samples", "rollout.max_prompt_len",
     "rollout.max_new_tokens", "rollout.prompts_per_call",
