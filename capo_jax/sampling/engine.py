@@ -47,7 +47,7 @@ TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 
 # Columns per attention block: a step reads ceil(longest active row / KV_BLOCK)
 # blocks. Smaller blocks read less past the longest row; each block is one
-# iteration of a loop inside every layer.
+# iteration of a loop inside every layer. Read at each ``generate`` call.
 KV_BLOCK = 128
 
 

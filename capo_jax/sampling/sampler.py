@@ -165,7 +165,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   B = Q * num_samples
   plan = engine.Plan(cfg=cfg, strategy=strategy, num_samples=num_samples,
                      num_slots=B if max_active_rows is None else min(max_active_rows, B),
-                     gen_len=gen_len, layout=layout)
+                     gen_len=gen_len, layout=layout, block=engine.KV_BLOCK)
   prompts, first = _prefill(params, tokens, mask, rng, cfg=cfg, strategy=strategy,
                             num_samples=num_samples, layout=layout)
   tokens_BC, logprobs_BC, mask_BC, stopped_B = _decode(
