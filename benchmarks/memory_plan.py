@@ -18,13 +18,16 @@ Assumptions (the code this mirrors, where it exists):
   params whole on every fsdp replica and split them over tensor only
   (capo_jax/runtime/mesh.py). Batch rows split over data x fsdp (an axis that does
   not divide the rows is replicated, as models/sharding.py does).
-* Rollout (capo_jax/sampling/sampler.py): one prefill of the Q prompts, then the
-  cache repeated G times; P and C rounded up to powers of two; decode attends
-  over every slot. Checked against XLA's memory analysis of the compiled
-  sampler (1.5B shapes, 4-8 layers, Q = 8-16; GPU and CPU): the prefill keeps
-  only the last position's logits (XLA moves the slice into the unembedding),
-  and the decode loop holds one more copy of the cache besides the donated one
-  (GPU temp 1.0-1.3 x the cache, CPU 0.5 x), so two copies are counted.
+* Rollout (capo_jax/sampling/engine.py): one prefill of the Q prompts (their
+  prompt cache, Q x P, stays while decoding), then N = ``rollout.max_active_rows``
+  rows decode at once over a cache of N slots x (P + C) (continuous batching);
+  P and C rounded up as the sampler does. The plan picks N: of B, B/2, ... B/16
+  the one whose cache fits with the least expected rollout time, from
+  benchmarks/rollout_lengths.py's scheduler simulation (long-tailed lengths)
+  and bandwidth model per chip. The old sampler's decode loop held a second
+  copy of its B-row cache (XLA memory analysis, GPU temp 1.0-1.3 x the cache);
+  the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at N = 64
+  / 16, the rest outputs and logits; not checked on TPU), so one copy is counted.
 * Train activations with remat: the bfloat16 residual at every layer boundary
   is saved; one layer is recomputed at a time, with attention scores
   materialised (float32 scores + bfloat16 probs + float32 gradient = 10 bytes
@@ -32,8 +35,8 @@ Assumptions (the code this mirrors, where it exists):
   positions of float32 logits, log-softmax and gradient.
 * Padded shapes: a rollout decodes up to C_max steps and the trainer sees
   T = P_max + C_max tokens per row, which is what static shapes compute.
-* When nothing fits, the plan splits the rollout into 2, 4 or 8 sequential
-  ``generate`` calls (fewer KV rows at a time), printed as "rollout calls".
+* When no N fits, the plan splits the rollout into 2, 4 or 8 sequential
+  ``generate`` calls (fewer prompts at a time), printed as "rollout calls".
 """
 
 from __future__ import annotations
@@ -45,6 +48,7 @@ import math
 import re
 from typing import Any
 
+from benchmarks import rollout_lengths
 from capo_jax.sampling.sampler import bucket_length
 from models import qwen2
 from models.config import Qwen2Config
@@ -111,7 +115,7 @@ class Run:
   logprob_chunk: int
   reference: bool  # a frozen reference policy is kept (CAPO mask or KL)
   ppo_epochs: int = 1
-  decode_copies_cache: bool = True  # as measured on the sampler today (module docstring)
+  decode_copies_cache: bool = False  # the engine's loop keeps one cache (module docstring)
 
   @classmethod
   def from_config(cls, c: Any, preset: str = "") -> Run:
@@ -162,12 +166,13 @@ def kv_slots(run: Run) -> int:
   return bucket_length(run.max_prompt_len, 16) + bucket_length(run.max_new_tokens, 16)
 
 
-def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1
-                 ) -> dict[str, float]:
+def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1,
+                 slots: int = 0) -> dict[str, float]:
   """Bytes per chip of each term, plus the phase totals and the peak.
 
   ``rollout_chunks`` > 1: the Q prompts are sampled in that many sequential
-  ``generate`` calls, dividing the rollout terms.
+  ``generate`` calls, dividing the rollout terms. ``slots``: the engine's N
+  (0: all rows of a call).
   """
   cfg = run.model
   P, P_layer = param_counts(cfg)
@@ -183,7 +188,7 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   P_len = bucket_length(run.max_prompt_len, 16)
   S_len = kv_slots(run)
   kv_tok = kv_bytes_per_token(cfg) / t_kv
-  q_rows, b_rows = rows_per_chip(Q, data, fsdp), rows_per_chip(B, data, fsdp)
+  q_rows, b_rows = rows_per_chip(Q, data, fsdp), rows_per_chip(min(slots or B, B), data, fsdp)
   r = rows_per_chip(run.micro_batch_size, data, fsdp)
   T = run.max_prompt_len + run.max_new_tokens
   m: dict[str, float] = {}
@@ -193,14 +198,15 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   persistent = sum(m.values())
   # Rollout.
   m["sampling weights (bf16)"] = act * P / t
-  m["KV cache (Q*G rows)"] = b_rows * S_len * kv_tok
-  prompt_kv = q_rows * S_len * kv_tok
+  m["KV cache (N slots)"] = b_rows * S_len * kv_tok
+  m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
-  m["decode cache copy"] = m["KV cache (Q*G rows)"] if run.decode_copies_cache else 0.0
+  m["decode cache copy"] = m["KV cache (N slots)"] if run.decode_copies_cache else 0.0
   decode = 3 * b_rows * V / t * 4
-  rollout = m["sampling weights (bf16)"] + max(
-      prompt_kv + max(m["prefill scores"], m["KV cache (Q*G rows)"]),
-      m["KV cache (Q*G rows)"] + m["decode cache copy"] + decode)
+  # The prefill's stacked cache and its per-layer copy, then the slots beside it.
+  rollout = m["sampling weights (bf16)"] + m["prompt cache (Q rows)"] + max(
+      m["prompt cache (Q rows)"] + m["prefill scores"],
+      m["KV cache (N slots)"] + m["decode cache copy"] + decode)
   # Train.
   m["grads (2 x f32) + bf16 copy"] = (2 * 4 + act) * P / shard
   m["gathered layers + unembed"] = act * (2 * P_layer + V * D) / t
