@@ -37,12 +37,7 @@ import os
 import tempfile
 import time
 
-import jax
 import numpy as np
-
-from benchmarks import sampling as sampling_bench
-from capo_jax.sampling import sampler as sampling
-from models import hf_weights, qwen2
 
 
 # --- the CPU measurement ----------------------------------------------------------
@@ -62,6 +57,13 @@ def describe(lengths: np.ndarray, cap: int) -> str:
 
 
 def measure(args: argparse.Namespace) -> None:
+  # Imported here: benchmarks/memory_plan.py uses the simulation below, pure NumPy.
+  import jax  # pylint: disable=g-import-not-at-top
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  from benchmarks import sampling as sampling_bench  # pylint: disable=g-import-not-at-top
+  from capo_jax.sampling import sampler as sampling  # pylint: disable=g-import-not-at-top
+  from models import hf_weights, qwen2  # pylint: disable=g-import-not-at-top
   cfg = sampling_bench.bench_config(args.small)
   params = qwen2.init_params(cfg, jax.random.key(0))
   Q, G, C = args.prompts, args.samples, args.cap
@@ -82,8 +84,6 @@ def measure(args: argparse.Namespace) -> None:
       return np.asarray(out.tokens_BC), np.asarray(out.lengths_B)
     return run
 
-  import torch  # pylint: disable=g-import-not-at-top
-  import transformers  # pylint: disable=g-import-not-at-top
   torch.set_num_threads(args.torch_threads)
   with tempfile.TemporaryDirectory() as tmp:
     hf_weights.save_pretrained(cfg, params, tmp)
