@@ -171,6 +171,7 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.rollout.num_samples = 4
   c.rollout.max_prompt_len = 64
   c.rollout.max_new_tokens = 16
+  c.rollout.max_active_rows = 8  # half the rows: the engine refills slots in every shrunk run
   c.train.num_steps = 2
   c.train.mini_batch_prompts = 2
   c.train.micro_batch_size = 8
