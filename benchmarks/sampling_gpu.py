@@ -14,9 +14,9 @@ time = generate - prefill.
 The peer is the memory-bandwidth bound of a decode step: every parameter is
 read once per step (the tied embedding is the output projection) plus the KV
 cache of the tokens so far, averaged over the completion, so
-``bound tokens/s = rows / (bytes per step / bandwidth)``. This sampler
-attends over all cache slots every step (prompt bucket + completion bucket),
-so the bound for the bytes it actually reads is printed too. Results are
+``bound tokens/s = rows / (bytes per step / bandwidth)``. The bound for all
+cache columns (prompt bucket + completion bucket, what the lockstep sampler
+read) is printed too; the engine reads blocks up to the longest row. Results are
 printed and written as JSON to ``--out``. About 2-3 minutes on an H200.
 
 ``--lengths``: long-tailed lengths at the 1.5B shape instead (``long_tailed``):

@@ -86,7 +86,7 @@ class Plan:
 class _Slots:
   row_N: jax.Array  # int32: the row in the slot; B when it never had one
   t_N: jax.Array  # int32: tokens the row has so far (the next one's index)
-  active_N: bool | jax.Array  # bool: the row has not stopped
+  active_N: jax.Array  # bool: the row has not stopped
   last_N: jax.Array  # int32: the token fed to the next step
   next: jax.Array  # int32 scalar: waiting rows handed out so far
 
