@@ -100,16 +100,23 @@ def measure(args: argparse.Namespace) -> None:
     return tokens, useful_lengths(tokens, stops)
 
   runners = {f"engine N={N}": engine(N), f"all {B} rows": engine(None), "transformers": hf}
+  if args.no_transformers:
+    del runners["transformers"]
   names = list(runners)
-  for name, run in runners.items():  # warm-up: compilation
+  warm = {}
+  for name, run in runners.items():  # warm-up: compilation (and one whole rollout)
     t0 = time.perf_counter()
-    run(0)
-    print(f"warm-up {name}: {time.perf_counter() - t0:.1f}s", flush=True)
+    warm[name] = run(0)
+    dt = time.perf_counter() - t0
+    print(f"warm-up {name} (compiles): {dt:.1f}s, {warm[name][1].sum() / dt:.0f} useful "
+          f"tokens/s; lengths {describe(warm[name][1], C)}", flush=True)
+  print("warm-up: engine samples identical to all-rows:",
+        np.array_equal(warm[names[0]][0], warm[names[1]][0]), flush=True)
   secs = {n: [] for n in names}
   useful = {n: [] for n in names}
   for r in range(args.rounds):
     outs = {}
-    for name in names[r % 3:] + names[:r % 3]:  # rotate who goes first
+    for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
       t0 = time.perf_counter()
       outs[name] = runners[name](r + 1)
       secs[name].append(time.perf_counter() - t0)
@@ -120,7 +127,10 @@ def measure(args: argparse.Namespace) -> None:
     print(f"round {r + 1}: " + ", ".join(f"{n} {secs[n][-1]:.1f}s" for n in names)
           + "; engine samples identical to all-rows: yes", flush=True)
     print(f"  lengths (ours): {describe(outs[names[0]][1], C)}", flush=True)
-    print(f"  lengths (transformers): {describe(outs['transformers'][1], C)}", flush=True)
+    if "transformers" in outs:
+      print(f"  lengths (transformers): {describe(outs['transformers'][1], C)}", flush=True)
+  if not args.rounds:
+    return
   rate = {n: sum(useful[n]) / sum(secs[n]) for n in names}
   print(f"\n{'sampler':18s} {'useful tok/s':>12s} {'vs all rows':>11s}  per-round ratio")
   for n in names:
@@ -128,7 +138,8 @@ def measure(args: argparse.Namespace) -> None:
               zip(useful[n], secs[n], useful[names[1]], secs[names[1]])]
     print(f"{n:18s} {rate[n]:12.0f} {rate[n] / rate[names[1]]:10.2f}x  "
           + " ".join(f"{x:.2f}" for x in paired))
-  print(f"engine / transformers: {rate[names[0]] / rate['transformers']:.2f}x", flush=True)
+  if "transformers" in rate:
+    print(f"engine / transformers: {rate[names[0]] / rate['transformers']:.2f}x", flush=True)
 
 
 # --- the scheduler simulation -------------------------------------------------------
@@ -264,6 +275,7 @@ def main() -> None:
   ap.add_argument("--torch-threads", type=int, default=1,
                   help="torch intra-op threads (1: faster than torch's default on a shared box)")
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
+  ap.add_argument("--no-transformers", action="store_true", help="our two decodes only")
   ap.add_argument("--simulate", action="store_true", help="the simulation only")
   ap.add_argument("--slots", default="128,256,512", help="engine N values to simulate")
   ap.add_argument("--replicas", type=int, default=1, help="weight copies read per step")
