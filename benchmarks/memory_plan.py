@@ -18,13 +18,16 @@ Assumptions (the code this mirrors, where it exists):
   params whole on every fsdp replica and split them over tensor only
   (capo_jax/runtime/mesh.py). Batch rows split over data x fsdp (an axis that does
   not divide the rows is replicated, as models/sharding.py does).
-* Rollout (capo_jax/sampling/sampler.py): one prefill of the Q prompts, then the
-  cache repeated G times; P and C rounded up to powers of two; decode attends
-  over every slot. Checked against XLA's memory analysis of the compiled
-  sampler (1.5B shapes, 4-8 layers, Q = 8-16; GPU and CPU): the prefill keeps
-  only the last position's logits (XLA moves the slice into the unembedding),
-  and the decode loop holds one more copy of the cache besides the donated one
-  (GPU temp 1.0-1.3 x the cache, CPU 0.5 x), so two copies are counted.
+* Rollout (capo_jax/sampling/engine.py): one prefill of the Q prompts (their
+  prompt cache, Q x P, stays while decoding), then N = ``rollout.max_active_rows``
+  rows decode at once over a cache of N slots x (P + C) (continuous batching);
+  P and C rounded up as the sampler does. The plan picks N: of B, B/2, ... B/16
+  the one whose cache fits with the least expected rollout time, from
+  benchmarks/rollout_lengths.py's scheduler simulation (long-tailed lengths)
+  and bandwidth model per chip. The old sampler's decode loop held a second
+  copy of its B-row cache (XLA memory analysis, GPU temp 1.0-1.3 x the cache);
+  the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at N = 64
+  / 16, the rest outputs and logits; not checked on TPU), so one copy is counted.
 * Train activations with remat: the bfloat16 residual at every layer boundary
   is saved; one layer is recomputed at a time, with attention scores
   materialised (float32 scores + bfloat16 probs + float32 gradient = 10 bytes
@@ -32,8 +35,8 @@ Assumptions (the code this mirrors, where it exists):
   positions of float32 logits, log-softmax and gradient.
 * Padded shapes: a rollout decodes up to C_max steps and the trainer sees
   T = P_max + C_max tokens per row, which is what static shapes compute.
-* When nothing fits, the plan splits the rollout into 2, 4 or 8 sequential
-  ``generate`` calls (fewer KV rows at a time), printed as "rollout calls".
+* When no N fits, the plan splits the rollout into 2, 4 or 8 sequential
+  ``generate`` calls (fewer prompts at a time), printed as "rollout calls".
 * ``--lora-rank R`` (models/lora.py, ``--config.model.lora_rank=R``): the base is
   frozen in bfloat16 (``--config.model.param_dtype=bfloat16``), sharded like
   params, and is also the reference (no second copy); adapters, their AdamW
@@ -49,11 +52,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import importlib
 import math
 import re
 from typing import Any
 
+import numpy as np
+
+from benchmarks import rollout_lengths
 from capo_jax.sampling.sampler import bucket_length
 from models import lora, qwen2
 from models.config import Qwen2Config
@@ -120,7 +127,7 @@ class Run:
   logprob_chunk: int
   reference: bool  # a frozen reference policy is kept (CAPO mask or KL)
   ppo_epochs: int = 1
-  decode_copies_cache: bool = True  # as measured on the sampler today (module docstring)
+  decode_copies_cache: bool = False  # the engine's loop keeps one cache (module docstring)
   lora: lora.LoraConfig | None = None  # adapters on a frozen base (module docstring)
 
   @classmethod
@@ -164,8 +171,10 @@ def adapter_count(run: Run) -> int:
   return qwen2.num_params(lora.adapter_shapes(qwen2.param_shapes(run.model), run.lora))
 
 
+@functools.lru_cache(maxsize=64)
 def param_counts(cfg: Qwen2Config) -> tuple[int, int]:
-  """(all params, params of one layer) from ``models.qwen2.param_shapes``."""
+  """(all params, params of one layer) from ``models.qwen2.param_shapes`` (cached: the
+  plan asks for every candidate mesh and N)."""
   shapes = qwen2.param_shapes(cfg)
   return qwen2.num_params(shapes), qwen2.num_params(shapes["layers"]) // cfg.num_layers
 
@@ -184,12 +193,13 @@ def kv_slots(run: Run) -> int:
   return bucket_length(run.max_prompt_len, 16) + bucket_length(run.max_new_tokens, 16)
 
 
-def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1
-                 ) -> dict[str, float]:
+def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1,
+                 slots: int = 0) -> dict[str, float]:
   """Bytes per chip of each term, plus the phase totals and the peak.
 
   ``rollout_chunks`` > 1: the Q prompts are sampled in that many sequential
-  ``generate`` calls, dividing the rollout terms.
+  ``generate`` calls, dividing the rollout terms. ``slots``: the engine's N
+  (0: all rows of a call).
   """
   cfg = run.model
   P, P_layer = param_counts(cfg)
@@ -205,7 +215,7 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   P_len = bucket_length(run.max_prompt_len, 16)
   S_len = kv_slots(run)
   kv_tok = kv_bytes_per_token(cfg) / t_kv
-  q_rows, b_rows = rows_per_chip(Q, data, fsdp), rows_per_chip(B, data, fsdp)
+  q_rows, b_rows = rows_per_chip(Q, data, fsdp), rows_per_chip(min(slots or B, B), data, fsdp)
   r = rows_per_chip(run.micro_batch_size, data, fsdp)
   T = run.max_prompt_len + run.max_new_tokens
   m: dict[str, float] = {}
@@ -221,16 +231,17 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   persistent = sum(m.values())
   # Rollout.
   m["sampling weights (bf16)"] = act * P / t
-  m["KV cache (Q*G rows)"] = b_rows * S_len * kv_tok
-  prompt_kv = q_rows * S_len * kv_tok
+  m["KV cache (N slots)"] = b_rows * S_len * kv_tok
+  m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
-  m["decode cache copy"] = m["KV cache (Q*G rows)"] if run.decode_copies_cache else 0.0
+  m["decode cache copy"] = m["KV cache (N slots)"] if run.decode_copies_cache else 0.0
   decode = 3 * b_rows * V / t * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
   m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / t if run.lora else 0.0
-  rollout = m["sampling weights (bf16)"] + m["LoRA merge (1 layer f32)"] + max(
-      prompt_kv + max(m["prefill scores"], m["KV cache (Q*G rows)"]),
-      m["KV cache (Q*G rows)"] + m["decode cache copy"] + decode)
+  # The prefill's stacked cache and its per-layer copy, then the slots beside it.
+  rollout = m["sampling weights (bf16)"] + m["LoRA merge (1 layer f32)"] + m[
+      "prompt cache (Q rows)"] + max(m["prompt cache (Q rows)"] + m["prefill scores"],
+                                     m["KV cache (N slots)"] + m["decode cache copy"] + decode)
   # Train.
   # Gradients (and their accumulator) of what trains; the bf16 copy of the
   # weights only where they are not stored in bf16 already.
@@ -258,6 +269,8 @@ class Plan:
   terms: dict[str, float]
   fits: bool
   notes: tuple[str, ...]
+  slots: int = 0  # the engine's N (rollout.max_active_rows) per generate call
+  rollout_s: float = 0.0  # expected (bandwidth-bound) rollout seconds
 
   @property
   def mesh_overrides(self) -> str:
@@ -267,13 +280,41 @@ class Plan:
     return f"--config.mesh.data={self.data} --config.mesh.fsdp=-1 --config.mesh.tensor={self.tensor}"
 
 
+@functools.lru_cache(maxsize=256)
+def _simulated(rows: int, samples: int, prompt_len: int, cap: int, slots: int
+               ) -> dict[str, float]:
+  shape = rollout_lengths.Shape(rows=rows, samples=samples, prompt_len=prompt_len, cap=cap)
+  lengths = rollout_lengths.sample_lengths(np.random.default_rng(0), shape)
+  return rollout_lengths.simulate(lengths, shape, slots)
+
+
+def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, slots: int,
+                    read: str = "kv_read") -> float:
+  """Expected rollout seconds per chip: the scheduler simulation of
+  benchmarks/rollout_lengths.py (long-tailed lengths) through its bandwidth
+  model, with this chip's share of the weights and of the N slots' cache.
+  ``read="kv_read_full"`` with N = B: the old lockstep sampler."""
+  cfg, B = run.model, run.num_prompts * run.num_samples // chunks
+  N = min(slots or B, B)
+  P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
+  sim = _simulated(B, run.num_samples, P_len, C, N)
+  t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
+  shape = rollout_lengths.Shape(
+      rows=B, samples=run.num_samples, prompt_len=P_len, cap=C,
+      weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / tensor,
+      kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(N, 1, fsdp) / N,
+      bandwidth=chip.hbm_gb_s * 1e9)
+  return chunks * rollout_lengths.seconds(sim, shape, read)
+
+
 def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) -> Plan:
-  """The cheapest mesh whose peak fits ``headroom`` x HBM.
+  """The cheapest mesh whose peak fits ``headroom`` x HBM, and the engine's N.
 
   Candidates: data = 1, tensor in 1, 2, 4, 8 (dividing the chips and the
   heads), fsdp = the rest; the first that fits wins, trying every tensor size
   with one rollout call before splitting the rollout into 2, 4 or 8
-  sequential calls. A mesh whose fsdp leaves the micro-batch rows undivided
+  sequential calls. Per mesh, N is the one of B, B/2, ... B/16 that fits
+  with the least ``rollout_seconds``. A mesh whose fsdp leaves the micro-batch rows undivided
   (so they replicate) only wins when nothing else fits. With nothing
   fitting, the smallest peak is returned with ``fits`` False.
   """
@@ -287,7 +328,13 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
   for chunks in (1, 2, 4, 8):
     for t in options:
       fsdp = sl.chips // t
-      terms = memory_terms(run, 1, fsdp, t, chunks)
+      rows = run.num_prompts * run.num_samples // chunks
+      fitting = [(rollout_seconds(run, sl.chip, fsdp, t, chunks, n), n)
+                 for n in (rows >> k for k in range(5))
+                 if memory_terms(run, 1, fsdp, t, chunks, n)["peak"] <= limit]
+      secs, slots = min(fitting) if fitting else (
+          rollout_seconds(run, sl.chip, fsdp, t, chunks, rows >> 4), rows >> 4)
+      terms = memory_terms(run, 1, fsdp, t, chunks, slots)
       notes = []
       if chunks > 1:
         notes.append(f"needs the rollout in {chunks} sequential generate calls of "
@@ -297,7 +344,8 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
                      f" rows replicate; use --config.train.micro_batch_size={fsdp}")
       if cfg.num_kv_heads % t:
         notes.append(f"tensor={t} does not divide the {cfg.num_kv_heads} KV heads: KV replicated")
-      candidate = Plan(sl, 1, fsdp, t, chunks, terms, terms["peak"] <= limit, tuple(notes))
+      candidate = Plan(sl, 1, fsdp, t, chunks, terms, terms["peak"] <= limit, tuple(notes),
+                       slots, secs)
       if candidate.fits and (chunks > 1 or not notes):
         return candidate
       if best is None or (candidate.fits, -terms["peak"]) > (best.fits, -best.terms["peak"]):
@@ -317,20 +365,21 @@ def flops_per_token(cfg: Qwen2Config, seq_len: int) -> tuple[float, float]:
 
 
 def step_time_bounds(run: Run, p: Plan) -> dict[str, float]:
-  """Lower bounds in seconds: decode from HBM bandwidth (weights + KV read every
-  step, C_max steps per rollout call), log-prob and train passes from peak
+  """Lower bounds in seconds: the rollout from HBM bandwidth (``rollout_seconds``:
+  the engine with the plan's N, and the old lockstep sampler reading the whole
+  B-row cache for the longest row's steps), log-prob and train passes from peak
   bfloat16 FLOP/s. Communication and the prefill are left out."""
   cfg, chip, n = run.model, p.slice.chip, p.slice.chips
   B = run.num_prompts * run.num_samples
   T = run.max_prompt_len + run.max_new_tokens
-  per_step = (p.terms["sampling weights (bf16)"] + p.terms["KV cache (Q*G rows)"]) / (
-      chip.hbm_gb_s * 1e9)
   fwd, train = flops_per_token(cfg, T)
   if run.lora:
     train = 2 * fwd  # no weight gradients: forward + the activations' backward
   passes = 1 + int(run.reference)  # old log-probs (+ reference log-probs)
   peak = chip.bf16_tflops * 1e12 * n
-  return {"rollout": p.rollout_chunks * run.max_new_tokens * per_step,
+  return {"rollout": p.rollout_s,
+          "rollout, lockstep": rollout_seconds(run, chip, p.fsdp, p.tensor, p.rollout_chunks,
+                                               0, "kv_read_full"),
           "log-probs": passes * B * T * fwd / peak,
           "train": run.ppo_epochs * B * T * train / peak}
 
@@ -372,6 +421,7 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   row("chips / hosts", [f"{p.slice.chips}/{p.slice.hosts}" for p in plans])
   row("mesh data x fsdp x tensor", [f"{p.data}x{p.fsdp}x{p.tensor}" for p in plans])
   row("rollout calls per step", [str(p.rollout_chunks) for p in plans])
+  row("active rows N (KV slots)", [str(p.slots) for p in plans])
   for key in plans[0].terms:
     if key == "peak":
       continue
@@ -381,14 +431,15 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   row("use = peak / HBM", [f"{p.terms['peak'] / (p.slice.chip.hbm_gib * GiB):.2f}"
                            for p in plans])
   row(f"fits (<= {headroom:.0%} of HBM)", ["yes" if p.fits else "NO" for p in plans])
-  for key in ("rollout", "log-probs", "train"):
+  for key in ("rollout", "rollout, lockstep", "log-probs", "train"):
     row(f"lower bound {key} s", [f"{step_time_bounds(run, p)[key]:.1f}" for p in plans])
   expected = [step_time(run, p.slice.chips, **rates) for p in plans]
   todo = any(e is None for e in expected)
   row("expected step s" + (" TODO(measured)" if todo else ""),
       ["-" if e is None else f"{e:.0f}" for e in expected])
   for p, col in zip(plans, cols):
-    for note in ((p.mesh_overrides and f"mesh flags: {p.mesh_overrides}"),) + p.notes:
+    flags = p.mesh_overrides + f" --config.rollout.max_active_rows={p.slots}"
+    for note in (f"flags: {flags.strip()}",) + p.notes:
       if note:
         lines.append(f"  {col}: {note}")
   return "\n".join(lines)
@@ -414,8 +465,8 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default="1.5B,7B", help="comma list of " + ",".join(CONFIGS))
   ap.add_argument("--slices", default=",".join(DEFAULT_SLICES))
-  ap.add_argument("--no-decode-copy", action="store_true",
-                  help="plan for a sampler whose decode loop keeps a single cache copy")
+  ap.add_argument("--decode-copy", action="store_true",
+                  help="plan for a decode loop that keeps a second copy of its cache")
   ap.add_argument("--headroom", type=float, default=0.9,
                   help="fraction of HBM the plan may use (XLA temporaries, fragmentation)")
   ap.add_argument("--sample-tok-s", type=float, default=None,
@@ -436,7 +487,7 @@ def main() -> None:
   for model in args.models.split(","):
     if model not in CONFIGS:
       raise SystemExit(f"--models: unknown model {model!r}; known: {', '.join(CONFIGS)}")
-    run = dataclasses.replace(load_run(model), decode_copies_cache=not args.no_decode_copy)
+    run = dataclasses.replace(load_run(model), decode_copies_cache=args.decode_copy)
     if args.compare:
       print(fit_summary(model, run, slices, args.headroom, args.lora_rank, args.lora_targets))
       continue

@@ -14,10 +14,13 @@ time = generate - prefill.
 The peer is the memory-bandwidth bound of a decode step: every parameter is
 read once per step (the tied embedding is the output projection) plus the KV
 cache of the tokens so far, averaged over the completion, so
-``bound tokens/s = rows / (bytes per step / bandwidth)``. This sampler
-attends over all cache slots every step (prompt bucket + completion bucket),
-so the bound for the bytes it actually reads is printed too. Results are
+``bound tokens/s = rows / (bytes per step / bandwidth)``. The bound for all
+cache columns (prompt bucket + completion bucket, what the lockstep sampler
+read) is printed too; the engine reads blocks up to the longest row. Results are
 printed and written as JSON to ``--out``. About 2-3 minutes on an H200.
+
+``--lengths``: long-tailed lengths at the 1.5B shape instead (``long_tailed``):
+the engine's useful tokens/s next to the bandwidth bound.
 """
 
 from __future__ import annotations
@@ -78,8 +81,7 @@ def time_forward_with_cache(params, cfg: Qwen2Config, rows: int, slots: int,
 def time_choice(strategy, rows: int, vocab: int) -> float:
   """Seconds per token choice + untempered log-prob over [vocab, rows] float32 logits."""
   logits = jax.random.normal(jax.random.key(0), (vocab, rows), jnp.float32)
-  choose = sampling._choose  # pylint: disable=protected-access
-  f = jax.jit(lambda l, k: choose(strategy, l, k, jnp.int32(1)))
+  f = jax.jit(lambda l, k: strategy.choose(l, jax.random.uniform(k, (rows,))))
   jax.block_until_ready(f(logits, jax.random.key(1)))
   best = float("inf")
   for i in range(5):
@@ -87,6 +89,57 @@ def time_choice(strategy, rows: int, vocab: int) -> float:
     jax.block_until_ready(f(logits, jax.random.key(i)))
     best = min(best, time.perf_counter() - t0)
   return best
+
+
+def long_tailed(args: argparse.Namespace) -> None:
+  """Useful tokens/s of the engine on geometric lengths, next to the bandwidth bound.
+
+  The Qwen2.5-1.5B shape in bfloat16, 128 prompts x 8 samples = 1,024 rows,
+  cap 3,072; random weights (a near-uniform next-token distribution) with
+  V / 600 stop ids: geometric lengths of mean about 600. The bound is the
+  bandwidth model of benchmarks/rollout_lengths.py on the lengths the run
+  produced, for the same N: every step reads the weights once plus each
+  active row's own cache ("own"), or, as the engine reads it, every slot up to
+  the longest active row ("engine reads").
+  """
+  from benchmarks import rollout_lengths  # pylint: disable=g-import-not-at-top
+  small = args.small
+  cfg = (Qwen2Config.tiny(param_dtype="bfloat16", compute_dtype="bfloat16") if small else
+         Qwen2Config.qwen2p5_1p5b(param_dtype="bfloat16", compute_dtype="bfloat16"))
+  Q, G, P, C = (4, 4, 16, 256) if small else (128, 8, 128, 3072)
+  N = min(args.max_active_rows, Q * G)
+  params = jax.jit(qwen2.init_params, static_argnums=0)(cfg, jax.random.key(0))
+  prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (Q, P))
+  stops = np.random.default_rng(1).choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // (50 if small else 600),
+                                          replace=False).tolist()
+  gen = lambda seed: sampling.generate(
+      params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed), num_samples=G,
+      max_new_tokens=C, stop_ids=stops, max_active_rows=N)
+  t0 = time.perf_counter()
+  np.asarray(gen(0).lengths_B)
+  print(f"first call (compiles) {time.perf_counter() - t0:.1f}s", flush=True)
+  shape = rollout_lengths.Shape(
+      rows=Q * G, samples=G, prompt_len=P, cap=C,
+      weight_bytes=step_bytes(cfg, Q * G, 0)["params"],
+      kv_bytes=step_bytes(cfg, 1, 1)["kv"], bandwidth=args.bandwidth)
+  result = {"rows": Q * G, "max_active_rows": N, "cap": C, "rounds": []}
+  for r in range(args.rounds):
+    t0 = time.perf_counter()
+    lengths = np.asarray(gen(r + 1).lengths_B)
+    dt = time.perf_counter() - t0
+    sim = rollout_lengths.simulate(lengths.astype(np.int64), shape, N)
+    row = {"seconds": dt, "useful_tokens_per_s": lengths.sum() / dt,
+           "bound_own_tokens_per_s": lengths.sum() / rollout_lengths.seconds(
+               sim, shape, "kv_read_own"),
+           "bound_engine_reads_tokens_per_s": lengths.sum() / rollout_lengths.seconds(sim, shape)}
+    result["rounds"].append(row)
+    print(f"round {r + 1}: lengths {rollout_lengths.describe(lengths, C)}; useful "
+          f"{row['useful_tokens_per_s']:.0f} tokens/s = "
+          f"{row['useful_tokens_per_s'] / row['bound_own_tokens_per_s']:.1%} of the bound "
+          f"({row['useful_tokens_per_s'] / row['bound_engine_reads_tokens_per_s']:.1%} of the "
+          "bound for the blocks the engine reads)", flush=True)
+  pathlib.Path(args.out).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")
+  print("wrote", args.out)
 
 
 def main() -> None:
@@ -101,7 +154,13 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--modes", default="sample,greedy")
   ap.add_argument("--small", action="store_true", help="tiny model and batch (CPU smoke run)")
+  ap.add_argument("--lengths", action="store_true",
+                  help="long-tailed lengths instead (see long_tailed): the engine vs the bound")
+  ap.add_argument("--max-active-rows", type=int, default=256, help="--lengths: the engine's N")
   args = ap.parse_args()
+  if args.lengths:
+    long_tailed(args)
+    return
   if args.small:
     cfg = Qwen2Config.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
     args.prompts, args.num_samples, args.prompt_len, args.new_tokens = 2, 2, 16, 32
@@ -131,11 +190,10 @@ def main() -> None:
     pad = p_slots - P
     t = jnp.asarray(np.pad(tokens, ((0, 0), (pad, 0))))
     m = jnp.asarray(np.pad(mask, ((0, 0), (pad, 0))).astype(bool))
-    state, cache = sampling._prefill(  # pylint: disable=protected-access
-        params, t, m, jax.random.key(seed), jnp.full((8,), -1, jnp.int32), jnp.int32(0),
-        cfg=cfg, strategy=strategy, num_samples=G, gen_len=c_slots,
+    _, first = sampling._prefill(  # pylint: disable=protected-access
+        params, t, m, jax.random.key(seed), cfg=cfg, strategy=strategy, num_samples=G,
         layout=None)
-    return state.tokens_BC
+    return first.token_B
 
   live = {"ideal": float(lengths.mean()) + (C - 1) / 2, "as_run": float(p_slots + c_slots)}
   result = {"device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,

@@ -24,4 +24,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
+  # The rollout engine's active rows (KV slots): what benchmarks/memory_plan.py picks
+  # for v4-32 / v5e-16.
+  c.rollout.max_active_rows = 512
   return common.shrink(c) if common.wants_shrink(arg, __file__) else c

@@ -24,4 +24,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
+  # The rollout engine's active rows (KV slots): what benchmarks/memory_plan.py picks
+  # for v4-64 / v5p-64 (0: all 1,024 rows; the blocked reads still skip the empty cache).
+  c.rollout.max_active_rows = 0
   return common.shrink(c) if common.wants_shrink(arg, __file__) else c

@@ -58,6 +58,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # pass, or the sampler's own (cheaper; differs by sampler / trainer numerics).
   c.rollout.old_logprobs = "trainer"  # or "sampler"
   c.rollout.prompts_per_call = 0  # > 0: sample the Q prompts in chunks (bounds the KV cache)
+  # > 0: continuous batching, this many rows decode at once over a KV cache of as
+  # many slots (benchmarks/memory_plan.py picks it); 0: all rows of a call at once.
+  # The samples are the same either way.
+  c.rollout.max_active_rows = 0
 
   c.algo = ml_collections.ConfigDict()
   c.algo.name = "capo"  # one of ALGORITHMS
@@ -137,6 +141,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.eval.temperature = 1.0
   c.eval.limit = 0  # questions per benchmark (0: all)
   c.eval.batch_size = 8  # questions per sampler call
+  c.eval.max_active_rows = 0  # as rollout.max_active_rows, for the evaluator's calls
   c.eval.seed = 0  # the same draws at every evaluation
   return c
 
@@ -171,6 +176,7 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.rollout.num_samples = 4
   c.rollout.max_prompt_len = 64
   c.rollout.max_new_tokens = 16
+  c.rollout.max_active_rows = 8  # half the rows: the engine refills slots in every shrunk run
   c.train.num_steps = 2
   c.train.mini_batch_prompts = 2
   c.train.micro_batch_size = 8

@@ -80,8 +80,9 @@ def test_memory_and_cost_analysis(compiled):
   once, full = hlo_cost.hlo_cost(text, trip_counts=False), hlo_cost.hlo_cost(text)
   assert 1.3 < full["flops"] / once["flops"] < 2.01, (once, full)
   assert full["flops"] == progs["train"].cost["flops"]
-  # The decode loop has no constant bound: counted once, and reported.
-  assert progs["decode"].cost["unbounded_loops"] == 1
+  # The decode loop has no constant bound (nor its refill copy and, past one
+  # attention block, the blocks read per layer): counted once, and reported.
+  assert progs["decode"].cost["unbounded_loops"] >= 1
 
 
 def test_train_step_input_shardings_follow_the_rules(compiled):
@@ -105,15 +106,15 @@ def test_decode_input_shardings_follow_the_rules(compiled):
   c, mesh, progs = compiled
   model_cfg = experiment.model_config(c)
   args_sh, _ = progs["decode"].compiled.input_shardings
-  params_sh, _, cache_sh = args_sh[:3]
+  params_sh, prompts_sh = args_sh[:2]
   want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
   _assert_same_shardings(params_sh, want, aot.qwen2.param_shapes(model_cfg), "sampling params")
-  B = c.rollout.num_prompts * c.rollout.num_samples
-  k_BKHS = cache_sh.k[0]
-  shape = (B, model_cfg.num_kv_heads, model_cfg.head_dim, 1)
+  Q = c.rollout.prompts_per_call or c.rollout.num_prompts
+  k_QKHP = prompts_sh.k[0]  # the prompt cache the engine's slots are filled from
+  shape = (Q, model_cfg.num_kv_heads, model_cfg.head_dim, 1)
   spec = sharding.logical_to_spec(("batch", "kv_heads", None, None), mesh_lib.SAMPLING_RULES,
                                   shape, mesh)
-  assert k_BKHS.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), 4), k_BKHS
+  assert k_QKHP.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), 4), k_QKHP
 
 
 def test_hlo_cost_counts_scan_bodies_per_iteration():

@@ -64,6 +64,12 @@ def test_greedy_matches_transformers_and_stops(tiny):
   np.testing.assert_array_equal(np.asarray(sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
       strategy=sampling.Greedy(), pad_id=PAD).tokens_BC), free)
+  # The engine with 2 slots for 3 rows (a refill mid-run) gives the same tokens.
+  two = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
+                          max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops,
+                          pad_id=PAD, max_active_rows=2)
+  np.testing.assert_array_equal(np.asarray(two.tokens_BC), np.asarray(ours.tokens_BC))
+  np.testing.assert_array_equal(np.asarray(two.mask_BC), np.asarray(ours.mask_BC))
   for b in range(tokens.shape[0]):
     hits = np.flatnonzero(np.isin(free[b], stops))
     n = int(hits[0]) + 1 if hits.size else 12

@@ -9,6 +9,7 @@ per-chip bytes they imply must fit the chip's HBM per benchmarks/memory_plan.py.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import math
@@ -173,16 +174,36 @@ def test_kv_and_param_terms_by_hand():
   assert 1024 + 3072 <= slots <= 2 * (1024 + 3072)
   P = mp.param_counts(run.model)[0]
   terms = mp.memory_terms(run, data=1, fsdp=16, tensor=1)
-  assert terms["KV cache (Q*G rows)"] == (128 * 8 // 16) * slots * 28672
+  assert terms["KV cache (N slots)"] == (128 * 8 // 16) * slots * 28672
+  assert terms["prompt cache (Q rows)"] == (128 // 16) * 1024 * 28672
+  # The engine's N slots: 256 of the 1024 rows at once, a quarter of the cache.
+  quarter = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=256)
+  assert quarter["KV cache (N slots)"] == (256 // 16) * slots * 28672
   assert terms["params (f32 master)"] == 4 * P / 16
   assert terms["AdamW moments (2 x f32)"] == 8 * P / 16
   assert terms["sampling weights (bf16)"] == 2 * P
   assert terms["boundary activations"] == 28 * 1 * 4096 * 1536 * 2
   assert terms["prefill scores"] == 8 * (12 * 1024 * 1024 * 6 + 151936 * 4)
-  assert terms["decode cache copy"] == terms["KV cache (Q*G rows)"]
+  assert terms["decode cache copy"] == 0  # the engine's loop keeps one cache
+  copying = mp.memory_terms(dataclasses.replace(run, decode_copies_cache=True), 1, 16, 1)
+  assert copying["decode cache copy"] == terms["KV cache (N slots)"]
   # Two rollout calls halve the cache.
   half = mp.memory_terms(run, data=1, fsdp=16, tensor=1, rollout_chunks=2)
-  assert half["KV cache (Q*G rows)"] == terms["KV cache (Q*G rows)"] / 2
+  assert half["KV cache (N slots)"] == terms["KV cache (N slots)"] / 2
+
+
+def test_lockstep_rollout_seconds_by_hand():
+  # The old sampler: every one of the 1024 rows reads all 1024 + 3072 columns for
+  # as many steps as the longest row (3072: the length model truncates some).
+  run = mp.load_run("1.5B")
+  chip = mp.CHIPS["v5e"]
+  got = mp.rollout_seconds(run, chip, fsdp=16, tensor=1, chunks=1, slots=0, read="kv_read_full")
+  steps, rows, kv = 3072, 1024 // 16, 28672
+  weights = 2 * mp.param_counts(run.model)[0]
+  want = (steps * weights + (steps * rows * 4096 + 1024 * 1024 * 2 / 16) * kv) / (819e9)
+  assert got == pytest.approx(want, rel=1e-9)
+  # The engine with fewer slots reads less per step and must come out faster.
+  assert mp.rollout_seconds(run, chip, 16, 1, 1, 256) < got
 
 
 def test_rows_per_chip_replicates_axes_that_do_not_divide():

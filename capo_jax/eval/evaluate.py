@@ -62,12 +62,16 @@ class EvalConfig:
   top_p: float = 1.0
   top_k: int = 0
   batch_size: int = 8  # questions per sampler call (rows = batch_size * num_samples)
+  max_active_rows: int = 0  # rows decoded at once (the engine's KV slots); 0: all
   progress: bool = True
 
   def __post_init__(self) -> None:
     for name in ("num_samples", "max_new_tokens", "batch_size"):
       if getattr(self, name) < 1:
         raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}")
+    if self.max_active_rows < 0:
+      raise ValueError(f"EvalConfig.max_active_rows must be >= 0 (0: all rows), got "
+                       f"{self.max_active_rows}")
 
 
 # --- sampling and grading -------------------------------------------------------
@@ -111,7 +115,8 @@ def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
         params, cfg, tokens, mask, jax.random.fold_in(rng, b), num_samples=G,
         max_new_tokens=eval_cfg.max_new_tokens,
         strategy=sampling.make_strategy(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k),
-        stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, layout=layout)
+        stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id, layout=layout,
+        max_active_rows=eval_cfg.max_active_rows or None)
 
   def finish(idx: list[int], out: sampling.Samples, bar: Any) -> None:
     n = len(idx) * G  # rows past n belong to the padding repeats
@@ -285,6 +290,8 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--top_p", type=float, default=1.0)
   p.add_argument("--top_k", type=int, default=0)
   p.add_argument("--batch_size", type=int, default=8, help="questions per sampler call")
+  p.add_argument("--max_active_rows", type=int, default=0,
+                 help="rows decoded at once (continuous batching); 0: all rows of a call")
   p.add_argument("--seed", type=int, default=0)
   p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
                  help="params and compute dtype")
@@ -333,7 +340,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     # Flags and benchmark files are checked before the (slow) policy load.
     eval_cfg = EvalConfig(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
                           temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          batch_size=args.batch_size, progress=not args.no_progress)
+                          batch_size=args.batch_size, max_active_rows=args.max_active_rows,
+                          progress=not args.no_progress)
     benchmarks = load_benchmarks([b.strip() for b in args.benchmarks.split(",") if b.strip()],
                                  args.data_dir, args.limit)
     policy = load_policy(args.policy, base_model=args.base_model or None,

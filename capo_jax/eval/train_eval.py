@@ -79,7 +79,9 @@ def make_eval_fn(c: ml_collections.ConfigDict, *, model_cfg: Qwen2Config, tokeni
   eval_cfg = evaluate.EvalConfig(num_samples=c.eval.num_samples,
                                  max_new_tokens=c.eval.max_new_tokens,
                                  temperature=c.eval.temperature,
-                                 batch_size=c.eval.batch_size, progress=is_main_process())
+                                 batch_size=c.eval.batch_size,
+                                 max_active_rows=c.eval.get("max_active_rows", 0),
+                                 progress=is_main_process())
   rcfg = evaluate.results_config(eval_cfg.num_samples)
   rng = jax.random.key(c.eval.seed)
 

@@ -92,6 +92,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
   if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
     _fail("rollout.prompts_per_call", r.prompts_per_call,
           f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}")
+  if r.max_active_rows < 0:
+    _fail("rollout.max_active_rows", r.max_active_rows,
+          "must be 0 (all rows at once) or the number of rows decoded at once")
   for field in ("max_prompt_len", "max_new_tokens"):
     if r[field] < 1:
       _fail(f"rollout.{field}", r[field], "must be >= 1")
@@ -206,7 +209,7 @@ def rollout_spec(c: ml_collections.ConfigDict) -> rollout.RolloutSpec:
       max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       adv=advantage_spec(c), old_from_sampler=r.old_logprobs == "sampler",
       simko_k=c.loss.simko_k if c.algo.name == "simko" else 0,
-      prompts_per_call=r.prompts_per_call)
+      prompts_per_call=r.prompts_per_call, max_active_rows=r.max_active_rows)
 
 
 def num_updates(c: ml_collections.ConfigDict) -> int:

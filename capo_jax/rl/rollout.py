@@ -149,6 +149,7 @@ class RolloutSpec:
   old_from_sampler: bool
   simko_k: int = 0
   prompts_per_call: int = 0  # 0: all Q prompts in one sampler call
+  max_active_rows: int = 0  # the engine's KV slots per call; 0: all rows of a call
 
 
 @dataclasses.dataclass
@@ -234,7 +235,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
         max_new_tokens=spec.max_new_tokens,
         strategy=sampling.make_strategy(spec.temperature, spec.top_p, spec.top_k),
         stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-        layout=Layout.of(mesh, sampling_rules))
+        layout=Layout.of(mesh, sampling_rules), max_active_rows=spec.max_active_rows or None)
     parts.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.logprobs_BC,
                                        samples.lengths_B, samples.truncated_B)])
   comp_BC, cmask_BC, sampler_logp_BC, lengths_B, truncated_B = (

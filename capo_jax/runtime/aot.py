@@ -12,7 +12,7 @@ functions, at the run's padded shapes (prompt ``max_prompt_len``, completion
 ``max_new_tokens``: the largest shapes a step can see) and with its shardings:
 
   prefill   ``sampling._prefill`` over one sampler call's prompts
-  decode    ``sampling._decode``, the ``lax.while_loop`` over the donated cache
+  decode    ``sampling._decode``, the engine's ``lax.while_loop`` over its N-slot cache
   logprobs  ``train_step.make_logprob_fn`` over one call of ``train.logprob_rows``
             rows, as the trainer calls it (0: all Q*G rows), float32 params
   logprobs_ref  the same program with the bfloat16 reference (when the run keeps one)
@@ -48,6 +48,7 @@ from capo_jax.rl import experiment
 from capo_jax.rl import train_step as ts
 from capo_jax.runtime import hlo_cost
 from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
 from models import qwen2, sharding
 from models.sharding import Layout
@@ -193,21 +194,24 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
-  kw = dict(cfg=model_cfg, strategy=strategy, layout=layout)
   prefill = Lowerable(
       "prefill", sampling._prefill,  # pylint: disable=protected-access
-      (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng, stops,
-       pad), dict(kw, num_samples=sh.num_samples, gen_len=sh.gen_len), sh.num_calls,
-      ("train state", "reference"))
+      (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng),
+      dict(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples, layout=layout),
+      sh.num_calls, ("train state", "reference"))
+  rows = sh.prompts_per_call * sh.num_samples
+  plan = engine.Plan(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples,
+                     num_slots=min(c.rollout.get("max_active_rows", 0) or rows, rows),
+                     gen_len=sh.gen_len, layout=layout, block=engine.KV_BLOCK)
 
   def decode(prefill_compiled: Any) -> Lowerable:
     out = jax.eval_shape(functools.partial(sampling._prefill, **prefill.kwargs),  # pylint: disable=protected-access
                          *prefill.args)
-    state, cache = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o), out,
-                                prefill_compiled.output_shardings)
+    prompts, first = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o), out,
+                                  prefill_compiled.output_shardings)
     return Lowerable("decode", sampling._decode,  # pylint: disable=protected-access
-                     (params, state, cache, rng, stops, pad, _sds((), jnp.int32, rep)), kw,
-                     sh.num_calls, ("train state", "reference"))
+                     (params, prompts, first, rng, stops, pad, _sds((), jnp.int32, rep)),
+                     dict(plan=plan), sh.num_calls, ("train state", "reference"))
 
   return prefill, decode
 

@@ -1,56 +1,56 @@
-"""The sampler's one-token decode step, over per-layer buffers laid out for it.
+"""The engine's one-token decode step over N cache slots, each at its own column.
 
-The prefill fills the model's stacked ``KVCache`` [L, B, S, K, H]; decoding
-re-lays it out once per ``generate`` call (``DecodeCache.from_prefill``) and
-runs the layers unrolled (``qwen2.layer``, the model's own ``DecoderLayer``)
-over one donated buffer per layer:
+The prefill fills the model's stacked ``KVCache`` [L, Q, P, K, H] once per
+prompt; the engine (capo_jax.sampling.engine) copies a prompt's keys / values
+into a slot of a ``SlotCache`` when a row starts there, and every decode step
+advances all N slots by one token (``step``):
 
-- keys as [B, K, H, S] and values as [B, K, S, H], the operand layouts of the
+- slot n holds one row: its left-padded prompt in columns [0, P), then its
+  completion, token t's key / value at column P + t - 1. Each slot writes at
+  its own column (a scatter), so rows of different ages share a step.
+- attention reads only the filled part of the cache: blocks of ``block``
+  columns up to the longest active slot (``num_blocks``, a traced value), with
+  an online softmax. A block past a slot's end is all masked and changes
+  nothing (max unchanged, rescale exactly 1, weights exactly 0), so a row's
+  result does not depend on the other rows in the step.
+- keys as [N, K, H, S] and values as [N, K, S, H], the operand layouts of the
   two attention matmuls, so no step transposes the cache (with the model's
-  [B, S, K, H] layout XLA transposed every layer's whole cache every step).
-- one buffer per layer, not a slice of a stacked array: inside the model's
-  layer scan XLA copies every layer's cache slice (and weight slice) in and
-  out each step.
+  [B, S, K, H] layout XLA transposed every layer's whole cache every step),
+  and one buffer per layer, not a slice of a stacked array (inside the
+  model's layer scan XLA copies every layer's cache slice in and out).
 
-Logits come out vocab-major [V, B] (``unembed_VD @ h_DB``), which XLA's CPU
-dot ran faster than ``h_BD @ unembed_DV``; the strategies
-(capo_jax.sampling.strategies) take it as is. The README's benchmark table
-has the measured effect of each of these layouts.
+Logits come out vocab-major [V, N] (``unembed_VD @ h_DN``), which XLA's CPU
+dot ran faster than ``h_ND @ unembed_DV``; the strategies
+(capo_jax.sampling.strategies) take it as is.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from models import kv_cache, qwen2
+from models import qwen2
 from models.config import Qwen2Config
 from models.qwen2 import Params
 
+_NEG = float(jnp.finfo(jnp.float32).min)  # finite: a fully masked block stays NaN-free
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class DecodeCache:
-  k: tuple[jax.Array, ...]  # per layer [B, K, H, S]
-  v: tuple[jax.Array, ...]  # per layer [B, K, S, H]
-  mask_BS: jax.Array  # bool: slot holds a real token
-  positions_B: jax.Array  # int32: RoPE position of each row's next token
-  index: jax.Array  # int32: next slot to write
+class SlotCache:
+  k: tuple[jax.Array, ...]  # per layer [N, K, H, S]
+  v: tuple[jax.Array, ...]  # per layer [N, K, S, H]
+  mask_NS: jax.Array  # bool: column holds a real token of the slot's row
 
   @classmethod
-  def from_prefill(cls, cache: kv_cache.KVCache, free_slots: int) -> DecodeCache:
-    """The prefilled stacked cache, split per layer, re-laid out, ``free_slots`` appended."""
-    pad_S = lambda x_BSKH: jnp.pad(x_BSKH, ((0, 0), (0, free_slots), (0, 0), (0, 0)))
-    L = cache.k_LBSKH.shape[0]
-    return cls(
-        k=tuple(pad_S(cache.k_LBSKH[l]).transpose(0, 2, 3, 1) for l in range(L)),
-        v=tuple(pad_S(cache.v_LBSKH[l]).transpose(0, 2, 1, 3) for l in range(L)),
-        mask_BS=jnp.pad(cache.mask_BS, ((0, 0), (0, free_slots))),
-        positions_B=cache.positions_B, index=cache.index)
+  def empty(cls, cfg: Qwen2Config, num_slots: int, num_cols: int) -> SlotCache:
+    N, K, H, S = num_slots, cfg.num_kv_heads, cfg.head_dim, num_cols
+    return cls(k=tuple(jnp.zeros((N, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
+               v=tuple(jnp.zeros((N, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
+               mask_NS=jnp.zeros((N, S), jnp.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -70,10 +70,10 @@ class DecodeWeights:
   rope_Sh: tuple[jax.Array, jax.Array]
 
 
-def prepare(params: Params, cfg: Qwen2Config, num_slots: int) -> DecodeWeights:
-  """``DecodeWeights`` of ``params`` for a cache of ``num_slots`` slots."""
+def prepare(params: Params, cfg: Qwen2Config, num_cols: int) -> DecodeWeights:
+  """``DecodeWeights`` of ``params`` for a cache of ``num_cols`` columns."""
   unembed = params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T
-  cos, sin = qwen2.rope_tables(jnp.arange(num_slots)[None], cfg.head_dim, cfg.rope_theta)
+  cos, sin = qwen2.rope_tables(jnp.arange(num_cols)[None], cfg.head_dim, cfg.rope_theta)
   return DecodeWeights(
       embed_VD=params["embed"], final_norm_D=params["final_norm"],
       layers=[jax.tree.map(lambda w, l=l: w[l], params["layers"])
@@ -81,46 +81,95 @@ def prepare(params: Params, cfg: Qwen2Config, num_slots: int) -> DecodeWeights:
       unembed_VD=unembed.astype(cfg.dtype), rope_Sh=(cos[0], sin[0]))
 
 
-def _attend_one(q_BKRH: jax.Array, k_BKHS: jax.Array, v_BKSH: jax.Array,
-                mask_BS: jax.Array) -> jax.Array:
-  """One query token per row against all slots; scores and softmax in float32."""
-  H = q_BKRH.shape[-1]
-  scores_BKRS = jnp.einsum("bkrh,bkhs->bkrs", q_BKRH, k_BKHS,
+def attend_full(q_NKRH: jax.Array, k_NKHS: jax.Array, v_NKSH: jax.Array,
+                mask_NS: jax.Array) -> jax.Array:
+  """One query token per slot against every column; scores and softmax in float32."""
+  H = q_NKRH.shape[-1]
+  scores_NKRS = jnp.einsum("nkrh,nkhs->nkrs", q_NKRH, k_NKHS,
                            preferred_element_type=jnp.float32) * (H ** -0.5)
-  scores_BKRS = jnp.where(mask_BS[:, None, None], scores_BKRS, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores_BKRS, axis=-1).astype(v_BKSH.dtype)
-  return jnp.einsum("bkrs,bksh->bkrh", probs, v_BKSH)
+  scores_NKRS = jnp.where(mask_NS[:, None, None], scores_NKRS, _NEG)
+  probs = jax.nn.softmax(scores_NKRS, axis=-1).astype(v_NKSH.dtype)
+  return jnp.einsum("nkrs,nksh->nkrh", probs, v_NKSH)
 
 
-def step(w: DecodeWeights, cfg: Qwen2Config, tokens_B: jax.Array, cache: DecodeCache
-         ) -> tuple[jax.Array, DecodeCache]:
-  """Float32 logits [V, B] of the next token after ``tokens_B``, and the updated cache.
+def attend_blocks(q_NKRH: jax.Array, k_NKHS: jax.Array, v_NKSH: jax.Array, mask_NS: jax.Array,
+                  num_blocks: jax.Array, block: int) -> jax.Array:
+  """``attend_full`` over the first ``num_blocks`` blocks of ``block`` columns only.
+
+  Online softmax (running max, normaliser and weighted sum in float32). A
+  leading all-padding block is wiped out exactly when the first real score
+  arrives (its rescale is exp(min - real) = 0), a trailing all-masked one is
+  an exact no-op, so the result is the softmax over the slot's real columns
+  whatever ``num_blocks`` (>= the slot's filled blocks) is.
+  """
+  N, K, R, H = q_NKRH.shape
+
+  def body(b: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+    m_NKR, l_NKR, acc_NKRH = carry
+    s0 = b * block
+    k_blk = jax.lax.dynamic_slice_in_dim(k_NKHS, s0, block, axis=3)
+    v_blk = jax.lax.dynamic_slice_in_dim(v_NKSH, s0, block, axis=2)
+    mask_blk = jax.lax.dynamic_slice_in_dim(mask_NS, s0, block, axis=1)
+    s_NKRJ = jnp.einsum("nkrh,nkhj->nkrj", q_NKRH, k_blk,
+                        preferred_element_type=jnp.float32) * (H ** -0.5)
+    s_NKRJ = jnp.where(mask_blk[:, None, None], s_NKRJ, _NEG)
+    m_new = jnp.maximum(m_NKR, s_NKRJ.max(-1))
+    rescale = jnp.exp(m_NKR - m_new)
+    p_NKRJ = jnp.exp(s_NKRJ - m_new[..., None])
+    acc_NKRH = acc_NKRH * rescale[..., None] + jnp.einsum(
+        "nkrj,nkjh->nkrh", p_NKRJ.astype(v_NKSH.dtype), v_blk,
+        preferred_element_type=jnp.float32)
+    return m_new, l_NKR * rescale + p_NKRJ.sum(-1), acc_NKRH
+
+  init = (jnp.full((N, K, R), _NEG, jnp.float32), jnp.zeros((N, K, R), jnp.float32),
+          jnp.zeros((N, K, R, H), jnp.float32))
+  _, l_NKR, acc_NKRH = jax.lax.fori_loop(0, num_blocks, body, init)
+  return (acc_NKRH / l_NKR[..., None]).astype(v_NKSH.dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class Where:
+  """Per slot: the column its token is written at and that token's RoPE position;
+  ``num_blocks``: the blocks of ``block`` columns that hold any active slot's tokens
+  (ignored when the cache is one block or less: then attention reads it all)."""
+  col_N: jax.Array
+  pos_N: jax.Array
+  num_blocks: jax.Array
+  block: int
+
+
+def step(w: DecodeWeights, cfg: Qwen2Config, tokens_N: jax.Array, cache: SlotCache,
+         where: Where) -> tuple[jax.Array, SlotCache]:
+  """Float32 logits [V, N] of the next token after ``tokens_N``, and the updated cache.
 
   ``qwen2.forward_with_cache`` for T = 1 (same positions, masking and
-  numerics), with the weights of ``prepare``.
+  numerics up to the blocked softmax), with the weights of ``prepare``.
   """
-  B, S = cache.mask_BS.shape
+  N, S = cache.mask_NS.shape
   K, H = cfg.num_kv_heads, cfg.head_dim
-  index = cache.index
-  mask_BS = jax.lax.dynamic_update_slice(cache.mask_BS, jnp.ones((B, 1), jnp.bool_),
-                                         (0, index))
-  # Slots past ``index`` are free (stale values of nothing): never attended.
-  visible_BS = mask_BS & (jnp.arange(S) <= index)[None]
-  rope_B1 = tuple(t[cache.positions_B][:, None] for t in w.rope_Sh)
-  x_B1D = w.embed_VD.astype(cfg.dtype)[tokens_B[:, None]]
+  slot_N = jnp.arange(N)
+  mask_NS = cache.mask_NS.at[slot_N, where.col_N].set(True)
+  rope_N1 = tuple(t[where.pos_N][:, None] for t in w.rope_Sh)
+  x_N1D = w.embed_VD.astype(cfg.dtype)[tokens_N[:, None]]
   ks, vs = list(cache.k), list(cache.v)
+  blocked = S > where.block
   for l, p in enumerate(w.layers):
 
-    def attend(q_B1NH, k_B1KH, v_B1KH, k_BKHS=ks[l], v_BKSH=vs[l]):
-      # Write this token's key / value at slot ``index``, attend over all slots.
-      k_BKHS = jax.lax.dynamic_update_slice(k_BKHS, k_B1KH[:, 0, :, :, None], (0, 0, 0, index))
-      v_BKSH = jax.lax.dynamic_update_slice(v_BKSH, v_B1KH.transpose(0, 2, 1, 3),
-                                            (0, 0, index, 0))
-      out_BKRH = _attend_one(q_B1NH.reshape(B, K, -1, H), k_BKHS, v_BKSH, visible_BS)
-      return out_BKRH.reshape(B, 1, -1, H), (k_BKHS, v_BKSH)
+    def attend(q_N1NH, k_N1KH, v_N1KH, k_NKHS=ks[l], v_NKSH=vs[l]):
+      # Each slot writes its token's key / value at its own column, in place.
+      k_NKHS = k_NKHS.at[slot_N, :, :, where.col_N].set(k_N1KH[:, 0])
+      v_NKSH = v_NKSH.at[slot_N, :, where.col_N, :].set(v_N1KH[:, 0])
+      q_NKRH = q_N1NH.reshape(N, K, -1, H)
+      if blocked:
+        out_NKRH = attend_blocks(q_NKRH, k_NKHS, v_NKSH, mask_NS, where.num_blocks,
+                                 where.block)
+      else:
+        out_NKRH = attend_full(q_NKRH, k_NKHS, v_NKSH, mask_NS)
+      return out_NKRH.reshape(N, 1, -1, H), (k_NKHS, v_NKSH)
 
-    x_B1D, (ks[l], vs[l]) = qwen2.layer(cfg, x_B1D, p, rope_B1, attend)
-  h_BD = qwen2.rms_norm(x_B1D[:, 0], w.final_norm_D, cfg.rms_norm_eps)
-  logits_VB = jnp.einsum("vd,bd->vb", w.unembed_VD, h_BD.astype(cfg.dtype),
+    x_N1D, (ks[l], vs[l]) = qwen2.layer(cfg, x_N1D, p, rope_N1, attend)
+  h_ND = qwen2.rms_norm(x_N1D[:, 0], w.final_norm_D, cfg.rms_norm_eps)
+  logits_VN = jnp.einsum("vd,nd->vn", w.unembed_VD, h_ND.astype(cfg.dtype),
                          preferred_element_type=jnp.float32)
-  return logits_VB, DecodeCache(tuple(ks), tuple(vs), mask_BS, cache.positions_B + 1, index + 1)
+  return logits_VN, SlotCache(tuple(ks), tuple(vs), mask_NS)

@@ -1,34 +1,31 @@
-"""Jitted sampler: one prefill, then a donated-cache decode ``lax.while_loop``.
+"""``generate``: checks and pads the prompts, then runs the rollout engine.
 
-``generate`` left-pads the prompts to a bucketed length, runs one jitted
-prefill over the Q prompts, repeats the prompt cache G times (the G samples of
-a prompt share one prefill) and decodes all B = Q*G rows in a single jitted
-``lax.while_loop`` whose KV cache is preallocated and donated, so it is
-updated in place and no token crosses to the host until the end. Rows stop at
-any stop id or at ``max_new_tokens``; the loop exits when every row is done.
+``generate`` left-pads the prompts to a bucketed length and runs the two
+jitted programs of capo_jax.sampling.engine: one prefill over the Q prompts
+(the G samples of a prompt share it) and one ``lax.while_loop`` that decodes
+the B = Q*G rows over a KV cache of N = ``max_active_rows`` slots (all B rows
+when None). When a row stops, its slot takes the next waiting row, so the
+work follows the tokens generated, not B x the longest row; no token crosses
+to the host until the end. Rows stop at any stop id or at ``max_new_tokens``.
 
 Token choice is a small frozen strategy (capo_jax.sampling.strategies, re-exported
-here): ``Greedy``, ``Temperature``, ``TopK``, ``TopP``. The decode step itself
-(per-layer caches laid out for decoding, vocab-major logits) is
-capo_jax.sampling.decode.
+here): ``Greedy``, ``Temperature``, ``TopK``, ``TopP``.
 
-Randomness: step t draws one uniform per row from ``fold_in(rng, t)`` (a
-vector of B independent uniforms), so the same rng and batch give the same
-samples and rows draw independently.
+Randomness: token t of row b draws one uniform from
+``fold_in(fold_in(rng, b), t)``, so the same rng gives the same samples
+whatever N, the slot or the step a row ran in.
 
 Compilations: prompt length P and the generation buffer C are rounded up
 (``bucket_length``: powers of two up to 256, then multiples of 256), so a
 stream of batches with varying lengths compiles at most once per (P bucket,
-C bucket, batch shape, strategy). Temperature, top-k and top-p are static (a
+C bucket, batch shape, N, strategy). Temperature, top-k and top-p are static (a
 new value compiles anew); stop ids, max_new_tokens and the rng are not.
 ``TRACE_COUNTS`` counts the traces of each jitted function.
 """
 
 from __future__ import annotations
 
-import collections
 import dataclasses
-import functools
 from collections.abc import Sequence
 from typing import Any
 
@@ -37,23 +34,14 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from capo_jax.sampling import decode
+from capo_jax.sampling import engine
+from capo_jax.sampling.engine import TRACE_COUNTS, _decode, _prefill  # noqa: F401  (re-exported)
 from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
     Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
-from models import kv_cache, qwen2
+from models import qwen2
 from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout
-
-# Traces of each jitted function (one per compilation), for tests and logs.
-TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
-
-def _choose(strategy: Strategy, logits_VB: jax.Array, rng: jax.Array, step: jax.Array
-            ) -> tuple[jax.Array, jax.Array]:
-  """Token and untempered log-prob per row from vocab-major logits; uniforms of step t."""
-  u_B = jax.random.uniform(jax.random.fold_in(rng, step), (logits_VB.shape[1],), jnp.float32)
-  return strategy.choose(logits_VB, u_B)
 
 
 @jax.tree_util.register_dataclass
@@ -72,95 +60,6 @@ class Samples:
   logprobs_BC: jax.Array  # float32
   lengths_B: jax.Array  # int32
   truncated_B: jax.Array  # bool
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _State:
-  step: jax.Array  # int32: tokens generated so far
-  last_B: jax.Array  # int32: the token fed to the next decode step
-  done_B: jax.Array  # bool: emitted a stop token
-  tokens_BC: jax.Array
-  logprobs_BC: jax.Array
-  mask_BC: jax.Array
-
-
-def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
-  return x if layout is None else layout.constrain(x, axes)
-
-
-def _constrain_tree(layout: Layout | None, tree: Any) -> Any:
-  """Rows over the batch axes, a cache's kv heads over theirs, scalars whole."""
-  def one(x: jax.Array) -> jax.Array:
-    axes = {0: (), 1: ("batch",), 4: ("batch", "kv_heads", None, None),
-            5: (None, "batch", None, "kv_heads", None)}.get(x.ndim, ("batch", None))
-    return _constrain(layout, x, axes) if axes else x
-  return tree if layout is None else jax.tree.map(one, tree)
-
-
-def _is_stop(tokens_B: jax.Array, stop_ids: jax.Array) -> jax.Array:
-  return jnp.any(tokens_B[:, None] == stop_ids[None, :], axis=-1)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "strategy", "num_samples", "gen_len",
-                                             "layout"))
-def _prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array,
-             stop_ids: jax.Array, pad_id: jax.Array, *, cfg: Qwen2Config, strategy: Strategy,
-             num_samples: int, gen_len: int, layout: Layout | None
-             ) -> tuple[_State, decode.DecodeCache]:
-  """Prompt cache for all B = Q*G rows (with ``gen_len`` free slots) and token 0."""
-  TRACE_COUNTS["prefill"] += 1
-  Q, P = tokens_QP.shape
-  B = Q * num_samples
-  cache = _constrain_tree(layout, kv_cache.init_cache(cfg, Q, P))
-  h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
-  # Left padding puts every row's last prompt token at P - 1: unembed only it.
-  logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
-  caches = decode.DecodeCache.from_prefill(kv_cache.repeat_rows(cache, num_samples), gen_len)
-  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T,
-                         ("vocab", "batch"))
-  token_B, logprob_B = _choose(strategy, logits_VB, rng, jnp.zeros((), jnp.int32))
-  state = _State(
-      step=jnp.ones((), jnp.int32), last_B=token_B, done_B=_is_stop(token_B, stop_ids),
-      tokens_BC=jnp.full((B, gen_len), pad_id, jnp.int32).at[:, 0].set(token_B),
-      logprobs_BC=jnp.zeros((B, gen_len), jnp.float32).at[:, 0].set(logprob_B),
-      mask_BC=jnp.zeros((B, gen_len), jnp.int32).at[:, 0].set(1))
-  return _constrain_tree(layout, state), _constrain_tree(layout, caches)
-
-
-@functools.partial(jax.jit, static_argnames=("cfg", "strategy", "layout"),
-                   donate_argnames=("cache",))
-def _decode(params: Params, state: _State, cache: decode.DecodeCache, rng: jax.Array,
-            stop_ids: jax.Array, pad_id: jax.Array, max_new_tokens: jax.Array, *,
-            cfg: Qwen2Config, strategy: Strategy, layout: Layout | None
-            ) -> tuple[Samples, decode.DecodeCache]:
-  """Decodes until every row stopped or ``max_new_tokens``; one device program."""
-  TRACE_COUNTS["decode"] += 1
-  weights = decode.prepare(params, cfg, cache.mask_BS.shape[1])
-
-  def cond(carry: tuple[_State, decode.DecodeCache]) -> jax.Array:
-    s, _ = carry
-    return (s.step < max_new_tokens) & ~jnp.all(s.done_B)
-
-  def body(carry: tuple[_State, decode.DecodeCache]) -> tuple[_State, decode.DecodeCache]:
-    s, cache = carry
-    logits_VB, cache = decode.step(weights, cfg, s.last_B, cache)
-    logits_VB = _constrain(layout, logits_VB, ("vocab", "batch"))
-    token_B, logprob_B = _choose(strategy, logits_VB, rng, s.step)
-    active_B = ~s.done_B
-    put = lambda buf, col: jax.lax.dynamic_update_slice(buf, col[:, None], (0, s.step))
-    s = _State(
-        step=s.step + 1, last_B=token_B, done_B=s.done_B | _is_stop(token_B, stop_ids),
-        tokens_BC=put(s.tokens_BC, jnp.where(active_B, token_B, pad_id)),
-        logprobs_BC=put(s.logprobs_BC, jnp.where(active_B, logprob_B, 0.0)),
-        mask_BC=put(s.mask_BC, active_B.astype(jnp.int32)))
-    return _constrain_tree(layout, s), _constrain_tree(layout, cache)
-
-  state, cache = jax.lax.while_loop(cond, body, (state, cache))
-  samples = Samples(tokens_BC=state.tokens_BC, mask_BC=state.mask_BC,
-                    logprobs_BC=state.logprobs_BC, lengths_B=state.mask_BC.sum(-1),
-                    truncated_B=~state.done_B)
-  return samples, cache
 
 
 def bucket_length(n: int, minimum: int, step: int = 256) -> int:
@@ -198,10 +97,11 @@ def _check_prompts(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> Non
 def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mask_QP: Any,
              rng: jax.Array, *, num_samples: int, max_new_tokens: int,
              strategy: Strategy = Temperature(1.0), stop_ids: Sequence[int] = (),
-             pad_id: int = 0, layout: Layout | None = None) -> Samples:
+             pad_id: int = 0, layout: Layout | None = None,
+             max_active_rows: int | None = None) -> Samples:
   """Samples ``num_samples`` completions of each left-padded prompt.
 
-  Ten arguments, all but the model, prompts and rng keyword-only knobs that
+  Eleven arguments, all but the model, prompts and rng keyword-only knobs that
   callers set independently (a sampling-config object would only move them).
 
   Args:
@@ -219,8 +119,12 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
       stop token is part of the completion.
     pad_id: token written after a row's end.
     layout: optional ``models.sharding.Layout`` (mesh + rules, e.g.
-      ``capo_jax.runtime.mesh.SAMPLING_RULES``): rows are split over the
-      ``"batch"`` axes, params placed per the rules. Without one, runs unsharded.
+      ``capo_jax.runtime.mesh.SAMPLING_RULES``): rows and cache slots are split
+      over the ``"batch"`` axes, params placed per the rules. Without one,
+      runs unsharded.
+    max_active_rows: N, the rows decoded at once and the KV cache's slots
+      (continuous batching: a stopped row's slot takes the next waiting row).
+      None: all Q*G rows at once. The samples are the same whatever N.
 
   Returns:
     ``Samples`` of [Q*G, C] tokens / mask / logprobs and [Q*G] lengths /
@@ -229,6 +133,8 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   if num_samples < 1 or max_new_tokens < 1:
     raise ValueError(f"num_samples ({num_samples}) and max_new_tokens ({max_new_tokens}) "
                      "must be >= 1")
+  if max_active_rows is not None and max_active_rows < 1:
+    raise ValueError(f"max_active_rows must be >= 1 (or None: all rows), got {max_active_rows}")
   if layout is not None and any(t != AxisType.Auto for t in layout.mesh.axis_types):
     raise ValueError(f"mesh axis types {layout.mesh.axis_types}: the sampler states shardings "
                      "with constraints and needs AxisType.Auto axes "
@@ -256,11 +162,17 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   width = max(8, -(-stops.size // 8) * 8)
   stops = np.pad(stops, (0, width - stops.size), constant_values=-1)
   stops_j, pad_j = jnp.asarray(stops), jnp.asarray(pad_id, jnp.int32)
-  state, cache = _prefill(params, tokens, mask, rng, stops_j, pad_j, cfg=cfg, strategy=strategy,
-                          num_samples=num_samples, gen_len=gen_len, layout=layout)
-  samples, _ = _decode(params, state, cache, rng, stops_j, pad_j,
-                       jnp.asarray(max_new_tokens, jnp.int32), cfg=cfg, strategy=strategy,
-                       layout=layout)
-  if gen_len == max_new_tokens:
-    return samples
-  return jax.tree.map(lambda x: x[:, :max_new_tokens] if x.ndim == 2 else x, samples)
+  B = Q * num_samples
+  plan = engine.Plan(cfg=cfg, strategy=strategy, num_samples=num_samples,
+                     num_slots=B if max_active_rows is None else min(max_active_rows, B),
+                     gen_len=gen_len, layout=layout, block=engine.KV_BLOCK)
+  prompts, first = _prefill(params, tokens, mask, rng, cfg=cfg, strategy=strategy,
+                            num_samples=num_samples, layout=layout)
+  tokens_BC, logprobs_BC, mask_BC, stopped_B = _decode(
+      params, prompts, first, rng, stops_j, pad_j, jnp.asarray(max_new_tokens, jnp.int32),
+      plan=plan)
+  if gen_len != max_new_tokens:
+    tokens_BC, logprobs_BC, mask_BC = (x[:, :max_new_tokens]
+                                       for x in (tokens_BC, logprobs_BC, mask_BC))
+  return Samples(tokens_BC=tokens_BC, mask_BC=mask_BC, logprobs_BC=logprobs_BC,
+                 lengths_B=mask_BC.sum(-1), truncated_B=~stopped_B)

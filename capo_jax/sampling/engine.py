@@ -1,0 +1,260 @@
+"""The rollout engine: continuous batching over N cache slots, all in two jitted programs.
+
+``_prefill`` runs the Q prompts once (the G samples of a prompt share it):
+their keys / values (a ``PromptCache``, Q x P columns) and every row's token 0.
+``_decode`` is one ``lax.while_loop`` over a ``SlotCache`` of N slots x S
+columns. Each iteration
+
+1. refills: a slot whose row stopped (or that never had one) takes the next
+   waiting row, whose prompt's keys / values are copied in from the prompt
+   cache (a ``lax.cond``: no copy on steps where no slot frees up, and then
+   one slot-sized copy per refilled slot);
+2. decodes one token in all N slots (capo_jax.sampling.decode.step), each at
+   its own column, reading only the cache blocks up to the longest active row;
+3. writes each active slot's token into the [B, C] outputs at (row, t).
+
+So a rollout costs about (tokens generated) / N steps of N rows instead of
+(longest row) steps of B rows, and the cache holds N rows, not B. Nothing
+crosses to the host until the loop ends. ``num_slots = B`` (every row at once,
+no refills after the first) is the lockstep decode.
+
+Scheduling independence: token t of row b = q*G + g is drawn with the uniform
+of ``fold_in(fold_in(rng, b), t)``, from logits that depend only on row b's
+own prompt and tokens (attention masks everything else, and the blocked
+softmax is exact over the blocks it skips), so which slot or step a row ran
+in does not change its sample (tests/test_engine.py checks it).
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from capo_jax.sampling import decode
+from capo_jax.sampling.strategies import Strategy
+from models import kv_cache, qwen2
+from models.config import Qwen2Config
+from models.qwen2 import Params
+from models.sharding import Layout
+
+# Traces of each jitted function (one per compilation), for tests and logs.
+TRACE_COUNTS: collections.Counter[str] = collections.Counter()
+
+# Columns per attention block: a step reads ceil(longest active row / KV_BLOCK)
+# blocks. Smaller blocks read less past the longest row; each block is one
+# iteration of a loop inside every layer. Read at each ``generate`` call.
+KV_BLOCK = 128
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PromptCache:
+  """The prefilled prompts, in the slot cache's per-layer layouts."""
+  k: tuple[jax.Array, ...]  # per layer [Q, K, H, P]
+  v: tuple[jax.Array, ...]  # per layer [Q, K, P, H]
+  mask_QP: jax.Array  # bool
+  length_Q: jax.Array  # int32: real prompt tokens (the RoPE position of token 0)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class FirstTokens:
+  """Token 0 of every row, chosen from the prefill's logits."""
+  token_B: jax.Array  # int32
+  logprob_B: jax.Array  # float32
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The static shape of one ``_decode`` program (a jit static argument)."""
+  cfg: Qwen2Config
+  strategy: Strategy
+  num_samples: int  # G
+  num_slots: int  # N
+  gen_len: int  # C, the output width (>= max_new_tokens)
+  layout: Layout | None = None
+  block: int = KV_BLOCK
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Slots:
+  row_N: jax.Array  # int32: the row in the slot; B when it never had one
+  t_N: jax.Array  # int32: tokens the row has so far (the next one's index)
+  active_N: jax.Array  # bool: the row has not stopped
+  last_N: jax.Array  # int32: the token fed to the next step
+  next: jax.Array  # int32 scalar: waiting rows handed out so far
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class _Out:
+  tokens_BC: jax.Array
+  logprobs_BC: jax.Array
+  mask_BC: jax.Array
+  stopped_B: jax.Array  # bool: emitted a stop token
+
+
+def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  return x if layout is None else layout.constrain(x, axes)
+
+
+def _constrain_cache(layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]
+                     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  ax = ("batch", "kv_heads", None, None)
+  return (tuple(_constrain(layout, x, ax) for x in k),
+          tuple(_constrain(layout, x, ax) for x in v))
+
+
+def _constrain_rows(layout: Layout | None, tree: Any) -> Any:
+  """Leading axis (rows or slots) over the batch axes, scalars whole."""
+  def one(x: jax.Array) -> jax.Array:
+    return x if x.ndim == 0 else _constrain(layout, x, ("batch",) + (None,) * (x.ndim - 1))
+  return tree if layout is None else jax.tree.map(one, tree)
+
+
+def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
+  return jnp.any(tokens[..., None] == stop_ids, axis=-1)
+
+
+def row_uniforms(rng: jax.Array, row_N: jax.Array, t_N: jax.Array) -> jax.Array:
+  """The uniform of token t of row b: from ``fold_in(fold_in(rng, b), t)`` alone."""
+  key = lambda r, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(rng, r), t), (),
+                                        jnp.float32)
+  return jax.vmap(key)(row_N, t_N)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "strategy", "num_samples", "layout"))
+def _prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array, *,
+             cfg: Qwen2Config, strategy: Strategy, num_samples: int, layout: Layout | None
+             ) -> tuple[PromptCache, FirstTokens]:
+  """The Q prompts' keys / values and token 0 of all B = Q*G rows."""
+  TRACE_COUNTS["prefill"] += 1
+  Q, P = tokens_QP.shape
+  cache = kv_cache.init_cache(cfg, Q, P)
+  if layout is not None:
+    cache = dataclasses.replace(
+        cache, k_LBSKH=layout.constrain(cache.k_LBSKH, (None, "batch", None, "kv_heads", None)),
+        v_LBSKH=layout.constrain(cache.v_LBSKH, (None, "batch", None, "kv_heads", None)))
+  h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
+  # Left padding puts every row's last prompt token at P - 1: unembed only it.
+  logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
+  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T,
+                         ("vocab", "batch"))
+  B = Q * num_samples
+  u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
+  token_B, logprob_B = strategy.choose(logits_VB, u_B)
+  L = cfg.num_layers
+  k, v = _constrain_cache(layout, tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L)),
+                          tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L)))
+  prompts = PromptCache(k=k, v=v, mask_QP=mask_QP, length_Q=mask_QP.sum(-1, dtype=jnp.int32))
+  return prompts, _constrain_rows(layout, FirstTokens(token_B, logprob_B))
+
+
+def num_columns(prompt_len: int, gen_len: int, block: int) -> int:
+  """S: prompt + completion columns, whole blocks when more than one block."""
+  S = prompt_len + gen_len
+  return S if S <= block else -(-S // block) * block
+
+
+def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.Array,
+            num_waiting: jax.Array, slots: _Slots, cache: decode.SlotCache
+            ) -> tuple[_Slots, decode.SlotCache]:
+  """Free slots take the next waiting rows (in ``order_B``), prompt cache copied in."""
+  G, B = plan.num_samples, order_B.shape[0]
+  N, S = cache.mask_NS.shape
+  free_N = ~slots.active_N
+  idx_N = slots.next + jnp.cumsum(free_N, dtype=jnp.int32) - 1
+  take_N = free_N & (idx_N < num_waiting)
+  n_take = take_N.sum(dtype=jnp.int32)
+  row_N = jnp.where(take_N, order_B[jnp.clip(idx_N, 0, B - 1)], slots.row_N)
+  which_N = jnp.nonzero(take_N, size=N, fill_value=0)[0]
+  P = prompts.mask_QP.shape[1]
+  mask_QS = jnp.pad(prompts.mask_QP, ((0, 0), (0, S - P)))
+
+  def copy(j: jax.Array, c: decode.SlotCache) -> decode.SlotCache:
+    n, q = which_N[j], row_N[which_N[j]] // G
+    put = lambda dst, src: jax.lax.dynamic_update_slice(
+        dst, jax.lax.dynamic_slice_in_dim(src, q, 1, axis=0), (n,) + (0,) * (dst.ndim - 1))
+    return decode.SlotCache(k=tuple(put(d, s) for d, s in zip(c.k, prompts.k)),
+                            v=tuple(put(d, s) for d, s in zip(c.v, prompts.v)),
+                            mask_NS=put(c.mask_NS, mask_QS))
+
+  cache = jax.lax.fori_loop(0, n_take, copy, cache)
+  slots = _Slots(row_N=row_N, t_N=jnp.where(take_N, 1, slots.t_N),
+                 active_N=slots.active_N | take_N,
+                 last_N=jnp.where(take_N, first.token_B[jnp.minimum(row_N, B - 1)], slots.last_N),
+                 next=slots.next + n_take)
+  return slots, cache
+
+
+@functools.partial(jax.jit, static_argnames=("plan",))
+def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.Array,
+            stop_ids: jax.Array, pad_id: jax.Array, max_new_tokens: jax.Array, *, plan: Plan
+            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """Decodes every row to a stop id or ``max_new_tokens``; one device program.
+
+  Returns tokens, log-probs and mask [B, C] and stopped [B].
+  """
+  TRACE_COUNTS["decode"] += 1
+  cfg, layout, G, N, C = plan.cfg, plan.layout, plan.num_samples, plan.num_slots, plan.gen_len
+  Q, P = prompts.mask_QP.shape
+  B = Q * G
+  S = num_columns(P, C, plan.block)
+  w = decode.prepare(params, cfg, S)
+  stop0_B = is_stop(first.token_B, stop_ids)
+  done0_B = stop0_B | (max_new_tokens <= 1)
+  # Rows still going after token 0, in row order, then the finished ones.
+  order_B = jnp.argsort(done0_B, stable=True).astype(jnp.int32)
+  num_waiting = (~done0_B).sum(dtype=jnp.int32)
+  out = _constrain_rows(layout, _Out(
+      tokens_BC=jnp.full((B, C), pad_id, jnp.int32).at[:, 0].set(first.token_B),
+      logprobs_BC=jnp.zeros((B, C), jnp.float32).at[:, 0].set(first.logprob_B),
+      mask_BC=jnp.zeros((B, C), jnp.int32).at[:, 0].set(1), stopped_B=stop0_B))
+  slots = _Slots(row_N=jnp.full((N,), B, jnp.int32), t_N=jnp.zeros((N,), jnp.int32),
+                 active_N=jnp.zeros((N,), jnp.bool_), last_N=jnp.zeros((N,), jnp.int32),
+                 next=jnp.zeros((), jnp.int32))
+  empty = decode.SlotCache.empty(cfg, N, S)
+  k, v = _constrain_cache(layout, empty.k, empty.v)
+  cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_NS, ("batch", None)))
+  refill = functools.partial(_refill, plan, prompts, first, order_B, num_waiting)
+
+  def cond(carry: tuple[_Slots, decode.SlotCache, _Out]) -> jax.Array:
+    s = carry[0]
+    return jnp.any(s.active_N) | (s.next < num_waiting)
+
+  def body(carry: tuple[_Slots, decode.SlotCache, _Out]
+           ) -> tuple[_Slots, decode.SlotCache, _Out]:
+    s, cache, out = carry
+    s, cache = jax.lax.cond(jnp.any(~s.active_N) & (s.next < num_waiting),
+                            lambda sc: refill(*sc), lambda sc: sc, (s, cache))
+    q_N = jnp.minimum(s.row_N, B - 1) // G
+    col_N = P + jnp.maximum(s.t_N, 1) - 1
+    pos_N = prompts.length_Q[q_N] + jnp.maximum(s.t_N, 1) - 1
+    longest = jnp.max(jnp.where(s.active_N, col_N + 1, 1))
+    where = decode.Where(col_N=col_N, pos_N=pos_N, block=plan.block,
+                         num_blocks=-(-longest // plan.block))
+    logits_VN, cache = decode.step(w, cfg, s.last_N, cache, where)
+    logits_VN = _constrain(layout, logits_VN, ("vocab", "batch"))
+    token_N, logprob_N = plan.strategy.choose(logits_VN, row_uniforms(rng, s.row_N, s.t_N))
+    # Inactive slots write to row B: out of range, dropped.
+    row_N = jnp.where(s.active_N, s.row_N, B)
+    stop_N = is_stop(token_N, stop_ids)
+    out = _Out(tokens_BC=out.tokens_BC.at[row_N, s.t_N].set(token_N, mode="drop"),
+               logprobs_BC=out.logprobs_BC.at[row_N, s.t_N].set(logprob_N, mode="drop"),
+               mask_BC=out.mask_BC.at[row_N, s.t_N].set(1, mode="drop"),
+               stopped_B=out.stopped_B.at[row_N].set(stop_N, mode="drop"))
+    done_N = stop_N | (s.t_N + 1 >= max_new_tokens)
+    s = _Slots(row_N=s.row_N, t_N=jnp.where(s.active_N, s.t_N + 1, s.t_N),
+               active_N=s.active_N & ~done_N, last_N=token_N, next=s.next)
+    k, v = _constrain_cache(layout, cache.k, cache.v)
+    cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_NS, ("batch", None)))
+    return _constrain_rows(layout, s), cache, _constrain_rows(layout, out)
+
+  _, _, out = jax.lax.while_loop(cond, body, (_constrain_rows(layout, slots), cache, out))
+  return out.tokens_BC, out.logprobs_BC, out.mask_BC, out.stopped_B

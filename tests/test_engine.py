@@ -1,0 +1,194 @@
+"""The rollout engine: samples independent of scheduling, against a brute-force reference.
+
+References: a brute-force sampler that, for every token t, runs
+``models.qwen2.forward`` over each row's prompt + tokens so far (no cache, no
+slots) and draws with the uniform of (rng, row, t); teacher-forced log-probs;
+and the same rollout at other slot counts N (all rows, a quarter, 3, which
+does not divide B), unsharded and on 8 fake CPU devices (a subprocess, since
+XLA_FLAGS must be set before jax is imported). Attention blocks of 16 columns
+make the engine's blocked (filled-part only) attention run at these sizes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import pathlib
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from capo_jax.sampling import engine
+from capo_jax.sampling import sampler as sampling
+from models import qwen2
+import hf_utils
+
+REPO = pathlib.Path(__file__).resolve().parent.parent
+Q, G, C = 4, 5, 28  # B = 20: N = 5 is a quarter, N = 3 does not divide it
+STRATEGY = sampling.TopK(temperature=0.9, k=40)
+
+
+def tiny_policy():
+  cfg = qwen2.Qwen2Config.tiny()
+  params = qwen2.init_params(cfg, jax.random.key(0))
+  # Weights of std 0.15 (not 0.02), so the model is far from uniform.
+  params = jax.tree_util.tree_map_with_path(
+      lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params)
+  tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(0), [5, 13, 2, 9],
+                                            cfg.vocab_size, low=3)
+  return cfg, params, tokens, mask
+
+
+@contextlib.contextmanager
+def small_blocks():
+  """16-column attention blocks: the engine's blocked attention at these sizes."""
+  old, engine.KV_BLOCK = engine.KV_BLOCK, 16
+  try:
+    yield
+  finally:
+    engine.KV_BLOCK = old
+
+
+def run(cfg, params, tokens, mask, n: int, stops=(), layout=None, max_new: int = C,
+        key: int = 2) -> sampling.Samples:
+  with small_blocks():
+    return sampling.generate(params, cfg, tokens, mask, jax.random.key(key), num_samples=G,
+                             max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops,
+                             layout=layout, max_active_rows=n)
+
+
+def stop_ids_for(cfg, params, tokens, mask) -> list[int]:
+  """Stop ids (the tokens an unstopped run emits most) that end rows at many lengths."""
+  out = run(cfg, params, tokens, mask, Q * G, key=1)  # the N = B program, reused below
+  counts = np.bincount(np.asarray(out.tokens_BC).ravel(), minlength=cfg.vocab_size)
+  return [int(t) for t in np.argsort(-counts)[:6]]
+
+
+def schedules(cfg, params, tokens, mask, stops, layout=None, slots=(Q * G, Q * G // 4, 3)
+              ) -> dict[int, sampling.Samples]:
+  """The same rollout at N = B, B / 4 and 3 slots."""
+  return {n: run(cfg, params, tokens, mask, n, stops, layout) for n in slots}
+
+
+def assert_same(a: sampling.Samples, b: sampling.Samples) -> None:
+  np.testing.assert_array_equal(np.asarray(a.tokens_BC), np.asarray(b.tokens_BC))
+  np.testing.assert_array_equal(np.asarray(a.mask_BC), np.asarray(b.mask_BC))
+  np.testing.assert_array_equal(np.asarray(a.truncated_B), np.asarray(b.truncated_B))
+  np.testing.assert_allclose(np.asarray(a.logprobs_BC), np.asarray(b.logprobs_BC), atol=1e-5)
+
+
+def brute_force(cfg, params, tokens, mask, stops, rng, strategy, max_new: int) -> np.ndarray:
+  """Row b's token t from a full forward over its prefix and the uniform of (rng, b, t)."""
+  B, P = Q * G, tokens.shape[1]
+  seq = np.concatenate([np.repeat(tokens, G, 0), np.zeros((B, max_new), np.int32)], 1)
+  seq_mask = np.concatenate([np.repeat(mask, G, 0), np.zeros((B, max_new), np.int32)], 1)
+  done = np.zeros(B, bool)
+  fwd = jax.jit(lambda s, m: qwen2.forward(params, cfg, s, m))
+  for t in range(max_new):
+    logits_BV = fwd(jnp.asarray(seq), jnp.asarray(seq_mask))[:, P + t - 1]
+    u_B = engine.row_uniforms(rng, jnp.arange(B), jnp.full((B,), t))
+    tok = np.asarray(strategy.choose(logits_BV.T, u_B)[0])
+    seq[~done, P + t], seq_mask[~done, P + t] = tok[~done], 1
+    done |= np.isin(tok, stops)
+  return seq[:, P:] * seq_mask[:, P:]
+
+
+@pytest.fixture(scope="module")
+def rollouts():
+  cfg, params, tokens, mask = tiny_policy()
+  stops = stop_ids_for(cfg, params, tokens, mask)
+  return cfg, params, tokens, mask, stops, schedules(cfg, params, tokens, mask, stops)
+
+
+def test_samples_do_not_depend_on_slots(rollouts):
+  *_, outs = rollouts
+  lengths = np.asarray(outs[Q * G].lengths_B)
+  assert len(set(lengths.tolist())) >= 5 and lengths.min() < C // 2, lengths  # rows stop apart
+  assert np.asarray(outs[Q * G].truncated_B).any() or lengths.max() > C // 2
+  for n in (Q * G // 4, 3):
+    assert_same(outs[Q * G], outs[n])
+
+
+def test_engine_equals_brute_force_sampler(rollouts):
+  cfg, params, tokens, mask, stops, outs = rollouts
+  ref = brute_force(cfg, params, tokens, mask, stops, jax.random.key(2), STRATEGY, C)
+  np.testing.assert_array_equal(np.asarray(outs[3].tokens_BC), ref)
+  # Log-probs: the untempered policy's, teacher-forced over prompt + completion.
+  P = tokens.shape[1]
+  seq = np.concatenate([np.repeat(tokens, G, 0), ref], 1)
+  seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(outs[3].mask_BC)], 1)
+  logp = jax.nn.log_softmax(qwen2.forward(params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask)))
+  want = np.take_along_axis(np.asarray(logp)[:, P - 1:-1], ref[..., None], -1)[..., 0]
+  m = np.asarray(outs[3].mask_BC).astype(bool)
+  np.testing.assert_allclose(np.asarray(outs[3].logprobs_BC)[m], want[m], atol=1e-4)
+
+
+def test_one_token_and_compile_count(rollouts):
+  cfg, params, tokens, mask, stops, outs = rollouts
+  before = dict(engine.TRACE_COUNTS)
+  rng = np.random.default_rng(3)
+  # The fixture compiled N = 3 at these shapes. Prompt lengths within the 16
+  # bucket, max_new_tokens and stop sets within the 32 bucket reuse its
+  # programs; another N compiles the decode loop once, not the prefill.
+  for n, lengths, max_new, stop in [(3, [7, 7, 16, 1], 17, []), (3, [3, 4, 5, 6], 30, stops[:2]),
+                                    (7, [5, 13, 2, 9], 20, stops), (7, [1, 2, 3, 4], 32, [])]:
+    t, m = hf_utils.left_padded_batch(rng, lengths, cfg.vocab_size, low=3)
+    out = run(cfg, params, t, m, n, stop, max_new=max_new)
+    assert out.tokens_BC.shape == (Q * G, max_new)
+  new = {k: engine.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+  assert new == {"prefill": 0, "decode": 1}, new
+  # max_new_tokens = 1: token 0 alone, from the prefill (the 16-token bucket: one
+  # more decode program).
+  one = run(cfg, params, tokens, mask, 3, stops, max_new=1)
+  np.testing.assert_array_equal(np.asarray(one.tokens_BC), np.asarray(outs[3].tokens_BC[:, :1]))
+  assert (np.asarray(one.lengths_B) == 1).all()
+  assert engine.TRACE_COUNTS["decode"] - before.get("decode", 0) == 2
+
+
+def test_bad_max_active_rows_is_named(rollouts):
+  cfg, params, tokens, mask, *_ = rollouts
+  with pytest.raises(ValueError, match="max_active_rows"):
+    sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
+                      max_new_tokens=4, max_active_rows=0)
+
+
+_SHARDED = textwrap.dedent("""
+    import os, sys
+    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    sys.path.insert(0, "tests")
+    import jax, numpy as np
+    from capo_jax.runtime import mesh as capo_mesh
+    from models.sharding import Layout
+    import test_engine as te
+    assert len(jax.devices()) == 8
+    cfg, params, tokens, mask = te.tiny_policy()
+    ref = dict(np.load(sys.argv[1]))
+    layout = Layout.of(capo_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}),
+                       capo_mesh.SAMPLING_RULES)
+    # A quarter of the rows (5 slots over 4 batch shards: replicated) and 3 slots.
+    eight = te.schedules(cfg, params, tokens, mask, [int(t) for t in ref.pop("stops")], layout,
+                         slots=(5, 3))
+    assert eight[3].tokens_BC.sharding.spec[0] == ("data", "fsdp"), eight[3].tokens_BC.sharding
+    for n, out in eight.items():
+      np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref["tokens"])
+      np.testing.assert_array_equal(np.asarray(out.mask_BC), ref["mask"])
+      np.testing.assert_allclose(np.asarray(out.logprobs_BC), ref["logprobs"], atol=1e-5)
+    print("OK")
+""")
+
+
+@pytest.mark.slow  # ~40 s of CPU: a fresh process compiling two sharded programs
+def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
+  *_, stops, outs = rollouts
+  ref = tmp_path / "one_device.npz"
+  np.savez(ref, tokens=np.asarray(outs[Q * G].tokens_BC), mask=np.asarray(outs[Q * G].mask_BC),
+           logprobs=np.asarray(outs[Q * G].logprobs_BC), stops=np.asarray(stops))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
+  proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ref)], cwd=REPO, env=env,
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
