@@ -14,6 +14,7 @@ from typing import Any
 import jax.numpy as jnp
 
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
+_ATTENTIONS = ("auto", "reference", "xla", "flash", "splash")  # models.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,6 +41,8 @@ class Qwen2Config:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass
+  attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
+  attention_block: int = 512  # key / query block of the "flash" and "splash" attentions
 
   def __post_init__(self) -> None:
     if self.head_dim == 0:
@@ -57,6 +60,9 @@ class Qwen2Config:
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.attention not in _ATTENTIONS or self.attention_block < 1:
+      raise ValueError(f"Qwen2Config.attention={self.attention!r} / attention_block="
+                       f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1")
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"Qwen2Config.{name}={getattr(self, name)!r}; expected one of "
