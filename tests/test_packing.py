@@ -141,6 +141,7 @@ def _two_steps(params, batch, tcfg, mesh):
   return state.params, metrics
 
 
+@pytest.mark.slow  # two train-step compiles: ~40 s idle, ~95 s on the shared box
 def test_two_training_steps_packed_equal_unpacked(setup):
   params, batch = setup
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})

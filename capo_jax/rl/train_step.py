@@ -322,9 +322,8 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
   M = tcfg.num_microbatches
   state_sh = state_shardings(model_cfg, tcfg, mesh, rules)
   if tcfg.pack_len:
-    spec = mesh_lib.batch_spec(mesh, rules, tcfg.pack_rows, name="packed rows")
     step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg)
-    return jax.jit(step, in_shardings=(state_sh, NamedSharding(mesh, PartitionSpec(None, *spec))),
+    return jax.jit(step, in_shardings=(state_sh, batch_sharding(tcfg, mesh, rules, batch_size)),
                    out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
   if batch_size % M:
     raise ValueError(f"TrainConfig.num_microbatches={M} does not divide batch_size="
@@ -336,6 +335,16 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
                            microbatch_sharding=mb_sh if M > 1 else None)
   return jax.jit(step, in_shardings=(state_sh, batch_sh),
                  out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def batch_sharding(tcfg: TrainConfig, mesh: Mesh, rules: Rules, batch_size: int
+                   ) -> NamedSharding:
+  """The sharding of every array of the step's batch: rows on the leading axis, or
+  packed (``tcfg.pack_len``) [M, rows or slots, ...] on the second."""
+  if not tcfg.pack_len:
+    return mesh_lib.batch_sharding(mesh, rules, batch_size)
+  spec = mesh_lib.batch_spec(mesh, rules, tcfg.pack_rows, name="packed rows")
+  return NamedSharding(mesh, PartitionSpec(None, *spec))
 
 
 def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, batch_size: int, *,
