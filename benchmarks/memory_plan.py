@@ -53,7 +53,7 @@ from models import qwen2
 from models.config import Qwen2Config
 
 GiB = 1024**3
-ATTN_BLOCK = 512  # models.config.Qwen2Config.attention_block
+ATTN_BLOCK = 128  # models.config.Qwen2Config.attention_block (splash: VMEM, not HBM)
 
 
 @dataclasses.dataclass(frozen=True)

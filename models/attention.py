@@ -15,7 +15,7 @@ own, so every query sees at least itself and no row is ever fully masked
   flash      blocked online-softmax attention in plain JAX with a hand-written
              backward (``jax.custom_vjp``): it holds one [B, K, R, W, W] float32
              score block at a time, forward and backward, and skips the key
-             blocks above the diagonal.
+             blocks above the diagonal and those of other segments.
   splash     the Pallas TPU splash-attention kernel with ``SegmentIds``
              (``interpret=True`` off TPU, for tests).
   auto       splash on TPU; elsewhere flash when the row is longer than one block,
@@ -34,7 +34,8 @@ import jax.numpy as jnp
 import numpy as np
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "flash", "splash")
-DEFAULT_BLOCK = 512
+DEFAULT_BLOCK = 128  # flash: small blocks skip more of a packed row's masked pairs
+SPLASH_BLOCK = 512  # the kernel's own default block
 # Finite, so exp(masked - running max) is 0 without inf - inf = NaN.
 _NEG = -1e30
 
@@ -84,15 +85,34 @@ def _blk(x: jax.Array, i: jax.Array, W: int) -> jax.Array:
   return jax.lax.dynamic_slice_in_dim(x, i * W, W, axis=1)
 
 
+def _block_overlap(seg, W):
+  """overlap(i, j): some row's query block i and key block j may share a segment.
+
+  A range test on each block's (min, max) segment id: exact for packed rows
+  (segments increase along the row), conservative otherwise. Blocks that fail
+  it are fully masked and skipped, forward and backward.
+  """
+  B, T = seg.shape
+  seg_BXW = seg.reshape(B, T // W, W)
+  lo, hi = seg_BXW.min(-1), seg_BXW.max(-1)
+  return lambda i, j: jnp.any((lo[:, i] <= hi[:, j]) & (lo[:, j] <= hi[:, i]))
+
+
+def _skip_unless(pred, fn, carry):
+  """``fn(carry)`` where ``pred``, else ``carry`` unchanged (only one branch runs)."""
+  return jax.lax.cond(pred, fn, lambda c: c, carry)
+
+
 def _flash_forward(q, k, v, seg, W):
   """out [B, T, K, R, H] and the log-sum-exp [X, B, K, R, W] of the blocked softmax."""
   B, T, K, R, H = q.shape
   X = T // W
+  overlap = _block_overlap(seg, W)
 
   def query_block(i):
     q_i, sq_i = _blk(q, i, W), _blk(seg, i, W)
 
-    def key_block(j, carry):
+    def update(j, carry):
       m, l, acc = carry
       s, _ = _block_scores(q_i, _blk(k, j, W), sq_i, _blk(seg, j, W), i, j, W)
       m_new = jnp.maximum(m, s.max(-1))
@@ -101,6 +121,8 @@ def _flash_forward(q, k, v, seg, W):
       pv = jnp.einsum("bkrwv,bvkh->bkrwh", p.astype(v.dtype), _blk(v, j, W),
                       preferred_element_type=jnp.float32)
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    key_block = lambda j, carry: _skip_unless(overlap(i, j), lambda c: update(j, c), carry)
 
     init = (jnp.full((B, K, R, W), _NEG, jnp.float32), jnp.zeros((B, K, R, W), jnp.float32),
             jnp.zeros((B, K, R, W, H), jnp.float32))
@@ -129,6 +151,7 @@ def _flash_bwd(W, res, d_out):
   B, T, K, R, H = q.shape
   X = T // W
   scale = H ** -0.5
+  overlap = _block_overlap(seg, W)
   # D = rowsum(dO * O), the softmax-Jacobian term; [B, K, R, T].
   delta_BKRT = jnp.einsum("btkrh,btkrh->bkrt", d_out.astype(jnp.float32),
                           out.astype(jnp.float32))
@@ -143,18 +166,20 @@ def _flash_bwd(W, res, d_out):
     return p, p * (dp - d_i[..., None]) * scale, do_i
 
   def dq_block(i):
-    def body(j, dq):
+    def update(j, dq):
       _, ds, _ = probs_and_ds(i, j)
       return dq + jnp.einsum("bkrwv,bvkh->bwkrh", ds, _blk(k, j, W).astype(jnp.float32))
+    body = lambda j, dq: _skip_unless(overlap(i, j), lambda c: update(j, c), dq)
     return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((B, W, K, R, H), jnp.float32))
 
   def dkv_block(j):
-    def body(i, carry):
+    def update(i, carry):
       dk, dv = carry
       p, ds, do_i = probs_and_ds(i, j)
       dv = dv + jnp.einsum("bkrwv,bwkrh->bvkh", p, do_i)
       dk = dk + jnp.einsum("bkrwv,bwkrh->bvkh", ds, _blk(q, i, W).astype(jnp.float32))
       return dk, dv
+    body = lambda i, c: _skip_unless(overlap(i, j), lambda c_: update(i, c_), c)
     zeros = jnp.zeros((B, W, K, H), jnp.float32)
     return jax.lax.fori_loop(j, X, body, (zeros, zeros))
 
@@ -175,14 +200,17 @@ def _pad_rows(x: jax.Array, T_pad: int, value: int | float = 0) -> jax.Array:
 
 def flash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
           block: int = DEFAULT_BLOCK) -> jax.Array:
-  """Blocked attention in W = ``block`` (or T, if shorter) columns; T is padded to a multiple.
+  """Blocked attention in X = ceil(T / ``block``) blocks of W <= ``block`` columns (W a
+  multiple of 8 where that stays under ``block``); T is padded to X * W.
 
   Padding columns get segment id -1: no real query sees them.
   """
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
-  W = min(block, T)
-  T_pad = -(-T // W) * W
+  X = -(-T // block)
+  W = -(-T // X)
+  W = min(-(-W // 8) * 8, max(block, W))
+  T_pad = X * W
   q = _pad_rows(q_BTNH, T_pad).reshape(B, T_pad, K, N // K, H)
   k, v = _pad_rows(k_BSKH, T_pad), _pad_rows(v_BSKH, T_pad)
   seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
@@ -204,7 +232,7 @@ def _splash_kernel(N: int, T: int, block: int, interpret: bool):
 
 
 def splash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
-           block: int = DEFAULT_BLOCK, interpret: bool | None = None) -> jax.Array:
+           block: int = SPLASH_BLOCK, interpret: bool | None = None) -> jax.Array:
   """The splash kernel (a causal ``MultiHeadMask`` plus ``SegmentIds``), vmapped over rows.
 
   Its blocks must be multiples of 128 columns: W is ``block`` or T rounded up
@@ -252,4 +280,4 @@ def attend(implementation: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: ja
     return xla(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
   if impl == "flash":
     return flash(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, block)
-  return splash(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, block)
+  return splash(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)

@@ -42,7 +42,7 @@ class Qwen2Config:
   compute_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass
   attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
-  attention_block: int = 512  # key / query block of the "flash" and "splash" attentions
+  attention_block: int = 128  # key / query block of the "flash" attention
 
   def __post_init__(self) -> None:
     if self.head_dim == 0:

@@ -49,7 +49,7 @@ def _brute_force(q, k, v, seg):
 
 IMPLS = {
     "xla": attention.xla,
-    "flash": functools.partial(attention.flash, block=32),  # 5 blocks, the last one padded
+    "flash": functools.partial(attention.flash, block=32),  # 5 blocks of 32 (T padded to 160)
     "splash": functools.partial(attention.splash, block=128, interpret=True),  # 2 blocks
 }
 
