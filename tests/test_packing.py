@@ -67,7 +67,8 @@ def test_plan_places_every_token_once(setup):
     np.testing.assert_array_equal(rows.targets_YT.reshape(-1)[flat], b.completion_tokens_BC[i, :c])
   assert rows.target_mask_YT.sum() == sum(COMP_LEN)
   # Segments are distinct within a row and no sequence overlaps another.
-  assert (np.bincount(rows.segment_ids_YT.reshape(-1) > 0) [1] == sum(PROMPT_LEN) + sum(COMP_LEN))
+  assert (rows.segment_ids_YT > 0).sum() == sum(PROMPT_LEN) + sum(COMP_LEN)
+  assert [packing.bucket(n) for n in (1, 8, 9, 33, 57, 100)] == [8, 8, 10, 40, 64, 112]
 
 
 def test_sequence_longer_than_a_row_is_an_error(setup):
@@ -85,9 +86,11 @@ def _stats(params, b, packed: bool):
                           topk_ids_BCJ=b.old_topk_ids_BCJ, chunk_size=4)
   pl = packing.plan(b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC,
                     b.completion_mask_BC, ROW, b.old_topk_ids_BCJ)
-  out = packed_token_logprobs(params, PACKED_CFG, pl.rows, chunk_size=5)
-  return {k.replace("_YT", "_BC"): packing.unpack(v, pl.index_BC, b.completion_mask_BC)
-          for k, v in out.items()}
+  rows, slot_BC = pl.group(0, pl.rows.tokens_YT.shape[0])
+  assert rows.targets_Z.shape[0] >= sum(COMP_LEN) > rows.targets_Z.shape[0] * 0.75
+  out = packed_token_logprobs(params, PACKED_CFG, rows, chunk_size=5)
+  return {k.replace("_ZJ", "_BCJ").replace("_Z", "_BC"):
+          packing.unpack(v, slot_BC, b.completion_mask_BC) for k, v in out.items()}
 
 
 def test_packed_logprobs_equal_unpacked(setup):

@@ -141,20 +141,22 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
 
 def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_size: int = 0,
                           top_k: int = 0, temperature: float = 1.0) -> dict[str, Array]:
-  """``token_logprobs`` of packed rows (``capo_jax.rl.packing.PackedRows``, [Y, T] each).
+  """``token_logprobs`` of packed rows (``capo_jax.rl.packing.PackedRows``).
 
-  Position t of a row carries the stats of the token it predicts,
-  ``rows.targets_YT[t]``, where ``rows.target_mask_YT`` is set (completion
-  tokens); keys end in ``_YT`` / ``_YTJ``. ``rows.topk_ids_YTJ``, when not
-  None, plays the part of ``topk_ids_BCJ``. ``packing.unpack`` puts them back in
-  the [B, C] layout.
+  The rows [Y, T] run through the model with their segment ids and
+  positions; only the Z positions ``rows.target_pos_Z`` (flat into Y * T) are
+  unembedded, for the tokens ``rows.targets_Z`` (mask ``rows.target_mask_Z``).
+  ``rows.topk_ids_ZJ``, when not None, plays the part of ``topk_ids_BCJ``.
+  Keys end in ``_Z`` / ``_ZJ``; ``packing.unpack`` puts them back in [B, C].
   """
   h_YTD = qwen2.hidden_states(params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0,
                               rows.positions_YT, rows.segment_ids_YT)
-  out = logprobs_from_hidden(params, cfg, h_YTD, rows.targets_YT, rows.target_mask_YT,
-                             chunk_size=chunk_size, top_k=top_k,
-                             topk_ids_BCJ=rows.topk_ids_YTJ, temperature=temperature)
-  return {k.replace("_BC", "_YT"): v for k, v in out.items()}
+  h_1ZD = h_YTD.reshape(-1, h_YTD.shape[-1])[rows.target_pos_Z][None]
+  topk = None if rows.topk_ids_ZJ is None else rows.topk_ids_ZJ[None]
+  out = logprobs_from_hidden(params, cfg, h_1ZD, rows.targets_Z[None],
+                             rows.target_mask_Z[None], chunk_size=chunk_size, top_k=top_k,
+                             topk_ids_BCJ=topk, temperature=temperature)
+  return {k.replace("_BC", "_Z"): v[0] for k, v in out.items()}
 
 
 def logprobs_from_hidden(params: Params, cfg: Qwen2Config, h_BCD: Array, tokens_BC: Array,

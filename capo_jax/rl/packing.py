@@ -43,29 +43,71 @@ from capo_jax.types import Array, Params
 from models.config import Qwen2Config
 
 
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PackedRows:
-  """Packed token rows [Y, T] (a leading M axis in ``PackedTrainBatch``); see module doc.
+class FullRows:
+  """A plan's rows [Y, T] with per-position targets (host arrays; see module doc).
 
   ``topk_ids_YTJ``: ids whose log-probs to return at each position (SimKO: the
   old policy's top-K of the token predicted there), or None.
   """
+  tokens_YT: np.ndarray
+  segment_ids_YT: np.ndarray
+  positions_YT: np.ndarray
+  targets_YT: np.ndarray
+  target_mask_YT: np.ndarray
+  topk_ids_YTJ: np.ndarray | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedRows:
+  """What the model sees: rows [Y, T] and Z compact targets (a leading M axis in
+  ``PackedTrainBatch``). Only the Z positions that predict a completion token
+  (``target_pos_Z``, flat into Y * T; padding slots masked) are unembedded, so
+  the vocabulary projection's FLOPs follow the completion tokens."""
   tokens_YT: Array
   segment_ids_YT: Array
   positions_YT: Array
-  targets_YT: Array
-  target_mask_YT: Array
-  topk_ids_YTJ: Array | None = None
+  target_pos_Z: Array
+  targets_Z: Array
+  target_mask_Z: Array
+  topk_ids_ZJ: Array | None = None
+
+
+def bucket(n: int) -> int:
+  """n rounded up to 4, 5, 6 or 7 x 2^k (at most 25% padding, few distinct shapes)."""
+  n, k = max(int(n), 8), 0
+  while n > 7 << k:
+    k += 1
+  return next(m << k for m in (4, 5, 6, 7) if n <= m << k)
 
 
 @dataclasses.dataclass(frozen=True)
 class Plan:
-  """Where each sequence went (host arrays): its row, first column, and ``index_BC``."""
-  rows: PackedRows
+  """Where each sequence went (host arrays): its row, first column, and ``index_BC``
+  (flat into the full Y * T layout)."""
+  rows: FullRows
   row_B: np.ndarray
   start_B: np.ndarray
   index_BC: np.ndarray
+
+  def group(self, r0: int, r1: int, Z: int = 0) -> tuple[PackedRows, np.ndarray]:
+    """Rows [r0, r1) as the model's ``PackedRows`` (Z target slots, 0: bucketed), and
+    each sequence's ``index_BC`` into those slots (meaningful for the group's sequences)."""
+    f, T = self.rows, self.rows.tokens_YT.shape[1]
+    rows = slice(r0, r1)
+    tm = f.target_mask_YT[rows].reshape(-1)
+    pos_z = np.flatnonzero(tm)
+    Z = Z or bucket(len(pos_z))
+    pad = lambda x: np.pad(x, [(0, Z - len(pos_z))] + [(0, 0)] * (x.ndim - 1))
+    topk = None if f.topk_ids_YTJ is None else pad(
+        f.topk_ids_YTJ[rows].reshape(-1, f.topk_ids_YTJ.shape[-1])[pos_z])
+    packed = PackedRows(f.tokens_YT[rows], f.segment_ids_YT[rows], f.positions_YT[rows],
+                        pad(pos_z).astype(np.int32), pad(f.targets_YT[rows].reshape(-1)[pos_z]),
+                        pad(np.ones(len(pos_z), np.int32)), topk)
+    rank = np.cumsum(tm) - 1  # slot of each flat position of the group
+    local = np.clip(self.index_BC - r0 * T, 0, len(tm) - 1)
+    return packed, rank[local].astype(np.int32)
 
 
 def _lengths(prompt_mask_BP: np.ndarray, completion_mask_BC: np.ndarray
@@ -132,22 +174,24 @@ def plan(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
     index_BC[b, :c] = r * T + cols
     if topk is not None:
       topk[r, cols] = topk_ids_BCJ[b, :c]
-  return Plan(PackedRows(tokens, seg, pos, targets, tmask, topk), row_B, start_B, index_BC)
+  return Plan(FullRows(tokens, seg, pos, targets, tmask, topk), row_B, start_B, index_BC)
 
 
-def unpack(x_YT: Array, index_BC: Array, mask_BC: Array) -> Array:
-  """Per-position values [Y, T, ...] -> [B, C, ...], 0 on completion padding."""
-  xp = np if isinstance(x_YT, np.ndarray) else jnp
-  flat = x_YT.reshape((-1,) + x_YT.shape[2:])
-  out = flat[index_BC]
+def unpack(x_Z: Array, index_BC: Array, mask_BC: Array) -> Array:
+  """Per-slot values [Z, ...] -> [B, C, ...], 0 on completion padding."""
+  xp = np if isinstance(x_Z, np.ndarray) else jnp
+  out = x_Z[index_BC]
   m = (mask_BC > 0).reshape(mask_BC.shape + (1,) * (out.ndim - 2))
   return xp.where(m, out, xp.zeros((), out.dtype))
 
 
-def pad_rows(rows: PackedRows, num_rows: int) -> PackedRows:
+def pad_rows(rows: FullRows, num_rows: int) -> FullRows:
   """Appends all-padding rows (segment 0, no targets) up to ``num_rows``."""
   return jax.tree.map(lambda x: np.pad(x, [(0, num_rows - x.shape[0])] + [(0, 0)] *
                                        (x.ndim - 1)), rows)
+
+
+jax.tree_util.register_dataclass(FullRows)  # for pad_rows' tree.map
 
 
 def _pow2(n: int) -> int:
@@ -178,10 +222,13 @@ def pack_train_batch(batch: Any, row_len: int, rows_per_microbatch: int) -> Pack
   """A host ``TrainBatch`` -> its ``PackedTrainBatch`` (host arrays)."""
   pl = plan(batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
             batch.completion_mask_BC, row_len, batch.old_topk_ids_BCJ)
-  Y, T = rows_per_microbatch, row_len
+  Y = rows_per_microbatch
   num_rows = pl.rows.tokens_YT.shape[0]
   M = _pow2(-(-num_rows // Y))
-  rows = jax.tree.map(lambda x: x.reshape((M, Y) + x.shape[1:]), pad_rows(pl.rows, M * Y))
+  pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, M * Y))
+  tm_M = pl.rows.target_mask_YT.reshape(M, -1).sum(-1)
+  groups = [pl.group(m * Y, (m + 1) * Y, bucket(tm_M.max())) for m in range(M)]
+  rows = jax.tree.map(lambda *xs: np.stack(xs), *[g[0] for g in groups])
   mb_B = pl.row_B // Y
   members = [np.flatnonzero(mb_B == m) for m in range(M)]
   # Slots: a multiple of Y (so whatever shards the rows shards the slots), bucketed.
@@ -199,8 +246,9 @@ def pack_train_batch(batch: Any, row_len: int, rows_per_microbatch: int) -> Pack
         x.dtype)
 
   seqs = jax.tree.map(regroup, batch)
-  local = pl.index_BC - (mb_B * Y * T)[:, None]  # index into the micro-batch's own rows
-  index_MBC = np.where(valid_MB[..., None], local[np.maximum(take_MB, 0)], 0).astype(np.int32)
+  slot_BC = np.stack([groups[m][1][b] for b, m in enumerate(mb_B)]) if len(mb_B) else \
+      pl.index_BC
+  index_MBC = np.where(valid_MB[..., None], slot_BC[np.maximum(take_MB, 0)], 0).astype(np.int32)
   return PackedTrainBatch(rows=rows, index_MBC=index_MBC, seqs=seqs)
 
 
@@ -211,11 +259,11 @@ def microbatch_loss(params: Params, rows: PackedRows, index_BC: Array, seqs: Any
   simko = tcfg.loss_kind == "simko"
   ts.check_simko_inputs(seqs, tcfg)
   if not simko:
-    rows = dataclasses.replace(rows, topk_ids_YTJ=None)
+    rows = dataclasses.replace(rows, topk_ids_ZJ=None)
   lp = packed_token_logprobs(ts.compute_params(params, model_cfg), model_cfg, rows,
                              chunk_size=tcfg.logprob_chunk_size)
   mask_BC = seqs.completion_mask_BC
-  lp = {k.replace("_YT", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
+  lp = {k.replace("_Z", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
   return losses.policy_loss(tcfg.loss_kind, ts.policy_batch(lp, seqs, tcfg), tcfg.loss)
 
 
@@ -284,10 +332,17 @@ def host_logprobs(jitted: Any, params: Params, inputs: tuple[np.ndarray, ...], r
   pl = plan(*inputs, row_len)
   Y = rows_per_call
   n = -(-pl.rows.tokens_YT.shape[0] // Y)
-  rows = pad_rows(pl.rows, n * Y)
+  pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, n * Y))
   put = put or (lambda x: x)
-  outs = [jitted(params, put(jax.tree.map(lambda x: x[i * Y:(i + 1) * Y], rows)))
-          for i in range(n)]
+  groups = [pl.group(i * Y, (i + 1) * Y) for i in range(n)]
+  outs = [jitted(params, put(g[0])) for g in groups]
+  call_B = pl.row_B // Y
+  slot_BC = np.stack([groups[i][1][b] for b, i in enumerate(call_B)])
   mask_BC = inputs[3]
-  return {k: unpack(np.concatenate([to_host(o[k.replace("_BC", "_YT")]) for o in outs]),
-                    pl.index_BC, mask_BC) for k in keys}
+  result = {}
+  for k in keys:
+    per_call = [to_host(o[k.replace("_BC", "_Z")]) for o in outs]
+    got = np.stack([per_call[i][slot_BC[b]] for b, i in enumerate(call_B)])
+    m = (mask_BC > 0).reshape(mask_BC.shape + (1,) * (got.ndim - 2))
+    result[k] = np.where(m, got, np.zeros((), got.dtype))
+  return result
