@@ -66,8 +66,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--preset", default="qwen2p5_math_1p5b")
   args = parser.parse_args(argv)
   P, C = args.prompt, args.tokens - args.prompt
-  base = getattr(Qwen2Config, args.preset)(compute_dtype="bfloat16", remat=True,
-                                           max_position_embeddings=max(args.tokens, 4096))
+  base = getattr(Qwen2Config, args.preset)(compute_dtype="bfloat16", remat=True)
   # The token_logprobs pass drops the last column: the model sees T - 1 tokens.
   terms = plan_terms(base, args.tokens - 1, args.chunk)
   print(f"{args.preset}, one row of {args.tokens} tokens ({P} + {C}), bf16 compute, remat, "
