@@ -66,7 +66,7 @@ def main(argv: list[str] | None = None) -> None:
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--rows", type=int, default=32)
   parser.add_argument("--microbatches", type=int, default=4)
-  parser.add_argument("--pack-rows", type=int, default=2)
+  parser.add_argument("--pack-rows", type=int, default=1)
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
