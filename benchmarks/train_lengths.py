@@ -1,6 +1,6 @@
 """Train step at real lengths: packed vs today's padded step, CPU, alternated in one run.
 
-    python -m benchmarks.train_lengths                    # 32 sequences, geometric(mean 128) lengths
+    python -m benchmarks.train_lengths                 # 32 sequences, geometric(mean 128) lengths
     python -m benchmarks.train_lengths --rows 64 --repeats 5
 
 One rollout batch of ``--rows`` sequences: prompts of 16-64 tokens, completion

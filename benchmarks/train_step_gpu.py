@@ -3,7 +3,7 @@
   python -m benchmarks.train_step_gpu --out train_step_gpu.json           # H200 SXM
   python -m benchmarks.train_step_gpu --out t.json --peak 989e12          # other dense-bf16 peak
   python -m benchmarks.train_step_gpu --small --out /tmp/t.json           # CPU smoke run
-  python -m benchmarks.train_step_gpu --out p.json --pack --attention auto  # packed, fused attention
+  python -m benchmarks.train_step_gpu --out p.json --pack --attention auto  # packed, blocked
 
 Random weights; float32 master params and Adam moments, bfloat16 compute
 (params cast once per step, logits / log-softmax / loss in float32), each
