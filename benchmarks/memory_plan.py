@@ -29,12 +29,15 @@ Assumptions (the code this mirrors, where it exists):
   the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at N = 64
   / 16, the rest outputs and logits; not checked on TPU), so one copy is counted.
 * Train activations with remat: the bfloat16 residual at every layer boundary
-  is saved; one layer is recomputed at a time, with attention scores
-  materialised (float32 scores + bfloat16 probs + float32 gradient = 10 bytes
-  per score; no flash attention); chunked log-probs hold ``logprob_chunk``
-  positions of float32 logits, log-softmax and gradient.
-* Padded shapes: a rollout decodes up to C_max steps and the trainer sees
-  T = P_max + C_max tokens per row, which is what static shapes compute.
+  is saved; one layer is recomputed at a time. Attention never holds the T x T
+  scores (``models.attention``: splash on TPU, the blocked "flash" elsewhere):
+  its working set is one [W, W] block of float32 scores + probabilities +
+  gradient (10 bytes per score, W = ``ATTN_BLOCK``) per head and row, plus the
+  float32 log-sum-exp per head and token; chunked log-probs hold
+  ``logprob_chunk`` positions of float32 logits, log-softmax and gradient.
+* Shapes: a rollout decodes up to C_max steps; the trainer sees rows of
+  T = P_max + C_max tokens (packed rows are that long, ``train.pack_len``'s
+  default; unpacked rows at most that), ``micro_batch_size`` rows at a time.
 * When no N fits, the plan splits the rollout into 2, 4 or 8 sequential
   ``generate`` calls (fewer prompts at a time), printed as "rollout calls".
 * ``--lora-rank R`` (models/lora.py, ``--config.model.lora_rank=R``): the base is
@@ -66,6 +69,7 @@ from models import lora, qwen2
 from models.config import Qwen2Config
 
 GiB = 1024**3
+ATTN_BLOCK = 128  # models.config.Qwen2Config.attention_block (splash: VMEM, not HBM)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -249,7 +253,8 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
                                       ) / shard
   m["gathered layers + unembed"] = act * (2 * P_layer + V * D) / t
   m["boundary activations"] = L * r * T * D * act
-  m["layer working set"] = r * (N / t * T * T * 10 + T * F / t * act * 4 + T * D * act * 8)
+  m["layer working set"] = r * (N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4
+                                + T * D * act * 8)
   m["log-prob chunk"] = r * run.logprob_chunk * V / t * 4 * 3
   train = sum(m[k] for k in ("grads (2 x f32) + bf16 copy", "gathered layers + unembed",
                              "boundary activations", "layer working set", "log-prob chunk"))
@@ -355,7 +360,8 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
 
 def flops_per_token(cfg: Qwen2Config, seq_len: int) -> tuple[float, float]:
   """(forward, forward + backward) FLOPs per token: 2 per weight MAC plus attention
-  over the whole sequence (QK and PV; this attention computes every T x S score)."""
+  over the whole sequence (QK and PV, every T x S score, as a dense count; the blocked
+  attentions skip the blocks above the diagonal, about half of it)."""
   P, _ = param_counts(cfg)
   # The embedding lookup costs nothing, the unembedding V * D MACs: tied, P counts it once.
   matmul = P - (0 if cfg.tie_word_embeddings else cfg.vocab_size * cfg.hidden_size)

@@ -77,12 +77,13 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--completion", type=int, default=192)
   parser.add_argument("--chunk", type=int, default=0, help="capo_jax logprob chunk (0: none)")
   parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--attention", default="auto", help="model.attention of capo_jax")
   args = parser.parse_args(argv)
   B, P, C = args.batch, args.prompt, args.completion
 
   import torch  # pylint: disable=g-import-not-at-top
   hf_model, _ = hf_utils.make_hf_model(None, seed=0, std=0.02, **MID_CONFIG)
-  cfg = Qwen2Config.from_hf(hf_model.config.to_dict())
+  cfg = Qwen2Config.from_hf(hf_model.config.to_dict(), attention=args.attention)
   state_dict = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
   params = hf_weights.params_from_state_dict(cfg, state_dict)
   n_params = qwen2.num_params(params)
@@ -152,7 +153,8 @@ def main(argv: list[str] | None = None) -> None:
   flops = step_flops(cfg, B, P, C)
   n_tok = B * (P + C)
   print(f"config: {n_params / 1e6:.1f}M params, batch {B} x ({P} prompt + {C} completion) tokens, "
-        f"logprob chunk {args.chunk}, {args.repeats} alternating repeats, torch threads "
+        f"logprob chunk {args.chunk}, attention {args.attention}, {args.repeats} alternating "
+        f"repeats, torch threads "
         f"{torch.get_num_threads()}, jax compile {compile_s:.1f} s")
   print(f"first-step loss: capo_jax {loss_jax:.6f}, torch {loss_torch:.6f} "
         f"(|diff| {abs(loss_jax - loss_torch):.1e})")

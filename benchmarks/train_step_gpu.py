@@ -3,6 +3,7 @@
   python -m benchmarks.train_step_gpu --out train_step_gpu.json           # H200 SXM
   python -m benchmarks.train_step_gpu --out t.json --peak 989e12          # other dense-bf16 peak
   python -m benchmarks.train_step_gpu --small --out /tmp/t.json           # CPU smoke run
+  python -m benchmarks.train_step_gpu --out p.json --pack --attention auto  # packed, blocked
 
 Random weights; float32 master params and Adam moments, bfloat16 compute
 (params cast once per step, logits / log-softmax / loss in float32), each
@@ -18,6 +19,14 @@ the implementation computes):
   forward = 2 * B*T * N_layers  +  2 * B*C * D*V  +  L * 4 * B*T^2 * N*H
   model   = 3 * forward;  hardware (with remat) = 4 * forward
 Also timed: the forward-only log-prob function (old / reference log-probs).
+
+``--attention`` picks ``model.attention`` (default "auto": the blocked
+attention off TPU when a row is longer than one block). ``--pack``: the
+completions get long-tailed lengths (geometric, mean ``--completion`` / 4,
+capped at ``--completion``) and the step trains their packing
+(``capo_jax.rl.packing``) into rows of P + C tokens, ``--pack-rows`` rows
+per micro-batch; tokens/s and MFU then count the real tokens only (the
+attention term summed per sequence).
 Prints the numbers and writes them as JSON to ``--out``. About 1-2 minutes
 on an H200 (compilation included).
 """
@@ -73,6 +82,9 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--no-remat", dest="remat", action="store_false")
   parser.add_argument("--peak", type=float, default=989e12, help="dense bf16 FLOP/s of the chip")
   parser.add_argument("--small", action="store_true", help="tiny model and batch (CPU check)")
+  parser.add_argument("--attention", default="auto", help="model.attention")
+  parser.add_argument("--pack", action="store_true", help="long-tailed lengths, packed rows")
+  parser.add_argument("--pack-rows", type=int, default=4, help="packed rows per micro-batch")
   args = parser.parse_args(argv)
 
   if args.small:
@@ -81,7 +93,8 @@ def main(argv: list[str] | None = None) -> None:
     args.batch, args.prompt, args.completion, args.chunk, args.steps = 4, 16, 48, 16, 2
   else:
     cfg = PRESETS[args.preset]()
-  cfg = cfg.replace(param_dtype="float32", compute_dtype="bfloat16", remat=args.remat)
+  cfg = cfg.replace(param_dtype="float32", compute_dtype="bfloat16", remat=args.remat,
+                    attention=args.attention)
   B, P, C = args.batch, args.prompt, args.completion
   dev = jax.devices()[0]
   print(f"devices: {len(jax.devices())} x {dev.device_kind} ({dev.platform}); jax "
@@ -91,6 +104,8 @@ def main(argv: list[str] | None = None) -> None:
   rules = mesh_lib.TRAIN_RULES
   tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-6), num_microbatches=args.micro,
                         logprob_chunk_size=args.chunk)
+  if args.pack:
+    tcfg = tcfg.replace(pack_len=P + C, pack_rows=args.pack_rows)
   t0 = time.perf_counter()
   state = ts.create_train_state(cfg, tcfg, jax.random.key(0), mesh, rules)
   jax.block_until_ready(state)
@@ -105,6 +120,9 @@ def main(argv: list[str] | None = None) -> None:
   prompt_mask[:, : P // 8] = 0  # some left padding, as real prompts have
   completion = rng.integers(0, cfg.vocab_size, (B, C)).astype(np.int32)
   completion_mask = np.ones((B, C), np.int32)
+  if args.pack:
+    c_B = np.minimum(rng.geometric(4 / C, B), C)
+    completion_mask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
   adv = rng.normal(size=(B,)).astype(np.float32)
   inputs = host.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
 
@@ -119,8 +137,13 @@ def main(argv: list[str] | None = None) -> None:
         f"{statistics.median(lp_times):.3f} s", flush=True)
 
   old = np.asarray(old) + rng.normal(scale=0.05, size=(B, C)).astype(np.float32)
-  batch = host.shard_batch(
-      ts.TrainBatch(prompt, prompt_mask, completion, completion_mask, old, adv), mesh, rules)
+  batch = ts.TrainBatch(prompt, prompt_mask, completion, completion_mask, old, adv)
+  if args.pack:
+    from capo_jax.rl import packing  # pylint: disable=g-import-not-at-top
+    batch = host.put_global(packing.pack_train_batch(batch, P + C, args.pack_rows),
+                            ts.batch_sharding(tcfg, mesh, rules, B))
+  else:
+    batch = host.shard_batch(batch, mesh, rules)
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
   losses: list[float] = []
 
@@ -136,14 +159,20 @@ def main(argv: list[str] | None = None) -> None:
   step_times = _timed(one_step, args.steps)
   step_s = statistics.median(step_times)
 
-  fwd = forward_flops(cfg, B, P, C)
-  n_tok = B * (P + C)
+  seq_len_B = prompt_mask.sum(1) + completion_mask.sum(1)
+  if args.pack:  # real tokens only; attention per sequence
+    fwd = sum(forward_flops(cfg, 1, int(p), int(c)) for p, c in
+              zip(prompt_mask.sum(1), completion_mask.sum(1)))
+  else:
+    fwd = forward_flops(cfg, B, P, C)
+  n_tok = int(seq_len_B.sum()) if args.pack else B * (P + C)
   mem = dev.memory_stats() or {}
   res = {
       "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
       "model": "small" if args.small else args.preset, "params": n_params,
       "batch": B, "prompt": P, "completion": C, "tokens_per_step": n_tok,
       "chunk": args.chunk, "micro_batches": args.micro, "remat": args.remat,
+      "attention": args.attention, "pack": args.pack, "pack_rows": args.pack_rows,
       "compute_dtype": cfg.compute_dtype, "param_dtype": cfg.param_dtype,
       "init_s": init_s, "step_compile_s": step_compile_s, "step_times_s": step_times,
       "step_median_s": step_s, "tokens_per_s": n_tok / step_s,
@@ -151,8 +180,9 @@ def main(argv: list[str] | None = None) -> None:
       "mfu": 3 * fwd / step_s / args.peak,
       "hfu_with_remat": (4 if args.remat else 3) * fwd / step_s / args.peak,
       "logprob_compile_s": lp_compile_s, "logprob_times_s": lp_times,
-      "logprob_tokens_per_s": n_tok / statistics.median(lp_times),
-      "logprob_mfu": fwd / statistics.median(lp_times) / args.peak,
+      # The log-prob function timed here is the unpacked one, over the padded grid.
+      "logprob_tokens_per_s": B * (P + C) / statistics.median(lp_times),
+      "logprob_mfu": forward_flops(cfg, B, P, C) / statistics.median(lp_times) / args.peak,
       "losses": losses, "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
       "bytes_limit": mem.get("bytes_limit"),
   }

@@ -32,6 +32,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.lora_rank = 0
   c.model.lora_alpha = 32.0
   c.model.lora_targets = "q,k,v,o,gate,up,down"
+  # The train / log-prob passes' attention: "auto" (splash on TPU, blocked flash
+  # elsewhere), "reference" (full T x T scores), "xla", "flash", "splash" (models.attention).
+  c.model.attention = "auto"
   c.tokenizer_path = ""  # defaults to model.hf_path
 
   c.data = ml_collections.ConfigDict()
@@ -111,6 +114,13 @@ def get_base_config() -> ml_collections.ConfigDict:
   # fits every slice of the README at 4k tokens (benchmarks/aot_tpu.py).
   c.train.logprob_rows = 64
   c.train.max_consecutive_skips = 5
+  # Sequence packing of the old / reference / train passes (capo_jax/rl/packing.py):
+  # rows of pack_len tokens (0: max_prompt_len + max_new_tokens, the longest possible
+  # sequence), pack_rows rows per micro-batch and per log-prob call (0: micro_batch_size,
+  # the row count benchmarks/memory_plan.py fits at that length).
+  c.train.pack = True
+  c.train.pack_len = 0
+  c.train.pack_rows = 0
 
   # Mesh axes; -1 takes the remaining devices. Rules live in capo_jax/runtime/mesh.py.
   c.mesh = ml_collections.ConfigDict()

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MODEL_TYPES = ("qwen2", "qwen3")  # HF config.json ``model_type`` values we read and write
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
+_ATTENTIONS = ("auto", "reference", "xla", "flash", "splash")  # models.attention
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +48,8 @@ class Qwen2Config:
   compute_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass
   model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
+  attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
+  attention_block: int = 128  # key / query block of the "flash" attention
 
   def __post_init__(self) -> None:
     if self.model_type not in MODEL_TYPES:
@@ -67,6 +70,9 @@ class Qwen2Config:
                        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
+    if self.attention not in _ATTENTIONS or self.attention_block < 1:
+      raise ValueError(f"Qwen2Config.attention={self.attention!r} / attention_block="
+                       f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1")
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in _DTYPES:
         raise ValueError(f"Qwen2Config.{name}={getattr(self, name)!r}; expected one of "

@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models import attention as attention_lib
 from models import lora, sharding
 from models.config import PRESETS, Qwen2Config  # noqa: F401  (re-exported)
 from models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
@@ -70,19 +71,9 @@ def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax
   return out.astype(x_BTNH.dtype)
 
 
-def attention(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-              mask_BTS: jax.Array) -> jax.Array:
-  """Grouped-query attention; scores and softmax in float32."""
-  B, T, N, H = q_BTNH.shape
-  K = k_BSKH.shape[2]
-  q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
-  scores = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH,
-                      preferred_element_type=jnp.float32) * (H ** -0.5)
-  # A finite minimum keeps fully-masked (padding) query rows free of NaNs.
-  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
-  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
-  out = jnp.einsum("bkrts,bskh->btkrh", probs, v_BSKH)
-  return out.reshape(B, T, N, H)
+# Grouped-query attention under a boolean mask (the cached paths); the full
+# forward's implementations are in ``models.attention``.
+attention = attention_lib.reference
 
 
 class DecoderLayer(nn.Module):
@@ -174,7 +165,12 @@ class DecoderLayer(nn.Module):
       v = jax.lax.dynamic_update_slice_in_dim(v_all[l], v, ctx["index"], axis=1)
       kv = (jax.lax.dynamic_update_index_in_dim(k_all, k, l, axis=0),
             jax.lax.dynamic_update_index_in_dim(v_all, v, l, axis=0))
-    x_BTD = self.attention_output(x_BTD, attention(q, k, v, ctx["mask_BTS"]))
+    if ctx["segment_ids_BT"] is None:
+      attn = attention(q, k, v, ctx["mask_BTS"])
+    else:  # the full forward: causal within segments, by model.attention
+      attn = attention_lib.attend(self.cfg.attention, q, k, v, ctx["segment_ids_BT"],
+                                  self.cfg.attention_block)
+    x_BTD = self.attention_output(x_BTD, attn)
     return (x_BTD, kv), None
 
 
@@ -201,17 +197,21 @@ class Qwen2(nn.Module):
     if not c.tie_word_embeddings:
       self.lm_head = _param(self, "lm_head", _normal, (D, V), ("embed", "vocab"))
 
-  def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array,
-               kv: tuple[jax.Array, jax.Array] | None = None, index: jax.Array | None = None
+  def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array | None,
+               kv: tuple[jax.Array, jax.Array] | None = None, index: jax.Array | None = None,
+               segment_ids_BT: jax.Array | None = None
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Hidden states [B, T, D]; with a stacked cache ``kv`` (k_LBSKH, v_LBSKH), writes
-    this call's keys / values at slot ``index`` and returns the updated pair."""
+    this call's keys / values at slot ``index`` and returns the updated pair.
+
+    Without a cache, ``segment_ids_BT`` (instead of ``mask_BTS``) makes attention
+    causal within segments, by ``cfg.attention`` (``models.attention``)."""
     c = self.cfg
     x_BTD = self.embed.astype(c.dtype)[tokens_BT]
     # RoPE tables once for all layers: left to each layer, XLA fused the cos /
     # sin into the rotation and evaluated them once per head and element.
     ctx = {"rope": rope_tables(positions_BT, c.head_dim, c.rope_theta), "mask_BTS": mask_BTS,
-           "index": index}
+           "index": index, "segment_ids_BT": segment_ids_BT}
     (x_BTD, kv), _ = self.layers((x_BTD, kv), jnp.arange(c.num_layers), ctx)
     return rms_norm(x_BTD, self.final_norm, c.rms_norm_eps), kv
 
@@ -286,14 +286,20 @@ def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
 
 
 def hidden_states(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
-                  positions_BT: jax.Array | None = None) -> jax.Array:
-  """Final-norm hidden states [B, T, D] of a full (uncached) forward pass."""
+                  positions_BT: jax.Array | None = None,
+                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
+  """Final-norm hidden states [B, T, D] of a full (uncached) forward pass.
+
+  ``segment_ids_BT`` (packed rows: 1, 2, ... per sequence, 0 on padding) keeps
+  attention within each sequence; by default the mask is the one segment.
+  """
   mask_BT = mask_BT.astype(jnp.bool_)
   if positions_BT is None:
     positions_BT = positions_from_mask(mask_BT)
-  T = tokens_BT.shape[1]
-  mask_BTS = jnp.tril(jnp.ones((T, T), jnp.bool_))[None] & mask_BT[:, None, :]
-  h_BTD, _ = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, mask_BTS)
+  if segment_ids_BT is None:
+    segment_ids_BT = mask_BT.astype(jnp.int32)
+  h_BTD, _ = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, None,
+                              segment_ids_BT=segment_ids_BT)
   return h_BTD
 
 

@@ -170,9 +170,11 @@ def train_config(c: ml_collections.ConfigDict) -> TrainConfig:
   except ValueError as e:
     raise ConfigError(f"config.loss / config.optim: {e}") from e
   rows = c.train.mini_batch_prompts * c.rollout.num_samples
+  pack_len, pack_rows = packing_shape(c)
   return TrainConfig(loss_kind=LOSS_KIND[c.algo.name], loss=loss_cfg, optim=optim,
                      num_microbatches=rows // c.train.micro_batch_size,
-                     logprob_chunk_size=c.train.logprob_chunk, lora=lora_config(c))
+                     logprob_chunk_size=c.train.logprob_chunk, lora=lora_config(c),
+                     pack_len=pack_len, pack_rows=pack_rows)
 
 
 def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:
@@ -190,6 +192,24 @@ def lora_config(c: ml_collections.ConfigDict) -> lora.LoraConfig | None:
     _fail("model.lora_targets", m.lora_targets, f"unknown target(s) {bad}; expected a "
           f"comma-separated subset of {lora.ALL_TARGETS}")
   return lora.LoraConfig(int(m.lora_rank), float(m.lora_alpha), tuple(names))
+
+
+
+def packing_shape(c: ml_collections.ConfigDict) -> tuple[int, int]:
+  """(row length, rows per micro-batch) of packing; (0, 1) when ``train.pack`` is off."""
+  t = c.train
+  if not t.get("pack", False):
+    return 0, 1
+  if c.model.get("lora_rank", 0):
+    _fail("train.pack", t.pack, f"the packed passes do not apply LoRA adapters yet "
+          f"(model.lora_rank={c.model.lora_rank}); add --config.train.pack=false")
+  if t.pack_len < 0 or t.pack_rows < 0:
+    _fail("train.pack_len / pack_rows", (t.pack_len, t.pack_rows), "must be >= 0 (0: default)")
+  longest = c.rollout.max_prompt_len + c.rollout.max_new_tokens
+  if t.pack_len and t.pack_len < longest:
+    _fail("train.pack_len", t.pack_len, f"a packed row must hold the longest sequence, "
+          f"rollout.max_prompt_len + max_new_tokens = {longest}")
+  return t.pack_len or longest, t.pack_rows or t.micro_batch_size
 
 
 def advantage_spec(c: ml_collections.ConfigDict) -> rollout.AdvantageSpec:
@@ -230,7 +250,8 @@ def model_config(c: ml_collections.ConfigDict) -> Qwen2Config:
   """The policy's architecture: from ``model.hf_path`` when set (it wins over
   ``model.preset``, which the run configs set for shape checks), else the preset."""
   m = c.model
-  kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat)
+  kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
+            attention=m.get("attention", "auto"))
   try:
     if m.hf_path:
       return Qwen2Config.from_hf(fs.local_copy(fs.join(hub.resolve(m.hf_path), "config.json")),

@@ -28,6 +28,7 @@ the score s = ``mean_logprob``).
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -129,14 +130,44 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
   if chunk_size < 0 or top_k < 0:
     raise ValueError(f"token_logprobs: chunk_size={chunk_size} and top_k={top_k} must be >= 0")
   P = prompt_tokens_BP.shape[1]
-  B, C = completion_tokens_BC.shape
   tokens_BT = jnp.concatenate([prompt_tokens_BP, completion_tokens_BC], axis=1)
   mask_BT = jnp.concatenate([prompt_mask_BP, completion_mask_BC], axis=1).astype(jnp.bool_)
   # The last position predicts nothing we need; dropping it saves a column.
   h_BCD = qwen2.hidden_states(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])[:, P - 1:]
+  return logprobs_from_hidden(params, cfg, h_BCD, completion_tokens_BC, completion_mask_BC,
+                              chunk_size=chunk_size, top_k=top_k, topk_ids_BCJ=topk_ids_BCJ,
+                              temperature=temperature)
+
+
+def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_size: int = 0,
+                          top_k: int = 0, temperature: float = 1.0) -> dict[str, Array]:
+  """``token_logprobs`` of packed rows (``capo_jax.rl.packing.PackedRows``).
+
+  The rows [Y, T] run through the model with their segment ids and
+  positions; only the Z positions ``rows.target_pos_Z`` (flat into Y * T) are
+  unembedded, for the tokens ``rows.targets_Z`` (mask ``rows.target_mask_Z``).
+  ``rows.topk_ids_ZJ``, when not None, plays the part of ``topk_ids_BCJ``.
+  Keys end in ``_Z`` / ``_ZJ``; ``packing.unpack`` puts them back in [B, C].
+  """
+  h_YTD = qwen2.hidden_states(params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0,
+                              rows.positions_YT, rows.segment_ids_YT)
+  h_1ZD = h_YTD.reshape(-1, h_YTD.shape[-1])[rows.target_pos_Z][None]
+  topk = None if rows.topk_ids_ZJ is None else rows.topk_ids_ZJ[None]
+  out = logprobs_from_hidden(params, cfg, h_1ZD, rows.targets_Z[None],
+                             rows.target_mask_Z[None], chunk_size=chunk_size, top_k=top_k,
+                             topk_ids_BCJ=topk, temperature=temperature)
+  return {k.replace("_BC", "_Z"): v[0] for k, v in out.items()}
+
+
+def logprobs_from_hidden(params: Params, cfg: Qwen2Config, h_BCD: Array, tokens_BC: Array,
+                         mask_BC: Array, *, chunk_size: int, top_k: int,
+                         topk_ids_BCJ: Array | None, temperature: float) -> dict[str, Array]:
+  """The stats of ``token_logprobs`` from the hidden states [B, C, D] that predict
+  ``tokens_BC``, unembedded ``chunk_size`` positions at a time."""
+  B, C = tokens_BC.shape
   w_DV = qwen2.unembed_matrix(params, cfg).astype(cfg.dtype)
   h_BCD = h_BCD.astype(cfg.dtype)
-  tokens_BC = completion_tokens_BC.astype(jnp.int32)
+  tokens_BC = tokens_BC.astype(jnp.int32)
   stats = functools.partial(_chunk_stats, top_k=top_k, temperature=temperature)
 
   if chunk_size == 0 or chunk_size >= C:
@@ -158,7 +189,7 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
     out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size)
                                                                 + y.shape[3:])[:, :C], out)
 
-  m_BC = completion_mask_BC.astype(jnp.bool_)
+  m_BC = mask_BC.astype(jnp.bool_)
   zero = lambda x: jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x,
                              jnp.zeros((), x.dtype))
   return {f"{k}_BCJ" if k.startswith("topk") else f"{k}_BC": zero(v) for k, v in out.items()}

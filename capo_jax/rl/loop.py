@@ -127,10 +127,12 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
   rows_per_update = c.train.mini_batch_prompts * G
   step_fn = ts.make_train_step(model_cfg, tcfg, mesh, train_rules, rows_per_update)
   logprob_fn = rollout.make_host_logprob_fn(
-      model_cfg, mesh, train_rules, Q * G, rows_per_call=c.train.logprob_rows,
-      chunk_size=c.train.logprob_chunk, top_k=spec.simko_k, lora=tcfg.lora)
+      model_cfg, mesh, train_rules, Q * G,
+      rows_per_call=tcfg.pack_rows if tcfg.pack_len else c.train.logprob_rows,
+      chunk_size=c.train.logprob_chunk, top_k=spec.simko_k, lora=tcfg.lora,
+      pack_len=tcfg.pack_len)
   to_sampling = w.to_sampling
-  batch_sh = mesh_lib.batch_sharding(mesh, train_rules, rows_per_update)
+  batch_sh = ts.batch_sharding(tcfg, mesh, train_rules, rows_per_update)
   ctx = rollout.RolloutContext(spec=spec, model_cfg=model_cfg, tokenizer=tokenizer,
                                grader=grader, logprob_fn=logprob_fn, mesh=mesh,
                                sampling_rules=sampling_rules)
@@ -186,7 +188,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       t1 = time.perf_counter()
       update_metrics = []
       for _ in range(c.train.ppo_epochs):
-        for mb in ro.minibatches(c.train.mini_batch_prompts, G):
+        for mb in ro.minibatches(c.train.mini_batch_prompts, G, tcfg.pack_len, tcfg.pack_rows):
           state, m = step_fn(state, host.put_global(mb, batch_sh), *w.frozen)
           update_metrics.append(m)
       # One host sync per step, once every update is dispatched: reading each

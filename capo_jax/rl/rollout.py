@@ -29,6 +29,7 @@ from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
 from capo_jax.rl import advantages
+from capo_jax.rl import packing
 from capo_jax.rl import train_step
 from capo_jax.rl.logprobs import mean_logprob
 from capo_jax.rl.train_step import TrainBatch
@@ -44,7 +45,8 @@ LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of
 
 def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
                          rows: int, *, rows_per_call: int = 0, chunk_size: int = 0,
-                         top_k: int = 0, lora: Any = None) -> Callable[..., dict[str, np.ndarray]]:
+                         top_k: int = 0, lora: Any = None, pack_len: int = 0
+                         ) -> Callable[..., dict[str, np.ndarray]]:
   """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC, keys=("logp_BC",), adapters=None)``.
 
   Returns ``{key: host array}`` for the requested outputs of
@@ -56,7 +58,18 @@ def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules:
   needs [rows, T] activations per layer, more than any TPU slice's HBM at the
   paper's shapes (``benchmarks/aot_tpu.py``). Every call is dispatched before
   the first is read back; the outputs hold every process's rows.
+
+  ``pack_len`` > 0: the sequences are packed into rows of that many tokens
+  (``packing``), ``rows_per_call`` packed rows per call (0: 8), and the outputs
+  unpacked to the same [rows, C] layout.
   """
+  if pack_len:
+    Y = rows_per_call or 8
+    jitted = packing.make_logprob_fn(model_cfg, mesh, rules, Y, chunk_size=chunk_size,
+                                     top_k=top_k)
+    sharding = mesh_lib.batch_sharding(mesh, rules, Y, name="packed rows")
+    return lambda params, *xs, keys=("logp_BC",): packing.host_logprobs(
+        jitted, params, xs, pack_len, Y, tuple(keys), lambda t: put_global(t, sharding))
   L = rows_per_call or rows
   if rows % L:
     raise ValueError(f"rows_per_call={L} must divide the {rows} rows of a pass")
@@ -170,8 +183,10 @@ class Rollout:
   texts: list[str]  # this process's completions
   local_rows: slice  # which global rows ``texts`` are
 
-  def minibatches(self, mini_batch_prompts: int, num_samples: int) -> list[TrainBatch]:
-    """Consecutive groups of questions, each a ``TrainBatch`` of host arrays."""
+  def minibatches(self, mini_batch_prompts: int, num_samples: int, pack_len: int = 0,
+                  pack_rows: int = 1) -> list[TrainBatch] | list[packing.PackedTrainBatch]:
+    """Consecutive groups of questions, each a ``TrainBatch`` of host arrays
+    (packed into a ``packing.PackedTrainBatch`` when ``pack_len`` > 0)."""
     rows = mini_batch_prompts * num_samples
     out = []
     for start in range(0, self.prompt_tokens_BP.shape[0], rows):
@@ -185,6 +200,8 @@ class Rollout:
           correct_B=(self.rewards_QG.reshape(-1)[sl] > 0.5) if self.topk_ids_BCJ is not None
           else None,
           old_topk_ids_BCJ=pick(self.topk_ids_BCJ), old_topk_logp_BCJ=pick(self.topk_logp_BCJ)))
+    if pack_len:
+      out = [packing.pack_train_batch(b, pack_len, pack_rows) for b in out]
     return out
 
 

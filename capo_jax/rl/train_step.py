@@ -110,6 +110,9 @@ class TrainConfig:
     logprob_chunk_size: completion positions per unembedding chunk (0: all).
     skip_nonfinite: keep the state when the loss or gradients are not finite.
     lora: train low-rank adapters on a frozen base (``models.lora``); None: all params.
+    pack_len: > 0: the step takes ``packing.PackedTrainBatch``es, rows of this
+      many tokens (``num_microbatches`` is then unused); 0: ``TrainBatch``es.
+    pack_rows: packed rows per micro-batch.
   """
   loss_kind: str = "ppo"
   loss: losses.LossConfig = losses.LossConfig()
@@ -118,6 +121,8 @@ class TrainConfig:
   logprob_chunk_size: int = 0
   skip_nonfinite: bool = True
   lora: lora_lib.LoraConfig | None = None
+  pack_len: int = 0
+  pack_rows: int = 1
 
   def __post_init__(self) -> None:
     if self.loss_kind not in losses.KINDS:
@@ -125,6 +130,12 @@ class TrainConfig:
                        f"{losses.KINDS}")
     if self.num_microbatches < 1:
       raise ValueError(f"TrainConfig.num_microbatches={self.num_microbatches} must be >= 1")
+    if self.pack_len < 0 or self.pack_rows < 1:
+      raise ValueError(f"TrainConfig.pack_len={self.pack_len} must be >= 0 and pack_rows="
+                       f"{self.pack_rows} >= 1")
+    if self.pack_len and self.lora is not None:
+      raise ValueError("TrainConfig.pack_len > 0 with lora: the packed step does not apply "
+                       "LoRA adapters yet")
     if self.logprob_chunk_size < 0:
       raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be "
                        ">= 0")
@@ -202,7 +213,7 @@ def create_train_state(model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array
 # --------------------------------------------------------------------------
 
 
-def _compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
+def compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
   return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
 
 
@@ -218,38 +229,51 @@ def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
                                 _compute_params(params, model_cfg), tcfg.lora)
 
 
+_compute_params = compute_params
+
+
+def check_simko_inputs(batch: TrainBatch, tcfg: TrainConfig) -> None:
+  if tcfg.loss_kind == "simko":
+    for field in ("correct_B", "old_topk_ids_BCJ", "old_topk_logp_BCJ"):
+      if getattr(batch, field) is None:
+        raise ValueError(f"loss_kind='simko' needs TrainBatch.{field}; compute the old "
+                         "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
+
+
 def microbatch_loss(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
                     tcfg: TrainConfig, base: Params | None = None
                     ) -> tuple[Array, dict[str, Array]]:
   """The policy loss of ``batch`` under ``params`` (one forward, no accumulation)."""
   simko = tcfg.loss_kind == "simko"
-  if simko:
-    for field in ("correct_B", "old_topk_ids_BCJ", "old_topk_logp_BCJ"):
-      if getattr(batch, field) is None:
-        raise ValueError(f"loss_kind='simko' needs TrainBatch.{field}; compute the old "
-                         "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
+  check_simko_inputs(batch, tcfg)
   lp = token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg,
                       batch.prompt_tokens_BP,
                       batch.prompt_mask_BP, batch.completion_tokens_BC,
                       batch.completion_mask_BC, chunk_size=tcfg.logprob_chunk_size,
                       topk_ids_BCJ=batch.old_topk_ids_BCJ if simko else None)
-  pb = losses.PolicyBatch(
+  return losses.policy_loss(tcfg.loss_kind, policy_batch(lp, batch, tcfg), tcfg.loss)
+
+
+def policy_batch(lp: dict[str, Array], batch: TrainBatch, tcfg: TrainConfig
+                 ) -> losses.PolicyBatch:
+  """The loss inputs from the current policy's ``token_logprobs`` outputs and the batch."""
+  simko = tcfg.loss_kind == "simko"
+  return losses.PolicyBatch(
       logp_BC=lp["logp_BC"], old_logp_BC=batch.old_logp_BC, mask_BC=batch.completion_mask_BC,
       adv_B=batch.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=batch.ref_logp_BC,
       topk_logp_BCJ=lp.get("topk_logp_BCJ") if simko else None,
       old_topk_logp_BCJ=batch.old_topk_logp_BCJ if simko else None,
       is_argmax_BC=lp.get("is_argmax_BC") if simko else None,
       correct_B=batch.correct_B if simko else None)
-  return losses.policy_loss(tcfg.loss_kind, pb, tcfg.loss)
 
 
-def _denominator_B(mask_BC: Array, agg: str) -> Array:
+def denominator_B(mask_BC: Array, agg: str) -> Array:
   """Each row's share of the aggregation's denominator (tokens or non-empty rows)."""
   tokens_B = (mask_BC > 0).sum(-1).astype(jnp.float32)
   return tokens_B if agg == "token-mean" else (tokens_B > 0).astype(jnp.float32)
 
 
-def _combine_aux(key: str, acc: Array, new: Array, w: Array) -> Array:
+def combine_aux(key: str, acc: Array, new: Array, w: Array) -> Array:
   if key.endswith("_min"):
     return jnp.minimum(acc, new)
   if key.endswith("_max"):
@@ -280,7 +304,7 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   mbs = jax.tree.map(split, batch)
   if microbatch_sharding is not None:
     mbs = jax.lax.with_sharding_constraint(mbs, microbatch_sharding)
-  den_MB = _denominator_B(mbs.completion_mask_BC, tcfg.loss.agg)
+  den_MB = denominator_B(mbs.completion_mask_BC, tcfg.loss.agg)
   w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
 
   def body(carry, inputs):
@@ -289,29 +313,39 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
     # The weight scales the loss inside the gradient so grads sum to the full-batch grad.
     (loss, aux), g = grad_fn(params, mb)
     g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
-    aux_acc = {k: _combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
+    aux_acc = {k: combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
     return (g_acc, loss_acc + w * loss, aux_acc), None
 
   aux_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))[0][1]
-  init_aux = {k: jnp.full(s.shape, jnp.inf if k.endswith("_min") else
-                          -jnp.inf if k.endswith("_max") else 0.0, s.dtype)
-              for k, s in aux_shape.items()}
   zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss, aux), _ = jax.lax.scan(body, (zeros, jnp.zeros((), jnp.float32), init_aux),
-                                       (mbs, w_M))
+  (grads, loss, aux), _ = jax.lax.scan(
+      body, (zeros, jnp.zeros((), jnp.float32), init_aux(aux_shape)), (mbs, w_M))
   return loss, aux, grads
+
+
+def init_aux(aux_shape: dict[str, Any]) -> dict[str, Array]:
+  """The neutral start of ``combine_aux``'s accumulation."""
+  return {k: jnp.full(s.shape, jnp.inf if k.endswith("_min") else
+                      -jnp.inf if k.endswith("_max") else 0.0, s.dtype)
+          for k, s in aux_shape.items()}
 
 
 def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None, *,
                model_cfg: Qwen2Config, tcfg: TrainConfig,
                microbatch_sharding: NamedSharding | None = None
                ) -> tuple[TrainState, dict[str, Array]]:
-  """One optimizer update on ``batch``; pure (see ``make_train_step`` for the jitted one).
+  """One optimizer update on ``batch`` (a ``TrainBatch``, or with ``tcfg.pack_len`` a
+  ``packing.PackedTrainBatch``); pure (see ``make_train_step`` for the jitted one).
 
   ``base``: the frozen base params when ``tcfg.lora`` is set (else None).
   """
-  loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, microbatch_sharding,
-                                    base)
+  if tcfg.pack_len:
+    from capo_jax.rl import packing  # packing builds on this module
+    loss, aux, grads = packing.loss_and_grads(state.params, batch, model_cfg, tcfg,
+                                              microbatch_sharding)
+  else:
+    loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg,
+                                      microbatch_sharding, base)
   grad_norm = optax.global_norm(grads)  # float32: grads of the float32 masters
   optimizer = make_optimizer(tcfg.optim)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -330,7 +364,7 @@ def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None,
       loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
       param_norm=optax.global_norm(params), skipped=skipped,
       num_skipped=new_state.num_skipped,
-      num_tokens=(batch.completion_mask_BC > 0).sum().astype(jnp.int32))
+      num_tokens=(getattr(batch, "seqs", batch).completion_mask_BC > 0).sum().astype(jnp.int32))
   return new_state, metrics
 
 
@@ -343,13 +377,19 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
 
   ``batch_size`` is the B of every batch the step will see (the batch
   sharding depends on it: mesh axes that do not divide it are replicated,
-  with a log line). Metrics come back replicated (scalars).
+  with a log line). Metrics come back replicated (scalars). Packed
+  (``tcfg.pack_len``): every array is [M, pack_rows or slots, ...], sharded on
+  its second axis; ``batch_size`` is unused.
   """
   M = tcfg.num_microbatches
+  state_sh = state_shardings(model_cfg, tcfg, mesh, rules)
+  if tcfg.pack_len:
+    step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg)
+    return jax.jit(step, in_shardings=(state_sh, batch_sharding(tcfg, mesh, rules, batch_size)),
+                   out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
   if batch_size % M:
     raise ValueError(f"TrainConfig.num_microbatches={M} does not divide batch_size="
                      f"{batch_size}")
-  state_sh = state_shardings(model_cfg, tcfg, mesh, rules)
   batch_sh = mesh_lib.batch_sharding(mesh, rules, batch_size)
   mb_spec = mesh_lib.batch_spec(mesh, rules, batch_size // M, name="micro-batch")
   mb_sh = NamedSharding(mesh, PartitionSpec(None, *mb_spec))
@@ -361,6 +401,16 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
                    out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
   return jax.jit(step, in_shardings=(state_sh, batch_sh),
                  out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
+
+
+def batch_sharding(tcfg: TrainConfig, mesh: Mesh, rules: Rules, batch_size: int
+                   ) -> NamedSharding:
+  """The sharding of every array of the step's batch: rows on the leading axis, or
+  packed (``tcfg.pack_len``) [M, rows or slots, ...] on the second."""
+  if not tcfg.pack_len:
+    return mesh_lib.batch_sharding(mesh, rules, batch_size)
+  spec = mesh_lib.batch_spec(mesh, rules, tcfg.pack_rows, name="packed rows")
+  return NamedSharding(mesh, PartitionSpec(None, *spec))
 
 
 def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, batch_size: int, *,

@@ -1,0 +1,283 @@
+"""Causal, segment-aware attention of the full (uncached) forward: four implementations.
+
+Every implementation computes the same thing: query t of a row attends to key s
+of the same row when ``s <= t`` (column order) and ``segment_ids_BT[t] ==
+segment_ids_BT[s]``. An unpacked left-padded row has segment 1 on its real
+tokens and 0 on padding; a packed row (``capo_jax.rl.packing``) numbers its
+sequences 1, 2, ... and gives its tail padding 0. Padding is a segment of its
+own, so every query sees at least itself and no row is ever fully masked
+(nothing to guard against NaNs), and real queries never see padding.
+
+  reference  the float32 [B, N, T, S] score matrix, softmax, matmul (``reference``).
+  xla        ``jax.nn.dot_product_attention`` with a boolean [B, 1, T, S] mask
+             (cuDNN on GPU when it takes the shape, else XLA's own; on CPU it
+             builds the full score matrix too; see README "Train step at real lengths").
+  flash      blocked online-softmax attention in plain JAX with a hand-written
+             backward (``jax.custom_vjp``): it holds one [B, K, R, W, W] float32
+             score block at a time, forward and backward, and skips the key
+             blocks above the diagonal and those of other segments.
+  splash     the Pallas TPU splash-attention kernel with ``SegmentIds``
+             (``interpret=True`` off TPU, for tests).
+  auto       splash on TPU; elsewhere flash when the row is longer than one block,
+             else reference (a single block: the same memory, less overhead).
+
+Shape letters as in ``models.qwen2`` (B, T, S, N, K, R, H), plus W (block length)
+and X (number of blocks) for the blocked implementation.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+IMPLEMENTATIONS = ("auto", "reference", "xla", "flash", "splash")
+DEFAULT_BLOCK = 128  # flash: small blocks skip more of a packed row's masked pairs
+SPLASH_BLOCK = 512  # the kernel's own default block
+# Finite, so exp(masked - running max) is 0 without inf - inf = NaN.
+_NEG = -1e30
+
+
+def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
+  """The boolean [B, T, T] mask: causal (by column) and within one segment."""
+  T = segment_ids_BT.shape[1]
+  causal_TS = jnp.tril(jnp.ones((T, T), jnp.bool_))
+  return causal_TS[None] & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
+
+
+def reference(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+              mask_BTS: jax.Array) -> jax.Array:
+  """Grouped-query attention under any boolean mask; scores and softmax in float32."""
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
+  scores = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH,
+                      preferred_element_type=jnp.float32) * (H ** -0.5)
+  # A finite minimum keeps fully-masked (padding) query rows free of NaNs.
+  scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
+  probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
+  out = jnp.einsum("bkrts,bskh->btkrh", probs, v_BSKH)
+  return out.reshape(B, T, N, H)
+
+
+def xla(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
+        ) -> jax.Array:
+  """``jax.nn.dot_product_attention`` (GQA native) under the segment mask."""
+  mask_B1TS = segment_mask(segment_ids_BT)[:, None]
+  return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS)
+
+
+# --- blocked (flash-style) attention -----------------------------------------
+
+def _block_scores(q_BWKRH, k_BWKH, seg_q_BW, seg_k_BW, i, j, W):
+  """Masked float32 scores [B, K, R, W, W] of query block i against key block j."""
+  H = q_BWKRH.shape[-1]
+  s = jnp.einsum("bwkrh,bvkh->bkrwv", q_BWKRH, k_BWKH,
+                 preferred_element_type=jnp.float32) * (H ** -0.5)
+  causal_WW = (i * W + jnp.arange(W))[:, None] >= (j * W + jnp.arange(W))[None, :]
+  mask_BWW = causal_WW[None] & (seg_q_BW[:, :, None] == seg_k_BW[:, None, :])
+  return jnp.where(mask_BWW[:, None, None], s, _NEG), mask_BWW
+
+
+def _blk(x: jax.Array, i: jax.Array, W: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, i * W, W, axis=1)
+
+
+def _block_overlap(seg, W):
+  """overlap(i, j): some row's query block i and key block j may share a segment.
+
+  A range test on each block's (min, max) segment id: exact for packed rows
+  (segments increase along the row), conservative otherwise. Blocks that fail
+  it are fully masked and skipped, forward and backward.
+  """
+  B, T = seg.shape
+  seg_BXW = seg.reshape(B, T // W, W)
+  lo, hi = seg_BXW.min(-1), seg_BXW.max(-1)
+  return lambda i, j: jnp.any((lo[:, i] <= hi[:, j]) & (lo[:, j] <= hi[:, i]))
+
+
+def _skip_unless(pred, fn, carry):
+  """``fn(carry)`` where ``pred``, else ``carry`` unchanged (only one branch runs)."""
+  return jax.lax.cond(pred, fn, lambda c: c, carry)
+
+
+def _flash_forward(q, k, v, seg, W):
+  """out [B, T, K, R, H] and the log-sum-exp [X, B, K, R, W] of the blocked softmax."""
+  B, T, K, R, H = q.shape
+  X = T // W
+  overlap = _block_overlap(seg, W)
+
+  def query_block(i):
+    q_i, sq_i = _blk(q, i, W), _blk(seg, i, W)
+
+    def update(j, carry):
+      m, l, acc = carry
+      s, _ = _block_scores(q_i, _blk(k, j, W), sq_i, _blk(seg, j, W), i, j, W)
+      m_new = jnp.maximum(m, s.max(-1))
+      p = jnp.exp(s - m_new[..., None])
+      corr = jnp.exp(m - m_new)
+      pv = jnp.einsum("bkrwv,bvkh->bkrwh", p.astype(v.dtype), _blk(v, j, W),
+                      preferred_element_type=jnp.float32)
+      return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
+
+    key_block = lambda j, carry: _skip_unless(overlap(i, j), lambda c: update(j, c), carry)
+
+    init = (jnp.full((B, K, R, W), _NEG, jnp.float32), jnp.zeros((B, K, R, W), jnp.float32),
+            jnp.zeros((B, K, R, W, H), jnp.float32))
+    # Key blocks past the diagonal are fully masked: the loop stops at i.
+    m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
+    out = jnp.einsum("bkrwh->bwkrh", acc / l[..., None]).astype(q.dtype)
+    return out, m + jnp.log(l)
+
+  out_XBWKRH, lse_XBKRW = jax.lax.map(query_block, jnp.arange(X))
+  return jnp.moveaxis(out_XBWKRH, 0, 1).reshape(B, T, K, R, H), lse_XBKRW
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
+def _flash(q, k, v, seg, W):
+  return _flash_forward(q, k, v, seg, W)[0]
+
+
+def _flash_fwd(q, k, v, seg, W):
+  out, lse = _flash_forward(q, k, v, seg, W)
+  return out, (q, k, v, seg, out, lse)
+
+
+def _flash_bwd(W, res, d_out):
+  """FlashAttention-2's backward: each block's probabilities recomputed from the lse."""
+  q, k, v, seg, out, lse_XBKRW = res
+  B, T, K, R, H = q.shape
+  X = T // W
+  scale = H ** -0.5
+  overlap = _block_overlap(seg, W)
+  # D = rowsum(dO * O), the softmax-Jacobian term; [B, K, R, T].
+  delta_BKRT = jnp.einsum("btkrh,btkrh->bkrt", d_out.astype(jnp.float32),
+                          out.astype(jnp.float32))
+
+  def probs_and_ds(i, j):
+    q_i, k_j, v_j = _blk(q, i, W), _blk(k, j, W), _blk(v, j, W)
+    s, mask = _block_scores(q_i, k_j, _blk(seg, i, W), _blk(seg, j, W), i, j, W)
+    p = jnp.where(mask[:, None, None], jnp.exp(s - lse_XBKRW[i][..., None]), 0.0)
+    do_i = _blk(d_out, i, W).astype(jnp.float32)
+    dp = jnp.einsum("bwkrh,bvkh->bkrwv", do_i, v_j.astype(jnp.float32))
+    d_i = jax.lax.dynamic_slice_in_dim(delta_BKRT, i * W, W, axis=3)
+    return p, p * (dp - d_i[..., None]) * scale, do_i
+
+  def dq_block(i):
+    def update(j, dq):
+      _, ds, _ = probs_and_ds(i, j)
+      return dq + jnp.einsum("bkrwv,bvkh->bwkrh", ds, _blk(k, j, W).astype(jnp.float32))
+    body = lambda j, dq: _skip_unless(overlap(i, j), lambda c: update(j, c), dq)
+    return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((B, W, K, R, H), jnp.float32))
+
+  def dkv_block(j):
+    def update(i, carry):
+      dk, dv = carry
+      p, ds, do_i = probs_and_ds(i, j)
+      dv = dv + jnp.einsum("bkrwv,bwkrh->bvkh", p, do_i)
+      dk = dk + jnp.einsum("bkrwv,bwkrh->bvkh", ds, _blk(q, i, W).astype(jnp.float32))
+      return dk, dv
+    body = lambda i, c: _skip_unless(overlap(i, j), lambda c_: update(i, c_), c)
+    zeros = jnp.zeros((B, W, K, H), jnp.float32)
+    return jax.lax.fori_loop(j, X, body, (zeros, zeros))
+
+  unblock = lambda x_X: jnp.moveaxis(x_X, 0, 1).reshape((B, T) + x_X.shape[3:])
+  dq = unblock(jax.lax.map(dq_block, jnp.arange(X)))
+  dk_X, dv_X = jax.lax.map(dkv_block, jnp.arange(X))
+  return (dq.astype(q.dtype), unblock(dk_X).astype(k.dtype), unblock(dv_X).astype(v.dtype),
+          np.zeros(seg.shape, jax.dtypes.float0))
+
+
+_flash.defvjp(_flash_fwd, _flash_bwd)
+
+
+def _pad_rows(x: jax.Array, T_pad: int, value: int | float = 0) -> jax.Array:
+  pad = [(0, 0), (0, T_pad - x.shape[1])] + [(0, 0)] * (x.ndim - 2)
+  return jnp.pad(x, pad, constant_values=value)
+
+
+def flash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
+          block: int = DEFAULT_BLOCK) -> jax.Array:
+  """Blocked attention in X = ceil(T / ``block``) blocks of W <= ``block`` columns (W a
+  multiple of 8 where that stays under ``block``); T is padded to X * W.
+
+  Padding columns get segment id -1: no real query sees them.
+  """
+  B, T, N, H = q_BTNH.shape
+  K = k_BSKH.shape[2]
+  X = -(-T // block)
+  W = -(-T // X)
+  W = min(-(-W // 8) * 8, max(block, W))
+  T_pad = X * W
+  q = _pad_rows(q_BTNH, T_pad).reshape(B, T_pad, K, N // K, H)
+  k, v = _pad_rows(k_BSKH, T_pad), _pad_rows(v_BSKH, T_pad)
+  seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
+  return _flash(q, k, v, seg, W).reshape(B, T_pad, N, H)[:, :T]
+
+
+# --- splash (Pallas, TPU) ------------------------------------------------------
+
+def _splash_kernel(N: int, T: int, block: int, interpret: bool):
+  # Built inside each trace (not cached): the kernel holds the mask's block tables as
+  # arrays, which a cached kernel would leak from one trace into the next.
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+  mask = sa.MultiHeadMask([sa.CausalMask((T, T)) for _ in range(N)])
+  sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
+                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
+                        block_q_dq=block, block_kv_dq=block)
+  return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
+                            interpret=interpret)
+
+
+def splash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
+           block: int = SPLASH_BLOCK, interpret: bool | None = None) -> jax.Array:
+  """The splash kernel (a causal ``MultiHeadMask`` plus ``SegmentIds``), vmapped over rows.
+
+  Its blocks must be multiples of 128 columns: W is ``block`` or T rounded up
+  to 128, whichever is smaller, and T is padded to a multiple of W (segment -1).
+  The kernel does not scale the scores, so q is scaled first.
+  """
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  B, T, N, H = q_BTNH.shape
+  W = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
+  T_pad = -(-T // W) * W
+  kernel = _splash_kernel(N, T_pad, W, interpret)
+  q = jnp.swapaxes(_pad_rows(q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype), T_pad), 1, 2)
+  k = jnp.swapaxes(_pad_rows(k_BSKH, T_pad), 1, 2)
+  v = jnp.swapaxes(_pad_rows(v_BSKH, T_pad), 1, 2)
+  seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
+  one = lambda q_NTH, k_KSH, v_KSH, seg_T: kernel(q_NTH, k_KSH, v_KSH,
+                                                   segment_ids=sa.SegmentIds(q=seg_T, kv=seg_T))
+  out_BNTH = jax.vmap(one)(q, k, v, seg)
+  return jnp.swapaxes(out_BNTH, 1, 2)[:, :T]
+
+
+# --- dispatch -------------------------------------------------------------------
+
+def resolve(implementation: str, T: int, block: int = DEFAULT_BLOCK) -> str:
+  """The concrete implementation "auto" stands for at row length T on this backend."""
+  if implementation not in IMPLEMENTATIONS:
+    raise ValueError(f"attention implementation {implementation!r} is not one of "
+                     f"{IMPLEMENTATIONS}")
+  if implementation != "auto":
+    return implementation
+  if jax.default_backend() == "tpu":
+    return "splash"
+  return "flash" if T > block else "reference"
+
+
+def attend(implementation: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+           segment_ids_BT: jax.Array, block: int = DEFAULT_BLOCK) -> jax.Array:
+  """Causal same-segment attention [B, T, N, H] with the named implementation."""
+  impl = resolve(implementation, q_BTNH.shape[1], block)
+  if impl == "reference":
+    return reference(q_BTNH, k_BSKH, v_BSKH, segment_mask(segment_ids_BT))
+  if impl == "xla":
+    return xla(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+  if impl == "flash":
+    return flash(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, block)
+  return splash(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
