@@ -63,6 +63,7 @@ def test_notebook_is_stored_without_outputs() -> None:
     assert needle in guarded, needle
 
 
+@pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
 def test_notebook_runs_with_tiny_settings(tmp_path: pathlib.Path,
                                           monkeypatch: pytest.MonkeyPatch) -> None:
   workdir = tmp_path / "work"

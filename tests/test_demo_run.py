@@ -44,6 +44,7 @@ def _cache_files(workdir: pathlib.Path) -> dict[str, int]:
           for p in (workdir / "warm_start").rglob("*") if p.is_file()}
 
 
+@pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
 def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
                                             monkeypatch: pytest.MonkeyPatch,
                                             capsys: pytest.CaptureFixture[str]) -> None:

@@ -52,6 +52,7 @@ def _no_gs_dirs(*roots: pathlib.Path) -> list[str]:
   return [str(p) for root in roots for p in root.rglob("gs:*")]
 
 
+@pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
 def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch):
   gcs.apply(monkeypatch)
   from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel

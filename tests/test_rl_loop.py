@@ -99,6 +99,7 @@ def test_bad_config_fails_at_start_naming_the_field(field, value, needle):
     experiment.validate(c, num_devices=1)
 
 
+@pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
 def test_resume_after_process_exit_is_bit_exact(assets, tmp_path):
   """4 uninterrupted steps == 2 steps, exit, 2 more: bit-identical params (CPU)."""
   straight, resumed = str(tmp_path / "straight"), str(tmp_path / "resumed")
@@ -119,6 +120,7 @@ def test_resume_after_process_exit_is_bit_exact(assets, tmp_path):
   assert os.path.isfile(os.path.join(resumed, "export_hf", "config.json"))
 
 
+@pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
 def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path):
   c = common.shrink(common.get_base_config())
   c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
@@ -215,7 +217,7 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(assets, tmp
 
 
 @pytest.mark.parametrize("algo", [
-    "simko", "gspo",
+    "simko", pytest.param("gspo", marks=pytest.mark.slow),
     pytest.param("cde", marks=pytest.mark.slow), pytest.param("codapo", marks=pytest.mark.slow),
     pytest.param("dr_grpo", marks=pytest.mark.slow)])
 def test_every_algorithm_trains_end_to_end(algo, assets, tmp_path):

@@ -46,6 +46,7 @@ def _steps(workdir: pathlib.Path) -> list[int]:
   return [r["step"] for r in metrics.read_jsonl(str(workdir / "metrics.jsonl")) if "loss" in r]
 
 
+@pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
 def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_path, caplog,
                                                                     monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")
