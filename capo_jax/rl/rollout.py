@@ -68,8 +68,17 @@ def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules:
     jitted = packing.make_logprob_fn(model_cfg, mesh, rules, Y, chunk_size=chunk_size,
                                      top_k=top_k)
     sharding = mesh_lib.batch_sharding(mesh, rules, Y, name="packed rows")
-    return lambda params, *xs, keys=("logp_BC",): packing.host_logprobs(
-        jitted, params, xs, pack_len, Y, tuple(keys), lambda t: put_global(t, sharding))
+    if lora is not None:
+      raise ValueError("make_host_logprob_fn: pack_len > 0 with lora: the packed passes do "
+                       "not apply LoRA adapters yet")
+
+    def packed(params: Any, *xs: np.ndarray, keys: Sequence[str] = ("logp_BC",),
+               adapters: Any = None) -> dict[str, np.ndarray]:
+      del adapters  # always None here: LoRA runs do not pack (checked above)
+      return packing.host_logprobs(jitted, params, xs, pack_len, Y, tuple(keys),
+                                   lambda t: put_global(t, sharding))
+
+    return packed
   L = rows_per_call or rows
   if rows % L:
     raise ValueError(f"rows_per_call={L} must divide the {rows} rows of a pass")
