@@ -80,6 +80,7 @@ def test_implementation_matches_reference(inputs, name):
                                atol=1e-5, err_msg=f"d{what}")
 
 
+@pytest.mark.slow  # 10-21 s on 2 cores; .ci/run runs it
 def test_model_forward_with_each_attention():
   """The whole model's hidden states with packed segments agree across implementations."""
   cfg = Qwen2Config.tiny(vocab_size=64, num_layers=2, attention_block=32)

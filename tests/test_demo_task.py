@@ -173,6 +173,7 @@ def _reference_logps(params, cfg, prompt: list[int], ids: list[int]) -> list[flo
   return [float(logp[len(prompt) + j - 1, t]) for j, t in enumerate(ids)]
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_sft_loss_matches_per_row_reference():
   tok = CharTokenizer()
   cfg = warm_start.default_model_config(tok, hidden_size=32, intermediate_size=64,
@@ -216,6 +217,7 @@ def tiny_run(tmp_path_factory):
   return first, second, task_cfg
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_sft_decreases_loss_and_cache_is_reused(tiny_run):
   first, second, _ = tiny_run
   assert first.info["trained"] and first.info["steps"] == 20

@@ -114,6 +114,7 @@ def test_samples_do_not_depend_on_slots(rollouts):
     assert_same(outs[Q * G], outs[n])
 
 
+@pytest.mark.slow  # 10-21 s on 2 cores; .ci/run runs it
 def test_engine_equals_brute_force_sampler(rollouts):
   cfg, params, tokens, mask, stops, outs = rollouts
   ref = brute_force(cfg, params, tokens, mask, stops, jax.random.key(2), STRATEGY, C)

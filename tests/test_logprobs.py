@@ -81,6 +81,7 @@ def test_unchunked_and_chunked_match_forward(setup):
   assert is_max[:, 0].all() and not is_max[mask].all()  # both cases occur
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_gradients_chunked_equal_unchunked_and_forward(setup):
   params, inputs = setup
   rng = np.random.default_rng(1)

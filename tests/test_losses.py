@@ -285,6 +285,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
 # --------------------------------------------------------------------------
 
 
+@pytest.mark.slow  # 10-21 s on 2 cores; .ci/run runs it
 def test_policy_gradient_identity_on_tiny_qwen2() -> None:
   """At theta = theta_old, grad L = -(1/B) sum_i A_i grad s_i (seq-mean-token-mean).
 

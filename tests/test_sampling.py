@@ -115,6 +115,7 @@ def test_logprobs_equal_teacher_forcing(tiny):
   assert all((rows[2 * q] != rows[2 * q + 1]).any() for q in range(3))
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_bfloat16_sampler_logprobs(tiny):
   # The TPU / GPU setting: bfloat16 weights, activations and cache. Reference:
   # the bfloat16 teacher-forced forward (same dtype, other matmul shapes, so
@@ -221,6 +222,7 @@ def test_token_frequencies_match_the_distribution(strategy):
   assert (np.abs(freq - p) <= _freq_bound(p, n)).all(), np.abs(freq - p).max()
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_first_token_frequencies_through_generate():
   cfg = qwen2.Qwen2Config.tiny(vocab_size=12)
   params = qwen2.init_params(cfg, jax.random.key(5))
@@ -239,6 +241,7 @@ def test_first_token_frequencies_through_generate():
   assert (np.abs(freq - p) <= _freq_bound(p, n * rounds)).all(), np.abs(freq - p).max()
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_length_buckets_bound_compilations(tiny):
   _, cfg, params = tiny
   rng = np.random.default_rng(4)
@@ -306,6 +309,7 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_sharded_greedy_equals_one_device():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
   proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=REPO, env=env,

@@ -282,6 +282,7 @@ def _sharded_check() -> None:
   print("OK", diff)
 
 
+@pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_eight_devices_match_one_device():
   # LLVM -O0 halves the compile time of this tiny model; XLA's own passes still run.
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS=(
