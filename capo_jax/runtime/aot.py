@@ -219,7 +219,9 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
 def _trainer_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, sh: Shapes,
                       logprob_rows: int) -> list[Lowerable]:
   rules = mesh_lib.TRAIN_RULES
-  tcfg = experiment.train_config(c)
+  # The padded step ([B, P + C] rows): the packed step (train.pack) is not compiled
+  # ahead of time yet; its rows are as long, so this is its upper bound per row.
+  tcfg = experiment.train_config(c).replace(pack_len=0, pack_rows=1)
   simko_k = c.loss.simko_k if c.algo.name == "simko" else 0
   reference = experiment.needs_reference(c)
   P, C = sh.max_prompt_len, sh.max_new_tokens
