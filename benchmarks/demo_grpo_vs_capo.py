@@ -31,12 +31,30 @@ import numpy as np
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
+_CAPO = {"algo.name": "capo", "algo.mask": "on"}
+_GRPO = {"algo.name": "grpo", "algo.mask": "off"}
 VARIANTS = {
-    "capo": {"algo.name": "capo", "algo.mask": "on"},
-    "grpo": {"algo.name": "grpo", "algo.mask": "off"},
+    "capo": _CAPO,
+    "grpo": _GRPO,
+    # Controls: which part of CAPO does the work, its logistic weights or GRPO's 1/std.
+    "dr_grpo": {"algo.name": "dr_grpo", "algo.mask": "off"},
+    "capo_tau10": {**_CAPO, "algo.tau": 10.0},  # large tau: Dr.GRPO up to a constant
+    "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
+    "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
+    "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
+    # Learning-rate sweep (x the default 1e-4).
+    "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},
+    "grpo_lr2": {**_GRPO, "optim.lr": 2e-4},
+    "capo_lr0.5": {**_CAPO, "optim.lr": 5e-5},
+    "capo_lr2": {**_CAPO, "optim.lr": 2e-4},
+    # The mask: ablations, and a verifier that flips 10% of the training rewards.
     "capo_nomask": {"algo.name": "capo", "algo.mask": "off"},
     "grpo_mask": {"algo.name": "grpo", "algo.mask": "on"},
+    "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
+    "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
+    "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
 }
+STUDY_STEPS, STUDY_EVAL_EVERY = 150, 50
 METRICS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy")
 
 
@@ -47,12 +65,12 @@ def make_config(variant: str, seed: int, overrides: list[str]):
   for key, value in VARIANTS[variant].items():
     section, leaf = key.split(".")
     c[section][leaf] = value
-  for kv in overrides:
+  c.train.num_steps = STUDY_STEPS
+  c.eval.every_steps = STUDY_EVAL_EVERY
+  for kv in overrides:  # again: --set may change the study's steps too
     key, value = kv.split("=", 1)
     section, leaf = key.split(".")
     c[section][leaf] = type(c[section][leaf])(value)
-  if c.eval.every_steps == 0:
-    c.eval.every_steps = 50
   return c
 
 
@@ -70,8 +88,9 @@ def run_all(args: argparse.Namespace) -> None:
     c0 = make_config("capo", 0, args.set)
     from capo_jax.demo import task as task_lib  # pylint: disable=import-outside-toplevel
     heldout = task_lib.make_splits(demo_run.task_config(c0))[1][:c0.demo.eval_questions]
-    initial = demo_run.heldout_metrics(ws, ws.params, heldout, c0.demo.eval_samples,
-                                       c0.demo.eval_seed)
+    initial = demo_run.heldout_metrics(
+        ws, ws.params, heldout, c0.demo.eval_samples, c0.demo.eval_seed,
+        save_to=os.path.join(args.workdir, "warm_start_heldout.npz"))
     pathlib.Path(initial_path).write_text(json.dumps(initial))
   for name in names:
     variant, seed = name.rsplit("_seed", 1)

@@ -33,22 +33,28 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.remat = False
 
   c.demo = ml_collections.ConfigDict()
+  # Half of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
+  # the warm start is then confidently wrong on some questions (capo_jax/demo/task.py).
   c.demo.task = ml_collections.ConfigDict(dict(
       min_operands=4, max_operands=4, max_operand=9, operators="+-*", num_train=20000,
-      num_heldout=400, seed=0))
+      num_heldout=1000, seed=0, wrong_rule="left_to_right", wrong_fraction=0.5))
   c.demo.model = ml_collections.ConfigDict()  # overrides of warm_start.default_model_config
   c.demo.sft = ml_collections.ConfigDict(dict(
       max_steps=1500, batch_size=64, lr=2e-3, warmup_steps=50, eval_every=50,
       eval_questions=128, eval_samples=8, early_stop=True, target_low=0.40, target_high=0.55,
       seed=0))
-  c.demo.eval_questions = 400
+  c.demo.eval_questions = 1000
   c.demo.eval_samples = 16
   c.demo.eval_seed = 1234
+  c.demo.reward_flip = 0.0  # > 0: flip this fraction of training rewards (noisy verifier)
 
   c.rollout.num_prompts = 32
   c.rollout.num_samples = 8
   c.rollout.max_prompt_len = 32
   c.rollout.max_new_tokens = 0  # 0: the longest written solution + 9 (demo.run sets it)
+  # The sampler's own log-probs as the old policy's: float32 on a CPU, they equal a
+  # trainer pass within ~1e-6 and save one forward over the rollout per step.
+  c.rollout.old_logprobs = "sampler"
 
   c.algo.name = "capo"
   c.algo.tau = 0.1
@@ -59,6 +65,11 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.train.micro_batch_size = 128
   c.train.logprob_chunk = 0
   c.train.logprob_rows = 0  # all rows in one log-prob call: small enough on a CPU
+  # Packed rows of 128 tokens hold ~4 sequences of ~30; 16 rows per micro-batch fit
+  # one update's 128 sequences in two micro-batches (the default, 128 rows x 65 tokens,
+  # computed twice the padding: 5-6 s per step instead of ~3 on the 2-core box).
+  c.train.pack_len = 128
+  c.train.pack_rows = 16
   c.mesh.data, c.mesh.fsdp, c.mesh.tensor = 1, -1, 1
   c.checkpoint.every_steps = 50
   c.checkpoint.export_hf = False

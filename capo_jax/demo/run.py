@@ -17,6 +17,8 @@ import jax
 import ml_collections
 import numpy as np
 
+from capo_jax.data import rewards
+from capo_jax.demo import compare
 from capo_jax.demo import task as task_lib
 from capo_jax.demo import warm_start
 from capo_jax.eval import calibration
@@ -42,13 +44,40 @@ def get_warm_start(c: ml_collections.ConfigDict, workdir: str) -> warm_start.War
   return warm_start.get_or_train(workdir, task_config(c), model_cfg, sft_config(c))
 
 
+def rule_share(completions: list[str], examples: list[Any], correct_QG: np.ndarray) -> float:
+  """Of the wrong samples on questions where the wrong rule (``task.py``) changes the
+  answer, the fraction whose boxed answer is the rule's: how much the policy still
+  follows it. NaN when there are none."""
+  Q, G = correct_QG.shape
+  hits = total = 0
+  for q, ex in enumerate(examples):
+    rule = ex.meta.get("rule_answer")
+    if rule is None or rule == ex.answer:
+      continue
+    for g in range(G):
+      if not correct_QG[q, g]:
+        total += 1
+        hits += f"\\boxed{{{rule}}}" in completions[q * G + g]
+  return hits / total if total else float("nan")
+
+
 def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
-                    num_samples: int, seed: int) -> dict[str, float]:
+                    num_samples: int, seed: int, save_to: str | None = None
+                    ) -> dict[str, float]:
   """Held-out accuracy and calibration of ``params`` (``docs/algorithms.md``, "Evaluation
-  metrics"), also on the questions the policy mostly gets wrong."""
+  metrics"), also on the questions the policy mostly gets wrong.
+
+  ``save_to``: an ``.npz`` path for the per-sample scores and verdicts (``s_QG``,
+  ``correct_QG``, ``lengths_QG``), which the paired comparisons read.
+  """
   ev = warm_start.evaluate_policy(params, ws.cfg, ws.tokenizer, examples, num_samples,
                                   jax.random.key(seed))
   s_QG, correct_QG = ev["s"], ev["correct"]
+  if save_to:
+    os.makedirs(os.path.dirname(save_to), exist_ok=True)
+    tmp = save_to + ".tmp.npz"
+    np.savez_compressed(tmp, s_QG=s_QG, correct_QG=correct_QG, lengths_QG=ev["lengths"])
+    os.replace(tmp, save_to)
   buckets = calibration.auc_by_bucket(s_QG, correct_QG)
   # Questions the policy mostly gets wrong (<= 1/4 right): in the demo's runs GRPO's
   # loss of calibration showed there, hidden in AUC-mean by the mostly-right questions.
@@ -57,7 +86,9 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
           "auc_questions": float(ev["auc_n_used"]),
           "pooled_auc": calibration.pooled_auc(s_QG, correct_QG),
           "auc_mostly_wrong": low["auc_mean"], "mostly_wrong_questions": float(low["n"]),
-          "entropy": ev["entropy"], "mean_length": ev["mean_length"]}
+          "entropy": ev["entropy"], "mean_length": ev["mean_length"],
+          "aurc": calibration.aurc(s_QG, correct_QG),
+          "rule_share": rule_share(ev["completions"], examples, correct_QG)}
 
 
 def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
@@ -79,12 +110,16 @@ def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
     if step == 0 and initial_eval is not None:
       m = dict(initial_eval)
     else:
-      m = heldout_metrics(ws, params, heldout, c.demo.eval_samples, c.demo.eval_seed)
+      m = heldout_metrics(ws, params, heldout, c.demo.eval_samples, c.demo.eval_seed,
+                          save_to=os.path.join(run_dir, "heldout", f"step_{step:06d}.npz"))
     evals.append({"step": step, **m})
     return m
 
+  grader = None
+  if c.demo.reward_flip > 0:  # the noisy-verifier variant: training rewards only
+    grader = compare.NoisyGrader(rewards.default_grader(), c.demo.reward_flip, seed=c.seed)
   rl_loop.train(c, run_dir, policy=rl_loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
-                train_examples=train, eval_fn=eval_fn)
+                train_examples=train, eval_fn=eval_fn, grader=grader)
   if not evals:  # resumed a finished run: read its evals back
     evals = _evals_from_metrics(os.path.join(run_dir, "metrics.jsonl"))
   with open(os.path.join(run_dir, "evals.json"), "w", encoding="utf-8") as f:

@@ -13,6 +13,18 @@ extracts it::
     \\boxed{6}
 
 Difficulty grows with the number of operands and their size (``TaskConfig``).
+
+``TaskConfig.wrong_rule = "left_to_right"`` writes a fraction
+(``wrong_fraction``) of the *training* solutions with a fluent, consistent
+wrong rule: strict left-to-right evaluation that ignores precedence, in the
+same one-reduction-per-line format and boxed. Gold answers, rewards and the
+held-out questions do not change. A warm start taught on such data samples
+the wrong rule on some questions as confidently as the right one: confidently
+wrong answers, the samples CAPO's pairwise surrogate is about (and the ones
+GRPO's advantage leaves alone once they are rare), which the plain task lacks
+(there a wrong answer is one low-probability slip). ``Example.meta`` carries
+``rule_answer``, the wrong rule's answer, for every question.
+
 Generation is deterministic in ``TaskConfig.seed``; the held-out questions are
 drawn first from their own stream, so they do not change when ``num_train``
 does, and the training questions exclude them.
@@ -28,6 +40,7 @@ import numpy as np
 from capo_jax.data.datasets import Example
 
 _OPS = {"+": operator.add, "-": operator.sub, "*": operator.mul}
+WRONG_RULES = ("", "left_to_right")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -41,6 +54,9 @@ class TaskConfig:
     operators: the operators to draw from (a subset of ``+-*``).
     num_train / num_heldout: numbers of distinct questions in each split.
     seed: the generation seed.
+    wrong_rule: "" (every solution correct) or "left_to_right" (see the module doc).
+    wrong_fraction: the fraction of training questions whose written solution
+      follows ``wrong_rule`` (a seeded draw; held-out questions are never rewritten).
   """
 
   min_operands: int = 4
@@ -50,8 +66,18 @@ class TaskConfig:
   num_train: int = 20000
   num_heldout: int = 400
   seed: int = 0
+  wrong_rule: str = ""
+  wrong_fraction: float = 0.0
 
   def __post_init__(self) -> None:
+    if self.wrong_rule not in WRONG_RULES:
+      raise ValueError(f"TaskConfig.wrong_rule={self.wrong_rule!r}: expected one of "
+                       f"{WRONG_RULES}")
+    if not 0.0 <= self.wrong_fraction <= 1.0:
+      raise ValueError(f"TaskConfig.wrong_fraction={self.wrong_fraction} must be in [0, 1]")
+    if self.wrong_fraction > 0 and not self.wrong_rule:
+      raise ValueError(f"TaskConfig.wrong_fraction={self.wrong_fraction} needs a wrong_rule "
+                       f"(one of {WRONG_RULES[1:]})")
     if self.min_operands < 2 or self.max_operands < self.min_operands:
       raise ValueError(f"TaskConfig: need 2 <= min_operands <= max_operands, got "
                        f"{self.min_operands}, {self.max_operands}")
@@ -76,20 +102,25 @@ class TaskConfig:
                for n in range(self.min_operands, self.max_operands + 1))
 
 
-def solve_steps(operands: list[int], ops: list[str]) -> list[str]:
+def solve_steps(operands: list[int], ops: list[str], rule: str = "") -> list[str]:
   """The chain of thought: the whole expression after each single reduction.
 
   The last line is the bare value. Only the leading term can turn negative
   (``*`` comes first and ``+``/``-`` reduce left to right), so no line holds
   ``--`` or ``+-`` and every line is itself a valid expression of equal value.
+  ``rule="left_to_right"`` always reduces the leftmost operation (the wrong
+  rule: ``3+4*2`` -> ``7*2`` -> ``14``); its lines are well-formed too, since
+  again only the leading term can be negative.
   """
+  if rule not in WRONG_RULES:
+    raise ValueError(f"solve_steps: rule={rule!r}, expected one of {WRONG_RULES}")
   if len(operands) != len(ops) + 1:
     raise ValueError(f"{len(operands)} operands need {len(operands) - 1} operators, "
                      f"got {len(ops)}")
   vals, ops = list(operands), list(ops)
   lines = []
   while ops:
-    i = ops.index("*") if "*" in ops else 0
+    i = ops.index("*") if "*" in ops and not rule else 0
     vals[i:i + 2] = [_OPS[ops[i]](vals[i], vals[i + 1])]
     del ops[i]
     lines.append(format_expression(vals, ops))
@@ -103,9 +134,9 @@ def format_expression(operands: list[int], ops: list[str]) -> str:
   return "".join(parts)
 
 
-def solution_text(operands: list[int], ops: list[str]) -> str:
+def solution_text(operands: list[int], ops: list[str], rule: str = "") -> str:
   """The full written solution: reduction lines, then ``\\boxed{answer}``."""
-  lines = solve_steps(operands, ops)
+  lines = solve_steps(operands, ops, rule)
   return "\n".join(lines + [f"\\boxed{{{lines[-1]}}}"])
 
 
@@ -115,7 +146,15 @@ def make_example(operands: list[int], ops: list[str], ex_id: str) -> Example:
   return Example(
       id=ex_id, problem=format_expression(operands, ops) + "=", answer=steps[-1],
       meta={"operands": list(operands), "ops": list(ops),
-            "solution": solution_text(operands, ops), "num_steps": len(steps)})
+            "solution": solution_text(operands, ops), "num_steps": len(steps),
+            "rule_answer": solve_steps(operands, ops, "left_to_right")[-1], "rule": ""})
+
+
+def rewrite_with_rule(ex: Example, rule: str) -> Example:
+  """``ex`` with its written solution following ``rule`` (the gold answer unchanged)."""
+  ops, operands = ex.meta["ops"], ex.meta["operands"]
+  return Example(id=ex.id, problem=ex.problem, answer=ex.answer,
+                 meta={**ex.meta, "solution": solution_text(operands, ops, rule), "rule": rule})
 
 
 def _draw(cfg: TaskConfig, rng: np.random.Generator, count: int, exclude: set[str],
@@ -148,5 +187,10 @@ def make_splits(cfg: TaskConfig) -> tuple[list[Example], list[Example]]:
   seen: set[str] = set()
   heldout = _draw(cfg, np.random.default_rng([cfg.seed, 1]), cfg.num_heldout, seen, "heldout")
   train = _draw(cfg, np.random.default_rng([cfg.seed, 0]), cfg.num_train, seen, "train")
+  if cfg.wrong_fraction > 0:
+    pick = np.random.default_rng([cfg.seed, 2]).permutation(len(train))
+    wrong = set(pick[:round(cfg.wrong_fraction * len(train))].tolist())
+    train = [rewrite_with_rule(ex, cfg.wrong_rule) if i in wrong else ex
+             for i, ex in enumerate(train)]
   return train, heldout
 

@@ -1,0 +1,142 @@
+"""Comparing RL runs on the demo task: paired per-question AUC, fixed buckets, matching.
+
+What the demo and ``benchmarks/demo_grpo_vs_capo.py`` report beside AUC-mean
+(``docs/algorithms.md``, "Evaluation metrics"), all on the same held-out
+questions and evaluation seed for every method:
+
+- ``paired_delta_auc``: the mean over (seed, question) of AUC_A - AUC_B, over
+  the questions that are mixed (some right, some wrong) under both methods of
+  that seed, with a bootstrap 95% interval that resamples seeds and questions
+  (two-way: one question draw shared by the seeds, since the questions are).
+- ``difficulty_buckets``: questions grouped by the *warm start's* accuracy on
+  them, so every method is scored on the same questions (a method's own
+  accuracy buckets would move questions between buckets as it learns).
+- ``value_at_accuracy``: a metric read off a run's eval curve where its
+  accuracy first reaches a target (linear between evaluations): methods
+  compared at matched accuracy, not only at the final step.
+- ``NoisyGrader``: a verifier that flips a seeded fraction of rewards (the
+  paper's noisy-verifier setting that the noise mask is for).
+
+Letters: K seeds, Q questions, G samples per question, R bootstrap replicates.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+
+from capo_jax.eval import calibration
+
+BUCKET_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def paired_delta_auc(auc_a_KQ: Any, auc_b_KQ: Any, *, n_boot: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> dict[str, float]:
+  """Mean paired AUC difference (A - B) and its bootstrap interval.
+
+  ``auc_*_KQ``: per-question AUC of each seed's final policy (NaN where the
+  question is all-right or all-wrong, ``calibration.auc_per_question``). Pairs
+  count where both are finite. Each replicate draws K seeds and Q questions
+  with replacement; its estimate is the pair-weighted mean over the drawn
+  (seed, question) cells. Returns ``delta``, ``lo``, ``hi``, ``pairs`` (the
+  number of paired cells) and ``seeds``.
+  """
+  a, b = np.atleast_2d(np.asarray(auc_a_KQ, np.float64)), np.atleast_2d(
+      np.asarray(auc_b_KQ, np.float64))
+  if a.shape != b.shape:
+    raise ValueError(f"paired_delta_auc: shapes differ, {a.shape} vs {b.shape}")
+  valid_KQ = np.isfinite(a) & np.isfinite(b)
+  d_KQ = np.where(valid_KQ, a - b, 0.0)
+  n = int(valid_KQ.sum())
+  if n == 0:
+    return dict(delta=float("nan"), lo=float("nan"), hi=float("nan"), pairs=0,
+                seeds=a.shape[0])
+  K, Q = a.shape
+  rng = np.random.default_rng(seed)
+  w_RK = rng.multinomial(K, np.full(K, 1.0 / K), size=n_boot).astype(np.float64)
+  v_RQ = rng.multinomial(Q, np.full(Q, 1.0 / Q), size=n_boot).astype(np.float64)
+  num_R = np.einsum("rk,kq,rq->r", w_RK, d_KQ, v_RQ)
+  den_R = np.einsum("rk,kq,rq->r", w_RK, valid_KQ.astype(np.float64), v_RQ)
+  est_R = num_R[den_R > 0] / den_R[den_R > 0]
+  alpha = (1.0 - level) / 2
+  lo, hi = np.quantile(est_R, [alpha, 1.0 - alpha])
+  return dict(delta=float(d_KQ.sum() / n), lo=float(lo), hi=float(hi), pairs=n, seeds=K)
+
+
+def difficulty_buckets(warm_correct_QG: Any, edges: Sequence[float] = BUCKET_EDGES
+                       ) -> tuple[np.ndarray, list[str]]:
+  """Bucket index per question from the warm start's accuracy, and the labels.
+
+  Bucket i holds accuracies in (edges[i], edges[i + 1]], the first also holds
+  edges[0] (0.0: questions the warm start never solves).
+  """
+  acc_Q = np.asarray(warm_correct_QG, bool).mean(axis=1)
+  idx_Q = np.clip(np.searchsorted(np.asarray(edges[1:-1]), acc_Q, side="left"), 0,
+                  len(edges) - 2)
+  labels = [("[" if i == 0 else "(") + f"{edges[i]:g}, {edges[i + 1]:g}]"
+            for i in range(len(edges) - 1)]
+  return idx_Q, labels
+
+
+def bucket_auc(auc_Q: Any, bucket_Q: np.ndarray, num_buckets: int) -> list[tuple[float, int]]:
+  """(AUC-mean, mixed questions) per bucket; NaN where no question is mixed."""
+  auc_Q = np.asarray(auc_Q, np.float64)
+  out = []
+  for i in range(num_buckets):
+    sel = (bucket_Q == i) & np.isfinite(auc_Q)
+    out.append((float(auc_Q[sel].mean()) if sel.any() else float("nan"), int(sel.sum())))
+  return out
+
+
+def value_at_accuracy(evals: Sequence[dict[str, float]], target: float, key: str) -> float:
+  """``key`` where the eval curve's accuracy first reaches ``target``, linear between
+  evaluations; NaN when it never does."""
+  for prev, cur in zip(evals, evals[1:]):
+    a0, a1 = prev["accuracy"], cur["accuracy"]
+    if a0 >= target:
+      return float(prev[key])
+    if a1 >= target:
+      frac = (target - a0) / (a1 - a0)
+      return float(prev[key] + frac * (cur[key] - prev[key]))
+  if evals and evals[-1]["accuracy"] >= target:
+    return float(evals[-1][key])
+  return float("nan")
+
+
+def summary(s_QG: np.ndarray, correct_QG: np.ndarray, bucket_Q: np.ndarray,
+            num_buckets: int) -> dict[str, Any]:
+  """The headline numbers of one evaluation, on fixed buckets."""
+  auc_Q = calibration.auc_per_question(s_QG, correct_QG)
+  used = np.isfinite(auc_Q)
+  return dict(accuracy=float(correct_QG.mean()),
+              auc_mean=float(auc_Q[used].mean()) if used.any() else float("nan"),
+              pooled_auc=calibration.pooled_auc(s_QG, correct_QG),
+              aurc=calibration.aurc(s_QG, correct_QG),
+              buckets=bucket_auc(auc_Q, bucket_Q, num_buckets))
+
+
+class NoisyGrader:
+  """Wraps a grader and flips each reward with probability ``flip_prob``.
+
+  The flips are a function of (seed, the batch's completions and golds), so a
+  resumed run that redraws the same samples gets the same flips. ``score``
+  returns the flipped rewards and the wrapped grader's health counters (which
+  describe the true verdicts).
+  """
+
+  def __init__(self, grader: Any, flip_prob: float, seed: int = 0):
+    if not 0.0 <= flip_prob < 0.5:
+      raise ValueError(f"NoisyGrader: flip_prob={flip_prob} must be in [0, 0.5)")
+    self.grader, self.flip_prob, self.seed = grader, flip_prob, seed
+
+  def score(self, completions: Sequence[str], golds: Sequence[str]) -> tuple[np.ndarray, Any]:
+    rewards, health = self.grader.score(completions, golds)
+    h = hashlib.sha256(str(self.seed).encode())
+    for c, g in zip(completions, golds):
+      h.update(c.encode() + b"\0" + g.encode() + b"\1")
+    rng = np.random.default_rng(int.from_bytes(h.digest()[:8], "little"))
+    flip = rng.random(len(rewards)) < self.flip_prob
+    return np.where(flip, 1.0 - rewards, rewards).astype(np.float32), health
