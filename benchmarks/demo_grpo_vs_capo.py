@@ -26,34 +26,16 @@ import argparse
 import json
 import os
 import pathlib
+from typing import Any
 
 import numpy as np
 
+from capo_jax.demo import compare
+from capo_jax.eval import calibration
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
-_CAPO = {"algo.name": "capo", "algo.mask": "on"}
-_GRPO = {"algo.name": "grpo", "algo.mask": "off"}
-VARIANTS = {
-    "capo": _CAPO,
-    "grpo": _GRPO,
-    # Controls: which part of CAPO does the work, its logistic weights or GRPO's 1/std.
-    "dr_grpo": {"algo.name": "dr_grpo", "algo.mask": "off"},
-    "capo_tau10": {**_CAPO, "algo.tau": 10.0},  # large tau: Dr.GRPO up to a constant
-    "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
-    "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
-    "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
-    # Learning-rate sweep (x the default 1e-4).
-    "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},
-    "grpo_lr2": {**_GRPO, "optim.lr": 2e-4},
-    "capo_lr0.5": {**_CAPO, "optim.lr": 5e-5},
-    "capo_lr2": {**_CAPO, "optim.lr": 2e-4},
-    # The mask: ablations, and a verifier that flips 10% of the training rewards.
-    "capo_nomask": {"algo.name": "capo", "algo.mask": "off"},
-    "grpo_mask": {"algo.name": "grpo", "algo.mask": "on"},
-    "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
-    "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
-    "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
-}
+VARIANTS = compare.VARIANTS
 STUDY_STEPS, STUDY_EVAL_EVERY = 150, 50
 METRICS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy")
 
@@ -80,18 +62,8 @@ def run_all(args: argparse.Namespace) -> None:
       f"{v}_seed{s}" for s in args.seeds for v in args.variants]
   ws = demo_run.get_warm_start(make_config("capo", 0, args.set), args.workdir)
   print(f"warm start: {ws.info.get('path')} ({'trained' if ws.info.get('trained') else 'cached'})")
-  # The warm start's held-out eval is the same for every run: compute it once.
-  initial_path = os.path.join(args.workdir, "warm_start_eval.json")
-  if os.path.exists(initial_path):
-    initial = json.loads(pathlib.Path(initial_path).read_text())
-  else:
-    c0 = make_config("capo", 0, args.set)
-    from capo_jax.demo import task as task_lib  # pylint: disable=import-outside-toplevel
-    heldout = task_lib.make_splits(demo_run.task_config(c0))[1][:c0.demo.eval_questions]
-    initial = demo_run.heldout_metrics(
-        ws, ws.params, heldout, c0.demo.eval_samples, c0.demo.eval_seed,
-        save_to=os.path.join(args.workdir, "warm_start_heldout.npz"))
-    pathlib.Path(initial_path).write_text(json.dumps(initial))
+  # The warm start's held-out eval is the same for every run: computed once, cached.
+  initial = demo_run.warm_start_eval(make_config("capo", 0, args.set), args.workdir, ws)
   for name in names:
     variant, seed = name.rsplit("_seed", 1)
     print(f"=== {name}", flush=True)
@@ -108,55 +80,137 @@ def load_runs(workdir: str) -> dict[str, dict[int, list[dict[str, float]]]]:
   return runs
 
 
-def _final(evals: list[dict[str, float]], key: str, last: int) -> float:
-  """Mean of a metric over the last ``last`` evaluations (eval noise is ~+-0.04)."""
-  vals = [e[key] for e in evals[-last:] if e.get(key) is not None]
-  return float(np.nanmean(vals)) if vals else float("nan")
+def _arrays(path: pathlib.Path) -> tuple[np.ndarray, np.ndarray]:
+  with np.load(path) as z:
+    return z["s_QG"], z["correct_QG"]
 
 
-def report(workdir: str, out: str, last: int) -> str:
-  import matplotlib  # pylint: disable=import-outside-toplevel
-  matplotlib.use("Agg")
-  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+def _final_arrays(workdir: str, variant: str, seed: int, evals: list[dict[str, float]]
+                  ) -> tuple[np.ndarray, np.ndarray]:
+  step = evals[-1]["step"]
+  return _arrays(pathlib.Path(workdir) / f"{variant}_seed{seed}" / "heldout" /
+                 f"step_{step:06d}.npz")
+
+
+def _mask_fractions(workdir: str, variant: str, seed: int) -> tuple[float, float]:
+  """Mean masked fraction among correct and among wrong training samples."""
+  rows = [json.loads(line) for line in
+          (pathlib.Path(workdir) / f"{variant}_seed{seed}" / "metrics.jsonl").open()]
+  get = lambda k: float(np.mean([r[k] for r in rows if k in r])) if any(  # noqa: E731
+      k in r for r in rows) else float("nan")
+  return get("masked_frac_correct"), get("masked_frac_wrong")
+
+
+COLUMNS = ("accuracy", "auc_mean", "pooled_auc", "aurc", "auc_hard", "entropy", "rule_share")
+
+
+def analyse(workdir: str, baseline: str = "grpo") -> dict[str, Any]:
+  """Per variant: final metrics (mean, sd over seeds), the paired ΔAUC against
+  ``baseline`` on the seeds both have, AUC-mean at matched accuracy, mask fractions."""
   runs = load_runs(workdir)
   if not runs:
     raise SystemExit(f"no finished runs (evals.json) under {workdir}")
-  os.makedirs(out, exist_ok=True)
-  summary: dict[str, dict[str, float]] = {}
+  s0, c0 = _arrays(pathlib.Path(workdir) / "warm_start_heldout.npz")
+  bucket_Q, labels = compare.difficulty_buckets(c0)
+  warm = compare.summary(s0, c0, bucket_Q, len(labels))
   start = next(iter(next(iter(runs.values())).values()))[0]
-  lines = ["| variant | seeds | " + " | ".join(METRICS) + " |",
-           "|---|---|" + "---|" * len(METRICS),
-           "| warm start | - | " + " | ".join(f"{start.get(m, float('nan')):.3f}"
-                                              for m in METRICS) + " |"]
+  warm_row = {**{k: start.get(k, float("nan")) for k in COLUMNS}, "auc_hard": warm["buckets"][0][0]}
+  per: dict[str, dict[int, dict[str, Any]]] = {}
   for variant, by_seed in runs.items():
-    row = {}
-    for m in METRICS:
-      vals = np.array([_final(ev, m, last) for ev in by_seed.values()])
-      row[m], row[m + "_sd"] = float(np.nanmean(vals)), float(np.nanstd(vals))
-    summary[variant] = {**row, "seeds": sorted(by_seed)}
-    lines.append(f"| {variant} | {len(by_seed)} | " + " | ".join(
-        f"{row[m]:.3f} ± {row[m + '_sd']:.3f}" for m in METRICS) + " |")
-  table = "\n".join(lines)
-  fig, axes = plt.subplots(1, len(METRICS), figsize=(4 * len(METRICS), 3.4))
+    for seed, evals in by_seed.items():
+      s, c = _final_arrays(workdir, variant, seed, evals)
+      summ = compare.summary(s, c, bucket_Q, len(labels))
+      per.setdefault(variant, {})[seed] = dict(
+          **{k: evals[-1].get(k, float("nan")) for k in COLUMNS if k != "auc_hard"},
+          auc_hard=summ["buckets"][0][0], buckets=[b[0] for b in summ["buckets"]],
+          auc_Q=calibration.auc_per_question(s, c),
+          peak_auc=max(e["auc_mean"] for e in evals),
+          mask=_mask_fractions(workdir, variant, seed), evals=evals)
+  out: dict[str, Any] = {"labels": labels, "warm_start": warm_row,
+                         "warm_buckets": [b[0] for b in warm["buckets"]], "variants": {}}
+  base = per.get(baseline, {})
+  for variant, by_seed in per.items():
+    row: dict[str, Any] = {"seeds": sorted(by_seed)}
+    for k in COLUMNS + ("peak_auc",):
+      vals = np.array([r[k] for r in by_seed.values()], float)
+      row[k], row[k + "_sd"] = float(np.nanmean(vals)), float(np.nanstd(vals))
+    row["buckets"] = np.nanmean([r["buckets"] for r in by_seed.values()], 0).tolist()
+    row["masked_correct"], row["masked_wrong"] = np.nanmean(
+        [r["mask"] for r in by_seed.values()], 0).tolist()
+    shared = sorted(set(by_seed) & set(base))
+    if variant != baseline and shared:
+      row["paired"] = compare.paired_delta_auc(
+          np.stack([by_seed[k]["auc_Q"] for k in shared]),
+          np.stack([base[k]["auc_Q"] for k in shared]))
+      # AUC-mean of both where each first reaches the lower of their final accuracies.
+      gaps = []
+      for k in shared:
+        target = min(by_seed[k]["evals"][-1]["accuracy"], base[k]["evals"][-1]["accuracy"])
+        gaps.append(compare.value_at_accuracy(by_seed[k]["evals"], target, "auc_mean")
+                    - compare.value_at_accuracy(base[k]["evals"], target, "auc_mean"))
+      row["matched_delta_auc"] = float(np.nanmean(gaps))
+    out["variants"][variant] = row
+  return out
+
+
+def _table(res: dict[str, Any], baseline: str) -> str:
+  head = ["variant", "seeds", *COLUMNS, "peak AUC", f"ΔAUC vs {baseline} [95%]",
+          "ΔAUC at matched acc.", "masked (correct / wrong)"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  w = res["warm_start"]
+  lines.append("| warm start | - | " + " | ".join(_f(w[k]) for k in COLUMNS)
+               + " | - | - | - | - |")
+  for variant, r in res["variants"].items():
+    p = r.get("paired")
+    paired = (f"{p['delta']:+.3f} [{p['lo']:+.3f}, {p['hi']:+.3f}]" if p else "-")
+    matched = f"{r['matched_delta_auc']:+.3f}" if "matched_delta_auc" in r else "-"
+    lines.append(f"| {variant} | {len(r['seeds'])} | " + " | ".join(
+        f"{_f(r[k])} ± {_f(r[k + '_sd'])}" for k in COLUMNS) + f" | {_f(r['peak_auc'])} | "
+        f"{paired} | {matched} | {_f(r['masked_correct'])} / {_f(r['masked_wrong'])} |")
+  buckets = ["| AUC-mean by warm-start accuracy | " + " | ".join(res["labels"]) + " |",
+             "|---|" + "---|" * len(res["labels"]),
+             "| warm start | " + " | ".join(_f(v) for v in res["warm_buckets"]) + " |"]
+  for variant, r in res["variants"].items():
+    buckets.append(f"| {variant} | " + " | ".join(_f(v) for v in r["buckets"]) + " |")
+  return "\n".join(lines) + "\n\n" + "\n".join(buckets)
+
+
+def _f(v: Any) -> str:
+  return "nan" if v is None or not np.isfinite(v) else f"{v:.3f}"
+
+
+def report(workdir: str, out: str, baseline: str = "grpo") -> str:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  res = analyse(workdir, baseline)
+  runs = load_runs(workdir)
+  os.makedirs(out, exist_ok=True)
+  table = _table(res, baseline)
+  keys = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy")
+  fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
   for variant, by_seed in runs.items():
     steps = [e["step"] for e in next(iter(by_seed.values()))]
-    for ax, m in zip(axes, METRICS):
-      curves = np.array([[e.get(m, np.nan) if e.get(m) is not None else np.nan for e in ev]
+    for ax, m in zip(axes, keys):
+      curves = np.array([[np.nan if e.get(m) is None else e[m] for e in ev]
                          for ev in by_seed.values() if len(ev) == len(steps)], float)
-      mean = np.nanmean(curves, 0)
-      line, = ax.plot(steps, mean, label=variant)
+      line, = ax.plot(steps, np.nanmean(curves, 0), "o-", label=variant)
       ax.fill_between(steps, np.nanmin(curves, 0), np.nanmax(curves, 0),
                       color=line.get_color(), alpha=0.15)
       ax.set_title(m)
       ax.set_xlabel("RL step")
-  axes[0].legend()
+  axes[0].legend(fontsize=7)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "demo_curves.png"), dpi=110)
+  plt.close(fig)
   with open(os.path.join(out, "demo_results.md"), "w", encoding="utf-8") as f:
-    f.write(f"Final = mean of the last {last} held-out evaluations, then mean ± sd over "
-            "seeds.\n\n" + table + "\n")
+    f.write("Final step, mean ± sd over seeds; ΔAUC paired per question (same questions, same "
+            "evaluation seed) over questions mixed under both, bootstrap 95% interval over "
+            "questions and seeds; auc_hard = AUC-mean on questions the warm start gets right "
+            "at most 1/4 of the time.\n\n" + table + "\n")
+  slim = {v: {k: x for k, x in r.items()} for v, r in res["variants"].items()}
   with open(os.path.join(out, "demo_results.json"), "w", encoding="utf-8") as f:
-    json.dump({"summary": summary, "runs": runs}, f, indent=1)
+    json.dump({"summary": {**res, "variants": slim}, "runs": runs}, f, indent=1)
   return table
 
 
@@ -169,12 +223,12 @@ def main() -> None:
   p.add_argument("--runs", default="", help="comma list of <variant>_seed<k> to run")
   p.add_argument("--set", action="append", default=[],
                  help="config override section.field=value (e.g. train.num_steps=100)")
-  p.add_argument("--last", type=int, default=2, help="evals averaged for the final numbers")
+  p.add_argument("--baseline", default="grpo", help="the variant ΔAUC is paired against")
   p.add_argument("--report_only", action="store_true")
   args = p.parse_args()
   if not args.report_only:
     run_all(args)
-  print(report(args.workdir, args.out, args.last))
+  print(report(args.workdir, args.out, args.baseline))
 
 
 if __name__ == "__main__":

@@ -46,6 +46,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.demo.eval_questions = 1000
   c.demo.eval_samples = 16
   c.demo.eval_seed = 1234
+  # The main command trains each of these from the same warm start and compares them
+  # (names of capo_jax.demo.compare.VARIANTS).
+  c.demo.methods = "grpo,capo"
   c.demo.reward_flip = 0.0  # > 0: flip this fraction of training rewards (noisy verifier)
 
   c.rollout.num_prompts = 32

@@ -32,6 +32,31 @@ from capo_jax.eval import calibration
 
 BUCKET_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
+# The methods the demo and its study compare: config overrides of configs/demo.py.
+_CAPO = {"algo.name": "capo", "algo.mask": "on"}
+_GRPO = {"algo.name": "grpo", "algo.mask": "off"}
+VARIANTS: dict[str, dict[str, Any]] = {
+    "capo": _CAPO,
+    "grpo": _GRPO,
+    # Controls: which part of CAPO does the work, its logistic weights or GRPO's 1/std.
+    "dr_grpo": {"algo.name": "dr_grpo", "algo.mask": "off"},
+    "capo_tau10": {**_CAPO, "algo.tau": 10.0},  # large tau: Dr.GRPO up to a constant
+    "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
+    "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
+    "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
+    # Learning-rate sweep (x the default 1e-4).
+    "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},
+    "grpo_lr2": {**_GRPO, "optim.lr": 2e-4},
+    "capo_lr0.5": {**_CAPO, "optim.lr": 5e-5},
+    "capo_lr2": {**_CAPO, "optim.lr": 2e-4},
+    # The mask: ablations, and a verifier that flips 10% of the training rewards.
+    "capo_nomask": {"algo.name": "capo", "algo.mask": "off"},
+    "grpo_mask": {"algo.name": "grpo", "algo.mask": "on"},
+    "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
+    "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
+    "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
+}
+
 
 def paired_delta_auc(auc_a_KQ: Any, auc_b_KQ: Any, *, n_boot: int = 2000, seed: int = 0,
                      level: float = 0.95) -> dict[str, float]:

@@ -145,7 +145,7 @@ def _fmt(v: Any) -> str:
 
 
 def report(evals: list[dict[str, float]]) -> str:
-  """A before / after table of the held-out metrics."""
+  """A before / after table of one run's held-out metrics."""
   first, last = evals[0], evals[-1]
   lines = [f"{'held-out metric':<20} {'warm start':>11} {'step ' + str(last['step']):>11}"]
   for k in REPORT_KEYS:
@@ -153,15 +153,125 @@ def report(evals: list[dict[str, float]]) -> str:
   return "\n".join(lines)
 
 
-def run(c: ml_collections.ConfigDict, workdir: str) -> list[dict[str, float]]:
-  """The README's main command: warm start if not cached, then CAPO, then the report."""
+def method_config(c: ml_collections.ConfigDict, method: str) -> ml_collections.ConfigDict:
+  """``c`` with the overrides of ``compare.VARIANTS[method]`` (e.g. "grpo", "capo")."""
+  if method not in compare.VARIANTS:
+    raise ValueError(f"config.demo.methods: unknown method {method!r}; known: "
+                     f"{', '.join(compare.VARIANTS)}")
+  out = ml_collections.ConfigDict(c.to_dict())
+  for key, value in compare.VARIANTS[method].items():
+    section, leaf = key.split(".")
+    out[section][leaf] = value
+  return out
+
+
+def warm_start_eval(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart
+                    ) -> dict[str, float]:
+  """The warm start's held-out metrics, shared by every run from it; cached in the
+  workdir (``warm_start_eval.json`` and the per-sample ``warm_start_heldout.npz``)."""
+  path = os.path.join(workdir, "warm_start_eval.json")
+  key = {"warm_start": ws.info.get("path"), "questions": c.demo.eval_questions,
+         "samples": c.demo.eval_samples, "seed": c.demo.eval_seed}
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      cached = json.load(f)
+    if cached.get("key", key) == key:
+      return {k: v for k, v in cached.items() if k != "key"}
+  heldout = task_lib.make_splits(task_config(c))[1][:c.demo.eval_questions]
+  m = heldout_metrics(ws, ws.params, heldout, c.demo.eval_samples, c.demo.eval_seed,
+                      save_to=os.path.join(workdir, "warm_start_heldout.npz"))
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    json.dump({**m, "key": key}, f)
+  os.replace(path + ".tmp", path)
+  return m
+
+
+def _heldout_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
+  with np.load(path) as z:
+    return z["s_QG"], z["correct_QG"]
+
+
+def compare_runs(workdir: str, runs: dict[str, list[dict[str, float]]],
+                 a: str = "capo", b: str = "grpo") -> dict[str, Any]:
+  """Final-step numbers of each run on the warm start's difficulty buckets, and the
+  paired per-question ΔAUC (``a`` minus ``b``, bootstrap over questions)."""
+  s0, c0 = _heldout_arrays(os.path.join(workdir, "warm_start_heldout.npz"))
+  bucket_Q, labels = compare.difficulty_buckets(c0)
+  out: dict[str, Any] = {"labels": labels,
+                         "warm start": compare.summary(s0, c0, bucket_Q, len(labels))}
+  auc: dict[str, np.ndarray] = {}
+  for name, evals in runs.items():
+    step = evals[-1]["step"]
+    s, c = _heldout_arrays(os.path.join(workdir, name, "heldout", f"step_{step:06d}.npz"))
+    out[name] = compare.summary(s, c, bucket_Q, len(labels))
+    auc[name] = calibration.auc_per_question(s, c)
+  if a in auc and b in auc:
+    out["paired"] = compare.paired_delta_auc(auc[a], auc[b])
+  return out
+
+
+def side_by_side(runs: dict[str, list[dict[str, float]]], cmp: dict[str, Any],
+                 a: str = "capo", b: str = "grpo") -> str:
+  """The main command's table: warm start and each method's final step, one column each."""
+  names = list(runs)
+  cols = ["warm start"] + [f"{n} @{runs[n][-1]['step']}" for n in names]
+  lines = [f"{'held-out metric':<24}" + "".join(f"{col:>14}" for col in cols)]
+  first = runs[names[0]][0]
+  for k in ("accuracy", "auc_mean", "pooled_auc", "aurc", "entropy", "rule_share"):
+    vals = [first.get(k)] + [runs[n][-1].get(k) for n in names]
+    lines.append(f"{k:<24}" + "".join(f"{_fmt(v):>14}" for v in vals))
+  hard = cmp["labels"][0]
+  vals = [cmp["warm start"]["buckets"][0][0]] + [cmp[n]["buckets"][0][0] for n in names]
+  lines.append(f"{'auc, hard ' + hard:<24}" + "".join(f"{_fmt(v):>14}" for v in vals))
+  if "paired" in cmp:
+    p = cmp["paired"]
+    lines.append(f"\npaired ΔAUC ({a} - {b}) over the {p['pairs']} questions mixed under both: "
+                 f"{p['delta']:+.3f}, 95% bootstrap interval [{p['lo']:+.3f}, {p['hi']:+.3f}]")
+  lines.append(f"(hard: questions the warm start gets right at most 1/4 of the time; "
+               f"buckets are the warm start's, the same questions for every method)")
+  return "\n".join(lines)
+
+
+def plot_curves(runs: dict[str, list[dict[str, float]]], path: str,
+                keys: tuple[str, ...] = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy")
+                ) -> str:
+  """Held-out metrics over RL steps, one line per method, one panel per metric."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2))
+  for name, evals in runs.items():
+    steps = [e["step"] for e in evals]
+    for ax, k in zip(axes, keys):
+      ax.plot(steps, [np.nan if e.get(k) is None else e[k] for e in evals], "o-", label=name)
+      ax.set_title(k)
+      ax.set_xlabel("RL step")
+  axes[0].legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
+def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, list[dict[str, float]]]:
+  """The README's main command: the warm start (cached), then each of
+  ``demo.methods`` from it (GRPO and CAPO by default), then the side-by-side report
+  and ``<workdir>/demo_curves.png``. Returns each method's evaluations."""
   ws = get_warm_start(c, workdir)
   info = ws.info
   print(f"warm start: {'trained' if info.get('trained') else 'loaded from cache'} "
         f"({info.get('steps')} SFT steps, {info.get('wall_s', 0):.0f} s) -> {info.get('path')}")
-  evals = run_rl(c, workdir, ws)
-  print(f"\n{c.algo.name} on the synthetic task, {c.demo.eval_questions} held-out questions "
-        f"x {c.demo.eval_samples} samples:")
-  print(report(evals))
-  return evals
-
+  initial = warm_start_eval(c, workdir, ws)
+  methods = [m.strip() for m in c.demo.methods.split(",") if m.strip()]
+  runs = {}
+  for method in methods:
+    print(f"=== {method}", flush=True)
+    runs[method] = run_rl(method_config(c, method), workdir, ws, run_name=method,
+                          initial_eval=initial)
+  cmp = compare_runs(workdir, runs)
+  png = plot_curves(runs, os.path.join(workdir, "demo_curves.png"))
+  print(f"\n{', '.join(methods)} from one warm start, {c.demo.eval_questions} held-out "
+        f"questions x {c.demo.eval_samples} samples (evaluation seed {c.demo.eval_seed}):")
+  print(side_by_side(runs, cmp))
+  print(f"curves: {png}")
+  return runs
