@@ -29,14 +29,22 @@ def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
   return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines()]
 
 
-def _report_rows(text: str) -> dict[str, tuple[str, str]]:
-  """``metric -> (warm start, last step)`` cells of the printed before/after table."""
+def _report_rows(text: str) -> dict[str, list[str]]:
+  """``metric -> [warm start, grpo, capo]`` cells of the printed side-by-side table."""
   rows = {}
-  for line in text[text.index("held-out metric"):].splitlines()[1:]:
-    parts = line.split()
-    if len(parts) == 3:
-      rows[parts[0]] = (parts[1], parts[2])
+  block = text[text.index("held-out metric"):].split("\n\n")[0]
+  for line in block.splitlines()[1:]:
+    parts = line.rsplit(maxsplit=3)
+    rows[parts[0].strip()] = parts[1:]
   return rows
+
+
+def _brute_auc(s_G: Any, c_G: Any) -> float:
+  pos = [s for s, c in zip(s_G, c_G) if c]
+  neg = [s for s, c in zip(s_G, c_G) if not c]
+  if not pos or not neg:
+    return float("nan")
+  return sum((p > n) + 0.5 * (p == n) for p in pos for n in neg) / (len(pos) * len(neg))
 
 
 def _cache_files(workdir: pathlib.Path) -> dict[str, int]:
@@ -65,24 +73,39 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   assert list(cache.glob("*.safetensors"))
   assert json.loads((cache / "warm_start.json").read_text(encoding="utf-8"))["steps"] == 20
 
-  # metrics.jsonl: training rows for every step, held-out evals before and after.
-  rows = _jsonl(workdir / "capo_seed0" / "metrics.jsonl")
-  assert sorted({r["step"] for r in rows if "loss" in r}) == list(range(1, TINY_STEPS + 1))
-  evals = {r["step"]: r for r in rows if "eval/accuracy" in r}
-  assert sorted(evals) == [0, TINY_STEPS]
-  for ev in evals.values():
-    assert 0 <= ev["eval/accuracy"] <= 1
-    # mean@G over 16 x 2 samples: a whole number of right samples.
-    assert ev["eval/accuracy"] * TINY_SAMPLES == pytest.approx(
-        round(ev["eval/accuracy"] * TINY_SAMPLES), abs=1e-9)
-
-  # The before/after report: accuracy and AUC-mean rows, first and last evaluation.
+  # Each method's metrics.jsonl: training rows for every step, held-out evals before
+  # and after; per-sample held-out scores for the paired comparison.
+  import numpy as np  # pylint: disable=import-outside-toplevel
   report = _report_rows(out)
-  assert {"accuracy", "auc_mean"} <= set(report), out
-  assert report["accuracy"] == (f"{evals[0]['eval/accuracy']:.3f}",
-                                f"{evals[TINY_STEPS]['eval/accuracy']:.3f}")
-  assert len(report["auc_mean"]) == 2
-  assert re.search(rf"held-out metric\s+warm start\s+step {TINY_STEPS}", out)
+  evals = {}
+  for col, method in enumerate(("grpo", "capo"), start=1):
+    rows = _jsonl(workdir / method / "metrics.jsonl")
+    assert sorted({r["step"] for r in rows if "loss" in r}) == list(range(1, TINY_STEPS + 1))
+    evals[method] = {r["step"]: r for r in rows if "eval/accuracy" in r}
+    assert sorted(evals[method]) == [0, TINY_STEPS]
+    for ev in evals[method].values():
+      # mean@G over 16 x 2 samples: a whole number of right samples.
+      assert ev["eval/accuracy"] * TINY_SAMPLES == pytest.approx(
+          round(ev["eval/accuracy"] * TINY_SAMPLES), abs=1e-9)
+    assert report["accuracy"][col] == f"{evals[method][TINY_STEPS]['eval/accuracy']:.3f}"
+    assert report["accuracy"][0] == f"{evals[method][0]['eval/accuracy']:.3f}"
+  assert re.search(rf"held-out metric\s+warm start\s+grpo @{TINY_STEPS}\s+capo @{TINY_STEPS}",
+                   out), out
+  assert (workdir / "demo_curves.png").stat().st_size > 1000
+
+  # The paired ΔAUC line, recomputed from the saved samples with a brute-force AUC.
+  aucs = {}
+  for method in ("grpo", "capo"):
+    with np.load(workdir / method / "heldout" / f"step_{TINY_STEPS:06d}.npz") as z:
+      aucs[method] = np.array([_brute_auc(s, c) for s, c in zip(z["s_QG"], z["correct_QG"])])
+  both = np.isfinite(aucs["grpo"]) & np.isfinite(aucs["capo"])
+  m = re.search(r"paired ΔAUC \(capo - grpo\) over the (\d+) questions mixed under both: "
+                r"([+-]?[\d.]+|nan),", out)
+  assert m, out
+  assert int(m.group(1)) == int(both.sum())
+  if both.any():
+    assert float(m.group(2)) == pytest.approx(float((aucs["capo"] - aucs["grpo"])[both].mean()),
+                                              abs=5e-4)
 
   # Second call, in process: the cache is loaded (SFT would raise), nothing rewritten.
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
@@ -95,10 +118,10 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   monkeypatch.setattr(warm_start, "train_sft", no_training)
   before = _cache_files(workdir)
   capsys.readouterr()
-  evals_again = demo_run.run(demo.get_config("shrink"), str(workdir))
+  runs_again = demo_run.run(demo.get_config("shrink"), str(workdir))
   out2 = capsys.readouterr().out
   assert "warm start: loaded from cache" in out2, out2
   assert _cache_files(workdir) == before
-  assert [e["step"] for e in evals_again] == [0, TINY_STEPS]
-  # The resumed run reads its evaluations back from metrics.jsonl (NaN included).
+  assert [e["step"] for e in runs_again["capo"]] == [0, TINY_STEPS]
+  # The resumed runs read their evaluations back from metrics.jsonl (NaN included).
   assert _report_rows(out2) == report

@@ -225,8 +225,9 @@ def side_by_side(runs: dict[str, list[dict[str, float]]], cmp: dict[str, Any],
   lines.append(f"{'auc, hard ' + hard:<24}" + "".join(f"{_fmt(v):>14}" for v in vals))
   if "paired" in cmp:
     p = cmp["paired"]
+    sg = lambda v: "nan" if np.isnan(v) else f"{v:+.3f}"  # noqa: E731
     lines.append(f"\npaired ΔAUC ({a} - {b}) over the {p['pairs']} questions mixed under both: "
-                 f"{p['delta']:+.3f}, 95% bootstrap interval [{p['lo']:+.3f}, {p['hi']:+.3f}]")
+                 f"{sg(p['delta'])}, 95% bootstrap interval [{sg(p['lo'])}, {sg(p['hi'])}]")
   lines.append(f"(hard: questions the warm start gets right at most 1/4 of the time; "
                f"buckets are the warm start's, the same questions for every method)")
   return "\n".join(lines)
