@@ -49,10 +49,13 @@ def make_config(variant: str, seed: int, overrides: list[str]):
     c[section][leaf] = value
   c.train.num_steps = STUDY_STEPS
   c.eval.every_steps = STUDY_EVAL_EVERY
-  for kv in overrides:  # again: --set may change the study's steps too
+  for kv in overrides:  # last: --set may change the study's steps too
     key, value = kv.split("=", 1)
-    section, leaf = key.split(".")
-    c[section][leaf] = type(c[section][leaf])(value)
+    *path, leaf = key.split(".")
+    node = c
+    for part in path:
+      node = node[part]
+    node[leaf] = type(node[leaf])(value)
   return c
 
 
