@@ -65,6 +65,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # many slots (benchmarks/memory_plan.py picks it); 0: all rows of a call at once.
   # The samples are the same either way.
   c.rollout.max_active_rows = 0
+  # DAPO's dynamic sampling (capo_jax/rl/dynamic_sampling.py): keep drawing batches of Q
+  # prompts, at most dynamic_max_draws per step, until Q groups are neither all right nor
+  # all wrong (those have zero advantage). Off: the paper's runs.
+  c.rollout.dynamic_sampling = False
+  c.rollout.dynamic_max_draws = 3
 
   c.algo = ml_collections.ConfigDict()
   c.algo.name = "capo"  # one of ALGORITHMS

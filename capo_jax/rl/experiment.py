@@ -95,6 +95,9 @@ def validate(c: ml_collections.ConfigDict, *, num_devices: int | None = None,
   if r.max_active_rows < 0:
     _fail("rollout.max_active_rows", r.max_active_rows,
           "must be 0 (all rows at once) or the number of rows decoded at once")
+  if r.dynamic_sampling and r.dynamic_max_draws < 2:
+    _fail("rollout.dynamic_max_draws", r.dynamic_max_draws,
+          "must be >= 2 with rollout.dynamic_sampling (1 draw per step is no filter)")
   for field in ("max_prompt_len", "max_new_tokens"):
     if r[field] < 1:
       _fail(f"rollout.{field}", r[field], "must be >= 1")
@@ -229,7 +232,8 @@ def rollout_spec(c: ml_collections.ConfigDict) -> rollout.RolloutSpec:
       max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
       adv=advantage_spec(c), old_from_sampler=r.old_logprobs == "sampler",
       simko_k=c.loss.simko_k if c.algo.name == "simko" else 0,
-      prompts_per_call=r.prompts_per_call, max_active_rows=r.max_active_rows)
+      prompts_per_call=r.prompts_per_call, max_active_rows=r.max_active_rows,
+      dynamic_max_draws=r.dynamic_max_draws if r.dynamic_sampling else 1)
 
 
 def num_updates(c: ml_collections.ConfigDict) -> int:

@@ -65,16 +65,18 @@ def _mean_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
   return {k: float(np.mean([float(r[k]) for r in rows])) for k in keys}
 
 
-def _sample_records(ro: rollout.Rollout, examples: Sequence[data.Example], G: int, n: int
+def _sample_records(ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
                     ) -> list[dict[str, Any]]:
-  """The first ``n`` of this process's completions, for a human to read."""
+  """The first ``n`` completions of this process's groups, for a human to read."""
+  rows = [q * G + g for q, e in enumerate(ro.examples_Q) if e is not None for g in range(G)][:n]
+  texts = tokenizer.decode_completions(ro.completion_tokens_BC[rows], ro.completion_mask_BC[rows])
   recs = []
-  q0 = ro.local_rows.start // G
-  for i, text in enumerate(ro.texts[:n]):
+  for i, text in zip(rows, texts):
     q, g = divmod(i, G)
-    recs.append({"question": examples[q].problem, "gold": examples[q].answer,
-                 "completion": text, "reward": float(ro.rewards_QG[q0 + q, g]),
-                 "s": float(ro.s_QG[q0 + q, g]), "advantage": float(ro.adv_QG[q0 + q, g])})
+    e = ro.examples_Q[q]
+    recs.append({"question": e.problem, "gold": e.answer, "completion": text,
+                 "reward": float(ro.rewards_QG[q, g]), "s": float(ro.s_QG[q, g]),
+                 "advantage": float(ro.adv_QG[q, g])})
   return recs
 
 
@@ -184,7 +186,8 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
           examples, ctx, params_sampling=to_sampling(state.params),
           params_train=w.base if tcfg.lora else state.params, ref_params=w.reference,
           step=step, rng=jax.random.fold_in(rng, step),
-          adapters=state.params if tcfg.lora else None)
+          adapters=state.params if tcfg.lora else None,
+          draw_more=iterator.next_batch if c.rollout.dynamic_sampling else None)
       t1 = time.perf_counter()
       update_metrics = []
       for _ in range(c.train.ppo_epochs):
@@ -207,7 +210,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
       if every(c.log.every_steps, done) or done == c.train.num_steps:
         writer.write(done, row)
       if every(c.log.samples_every_steps, done):
-        writer.write_samples(done, _sample_records(ro, examples, G, c.log.num_samples_logged))
+        writer.write_samples(done, _sample_records(ro, tokenizer, G, c.log.num_samples_logged))
       bar.update(1)
       bar.set_postfix_str(metrics.summary_line(row))
       if consecutive_skips >= c.train.max_consecutive_skips:

@@ -29,6 +29,7 @@ from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
 from capo_jax.rl import advantages
+from capo_jax.rl import dynamic_sampling
 from capo_jax.rl import packing
 from capo_jax.rl import train_step
 from capo_jax.rl.logprobs import mean_logprob
@@ -172,6 +173,7 @@ class RolloutSpec:
   simko_k: int = 0
   prompts_per_call: int = 0  # 0: all Q prompts in one sampler call
   max_active_rows: int = 0  # the engine's KV slots per call; 0: all rows of a call
+  dynamic_max_draws: int = 1  # > 1: dynamic sampling, at most this many batches of Q prompts
 
 
 @dataclasses.dataclass
@@ -189,8 +191,8 @@ class Rollout:
   s_QG: np.ndarray
   adv_QG: np.ndarray
   metrics: dict[str, float]
-  texts: list[str]  # this process's completions
-  local_rows: slice  # which global rows ``texts`` are
+  # The example of each group when this process drew it, else None (multi-host).
+  examples_Q: list[Example | None]
 
   def minibatches(self, mini_batch_prompts: int, num_samples: int, pack_len: int = 0,
                   pack_rows: int = 1) -> list[TrainBatch] | list[packing.PackedTrainBatch]:
@@ -227,21 +229,25 @@ class RolloutContext:
   sampling_rules: Any
 
 
-def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling: Any,
-            params_train: Any, ref_params: Any | None, step: int, rng: jax.Array,
-            adapters: Any = None) -> Rollout:
-  """Samples, grades and scores this step's questions (``examples``: this process's share).
+@dataclasses.dataclass
+class _Graded:
+  """One batch of drawn prompts, sampled and graded (global host arrays)."""
+  tokens_QP: np.ndarray
+  mask_QP: np.ndarray
+  comp_BC: np.ndarray
+  cmask_BC: np.ndarray
+  logp_BC: np.ndarray
+  lengths_B: np.ndarray
+  truncated_B: np.ndarray
+  rewards_QG: np.ndarray
+  health: dict[str, int]
+  time_reward: float = 0.0
 
-  ``params_sampling``: the policy in the sampler's dtype and shardings;
-  ``params_train``: the same policy as trained (old log-probs come from it);
-  ``ref_params``: the frozen reference, or None when nothing needs it.
-  LoRA: ``params_train`` is the frozen base (also ``ref_params``: one copy)
-  and ``adapters`` the trained adapters; the policy is the two together.
-  """
-  spec, model_cfg, tokenizer, grader = ctx.spec, ctx.model_cfg, ctx.tokenizer, ctx.grader
-  logprob_fn, mesh, sampling_rules = ctx.logprob_fn, ctx.mesh, ctx.sampling_rules
+
+def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_sampling: Any,
+                      rng: jax.Array) -> _Graded:
+  spec, tokenizer = ctx.spec, ctx.tokenizer
   G = spec.num_samples
-  t0 = time.perf_counter()
   tok_local, mask_local = tokenizer.encode_prompts([e.problem for e in examples],
                                                    spec.max_prompt_len)
   # Equal widths on every process, so the all-gather stacks cleanly.
@@ -256,33 +262,89 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   parts = []
   for i, start in enumerate(range(0, Q, per_call)):
     samples = sampling.generate(
-        params_sampling, model_cfg, tokens_QP[start:start + per_call],
+        params_sampling, ctx.model_cfg, tokens_QP[start:start + per_call],
         mask_QP[start:start + per_call], jax.random.fold_in(rng, i), num_samples=G,
         max_new_tokens=spec.max_new_tokens,
         strategy=sampling.make_strategy(spec.temperature, spec.top_p, spec.top_k),
         stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-        layout=Layout.of(mesh, sampling_rules), max_active_rows=spec.max_active_rows or None)
+        layout=Layout.of(ctx.mesh, ctx.sampling_rules),
+        max_active_rows=spec.max_active_rows or None)
     parts.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.logprobs_BC,
                                        samples.lengths_B, samples.truncated_B)])
-  comp_BC, cmask_BC, sampler_logp_BC, lengths_B, truncated_B = (
-      np.concatenate(xs) for xs in zip(*parts))
-  t_sample = time.perf_counter() - t0
-
-  # Completion width: the longest sample of the step, bucketed (bounded compiles).
-  C = min(-(-max(int(lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET, comp_BC.shape[1])
-  comp_BC, cmask_BC, sampler_logp_BC = comp_BC[:, :C], cmask_BC[:, :C], sampler_logp_BC[:, :C]
+  comp_BC, cmask_BC, logp_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*parts))
 
   # Grade this process's own rows only; share the rewards.
-  t1 = time.perf_counter()
+  t0 = time.perf_counter()
   n_local = len(examples) * G
   local_rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
   texts = tokenizer.decode_completions(comp_BC[local_rows], cmask_BC[local_rows])
   golds = [e.answer for e in examples for _ in range(G)]
-  rewards_local, health = grader.score(texts, golds)
+  rewards_local, health = ctx.grader.score(texts, golds)
   rewards_QG = gather_rows(np.asarray(rewards_local, np.float32)).reshape(Q, G)
   health_counts = gather_rows(np.asarray([list(health.as_dict().values())], np.int64)).sum(0)
-  health_all = dict(zip(health.as_dict().keys(), health_counts.tolist()))
-  t_reward = time.perf_counter() - t1
+  return _Graded(tokens_QP, mask_QP, comp_BC, cmask_BC, logp_BC, lengths_B, truncated_B,
+                 rewards_QG, dict(zip(health.as_dict().keys(), health_counts.tolist())),
+                 time.perf_counter() - t0)
+
+
+def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Graded:
+  """The chosen groups (indices into the draws' concatenated groups), prompts re-padded."""
+  P = max(p.tokens_QP.shape[1] for p in parts)
+  left = lambda x, v: np.pad(x, ((0, 0), (P - x.shape[1], 0)), constant_values=v)  # noqa: E731
+  cat = lambda f: np.concatenate([f(p) for p in parts])  # noqa: E731
+  rows_B = (idx_Q[:, None] * G + np.arange(G)).reshape(-1)
+  health = {k: sum(p.health[k] for p in parts) for k in parts[0].health}
+  return _Graded(cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
+                 cat(lambda p: left(p.mask_QP, 0))[idx_Q],
+                 *(cat(lambda p, f=f: getattr(p, f))[rows_B]
+                   for f in ("comp_BC", "cmask_BC", "logp_BC", "lengths_B", "truncated_B")),
+                 cat(lambda p: p.rewards_QG)[idx_Q], health)
+
+
+def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling: Any,
+            params_train: Any, ref_params: Any | None, step: int, rng: jax.Array,
+            adapters: Any = None,
+            draw_more: Callable[[], Sequence[Example]] | None = None) -> Rollout:
+  """Samples, grades and scores this step's questions (``examples``: this process's share).
+
+  ``params_sampling``: the policy in the sampler's dtype and shardings;
+  ``params_train``: the same policy as trained (old log-probs come from it);
+  ``ref_params``: the frozen reference, or None when nothing needs it.
+  LoRA: ``params_train`` is the frozen base (also ``ref_params``: one copy)
+  and ``adapters`` the trained adapters; the policy is the two together.
+  ``draw_more`` (dynamic sampling, ``spec.dynamic_max_draws`` > 1): returns
+  this process's share of the next batch of prompts from the data stream;
+  called while fewer than Q drawn groups are mixed (``dynamic_sampling``).
+  """
+  spec, tokenizer, logprob_fn = ctx.spec, ctx.tokenizer, ctx.logprob_fn
+  G = spec.num_samples
+  t0 = time.perf_counter()
+  drawn = [list(examples)]
+  parts = [_sample_and_grade(examples, ctx, params_sampling, rng)]
+  Q = parts[0].rewards_QG.shape[0]
+  while draw_more is not None and dynamic_sampling.needs_more(
+      np.concatenate([p.rewards_QG for p in parts]), Q, len(parts), spec.dynamic_max_draws):
+    drawn.append(list(draw_more()))
+    # Extra draws get their own keys; the first draw's stay those of a run without the filter.
+    parts.append(_sample_and_grade(drawn[-1], ctx, params_sampling,
+                                   jax.random.fold_in(jax.random.fold_in(rng, 1 << 30),
+                                                      len(parts))))
+  idx_Q, n_mixed = dynamic_sampling.select_groups(
+      np.concatenate([p.rewards_QG for p in parts]), Q)
+  sel = parts[0] if len(parts) == 1 else _select(parts, idx_Q, G, tokenizer.pad_id)
+  t_reward = sum(p.time_reward for p in parts)
+  t_sample = time.perf_counter() - t0 - t_reward
+  # This process's examples of the chosen groups (None: another process's group).
+  Ql, p0 = len(examples), jax.process_index() * len(examples)
+  examples_Q = [drawn[d][q - p0] if p0 <= q < p0 + Ql else None
+                for d, q in (divmod(int(i), Q) for i in idx_Q)]
+
+  # Completion width: the longest sample of the step, bucketed (bounded compiles).
+  C = min(-(-max(int(sel.lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET,
+          sel.comp_BC.shape[1])
+  comp_BC, cmask_BC, sampler_logp_BC = sel.comp_BC[:, :C], sel.cmask_BC[:, :C], sel.logp_BC[:, :C]
+  tokens_QP, mask_QP, rewards_QG, lengths_B = sel.tokens_QP, sel.mask_QP, sel.rewards_QG, \
+      sel.lengths_B
 
   t2 = time.perf_counter()
   prompt_BP = np.repeat(tokens_QP, G, axis=0)
@@ -316,19 +378,24 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   finite_QG = np.isfinite(s_QG)  # a diverged policy must not crash the logging
   auc, n_auc = calibration.auc_mean(np.where(finite_QG, s_QG, 0.0), correct_QG,
                                     valid_QG=finite_QG)
-  n_gen = int(lengths_B.sum())
+  n_gen = int(sum(int(p.lengths_B.sum()) for p in parts))
   metrics = {
       "accuracy": float(correct_QG.mean()),
       "auc_mean": auc, "auc_questions": n_auc,
       "frac_all_correct": float(correct_QG.all(1).mean()),
       "frac_all_wrong": float((~correct_QG).all(1).mean()),
       "response_len": float(lengths_B.mean()),
-      "truncation_rate": float(truncated_B.mean()),
+      "truncation_rate": float(sel.truncated_B.mean()),
       "s_mean": float(s_QG.mean()),
       **{k: float(v) for k, v in adv_metrics.items()},
       "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
       "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
-      **{f"reward/{k}": float(v) for k, v in health_all.items()},
+      **{f"reward/{k}": float(v) for k, v in sel.health.items()},
   }
+  if spec.dynamic_max_draws > 1:
+    # Drawn: every prompt sampled this step; dropped: the drawn groups not trained on.
+    metrics.update(prompts_drawn=float(Q * len(parts)), prompts_dropped=float(Q * len(parts) - Q),
+                   groups_degenerate=float(Q - n_mixed),
+                   accuracy_drawn=float(np.mean([p.rewards_QG.mean() for p in parts])))
   return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, old_logp_BC, ref_logp_BC, topk_ids,
-                 topk_logp, rewards_QG, s_QG, adv_QG, metrics, texts, local_rows)
+                 topk_logp, rewards_QG, s_QG, adv_QG, metrics, examples_Q)

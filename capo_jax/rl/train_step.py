@@ -346,7 +346,7 @@ def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None,
   else:
     loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg,
                                       microbatch_sharding, base)
-  grad_norm = optax.global_norm(grads)  # float32: grads of the float32 masters
+  grad_norm = optax.tree.norm(grads)  # float32: grads of the float32 masters
   optimizer = make_optimizer(tcfg.optim)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
   params = optax.apply_updates(state.params, updates)
@@ -362,7 +362,7 @@ def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None,
   metrics = dict(aux)
   metrics.update(
       loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
-      param_norm=optax.global_norm(params), skipped=skipped,
+      param_norm=optax.tree.norm(params), skipped=skipped,
       num_skipped=new_state.num_skipped,
       num_tokens=(getattr(batch, "seqs", batch).completion_mask_BC > 0).sum().astype(jnp.int32))
   return new_state, metrics
