@@ -104,6 +104,35 @@ def _mask_fractions(workdir: str, variant: str, seed: int) -> tuple[float, float
   return get("masked_frac_correct"), get("masked_frac_wrong")
 
 
+def _train_seconds(workdir: str, variant: str, seed: int, steps: list[int]) -> list[float]:
+  """The run's cumulative RL step time (evaluations excluded) at each of ``steps``."""
+  rows = [json.loads(line) for line in
+          (pathlib.Path(workdir) / f"{variant}_seed{seed}" / "metrics.jsonl").open()]
+  t = dict(zip([r["step"] for r in rows], np.cumsum([r["time_step"] for r in rows])))
+  return [0.0 if k == 0 else float(t.get(k, np.nan)) for k in steps]
+
+
+def equal_wall_time(workdir: str, runs: dict[str, dict[int, list[dict[str, float]]]]
+                    ) -> list[dict[str, Any]]:
+  """Each ``<v>_dyn`` run (dynamic sampling) against ``<v>`` of the same seed, both
+  read at the shorter run's total RL time (linear between evaluations)."""
+  out = []
+  for variant in [v for v in runs if v.endswith("_dyn") and v[:-4] in runs]:
+    base = variant[:-4]
+    for seed in sorted(set(runs[variant]) & set(runs[base])):
+      curves = {v: (runs[v][seed], _train_seconds(workdir, v, seed,
+                                                  [e["step"] for e in runs[v][seed]]))
+                for v in (variant, base)}
+      t = min(ts[-1] for _, ts in curves.values())
+      row = {"variant": variant, "seed": seed, "seconds": t}
+      for v, (evals, ts) in curves.items():
+        for k in ("accuracy", "auc_mean"):
+          row[f"{'dyn' if v == variant else 'base'}_{k}"] = compare.value_at(
+              ts, [e[k] for e in evals], t)
+      out.append(row)
+  return out
+
+
 COLUMNS = ("accuracy", "auc_mean", "pooled_auc", "aurc", "auc_hard", "entropy", "rule_share")
 
 
@@ -206,6 +235,15 @@ def report(workdir: str, out: str, baseline: str = "grpo") -> str:
   fig.tight_layout()
   fig.savefig(os.path.join(out, "demo_curves.png"), dpi=110)
   plt.close(fig)
+  wall = equal_wall_time(workdir, runs)
+  if wall:
+    table += ("\n\nDynamic sampling at equal RL wall time (evaluations excluded), each "
+              "against the same variant without it, same seed:\n\n"
+              "| variant | seed | seconds | accuracy (dyn / without) | AUC-mean (dyn / without) |"
+              "\n|---|---|---|---|---|\n" + "\n".join(
+                  f"| {w['variant']} | {w['seed']} | {w['seconds']:.0f} | "
+                  f"{_f(w['dyn_accuracy'])} / {_f(w['base_accuracy'])} | "
+                  f"{_f(w['dyn_auc_mean'])} / {_f(w['base_auc_mean'])} |" for w in wall))
   with open(os.path.join(out, "demo_results.md"), "w", encoding="utf-8") as f:
     f.write("Final step, mean ± sd over seeds; ΔAUC paired per question (same questions, same "
             "evaluation seed) over questions mixed under both, bootstrap 95% interval over "
@@ -213,7 +251,8 @@ def report(workdir: str, out: str, baseline: str = "grpo") -> str:
             "at most 1/4 of the time.\n\n" + table + "\n")
   slim = {v: {k: x for k, x in r.items()} for v, r in res["variants"].items()}
   with open(os.path.join(out, "demo_results.json"), "w", encoding="utf-8") as f:
-    json.dump({"summary": {**res, "variants": slim}, "runs": runs}, f, indent=1)
+    json.dump({"summary": {**res, "variants": slim}, "equal_wall_time": wall, "runs": runs}, f,
+              indent=1)
   return table
 
 

@@ -149,3 +149,24 @@ def test_rule_share_counts_wrong_samples_that_follow_the_rule():
   correct = np.array([[True, False, False, False], [False, True, True, True]])
   # q0: wrong samples 9, 7, 9 -> 2 of 3 follow the rule; q1 is skipped.
   assert demo_run.rule_share(completions, [ex, same], correct) == pytest.approx(2 / 3)
+
+
+def test_dynamic_sampling_is_compared_at_the_shorter_runs_wall_time(tmp_path):
+  import json  # pylint: disable=import-outside-toplevel
+  from benchmarks import demo_grpo_vs_capo as study  # pylint: disable=import-outside-toplevel
+  # capo: 4 steps of 1 s; capo_dyn: 4 steps of 2 s. Evals at steps 0, 2, 4.
+  for name, dt, accs, aucs in (("capo_seed0", 1.0, (0.4, 0.6, 0.7), (0.7, 0.8, 0.85)),
+                               ("capo_dyn_seed0", 2.0, (0.4, 0.8, 0.9), (0.7, 0.9, 0.95))):
+    d = tmp_path / name
+    d.mkdir()
+    (d / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": k, "time_step": dt}) + "\n" for k in range(1, 5)))
+    (d / "evals.json").write_text(json.dumps(
+        [{"step": k, "accuracy": a, "auc_mean": u} for k, a, u in zip((0, 2, 4), accs, aucs)]))
+  (row,) = study.equal_wall_time(str(tmp_path), study.load_runs(str(tmp_path)))
+  # The base ran 4 s in all; capo_dyn at 4 s is at its step 2 (0.8, 0.9).
+  assert row["seconds"] == 4.0
+  assert (row["dyn_accuracy"], row["dyn_auc_mean"]) == pytest.approx((0.8, 0.9))
+  assert (row["base_accuracy"], row["base_auc_mean"]) == pytest.approx((0.7, 0.85))
+  assert compare.value_at([0, 2], [1.0, 3.0], 0.5) == pytest.approx(1.5)
+  assert np.isnan(compare.value_at([0, 2], [1.0, 3.0], 2.5))

@@ -55,6 +55,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
     "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
     "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
+    # DAPO's dynamic sampling (rollout.dynamic_sampling), compared at equal wall time.
+    "grpo_dyn": {**_GRPO, "rollout.dynamic_sampling": True},
+    "capo_dyn": {**_CAPO, "rollout.dynamic_sampling": True},
 }
 
 
@@ -129,6 +132,14 @@ def value_at_accuracy(evals: Sequence[dict[str, float]], target: float, key: str
   if evals and evals[-1]["accuracy"] >= target:
     return float(evals[-1][key])
   return float("nan")
+
+
+def value_at(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+  """``ys`` linear in ``xs`` (increasing) at ``x``; NaN outside their range."""
+  xs, ys = np.asarray(xs, float), np.asarray(ys, float)
+  if not len(xs) or x < xs[0] or x > xs[-1]:
+    return float("nan")
+  return float(np.interp(x, xs, ys))
 
 
 def summary(s_QG: np.ndarray, correct_QG: np.ndarray, bucket_Q: np.ndarray,
