@@ -182,6 +182,49 @@ def test_bfloat16_compute_gradients_are_close(data):
   assert float(loss) == pytest.approx(float(_ref_losses(params, batch)[0]), rel=0.05, abs=0.02)
 
 
+def test_bfloat16_gradient_keeps_no_bfloat16_copy_of_the_model():
+  """The model casts each float32 master where it uses it, so the compiled bf16
+  gradient holds neither a bf16 copy of the stacked layers nor their stacked bf16
+  gradients. Reference: the same gradient with every param cast up front."""
+  cfg = Qwen2Config.tiny(vocab_size=512, hidden_size=256, intermediate_size=1024,
+                         num_layers=4, num_heads=4, num_kv_heads=2,
+                         compute_dtype="bfloat16", remat=True)
+  shapes = qwen2.param_shapes(cfg)
+  layers_bf16 = sum(2 * s.size for s in jax.tree.leaves(shapes["layers"]))
+  tcfg = ts.TrainConfig(logprob_chunk_size=32)
+  spec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
+  batch = ts.TrainBatch(spec(jnp.int32, 2, 32), spec(jnp.int32, 2, 32), spec(jnp.int32, 2, 96),
+                        spec(jnp.int32, 2, 96), spec(jnp.float32, 2, 96), spec(jnp.float32, 2))
+  params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes)
+
+  def temp(prepare):
+    fn = jax.jit(lambda p, b: ts.loss_and_grads(prepare(p), b, cfg, tcfg)[2])
+    return fn.lower(params, batch).compile().memory_analysis().temp_size_in_bytes
+
+  ours, cast_first = temp(lambda p: p), temp(lambda p: ts.compute_params(p, cfg))
+  assert ours < cast_first - layers_bf16, (ours, cast_first, layers_bf16)
+
+
+def test_bfloat16_gradient_equals_the_cast_up_front_gradient(data):
+  """Casting where used changes where the rounding happens, not the maths: every
+  layer's gradient equals the cast-up-front one; the tied embedding's (summed over its
+  two uses) is now summed in float32 and agrees to bfloat16 precision."""
+  params, batch, _ = data
+  cfg16 = CFG.replace(compute_dtype="bfloat16", remat=True)
+  tcfg = ts.TrainConfig(logprob_chunk_size=4)
+  _, _, ours = _loss_and_grads(params, batch, cfg16, tcfg)
+  _, _, first = _loss_and_grads(ts.compute_params(params, cfg16), batch, cfg16, tcfg)
+  flat_ours = jax.tree_util.tree_flatten_with_path(ours)[0]
+  flat_first = dict(jax.tree_util.tree_flatten_with_path(first)[0])
+  for path, g in flat_ours:
+    w = np.asarray(flat_first[path], np.float32)
+    if "embed" in jax.tree_util.keystr(path):
+      np.testing.assert_allclose(np.asarray(g), w, atol=2e-2 * np.abs(w).max())
+    else:
+      np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-6 * np.abs(w).max(),
+                                 err_msg=jax.tree_util.keystr(path))
+
+
 def test_simko_needs_old_topk_and_runs(data):
   params, batch, _ = data
   tcfg = ts.TrainConfig(loss_kind="simko")

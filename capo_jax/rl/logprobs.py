@@ -165,13 +165,17 @@ def logprobs_from_hidden(params: Params, cfg: Qwen2Config, h_BCD: Array, tokens_
   """The stats of ``token_logprobs`` from the hidden states [B, C, D] that predict
   ``tokens_BC``, unembedded ``chunk_size`` positions at a time."""
   B, C = tokens_BC.shape
-  w_DV = qwen2.unembed_matrix(params, cfg).astype(cfg.dtype)
+  # The unembedding stays in its stored dtype and is cast where it is used: cast
+  # outside the chunk loop, its gradient would be summed over the chunks in the
+  # compute dtype (bfloat16), and kept there in a second [D, V] buffer.
+  w_DV = qwen2.unembed_matrix(params, cfg)
   h_BCD = h_BCD.astype(cfg.dtype)
   tokens_BC = tokens_BC.astype(jnp.int32)
   stats = functools.partial(_chunk_stats, top_k=top_k, temperature=temperature)
+  cast = lambda w: w.astype(cfg.dtype)  # noqa: E731
 
   if chunk_size == 0 or chunk_size >= C:
-    out = stats(h_BCD, w_DV, tokens_BC, topk_ids_BCJ)
+    out = stats(h_BCD, cast(w_DV), tokens_BC, topk_ids_BCJ)
   else:
     n = -(-C // chunk_size)
     pad = n * chunk_size - C
@@ -184,7 +188,7 @@ def logprobs_from_hidden(params: Params, cfg: Qwen2Config, h_BCD: Array, tokens_
     xs = (split(h_BCD), split(tokens_BC),
           None if topk_ids_BCJ is None else split(topk_ids_BCJ))
     # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
-    body = jax.checkpoint(lambda w, x: stats(x[0], w, x[1], x[2]))
+    body = jax.checkpoint(lambda w, x: stats(x[0], cast(w), x[1], x[2]))
     _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)
     out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size)
                                                                 + y.shape[3:])[:, :C], out)

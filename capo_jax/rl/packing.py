@@ -260,7 +260,7 @@ def microbatch_loss(params: Params, rows: PackedRows, index_BC: Array, seqs: Any
   ts.check_simko_inputs(seqs, tcfg)
   if not simko:
     rows = dataclasses.replace(rows, topk_ids_ZJ=None)
-  lp = packed_token_logprobs(ts.compute_params(params, model_cfg), model_cfg, rows,
+  lp = packed_token_logprobs(params, model_cfg, rows,
                              chunk_size=tcfg.logprob_chunk_size)
   mask_BC = seqs.completion_mask_BC
   lp = {k.replace("_Z", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
@@ -312,7 +312,7 @@ def make_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
   r_sh = mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="packed rows")
 
   def fn(params: Params, rows: PackedRows) -> dict[str, Array]:
-    return packed_token_logprobs(ts.compute_params(params, model_cfg), model_cfg, rows,
+    return packed_token_logprobs(params, model_cfg, rows,
                                  chunk_size=chunk_size, top_k=top_k)
 
   return jax.jit(fn, in_shardings=(p_sh, r_sh), out_shardings=r_sh)

@@ -219,10 +219,19 @@ def compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
 
 def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
                    base: Params | None = None) -> Params:
-  """What the model applies, in the compute dtype: ``params``, or (LoRA) the
-  frozen ``base`` with the adapters ``params``."""
+  """What the model applies: ``params`` as stored, or (LoRA) the frozen ``base``
+  with the adapters ``params``, merged in the compute dtype.
+
+  Full fine-tuning passes the float32 masters themselves: the model casts each
+  weight to the compute dtype where it uses it (inside the layer scan), so no
+  bfloat16 copy of the whole model exists, and each layer's gradient becomes
+  float32 as it leaves the scan. Cast up front, the backward held the stacked
+  bfloat16 gradients of every layer as well (XLA's buffer assignment, 1.5B shape,
+  one 4,096-token row: 6.36 GiB of temporaries, 4.79 GiB this way;
+  ``benchmarks/train_memory.py``). The forward is the same either way.
+  """
   if tcfg.lora is None:
-    return _compute_params(params, model_cfg)
+    return params
   if base is None:
     raise ValueError("TrainConfig.lora is set: the step needs the frozen base params")
   return lora_lib.with_adapters(_compute_params(base, model_cfg),
@@ -430,8 +439,7 @@ def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, batch_size
 
   def fn(params, adapters, prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC,
          completion_mask_BC):
-    weights = _compute_params(params, model_cfg) if adapters is None else policy_weights(
-        adapters, model_cfg, tcfg, params)
+    weights = params if adapters is None else policy_weights(adapters, model_cfg, tcfg, params)
     return token_logprobs(weights, model_cfg, prompt_tokens_BP,
                           prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
                           chunk_size=chunk_size, top_k=top_k)
