@@ -2,8 +2,8 @@ r"""The embedded CPU demo: GRPO vs CAPO on a synthetic arithmetic task with a ti
 
   python -m capo_jax.main --config=configs/demo.py --workdir=/tmp/capo_demo
 
-Warm start (supervised fine-tuning to a ~40% base policy on partly wrong-rule
-solutions, cached in the workdir), then each of ``demo.methods`` (GRPO, CAPO)
+Warm start (supervised fine-tuning to a ~40% base policy on solutions of which 90%
+follow a fluent wrong rule, cached in the workdir), then each of ``demo.methods`` (GRPO, CAPO)
 from it, then a side-by-side report (accuracy, AUC-mean, paired per-question
 ΔAUC with its interval, hard-bucket AUC) and ``<workdir>/demo_curves.png``.
 ``--config.demo.methods=capo`` runs one; ``configs/demo.py:shrink`` is a
@@ -35,13 +35,14 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.remat = False
 
   c.demo = ml_collections.ConfigDict()
-  # 70% of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
-  # the warm start is then confidently wrong on some questions (capo_jax/demo/task.py).
-  # At 0.5 the warm start's AUC-mean was 0.798 and GRPO's held up over 150 steps (one
-  # seed); at 0.7, 0.790, and GRPO's fell from 0.869 to 0.824 (README, demo section).
+  # 90% of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
+  # the warm start is then confidently wrong on the questions where the rule's answer
+  # differs (capo_jax/demo/task.py). Measured (README, demo section): at 0.5 and 0.7
+  # GRPO's AUC-mean ended above the warm start's; at 0.9 it fell from 0.821 to ~0.75
+  # while accuracy rose, and CAPO kept it at ~0.82.
   c.demo.task = ml_collections.ConfigDict(dict(
       min_operands=4, max_operands=4, max_operand=9, operators="+-*", num_train=20000,
-      num_heldout=1000, seed=0, wrong_rule="left_to_right", wrong_fraction=0.7))
+      num_heldout=1000, seed=0, wrong_rule="left_to_right", wrong_fraction=0.9))
   c.demo.model = ml_collections.ConfigDict()  # overrides of warm_start.default_model_config
   c.demo.sft = ml_collections.ConfigDict(dict(
       max_steps=1500, batch_size=64, lr=2e-3, warmup_steps=50, eval_every=50,

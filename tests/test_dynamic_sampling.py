@@ -127,6 +127,7 @@ def test_the_step_trains_on_mixed_groups_and_the_stream_covers_every_draw(assets
   assert _data_position(tmp_path, 3) == sum(drawn)
 
 
+@pytest.mark.slow  # ~30 s: a 2-step run (.ci/run runs it)
 def test_all_degenerate_groups_stop_at_the_bound(assets, tmp_path):
   c = _config(assets, steps=2, max_draws=2)
   Q = c.rollout.num_prompts
@@ -138,6 +139,7 @@ def test_all_degenerate_groups_stop_at_the_bound(assets, tmp_path):
   assert _data_position(tmp_path, 2) == 4 * Q
 
 
+@pytest.mark.slow  # ~1 min: three runs (.ci/run runs it)
 def test_resume_continues_the_data_stream_exactly(assets, tmp_path):
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   p_straight = rl_loop.train(_config(assets, 3), str(straight), grader=ByGoldGrader())
