@@ -106,6 +106,7 @@ def _data_position(workdir: pathlib.Path, step: int) -> int:
   return meta["data"]["epoch"] * meta["data"]["num_examples"] + meta["data"]["position"]
 
 
+@pytest.mark.slow  # ~40 s: a 3-step run (.ci/run runs it); the choice itself is tested above
 def test_the_step_trains_on_mixed_groups_and_the_stream_covers_every_draw(assets, tmp_path):
   c = _config(assets, steps=3)
   Q = c.rollout.num_prompts
