@@ -16,11 +16,6 @@ from capo_jax.rl import experiment
 from capo_jax.rl import loop as rl_loop
 from configs import common
 
-QUESTIONS = [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("Compute 6 * 7.", "42"),
-             ("What is 10 / 2?", "5"), ("What is 9 + 9?", "18"), ("What is 3 * 3?", "9"),
-             ("What is 8 - 1?", "7"), ("What is 1 + 1?", "2")]
-
-
 def _brute_force_choice(rewards_NG: np.ndarray, q: int) -> list[int]:
   """Walk the groups in draw order: mixed ones first, then degenerate ones to fill."""
   mixed, degenerate = [], []
@@ -77,13 +72,7 @@ class ByGoldGrader:
 
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, str]:
-  import hf_utils  # pylint: disable=import-outside-toplevel
-  root = tmp_path_factory.mktemp("dyn")
-  tok = hf_utils.make_tokenizer_dir(root / "tok")
-  data = root / "train.jsonl"
-  data.write_text("".join(json.dumps({"id": str(i), "problem": q, "answer": a}) + "\n"
-                          for i, (q, a) in enumerate(QUESTIONS)))
-  return {"tok": str(tok), "data": str(data)}
+  return rl_driver.write_assets(tmp_path_factory.mktemp("dyn"))
 
 
 def _config(assets: dict[str, str], steps: int, max_draws: int = 3):

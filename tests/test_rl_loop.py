@@ -16,7 +16,6 @@ import jax
 import numpy as np
 import pytest
 
-import hf_utils
 import rl_driver
 from capo_jax.rl import experiment
 from capo_jax.rl import loop as rl_loop
@@ -27,19 +26,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 DRIVER = str(REPO / "tests" / "rl_driver.py")
 CONFIG_FILES = sorted(p.stem for p in (REPO / "configs").glob("*.py")
                       if p.stem not in ("__init__", "common"))
-QUESTIONS = [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("Compute 6 * 7.", "42"),
-             ("What is 10 / 2?", "5"), ("What is 9 + 9?", "18"), ("What is 3 * 3?", "9"),
-             ("What is 8 - 1?", "7"), ("What is 1 + 1?", "2")]
-
-
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, str]:
-  root = tmp_path_factory.mktemp("rl")
-  tok = hf_utils.make_tokenizer_dir(root / "tok")
-  data = root / "train.jsonl"
-  data.write_text("".join(json.dumps({"id": str(i), "problem": q, "answer": a}) + "\n"
-                          for i, (q, a) in enumerate(QUESTIONS)))
-  return {"tok": str(tok), "data": str(data), "root": str(root)}
+  return rl_driver.write_assets(tmp_path_factory.mktemp("rl"))
 
 
 def _env(**extra: str) -> dict[str, str]:
