@@ -187,7 +187,7 @@ def train(c: ml_collections.ConfigDict, workdir: str, *, policy: Policy | None =
           params_train=w.base if tcfg.lora else state.params, ref_params=w.reference,
           step=step, rng=jax.random.fold_in(rng, step),
           adapters=state.params if tcfg.lora else None,
-          draw_more=iterator.next_batch if c.rollout.dynamic_sampling else None)
+          draw_more=iterator.next_batch)  # used only with rollout.dynamic_sampling
       t1 = time.perf_counter()
       update_metrics = []
       for _ in range(c.train.ppo_epochs):

@@ -312,9 +312,11 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   ``ref_params``: the frozen reference, or None when nothing needs it.
   LoRA: ``params_train`` is the frozen base (also ``ref_params``: one copy)
   and ``adapters`` the trained adapters; the policy is the two together.
-  ``draw_more`` (dynamic sampling, ``spec.dynamic_max_draws`` > 1): returns
-  this process's share of the next batch of prompts from the data stream;
-  called while fewer than Q drawn groups are mixed (``dynamic_sampling``).
+  ``draw_more``: returns this process's share of the next batch of prompts
+  from the data stream; called only with dynamic sampling
+  (``spec.dynamic_max_draws`` > 1), while fewer than Q drawn groups are mixed
+  (``dynamic_sampling``). The reward-health counts cover every graded sample,
+  the other metrics the Q groups kept.
   """
   spec, tokenizer, logprob_fn = ctx.spec, ctx.tokenizer, ctx.logprob_fn
   G = spec.num_samples
