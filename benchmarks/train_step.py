@@ -9,8 +9,18 @@ the clipped PPO surrogate with token-mean aggregation, backward, global-norm
 clipping (1.0) and one AdamW update. The peer is transformers'
 ``Qwen2ForCausalLM`` (``logits_to_keep`` so it too unembeds only the
 completion positions) with ``torch.optim.AdamW`` and
-``clip_grad_norm_``. Repeats alternate between the two (the machines are
-shared); medians are reported, with the ratio.
+``clip_grad_norm_``.
+
+Timing: ``--repeats`` rounds, each a block of ``--block`` consecutive steps of
+capo_jax then of torch (the machines are shared, so the two alternate). A real
+run takes the same step back to back, so the ratio compares the steady-state
+steps, each block's first step left out; the first steps after a switch are
+printed beside it (in one process, a step right after the other framework's
+ran 0.3-0.4 s slower for capo_jax on the 2-core box, whichever pause came
+between). Like ``python -m capo_jax.main``, the benchmark first re-executes
+itself with glibc's transparent huge pages for the host heap
+(``capo_jax/hugepages.py``; both peers get them; ``CAPO_HUGEPAGES=0`` runs
+without), and it prints the page faults per step.
 
 Model FLOPs per step (stated, not measured; "dense" counts the full T x T
 attention square that both implementations compute):
@@ -24,9 +34,16 @@ float32 matmul peak measured in the same run (``jnp.dot`` 2048 x 2048).
 from __future__ import annotations
 
 import argparse
+import os
+import resource
 import statistics
 import time
 
+if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py)
+  from capo_jax import hugepages
+  hugepages.reexec_with_hugepages()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -76,9 +93,14 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--prompt", type=int, default=64)
   parser.add_argument("--completion", type=int, default=192)
   parser.add_argument("--chunk", type=int, default=0, help="capo_jax logprob chunk (0: none)")
-  parser.add_argument("--repeats", type=int, default=5)
+  parser.add_argument("--repeats", type=int, default=3, help="rounds of one block each")
+  parser.add_argument("--block", type=int, default=3,
+                      help="consecutive steps per framework and round (>= 2)")
   parser.add_argument("--attention", default="auto", help="model.attention of capo_jax")
   args = parser.parse_args(argv)
+  if args.block < 2 or args.repeats < 1:
+    parser.error(f"--block must be >= 2 (its first step is left out) and --repeats >= 1, got "
+                 f"{args.block} and {args.repeats}")
   B, P, C = args.batch, args.prompt, args.completion
 
   import torch  # pylint: disable=g-import-not-at-top
@@ -141,21 +163,28 @@ def main(argv: list[str] | None = None) -> None:
   compile_s = time.perf_counter() - t0
   loss_torch = torch_step()
   times: dict[str, list[float]] = {"capo_jax": [], "torch": []}
+  first: dict[str, list[float]] = {"capo_jax": [], "torch": []}  # each block's first step
+  faults: dict[str, list[int]] = {"capo_jax": [], "torch": []}
   peaks = []
   for _ in range(args.repeats):
     for name, fn in (("capo_jax", jax_step), ("torch", torch_step)):
-      t0 = time.perf_counter()
-      fn()
-      times[name].append(time.perf_counter() - t0)
+      for i in range(args.block):
+        f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        t0 = time.perf_counter()
+        fn()
+        (first if i == 0 else times)[name].append(time.perf_counter() - t0)
+        faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
     peaks.append(matmul_peak(reps=3))
   med = {k: statistics.median(v) for k, v in times.items()}
   peak = statistics.median(peaks)
   flops = step_flops(cfg, B, P, C)
   n_tok = B * (P + C)
+  tunables = os.environ.get("GLIBC_TUNABLES", "")
   print(f"config: {n_params / 1e6:.1f}M params, batch {B} x ({P} prompt + {C} completion) tokens, "
-        f"logprob chunk {args.chunk}, attention {args.attention}, {args.repeats} alternating "
-        f"repeats, torch threads "
-        f"{torch.get_num_threads()}, jax compile {compile_s:.1f} s")
+        f"logprob chunk {args.chunk}, attention {args.attention}, {args.repeats} rounds of "
+        f"{args.block} steps each, torch threads {torch.get_num_threads()}, jax compile "
+        f"{compile_s:.1f} s; host heap huge pages: "
+        f"{'on' if 'malloc.hugetlb' in tunables else 'off'} (GLIBC_TUNABLES={tunables!r})")
   print(f"first-step loss: capo_jax {loss_jax:.6f}, torch {loss_torch:.6f} "
         f"(|diff| {abs(loss_jax - loss_torch):.1e})")
   print(f"model FLOPs per step {flops / 1e9:.1f} G; float32 matmul peak (jnp.dot 2048^2) "
@@ -163,7 +192,11 @@ def main(argv: list[str] | None = None) -> None:
   for k in ("capo_jax", "torch"):
     spread = f"{min(times[k]):.2f}-{max(times[k]):.2f} s"
     print(f"  {k:8s}: median {med[k]:6.2f} s ({spread})  {n_tok / med[k]:7.0f} tokens/s  "
-          f"{flops / med[k] / 1e9:6.1f} GFLOP/s = {flops / med[k] / peak:5.1%} of peak")
+          f"{flops / med[k] / 1e9:6.1f} GFLOP/s = {flops / med[k] / peak:5.1%} of peak, "
+          f"{statistics.median(faults[k]):,.0f} page faults per step")
+  after = {k: statistics.median(v) for k, v in first.items()}
+  print(f"first step after a switch: capo_jax {after['capo_jax']:.2f} s, torch "
+        f"{after['torch']:.2f} s (ratio {after['torch'] / after['capo_jax']:.2f}x)")
   print(f"ratio capo_jax / torch tokens/s: {med['torch'] / med['capo_jax']:.2f}x")
 
 
