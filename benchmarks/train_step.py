@@ -14,10 +14,10 @@ completion positions) with ``torch.optim.AdamW`` and
 Timing: ``--repeats`` rounds, each a block of ``--block`` consecutive steps of
 capo_jax then of torch (the machines are shared, so the two alternate). A real
 run takes the same step back to back, so the ratio compares the steady-state
-steps, each block's first step left out; the first steps after a switch are
-printed beside it (in one process, a step right after the other framework's
-ran 0.3-0.4 s slower for capo_jax on the 2-core box, whichever pause came
-between). Like ``python -m capo_jax.main``, the benchmark first re-executes
+steps, each block's first step left out; those first steps are printed beside
+it (on the 2-core box the first capo_jax step after any other computation, the
+torch block or the matmul-peak probe that ends each round, ran 0.4-0.5 s slower,
+with or without a pause between; the cause was not found). Like ``python -m capo_jax.main``, the benchmark first re-executes
 itself with glibc's transparent huge pages for the host heap
 (``capo_jax/hugepages.py``; both peers get them; ``CAPO_HUGEPAGES=0`` runs
 without), and it prints the page faults per step.
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> None:
           f"{flops / med[k] / 1e9:6.1f} GFLOP/s = {flops / med[k] / peak:5.1%} of peak, "
           f"{statistics.median(faults[k]):,.0f} page faults per step")
   after = {k: statistics.median(v) for k, v in first.items()}
-  print(f"first step after a switch: capo_jax {after['capo_jax']:.2f} s, torch "
+  print(f"first step of each block: capo_jax {after['capo_jax']:.2f} s, torch "
         f"{after['torch']:.2f} s (ratio {after['torch'] / after['capo_jax']:.2f}x)")
   print(f"ratio capo_jax / torch tokens/s: {med['torch'] / med['capo_jax']:.2f}x")
 
