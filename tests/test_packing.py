@@ -156,8 +156,14 @@ def test_two_training_steps_packed_equal_unpacked(setup):
   # pack_rows=1: several packed micro-batches, as the unpacked side has two.
   p0, m0 = _two_steps(params, batch, base, mesh)
   p1, m1 = _two_steps(params, batch, base.replace(pack_len=ROW, pack_rows=1), mesh)
-  for a, c in zip(m0, m1):
-    assert float(c["loss"]) == pytest.approx(float(a["loss"]), rel=1e-5, abs=1e-7)
+  # Step 1 starts from the same params: its loss agrees to float rounding. Step 2
+  # starts from params that already differ by float noise (up to ~5e-7, bounded
+  # below), and its loss is a near-cancelling sum (-0.003 of per-token terms of
+  # |adv| x ratio ~ 0.1-3), so it is held to that noise on the terms' scale: 1e-6
+  # absolute (measured 1.5e-7); a token lost or misplaced would move it by about one
+  # term over the 38 tokens, ~1e-2.
+  for a, c, tol in zip(m0, m1, (1e-7, 1e-6)):
+    assert float(c["loss"]) == pytest.approx(float(a["loss"]), rel=1e-5, abs=tol)
     assert int(c["num_tokens"]) == int(a["num_tokens"]) == sum(COMP_LEN)
   moved = max(float(jnp.abs(x - y).max()) for x, y in
               zip(jax.tree.leaves(p0), jax.tree.leaves(params)))
