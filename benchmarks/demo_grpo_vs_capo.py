@@ -22,6 +22,11 @@ CAPO's rises, with CAPO's accuracy within 2 points of GRPO's or better.
 
 from __future__ import annotations
 
+if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as the launcher
+  from capo_jax import hugepages
+  hugepages.reexec_with_hugepages()
+
+# pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
 import json
 import os
@@ -32,6 +37,7 @@ import numpy as np
 
 from capo_jax.demo import compare
 from capo_jax.eval import calibration
+from capo_jax.runtime import compile_cache
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -63,6 +69,9 @@ def run_all(args: argparse.Namespace) -> None:
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   names = args.runs.split(",") if args.runs else [
       f"{v}_seed{s}" for s in args.seeds for v in args.variants]
+  # <workdir>/jax_cache (configs/demo.py): a run finds the programs an earlier run of
+  # the same shapes compiled (every seed of a variant; the variants of one loss).
+  compile_cache.enable(make_config("capo", 0, args.set), args.workdir)
   ws = demo_run.get_warm_start(make_config("capo", 0, args.set), args.workdir)
   print(f"warm start: {ws.info.get('path')} ({'trained' if ws.info.get('trained') else 'cached'})")
   # The warm start's held-out eval is the same for every run: computed once, cached.

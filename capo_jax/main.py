@@ -20,7 +20,7 @@ import logging  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-p
 from absl import app, flags
 from ml_collections import config_flags
 
-from capo_jax.runtime import distributed
+from capo_jax.runtime import compile_cache, distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
                                           lock_config=True)
@@ -35,6 +35,7 @@ def main(argv: list[str]) -> None:
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
   distributed.maybe_initialize()
   config = _CONFIG.value
+  compile_cache.enable(config, _WORKDIR.value)
   if "demo" in config:  # the embedded demo: warm start, then RL, then the report
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
     demo_run.run(config, _WORKDIR.value)

@@ -36,6 +36,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   # elsewhere), "reference" (full T x T scores), "xla", "flash", "splash" (models.attention).
   c.model.attention = "auto"
   c.tokenizer_path = ""  # defaults to model.hf_path
+  # JAX's persistent compilation cache (capo_jax/runtime/compile_cache.py): empty = off;
+  # a relative path lies under the workdir. Reruns and resumed runs skip their compiles.
+  c.compilation_cache_dir = ""
 
   c.data = ml_collections.ConfigDict()
   c.data.train = "deepscaler"  # registry name or a file path (local or gs://)

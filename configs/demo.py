@@ -34,6 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.compute_dtype = "float32"
   c.model.remat = False
 
+  # <workdir>/jax_cache: CAPO reuses the programs GRPO compiled, a rerun all of them.
+  c.compilation_cache_dir = "jax_cache"
+
   c.demo = ml_collections.ConfigDict()
   # 90% of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
   # the warm start is then confidently wrong on the questions where the rule's answer
