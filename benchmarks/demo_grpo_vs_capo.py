@@ -117,6 +117,8 @@ def _train_seconds(workdir: str, variant: str, seed: int, steps: list[int]) -> l
   """The run's cumulative RL step time (evaluations excluded) at each of ``steps``."""
   rows = [json.loads(line) for line in
           (pathlib.Path(workdir) / f"{variant}_seed{seed}" / "metrics.jsonl").open()]
+  # The evaluations are rows of their own (eval/* only, at the same step): skip them.
+  rows = [r for r in rows if "time_step" in r]
   t = dict(zip([r["step"] for r in rows], np.cumsum([r["time_step"] for r in rows])))
   return [0.0 if k == 0 else float(t.get(k, np.nan)) for k in steps]
 

@@ -159,8 +159,13 @@ def test_dynamic_sampling_is_compared_at_the_shorter_runs_wall_time(tmp_path):
                                ("capo_dyn_seed0", 2.0, (0.4, 0.8, 0.9), (0.7, 0.9, 0.95))):
     d = tmp_path / name
     d.mkdir()
-    (d / "metrics.jsonl").write_text("".join(
-        json.dumps({"step": k, "time_step": dt}) + "\n" for k in range(1, 5)))
+    # As the loop writes it: each evaluation a row of its own, after its step's row.
+    rows = [{"step": 0, "eval/accuracy": accs[0]}]
+    for k in range(1, 5):
+      rows.append({"step": k, "time_step": dt})
+      if k % 2 == 0:
+        rows.append({"step": k, "eval/accuracy": accs[k // 2]})
+    (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
     (d / "evals.json").write_text(json.dumps(
         [{"step": k, "accuracy": a, "auc_mean": u} for k, a, u in zip((0, 2, 4), accs, aucs)]))
   (row,) = study.equal_wall_time(str(tmp_path), study.load_runs(str(tmp_path)))
