@@ -222,7 +222,13 @@ def _f(v: Any) -> str:
   return "nan" if v is None or not np.isfinite(v) else f"{v:.3f}"
 
 
-def report(workdir: str, out: str, baseline: str = "grpo") -> str:
+def report(workdir: str, out: str, baseline: str = "grpo", plot: str = "") -> str:
+  """Writes the tables and ``demo_curves.png`` to ``out``; returns the tables.
+
+  ``plot``: comma list of the variants the figure shows (mean over seeds, min-max
+  band); empty: those run with the most seeds (with a dozen single-seed variants in
+  one panel the lines cannot be told apart).
+  """
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
@@ -232,7 +238,11 @@ def report(workdir: str, out: str, baseline: str = "grpo") -> str:
   table = _table(res, baseline)
   keys = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy")
   fig, axes = plt.subplots(1, len(keys), figsize=(4 * len(keys), 3.4))
-  for variant, by_seed in runs.items():
+  most = max(len(by_seed) for by_seed in runs.values())
+  shown = [v for v in plot.split(",") if v in runs] if plot else \
+      [v for v, by_seed in runs.items() if len(by_seed) == most]
+  for variant in shown:
+    by_seed = runs[variant]
     steps = [e["step"] for e in next(iter(by_seed.values()))]
     for ax, m in zip(axes, keys):
       curves = np.array([[np.nan if e.get(m) is None else e[m] for e in ev]
@@ -278,10 +288,12 @@ def main() -> None:
                  help="config override section.field=value (e.g. train.num_steps=100)")
   p.add_argument("--baseline", default="grpo", help="the variant ΔAUC is paired against")
   p.add_argument("--report_only", action="store_true")
+  p.add_argument("--plot", default="", help="comma list of variants in the figure "
+                 "(default: those with the most seeds)")
   args = p.parse_args()
   if not args.report_only:
     run_all(args)
-  print(report(args.workdir, args.out, args.baseline))
+  print(report(args.workdir, args.out, args.baseline, args.plot))
 
 
 if __name__ == "__main__":
