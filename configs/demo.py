@@ -34,7 +34,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.model.compute_dtype = "float32"
   c.model.remat = False
 
-  # <workdir>/jax_cache: CAPO reuses the programs GRPO compiled, a rerun all of them.
+  # <workdir>/jax_cache: a rerun of the command, and the study's later runs, load the
+  # programs earlier runs compiled (GRPO and CAPO share no train step: CAPO's batch
+  # carries the reference log-probs for its KL metric).
   c.compilation_cache_dir = "jax_cache"
 
   c.demo = ml_collections.ConfigDict()

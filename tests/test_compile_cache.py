@@ -30,10 +30,10 @@ _CHILD = textwrap.dedent("""
 """)
 
 
-def _run(workdir: str, setting: str) -> int:
+def _run(workdir: str, setting: str, env: dict[str, str] | None = None) -> int:
   out = subprocess.run([sys.executable, "-c", _CHILD, workdir, setting], cwd=ROOT,
                        capture_output=True, text=True, check=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu"}).stdout
+                       env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}).stdout
   return int(out.split("hits")[-1])
 
 
@@ -60,3 +60,16 @@ def test_a_second_process_hits_the_cache_even_moved_to_another_workdir(tmp_path)
 def test_empty_setting_is_off(tmp_path):
   assert _run(str(tmp_path), "") == 0
   assert not os.path.exists(tmp_path / "jax_cache")
+
+
+def test_a_gs_workdir_keeps_the_cache_in_cloud_storage():
+  """The real job's workdir is on Cloud Storage: the cache goes there (JAX through
+  etils / gcsfs) and a second process, another VM in effect, hits it."""
+  from tests import gcs_emulator  # pylint: disable=import-outside-toplevel
+  why = gcs_emulator.available()
+  if why:
+    pytest.skip(why)
+  with gcs_emulator.GcsEmulator("capo-cache") as gcs:
+    workdir = "gs://capo-cache/run"
+    assert _run(workdir, "jax_cache", gcs.env()) == 0
+    assert _run(workdir, "jax_cache", gcs.env()) >= 1

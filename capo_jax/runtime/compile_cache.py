@@ -14,7 +14,7 @@ little.
 
 ``compilation_cache_dir``: empty turns the cache off (the default for real runs);
 an absolute path or ``gs://`` URL is used as is (JAX reaches Cloud Storage through
-etils; only local caches were tested here, on one host); a relative one lies under
+etils; tested against the Cloud Storage emulator from one host at a time, not on a pod); a relative one lies under
 the run's workdir.
 The cache is trusted code: never point it at a directory others may write.
 """
@@ -22,6 +22,7 @@ The cache is trusted code: never point it at a directory others may write.
 from __future__ import annotations
 
 import logging
+import os
 
 import jax
 import ml_collections
@@ -40,7 +41,7 @@ def cache_path(setting: str, workdir: str) -> str | None:
   """Where ``config.compilation_cache_dir = setting`` puts the cache for ``workdir``."""
   if not setting:
     return None
-  if setting.startswith("gs://") or setting.startswith("/"):
+  if fs.is_remote(setting) or os.path.isabs(setting):
     return setting
   return fs.join(workdir, setting)
 
@@ -55,7 +56,7 @@ def enable(c: ml_collections.ConfigDict, workdir: str, *, min_compile_s: float =
   path = cache_path(c.get("compilation_cache_dir", ""), workdir)
   if path is None:
     return None
-  if not path.startswith("gs://"):
+  if not fs.is_remote(path):
     fs.makedirs(path)
   jax.config.update("jax_compilation_cache_dir", path)
   jax.config.update("jax_persistent_cache_min_compile_time_secs", min_compile_s)
