@@ -193,3 +193,33 @@ def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
   proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ref)], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
+
+
+def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
+  """Bitwise the same tokens and log-probs at every N, on a model with fragile draws.
+
+  The tiny policy above is peaked, so a rounding difference rarely flips a
+  draw. Here the next-token distribution is near uniform over 8,192 tokens
+  and the matmuls contract 512 columns, the shapes at which XLA:CPU's GEMM
+  rounds an [N, D] x [D, F] product differently below 64 rows and its row
+  reductions differently below 8 (capo_jax.sampling.decode). On the
+  benchmark model such ~3e-6 logit differences flipped draws within a
+  hundred tokens; here the log-probs, compared exactly, show them at once.
+  """
+  cfg = qwen2.Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
+                          num_layers=1, num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
+  params = qwen2.init_params(cfg, jax.random.key(0))
+  tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(1), [9, 16, 4, 12],
+                                            cfg.vocab_size, low=3)
+  stops = np.random.default_rng(2).choice(np.arange(3, cfg.vocab_size), 82, replace=False)
+
+  def rollout(n: int | None) -> sampling.Samples:
+    return sampling.generate(params, cfg, tokens, mask, jax.random.key(5), num_samples=G,
+                             max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n)
+
+  ref = rollout(None)
+  assert np.asarray(ref.lengths_B).min() < 24 < np.asarray(ref.lengths_B).max()  # refills happen
+  for n in (Q * G // 4, 3):
+    out = rollout(n)
+    assert_same(ref, out)
+    np.testing.assert_array_equal(np.asarray(out.logprobs_BC), np.asarray(ref.logprobs_BC))

@@ -19,9 +19,25 @@ advances all N slots by one token (``step``):
   and one buffer per layer, not a slice of a stacked array (inside the
   model's layer scan XLA copies every layer's cache slice in and out).
 
-Logits come out vocab-major [V, N] (``unembed_VD @ h_DN``), which XLA's CPU
-dot ran faster than ``h_ND @ unembed_DV``; the strategies
-(capo_jax.sampling.strategies) take it as is.
+Row-count invariance: a row's logits must not depend on how many slots
+share the step (the engine's samples are the same whatever N). XLA:CPU's
+GEMM sums an [N, D] x [D, F] product in an order that depends on N: below
+64 rows it blocks the contraction differently, and logits move by ~4e-6,
+enough to flip an inverse-CDF draw from a flat distribution. An
+[N, D] x [F, D] product (both operands contracted on their last axis) came
+out bitwise the same for every N from 2 to 256, on every projection shape
+of the benchmark model and of Qwen2.5-0.5B and on both unembeddings
+(measured 2026-12-02, jax 0.10.2). So on CPU ``prepare`` makes output-major
+[F, D] copies of the layer kernels once per rollout and the step contracts
+against them (``out_major``); on accelerators it reads the kernels as stored,
+since the copies would take a second set of weights in HBM. The embedding is
+[V, D] already: the unembedding needs no copy when the weights are tied.
+Below 8 rows XLA:CPU also vectorises the row reductions (RMS norms,
+softmaxes) another way (~2e-7 apart), so on CPU the engine gives its cache
+at least ``MIN_ROWS_CPU`` slots, the extra ones idle when N is smaller.
+
+Logits come out vocab-major [V, N], the layout the strategies
+(capo_jax.sampling.strategies) reduce over.
 """
 
 from __future__ import annotations
@@ -36,6 +52,7 @@ from models.config import Qwen2Config
 from models.qwen2 import Params
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite: a fully masked block stays NaN-free
+MIN_ROWS_CPU = 8  # from 8 rows up every row of a step is computed the same way on CPU
 
 
 @jax.tree_util.register_dataclass
@@ -57,28 +74,62 @@ class SlotCache:
 class DecodeWeights:
   """What every decode step reads, prepared once per loop (``prepare``).
 
-  Per-layer slices of the stacked weights (sliced per layer per step, XLA
-  would copy them every step), the output projection as [V, D] (the embedding
-  itself when tied) and RoPE cos / sin [S, H/2] for every position a row can
-  reach in the cache: computing them inside the step instead, XLA fused cos /
-  sin into every layer's rotation, evaluated once per head and element.
+  Per-layer 2-D kernels (sliced per layer per step, XLA would copy them
+  every step): [F, D] output-major when ``out_major``, else [D, F] as stored;
+  the output projection likewise ([V, D] / [D, V]); and RoPE cos / sin
+  [S, H/2] for every position a row can reach in the cache: computing them
+  inside the step instead, XLA fused cos / sin into every layer's rotation,
+  evaluated once per head and element.
   """
   embed_VD: jax.Array
   final_norm_D: jax.Array
   layers: list[Params]
-  unembed_VD: jax.Array
+  unembed: jax.Array
   rope_Sh: tuple[jax.Array, jax.Array]
+  out_major: bool
 
 
-def prepare(params: Params, cfg: Qwen2Config, num_cols: int) -> DecodeWeights:
-  """``DecodeWeights`` of ``params`` for a cache of ``num_cols`` columns."""
-  unembed = params["embed"] if cfg.tie_word_embeddings else params["lm_head"].T
+_KERNELS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel",
+            "down_kernel")
+
+
+def prepare(params: Params, cfg: Qwen2Config, num_cols: int,
+            out_major: bool | None = None) -> DecodeWeights:
+  """``DecodeWeights`` of ``params`` for a cache of ``num_cols`` columns.
+
+  ``out_major`` None: on the CPU backend only (see the module docstring).
+  """
+  if out_major is None:
+    out_major = jax.default_backend() == "cpu"
+  D, dt = cfg.hidden_size, cfg.dtype
+
+  def layer(l: int) -> Params:
+    p = {k: w[l] for k, w in params["layers"].items()}
+    for k in _KERNELS:  # [in..., out...] -> [I, O]: q / k / v / gate / up take D in
+      w = p[k].astype(dt)
+      w = w.reshape(D, -1) if k not in ("o_kernel", "down_kernel") else w.reshape(-1, D)
+      p[k] = w.T if out_major else w
+    return p
+
+  if cfg.tie_word_embeddings:
+    unembed = params["embed"] if out_major else params["embed"].T
+  else:
+    unembed = params["lm_head"].T if out_major else params["lm_head"]
   cos, sin = qwen2.rope_tables(jnp.arange(num_cols)[None], cfg.head_dim, cfg.rope_theta)
+  layers, unembed = [layer(l) for l in range(cfg.num_layers)], unembed.astype(dt)
+  if out_major:
+    # XLA folds a transpose feeding a dot back into the dot's dimension numbers,
+    # which would undo the copies; the barrier keeps them materialised.
+    layers, unembed = jax.lax.optimization_barrier((layers, unembed))
   return DecodeWeights(
-      embed_VD=params["embed"], final_norm_D=params["final_norm"],
-      layers=[jax.tree.map(lambda w, l=l: w[l], params["layers"])
-              for l in range(cfg.num_layers)],
-      unembed_VD=unembed.astype(cfg.dtype), rope_Sh=(cos[0], sin[0]))
+      embed_VD=params["embed"], final_norm_D=params["final_norm"], layers=layers,
+      unembed=unembed, rope_Sh=(cos[0], sin[0]), out_major=out_major)
+
+
+def _proj(w: DecodeWeights, x_NI: jax.Array, kernel: jax.Array) -> jax.Array:
+  """``x_NI @ W`` with W [I, O], stored [O, I] when ``w.out_major``."""
+  eq = "ni,oi->no" if w.out_major else "ni,io->no"
+  return jnp.einsum(eq, x_NI, kernel)
 
 
 def attend_full(q_NKRH: jax.Array, k_NKHS: jax.Array, v_NKSH: jax.Array,
@@ -147,29 +198,58 @@ def step(w: DecodeWeights, cfg: Qwen2Config, tokens_N: jax.Array, cache: SlotCac
   numerics up to the blocked softmax), with the weights of ``prepare``.
   """
   N, S = cache.mask_NS.shape
-  K, H = cfg.num_kv_heads, cfg.head_dim
   slot_N = jnp.arange(N)
   mask_NS = cache.mask_NS.at[slot_N, where.col_N].set(True)
   rope_N1 = tuple(t[where.pos_N][:, None] for t in w.rope_Sh)
-  x_N1D = w.embed_VD.astype(cfg.dtype)[tokens_N[:, None]]
+  x_ND = w.embed_VD.astype(cfg.dtype)[tokens_N]
   ks, vs = list(cache.k), list(cache.v)
   blocked = S > where.block
   for l, p in enumerate(w.layers):
-
-    def attend(q_N1NH, k_N1KH, v_N1KH, k_NKHS=ks[l], v_NKSH=vs[l]):
-      # Each slot writes its token's key / value at its own column, in place.
-      k_NKHS = k_NKHS.at[slot_N, :, :, where.col_N].set(k_N1KH[:, 0])
-      v_NKSH = v_NKSH.at[slot_N, :, where.col_N, :].set(v_N1KH[:, 0])
-      q_NKRH = q_N1NH.reshape(N, K, -1, H)
-      if blocked:
-        out_NKRH = attend_blocks(q_NKRH, k_NKHS, v_NKSH, mask_NS, where.num_blocks,
-                                 where.block)
-      else:
-        out_NKRH = attend_full(q_NKRH, k_NKHS, v_NKSH, mask_NS)
-      return out_NKRH.reshape(N, 1, -1, H), (k_NKHS, v_NKSH)
-
-    x_N1D, (ks[l], vs[l]) = qwen2.layer(cfg, x_N1D, p, rope_N1, attend)
-  h_ND = qwen2.rms_norm(x_N1D[:, 0], w.final_norm_D, cfg.rms_norm_eps)
-  logits_VN = jnp.einsum("vd,nd->vn", w.unembed_VD, h_ND.astype(cfg.dtype),
-                         preferred_element_type=jnp.float32)
+    # Each slot writes its token's key / value at its own column, in place.
+    q_NKRH, k_NKH, v_NKH = _attention_inputs(w, cfg, p, x_ND, rope_N1)
+    ks[l] = ks[l].at[slot_N, :, :, where.col_N].set(k_NKH)
+    vs[l] = vs[l].at[slot_N, :, where.col_N, :].set(v_NKH)
+    if blocked:
+      out_NKRH = attend_blocks(q_NKRH, ks[l], vs[l], mask_NS, where.num_blocks, where.block)
+    else:
+      out_NKRH = attend_full(q_NKRH, ks[l], vs[l], mask_NS)
+    x_ND = _attention_output(w, cfg, p, x_ND, out_NKRH.reshape(N, -1))
+  h_ND = qwen2.rms_norm(x_ND, w.final_norm_D, cfg.rms_norm_eps).astype(cfg.dtype)
+  if w.out_major:
+    # The barrier stops XLA from turning the transpose into a [V, D] x [N, D]
+    # dot, the row-count-dependent form again.
+    logits_VN = jax.lax.optimization_barrier(jnp.einsum(
+        "nd,vd->nv", h_ND, w.unembed, preferred_element_type=jnp.float32)).T
+  else:
+    logits_VN = jnp.einsum("dv,nd->vn", w.unembed, h_ND, preferred_element_type=jnp.float32)
   return logits_VN, SlotCache(tuple(ks), tuple(vs), mask_NS)
+
+
+def _attention_inputs(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_ND: jax.Array,
+                      rope_N1: tuple[jax.Array, jax.Array]
+                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  """``qwen2.DecoderLayer.attention_inputs`` for one token per slot, on 2-D kernels.
+
+  q as [N, K, R, H] (R query heads per kv head), k / v as [N, K, H].
+  """
+  N, dt = x_ND.shape[0], cfg.dtype
+  K, H = cfg.num_kv_heads, cfg.head_dim
+  h_ND = qwen2.rms_norm(x_ND, p["attn_norm"], cfg.rms_norm_eps)
+  q, k, v = (_proj(w, h_ND, p[n]).reshape(N, 1, -1, H)
+             for n in ("q_kernel", "k_kernel", "v_kernel"))
+  if cfg.qkv_bias:
+    q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
+  if cfg.qk_norm:
+    q = qwen2.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = qwen2.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  q, k = qwen2.apply_rope(q, *rope_N1), qwen2.apply_rope(k, *rope_N1)
+  return q.reshape(N, K, -1, H), k[:, 0], v[:, 0]
+
+
+def _attention_output(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_ND: jax.Array,
+                      attn_NE: jax.Array) -> jax.Array:
+  """``qwen2.DecoderLayer.attention_output`` for one token per slot, on 2-D kernels."""
+  x_ND = x_ND + _proj(w, attn_NE, p["o_kernel"])
+  h_ND = qwen2.rms_norm(x_ND, p["mlp_norm"], cfg.rms_norm_eps)
+  act_NF = jax.nn.silu(_proj(w, h_ND, p["gate_kernel"])) * _proj(w, h_ND, p["up_kernel"])
+  return x_ND + _proj(w, act_NF, p["down_kernel"])

@@ -79,6 +79,10 @@ class Plan:
   gen_len: int  # C, the output width (>= max_new_tokens)
   layout: Layout | None = None
   block: int = KV_BLOCK
+  # Slots the cache has: max(N, min_slots). Slots past N never take a row;
+  # they are there because on CPU a step of fewer than 8 rows rounds its
+  # reductions differently (decode.MIN_ROWS_CPU).
+  min_slots: int = 1
 
 
 @jax.tree_util.register_dataclass
@@ -168,7 +172,7 @@ def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.A
   """Free slots take the next waiting rows (in ``order_B``), prompt cache copied in."""
   G, B = plan.num_samples, order_B.shape[0]
   N, S = cache.mask_NS.shape
-  free_N = ~slots.active_N
+  free_N = ~slots.active_N & (jnp.arange(N) < plan.num_slots)
   idx_N = slots.next + jnp.cumsum(free_N, dtype=jnp.int32) - 1
   take_N = free_N & (idx_N < num_waiting)
   n_take = take_N.sum(dtype=jnp.int32)
@@ -202,7 +206,8 @@ def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.A
   Returns tokens, log-probs and mask [B, C] and stopped [B].
   """
   TRACE_COUNTS["decode"] += 1
-  cfg, layout, G, N, C = plan.cfg, plan.layout, plan.num_samples, plan.num_slots, plan.gen_len
+  cfg, layout, G, C = plan.cfg, plan.layout, plan.num_samples, plan.gen_len
+  N = max(plan.num_slots, plan.min_slots)
   Q, P = prompts.mask_QP.shape
   B = Q * G
   S = num_columns(P, C, plan.block)
@@ -231,7 +236,7 @@ def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.A
   def body(carry: tuple[_Slots, decode.SlotCache, _Out]
            ) -> tuple[_Slots, decode.SlotCache, _Out]:
     s, cache, out = carry
-    s, cache = jax.lax.cond(jnp.any(~s.active_N) & (s.next < num_waiting),
+    s, cache = jax.lax.cond(jnp.any(~s.active_N[:plan.num_slots]) & (s.next < num_waiting),
                             lambda sc: refill(*sc), lambda sc: sc, (s, cache))
     q_N = jnp.minimum(s.row_N, B - 1) // G
     col_N = P + jnp.maximum(s.t_N, 1) - 1

@@ -34,7 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from capo_jax.sampling import engine
+from capo_jax.sampling import decode, engine
 from capo_jax.sampling.engine import TRACE_COUNTS, _decode, _prefill  # noqa: F401  (re-exported)
 from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
     Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
@@ -165,7 +165,8 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   B = Q * num_samples
   plan = engine.Plan(cfg=cfg, strategy=strategy, num_samples=num_samples,
                      num_slots=B if max_active_rows is None else min(max_active_rows, B),
-                     gen_len=gen_len, layout=layout, block=engine.KV_BLOCK)
+                     gen_len=gen_len, layout=layout, block=engine.KV_BLOCK,
+                     min_slots=decode.MIN_ROWS_CPU if jax.default_backend() == "cpu" else 1)
   prompts, first = _prefill(params, tokens, mask, rng, cfg=cfg, strategy=strategy,
                             num_samples=num_samples, layout=layout)
   tokens_BC, logprobs_BC, mask_BC, stopped_B = _decode(

@@ -1,10 +1,9 @@
 """Token choice: greedy, temperature, top-k and top-p as small frozen strategies.
 
 Each strategy's ``choose(logits_VB, u_B)`` works on *vocab-major* logits
-[V, B]: the sampler computes them as ``unembed_VD @ h_DB``, which XLA's CPU
-dot runs faster than ``h_BD @ unembed_DV`` at decode batch sizes (measured in
-the README's benchmark table), and every reduction over the vocabulary then
-runs down the columns. ``next_token(logits_BV, rng)`` is the batch-major
+[V, B], as the decode step (capo_jax.sampling.decode) returns them, so
+every reduction over the vocabulary runs down the columns.
+``next_token(logits_BV, rng)`` is the batch-major
 convenience form. ``choose`` returns the token and its log-probability under
 the untempered policy, log_softmax(logits)[token], whatever the strategy.
 
