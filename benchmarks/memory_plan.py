@@ -197,6 +197,16 @@ def kv_slots(run: Run) -> int:
   return bucket_length(run.max_prompt_len, 16) + bucket_length(run.max_new_tokens, 16)
 
 
+def tail_loop_slots(slots: int, rows: int, shards: int) -> tuple[int, ...]:
+  """capo_jax.sampling.engine.Plan.phases on an accelerator (NumPy only here):
+  N, then quarters that keep whole batch shards, three loops at most, when N < B."""
+  sizes = [slots]
+  while (slots < rows and len(sizes) < 3 and sizes[-1] // 4 >= 1
+         and (sizes[-1] // 4) % shards == 0):
+    sizes.append(sizes[-1] // 4)
+  return tuple(sizes)
+
+
 def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1,
                  slots: int = 0) -> dict[str, float]:
   """Bytes per chip of each term, plus the phase totals and the peak.
@@ -239,13 +249,22 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
   m["decode cache copy"] = m["KV cache (N slots)"] if run.decode_copies_cache else 0.0
+  # With N < B the engine gathers the tail's rows into a cache of N/4 slots
+  # (engine.Plan.phases). The caches are one buffer per layer and per k / v, so
+  # each large one is freed once gathered: one small buffer beside the large
+  # cache at the peak (XLA:CPU's memory analysis gave the same temp bytes with
+  # and without the tail loop, N = 32 / 64, 2026-12-03; not checked on TPU).
+  tail = tail_loop_slots(min(slots or B, B), B, data * fsdp)
+  m["tail loop gather (1 layer)"] = (m["KV cache (N slots)"] * tail[1] / tail[0] / (2 * L)
+                                     if len(tail) > 1 else 0.0)
   decode = 3 * b_rows * V / t * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
   m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / t if run.lora else 0.0
   # The prefill's stacked cache and its per-layer copy, then the slots beside it.
   rollout = m["sampling weights (bf16)"] + m["LoRA merge (1 layer f32)"] + m[
       "prompt cache (Q rows)"] + max(m["prompt cache (Q rows)"] + m["prefill scores"],
-                                     m["KV cache (N slots)"] + m["decode cache copy"] + decode)
+                                     m["KV cache (N slots)"] + m["decode cache copy"]
+                                     + m["tail loop gather (1 layer)"] + decode)
   # Train.
   # Gradients (and their accumulator) of what trains; the bf16 copy of the
   # weights only where they are not stored in bf16 already.
@@ -286,9 +305,10 @@ class Plan:
 
 
 @functools.lru_cache(maxsize=256)
-def _simulated(rows: int, samples: int, prompt_len: int, cap: int, slots: int
+def _simulated(rows: int, samples: int, prompt_len: int, cap: int, slots: int, loops: int
                ) -> dict[str, float]:
-  shape = rollout_lengths.Shape(rows=rows, samples=samples, prompt_len=prompt_len, cap=cap)
+  shape = rollout_lengths.Shape(rows=rows, samples=samples, prompt_len=prompt_len, cap=cap,
+                                max_loops=loops)
   lengths = rollout_lengths.sample_lengths(np.random.default_rng(0), shape)
   return rollout_lengths.simulate(lengths, shape, slots)
 
@@ -302,7 +322,7 @@ def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, s
   cfg, B = run.model, run.num_prompts * run.num_samples // chunks
   N = min(slots or B, B)
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
-  sim = _simulated(B, run.num_samples, P_len, C, N)
+  sim = _simulated(B, run.num_samples, P_len, C, N, len(tail_loop_slots(N, B, fsdp)))
   t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
   shape = rollout_lengths.Shape(
       rows=B, samples=run.num_samples, prompt_len=P_len, cap=C,

@@ -20,8 +20,9 @@ Simulation (pure Python): the engine's scheduler at the real job's shape, Q*G
 of the samples hit the cap (3,072), the rest lognormal (median 550, sigma
 0.7) times a per-prompt factor (sigma 0.4) shared by the G samples. Per decode
 step it counts the rows decoded and the KV positions read, as the engine
-reads them (every slot, up to the longest active row in ``--block`` columns)
-and, for the lockstep decode, every row over the whole cache (the old
+reads them (every slot, up to the longest active row in ``--block`` columns;
+once no row waits, the active rows move to a quarter of the slots as they
+fit, at most twice, as ``engine.Plan.phases`` does) and, for the lockstep decode, every row over the whole cache (the old
 sampler) or up to the longest row; a bandwidth model turns them into time:
 (weight bytes x replicas + KV bytes read + refill copies) / HBM bandwidth, a
 decode step being bandwidth-bound on accelerators. ``expected_speedup`` is
@@ -156,6 +157,8 @@ class Shape:
   kv_bytes: float = 28_672  # per position: 2 x 28 layers x 2 kv heads x 128 x 2 bytes
   bandwidth: float = 819e9  # bytes/s (one v5e chip)
   replicas: int = 1  # weight copies read per step (data-parallel sampler replicas)
+  shrink: int = 4  # engine.SHRINK: each tail loop has a quarter of the slots
+  max_loops: int = 3  # engine.MAX_PHASES (1: no tail loops)
 
 
 def sample_lengths(rng: np.random.Generator, shape: Shape, median: float = 550,
@@ -189,10 +192,12 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
     steps = int(lengths.max())
     t = np.arange(1, steps + 1)
     return {"steps": steps, "row_steps": steps * B, "kv_read": B * int(_blocks(P + t, blk).sum()),
-            "kv_read_full": steps * B * (P + shape.cap), "kv_read_own": own_total, "copies": B}
+            "kv_read_full": steps * B * (P + shape.cap), "kv_read_own": own_total, "copies": B,
+            "gathered": 0}
   ends: list[tuple[int, int]] = []  # (step the row ends at, slot)
   start: dict[int, int] = {}  # active slot -> the step its row started after
   free, nxt, k, kv = list(range(slots)), 0, 0, 0
+  cur, loops, gathered = slots, 1, 0  # the engine's tail loops (engine.Plan.phases)
   while True:
     while free and nxt < B:
       n = free.pop()
@@ -201,16 +206,21 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
       nxt += 1
     if not ends:
       break
+    while (nxt >= B and loops < shape.max_loops and cur // shape.shrink >= 1
+           and len(ends) <= cur // shape.shrink):
+      cur //= shape.shrink
+      loops += 1
+      gathered += cur * (P + shape.cap)  # the smaller cache, copied whole
     k1 = ends[0][0]
     ks = np.arange(k + 1, k1 + 1)
-    kv += slots * int(_blocks(P + ks - min(start.values()), blk).sum())
+    kv += cur * int(_blocks(P + ks - min(start.values()), blk).sum())
     k = k1
     while ends and ends[0][0] == k:
       n = heapq.heappop(ends)[1]
       del start[n]
       free.append(n)
   return {"steps": k, "row_steps": k * slots, "kv_read": kv, "kv_read_full": kv,
-          "kv_read_own": own_total, "copies": B}
+          "kv_read_own": own_total, "copies": B, "gathered": gathered}
 
 
 def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float:
@@ -223,6 +233,7 @@ def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float
   kv = sim[read]
   weights = sim["steps"] * shape.weight_bytes * shape.replicas
   copies = sim["copies"] * shape.prompt_len * 2  # read the prompt cache, write the slot
+  copies += sim.get("gathered", 0) * 2  # the tail loops' caches: read and written
   return (weights + (kv + copies) * shape.kv_bytes) / shape.bandwidth
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax.sampling import engine
+from capo_jax.sampling import decode, engine
 from capo_jax.sampling import sampler as sampling
 from models import qwen2
 import hf_utils
@@ -82,6 +82,29 @@ def assert_same(a: sampling.Samples, b: sampling.Samples) -> None:
   np.testing.assert_allclose(np.asarray(a.logprobs_BC), np.asarray(b.logprobs_BC), atol=1e-5)
 
 
+def loop_steps(lengths_B: np.ndarray, max_new: int, phases: tuple[int, ...]) -> list[int]:
+  """Decode iterations each of the engine's loops runs, replaying its schedule in Python.
+
+  Token 0 comes from the prefill, so a row of length L holds a slot for L - 1
+  steps (none when it stopped at token 0 or ``max_new`` is 1); waiting rows
+  take free slots in row order; a loop hands over to the next once no row
+  waits and the active rows fit in the next loop's slots.
+  """
+  waiting = [int(L) - 1 for L in lengths_B if L > 1 and max_new > 1]
+  left: list[int] = []  # steps left of each active row
+  steps = []
+  for i, n in enumerate(phases):
+    smaller = phases[i + 1] if i + 1 < len(phases) else 0
+    k = 0
+    while (left or waiting) and (waiting or len(left) > smaller):
+      while len(left) < n and waiting:
+        left.append(waiting.pop(0))
+      left = [r - 1 for r in left if r > 1]
+      k += 1
+    steps.append(k)
+  return steps
+
+
 def brute_force(cfg, params, tokens, mask, stops, rng, strategy, max_new: int) -> np.ndarray:
   """Row b's token t from a full forward over its prefix and the uniform of (rng, b, t)."""
   B, P = Q * G, tokens.shape[1]
@@ -129,6 +152,29 @@ def test_engine_equals_brute_force_sampler(rollouts):
   np.testing.assert_allclose(np.asarray(outs[3].logprobs_BC)[m], want[m], atol=1e-4)
 
 
+def test_tail_phases_schedule():
+  plan = lambda n, **kw: engine.Plan(cfg=None, strategy=None, num_samples=1, num_slots=n,
+                                     gen_len=8, **kw)
+  assert plan(128, shrink=True).phases == (128, 32, 8)  # at most three loops
+  assert plan(32, shrink=True, min_slots=8).phases == (32, 8)
+  assert plan(20, shrink=True, min_slots=8).phases == (20,)  # 5 < 8 slots
+  assert plan(3, shrink=True, min_slots=8).phases == (8,)
+  assert plan(128).phases == (128,)  # no shrink: the lockstep decode's one loop
+  assert loop_steps(np.array([1, 5, 3, 9]), 9, (2, 1)) == [4, 6]  # replayed by hand
+
+
+def test_tail_phases_give_the_same_samples(rollouts, monkeypatch):
+  """N = 16 of 20 rows, then 4, then 1 slot: each loop runs, samples unchanged."""
+  cfg, params, tokens, mask, stops, outs = rollouts
+  monkeypatch.setattr(decode, "MIN_ROWS_CPU", 1)  # loops of 4 and 1 slots on CPU too
+  # key 6: lengths whose tail reaches all three loops (the fixture's key ends
+  # with four rows at the cap together, which skips the last loop).
+  ref = run(cfg, params, tokens, mask, Q * G, stops, key=6)
+  steps = loop_steps(np.asarray(ref.lengths_B), C, (16, 4, 1))
+  assert min(steps) > 0, steps
+  assert_same(ref, run(cfg, params, tokens, mask, 16, stops, key=6))
+
+
 def test_one_token_and_compile_count(rollouts):
   cfg, params, tokens, mask, stops, outs = rollouts
   before = dict(engine.TRACE_COUNTS)
@@ -172,8 +218,15 @@ _SHARDED = textwrap.dedent("""
     layout = Layout.of(capo_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}),
                        capo_mesh.SAMPLING_RULES)
     # A quarter of the rows (5 slots over 4 batch shards: replicated) and 3 slots.
-    eight = te.schedules(cfg, params, tokens, mask, [int(t) for t in ref.pop("stops")], layout,
-                         slots=(5, 3))
+    stops = [int(t) for t in ref.pop("stops")]
+    eight = te.schedules(cfg, params, tokens, mask, stops, layout, slots=(5, 3))
+    # 16 slots, then a tail loop of 4 (whole shards of the 4 batch shards).
+    te.decode.MIN_ROWS_CPU = 1
+    plan = te.engine.Plan(cfg=cfg, strategy=None, num_samples=te.G, num_slots=16, gen_len=8,
+                          layout=layout, shrink=True)
+    assert plan.phases == (16, 4), plan.phases
+    assert min(te.loop_steps(ref["lengths"], te.C, plan.phases)) > 0
+    eight[16] = te.run(cfg, params, tokens, mask, 16, stops, layout)
     assert eight[3].tokens_BC.sharding.spec[0] == ("data", "fsdp"), eight[3].tokens_BC.sharding
     for n, out in eight.items():
       np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref["tokens"])
@@ -183,12 +236,13 @@ _SHARDED = textwrap.dedent("""
 """)
 
 
-@pytest.mark.slow  # ~40 s of CPU: a fresh process compiling two sharded programs
+@pytest.mark.slow  # ~60 s of CPU: a fresh process compiling three sharded programs
 def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
   *_, stops, outs = rollouts
   ref = tmp_path / "one_device.npz"
   np.savez(ref, tokens=np.asarray(outs[Q * G].tokens_BC), mask=np.asarray(outs[Q * G].mask_BC),
-           logprobs=np.asarray(outs[Q * G].logprobs_BC), stops=np.asarray(stops))
+           logprobs=np.asarray(outs[Q * G].logprobs_BC), stops=np.asarray(stops),
+           lengths=np.asarray(outs[Q * G].lengths_B))
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
   proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ref)], cwd=REPO, env=env,
                         capture_output=True, text=True, timeout=600)
@@ -209,8 +263,9 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
   cfg = qwen2.Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
                           num_layers=1, num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
   params = qwen2.init_params(cfg, jax.random.key(0))
-  tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(1), [9, 16, 4, 12],
+  tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(1), [9, 16, 4, 12, 7, 1, 14, 3],
                                             cfg.vocab_size, low=3)
+  B = tokens.shape[0] * G
   stops = np.random.default_rng(2).choice(np.arange(3, cfg.vocab_size), 82, replace=False)
 
   def rollout(n: int | None) -> sampling.Samples:
@@ -219,7 +274,9 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
 
   ref = rollout(None)
   assert np.asarray(ref.lengths_B).min() < 24 < np.asarray(ref.lengths_B).max()  # refills happen
-  for n in (Q * G // 4, 3):
+  # N = 32 of 40 rows ends in a loop of 8 slots (engine.Plan.phases).
+  assert min(loop_steps(np.asarray(ref.lengths_B), 48, (32, 8))) > 0
+  for n in (32, B // 4, 3):
     out = rollout(n)
     assert_same(ref, out)
     np.testing.assert_array_equal(np.asarray(out.logprobs_BC), np.asarray(ref.logprobs_BC))

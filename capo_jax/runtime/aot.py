@@ -200,9 +200,10 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
       dict(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples, layout=layout),
       sh.num_calls, ("train state", "reference"))
   rows = sh.prompts_per_call * sh.num_samples
+  slots = min(c.rollout.get("max_active_rows", 0) or rows, rows)
   plan = engine.Plan(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples,
-                     num_slots=min(c.rollout.get("max_active_rows", 0) or rows, rows),
-                     gen_len=sh.gen_len, layout=layout, block=engine.KV_BLOCK)
+                     num_slots=slots, gen_len=sh.gen_len, layout=layout, block=engine.KV_BLOCK,
+                     shrink=slots < rows)
 
   def decode(prefill_compiled: Any) -> Lowerable:
     out = jax.eval_shape(functools.partial(sampling._prefill, **prefill.kwargs),  # pylint: disable=protected-access

@@ -18,6 +18,14 @@ So a rollout costs about (tokens generated) / N steps of N rows instead of
 crosses to the host until the loop ends. ``num_slots = B`` (every row at once,
 no refills after the first) is the lockstep decode.
 
+The tail: once no row waits, slots free up for good, and the last long rows
+would keep paying for N slots per step (all of them read up to the longest
+active row). With ``Plan.shrink`` the program then moves on to smaller loops
+(``Plan.phases``: N, N/4, N/16, at most three): when the active rows fit in a
+quarter of the slots, they are gathered into a cache of that many slots and
+decoding goes on there. Still one program, no host sync; the gathered cache
+lives beside the larger one for the copy (peak N + N/4 slots).
+
 Scheduling independence: token t of row b = q*G + g is drawn with the uniform
 of ``fold_in(fold_in(rng, b), t)``, from logits that depend only on row b's
 own prompt and tokens (attention masks everything else, and the blocked
@@ -30,6 +38,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import jax
@@ -83,6 +92,34 @@ class Plan:
   # they are there because on CPU a step of fewer than 8 rows rounds its
   # reductions differently (decode.MIN_ROWS_CPU).
   min_slots: int = 1
+  # Move the tail to smaller caches once no row waits (see the module docstring).
+  shrink: bool = False
+
+  @property
+  def phases(self) -> tuple[int, ...]:
+    """Slot counts of the program's successive decode loops."""
+    sizes = [max(self.num_slots, self.min_slots)]
+    shards = _batch_shards(self.layout)
+    while self.shrink and len(sizes) < MAX_PHASES:
+      n = sizes[-1] // SHRINK
+      if n < self.min_slots or n < 1 or n % shards:  # a phase keeps whole shards
+        break
+      sizes.append(n)
+    return tuple(sizes)
+
+
+# Tail phases: each a quarter of the previous slots, at most three loops in all
+# (each loop compiles its own copy of the decode step).
+SHRINK, MAX_PHASES = 4, 3
+
+
+def _batch_shards(layout: Layout | None) -> int:
+  """Devices the slot axis is split over: a phase keeps whole shards."""
+  if layout is None:
+    return 1
+  axes = layout.spec(("batch",))[0]
+  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+  return math.prod(layout.mesh.shape[a] for a in axes)
 
 
 @jax.tree_util.register_dataclass
@@ -197,6 +234,24 @@ def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.A
   return slots, cache
 
 
+def _compact(layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out], n: int,
+             num_rows: int) -> tuple[_Slots, decode.SlotCache, _Out]:
+  """The active slots (at most ``n``) gathered into a cache of ``n`` slots, in slot order.
+
+  A row's cache columns, token count and last token move with it, so its
+  next steps compute what they would have in the larger cache.
+  """
+  s, cache, out = carry
+  idx_n = jnp.nonzero(s.active_N, size=n, fill_value=0)[0]
+  valid_n = jnp.arange(n) < s.active_N.sum(dtype=jnp.int32)
+  slots = _Slots(row_N=jnp.where(valid_n, s.row_N[idx_n], num_rows), t_N=s.t_N[idx_n],
+                 active_N=valid_n, last_N=s.last_N[idx_n], next=s.next)
+  k, v = _constrain_cache(layout, tuple(x[idx_n] for x in cache.k),
+                          tuple(x[idx_n] for x in cache.v))
+  cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_NS[idx_n], ("batch", None)))
+  return _constrain_rows(layout, slots), cache, out
+
+
 @functools.partial(jax.jit, static_argnames=("plan",))
 def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.Array,
             stop_ids: jax.Array, pad_id: jax.Array, max_new_tokens: jax.Array, *, plan: Plan
@@ -207,7 +262,7 @@ def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.A
   """
   TRACE_COUNTS["decode"] += 1
   cfg, layout, G, C = plan.cfg, plan.layout, plan.num_samples, plan.gen_len
-  N = max(plan.num_slots, plan.min_slots)
+  N = plan.phases[0]
   Q, P = prompts.mask_QP.shape
   B = Q * G
   S = num_columns(P, C, plan.block)
@@ -229,15 +284,20 @@ def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.A
   cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_NS, ("batch", None)))
   refill = functools.partial(_refill, plan, prompts, first, order_B, num_waiting)
 
-  def cond(carry: tuple[_Slots, decode.SlotCache, _Out]) -> jax.Array:
-    s = carry[0]
-    return jnp.any(s.active_N) | (s.next < num_waiting)
+  Carry = tuple[_Slots, decode.SlotCache, _Out]
 
-  def body(carry: tuple[_Slots, decode.SlotCache, _Out]
-           ) -> tuple[_Slots, decode.SlotCache, _Out]:
+  def cond(smaller: int, carry: Carry) -> jax.Array:
+    s = carry[0]
+    going = jnp.any(s.active_N) | (s.next < num_waiting)
+    if smaller:  # hand over to the next loop once its slots hold every active row
+      going &= (s.next < num_waiting) | (s.active_N.sum(dtype=jnp.int32) > smaller)
+    return going
+
+  def body(refills: bool, carry: Carry) -> Carry:
     s, cache, out = carry
-    s, cache = jax.lax.cond(jnp.any(~s.active_N[:plan.num_slots]) & (s.next < num_waiting),
-                            lambda sc: refill(*sc), lambda sc: sc, (s, cache))
+    if refills:  # later loops start after the last row was handed out
+      s, cache = jax.lax.cond(jnp.any(~s.active_N[:plan.num_slots]) & (s.next < num_waiting),
+                              lambda sc: refill(*sc), lambda sc: sc, (s, cache))
     q_N = jnp.minimum(s.row_N, B - 1) // G
     col_N = P + jnp.maximum(s.t_N, 1) - 1
     pos_N = prompts.length_Q[q_N] + jnp.maximum(s.t_N, 1) - 1
@@ -261,5 +321,13 @@ def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.A
     cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_NS, ("batch", None)))
     return _constrain_rows(layout, s), cache, _constrain_rows(layout, out)
 
-  _, _, out = jax.lax.while_loop(cond, body, (_constrain_rows(layout, slots), cache, out))
+  carry = (_constrain_rows(layout, slots), cache, out)
+  phases = plan.phases
+  for i, n in enumerate(phases):
+    if i:
+      carry = _compact(layout, carry, n, B)
+    smaller = phases[i + 1] if i + 1 < len(phases) else 0
+    carry = jax.lax.while_loop(functools.partial(cond, smaller), functools.partial(body, i == 0),
+                               carry)
+  out = carry[2]
   return out.tokens_BC, out.logprobs_BC, out.mask_BC, out.stopped_B

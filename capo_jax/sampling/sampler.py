@@ -123,8 +123,10 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
       over the ``"batch"`` axes, params placed per the rules. Without one,
       runs unsharded.
     max_active_rows: N, the rows decoded at once and the KV cache's slots
-      (continuous batching: a stopped row's slot takes the next waiting row).
-      None: all Q*G rows at once. The samples are the same whatever N.
+      (continuous batching: a stopped row's slot takes the next waiting row;
+      once none waits, the active rows move to caches of N/4 and N/16 slots
+      as they fit, ``engine.Plan.phases``). None: all Q*G rows at once. The
+      samples are the same whatever N.
 
   Returns:
     ``Samples`` of [Q*G, C] tokens / mask / logprobs and [Q*G] lengths /
@@ -163,10 +165,13 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   stops = np.pad(stops, (0, width - stops.size), constant_values=-1)
   stops_j, pad_j = jnp.asarray(stops), jnp.asarray(pad_id, jnp.int32)
   B = Q * num_samples
-  plan = engine.Plan(cfg=cfg, strategy=strategy, num_samples=num_samples,
-                     num_slots=B if max_active_rows is None else min(max_active_rows, B),
+  N = B if max_active_rows is None else min(max_active_rows, B)
+  # The tail moves to smaller caches only under continuous batching: None stays
+  # the lockstep decode.
+  plan = engine.Plan(cfg=cfg, strategy=strategy, num_samples=num_samples, num_slots=N,
                      gen_len=gen_len, layout=layout, block=engine.KV_BLOCK,
-                     min_slots=decode.MIN_ROWS_CPU if jax.default_backend() == "cpu" else 1)
+                     min_slots=decode.MIN_ROWS_CPU if jax.default_backend() == "cpu" else 1,
+                     shrink=N < B)
   prompts, first = _prefill(params, tokens, mask, rng, cfg=cfg, strategy=strategy,
                             num_samples=num_samples, layout=layout)
   tokens_BC, logprobs_BC, mask_BC, stopped_B = _decode(
