@@ -64,6 +64,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import rollout_lengths
+from capo_jax.sampling import engine
 from capo_jax.sampling.sampler import bucket_length
 from models import lora, qwen2
 from models.config import Qwen2Config
@@ -197,14 +198,9 @@ def kv_slots(run: Run) -> int:
   return bucket_length(run.max_prompt_len, 16) + bucket_length(run.max_new_tokens, 16)
 
 
-def tail_loop_slots(slots: int, rows: int, shards: int) -> tuple[int, ...]:
-  """capo_jax.sampling.engine.Plan.phases on an accelerator (NumPy only here):
-  N, then quarters that keep whole batch shards, three loops at most, when N < B."""
-  sizes = [slots]
-  while (slots < rows and len(sizes) < 3 and sizes[-1] // 4 >= 1
-         and (sizes[-1] // 4) % shards == 0):
-    sizes.append(sizes[-1] // 4)
-  return tuple(sizes)
+def tail_phases(slots: int, rows: int, shards: int) -> tuple[int, ...]:
+  """The engine's loops on an accelerator: tail loops only with N < B rows."""
+  return engine.tail_phases(slots, shards) if slots < rows else (slots,)
 
 
 def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1,
@@ -252,9 +248,8 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   # With N < B the engine gathers the tail's rows into a cache of N/4 slots
   # (engine.Plan.phases). The caches are one buffer per layer and per k / v, so
   # each large one is freed once gathered: one small buffer beside the large
-  # cache at the peak (XLA:CPU's memory analysis gave the same temp bytes with
-  # and without the tail loop, N = 32 / 64, 2026-12-03; not checked on TPU).
-  tail = tail_loop_slots(min(slots or B, B), B, data * fsdp)
+  # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
+  tail = tail_phases(min(slots or B, B), B, data * fsdp)
   m["tail loop gather (1 layer)"] = (m["KV cache (N slots)"] * tail[1] / tail[0] / (2 * L)
                                      if len(tail) > 1 else 0.0)
   decode = 3 * b_rows * V / t * 4
@@ -322,7 +317,7 @@ def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, s
   cfg, B = run.model, run.num_prompts * run.num_samples // chunks
   N = min(slots or B, B)
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
-  sim = _simulated(B, run.num_samples, P_len, C, N, len(tail_loop_slots(N, B, fsdp)))
+  sim = _simulated(B, run.num_samples, P_len, C, N, len(tail_phases(N, B, fsdp)))
   t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
   shape = rollout_lengths.Shape(
       rows=B, samples=run.num_samples, prompt_len=P_len, cap=C,

@@ -22,8 +22,9 @@ of the samples hit the cap (3,072), the rest lognormal (median 550, sigma
 step it counts the rows decoded and the KV positions read, as the engine
 reads them (every slot, up to the longest active row in ``--block`` columns;
 once no row waits, the active rows move to a quarter of the slots as they
-fit, at most twice, as ``engine.Plan.phases`` does) and, for the lockstep decode, every row over the whole cache (the old
-sampler) or up to the longest row; a bandwidth model turns them into time:
+fit, at most twice, as ``engine.Plan.phases`` does) and, for the lockstep
+decode, every row over the whole cache (the old sampler) or up to the
+longest row; a bandwidth model turns them into time:
 (weight bytes x replicas + KV bytes read + refill copies) / HBM bandwidth, a
 decode step being bandwidth-bound on accelerators. ``expected_speedup`` is
 what benchmarks/memory_plan.py uses.

@@ -180,10 +180,10 @@ def test_kv_and_param_terms_by_hand():
   quarter = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=256)
   assert quarter["KV cache (N slots)"] == (256 // 16) * slots * 28672
   # Its tail loop: 64 slots (4 per chip), then 16 (1 per chip); none for N = B.
-  assert mp.tail_loop_slots(256, 1024, 16) == (256, 64, 16)
+  assert mp.tail_phases(256, 1024, 16) == (256, 64, 16)
   assert quarter["tail loop gather (1 layer)"] == (64 // 16) * slots * 28672 / (2 * 28)
   assert terms["tail loop gather (1 layer)"] == 0
-  assert mp.tail_loop_slots(96, 1024, 16) == (96,)  # 24 slots would split the 16 shards unevenly
+  assert mp.tail_phases(96, 1024, 16) == (96,)  # 24 slots would split the 16 shards unevenly
   assert terms["params (f32 master)"] == 4 * P / 16
   assert terms["AdamW moments (2 x f32)"] == 8 * P / 16
   assert terms["sampling weights (bf16)"] == 2 * P

@@ -1,0 +1,31 @@
+"""The scheduler simulation of benchmarks/rollout_lengths.py, on a case counted by hand."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from benchmarks import rollout_lengths as rl
+from capo_jax.sampling import engine
+
+
+def test_simulation_mirrors_the_engines_tail_loops():
+  assert (rl.Shape.shrink, rl.Shape.max_loops) == (engine.SHRINK, engine.MAX_PHASES)
+
+
+def test_tail_loop_reads_counted_by_hand():
+  # 2 slots, rows of 1, 1, 1 and 8 tokens, no prompt, 1-column blocks, halving.
+  shape = dataclasses.replace(rl.Shape(), rows=4, samples=1, prompt_len=0, cap=8, block=1,
+                              shrink=2)
+  lengths = np.array([1, 1, 1, 8])
+  # Steps 1-2: two slots, each read up to the longest active row (1 column);
+  # rows 2 and 3 start after step 1. Once row 2 ends (step 2) no row waits and
+  # row 3 alone fits in one slot: steps 3-9 read 2, 3, ... 8 columns of 1 slot.
+  sim = rl.simulate(lengths, shape, 2)
+  assert sim["steps"] == 9
+  assert sim["kv_read"] == 2 * 1 + 2 * 1 + sum(range(2, 9))
+  assert sim["gathered"] == 1 * 8  # the one-slot cache, prompt + cap columns
+  one_loop = rl.simulate(lengths, dataclasses.replace(shape, max_loops=1), 2)
+  assert one_loop["kv_read"] == 2 * 1 + 2 * 1 + 2 * sum(range(2, 9))
+  assert one_loop["gathered"] == 0
