@@ -34,15 +34,14 @@ from absl import app, flags
 from ml_collections import config_flags
 
 from benchmarks import memory_plan
-from capo_jax.runtime import aot
+from capo_jax.run import aot
+from capo_jax.run.spec import RunSpec
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
 _ACCEL = flags.DEFINE_string("accelerator", None, "TPU slice: v4-32, v5e-16, v5p-64, v6e-16, ...")
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 when a program does not fit in HBM.")
 _ONLY = flags.DEFINE_list("only", [], "Compile only these programs (prefill, decode, logprobs, "
                           "logprobs_ref, train).")
-_LOGPROB_ROWS = flags.DEFINE_integer("logprob_rows", -1, "Rows per log-prob call (-1: the "
-                                     "config's train.logprob_rows; 0: all Q*G at once).")
 _DECODE_STEPS = flags.DEFINE_integer("decode_steps", 0, "Decode steps per sampler call for the "
                                      "roofline (0: max_new_tokens).")
 _JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
@@ -138,12 +137,12 @@ def main(argv: list[str]) -> None:
   acc = aot.parse_accelerator(_ACCEL.value)
   aot.set_tpu_env(acc)  # before anything initialises a jax backend
   c = _CONFIG.value
-  mesh = aot.topology_mesh(c, acc)
+  spec = RunSpec.from_config(c, num_devices=len(aot.topology_devices(acc)), policy_given=True)
+  mesh = aot.topology_mesh(spec, acc)
   print(f"mesh {dict(mesh.shape)} over {acc.name}; config {c.model.preset or c.model.hf_path}, "
         f"Q={c.rollout.num_prompts} G={c.rollout.num_samples} P={c.rollout.max_prompt_len} "
         f"C={c.rollout.max_new_tokens}", flush=True)
-  rows = c.train.logprob_rows if _LOGPROB_ROWS.value < 0 else _LOGPROB_ROWS.value
-  progs = aot.compile_step(c, mesh, only=tuple(_ONLY.value), logprob_rows=rows,
+  progs = aot.compile_step(spec, mesh, only=tuple(_ONLY.value),
                            log=lambda s: print(s, flush=True))
   if _DUMP.value:
     os.makedirs(_DUMP.value, exist_ok=True)
@@ -152,9 +151,9 @@ def main(argv: list[str]) -> None:
         with open(os.path.join(_DUMP.value, f"{p.name}.hlo.txt"), "w") as f:
           f.write(p.compiled.as_text())
   steps = _DECODE_STEPS.value or c.rollout.max_new_tokens
-  result = report(c, acc, progs, aot.resident_bytes(c, mesh), steps)
+  result = report(c, acc, progs, aot.resident_bytes(spec, mesh), steps)
   result["mesh"] = dict(mesh.shape)
-  result["shapes"] = dataclasses.asdict(aot.Shapes.from_config(c))
+  result["shapes"] = dataclasses.asdict(aot.Shapes.from_spec(spec))
   if c.model.preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):
     terms = plan_terms(c, acc)
     result["plan_gib"] = terms

@@ -46,7 +46,9 @@ STUDY_STEPS, STUDY_EVAL_EVERY = 150, 50
 METRICS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy")
 
 
-def make_config(variant: str, seed: int, overrides: list[str]):
+def make_spec(variant: str, seed: int, overrides: list[str]):
+  """The run spec of one study run: the demo config, the variant, the study's steps."""
+  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from configs import demo  # pylint: disable=import-outside-toplevel
   c = demo.get_config()
   c.seed = seed
@@ -62,7 +64,7 @@ def make_config(variant: str, seed: int, overrides: list[str]):
     for part in path:
       node = node[part]
     node[leaf] = type(node[leaf])(value)
-  return c
+  return demo_run.spec_of(c)
 
 
 def run_all(args: argparse.Namespace) -> None:
@@ -71,15 +73,15 @@ def run_all(args: argparse.Namespace) -> None:
       f"{v}_seed{s}" for s in args.seeds for v in args.variants]
   # <workdir>/jax_cache (configs/demo.py): a run finds the programs an earlier run of
   # the same shapes compiled (every seed of a variant; the variants of one loss).
-  compile_cache.enable(make_config("capo", 0, args.set), args.workdir)
-  ws = demo_run.get_warm_start(make_config("capo", 0, args.set), args.workdir)
+  compile_cache.enable(make_spec("capo", 0, args.set).compilation_cache_dir, args.workdir)
+  ws = demo_run.get_warm_start(make_spec("capo", 0, args.set), args.workdir)
   print(f"warm start: {ws.info.get('path')} ({'trained' if ws.info.get('trained') else 'cached'})")
   # The warm start's held-out eval is the same for every run: computed once, cached.
-  initial = demo_run.warm_start_eval(make_config("capo", 0, args.set), args.workdir, ws)
+  initial = demo_run.warm_start_eval(make_spec("capo", 0, args.set), args.workdir, ws)
   for name in names:
     variant, seed = name.rsplit("_seed", 1)
     print(f"=== {name}", flush=True)
-    demo_run.run_rl(make_config(variant, int(seed), args.set), args.workdir, ws, run_name=name,
+    demo_run.run_rl(make_spec(variant, int(seed), args.set), args.workdir, ws, run_name=name,
                     initial_eval=initial)
 
 

@@ -20,6 +20,7 @@ import logging  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-p
 from absl import app, flags
 from ml_collections import config_flags
 
+from capo_jax.run.spec import RunSpec
 from capo_jax.runtime import compile_cache, distributed
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
@@ -35,13 +36,17 @@ def main(argv: list[str]) -> None:
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
   distributed.maybe_initialize()
   config = _CONFIG.value
-  compile_cache.enable(config, _WORKDIR.value)
+  # The one translation of the config: everything below takes the spec.
   if "demo" in config:  # the embedded demo: warm start, then RL, then the report
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-    demo_run.run(config, _WORKDIR.value)
+    spec = demo_run.spec_of(config)
+    compile_cache.enable(spec.compilation_cache_dir, _WORKDIR.value)
+    demo_run.run(spec, _WORKDIR.value)
     return
-  from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
-  rl_loop.train(config, _WORKDIR.value)
+  spec = RunSpec.from_config(config)
+  compile_cache.enable(spec.compilation_cache_dir, _WORKDIR.value)
+  from capo_jax.run import loop  # pylint: disable=import-outside-toplevel
+  loop.train(spec, _WORKDIR.value)
 
 
 if __name__ == "__main__":

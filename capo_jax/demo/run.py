@@ -8,6 +8,7 @@ start.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
@@ -22,7 +23,8 @@ from capo_jax.demo import compare
 from capo_jax.demo import task as task_lib
 from capo_jax.demo import warm_start
 from capo_jax.eval import calibration
-from capo_jax.rl import loop as rl_loop
+from capo_jax.run import loop
+from capo_jax.run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
@@ -30,18 +32,41 @@ REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entrop
                "mean_length")
 
 
-def task_config(c: ml_collections.ConfigDict) -> task_lib.TaskConfig:
-  return task_lib.TaskConfig(**c.demo.task.to_dict())
+@dataclasses.dataclass(frozen=True)
+class Demo:
+  """The config's ``demo`` section (``configs/demo.py`` documents each field)."""
+  task: task_lib.TaskConfig
+  model: dict[str, Any]
+  sft: warm_start.SFTConfig
+  eval_questions: int
+  eval_samples: int
+  eval_seed: int
+  methods: str
+  reward_flip: float
+
+  @classmethod
+  def of(cls, spec: RunSpec) -> Demo:
+    d = dict(spec.extra["demo"])
+    return cls(**{**d, "task": task_lib.TaskConfig(**d["task"]),
+                  "sft": warm_start.SFTConfig(**d["sft"]), "model": dict(d["model"])})
 
 
-def sft_config(c: ml_collections.ConfigDict) -> warm_start.SFTConfig:
-  return warm_start.SFTConfig(**c.demo.sft.to_dict())
+def spec_of(config: ml_collections.ConfigDict) -> RunSpec:
+  """The demo's run spec: ``rollout.max_new_tokens`` = 0 resolved to the task's longest
+  written solution plus slack (``warm_start.completion_budget``), the policy given."""
+  c = ml_collections.ConfigDict(config.to_dict())
+  if c.rollout.max_new_tokens == 0:
+    train, heldout = task_lib.make_splits(task_lib.TaskConfig(**c.demo.task.to_dict()))
+    heldout = heldout[:c.demo.eval_questions]
+    c.rollout.max_new_tokens = warm_start.completion_budget(warm_start.CharTokenizer(),
+                                                            train + heldout)
+  return RunSpec.from_config(c, policy_given=True)
 
 
-def get_warm_start(c: ml_collections.ConfigDict, workdir: str) -> warm_start.WarmStart:
-  tokenizer_probe = warm_start.CharTokenizer()
-  model_cfg = warm_start.default_model_config(tokenizer_probe, **c.demo.model.to_dict())
-  return warm_start.get_or_train(workdir, task_config(c), model_cfg, sft_config(c))
+def get_warm_start(spec: RunSpec, workdir: str) -> warm_start.WarmStart:
+  demo = Demo.of(spec)
+  model_cfg = warm_start.default_model_config(warm_start.CharTokenizer(), **demo.model)
+  return warm_start.get_or_train(workdir, demo.task, model_cfg, demo.sft)
 
 
 def rule_share(completions: list[str], examples: list[Any], correct_QG: np.ndarray) -> float:
@@ -91,7 +116,7 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
           "rule_share": rule_share(ev["completions"], examples, correct_QG)}
 
 
-def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
+def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
            *, run_name: str | None = None, initial_eval: dict[str, float] | None = None
            ) -> list[dict[str, float]]:
   """RL from the warm start with held-out evals; returns them (step 0 = the warm start).
@@ -99,27 +124,26 @@ def run_rl(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart,
   ``initial_eval``: the warm start's held-out metrics, when already known (every
   run of a comparison shares them: same params, same evaluation seed).
   """
-  train, heldout = task_lib.make_splits(task_config(c))
-  heldout = heldout[:c.demo.eval_questions]
-  if c.rollout.max_new_tokens == 0:
-    c.rollout.max_new_tokens = warm_start.completion_budget(ws.tokenizer, train + heldout)
-  run_dir = os.path.join(workdir, run_name or f"{c.algo.name}_seed{c.seed}")
+  demo = Demo.of(spec)
+  train, heldout = task_lib.make_splits(demo.task)
+  heldout = heldout[:demo.eval_questions]
+  run_dir = os.path.join(workdir, run_name or f"{spec.algo.name}_seed{spec.seed}")
   evals: list[dict[str, float]] = []
 
   def eval_fn(step: int, params: Any) -> dict[str, float]:
     if step == 0 and initial_eval is not None:
       m = dict(initial_eval)
     else:
-      m = heldout_metrics(ws, params, heldout, c.demo.eval_samples, c.demo.eval_seed,
+      m = heldout_metrics(ws, params, heldout, demo.eval_samples, demo.eval_seed,
                           save_to=os.path.join(run_dir, "heldout", f"step_{step:06d}.npz"))
     evals.append({"step": step, **m})
     return m
 
   grader = None
-  if c.demo.reward_flip > 0:  # the noisy-verifier variant: training rewards only
-    grader = compare.NoisyGrader(rewards.default_grader(), c.demo.reward_flip, seed=c.seed)
-  rl_loop.train(c, run_dir, policy=rl_loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
-                train_examples=train, eval_fn=eval_fn, grader=grader)
+  if demo.reward_flip > 0:  # the noisy-verifier variant: training rewards only
+    grader = compare.NoisyGrader(rewards.default_grader(), demo.reward_flip, seed=spec.seed)
+  loop.train(spec, run_dir, policy=loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
+             train_examples=train, eval_fn=eval_fn, grader=grader)
   if not evals:  # resumed a finished run: read its evals back
     evals = _evals_from_metrics(os.path.join(run_dir, "metrics.jsonl"))
   with open(os.path.join(run_dir, "evals.json"), "w", encoding="utf-8") as f:
@@ -153,32 +177,29 @@ def report(evals: list[dict[str, float]]) -> str:
   return "\n".join(lines)
 
 
-def method_config(c: ml_collections.ConfigDict, method: str) -> ml_collections.ConfigDict:
-  """``c`` with the overrides of ``compare.VARIANTS[method]`` (e.g. "grpo", "capo")."""
+def method_spec(spec: RunSpec, method: str) -> RunSpec:
+  """``spec`` with the overrides of ``compare.VARIANTS[method]`` (e.g. "grpo", "capo")."""
   if method not in compare.VARIANTS:
     raise ValueError(f"config.demo.methods: unknown method {method!r}; known: "
                      f"{', '.join(compare.VARIANTS)}")
-  out = ml_collections.ConfigDict(c.to_dict())
-  for key, value in compare.VARIANTS[method].items():
-    section, leaf = key.split(".")
-    out[section][leaf] = value
-  return out
+  return spec.with_overrides(compare.VARIANTS[method], policy_given=True)
 
 
-def warm_start_eval(c: ml_collections.ConfigDict, workdir: str, ws: warm_start.WarmStart
+def warm_start_eval(spec: RunSpec, workdir: str, ws: warm_start.WarmStart
                     ) -> dict[str, float]:
   """The warm start's held-out metrics, shared by every run from it; cached in the
   workdir (``warm_start_eval.json`` and the per-sample ``warm_start_heldout.npz``)."""
   path = os.path.join(workdir, "warm_start_eval.json")
-  key = {"warm_start": ws.info.get("path"), "questions": c.demo.eval_questions,
-         "samples": c.demo.eval_samples, "seed": c.demo.eval_seed}
+  demo = Demo.of(spec)
+  key = {"warm_start": ws.info.get("path"), "questions": demo.eval_questions,
+         "samples": demo.eval_samples, "seed": demo.eval_seed}
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
     if cached.get("key", key) == key:
       return {k: v for k, v in cached.items() if k != "key"}
-  heldout = task_lib.make_splits(task_config(c))[1][:c.demo.eval_questions]
-  m = heldout_metrics(ws, ws.params, heldout, c.demo.eval_samples, c.demo.eval_seed,
+  heldout = task_lib.make_splits(demo.task)[1][:demo.eval_questions]
+  m = heldout_metrics(ws, ws.params, heldout, demo.eval_samples, demo.eval_seed,
                       save_to=os.path.join(workdir, "warm_start_heldout.npz"))
   with open(path + ".tmp", "w", encoding="utf-8") as f:
     json.dump({**m, "key": key}, f)
@@ -254,25 +275,26 @@ def plot_curves(runs: dict[str, list[dict[str, float]]], path: str,
   return path
 
 
-def run(c: ml_collections.ConfigDict, workdir: str) -> dict[str, list[dict[str, float]]]:
+def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
   """The README's main command: the warm start (cached), then each of
   ``demo.methods`` from it (GRPO and CAPO by default), then the side-by-side report
   and ``<workdir>/demo_curves.png``. Returns each method's evaluations."""
-  ws = get_warm_start(c, workdir)
+  demo = Demo.of(spec)
+  ws = get_warm_start(spec, workdir)
   info = ws.info
   print(f"warm start: {'trained' if info.get('trained') else 'loaded from cache'} "
         f"({info.get('steps')} SFT steps, {info.get('wall_s', 0):.0f} s) -> {info.get('path')}")
-  initial = warm_start_eval(c, workdir, ws)
-  methods = [m.strip() for m in c.demo.methods.split(",") if m.strip()]
+  initial = warm_start_eval(spec, workdir, ws)
+  methods = [m.strip() for m in demo.methods.split(",") if m.strip()]
   runs = {}
   for method in methods:
     print(f"=== {method}", flush=True)
-    runs[method] = run_rl(method_config(c, method), workdir, ws, run_name=method,
+    runs[method] = run_rl(method_spec(spec, method), workdir, ws, run_name=method,
                           initial_eval=initial)
   cmp = compare_runs(workdir, runs)
   png = plot_curves(runs, os.path.join(workdir, "demo_curves.png"))
-  print(f"\n{', '.join(methods)} from one warm start, {c.demo.eval_questions} held-out "
-        f"questions x {c.demo.eval_samples} samples (evaluation seed {c.demo.eval_seed}):")
+  print(f"\n{', '.join(methods)} from one warm start, {demo.eval_questions} held-out "
+        f"questions x {demo.eval_samples} samples (evaluation seed {demo.eval_seed}):")
   print(side_by_side(runs, cmp))
   print(f"curves: {png}")
   return runs

@@ -41,7 +41,7 @@ from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import report
 from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
-from capo_jax.rl.logprobs import mean_logprob
+from capo_jax.masked import mean_logprob
 from capo_jax.runtime import fs
 from capo_jax.runtime.host import to_host
 from capo_jax.runtime.policy_io import load_policy

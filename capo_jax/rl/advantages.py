@@ -34,7 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capo_jax.rl.logprobs import masked_mean
+from capo_jax.masked import masked_mean
 from capo_jax.types import Array
 
 GRPO_EPS = 1e-6

@@ -20,9 +20,6 @@ Outputs (a dict, float32, zero on completion padding):
   topk_logp_BCJ  log-probs of K tokens (differentiable): the K most likely
                  ones (top_k > 0) or the given ``topk_ids_BCJ``;
   topk_ids_BCJ   the ids those log-probs belong to (int32).
-
-``masked_mean`` is the one masked mean of the RL code (losses, advantages,
-the score s = ``mean_logprob``).
 """
 
 from __future__ import annotations
@@ -32,32 +29,10 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from capo_jax.types import Array, Params
 from models import qwen2
 from models.config import Qwen2Config
-
-
-def masked_mean(x: Array, mask: Array, axis: int | None = None) -> Array:
-  """Mean of ``x`` over the entries where ``mask > 0`` (along ``axis``; None: all).
-
-  0 where nothing is selected; entries outside the mask never enter the
-  arithmetic, so inf / NaN there (padding) do not leak. NumPy in, NumPy out
-  (host arrays stay on the host); otherwise jax.numpy (traceable).
-  """
-  xp = np if isinstance(x, np.ndarray) and isinstance(mask, np.ndarray) else jnp
-  m = mask > 0
-  return xp.where(m, x, 0).sum(axis) / xp.maximum(m.sum(axis), 1)
-
-
-def mean_logprob(logp_BC: Array, mask_BC: Array) -> Array:
-  """The confidence score s of each completion: its mean token log-prob (= -log PPL).
-
-  ``s = (1/|o|) sum_t log pi(o_t | q, o_<t)`` over the completion's tokens,
-  the stop token included (``docs/algorithms.md``, "Advantages").
-  """
-  return masked_mean(logp_BC, mask_BC, axis=-1)
 
 
 def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC: Array,

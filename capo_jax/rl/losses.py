@@ -27,7 +27,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from capo_jax.rl.logprobs import masked_mean
+from capo_jax.masked import masked_mean
 from capo_jax.types import Array
 
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")

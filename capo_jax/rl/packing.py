@@ -1,30 +1,23 @@
-"""Sequence packing for the log-prob passes and the train step.
+"""Packing: how an update's sequences are laid into model rows (host NumPy).
 
 A rollout row is a left-padded prompt [P] and a right-padded completion [C]:
 with long-tailed completion lengths most of the [B, P + C] grid is padding.
 Packing lays each sequence's real tokens (prompt ++ completion) end to end in
-rows of ``pack_len`` tokens (first-fit decreasing), with
+rows of ``pack_len`` tokens (first-fit decreasing); unpacked, each sequence has
+a row of its own. Either way the result is the same batch type
+(``capo_jax.rl.batch``): the model's rows with segment ids, positions and
+compact targets, and ``index_BC``, the packed position (row * T + column) that
+predicts completion token c of sequence b.
 
-  segment_ids_YT  1, 2, ... per sequence within a row, 0 on the row's tail
-                  padding: attention stays within a sequence (``models.attention``);
-  positions_YT    RoPE positions restarting at 0 for each sequence;
-  targets_YT      the completion token each position predicts (the hidden state
-                  of column t predicts token t + 1), with ``target_mask_YT``.
+``plan_update`` groups an update's rows into micro-batches of ``Y`` rows, each
+with its own sequences (B slots, empty ones all-zero); ``plan_calls`` groups a
+step's rows into the calls of a log-prob pass. Shapes are bucketed
+(micro-batches and sequence slots to powers of two, target slots by
+``bucket``) to bound recompiles; the step loops over the micro-batches that
+hold tokens only.
 
-Per-token outputs come back to the [B, C] layout through ``index_BC``, the
-packed position (row * T + column) that predicts completion token c of
-sequence b: ``unpack`` is a gather, exact, and the losses then run on the
-sequences as they were (so every aggregation's denominators are the original
-sequences' and tokens', not the rows').
-
-The train step's packed batch (``PackedTrainBatch``) groups rows into
-micro-batches of ``pack_rows`` rows; each micro-batch carries its own
-sequences in the [B, C] layout (B slots, empty ones all-zero). Shapes are
-bucketed (micro-batches and sequence slots to powers of two) to bound
-recompiles; the step loops over the micro-batches that hold tokens only.
-
-Letters: Y packed rows, T row length (a row is a model batch row), M
-micro-batches; B, C, J as in the RL code (sequences, completion columns, top-k).
+Letters: Y model rows, T row length, Z target slots, M micro-batches, W
+sequence slots of a micro-batch; B, C, J as in the RL code.
 """
 
 from __future__ import annotations
@@ -36,11 +29,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capo_jax.rl import losses
-from capo_jax.rl import train_step as ts
-from capo_jax.rl.logprobs import packed_token_logprobs
-from capo_jax.types import Array, Params
-from models.config import Qwen2Config
+from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,22 +45,6 @@ class FullRows:
   targets_YT: np.ndarray
   target_mask_YT: np.ndarray
   topk_ids_YTJ: np.ndarray | None = None
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PackedRows:
-  """What the model sees: rows [Y, T] and Z compact targets (a leading M axis in
-  ``PackedTrainBatch``). Only the Z positions that predict a completion token
-  (``target_pos_Z``, flat into Y * T; padding slots masked) are unembedded, so
-  the vocabulary projection's FLOPs follow the completion tokens."""
-  tokens_YT: Array
-  segment_ids_YT: Array
-  positions_YT: Array
-  target_pos_Z: Array
-  targets_Z: Array
-  target_mask_Z: Array
-  topk_ids_ZJ: Array | None = None
 
 
 def bucket(n: int) -> int:
@@ -91,8 +64,8 @@ class Plan:
   start_B: np.ndarray
   index_BC: np.ndarray
 
-  def group(self, r0: int, r1: int, Z: int = 0) -> tuple[PackedRows, np.ndarray]:
-    """Rows [r0, r1) as the model's ``PackedRows`` (Z target slots, 0: bucketed), and
+  def group(self, r0: int, r1: int, Z: int = 0) -> tuple[ModelRows, np.ndarray]:
+    """Rows [r0, r1) as the model's ``ModelRows`` (Z target slots, 0: bucketed), and
     each sequence's ``index_BC`` into those slots (meaningful for the group's sequences)."""
     f, T = self.rows, self.rows.tokens_YT.shape[1]
     rows = slice(r0, r1)
@@ -102,7 +75,7 @@ class Plan:
     pad = lambda x: np.pad(x, [(0, Z - len(pos_z))] + [(0, 0)] * (x.ndim - 1))
     topk = None if f.topk_ids_YTJ is None else pad(
         f.topk_ids_YTJ[rows].reshape(-1, f.topk_ids_YTJ.shape[-1])[pos_z])
-    packed = PackedRows(f.tokens_YT[rows], f.segment_ids_YT[rows], f.positions_YT[rows],
+    packed = ModelRows(f.tokens_YT[rows], f.segment_ids_YT[rows], f.positions_YT[rows],
                         pad(pos_z).astype(np.int32), pad(f.targets_YT[rows].reshape(-1)[pos_z]),
                         pad(np.ones(len(pos_z), np.int32)), topk)
     rank = np.cumsum(tm) - 1  # slot of each flat position of the group
@@ -126,8 +99,11 @@ def _lengths(prompt_mask_BP: np.ndarray, completion_mask_BC: np.ndarray
   return p_B, c_B
 
 
-def first_fit(lengths_B: np.ndarray, row_len: int) -> tuple[np.ndarray, np.ndarray]:
-  """First-fit decreasing: (row, start column) of each sequence; rows in order of opening."""
+def first_fit(lengths_B: np.ndarray, row_len: int, alone: bool = False
+              ) -> tuple[np.ndarray, np.ndarray]:
+  """First-fit decreasing: (row, start column) of each sequence; rows in order of opening.
+
+  ``alone``: no packing, sequence b at the start of row b (the same length checks)."""
   lengths_B = np.asarray(lengths_B)
   too_long = np.flatnonzero(lengths_B > row_len)
   if too_long.size:
@@ -137,6 +113,8 @@ def first_fit(lengths_B: np.ndarray, row_len: int) -> tuple[np.ndarray, np.ndarr
                      "(config.train.pack_len)")
   row_B = np.zeros(len(lengths_B), np.int64)
   start_B = np.zeros(len(lengths_B), np.int64)
+  if alone:
+    return np.arange(len(lengths_B)), start_B
   used: list[int] = []
   for b in np.argsort(-lengths_B, kind="stable"):
     n = int(lengths_B[b])
@@ -150,10 +128,14 @@ def first_fit(lengths_B: np.ndarray, row_len: int) -> tuple[np.ndarray, np.ndarr
 
 def plan(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
          completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray, row_len: int,
-         topk_ids_BCJ: np.ndarray | None = None) -> Plan:
-  """Packs the B sequences into rows of ``row_len`` tokens (host NumPy)."""
+         topk_ids_BCJ: np.ndarray | None = None, pack: bool = True) -> Plan:
+  """Lays the B sequences into rows of ``row_len`` tokens (host NumPy): packed first-fit
+  decreasing, or (``pack=False``) sequence b alone in row b."""
   p_B, c_B = _lengths(prompt_mask_BP, completion_mask_BC)
-  row_B, start_B = first_fit(p_B + c_B, row_len)
+  if pack:
+    row_B, start_B = first_fit(p_B + c_B, row_len)
+  else:
+    row_B, start_B = first_fit(p_B + c_B, row_len, alone=True)
   Y, T = int(row_B.max()) + 1 if len(row_B) else 0, row_len
   P, C = prompt_mask_BP.shape[1], completion_mask_BC.shape[1]
   tokens, seg, pos, targets, tmask = (np.zeros((Y, T), np.int32) for _ in range(5))
@@ -177,14 +159,6 @@ def plan(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
   return Plan(FullRows(tokens, seg, pos, targets, tmask, topk), row_B, start_B, index_BC)
 
 
-def unpack(x_Z: Array, index_BC: Array, mask_BC: Array) -> Array:
-  """Per-slot values [Z, ...] -> [B, C, ...], 0 on completion padding."""
-  xp = np if isinstance(x_Z, np.ndarray) else jnp
-  out = x_Z[index_BC]
-  m = (mask_BC > 0).reshape(mask_BC.shape + (1,) * (out.ndim - 2))
-  return xp.where(m, out, xp.zeros((), out.dtype))
-
-
 def pad_rows(rows: FullRows, num_rows: int) -> FullRows:
   """Appends all-padding rows (segment 0, no targets) up to ``num_rows``."""
   return jax.tree.map(lambda x: np.pad(x, [(0, num_rows - x.shape[0])] + [(0, 0)] *
@@ -194,37 +168,68 @@ def pad_rows(rows: FullRows, num_rows: int) -> FullRows:
 jax.tree_util.register_dataclass(FullRows)  # for pad_rows' tree.map
 
 
-def _pow2(n: int) -> int:
+def pow2(n: int) -> int:
   return 1 << max(int(n) - 1, 0).bit_length()
 
 
-# --------------------------------------------------------------------------
-# The train step's packed batch.
-# --------------------------------------------------------------------------
-
-
-@jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
-class PackedTrainBatch:
-  """One update's sequences packed into M micro-batches of Y rows.
+class MicroBatches:
+  """An update's sequences laid into M micro-batches of Y rows (host arrays).
 
-  rows: PackedRows [M, Y, T] (``topk_ids_YTJ``: SimKO's old top-K ids);
-  index_MBC: per micro-batch, ``index_BC`` into its own Y * T positions;
-  seqs: the ``TrainBatch`` of each micro-batch's sequences, [M, B, ...]
-    (empty slots: zero masks, so they weigh nothing).
+  rows: ``ModelRows`` [M, Y, T] / [M, Z]; index_MWC: each slot's ``index_BC``
+  into its micro-batch's targets; take_MW: the sequence (row of the update's
+  [B, ...] arrays) in each slot, -1 where empty.
   """
-  rows: PackedRows
-  index_MBC: Array
-  seqs: Any
+  rows: ModelRows
+  index_MWC: np.ndarray
+  take_MW: np.ndarray
+
+  def batch(self, seqs: Sequences) -> TrainBatch:
+    """The ``TrainBatch`` of an update's sequences ``seqs`` [B, ...] in this layout."""
+    return TrainBatch(rows=self.rows, index_MBC=self.index_MWC, seqs=regroup(seqs, self.take_MW))
 
 
-def pack_train_batch(batch: Any, row_len: int, rows_per_microbatch: int) -> PackedTrainBatch:
-  """A host ``TrainBatch`` -> its ``PackedTrainBatch`` (host arrays)."""
-  pl = plan(batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
-            batch.completion_mask_BC, row_len, batch.old_topk_ids_BCJ)
+def regroup(tree: Any, take_MW: Any) -> Any:
+  """[B, ...] leaves -> [M, W, ...]: sequence ``take_MW[m, w]`` in slot (m, w), 0 where -1.
+
+  NumPy or jax arrays (traceable: the trainer runs it on the devices)."""
+  xp = np if isinstance(take_MW, np.ndarray) else jnp
+  valid_MW = take_MW >= 0
+  idx_MW = xp.maximum(take_MW, 0)
+
+  def one(x: Any) -> Any:
+    xq = np if isinstance(x, np.ndarray) and xp is np else jnp
+    x = x[idx_MW]
+    m = valid_MW.reshape(valid_MW.shape + (1,) * (x.ndim - 2))
+    return xq.where(m, x, xq.zeros((), x.dtype))
+
+  return jax.tree.map(one, tree)
+
+
+def scatter_topk(rows: ModelRows, index_MWC: Any, seqs_MW: Sequences) -> ModelRows:
+  """The rows' ``topk_ids_ZJ`` [M, Z, J]: each target's old top-K ids (SimKO), from the
+  regrouped sequences' ``old_topk_ids_BCJ`` [M, W, C, J]."""
+  ids_MWCJ = seqs_MW.old_topk_ids_BCJ
+  M, Z = rows.targets_Z.shape
+  xp = np if isinstance(ids_MWCJ, np.ndarray) else jnp
+  # Padding columns point past the targets, where the scatter drops them.
+  z_MWC = xp.where(seqs_MW.completion_mask_BC > 0, index_MWC, Z)
+  m_MWC = xp.broadcast_to(xp.arange(M)[:, None, None], z_MWC.shape)
+  topk = jnp.zeros((M, Z, ids_MWCJ.shape[-1]), jnp.int32).at[m_MWC, z_MWC].set(
+      ids_MWCJ.astype(jnp.int32), mode="drop")
+  return dataclasses.replace(rows, topk_ids_ZJ=topk)
+
+
+def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
+                completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray, *,
+                row_len: int, rows_per_microbatch: int, pack: bool = True,
+                topk_ids_BCJ: np.ndarray | None = None) -> MicroBatches:
+  """Lays one update's sequences into micro-batches of ``rows_per_microbatch`` rows."""
+  pl = plan(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
+            row_len, topk_ids_BCJ, pack=pack)
   Y = rows_per_microbatch
   num_rows = pl.rows.tokens_YT.shape[0]
-  M = _pow2(-(-num_rows // Y))
+  M = pow2(-(-num_rows // Y))
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, M * Y))
   tm_M = pl.rows.target_mask_YT.reshape(M, -1).sum(-1)
   groups = [pl.group(m * Y, (m + 1) * Y, bucket(tm_M.max())) for m in range(M)]
@@ -232,117 +237,42 @@ def pack_train_batch(batch: Any, row_len: int, rows_per_microbatch: int) -> Pack
   mb_B = pl.row_B // Y
   members = [np.flatnonzero(mb_B == m) for m in range(M)]
   # Slots: a multiple of Y (so whatever shards the rows shards the slots), bucketed.
-  slots = Y * _pow2(-(-max(len(x) for x in members) // Y))
-  take_MB = np.full((M, slots), -1)
+  W = Y * pow2(-(-max(len(x) for x in members) // Y))
+  take_MW = np.full((M, W), -1)
   for m, bs in enumerate(members):
-    take_MB[m, :len(bs)] = bs
-  valid_MB = take_MB >= 0
-
-  def regroup(x: np.ndarray | None) -> np.ndarray | None:
-    if x is None:
-      return None
-    x = np.asarray(x)[np.maximum(take_MB, 0)]
-    return np.where(valid_MB.reshape(valid_MB.shape + (1,) * (x.ndim - 2)), x, 0).astype(
-        x.dtype)
-
-  seqs = jax.tree.map(regroup, batch)
+    take_MW[m, :len(bs)] = bs
   slot_BC = np.stack([groups[m][1][b] for b, m in enumerate(mb_B)]) if len(mb_B) else \
       pl.index_BC
-  index_MBC = np.where(valid_MB[..., None], slot_BC[np.maximum(take_MB, 0)], 0).astype(np.int32)
-  return PackedTrainBatch(rows=rows, index_MBC=index_MBC, seqs=seqs)
+  index_MWC = np.where((take_MW >= 0)[..., None], slot_BC[np.maximum(take_MW, 0)], 0
+                       ).astype(np.int32)
+  return MicroBatches(rows=rows, index_MWC=index_MWC, take_MW=take_MW)
 
 
-def microbatch_loss(params: Params, rows: PackedRows, index_BC: Array, seqs: Any,
-                    model_cfg: Qwen2Config, tcfg: ts.TrainConfig
-                    ) -> tuple[Array, dict[str, Array]]:
-  """``train_step.microbatch_loss`` of one packed micro-batch."""
-  simko = tcfg.loss_kind == "simko"
-  ts.check_simko_inputs(seqs, tcfg)
-  if not simko:
-    rows = dataclasses.replace(rows, topk_ids_ZJ=None)
-  lp = packed_token_logprobs(params, model_cfg, rows,
-                             chunk_size=tcfg.logprob_chunk_size)
-  mask_BC = seqs.completion_mask_BC
-  lp = {k.replace("_Z", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
-  return losses.policy_loss(tcfg.loss_kind, ts.policy_batch(lp, seqs, tcfg), tcfg.loss)
+@dataclasses.dataclass(frozen=True)
+class CallPlan:
+  """A step's rows split into the calls of a log-prob pass (host arrays).
 
-
-def loss_and_grads(params: Params, batch: PackedTrainBatch, model_cfg: Qwen2Config,
-                   tcfg: ts.TrainConfig, microbatch_sharding: Any = None
-                   ) -> tuple[Array, dict[str, Array], Params]:
-  """``train_step.loss_and_grads`` over the packed micro-batches that hold tokens.
-
-  Micro-batch m's loss is weighted by its share of the aggregation's
-  denominator over the original sequences, so the sum is the full-batch loss.
+  calls: each call's ``ModelRows`` [Y, T] / [Z_i]; index_BC: each completion
+  token's slot in the calls' targets laid end to end (call i's slots after
+  those of calls 0..i-1), so the passes' outputs, concatenated, unpack with one gather.
   """
-  del microbatch_sharding  # the batch arrives sharded over its rows / slots
-  grad_fn = jax.value_and_grad(
-      lambda p, mb: microbatch_loss(p, *mb, model_cfg, tcfg), has_aux=True)
-  den_MB = ts.denominator_B(batch.seqs.completion_mask_BC, tcfg.loss.agg)
-  w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
-  # Micro-batches fill in order: the ones past the last real row are skipped.
-  n = (batch.rows.segment_ids_YT > 0).any(axis=(1, 2)).sum()
-  mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
-
-  def body(m, carry):
-    g_acc, loss_acc, aux_acc = carry
-    (loss, aux), g = grad_fn(params, mb_at(m))
-    w = w_M[m]
-    g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
-    aux_acc = {k: ts.combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
-    return g_acc, loss_acc + w * loss, aux_acc
-
-  aux_shape = jax.eval_shape(grad_fn, params, mb_at(0))[0][1]
-  init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32),
-          ts.init_aux(aux_shape))
-  grads, loss, aux = jax.lax.fori_loop(0, n, body, init)
-  return loss, aux, grads
+  calls: list[ModelRows]
+  index_BC: np.ndarray
 
 
-# --------------------------------------------------------------------------
-# The old / reference log-prob passes.
-# --------------------------------------------------------------------------
-
-
-def make_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
-                    rows_per_call: int, *, chunk_size: int = 0, top_k: int = 0):
-  """Jitted ``fn(params, rows: PackedRows [Y, T]) -> packed_token_logprobs dict``."""
-  from capo_jax.runtime import mesh as mesh_lib
-  p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
-  r_sh = mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="packed rows")
-
-  def fn(params: Params, rows: PackedRows) -> dict[str, Array]:
-    return packed_token_logprobs(params, model_cfg, rows,
-                                 chunk_size=chunk_size, top_k=top_k)
-
-  return jax.jit(fn, in_shardings=(p_sh, r_sh), out_shardings=r_sh)
-
-
-def host_logprobs(jitted: Any, params: Params, inputs: tuple[np.ndarray, ...], row_len: int,
-                  rows_per_call: int, keys: tuple[str, ...], put: Any = None
-                  ) -> dict[str, np.ndarray]:
-  """Packs ``inputs`` (prompt, prompt mask, completion, completion mask), runs ``jitted``
-  (``make_logprob_fn``) over ``rows_per_call`` rows at a time and unpacks ``keys``
-  (``logp_BC``, ``topk_ids_BCJ``, ...) to host [B, C] arrays.
-
-  ``put`` places a host tree on the devices (default: as is). Every call is
-  dispatched before the first is read back.
-  """
-  from capo_jax.runtime.host import to_host
-  pl = plan(*inputs, row_len)
+def plan_calls(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
+               completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray, *,
+               row_len: int, rows_per_call: int, pack: bool = True) -> CallPlan:
+  """Lays a step's sequences into calls of ``rows_per_call`` rows (each call's
+  targets bucketed on their own, as the pass has always run them)."""
+  pl = plan(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
+            row_len, pack=pack)
   Y = rows_per_call
   n = -(-pl.rows.tokens_YT.shape[0] // Y)
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, n * Y))
-  put = put or (lambda x: x)
   groups = [pl.group(i * Y, (i + 1) * Y) for i in range(n)]
-  outs = [jitted(params, put(g[0])) for g in groups]
+  offsets = np.cumsum([0] + [g[0].targets_Z.shape[0] for g in groups])
   call_B = pl.row_B // Y
-  slot_BC = np.stack([groups[i][1][b] for b, i in enumerate(call_B)])
-  mask_BC = inputs[3]
-  result = {}
-  for k in keys:
-    per_call = [to_host(o[k.replace("_BC", "_Z")]) for o in outs]
-    got = np.stack([per_call[i][slot_BC[b]] for b, i in enumerate(call_B)])
-    m = (mask_BC > 0).reshape(mask_BC.shape + (1,) * (got.ndim - 2))
-    result[k] = np.where(m, got, np.zeros((), got.dtype))
-  return result
+  index_BC = np.stack([groups[i][1][b] + offsets[i] for b, i in enumerate(call_B)])
+  index_BC = np.where(np.asarray(completion_mask_BC) > 0, index_BC, 0).astype(np.int32)
+  return CallPlan([g[0] for g in groups], index_BC)

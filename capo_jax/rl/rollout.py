@@ -1,16 +1,22 @@
 """One RL step's data: prompts -> samples -> rewards -> log-probs -> advantages.
 
 For a batch of Q questions and G samples each (B = Q * G rows, grouped by
-question), ``collect`` orchestrates, on the host:
+question), ``collect`` orchestrates:
 
   sampling (jit) -> rewards (host, process pool) -> old / reference log-probs
   (jit, trainer forward) -> ``score_rollout`` (one jitted program: noise mask,
-  advantages, their metrics) -> PPO mini-batches of ``TrainBatch``.
+  advantages, their metrics) -> ``Rollout.minibatches``: the PPO updates' batches.
+
+What crosses between host and device: the completion tokens, their mask,
+lengths and truncation flags come to the host (to decode, grade and plan the
+rows); the rewards, the model rows the host lays out (``capo_jax.rl.packing``)
+and their index arrays go to the devices; the scores s (for the logged AUC) and
+the scalar metrics come back once per step. The log-probs, masks, advantages and
+every mini-batch's per-sequence arrays stay on the devices.
 
 Multi-host: each process reads and grades only its own questions; prompt
-tokens, rewards and log-probs are all-gathered (small integer / float
-arrays), so every process holds the same global host arrays and builds the
-same global device arrays from them.
+tokens and rewards are all-gathered (small arrays), so every process holds the
+same global host arrays and builds the same global device arrays from them.
 """
 
 from __future__ import annotations
@@ -24,79 +30,24 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec
 
 from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
 from capo_jax.rl import advantages
 from capo_jax.rl import dynamic_sampling
+from capo_jax.masked import mean_logprob
 from capo_jax.rl import packing
-from capo_jax.rl import train_step
-from capo_jax.rl.logprobs import mean_logprob
-from capo_jax.rl.train_step import TrainBatch
-from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.rl.batch import Sequences, TrainBatch
+from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.runtime.host import gather_rows, put_global, to_host
-from capo_jax.types import Array
 from capo_jax.sampling import sampler as sampling
+from capo_jax.types import Array
 from models.config import Qwen2Config
 from models.sharding import Layout
 
 LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this
-
-
-def make_host_logprob_fn(model_cfg: Qwen2Config, mesh: jax.sharding.Mesh, rules: Any,
-                         rows: int, *, rows_per_call: int = 0, chunk_size: int = 0,
-                         top_k: int = 0, lora: Any = None, pack_len: int = 0
-                         ) -> Callable[..., dict[str, np.ndarray]]:
-  """``fn(params, prompt_BP, pmask_BP, comp_BC, cmask_BC, keys=("logp_BC",), adapters=None)``.
-
-  Returns ``{key: host array}`` for the requested outputs of
-  ``logprobs.token_logprobs`` only: each key read back is a gather of
-  [rows, C] values to every host, and the entropy is not needed here.
-
-  The old / reference log-prob pass over ``rows`` host rows, in calls of
-  ``rows_per_call`` rows (0: all at once): one call over all of a step's rows
-  needs [rows, T] activations per layer, more than any TPU slice's HBM at the
-  paper's shapes (``benchmarks/aot_tpu.py``). Every call is dispatched before
-  the first is read back; the outputs hold every process's rows.
-
-  ``pack_len`` > 0: the sequences are packed into rows of that many tokens
-  (``packing``), ``rows_per_call`` packed rows per call (0: 8), and the outputs
-  unpacked to the same [rows, C] layout.
-  """
-  if pack_len:
-    Y = rows_per_call or 8
-    jitted = packing.make_logprob_fn(model_cfg, mesh, rules, Y, chunk_size=chunk_size,
-                                     top_k=top_k)
-    sharding = mesh_lib.batch_sharding(mesh, rules, Y, name="packed rows")
-    if lora is not None:
-      raise ValueError("make_host_logprob_fn: pack_len > 0 with lora: the packed passes do "
-                       "not apply LoRA adapters yet")
-
-    def packed(params: Any, *xs: np.ndarray, keys: Sequence[str] = ("logp_BC",),
-               adapters: Any = None) -> dict[str, np.ndarray]:
-      del adapters  # always None here: LoRA runs do not pack (checked above)
-      return packing.host_logprobs(jitted, params, xs, pack_len, Y, tuple(keys),
-                                   lambda t: put_global(t, sharding))
-
-    return packed
-  L = rows_per_call or rows
-  if rows % L:
-    raise ValueError(f"rows_per_call={L} must divide the {rows} rows of a pass")
-  jitted = train_step.make_logprob_fn(model_cfg, mesh, rules, L, chunk_size=chunk_size,
-                                      top_k=top_k, lora=lora)
-  # ``adapters`` (LoRA, ``lora`` set): the policy is params + adapters; params alone the base.
-  sharding = mesh_lib.batch_sharding(mesh, rules, L)
-
-  def fn(params: Any, *xs: np.ndarray, keys: Sequence[str] = ("logp_BC",),
-         adapters: Any = None) -> dict[str, np.ndarray]:
-    extra = {} if adapters is None else {"adapters": adapters}
-    # Host inputs become global arrays first: jit refuses sharded numpy inputs multi-host.
-    outs = [jitted(params, *put_global(tuple(x[i:i + L] for x in xs), sharding), **extra)
-            for i in range(0, rows, L)]
-    return {k: np.concatenate([to_host(o[k]) for o in outs]) for k in keys}
-
-  return fn
 
 
 def _trim_left(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -161,7 +112,7 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
 
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
-  """What ``collect`` needs to know besides the arrays (from the run config)."""
+  """What ``collect`` needs to know besides the arrays (from the run's spec)."""
   num_samples: int
   max_prompt_len: int
   max_new_tokens: int
@@ -178,42 +129,66 @@ class RolloutSpec:
 
 @dataclasses.dataclass
 class Rollout:
-  """Host arrays of one step (global, identical on every process)."""
+  """One step's rollout: what the host needs as host arrays (global, identical on
+  every process), the trainer's per-sequence arrays [B, ...] on the devices."""
   prompt_tokens_BP: np.ndarray
   prompt_mask_BP: np.ndarray
   completion_tokens_BC: np.ndarray
   completion_mask_BC: np.ndarray
-  old_logp_BC: np.ndarray
-  ref_logp_BC: np.ndarray | None
-  topk_ids_BCJ: np.ndarray | None
-  topk_logp_BCJ: np.ndarray | None
   rewards_QG: np.ndarray
   s_QG: np.ndarray
-  adv_QG: np.ndarray
+  seqs: Sequences  # device arrays, B rows
+  adv_QG: Array  # device
   metrics: dict[str, float]
   # The example of each group when this process drew it, else None (multi-host).
   examples_Q: list[Example | None]
 
-  def minibatches(self, mini_batch_prompts: int, num_samples: int, pack_len: int = 0,
-                  pack_rows: int = 1) -> list[TrainBatch] | list[packing.PackedTrainBatch]:
-    """Consecutive groups of questions, each a ``TrainBatch`` of host arrays
-    (packed into a ``packing.PackedTrainBatch`` when ``pack_len`` > 0)."""
-    rows = mini_batch_prompts * num_samples
+  def minibatches(self, mini_batch_prompts: int, layout: BatchLayout) -> list[TrainBatch]:
+    """Consecutive groups of questions, each one update's ``TrainBatch`` on the devices:
+    rows planned on the host and uploaded, per-sequence arrays gathered on the devices."""
+    G = self.rewards_QG.shape[1]
+    rows = mini_batch_prompts * G
     out = []
     for start in range(0, self.prompt_tokens_BP.shape[0], rows):
       sl = slice(start, start + rows)
-      pick = lambda x: None if x is None else x[sl]
-      out.append(TrainBatch(
-          prompt_tokens_BP=self.prompt_tokens_BP[sl], prompt_mask_BP=self.prompt_mask_BP[sl],
-          completion_tokens_BC=self.completion_tokens_BC[sl],
-          completion_mask_BC=self.completion_mask_BC[sl], old_logp_BC=self.old_logp_BC[sl],
-          adv_B=self.adv_QG.reshape(-1)[sl], ref_logp_BC=pick(self.ref_logp_BC),
-          correct_B=(self.rewards_QG.reshape(-1)[sl] > 0.5) if self.topk_ids_BCJ is not None
-          else None,
-          old_topk_ids_BCJ=pick(self.topk_ids_BCJ), old_topk_logp_BCJ=pick(self.topk_logp_BCJ)))
-    if pack_len:
-      out = [packing.pack_train_batch(b, pack_len, pack_rows) for b in out]
+      mbs = packing.plan_update(
+          self.prompt_tokens_BP[sl], self.prompt_mask_BP[sl], self.completion_tokens_BC[sl],
+          self.completion_mask_BC[sl], row_len=layout.row_len or (
+              self.prompt_tokens_BP.shape[1] + self.completion_tokens_BC.shape[1]),
+          rows_per_microbatch=layout.rows_per_microbatch, pack=layout.pack)
+      take_MW = np.where(mbs.take_MW >= 0, mbs.take_MW + start, -1)
+      rows_dev, index_dev, take_dev = put_global((mbs.rows, mbs.index_MWC, take_MW),
+                                                 layout.sharding)
+      out.append(_device_batch(rows_dev, index_dev, take_dev, self.seqs,
+                               sharding=layout.sharding))
     return out
+
+
+@dataclasses.dataclass(frozen=True)
+class BatchLayout:
+  """How an update's sequences become a ``TrainBatch`` (the run's packing settings).
+
+  Attributes:
+    row_len: tokens per model row; 0: the step's prompt + completion width.
+    rows_per_microbatch: model rows per micro-batch.
+    pack: pack several sequences per row (else one per row).
+    sharding: the train batch's sharding ([M, rows or slots, ...] on axis 1).
+  """
+  row_len: int
+  rows_per_microbatch: int
+  pack: bool
+  sharding: jax.sharding.Sharding
+
+
+@functools.partial(jax.jit, static_argnames="sharding")
+def _device_batch(rows: Any, index_MWC: Array, take_MW: Array, seqs: Sequences, *,
+                  sharding: jax.sharding.Sharding) -> TrainBatch:
+  """An update's ``TrainBatch`` from its uploaded rows and the step's sequences, gathered
+  into the micro-batches' slots on the devices."""
+  seqs_MW = packing.regroup(seqs, take_MW)
+  if seqs.old_topk_ids_BCJ is not None:  # SimKO: each target's old top-K ids
+    rows = packing.scatter_topk(rows, index_MWC, seqs_MW)
+  return jax.lax.with_sharding_constraint(TrainBatch(rows, index_MWC, seqs_MW), sharding)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,24 +198,24 @@ class RolloutContext:
   model_cfg: Qwen2Config
   tokenizer: Tokenizer
   grader: Any  # .score(completions, golds) -> (rewards, RewardHealth)
-  # (params, prompt, pmask, comp, cmask, keys=...) -> {key: host array}
-  logprob_fn: Callable[..., dict[str, np.ndarray]]
+  logprobs: LogprobPass  # the old / reference pass
   mesh: jax.sharding.Mesh
   sampling_rules: Any
 
 
 @dataclasses.dataclass
 class _Graded:
-  """One batch of drawn prompts, sampled and graded (global host arrays)."""
+  """One batch of drawn prompts, sampled and graded (host arrays; ``*_dev`` on devices)."""
   tokens_QP: np.ndarray
   mask_QP: np.ndarray
   comp_BC: np.ndarray
   cmask_BC: np.ndarray
-  logp_BC: np.ndarray
   lengths_B: np.ndarray
   truncated_B: np.ndarray
   rewards_QG: np.ndarray
   health: dict[str, int]
+  logp_dev: Array
+  cmask_dev: Array
   time_reward: float = 0.0
 
 
@@ -259,7 +234,7 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
 
   # Several sampler calls bound the KV cache when the whole rollout does not fit.
   per_call = spec.prompts_per_call or Q
-  parts = []
+  host, dev = [], []
   for i, start in enumerate(range(0, Q, per_call)):
     samples = sampling.generate(
         params_sampling, ctx.model_cfg, tokens_QP[start:start + per_call],
@@ -269,9 +244,13 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
         stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
         layout=Layout.of(ctx.mesh, ctx.sampling_rules),
         max_active_rows=spec.max_active_rows or None)
-    parts.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.logprobs_BC,
-                                       samples.lengths_B, samples.truncated_B)])
-  comp_BC, cmask_BC, logp_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*parts))
+    # The host needs the tokens (to decode), the mask, lengths and truncation; the
+    # sampler's log-probs stay on the devices.
+    host.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.lengths_B,
+                                      samples.truncated_B)])
+    dev.append((samples.logprobs_BC, samples.mask_BC))
+  comp_BC, cmask_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*host))
+  logp_dev, cmask_dev = (x[0] if len(x) == 1 else jnp.concatenate(x) for x in zip(*dev))
 
   # Grade this process's own rows only; share the rewards.
   t0 = time.perf_counter()
@@ -282,9 +261,9 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
   rewards_local, health = ctx.grader.score(texts, golds)
   rewards_QG = gather_rows(np.asarray(rewards_local, np.float32)).reshape(Q, G)
   health_counts = gather_rows(np.asarray([list(health.as_dict().values())], np.int64)).sum(0)
-  return _Graded(tokens_QP, mask_QP, comp_BC, cmask_BC, logp_BC, lengths_B, truncated_B,
-                 rewards_QG, dict(zip(health.as_dict().keys(), health_counts.tolist())),
-                 time.perf_counter() - t0)
+  return _Graded(tokens_QP, mask_QP, comp_BC, cmask_BC, lengths_B, truncated_B, rewards_QG,
+                 dict(zip(health.as_dict().keys(), health_counts.tolist())), logp_dev,
+                 cmask_dev, time.perf_counter() - t0)
 
 
 def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Graded:
@@ -294,41 +273,42 @@ def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Gr
   cat = lambda f: np.concatenate([f(p) for p in parts])  # noqa: E731
   rows_B = (idx_Q[:, None] * G + np.arange(G)).reshape(-1)
   health = {k: sum(p.health[k] for p in parts) for k in parts[0].health}
+  dev = [jnp.concatenate([getattr(p, f) for p in parts])[rows_B]
+         for f in ("logp_dev", "cmask_dev")]
   return _Graded(cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
                  cat(lambda p: left(p.mask_QP, 0))[idx_Q],
                  *(cat(lambda p, f=f: getattr(p, f))[rows_B]
-                   for f in ("comp_BC", "cmask_BC", "logp_BC", "lengths_B", "truncated_B")),
-                 cat(lambda p: p.rewards_QG)[idx_Q], health)
+                   for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")),
+                 cat(lambda p: p.rewards_QG)[idx_Q], health, *dev)
 
 
-def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling: Any,
-            params_train: Any, ref_params: Any | None, step: int, rng: jax.Array,
-            adapters: Any = None,
+@jax.jit
+def _scores(logp_BC: Array, mask_BC: Array) -> Array:
+  return mean_logprob(logp_BC, mask_BC)
+
+
+def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs, *,
+            step: int, rng: jax.Array,
             draw_more: Callable[[], Sequence[Example]] | None = None) -> Rollout:
   """Samples, grades and scores this step's questions (``examples``: this process's share).
 
-  ``params_sampling``: the policy in the sampler's dtype and shardings;
-  ``params_train``: the same policy as trained (old log-probs come from it);
-  ``ref_params``: the frozen reference, or None when nothing needs it.
-  LoRA: ``params_train`` is the frozen base (also ``ref_params``: one copy)
-  and ``adapters`` the trained adapters; the policy is the two together.
-  ``draw_more``: returns this process's share of the next batch of prompts
-  from the data stream; called only with dynamic sampling
-  (``spec.dynamic_max_draws`` > 1), while fewer than Q drawn groups are mixed
-  (``dynamic_sampling``). The reward-health counts cover every graded sample,
-  the other metrics the Q groups kept.
+  ``policy``: the weights each stage reads (``PolicyArgs``). ``draw_more``:
+  returns this process's share of the next batch of prompts from the data
+  stream; called only with dynamic sampling (``spec.dynamic_max_draws`` > 1),
+  while fewer than Q drawn groups are mixed (``dynamic_sampling``). The
+  reward-health counts cover every graded sample, the other metrics the Q groups kept.
   """
-  spec, tokenizer, logprob_fn = ctx.spec, ctx.tokenizer, ctx.logprob_fn
+  spec, tokenizer = ctx.spec, ctx.tokenizer
   G = spec.num_samples
   t0 = time.perf_counter()
   drawn = [list(examples)]
-  parts = [_sample_and_grade(examples, ctx, params_sampling, rng)]
+  parts = [_sample_and_grade(examples, ctx, policy.sampling, rng)]
   Q = parts[0].rewards_QG.shape[0]
   while draw_more is not None and dynamic_sampling.needs_more(
       np.concatenate([p.rewards_QG for p in parts]), Q, len(parts), spec.dynamic_max_draws):
     drawn.append(list(draw_more()))
     # Extra draws get their own keys; the first draw's stay those of a run without the filter.
-    parts.append(_sample_and_grade(drawn[-1], ctx, params_sampling,
+    parts.append(_sample_and_grade(drawn[-1], ctx, policy.sampling,
                                    jax.random.fold_in(jax.random.fold_in(rng, 1 << 30),
                                                       len(parts))))
   idx_Q, n_mixed = dynamic_sampling.select_groups(
@@ -344,39 +324,42 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
   # Completion width: the longest sample of the step, bucketed (bounded compiles).
   C = min(-(-max(int(sel.lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET,
           sel.comp_BC.shape[1])
-  comp_BC, cmask_BC, sampler_logp_BC = sel.comp_BC[:, :C], sel.cmask_BC[:, :C], sel.logp_BC[:, :C]
-  tokens_QP, mask_QP, rewards_QG, lengths_B = sel.tokens_QP, sel.mask_QP, sel.rewards_QG, \
-      sel.lengths_B
-
-  t2 = time.perf_counter()
-  prompt_BP = np.repeat(tokens_QP, G, axis=0)
-  pmask_BP = np.repeat(mask_QP, G, axis=0)
-  inputs = (prompt_BP, pmask_BP, comp_BC, cmask_BC)
-  topk_ids = topk_logp = None
-  if spec.old_from_sampler and spec.simko_k == 0:
-    old_logp_BC = sampler_logp_BC
-  else:
-    keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
-        ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ())
-    old = logprob_fn(params_train, *inputs, keys=keys, adapters=adapters)
-    old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
-    if spec.simko_k:
-      topk_ids, topk_logp = old["topk_ids_BCJ"], old["topk_logp_BCJ"]
-  ref_logp_BC = None
-  if ref_params is not None:
-    ref_logp_BC = logprob_fn(ref_params, *inputs)["logp_BC"]
-  t_logp = time.perf_counter() - t2
-
-  s_QG = mean_logprob(old_logp_BC, cmask_BC).reshape(Q, G)
-  ref_s_QG = (mean_logprob(ref_logp_BC, cmask_BC).reshape(Q, G) if spec.adv.noise_mask
-              else None)
+  comp_BC, cmask_BC = sel.comp_BC[:, :C], sel.cmask_BC[:, :C]
+  sampler_logp_BC, cmask_dev = sel.logp_dev[:, :C], sel.cmask_dev[:, :C]
+  rewards_QG, lengths_B = sel.rewards_QG, sel.lengths_B
   if not np.isin(rewards_QG, (0.0, 1.0)).all():
     raise ValueError(f"the grader returned rewards other than 0 and 1: "
                      f"{sorted(set(rewards_QG.ravel().tolist()) - {0.0, 1.0})[:5]}")
-  adv_QG, adv_metrics = jax.device_get(
-      score_rollout(rewards_QG, s_QG, ref_s_QG, step, spec=spec.adv))
+
+  t2 = time.perf_counter()
+  prompt_BP = np.repeat(sel.tokens_QP, G, axis=0)
+  pmask_BP = np.repeat(sel.mask_QP, G, axis=0)
+  old_keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
+      ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ())
+  rows = None
+  if old_keys or policy.reference is not None:
+    rows = ctx.logprobs.upload(prompt_BP, pmask_BP, comp_BC, cmask_BC)
+  old = ctx.logprobs.run(policy.train, rows, cmask_dev, old_keys, policy.adapters) \
+      if old_keys else {}
+  old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
+  ref_logp_BC = None
+  if policy.reference is not None:
+    ref_logp_BC = ctx.logprobs.run(policy.reference, rows, cmask_dev, ("logp_BC",))["logp_BC"]
+
+  s_QG = _scores(old_logp_BC, cmask_dev).reshape(Q, G)
+  ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
+  rewards_dev = put_global(rewards_QG, NamedSharding(ctx.mesh, PartitionSpec()))
+  adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv)
+  s_QG, adv_metrics = jax.device_get((s_QG, adv_metrics))
+  t_logp = time.perf_counter() - t2
 
   correct_QG = rewards_QG > 0.5
+  seqs = Sequences(
+      completion_mask_BC=cmask_dev, old_logp_BC=old_logp_BC, adv_B=adv_QG.reshape(-1),
+      ref_logp_BC=ref_logp_BC,
+      correct_B=put_global(correct_QG.reshape(-1), ctx.logprobs.index_sharding)
+      if spec.simko_k else None,
+      old_topk_ids_BCJ=old.get("topk_ids_BCJ"), old_topk_logp_BCJ=old.get("topk_logp_BCJ"))
   finite_QG = np.isfinite(s_QG)  # a diverged policy must not crash the logging
   auc, n_auc = calibration.auc_mean(np.where(finite_QG, s_QG, 0.0), correct_QG,
                                     valid_QG=finite_QG)
@@ -399,5 +382,23 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, *, params_sampling
     metrics.update(prompts_drawn=float(Q * len(parts)), prompts_dropped=float(Q * len(parts) - Q),
                    groups_degenerate=float(Q - n_mixed),
                    accuracy_drawn=float(np.mean([p.rewards_QG.mean() for p in parts])))
-  return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, old_logp_BC, ref_logp_BC, topk_ids,
-                 topk_logp, rewards_QG, s_QG, adv_QG, metrics, examples_Q)
+  return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, rewards_QG, s_QG, seqs, adv_QG,
+                 metrics, examples_Q)
+
+
+@dataclasses.dataclass(frozen=True)
+class PolicyArgs:
+  """The weights a rollout reads.
+
+  Attributes:
+    sampling: the policy in the sampler's dtype and shardings.
+    train: the policy as trained (the old log-probs come from it); with LoRA
+      the frozen base.
+    reference: the frozen reference, or None when nothing needs it (LoRA: the
+      base itself, one copy).
+    adapters: LoRA's trained adapters (the policy is ``train`` with them), else None.
+  """
+  sampling: Any
+  train: Any
+  reference: Any = None
+  adapters: Any = None

@@ -53,7 +53,8 @@ import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from capo_jax.rl import losses
-from capo_jax.rl.logprobs import token_logprobs
+from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch, unpack
+from capo_jax.rl.logprobs import packed_token_logprobs
 from capo_jax.rl.optim import OptimConfig, current_lr, make_optimizer
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.types import Array, Params
@@ -225,55 +226,50 @@ def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
   Full fine-tuning passes the float32 masters themselves: the model casts each
   weight to the compute dtype where it uses it (inside the layer scan), so no
   bfloat16 copy of the whole model exists, and each layer's gradient becomes
-  float32 as it leaves the scan. Cast up front, the backward held the stacked
-  bfloat16 gradients of every layer as well (XLA's buffer assignment, 1.5B shape,
-  one 4,096-token row: 6.36 GiB of temporaries, 4.79 GiB this way;
-  ``benchmarks/train_memory.py``). The forward is the same either way.
+  float32 as it leaves the scan (cast up front, the backward would also hold the
+  stacked bfloat16 gradients of every layer; ``benchmarks/train_memory.py``).
   """
   if tcfg.lora is None:
     return params
   if base is None:
     raise ValueError("TrainConfig.lora is set: the step needs the frozen base params")
-  return lora_lib.with_adapters(_compute_params(base, model_cfg),
-                                _compute_params(params, model_cfg), tcfg.lora)
+  return lora_lib.with_adapters(compute_params(base, model_cfg),
+                                compute_params(params, model_cfg), tcfg.lora)
 
 
-_compute_params = compute_params
-
-
-def check_simko_inputs(batch: TrainBatch, tcfg: TrainConfig) -> None:
+def check_simko_inputs(seqs: Sequences, tcfg: TrainConfig) -> None:
   if tcfg.loss_kind == "simko":
     for field in ("correct_B", "old_topk_ids_BCJ", "old_topk_logp_BCJ"):
-      if getattr(batch, field) is None:
-        raise ValueError(f"loss_kind='simko' needs TrainBatch.{field}; compute the old "
+      if getattr(seqs, field) is None:
+        raise ValueError(f"loss_kind='simko' needs Sequences.{field}; compute the old "
                          "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
 
 
-def microbatch_loss(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
-                    tcfg: TrainConfig, base: Params | None = None
-                    ) -> tuple[Array, dict[str, Array]]:
-  """The policy loss of ``batch`` under ``params`` (one forward, no accumulation)."""
-  simko = tcfg.loss_kind == "simko"
-  check_simko_inputs(batch, tcfg)
-  lp = token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg,
-                      batch.prompt_tokens_BP,
-                      batch.prompt_mask_BP, batch.completion_tokens_BC,
-                      batch.completion_mask_BC, chunk_size=tcfg.logprob_chunk_size,
-                      topk_ids_BCJ=batch.old_topk_ids_BCJ if simko else None)
-  return losses.policy_loss(tcfg.loss_kind, policy_batch(lp, batch, tcfg), tcfg.loss)
-
-
-def policy_batch(lp: dict[str, Array], batch: TrainBatch, tcfg: TrainConfig
+def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig
                  ) -> losses.PolicyBatch:
-  """The loss inputs from the current policy's ``token_logprobs`` outputs and the batch."""
+  """The loss inputs from the current policy's per-token outputs ([B, C]) and the sequences."""
   simko = tcfg.loss_kind == "simko"
   return losses.PolicyBatch(
-      logp_BC=lp["logp_BC"], old_logp_BC=batch.old_logp_BC, mask_BC=batch.completion_mask_BC,
-      adv_B=batch.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=batch.ref_logp_BC,
+      logp_BC=lp["logp_BC"], old_logp_BC=seqs.old_logp_BC, mask_BC=seqs.completion_mask_BC,
+      adv_B=seqs.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=seqs.ref_logp_BC,
       topk_logp_BCJ=lp.get("topk_logp_BCJ") if simko else None,
-      old_topk_logp_BCJ=batch.old_topk_logp_BCJ if simko else None,
+      old_topk_logp_BCJ=seqs.old_topk_logp_BCJ if simko else None,
       is_argmax_BC=lp.get("is_argmax_BC") if simko else None,
-      correct_B=batch.correct_B if simko else None)
+      correct_B=seqs.correct_B if simko else None)
+
+
+def microbatch_loss(params: Params, rows: ModelRows, index_BC: Array, seqs: Sequences,
+                    model_cfg: Qwen2Config, tcfg: TrainConfig, base: Params | None = None
+                    ) -> tuple[Array, dict[str, Array]]:
+  """The policy loss of one micro-batch under ``params`` (one forward, no accumulation)."""
+  check_simko_inputs(seqs, tcfg)
+  if tcfg.loss_kind != "simko":
+    rows = dataclasses.replace(rows, topk_ids_ZJ=None)
+  lp = packed_token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg, rows,
+                             chunk_size=tcfg.logprob_chunk_size)
+  mask_BC = seqs.completion_mask_BC
+  lp = {k.replace("_Z", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
+  return losses.policy_loss(tcfg.loss_kind, policy_batch(lp, seqs, tcfg), tcfg.loss)
 
 
 def denominator_B(mask_BC: Array, agg: str) -> Array:
@@ -290,48 +286,6 @@ def combine_aux(key: str, acc: Array, new: Array, w: Array) -> Array:
   return acc + w * new
 
 
-def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
-                   tcfg: TrainConfig, microbatch_sharding: NamedSharding | None = None,
-                   base: Params | None = None) -> tuple[Array, dict[str, Array], Params]:
-  """Full-batch loss, aux and gradients, accumulated over micro-batches.
-
-  Aux values of several micro-batches are combined with the loss weights
-  (``*_min`` / ``*_max`` keys with min / max), so with one micro-batch they
-  are exact and otherwise weighted means of the per-micro-batch values.
-  """
-  M = tcfg.num_microbatches
-  grad_fn = jax.value_and_grad(
-      lambda p, mb: microbatch_loss(p, mb, model_cfg, tcfg, base), has_aux=True)
-  if M == 1:
-    (loss, aux), grads = grad_fn(params, batch)
-    return loss, aux, grads
-  B = batch.adv_B.shape[0]
-  if B % M:
-    raise ValueError(f"TrainConfig.num_microbatches={M} does not divide the batch of {B} rows")
-  # Strided split: micro-batch m holds rows m, m + M, ... (see module docstring).
-  split = lambda x: jnp.swapaxes(x.reshape((B // M, M) + x.shape[1:]), 0, 1)
-  mbs = jax.tree.map(split, batch)
-  if microbatch_sharding is not None:
-    mbs = jax.lax.with_sharding_constraint(mbs, microbatch_sharding)
-  den_MB = denominator_B(mbs.completion_mask_BC, tcfg.loss.agg)
-  w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
-
-  def body(carry, inputs):
-    g_acc, loss_acc, aux_acc = carry
-    mb, w = inputs
-    # The weight scales the loss inside the gradient so grads sum to the full-batch grad.
-    (loss, aux), g = grad_fn(params, mb)
-    g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
-    aux_acc = {k: combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
-    return (g_acc, loss_acc + w * loss, aux_acc), None
-
-  aux_shape = jax.eval_shape(grad_fn, params, jax.tree.map(lambda x: x[0], mbs))[0][1]
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  (grads, loss, aux), _ = jax.lax.scan(
-      body, (zeros, jnp.zeros((), jnp.float32), init_aux(aux_shape)), (mbs, w_M))
-  return loss, aux, grads
-
-
 def init_aux(aux_shape: dict[str, Any]) -> dict[str, Array]:
   """The neutral start of ``combine_aux``'s accumulation."""
   return {k: jnp.full(s.shape, jnp.inf if k.endswith("_min") else
@@ -339,22 +293,46 @@ def init_aux(aux_shape: dict[str, Any]) -> dict[str, Array]:
           for k, s in aux_shape.items()}
 
 
+def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
+                   tcfg: TrainConfig, base: Params | None = None
+                   ) -> tuple[Array, dict[str, Array], Params]:
+  """Full-batch loss, aux and gradients, accumulated over the micro-batches that hold tokens.
+
+  Micro-batch m's loss is weighted by its share of the aggregation's denominator
+  over the original sequences, so the sum is the full-batch loss. Aux values are
+  combined with the same weights (``*_min`` / ``*_max`` keys with min / max): exact
+  with one micro-batch, weighted means of the per-micro-batch values otherwise.
+  """
+  grad_fn = jax.value_and_grad(
+      lambda p, mb: microbatch_loss(p, *mb, model_cfg, tcfg, base), has_aux=True)
+  den_MB = denominator_B(batch.seqs.completion_mask_BC, tcfg.loss.agg)
+  w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
+  # Micro-batches fill in order: the ones past the last real row are skipped.
+  n = (batch.rows.segment_ids_YT > 0).any(axis=(1, 2)).sum()
+  mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
+
+  def body(m, carry):
+    g_acc, loss_acc, aux_acc = carry
+    # The weight scales the loss inside the gradient so grads sum to the full-batch grad.
+    (loss, aux), g = grad_fn(params, mb_at(m))
+    w = w_M[m]
+    g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
+    aux_acc = {k: combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
+    return g_acc, loss_acc + w * loss, aux_acc
+
+  aux_shape = jax.eval_shape(grad_fn, params, mb_at(0))[0][1]
+  init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), init_aux(aux_shape))
+  grads, loss, aux = jax.lax.fori_loop(0, n, body, init)
+  return loss, aux, grads
+
+
 def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None, *,
-               model_cfg: Qwen2Config, tcfg: TrainConfig,
-               microbatch_sharding: NamedSharding | None = None
-               ) -> tuple[TrainState, dict[str, Array]]:
-  """One optimizer update on ``batch`` (a ``TrainBatch``, or with ``tcfg.pack_len`` a
-  ``packing.PackedTrainBatch``); pure (see ``make_train_step`` for the jitted one).
+               model_cfg: Qwen2Config, tcfg: TrainConfig) -> tuple[TrainState, dict[str, Array]]:
+  """One optimizer update on ``batch``; pure (``make_train_step`` jits it).
 
   ``base``: the frozen base params when ``tcfg.lora`` is set (else None).
   """
-  if tcfg.pack_len:
-    from capo_jax.rl import packing  # packing builds on this module
-    loss, aux, grads = packing.loss_and_grads(state.params, batch, model_cfg, tcfg,
-                                              microbatch_sharding)
-  else:
-    loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg,
-                                      microbatch_sharding, base)
+  loss, aux, grads = loss_and_grads(state.params, batch, model_cfg, tcfg, base)
   grad_norm = optax.tree.norm(grads)  # float32: grads of the float32 masters
   optimizer = make_optimizer(tcfg.optim)
   updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
@@ -373,85 +351,62 @@ def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None,
       loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
       param_norm=optax.tree.norm(params), skipped=skipped,
       num_skipped=new_state.num_skipped,
-      num_tokens=(getattr(batch, "seqs", batch).completion_mask_BC > 0).sum().astype(jnp.int32))
+      num_tokens=(batch.seqs.completion_mask_BC > 0).sum().astype(jnp.int32))
   return new_state, metrics
 
 
+def batch_sharding(mesh: Mesh, rules: Rules, rows_per_microbatch: int) -> NamedSharding:
+  """The sharding of every array of a ``TrainBatch``: [M, rows or slots, ...] on the
+  second axis (slots are a multiple of the rows, so one spec serves both)."""
+  spec = mesh_lib.batch_spec(mesh, rules, rows_per_microbatch, name="micro-batch rows")
+  return NamedSharding(mesh, PartitionSpec(None, *spec))
+
+
 def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules,
-                    batch_size: int):
+                    rows_per_microbatch: int):
   """``step(state, batch) -> (state, metrics)`` jitted with shardings; the state is donated.
 
   LoRA (``tcfg.lora``): ``step(state, batch, base)``; the base is sharded like
   params under ``rules`` and not donated (it is the same array every step).
-
-  ``batch_size`` is the B of every batch the step will see (the batch
-  sharding depends on it: mesh axes that do not divide it are replicated,
-  with a log line). Metrics come back replicated (scalars). Packed
-  (``tcfg.pack_len``): every array is [M, pack_rows or slots, ...], sharded on
-  its second axis; ``batch_size`` is unused.
+  Metrics come back replicated (scalars).
   """
-  M = tcfg.num_microbatches
   state_sh = state_shardings(model_cfg, tcfg, mesh, rules)
-  if tcfg.pack_len:
-    step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg)
-    return jax.jit(step, in_shardings=(state_sh, batch_sharding(tcfg, mesh, rules, batch_size)),
-                   out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
-  if batch_size % M:
-    raise ValueError(f"TrainConfig.num_microbatches={M} does not divide batch_size="
-                     f"{batch_size}")
-  batch_sh = mesh_lib.batch_sharding(mesh, rules, batch_size)
-  mb_spec = mesh_lib.batch_spec(mesh, rules, batch_size // M, name="micro-batch")
-  mb_sh = NamedSharding(mesh, PartitionSpec(None, *mb_spec))
-  step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg,
-                           microbatch_sharding=mb_sh if M > 1 else None)
+  in_sh = (state_sh, batch_sharding(mesh, rules, rows_per_microbatch))
   if tcfg.lora is not None:
-    base_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
-    return jax.jit(step, in_shardings=(state_sh, batch_sh, base_sh),
-                   out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
-  return jax.jit(step, in_shardings=(state_sh, batch_sh),
-                 out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0)
+    in_sh += (mesh_lib.param_shardings(model_cfg, mesh, rules),)
+  step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg)
+  return jax.jit(step, in_shardings=in_sh, out_shardings=(state_sh, mesh_lib.replicated(mesh)),
+                 donate_argnums=0)
 
 
-def batch_sharding(tcfg: TrainConfig, mesh: Mesh, rules: Rules, batch_size: int
-                   ) -> NamedSharding:
-  """The sharding of every array of the step's batch: rows on the leading axis, or
-  packed (``tcfg.pack_len``) [M, rows or slots, ...] on the second."""
-  if not tcfg.pack_len:
-    return mesh_lib.batch_sharding(mesh, rules, batch_size)
-  spec = mesh_lib.batch_spec(mesh, rules, tcfg.pack_rows, name="packed rows")
-  return NamedSharding(mesh, PartitionSpec(None, *spec))
-
-
-def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, batch_size: int, *,
+def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, rows_per_call: int, *,
                     chunk_size: int = 0, top_k: int = 0,
                     lora: lora_lib.LoraConfig | None = None):
-  """Jitted forward-only ``fn(params, prompt_BP, prompt_mask_BP, completion_BC,
-  completion_mask_BC) -> token_logprobs dict`` for old / reference log-probs.
+  """Jitted forward-only ``fn(params, rows, adapters=None) -> packed_token_logprobs dict``,
+  the old / reference log-prob pass over ``rows_per_call`` model rows.
 
   Params are expected in the shardings ``rules`` give (e.g. ``state.params``
-  under the train rules); inputs and outputs are sharded over the batch.
-  With ``lora``, ``fn(base, ..., adapters=state.params)`` is the policy and
-  ``fn(base, ...)`` the base alone (the reference): two programs, one base.
+  under the train rules); rows and outputs are sharded over the rows. With
+  ``lora``, ``fn(base, rows, adapters=state.params)`` is the policy and
+  ``fn(base, rows)`` the base alone (the reference): two programs, one base.
   """
   p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
-  b_sh = mesh_lib.batch_sharding(mesh, rules, batch_size)
+  r_sh = mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows")
   tcfg = TrainConfig(lora=lora)
 
-  def fn(params, adapters, prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC,
-         completion_mask_BC):
+  def fn(params: Params, adapters: Params | None, rows: ModelRows) -> dict[str, Array]:
     weights = params if adapters is None else policy_weights(adapters, model_cfg, tcfg, params)
-    return token_logprobs(weights, model_cfg, prompt_tokens_BP,
-                          prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-                          chunk_size=chunk_size, top_k=top_k)
+    return packed_token_logprobs(weights, model_cfg, rows, chunk_size=chunk_size, top_k=top_k)
 
-  plain = jax.jit(lambda p, *xs: fn(p, None, *xs), in_shardings=(p_sh,) + (b_sh,) * 4,
-                  out_shardings=b_sh)
+  plain = jax.jit(lambda p, rows: fn(p, None, rows), in_shardings=(p_sh, r_sh),
+                  out_shardings=r_sh)
   if lora is None:
-    return plain
+    return lambda params, rows, adapters=None: plain(params, rows)
   a_sh = trainable_shardings(model_cfg, tcfg, mesh, rules)
-  adapted = jax.jit(fn, in_shardings=(p_sh, a_sh) + (b_sh,) * 4, out_shardings=b_sh)
+  adapted = jax.jit(fn, in_shardings=(p_sh, a_sh, r_sh), out_shardings=r_sh)
 
-  def call(params: Params, *xs: Array, adapters: Params | None = None) -> dict[str, Array]:
-    return plain(params, *xs) if adapters is None else adapted(params, adapters, *xs)
+  def call(params: Params, rows: ModelRows, adapters: Params | None = None
+           ) -> dict[str, Array]:
+    return plain(params, rows) if adapters is None else adapted(params, adapters, rows)
 
   return call

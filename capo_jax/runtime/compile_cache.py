@@ -25,7 +25,6 @@ import logging
 import os
 
 import jax
-import ml_collections
 
 from capo_jax.runtime import fs
 
@@ -46,14 +45,13 @@ def cache_path(setting: str, workdir: str) -> str | None:
   return fs.join(workdir, setting)
 
 
-def enable(c: ml_collections.ConfigDict, workdir: str, *, min_compile_s: float = MIN_COMPILE_S
-           ) -> str | None:
-  """Turns the cache on as ``c.compilation_cache_dir`` asks; returns its path or None.
+def enable(setting: str, workdir: str, *, min_compile_s: float = MIN_COMPILE_S) -> str | None:
+  """Turns the cache on as ``compilation_cache_dir = setting`` asks; returns its path or None.
 
   Call before the run compiles anything: JAX reads the setting at its first
   compilation, and a later change only takes effect after ``reset``.
   """
-  path = cache_path(c.get("compilation_cache_dir", ""), workdir)
+  path = cache_path(setting, workdir)
   if path is None:
     return None
   if not fs.is_remote(path):

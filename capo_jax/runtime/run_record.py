@@ -18,8 +18,6 @@ import subprocess
 from collections.abc import Mapping
 from typing import Any
 
-import ml_collections
-
 from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)
@@ -81,16 +79,17 @@ def is_shape_field(field: str) -> bool:
   return any(field == p or (p.endswith(".") and field.startswith(p)) for p in SHAPE_FIELDS)
 
 
-def record(c: ml_collections.ConfigDict, workdir: str, *, resuming: bool,
+def record(config: Mapping[str, Any], workdir: str, *, resuming: bool,
            write: bool = True) -> dict[str, Any]:
-  """Checks ``c`` against the recorded config (when resuming) and records it.
+  """Checks the resolved ``config`` (JSON values) against the recorded one (when
+  resuming) and records it.
 
   Raises ConfigChanged naming the fields when a resumed run changes a shape
   field; logs a warning naming the others. ``write`` is False on every
   process but the first. Returns the record written.
   """
   path = fs.join(workdir, CONFIG_FILE)
-  new = json.loads(c.to_json_best_effort())
+  new = json.loads(json.dumps(dict(config)))
   previous = None
   if fs.exists(path):
     try:

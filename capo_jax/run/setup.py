@@ -16,12 +16,11 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 
 from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
-from capo_jax.rl import experiment
 from capo_jax.rl import train_step as ts
+from capo_jax.run.spec import ConfigError, Data, RunSpec
 from capo_jax.runtime import fs
 from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
@@ -41,25 +40,25 @@ class Policy:
   params: Any
 
 
-def tokenizer_for(c: ml_collections.ConfigDict) -> Tokenizer:
-  path = c.tokenizer_path or c.model.hf_path
+def tokenizer_for(spec: RunSpec) -> Tokenizer:
+  path = spec.tokenizer_path or spec.model.hf_path
   if not path:
-    raise experiment.ConfigError("config.tokenizer_path is empty and there is no "
+    raise ConfigError("config.tokenizer_path is empty and there is no "
                                  "model.hf_path to take the tokenizer from")
   return load_tokenizer(path)
 
 
-def initial_params(c: ml_collections.ConfigDict, model_cfg: Qwen2Config,
+def initial_params(spec: RunSpec, model_cfg: Qwen2Config,
                    policy: Policy | None, shardings: Any) -> Any:
   """The run's starting params (also the frozen reference), in the train shardings."""
   if policy is not None:
     return jax.device_put(policy.params, shardings)
-  if c.model.hf_path:
-    _, params = hf_weights.load_pretrained(fs.model_dir(c.model.hf_path),
+  if spec.model.hf_path:
+    _, params = hf_weights.load_pretrained(fs.model_dir(spec.model.hf_path),
                                            dtype=model_cfg.weight_dtype, shardings=shardings)
     return params
   init = lambda key: qwen2.init_params(model_cfg, key)
-  return jax.jit(init, out_shardings=shardings)(jax.random.key(c.seed))
+  return jax.jit(init, out_shardings=shardings)(jax.random.key(spec.seed))
 
 
 @dataclasses.dataclass
@@ -91,32 +90,32 @@ class PolicyWeights:
     """The train step's arguments after the batch: (base,) with LoRA."""
     return () if self.base is None else (self.base,)
 
-  def checkpoint_record(self, c: ml_collections.ConfigDict) -> dict[str, Any]:
+  def checkpoint_record(self, hf_path: str) -> dict[str, Any]:
     """What a checkpoint of adapters needs besides them: the LoRA config and the base."""
     if self.lora is None:
       return {}
-    return {"lora": {**self.lora.to_json(), "base": c.model.hf_path or None}}
+    return {"lora": {**self.lora.to_json(), "base": hf_path or None}}
 
 
-def policy_weights(c: ml_collections.ConfigDict, model_cfg: Qwen2Config, policy: Policy | None,
+def policy_weights(spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None,
                    tcfg: ts.TrainConfig, mesh: jax.sharding.Mesh, rules: Any) -> PolicyWeights:
   """The run's initial policy (``initial_params``) split into what trains and what is frozen."""
   p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
   sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
   cast = lambda p, dt: jax.tree.map(lambda x: x.astype(dt), p)  # noqa: E731
-  params0 = initial_params(c, model_cfg, policy, p_sh)
+  params0 = initial_params(spec, model_cfg, policy, p_sh)
   lcfg = tcfg.lora
   if lcfg is None:
     # The reference is frozen at the initial params, kept in the compute dtype.
     ref = jax.jit(lambda p: cast(p, model_cfg.dtype), out_shardings=p_sh)(params0) \
-        if experiment.needs_reference(c) else None
+        if spec.needs_reference else None
     return PolicyWeights(params0, None, ref, jax.jit(lambda p: cast(p, model_cfg.dtype),
                                                      out_shardings=sampling_sh),
                          lambda p: p, None)
   shapes = qwen2.param_shapes(model_cfg)
   adapters0 = jax.jit(lambda key: lora.init_adapters(shapes, lcfg, key),
                       out_shardings=ts.trainable_shardings(model_cfg, tcfg, mesh, rules))(
-                          jax.random.fold_in(jax.random.key(c.seed), 1))
+                          jax.random.fold_in(jax.random.key(spec.seed), 1))
   merge_sampling = jax.jit(lambda a, b: lora.merge(b, a, lcfg, model_cfg.dtype),
                            out_shardings=sampling_sh)
   merge_full = jax.jit(lambda a, b: lora.merge(b, a, lcfg, jnp.float32), out_shardings=p_sh)
@@ -135,26 +134,26 @@ def drop_long_prompts(examples: Sequence[data.Example], tokenizer: Tokenizer, ma
     log.warning("dropped %d of %d training questions longer than rollout.max_prompt_len=%d",
                 len(examples) - len(kept), len(examples), max_len)
   if not kept:
-    raise experiment.ConfigError(f"config.rollout.max_prompt_len={max_len}: every training "
+    raise ConfigError(f"config.rollout.max_prompt_len={max_len}: every training "
                                  f"prompt of {source} is longer")
   return kept
 
 
-def training_data(c: ml_collections.ConfigDict, workdir: str) -> data.Split:
+def training_data(d: Data, workdir: str) -> data.Split:
   """The fixed-seed train / validation split of ``data.train``; ids go to the workdir.
 
   ``data_split.json`` records both id lists. A resumed run recomputes the
   split and stops if it differs (the data file changed under the run).
   """
-  ds = data.load_examples(c.data.train, data_dir=c.data.data_dir or None,
-                          skip_bad=c.data.skip_bad_rows)
+  ds = data.load_examples(d.train, data_dir=d.data_dir or None,
+                          skip_bad=d.skip_bad_rows)
   if not ds.examples:
     raise data.DataError(f"{ds.source}: no training questions (the file is empty"
                          + (f"; {ds.num_skipped} bad rows skipped" if ds.num_skipped else "")
                          + ")")
-  split = data.split_train_val(ds.examples, c.data.train_size, c.data.val_size,
-                               c.data.split_seed, ds.source)
-  record = {"source": ds.source, "split_seed": c.data.split_seed,
+  split = data.split_train_val(ds.examples, d.train_size, d.val_size,
+                               d.split_seed, ds.source)
+  record = {"source": ds.source, "split_seed": d.split_seed,
             "train_size": len(split.train), "val_size": len(split.val), **split.ids()}
   path = fs.join(workdir, SPLIT_FILE)
   if fs.exists(path):
@@ -166,7 +165,7 @@ def training_data(c: ml_collections.ConfigDict, workdir: str) -> data.Split:
   elif is_main_process():
     fs.write_text(path, json.dumps(record) + "\n")
   log.info("data: %d training and %d validation questions from %s (split seed %d)",
-           len(split.train), len(split.val), ds.source, c.data.split_seed)
+           len(split.train), len(split.val), ds.source, d.split_seed)
   return split
 
 

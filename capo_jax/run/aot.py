@@ -7,16 +7,17 @@ result carries the per-device memory analysis (arguments, outputs,
 temporaries, aliased bytes) and cost analysis (FLOPs, bytes accessed) of the
 program that would run on the chip. Nothing is allocated.
 
-The programs are the ones ``capo_jax.rl.loop.train`` jits, built by the same
-functions, at the run's padded shapes (prompt ``max_prompt_len``, completion
-``max_new_tokens``: the largest shapes a step can see) and with its shardings:
+The programs are the ones the trainer runs, from the one builder
+(``capo_jax.run.programs.build``), at the run's largest shapes (prompt
+``max_prompt_len``, completion ``max_new_tokens``, every sequence that long) and
+with its shardings:
 
   prefill   ``sampling._prefill`` over one sampler call's prompts
   decode    ``sampling._decode``, the engine's ``lax.while_loop`` over its N-slot cache
-  logprobs  ``train_step.make_logprob_fn`` over one call of ``train.logprob_rows``
-            rows, as the trainer calls it (0: all Q*G rows), float32 params
-  logprobs_ref  the same program with the bfloat16 reference (when the run keeps one)
-  train     ``train_step.make_train_step``: micro-batch scan + AdamW update
+  logprobs  the old-policy pass over one call of model rows (packed when
+            ``train.pack``; LoRA: base + adapters), float32 params
+  logprobs_ref  the same program with the reference (when the run keeps one)
+  train     the train step: micro-batch loop + AdamW update
 
 A program whose temporaries exceed the chip's HBM is refused by the compiler
 (RESOURCE_EXHAUSTED); it is reported, with the bytes the error names, not raised.
@@ -25,7 +26,8 @@ Typical use (benchmarks/aot_tpu.py is the command line)::
 
   acc = parse_accelerator("v5e-16")
   set_tpu_env(acc)                           # before jax initialises a backend
-  for prog in compile_step(c, topology_mesh(c, acc)):
+  spec = RunSpec.from_config(config, policy_given=True, num_devices=acc.chips)
+  for prog in compile_step(spec, topology_mesh(spec, acc)):
     print(prog.name, prog.memory, prog.cost)
 """
 
@@ -41,12 +43,15 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 from jax.sharding import Mesh, NamedSharding
 
-from capo_jax.rl import experiment
+from capo_jax.rl import packing
 from capo_jax.rl import train_step as ts
-from capo_jax.runtime import hlo_cost
+from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
+from capo_jax.run import hlo_cost
+from capo_jax.run import programs as programs_lib
+from capo_jax.run.programs import StepPrograms
+from capo_jax.run.spec import RunSpec
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
@@ -118,11 +123,11 @@ def topology_devices(acc: Accelerator) -> list[Any]:
   return list(topologies.get_topology_desc(acc.topology, "tpu", **kw).devices)
 
 
-def topology_mesh(c: ml_collections.ConfigDict, acc: Accelerator) -> Mesh:
-  """The run's mesh (``config.mesh``) over the slice's devices."""
+def topology_mesh(spec: RunSpec, acc: Accelerator) -> Mesh:
+  """The run's mesh (``spec.mesh``) over the slice's devices (``spec`` validated for them)."""
   devices = topology_devices(acc)
-  experiment.validate(c, num_devices=len(devices), policy_given=True)
-  return mesh_lib.make_mesh({ax: c.mesh[ax] for ax in mesh_lib.MESH_AXES}, devices=devices)
+  spec.validate(num_devices=len(devices), policy_given=True)
+  return spec.make_mesh(devices)
 
 
 # --------------------------------------------------------------------------
@@ -148,7 +153,7 @@ def _rows(mesh: Mesh, rules: Any, shape: tuple[int, ...], dtype: Any) -> jax.Sha
 
 @dataclasses.dataclass(frozen=True)
 class Shapes:
-  """The padded shapes of one RL step, from the config."""
+  """The largest shapes of one RL step's programs, from the spec."""
   prompts_per_call: int  # Q of one sampler call
   num_calls: int
   num_samples: int  # G
@@ -158,18 +163,37 @@ class Shapes:
   max_new_tokens: int
   rows: int  # Q*G
   rows_per_update: int
+  row_len: int  # tokens of a model row of the log-prob passes and the train step
+  rows_per_call: int  # model rows per log-prob call
+  logprob_calls: int  # calls per pass
+  targets_per_call: int
+  microbatches: int  # M of one update
+  rows_per_microbatch: int
+  targets_per_microbatch: int
+  slots_per_microbatch: int  # sequence slots W
 
   @classmethod
-  def from_config(cls, c: ml_collections.ConfigDict) -> Shapes:
-    r = c.rollout
+  def from_spec(cls, spec: RunSpec) -> Shapes:
+    r = spec.rollout
     per_call = r.prompts_per_call or r.num_prompts
+    row_len, Y = spec.packing_shape()
+    B, R = r.num_prompts * r.num_samples, spec.rows_per_update
+    L = spec.logprob_rows_per_call
+    # Every sequence max_prompt_len + max_new_tokens long: one per row, each row
+    # ``max_new_tokens`` targets (packing's own bucketing and power-of-two counts).
+    per_row = -(-row_len // (r.max_prompt_len + r.max_new_tokens))
+    rows_needed = lambda n: -(-n // per_row)  # noqa: E731
     return cls(prompts_per_call=per_call, num_calls=r.num_prompts // per_call,
                num_samples=r.num_samples,
                prompt_len=sampling.bucket_length(r.max_prompt_len, sampling.PROMPT_BUCKET_MIN),
                gen_len=sampling.bucket_length(r.max_new_tokens, sampling.GEN_BUCKET_MIN),
                max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-               rows=r.num_prompts * r.num_samples,
-               rows_per_update=c.train.mini_batch_prompts * r.num_samples)
+               rows=B, rows_per_update=R, row_len=row_len, rows_per_call=L,
+               logprob_calls=-(-rows_needed(B) // L),
+               targets_per_call=packing.bucket(min(L * per_row, B) * r.max_new_tokens),
+               microbatches=packing.pow2(-(-rows_needed(R) // Y)), rows_per_microbatch=Y,
+               targets_per_microbatch=packing.bucket(min(Y * per_row, R) * r.max_new_tokens),
+               slots_per_microbatch=Y * packing.pow2(-(-min(Y * per_row, R) // Y)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -183,14 +207,14 @@ class Lowerable:
   resident: tuple[str, ...]  # live device buffers that are not among its arguments
 
 
-def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, sh: Shapes
+def _sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh, sh: Shapes
                       ) -> tuple[Lowerable, Any]:
   """The prefill, and a function of its compiled form giving the decode loop."""
   rules = mesh_lib.SAMPLING_RULES
   layout = Layout.of(mesh, rules)  # the value generate() is given, so the same jit cache key
   rep = mesh_lib.replicated(mesh)
   params = _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
-  strategy = sampling.make_strategy(c.rollout.temperature, c.rollout.top_p, c.rollout.top_k)
+  strategy = programs_lib.sampling_settings(spec)
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
@@ -200,7 +224,7 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
       dict(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples, layout=layout),
       sh.num_calls, ("train state", "reference"))
   rows = sh.prompts_per_call * sh.num_samples
-  slots = min(c.rollout.get("max_active_rows", 0) or rows, rows)
+  slots = min(spec.rollout.max_active_rows or rows, rows)
   plan = engine.Plan(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples,
                      num_slots=slots, gen_len=sh.gen_len, layout=layout, block=engine.KV_BLOCK,
                      shrink=slots < rows)
@@ -217,49 +241,58 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
   return prefill, decode
 
 
-def _trainer_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, sh: Shapes,
-                      logprob_rows: int) -> list[Lowerable]:
+def _trainer_programs(spec: RunSpec, progs: StepPrograms, mesh: Mesh, sh: Shapes
+                      ) -> list[Lowerable]:
+  """The log-prob passes and the train step the trainer runs (``programs.build``), at the
+  largest shapes a step can give them: every sequence as long as allowed, so each
+  fills a row of its own when ``train.pack_len`` is the longest sequence."""
   rules = mesh_lib.TRAIN_RULES
-  # The padded step ([B, P + C] rows): the packed step (train.pack) is not compiled
-  # ahead of time yet; its rows are as long, so this is its upper bound per row.
-  tcfg = experiment.train_config(c).replace(pack_len=0, pack_rows=1)
-  simko_k = c.loss.simko_k if c.algo.name == "simko" else 0
-  reference = experiment.needs_reference(c)
-  P, C = sh.max_prompt_len, sh.max_new_tokens
-  rows = logprob_rows or sh.rows
-  if sh.rows % rows:
-    raise ValueError(f"logprob_rows={rows} must divide the step's Q*G = {sh.rows} rows")
-  logprob = ts.make_logprob_fn(model_cfg, mesh, rules, rows, chunk_size=c.train.logprob_chunk,
-                               top_k=simko_k)
-  inputs = lambda B: (_rows(mesh, rules, (B, P), jnp.int32), _rows(mesh, rules, (B, P), jnp.int32),
-                      _rows(mesh, rules, (B, C), jnp.int32), _rows(mesh, rules, (B, C), jnp.int32))
+  model_cfg, tcfg = progs.model_cfg, progs.tcfg
+  T, Y, Z, calls = sh.row_len, sh.rows_per_call, sh.targets_per_call, sh.logprob_calls
+  rows = lambda shape, dtype=jnp.int32: _rows(mesh, rules, shape, dtype)  # noqa: E731
+  J = spec.simko_k
+  call_rows = ModelRows(tokens_YT=rows((Y, T)), segment_ids_YT=rows((Y, T)),
+                        positions_YT=rows((Y, T)), target_pos_Z=rows((Z,)), targets_Z=rows((Z,)),
+                        target_mask_Z=rows((Z,)))
+  lora_cfg = tcfg.lora
+  trained_params = _abstract_params(model_cfg, mesh, rules, model_cfg.weight_dtype)
+  adapters = None if lora_cfg is None else _abstract_tree(
+      ts.trainable_shapes(model_cfg, tcfg), ts.trainable_shardings(model_cfg, tcfg, mesh, rules),
+      jnp.float32)
   # The sampler's bfloat16 params are still referenced while the rollout scores its samples.
-  out = [Lowerable("logprobs", logprob,
-                   (_abstract_params(model_cfg, mesh, rules, model_cfg.weight_dtype),)
-                   + inputs(rows), {}, sh.rows // rows,
+  out = [Lowerable("logprobs", progs.logprobs.fn, (trained_params, call_rows),
+                   {"adapters": adapters}, calls,
                    ("optimizer state", "reference", "sampling params"))]
-  if reference:
-    out.append(Lowerable("logprobs_ref", logprob,
-                         (_abstract_params(model_cfg, mesh, rules, model_cfg.dtype),)
-                         + inputs(rows), {}, sh.rows // rows, ("train state", "sampling params")))
-  state_sh = ts.state_shardings(model_cfg, tcfg, mesh, rules)
-  state = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o),
-                       jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
-                                      qwen2.param_shapes(model_cfg)), state_sh)
-  B = sh.rows_per_update
-  f32 = lambda *shape: _rows(mesh, rules, shape, jnp.float32)
-  prompt, pmask, comp, cmask = inputs(B)
-  batch = ts.TrainBatch(
-      prompt_tokens_BP=prompt, prompt_mask_BP=pmask, completion_tokens_BC=comp,
-      completion_mask_BC=cmask, old_logp_BC=f32(B, C), adv_B=f32(B),
-      ref_logp_BC=f32(B, C) if reference else None,
-      correct_B=_rows(mesh, rules, (B,), jnp.bool_) if simko_k else None,
-      old_topk_ids_BCJ=_rows(mesh, rules, (B, C, simko_k), jnp.int32) if simko_k else None,
-      old_topk_logp_BCJ=f32(B, C, simko_k) if simko_k else None)
-  updates = c.rollout.num_prompts // c.train.mini_batch_prompts * c.train.ppo_epochs
-  step = ts.make_train_step(model_cfg, tcfg, mesh, rules, B)
-  out.append(Lowerable("train", step, (state, batch), {}, updates, ("reference",)))
+  if spec.needs_reference:
+    ref = trained_params if lora_cfg else _abstract_params(model_cfg, mesh, rules,
+                                                           model_cfg.dtype)
+    out.append(Lowerable("logprobs_ref", progs.logprobs.fn, (ref, call_rows), {}, calls,
+                         ("train state", "sampling params")))
+  state = _abstract_tree(jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
+                                        ts.trainable_shapes(model_cfg, tcfg)),
+                         progs.state_shardings)
+  M, Ym, Zm, W, C = sh.microbatches, sh.rows_per_microbatch, sh.targets_per_microbatch, \
+      sh.slots_per_microbatch, sh.max_new_tokens
+  mb = lambda *shape, dtype=jnp.int32: _sds(shape, dtype, progs.batch_layout.sharding)  # noqa: E731
+  f32 = lambda *shape: mb(*shape, dtype=jnp.float32)  # noqa: E731
+  batch = TrainBatch(
+      rows=ModelRows(tokens_YT=mb(M, Ym, T), segment_ids_YT=mb(M, Ym, T),
+                     positions_YT=mb(M, Ym, T), target_pos_Z=mb(M, Zm), targets_Z=mb(M, Zm),
+                     target_mask_Z=mb(M, Zm), topk_ids_ZJ=mb(M, Zm, J) if J else None),
+      index_MBC=mb(M, W, C),
+      seqs=Sequences(completion_mask_BC=mb(M, W, C), old_logp_BC=f32(M, W, C), adv_B=f32(M, W),
+                     ref_logp_BC=f32(M, W, C) if spec.needs_reference else None,
+                     correct_B=mb(M, W, dtype=jnp.bool_) if J else None,
+                     old_topk_ids_BCJ=mb(M, W, C, J) if J else None,
+                     old_topk_logp_BCJ=f32(M, W, C, J) if J else None))
+  base = () if lora_cfg is None else (trained_params,)
+  out.append(Lowerable("train", progs.train_step, (state, batch) + base, {},
+                       spec.updates_per_step, ("reference",)))
   return out
+
+
+def _abstract_tree(shapes: Any, shardings: Any, dtype: Any = None) -> Any:
+  return jax.tree.map(lambda s, o: _sds(s.shape, dtype or s.dtype, o), shapes, shardings)
 
 
 def _device_bytes(tree: Any) -> int:
@@ -269,17 +302,19 @@ def _device_bytes(tree: Any) -> int:
              for x in jax.tree.leaves(tree))
 
 
-def resident_bytes(c: ml_collections.ConfigDict, mesh: Mesh) -> dict[str, int]:
+def resident_bytes(spec: RunSpec, mesh: Mesh) -> dict[str, int]:
   """Per-device bytes of the buffers that live across programs (``Lowerable.resident``)."""
-  model_cfg = experiment.model_config(c)
-  tcfg = experiment.train_config(c)
-  sh = ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
-  state = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o),
-                       jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
-                                      qwen2.param_shapes(model_cfg)), sh)
+  model_cfg = spec.model_config()
+  tcfg = spec.train_config()
+  state = _abstract_tree(jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
+                                        ts.trainable_shapes(model_cfg, tcfg)),
+                         ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES))
   ref = _abstract_params(model_cfg, mesh, mesh_lib.TRAIN_RULES, model_cfg.dtype)
+  # LoRA's reference is its frozen base: one copy, counted as the reference.
+  base = _abstract_params(model_cfg, mesh, mesh_lib.TRAIN_RULES, model_cfg.weight_dtype)
   return {"train state": _device_bytes(state), "optimizer state": _device_bytes(state.opt_state),
-          "reference": _device_bytes(ref) if experiment.needs_reference(c) else 0,
+          "reference": (_device_bytes(base) if tcfg.lora else _device_bytes(ref))
+          if spec.needs_reference or tcfg.lora else 0,
           "sampling params": _device_bytes(_abstract_params(
               model_cfg, mesh, mesh_lib.SAMPLING_RULES, model_cfg.dtype))}
 
@@ -339,20 +374,17 @@ def _compile(p: Lowerable) -> Compiled:
                   args, error)
 
 
-def compile_step(c: ml_collections.ConfigDict, mesh: Mesh, only: tuple[str, ...] = (),
-                 log: Any = None, logprob_rows: int = 0) -> list[Compiled]:
-  """Compiles every program of one RL step of config ``c`` on ``mesh``.
-
-  ``only``: a subset of program names. ``logprob_rows`` > 0 compiles the
-  log-prob pass for that many rows per call instead of all Q*G (the trainer
-  runs it ``Q*G / logprob_rows`` times per pass; ``train.logprob_rows``).
-  """
-  model_cfg = experiment.model_config(c)
-  sh = Shapes.from_config(c)
+def compile_step(spec: RunSpec, mesh: Mesh, only: tuple[str, ...] = (),
+                 log: Any = None) -> list[Compiled]:
+  """Compiles every program of one RL step of ``spec`` on ``mesh`` (``programs.build``'s,
+  at ``Shapes.from_spec``); ``only``: a subset of program names."""
+  model_cfg = spec.model_config()
+  sh = Shapes.from_spec(spec)
   want = lambda name: not only or name in only
   out = []
-  prefill, decode = _sampler_programs(c, model_cfg, mesh, sh)
-  progs: list[Any] = [prefill, decode] + _trainer_programs(c, model_cfg, mesh, sh, logprob_rows)
+  prefill, decode = _sampler_programs(spec, model_cfg, mesh, sh)
+  progs: list[Any] = [prefill, decode] + _trainer_programs(
+      spec, programs_lib.build(spec, model_cfg, mesh), mesh, sh)
   prefill_compiled = None
   for p in progs:
     if not isinstance(p, Lowerable):  # the decode loop takes the prefill's output shardings

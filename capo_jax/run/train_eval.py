@@ -12,16 +12,17 @@ a change between steps is the policy's, not the draw's.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
-import ml_collections
 
 from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import evaluate
 from capo_jax.eval import report
+from capo_jax.run.spec import Eval, RunSpec
 from capo_jax.runtime import fs
 from capo_jax.runtime.distributed import is_main_process
 from models.config import Qwen2Config
@@ -50,44 +51,51 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
-def eval_benchmarks(c: ml_collections.ConfigDict, val: Sequence[data.Example]
+def eval_benchmarks(spec: RunSpec, val: Sequence[data.Example]
                     ) -> dict[str, list[data.Example]]:
   """The validation split (when there is one) and the ``data.eval`` benchmarks."""
-  limit = c.eval.limit
+  limit = spec.eval.limit
   out = {VAL_BENCHMARK: list(val[:limit] if limit > 0 else val)} if val else {}
-  names = [b for b in c.data.eval if b]
+  names = [b for b in spec.data.eval if b]
   if names:
-    out.update(evaluate.load_benchmarks(names, c.data.data_dir or None, limit))
+    out.update(evaluate.load_benchmarks(names, spec.data.data_dir or None, limit))
   return out
 
 
-def make_eval_fn(c: ml_collections.ConfigDict, *, model_cfg: Qwen2Config, tokenizer: Tokenizer,
-                 benchmarks: Mapping[str, Sequence[data.Example]], workdir: str,
-                 to_sampling: Callable[[Any], Any], mesh: jax.sharding.Mesh, rules: Any,
-                 grader: Any = None) -> EvalFn:
+@dataclasses.dataclass(frozen=True)
+class EvalSetup:
+  """What the evaluator needs of the run: its ``eval`` settings and the objects the
+  trainer has already built (model, tokenizer, mesh with the sampling rules, grader)."""
+  spec: Eval
+  model_cfg: Qwen2Config
+  tokenizer: Tokenizer
+  mesh: jax.sharding.Mesh
+  rules: Any
+  grader: Any = None
+
+
+def make_eval_fn(setup: EvalSetup, benchmarks: Mapping[str, Sequence[data.Example]],
+                 workdir: str, to_sampling: Callable[[Any], Any]) -> EvalFn:
   """``eval_fn(step, params) -> {"<benchmark>/<metric>": value}``, as the trainer calls it.
 
   ``to_sampling`` casts and reshards the train params for the sampler; every
   process samples its share and grades all rows, process 0 writes results.
-  Nine keyword-only parameters because this is the trainer's one hand-off to the
-  evaluator: each is an object the trainer has already built (model, tokenizer,
-  data, mesh, grader), and bundling them would only rename them.
   """
   if not benchmarks:
     raise ValueError("config.eval.every_steps > 0 but there is nothing to evaluate: "
                      "config.data.val_size is 0 and config.data.eval is empty")
-  eval_cfg = evaluate.EvalConfig(num_samples=c.eval.num_samples,
-                                 max_new_tokens=c.eval.max_new_tokens,
-                                 temperature=c.eval.temperature,
-                                 batch_size=c.eval.batch_size,
-                                 max_active_rows=c.eval.get("max_active_rows", 0),
+  e = setup.spec
+  eval_cfg = evaluate.EvalConfig(num_samples=e.num_samples, max_new_tokens=e.max_new_tokens,
+                                 temperature=e.temperature, batch_size=e.batch_size,
+                                 max_active_rows=e.max_active_rows,
                                  progress=is_main_process())
   rcfg = evaluate.results_config(eval_cfg.num_samples)
-  rng = jax.random.key(c.eval.seed)
+  rng = jax.random.key(e.seed)
 
   def eval_fn(step: int, params: Any) -> dict[str, float]:
-    records = evaluate.evaluate_policy(to_sampling(params), model_cfg, tokenizer, benchmarks,
-                                       eval_cfg, rng, grader=grader, mesh=mesh, rules=rules)
+    records = evaluate.evaluate_policy(to_sampling(params), setup.model_cfg, setup.tokenizer,
+                                       benchmarks, eval_cfg, rng, grader=setup.grader,
+                                       mesh=setup.mesh, rules=setup.rules)
     results = report.compute_results(records, rcfg, run=f"step {step}")
     if is_main_process():
       report.write_results(results, fs.join(workdir, "eval", f"step_{step:06d}"))

@@ -1,0 +1,84 @@
+"""The old-policy and reference log-prob passes of a rollout, on the devices.
+
+A pass runs the trainer's forward (``train_step.make_logprob_fn``) over a step's
+sequences laid into model rows (``packing.plan_calls``: packed, or one sequence
+per row), ``rows_per_call`` rows per call. The host plans the rows once per
+step and uploads them once (``upload``); the old and the reference pass both
+run over them, and each output comes back to the [B, C] layout with one
+gather on the devices (``run``): nothing of it returns to the host.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from capo_jax.rl import packing
+from capo_jax.rl.batch import ModelRows
+from capo_jax.runtime.host import put_global
+from capo_jax.types import Array
+
+
+@functools.partial(jax.jit, static_argnames="keys")
+def _unpack_calls(outs: Sequence[dict[str, Array]], index_BC: Array, mask_BC: Array, *,
+                  keys: tuple[str, ...]) -> dict[str, Array]:
+  """Each key's per-call [Z_i, ...] outputs, laid end to end, gathered to [B, C, ...]."""
+  m_BC = mask_BC > 0
+  result = {}
+  for k in keys:
+    flat = jnp.concatenate([o[k.replace("_BC", "_Z")] for o in outs])
+    got = flat[index_BC]
+    m = m_BC.reshape(m_BC.shape + (1,) * (got.ndim - 2))
+    result[k] = jnp.where(m, got, jnp.zeros((), got.dtype))
+  return result
+
+
+@dataclasses.dataclass(frozen=True)
+class StepRows:
+  """A step's sequences as uploaded model rows: one entry per call, and the index back."""
+  calls: list[ModelRows]
+  index_BC: Array
+
+
+@dataclasses.dataclass(frozen=True)
+class LogprobPass:
+  """The jitted pass ``fn(params, rows, adapters=None)`` and how a step's rows are laid out.
+
+  Attributes:
+    fn: ``train_step.make_logprob_fn`` over ``rows_per_call`` rows.
+    rows_per_call: model rows per call.
+    row_len: tokens per row; 0: the step's prompt + completion width.
+    pack: pack several sequences per row (else one sequence per row).
+    rows_sharding: the sharding of one call's rows (and of its outputs).
+    index_sharding: the sharding of the [B, C] index and outputs.
+  """
+  fn: Callable[..., dict[str, Array]]
+  rows_per_call: int
+  row_len: int
+  pack: bool
+  rows_sharding: jax.sharding.Sharding
+  index_sharding: jax.sharding.Sharding
+
+  def upload(self, prompt_BP: np.ndarray, pmask_BP: np.ndarray, comp_BC: np.ndarray,
+             cmask_BC: np.ndarray) -> StepRows:
+    """Plans the step's rows on the host and places them on the devices, once."""
+    row_len = self.row_len or prompt_BP.shape[1] + comp_BC.shape[1]
+    plan = packing.plan_calls(prompt_BP, pmask_BP, comp_BC, cmask_BC, row_len=row_len,
+                              rows_per_call=self.rows_per_call, pack=self.pack)
+    return StepRows([put_global(r, self.rows_sharding) for r in plan.calls],
+                    put_global(plan.index_BC, self.index_sharding))
+
+  def run(self, params: Any, rows: StepRows, mask_BC: Array, keys: Sequence[str],
+          adapters: Any = None) -> dict[str, Array]:
+    """``{key: [B, C(, J)] device array}`` of the pass's outputs (``logp_BC``, ...).
+
+    Every call is dispatched before any output is used.
+    """
+    outs = [self.fn(params, r, adapters=adapters) for r in rows.calls]
+    return _unpack_calls(outs, rows.index_BC, mask_BC, keys=tuple(keys))

@@ -1,0 +1,83 @@
+"""The one builder of an RL step's jitted programs, from a ``RunSpec`` and a mesh.
+
+The trainer (``capo_jax.run.loop``) runs what ``build`` returns, and the
+ahead-of-time compile (``capo_jax.run.aot``, ``benchmarks/aot_tpu.py``) lowers
+the same objects at the run's largest shapes, so what the compiler checks for a
+TPU slice is what the run executes: the engine's prefill and decode loop, the
+old-policy and reference log-prob passes (packed or one sequence per row, LoRA
+or not) and the train step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable
+from typing import Any
+
+import jax
+
+from capo_jax.rl import train_step as ts
+from capo_jax.rl.logprob_pass import LogprobPass
+from capo_jax.rl.rollout import BatchLayout
+from capo_jax.run.spec import RunSpec
+from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.sampling import sampler as sampling
+from models.config import Qwen2Config
+from models.sharding import Layout
+
+
+@dataclasses.dataclass(frozen=True)
+class StepPrograms:
+  """What one RL step runs.
+
+  Attributes:
+    model_cfg: the policy's architecture.
+    tcfg: the train step's static configuration.
+    sampling: the sampler's static settings (``sampling.SamplingSpec``) and its layout.
+    sampling_layout: the mesh and the sampling rules the engine shards by.
+    logprobs: the old / reference log-prob pass.
+    batch_layout: how an update's sequences become a train batch.
+    train_step: ``step(state, batch[, base]) -> (state, metrics)``, jitted, state donated.
+    state_shardings: the train state's shardings.
+  """
+  model_cfg: Qwen2Config
+  tcfg: ts.TrainConfig
+  sampling: Any
+  sampling_layout: Layout
+  logprobs: LogprobPass
+  batch_layout: BatchLayout
+  train_step: Callable[..., Any]
+  state_shardings: Any
+
+
+def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> StepPrograms:
+  """Every jitted program of an RL step of ``spec`` on ``mesh`` (nothing compiles yet)."""
+  rules = mesh_lib.TRAIN_RULES
+  tcfg = spec.train_config()
+  row_len, rows_per_mb = spec.packing_shape()
+  r = spec.rollout
+  rows_per_call = spec.logprob_rows_per_call
+  B = r.num_prompts * r.num_samples
+  logprobs = LogprobPass(
+      fn=ts.make_logprob_fn(model_cfg, mesh, rules, rows_per_call,
+                            chunk_size=spec.train.logprob_chunk, top_k=spec.simko_k,
+                            lora=tcfg.lora),
+      rows_per_call=rows_per_call, row_len=row_len if spec.train.pack else 0,
+      pack=spec.train.pack,
+      rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
+      index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
+  batch_layout = BatchLayout(row_len=row_len if spec.train.pack else 0,
+                             rows_per_microbatch=rows_per_mb, pack=spec.train.pack,
+                             sharding=ts.batch_sharding(mesh, rules, rows_per_mb))
+  return StepPrograms(
+      model_cfg=model_cfg, tcfg=tcfg, sampling=sampling_settings(spec),
+      sampling_layout=Layout.of(mesh, mesh_lib.SAMPLING_RULES), logprobs=logprobs,
+      batch_layout=batch_layout,
+      train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
+      state_shardings=ts.state_shardings(model_cfg, tcfg, mesh, rules))
+
+
+def sampling_settings(spec: RunSpec) -> Any:
+  """The engine's static settings of the rollout's sampler calls."""
+  r = spec.rollout
+  return sampling.make_strategy(r.temperature, r.top_p, r.top_k)
