@@ -14,9 +14,10 @@ import numpy as np
 import pytest
 
 from capo_jax.rl import train_step as ts
+from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig, lr_schedule, make_optimizer
-from capo_jax.runtime import host
+from batches import HostBatch
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
@@ -26,6 +27,20 @@ CFG = Qwen2Config.tiny(vocab_size=128)
 B, P, C = 8, 4, 6
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 _loss_and_grads = jax.jit(ts.loss_and_grads, static_argnums=(2, 3))
+
+
+def _old_pass(cfg, mesh, params, batch, top_k=0):
+  """The old-policy pass (one sequence per row, all rows in one call) in [B, C]."""
+  from capo_jax.rl.logprob_pass import LogprobPass  # pylint: disable=import-outside-toplevel
+  rules = mesh_lib.TRAIN_RULES
+  lp = LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, B, top_k=top_k), rows_per_call=B,
+                   row_len=0, pack=False,
+                   rows_sharding=mesh_lib.batch_sharding(mesh, rules, B),
+                   index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
+  xs = [np.asarray(x) for x in (batch.prompt_tokens_BP, batch.prompt_mask_BP,
+                                batch.completion_tokens_BC, batch.completion_mask_BC)]
+  keys = ("logp_BC",) + (("topk_ids_BCJ", "topk_logp_BCJ") if top_k else ())
+  return lp.run(params, lp.upload(*xs), jnp.asarray(xs[3]), keys)
 
 
 # --------------------------------------------------------------------------
@@ -101,8 +116,8 @@ def data():
   adv = rng.normal(size=(B,)).astype(np.float32)
   logp = np.asarray(_ref_logp(params, prompt, prompt_mask, completion))
   old = logp + rng.normal(scale=0.3, size=logp.shape).astype(np.float32)  # some ratios clip
-  batch = ts.TrainBatch(prompt, prompt_mask, completion, completion_mask,
-                        jnp.asarray(old), jnp.asarray(adv))
+  batch = HostBatch(prompt, prompt_mask, completion, completion_mask, jnp.asarray(old),
+                    jnp.asarray(adv))
   return params, batch, logp
 
 
@@ -145,9 +160,9 @@ def _assert_tree_close(got, want, atol=1e-4):
 ])
 def test_accumulated_gradient_equals_full_batch(data, agg, micro, remat, chunk):
   params, batch, _ = data
-  tcfg = ts.TrainConfig(loss=LossConfig(agg=agg), num_microbatches=micro,
-                        logprob_chunk_size=chunk)
-  loss, aux, grads = _loss_and_grads(params, batch, CFG.replace(remat=remat), tcfg)
+  tcfg = ts.TrainConfig(loss=LossConfig(agg=agg), logprob_chunk_size=chunk)
+  loss, aux, grads = _loss_and_grads(params, batch.train_batch(B // micro),
+                                     CFG.replace(remat=remat), tcfg)
   i = AGGS.index(agg)
   np.testing.assert_allclose(float(loss), float(_ref_losses(params, batch)[i]), rtol=1e-5)
   _assert_tree_close(grads, jax.tree.map(lambda g: g[i], _ref_grads(params, batch)))
@@ -158,7 +173,7 @@ def test_policy_gradient_at_old_policy(data):
   """At theta = theta_old, grad L = -(1/R) sum_i A_i grad s_i (seq-mean-token-mean)."""
   params, batch, logp = data
   batch = dataclasses.replace(batch, old_logp_BC=jnp.asarray(logp))
-  _, _, grads = _loss_and_grads(params, batch, CFG, ts.TrainConfig())
+  _, _, grads = _loss_and_grads(params, batch.train_batch(B), CFG, ts.TrainConfig())
   m = batch.completion_mask_BC
 
   def weighted_scores(p):
@@ -172,8 +187,8 @@ def test_policy_gradient_at_old_policy(data):
 def test_bfloat16_compute_gradients_are_close(data):
   params, batch, _ = data
   cfg16 = CFG.replace(compute_dtype="bfloat16", remat=True)
-  tcfg = ts.TrainConfig(num_microbatches=2, logprob_chunk_size=4)
-  loss, _, grads = _loss_and_grads(params, batch, cfg16, tcfg)
+  tcfg = ts.TrainConfig(logprob_chunk_size=4)
+  loss, _, grads = _loss_and_grads(params, batch.train_batch(B // 2), cfg16, tcfg)
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
   g16 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
   g32 = np.concatenate([np.ravel(g[0]) for g in jax.tree.leaves(_ref_grads(params, batch))])
@@ -193,8 +208,11 @@ def test_bfloat16_gradient_keeps_no_bfloat16_copy_of_the_model():
   layers_bf16 = sum(2 * s.size for s in jax.tree.leaves(shapes["layers"]))
   tcfg = ts.TrainConfig(logprob_chunk_size=32)
   spec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
-  batch = ts.TrainBatch(spec(jnp.int32, 2, 32), spec(jnp.int32, 2, 32), spec(jnp.int32, 2, 96),
-                        spec(jnp.int32, 2, 96), spec(jnp.float32, 2, 96), spec(jnp.float32, 2))
+  i32, f32 = jnp.int32, jnp.float32
+  batch = TrainBatch(  # one micro-batch of two 128-token rows, 96 completion tokens each
+      ModelRows(spec(i32, 1, 2, 128), spec(i32, 1, 2, 128), spec(i32, 1, 2, 128),
+                spec(i32, 1, 192), spec(i32, 1, 192), spec(i32, 1, 192)),
+      spec(i32, 1, 2, 96), Sequences(spec(i32, 1, 2, 96), spec(f32, 1, 2, 96), spec(f32, 1, 2)))
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes)
 
   def temp(prepare):
@@ -212,8 +230,9 @@ def test_bfloat16_gradient_equals_the_cast_up_front_gradient(data):
   params, batch, _ = data
   cfg16 = CFG.replace(compute_dtype="bfloat16", remat=True)
   tcfg = ts.TrainConfig(logprob_chunk_size=4)
-  _, _, ours = _loss_and_grads(params, batch, cfg16, tcfg)
-  _, _, first = _loss_and_grads(ts.compute_params(params, cfg16), batch, cfg16, tcfg)
+  tb = batch.train_batch(B)
+  _, _, ours = _loss_and_grads(params, tb, cfg16, tcfg)
+  _, _, first = _loss_and_grads(ts.compute_params(params, cfg16), tb, cfg16, tcfg)
   flat_ours = jax.tree_util.tree_flatten_with_path(ours)[0]
   flat_first = dict(jax.tree_util.tree_flatten_with_path(first)[0])
   for path, g in flat_ours:
@@ -229,17 +248,15 @@ def test_simko_needs_old_topk_and_runs(data):
   params, batch, _ = data
   tcfg = ts.TrainConfig(loss_kind="simko")
   with pytest.raises(ValueError, match="old_topk_ids_BCJ|correct_B"):
-    ts.loss_and_grads(params, batch, CFG, tcfg)
+    ts.loss_and_grads(params, batch.train_batch(B), CFG, tcfg)
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   # The layout the logprob fn expects: params placed under the train rules.
   params = jax.device_put(params, mesh_lib.param_shardings(CFG, mesh, mesh_lib.TRAIN_RULES))
-  old = ts.make_logprob_fn(CFG, mesh, mesh_lib.TRAIN_RULES, B, top_k=3)(
-      params, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
-      batch.completion_mask_BC)
+  old = _old_pass(CFG, mesh, params, batch, top_k=3)
   batch = dataclasses.replace(batch, old_topk_ids_BCJ=old["topk_ids_BCJ"],
                               old_topk_logp_BCJ=old["topk_logp_BCJ"],
                               correct_B=jnp.asarray(batch.adv_B > 0))
-  loss, aux, grads = _loss_and_grads(params, batch, CFG, tcfg)
+  loss, aux, grads = _loss_and_grads(params, batch.train_batch(B // 2), CFG, tcfg)
   assert np.isfinite(float(loss)) and np.isfinite(float(aux["forked_frac"]))
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
 
@@ -255,17 +272,17 @@ def test_step_skips_non_finite_then_updates(data):
   # Adam's first update is lr * g / (|g| + eps): with eps = 1e-8 it is sign(g), which turns
   # float rounding in near-zero entries into visible differences and hides g's scale.
   ocfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, grad_clip=1e9, eps=1e-2)
-  tcfg = ts.TrainConfig(optim=ocfg, num_microbatches=2)
+  tcfg = ts.TrainConfig(optim=ocfg)
   state = ts.train_state_from_params(params, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
-  step = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, B)
+  step = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, B // 2)
   p0 = jax.tree.map(np.asarray, params)
   bad = dataclasses.replace(batch, adv_B=batch.adv_B.at[2].set(jnp.nan))
-  state, met = step(state, host.shard_batch(bad, mesh, mesh_lib.TRAIN_RULES))
+  state, met = step(state, bad.train_batch(B // 2))
   assert int(met["skipped"]) == 1 and int(state.num_skipped) == 1 and int(state.step) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), p0)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state)
              if x.dtype == jnp.float32)  # moments untouched
-  state, met = step(state, host.shard_batch(batch, mesh, mesh_lib.TRAIN_RULES))
+  state, met = step(state, batch.train_batch(B // 2))
   assert int(met["skipped"]) == 0 and int(state.num_skipped) == 1 and int(state.step) == 2
   assert float(met["lr"]) == pytest.approx(1e-2)
   # First AdamW update by hand: m/sqrt(v) = g/(|g| + eps) after bias correction.
@@ -287,7 +304,7 @@ def _sharded_check() -> None:
   assert len(jax.devices()) == 8
   cfg = Qwen2Config.tiny()  # D 64, N 4, K 2, F 128, V 256: all divisible by 2
   # eps 1e-2: see test_step_skips_non_finite_then_updates (first Adam step ~ sign(g)).
-  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, eps=1e-2), num_microbatches=2)
+  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, eps=1e-2))
   rules = mesh_lib.TRAIN_RULES
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, 256, (B, P)).astype(np.int32)
@@ -301,11 +318,11 @@ def _sharded_check() -> None:
     mesh = mesh_lib.make_mesh(axes, devices=devs)
     state = ts.create_train_state(cfg, tcfg, jax.random.key(1), mesh, rules)
     if old is None:  # one device; the same host array feeds both runs
-      old = np.asarray(ts.make_logprob_fn(cfg, mesh, rules, B)(
-          state.params, prompt, pmask, comp, cmask)["logp_BC"]) - 0.1 * adv[:, None]
-    batch = ts.TrainBatch(prompt, pmask, comp, cmask, old, adv)
-    step = ts.make_train_step(cfg, tcfg, mesh, rules, B)
-    state, met = step(state, host.shard_batch(batch, mesh, rules))
+      old = np.asarray(_old_pass(cfg, mesh, state.params, HostBatch(
+          prompt, pmask, comp, cmask, None, adv))["logp_BC"]) - 0.1 * adv[:, None]
+    batch = HostBatch(prompt, pmask, comp, cmask, old, adv)
+    step = ts.make_train_step(cfg, tcfg, mesh, rules, B // 2)
+    state, met = step(state, batch.train_batch(B // 2))
     results[name] = (state, met)
   (s1, m1), (s8, m8) = results["one"], results["eight"]
   diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())

@@ -305,18 +305,21 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   """
   grad_fn = jax.value_and_grad(
       lambda p, mb: microbatch_loss(p, *mb, model_cfg, tcfg, base), has_aux=True)
+  mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
+  if batch.index_MBC.shape[0] == 1:  # no accumulator: the gradient is the only copy
+    (loss, aux), grads = grad_fn(params, mb_at(0))
+    return loss, aux, grads
   den_MB = denominator_B(batch.seqs.completion_mask_BC, tcfg.loss.agg)
   w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
   # Micro-batches fill in order: the ones past the last real row are skipped.
   n = (batch.rows.segment_ids_YT > 0).any(axis=(1, 2)).sum()
-  mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
 
   def body(m, carry):
     g_acc, loss_acc, aux_acc = carry
     # The weight scales the loss inside the gradient so grads sum to the full-batch grad.
     (loss, aux), g = grad_fn(params, mb_at(m))
     w = w_M[m]
-    g_acc = jax.tree.map(lambda a, b: a + w * b, g_acc, g)
+    g_acc = jax.tree.map(lambda a, b: (a + w * b).astype(a.dtype), g_acc, g)
     aux_acc = {k: combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
     return g_acc, loss_acc + w * loss, aux_acc
 

@@ -1,0 +1,47 @@
+"""A rollout mini-batch as the host holds it, and its ``TrainBatch`` (tests only)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import numpy as np
+
+from capo_jax.rl import packing
+from capo_jax.rl.batch import Sequences, TrainBatch
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class HostBatch:
+  """Padded sequences [B, ...]: left-padded prompts, right-padded completions."""
+  prompt_tokens_BP: Any
+  prompt_mask_BP: Any
+  completion_tokens_BC: Any
+  completion_mask_BC: Any
+  old_logp_BC: Any
+  adv_B: Any
+  ref_logp_BC: Any = None
+  correct_B: Any = None
+  old_topk_ids_BCJ: Any = None
+  old_topk_logp_BCJ: Any = None
+
+  def seqs(self) -> Sequences:
+    return Sequences(completion_mask_BC=self.completion_mask_BC, old_logp_BC=self.old_logp_BC,
+                     adv_B=self.adv_B, ref_logp_BC=self.ref_logp_BC, correct_B=self.correct_B,
+                     old_topk_ids_BCJ=self.old_topk_ids_BCJ,
+                     old_topk_logp_BCJ=self.old_topk_logp_BCJ)
+
+  def train_batch(self, rows_per_microbatch: int, *, pack: bool = False, row_len: int = 0
+                  ) -> TrainBatch:
+    """The batch the train step takes: packed rows of ``row_len`` tokens, or one
+    sequence per row; micro-batches of ``rows_per_microbatch`` rows."""
+    host = lambda x: None if x is None else np.asarray(x)  # noqa: E731
+    width = self.prompt_tokens_BP.shape[1] + self.completion_tokens_BC.shape[1]
+    mbs = packing.plan_update(
+        host(self.prompt_tokens_BP), host(self.prompt_mask_BP), host(self.completion_tokens_BC),
+        host(self.completion_mask_BC), row_len=row_len or width,
+        rows_per_microbatch=rows_per_microbatch, pack=pack,
+        topk_ids_BCJ=host(self.old_topk_ids_BCJ))
+    return mbs.batch(jax.tree.map(host, self.seqs()))
