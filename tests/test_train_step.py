@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import host_utils
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig, lr_schedule, make_optimizer
-from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
@@ -260,12 +260,12 @@ def test_step_skips_non_finite_then_updates(data):
   step = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, B)
   p0 = jax.tree.map(np.asarray, params)
   bad = dataclasses.replace(batch, adv_B=batch.adv_B.at[2].set(jnp.nan))
-  state, met = step(state, host.shard_batch(bad, mesh, mesh_lib.TRAIN_RULES))
+  state, met = step(state, host_utils.shard_batch(bad, mesh, mesh_lib.TRAIN_RULES))
   assert int(met["skipped"]) == 1 and int(state.num_skipped) == 1 and int(state.step) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), p0)
   assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state)
              if x.dtype == jnp.float32)  # moments untouched
-  state, met = step(state, host.shard_batch(batch, mesh, mesh_lib.TRAIN_RULES))
+  state, met = step(state, host_utils.shard_batch(batch, mesh, mesh_lib.TRAIN_RULES))
   assert int(met["skipped"]) == 0 and int(state.num_skipped) == 1 and int(state.step) == 2
   assert float(met["lr"]) == pytest.approx(1e-2)
   # First AdamW update by hand: m/sqrt(v) = g/(|g| + eps) after bias correction.
@@ -305,7 +305,7 @@ def _sharded_check() -> None:
           state.params, prompt, pmask, comp, cmask)["logp_BC"]) - 0.1 * adv[:, None]
     batch = ts.TrainBatch(prompt, pmask, comp, cmask, old, adv)
     step = ts.make_train_step(cfg, tcfg, mesh, rules, B)
-    state, met = step(state, host.shard_batch(batch, mesh, rules))
+    state, met = step(state, host_utils.shard_batch(batch, mesh, rules))
     results[name] = (state, met)
   (s1, m1), (s8, m8) = results["one"], results["eight"]
   diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())

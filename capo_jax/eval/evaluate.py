@@ -43,11 +43,11 @@ from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
 from capo_jax.rl.logprobs import mean_logprob
 from capo_jax.runtime import fs
-from capo_jax.runtime.host import to_host
 from capo_jax.runtime.policy_io import load_policy
 from capo_jax.sampling import sampler as sampling
 from capo_jax.types import Params
 from models.config import Qwen2Config
+from models.sharding import to_host
 from models.sharding import Layout
 
 log = logging.getLogger(__name__)

@@ -328,7 +328,7 @@ def host_logprobs(jitted: Any, params: Params, inputs: tuple[np.ndarray, ...], r
   ``put`` places a host tree on the devices (default: as is). Every call is
   dispatched before the first is read back.
   """
-  from capo_jax.runtime.host import to_host
+  from models.sharding import to_host
   pl = plan(*inputs, row_len)
   Y = rows_per_call
   n = -(-pl.rows.tokens_YT.shape[0] // Y)

@@ -35,11 +35,11 @@ from capo_jax.rl import train_step
 from capo_jax.rl.logprobs import mean_logprob
 from capo_jax.rl.train_step import TrainBatch
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.runtime.host import gather_rows, put_global, to_host
+from capo_jax.runtime.host import gather_rows, put_global
 from capo_jax.types import Array
 from capo_jax.sampling import sampler as sampling
 from models.config import Qwen2Config
-from models.sharding import Layout
+from models.sharding import Layout, to_host
 
 LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this
 
