@@ -151,7 +151,7 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
     metrics.update(advantages.masked_fraction(noisy_QG, rewards_QG, valid_QG))
     valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
   adv_QG = advantages.compute_advantages(
-      spec.algo, rewards_QG=rewards_QG, s_QG=s_QG, valid_QG=valid_QG, receive_QG=receive_QG,
+      spec.algo, advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG),
       step=step, total_steps=spec.num_steps, **hparams)
   score_QG = advantages.to_score(s_QG, hparams.get("score", "mean_logprob"))
   metrics["s_spread"] = advantages.score_spread(score_QG, rewards_QG, valid_QG)
