@@ -25,6 +25,7 @@ from capo_jax.eval import report
 from capo_jax.runtime import fs
 from capo_jax.runtime.distributed import is_main_process
 from models.config import Qwen2Config
+from models.sharding import Layout
 
 EvalFn = Callable[[int, Any], dict[str, float]]
 VAL_BENCHMARK = "val"
@@ -84,10 +85,11 @@ def make_eval_fn(c: ml_collections.ConfigDict, *, model_cfg: Qwen2Config, tokeni
                                  progress=is_main_process())
   rcfg = evaluate.results_config(eval_cfg.num_samples)
   rng = jax.random.key(c.eval.seed)
+  layout = Layout.of(mesh, rules)
 
   def eval_fn(step: int, params: Any) -> dict[str, float]:
-    records = evaluate.evaluate_policy(to_sampling(params), model_cfg, tokenizer, benchmarks,
-                                       eval_cfg, rng, grader=grader, mesh=mesh, rules=rules)
+    policy = evaluate.EvalPolicy(to_sampling(params), model_cfg, tokenizer, layout)
+    records = evaluate.evaluate_policy(policy, benchmarks, eval_cfg, rng, grader=grader)
     results = report.compute_results(records, rcfg, run=f"step {step}")
     if is_main_process():
       report.write_results(results, fs.join(workdir, "eval", f"step_{step:06d}"))
