@@ -18,7 +18,7 @@ faster), with the range of the per-round paired ratios.
 
 Workers speak both APIs the package has had: ``generate(temperature=)`` with
 ``Samples.tokens`` and ``generate(strategy=)`` with ``Samples.tokens_BC``;
-``shard_batch`` from ``runtime.mesh`` or ``runtime.host``.
+``shard_batch`` from ``tests/host_utils.py``, ``runtime.host`` or ``runtime.mesh``.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ _WORKER = textwrap.dedent("""
     from capo_jax.rl.optim import OptimConfig
     from capo_jax.runtime import mesh as mesh_lib
     try:
-      from capo_jax.runtime.host import shard_batch
+      from tests.host_utils import shard_batch
     except ImportError:
-      shard_batch = mesh_lib.shard_batch
+      try:
+        from capo_jax.runtime.host import shard_batch
+      except ImportError:
+        shard_batch = mesh_lib.shard_batch
     small = sys.argv[1] == "small"
     D, F, L, V = (64, 128, 2, 2048) if small else (512, 1408, 4, 32000)
     cfg = Qwen2Config(vocab_size=V, hidden_size=D, intermediate_size=F, num_layers=L,

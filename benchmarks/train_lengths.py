@@ -33,10 +33,10 @@ from capo_jax.rl import packing
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig
-from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
+from tests import host_utils
 
 SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=2,
              num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> None:
   base = ts.TrainConfig(loss=LossConfig(agg="seq-mean-token-mean"),
                         optim=OptimConfig(learning_rate=1e-6), num_microbatches=args.microbatches)
   contenders = {
-      "padded": (cfg, base, lambda: host.shard_batch(batch, mesh, rules)),
+      "padded": (cfg, base, lambda: host_utils.shard_batch(batch, mesh, rules)),
       "packed": (cfg.replace(attention="auto"), base.replace(pack_len=pack_len,
                                                              pack_rows=args.pack_rows),
                  lambda: packing.pack_train_batch(batch, pack_len, args.pack_rows)),

@@ -51,11 +51,10 @@ import numpy as np
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig
-from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
-from tests import hf_utils
+from tests import hf_utils, host_utils
 
 # A mid-size Qwen2 config (27.7M parameters, tied embeddings), the same in every CPU benchmark.
 MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -127,7 +126,7 @@ def main(argv: list[str] | None = None) -> None:
       state.params, prompt, ones_p, completion, ones_c)["logp_BC"]
   # Perturbed old log-probs so some ratios clip, as in a real update.
   old = np.asarray(old) + rng.normal(scale=0.1, size=(B, C)).astype(np.float32)
-  batch = host.shard_batch(ts.TrainBatch(prompt, ones_p, completion, ones_c, old, adv),
+  batch = host_utils.shard_batch(ts.TrainBatch(prompt, ones_p, completion, ones_c, old, adv),
                                mesh, rules)
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
 

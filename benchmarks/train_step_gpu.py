@@ -48,6 +48,7 @@ from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import PRESETS, Qwen2Config
+from tests import host_utils
 
 
 def forward_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
@@ -124,7 +125,7 @@ def main(argv: list[str] | None = None) -> None:
     c_B = np.minimum(rng.geometric(4 / C, B), C)
     completion_mask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
   adv = rng.normal(size=(B,)).astype(np.float32)
-  inputs = host.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
+  inputs = host_utils.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
 
   logprob_fn = ts.make_logprob_fn(cfg, mesh, rules, B, chunk_size=args.chunk)
   t0 = time.perf_counter()
@@ -143,7 +144,7 @@ def main(argv: list[str] | None = None) -> None:
     batch = host.put_global(packing.pack_train_batch(batch, P + C, args.pack_rows),
                             ts.batch_sharding(tcfg, mesh, rules, B))
   else:
-    batch = host.shard_batch(batch, mesh, rules)
+    batch = host_utils.shard_batch(batch, mesh, rules)
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
   losses: list[float] = []
 

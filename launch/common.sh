@@ -74,6 +74,25 @@ parse_common_flag() {
   esac
 }
 
+# parse_flags "$@": parses a script's command line. The common flags are
+# handled here; any other word goes to the script's own parse_flag, called with
+# the words left and, like parse_common_flag, setting SHIFT to the number it
+# used (default 2: a flag and its value) or 0 for an unknown argument, which
+# fails with UNKNOWN_ARG_HINT appended to the message.
+parse_flags() {
+  normalize_args "$@"
+  set -- "${ARGS[@]+"${ARGS[@]}"}"
+  while (($#)); do
+    parse_common_flag "$@"
+    if ((SHIFT == 0)); then
+      SHIFT=2
+      parse_flag "$@"
+    fi
+    ((SHIFT)) || die "unknown argument '$1' (see --help${UNKNOWN_ARG_HINT:-})"
+    shift "${SHIFT}"
+  done
+}
+
 # Checks the settings every gcloud call needs.
 check_common() {
   [[ -n "${TPU_NAME}" ]] || die "missing --name (or TPU_NAME): the TPU VM to act on"

@@ -25,19 +25,17 @@ EOF
 
 SPOT=0
 QUEUED=0
-normalize_args "$@"
-set -- "${ARGS[@]+"${ARGS[@]}"}"
-while (($#)); do
-  parse_common_flag "$@"
-  if ((SHIFT)); then shift "${SHIFT}"; continue; fi
+# The flags of this script (see parse_flags).
+parse_flag() {
   case "$1" in
-    --accelerator) ACCELERATOR="$(need_value "$@")"; shift 2 ;;
-    --version) RUNTIME_VERSION="$(need_value "$@")"; shift 2 ;;
-    --spot) SPOT=1; shift ;;
-    --queued) QUEUED=1; shift ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    --accelerator) ACCELERATOR="$(need_value "$@")" ;;
+    --version) RUNTIME_VERSION="$(need_value "$@")" ;;
+    --spot) SPOT=1; SHIFT=1 ;;
+    --queued) QUEUED=1; SHIFT=1 ;;
+    *) SHIFT=0 ;;
   esac
-done
+}
+parse_flags "$@"
 
 check_common
 parse_accelerator

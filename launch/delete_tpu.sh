@@ -21,17 +21,15 @@ EOF
 
 QUEUED=0
 YES=()
-normalize_args "$@"
-set -- "${ARGS[@]+"${ARGS[@]}"}"
-while (($#)); do
-  parse_common_flag "$@"
-  if ((SHIFT)); then shift "${SHIFT}"; continue; fi
+# The flags of this script (see parse_flags).
+parse_flag() {
   case "$1" in
-    --queued) QUEUED=1; shift ;;
-    --yes) YES=(--quiet); shift ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    --queued) QUEUED=1; SHIFT=1 ;;
+    --yes) YES=(--quiet); SHIFT=1 ;;
+    *) SHIFT=0 ;;
   esac
-done
+}
+parse_flags "$@"
 
 check_common
 if ((QUEUED)); then

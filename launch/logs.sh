@@ -24,19 +24,17 @@ WORKER=0
 LINES=100
 FOLLOW=1
 STATUS=0
-normalize_args "$@"
-set -- "${ARGS[@]+"${ARGS[@]}"}"
-while (($#)); do
-  parse_common_flag "$@"
-  if ((SHIFT)); then shift "${SHIFT}"; continue; fi
+# The flags of this script (see parse_flags).
+parse_flag() {
   case "$1" in
-    --worker) WORKER="$(need_value "$@")"; shift 2 ;;
-    --lines) LINES="$(need_value "$@")"; shift 2 ;;
-    --no-follow) FOLLOW=0; shift ;;
-    --status) STATUS=1; shift ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    --worker) WORKER="$(need_value "$@")" ;;
+    --lines) LINES="$(need_value "$@")" ;;
+    --no-follow) FOLLOW=0; SHIFT=1 ;;
+    --status) STATUS=1; SHIFT=1 ;;
+    *) SHIFT=0 ;;
   esac
-done
+}
+parse_flags "$@"
 
 check_common
 [[ "${WORKER}" =~ ^(all|[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*)$ ]] ||

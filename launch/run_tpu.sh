@@ -39,20 +39,19 @@ WORKDIR=""
 ENVS=()
 RESTART=0
 TRAINER_ARGS=()
-normalize_args "$@"
-set -- "${ARGS[@]+"${ARGS[@]}"}"
-while (($#)); do
-  parse_common_flag "$@"
-  if ((SHIFT)); then shift "${SHIFT}"; continue; fi
+UNKNOWN_ARG_HINT="; trainer flags go after '--'"
+# The flags of this script (see parse_flags).
+parse_flag() {
   case "$1" in
-    --config) CONFIG="$(need_value "$@")"; shift 2 ;;
-    --workdir) WORKDIR="$(need_value "$@")"; shift 2 ;;
-    --env) ENVS+=("$(need_value "$@")"); shift 2 ;;
-    --restart) RESTART=1; shift ;;
-    --) shift; TRAINER_ARGS=("$@"); break ;;
-    *) die "unknown argument '$1' (see --help; trainer flags go after '--')" ;;
+    --config) CONFIG="$(need_value "$@")" ;;
+    --workdir) WORKDIR="$(need_value "$@")" ;;
+    --env) ENVS+=("$(need_value "$@")") ;;
+    --restart) RESTART=1; SHIFT=1 ;;
+    --) TRAINER_ARGS=("${@:2}"); SHIFT=$# ;;
+    *) SHIFT=0 ;;
   esac
-done
+}
+parse_flags "$@"
 
 check_common
 [[ -n "${CONFIG}" ]] || die "missing --config, e.g. --config=configs/capo_qwen2p5_math_1p5b.py"

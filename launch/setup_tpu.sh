@@ -35,20 +35,18 @@ PYTHON_VERSION=3.11
 MODELS=()
 DATA_GCS=""
 CHECK=0
-normalize_args "$@"
-set -- "${ARGS[@]+"${ARGS[@]}"}"
-while (($#)); do
-  parse_common_flag "$@"
-  if ((SHIFT)); then shift "${SHIFT}"; continue; fi
+# The flags of this script (see parse_flags).
+parse_flag() {
   case "$1" in
-    --requirements) REQUIREMENTS="$(need_value "$@")"; shift 2 ;;
-    --python) PYTHON_VERSION="$(need_value "$@")"; shift 2 ;;
-    --model-gcs) MODELS+=("$(need_value "$@")"); shift 2 ;;
-    --data-gcs) DATA_GCS="$(need_value "$@")"; shift 2 ;;
-    --check) CHECK=1; shift ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    --requirements) REQUIREMENTS="$(need_value "$@")" ;;
+    --python) PYTHON_VERSION="$(need_value "$@")" ;;
+    --model-gcs) MODELS+=("$(need_value "$@")") ;;
+    --data-gcs) DATA_GCS="$(need_value "$@")" ;;
+    --check) CHECK=1; SHIFT=1 ;;
+    *) SHIFT=0 ;;
   esac
-done
+}
+parse_flags "$@"
 
 check_common
 [[ -f "${REQUIREMENTS}" ]] || die "--requirements=${REQUIREMENTS}: no such file"

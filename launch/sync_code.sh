@@ -23,17 +23,15 @@ EOF
 
 REPO_URL=""
 COMMIT=""
-normalize_args "$@"
-set -- "${ARGS[@]+"${ARGS[@]}"}"
-while (($#)); do
-  parse_common_flag "$@"
-  if ((SHIFT)); then shift "${SHIFT}"; continue; fi
+# The flags of this script (see parse_flags).
+parse_flag() {
   case "$1" in
-    --repo) REPO_URL="$(need_value "$@")"; shift 2 ;;
-    --commit) COMMIT="$(need_value "$@")"; shift 2 ;;
-    *) die "unknown argument '$1' (see --help)" ;;
+    --repo) REPO_URL="$(need_value "$@")" ;;
+    --commit) COMMIT="$(need_value "$@")" ;;
+    *) SHIFT=0 ;;
   esac
-done
+}
+parse_flags "$@"
 
 check_common
 if [[ -n "${REPO_URL}" || -n "${COMMIT}" ]]; then

@@ -70,7 +70,7 @@ def main(argv: list[str]) -> None:
   workdir, tok, data_file, steps = argv[1], argv[2], argv[3], int(argv[4])
   distributed.maybe_initialize()
   from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
-  from capo_jax.runtime import host  # pylint: disable=import-outside-toplevel
+  from models.sharding import to_host  # pylint: disable=import-outside-toplevel
   c = tiny_config(tok, data_file, steps)
   for kv in argv[5:]:
     key, value = kv.split("=", 1)
@@ -81,7 +81,7 @@ def main(argv: list[str]) -> None:
     node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "1"
   params = rl_loop.train(c, workdir, grader=HashGrader())
   with open(f"{workdir}/params.{jax.process_index()}.sha256", "w") as f:
-    f.write(params_digest(jax.tree.map(host.to_host, params)))
+    f.write(params_digest(jax.tree.map(to_host, params)))
 
 
 if __name__ == "__main__":

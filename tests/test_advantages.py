@@ -104,9 +104,8 @@ def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
   valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], bool)
   receive = valid.copy()
   receive[3, 1] = receive[3, 3] = False  # noise-masked, still partners
-  a = np.asarray(adv.compute_advantages(method, rewards_QG=r, s_QG=s,
-                                        valid_QG=valid, receive_QG=receive, step=0,
-                                        total_steps=10))
+  a = np.asarray(adv.compute_advantages(method, adv.GroupBatch(r, s, valid, receive),
+                                        step=0, total_steps=10))
   assert np.isfinite(a).all()
   assert (a[0] == 0).all() and (a[1] == 0).all()  # all-correct / all-wrong among valid
   assert a[2, 2] == 0 and a[3, 1] == 0 and a[3, 3] == 0
@@ -231,8 +230,7 @@ def test_codapo_hand_computed() -> None:
   # acc = 1/4, d = 3/4, w = 1 - 4 (1/4)^2 = 3/4, c = exp(-0.5), std(R) = sqrt(3)/4.
   scale = math.exp(-0.5) * 0.75 + 0.1
   base = np.array([0.75, -0.25, -0.25, -0.25]) / (math.sqrt(3) / 4 + 1e-6)
-  got = adv.compute_advantages("codapo", rewards_QG=r, s_QG=s,
-                               valid_QG=np.ones_like(r, bool))
+  got = adv.compute_advantages("codapo", adv.GroupBatch(r, s, np.ones_like(r, bool)))
   np.testing.assert_allclose(np.asarray(got)[0], base * scale, rtol=1e-5)
 
 
@@ -243,21 +241,19 @@ def test_cde_hand_computed_and_omega_schedule() -> None:
   # rewards -> [1, -1, 1]; bonus min(1/3, -s) = [0.1, 1/3, 1/3].
   shaped = np.array([1.1, -1 + 1 / 3, 1 + 1 / 3])
   want = (shaped - shaped.mean()) / (shaped.std() + 1e-6)
-  early = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, step=4,
-                                 total_steps=10)
+  early = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=4, total_steps=10)
   np.testing.assert_allclose(np.asarray(early)[0], want, rtol=1e-5)
-  late = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, step=5,
-                                total_steps=10)
+  late = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=5, total_steps=10)
   plain = np.array([1, -1, 1.0])
   np.testing.assert_allclose(np.asarray(late)[0],
                              (plain - plain.mean()) / (plain.std() + 1e-6), rtol=1e-5)
   # omega scales the first half's bonus.
-  half = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, omega=0.5)
+  half = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), omega=0.5)
   shaped = np.array([1.05, -1 + 1 / 6, 1 + 1 / 6])
   np.testing.assert_allclose(np.asarray(half)[0],
                              (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
   # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
-  got = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, alpha=0.1)
+  got = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), alpha=0.1)
   shaped = np.array([1.01, -0.95, 1.2])
   np.testing.assert_allclose(np.asarray(got)[0],
                              (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
@@ -275,8 +271,8 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
   for score, conv in (("mean_logprob", lambda x: x), ("neg_ppl", lambda x: -np.exp(-x))):
     z = conv(s)
     tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
-    got = adv.compute_advantages("capo", rewards_QG=r, s_QG=s, valid_QG=v,
-                                 score=score, adaptive_tau=0.5)
+    got = adv.compute_advantages("capo", adv.GroupBatch(r, s, v), score=score,
+                                 adaptive_tau=0.5)
     np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5,
                                atol=1e-6)
   # No spread anywhere: adaptive tau falls back to the fixed tau.
@@ -287,9 +283,8 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
 def test_entry_point_is_jittable_with_traced_step() -> None:
   r, s, v = _random_batch(seed=21, p_valid=1.0)
   fn = jax.jit(lambda r, s, v, step: adv.compute_advantages(
-      "cde", rewards_QG=r, s_QG=s, valid_QG=v, step=step, total_steps=100))
-  eager0 = adv.compute_advantages("cde", rewards_QG=r, s_QG=s, valid_QG=v, step=0,
-                                  total_steps=100)
+      "cde", adv.GroupBatch(r, s, v), step=step, total_steps=100))
+  eager0 = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=0, total_steps=100)
   np.testing.assert_allclose(np.asarray(fn(r, s, v, 0)), np.asarray(eager0), rtol=1e-6)
   late = np.asarray(fn(r, s, v, 60))
   np.testing.assert_allclose(late, np.asarray(adv.grpo(2 * r - 1, v)), rtol=1e-5, atol=1e-6)
@@ -300,14 +295,13 @@ def test_bad_inputs_raise_clear_errors() -> None:
   s = np.zeros((1, 2), np.float32)
   v = np.ones((1, 2), bool)
   with pytest.raises(ValueError, match=r"rewards_QG\[0, 1\] = 0.5"):
-    adv.compute_advantages("grpo", rewards_QG=r, s_QG=s, valid_QG=v)
+    adv.compute_advantages("grpo", adv.GroupBatch(r, s, v))
   with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-    adv.compute_advantages("ppo", rewards_QG=r, s_QG=s, valid_QG=v)
+    adv.compute_advantages("ppo", adv.GroupBatch(r, s, v))
   with pytest.raises(ValueError, match=r"unknown hyper-parameter\(s\) \['temperature'\]"):
-    adv.compute_advantages("capo", rewards_QG=np.ones((1, 2)), s_QG=s, valid_QG=v,
-                           temperature=0.5)
+    adv.compute_advantages("capo", adv.GroupBatch(np.ones((1, 2)), s, v), temperature=0.5)
   with pytest.raises(ValueError, match="one shape"):
-    adv.compute_advantages("grpo", rewards_QG=np.ones((1, 3)), s_QG=s, valid_QG=v)
+    adv.compute_advantages("grpo", adv.GroupBatch(np.ones((1, 3)), s, v))
   with pytest.raises(ValueError, match="norm='mean'"):
     adv.capo(np.ones((1, 2)), s, v, tau=0.6, norm="mean")
   with pytest.raises(ValueError, match="tau must be > 0"):

@@ -15,6 +15,7 @@ from capo_jax.data import rewards
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.demo import task, warm_start
 from capo_jax.demo.char_tokenizer import CharTokenizer
+from capo_jax.eval import evaluate
 from models import qwen2
 
 _MIXED = task.TaskConfig(min_operands=2, max_operands=6, num_train=3000, num_heldout=500, seed=3)
@@ -236,9 +237,9 @@ def test_evaluate_policy_scores_match_reference(tiny_run):
   # validation evals, so the sampler is not compiled again.
   examples = heldout[:16]
   budget = first.info["max_new_tokens"]
-  ev = warm_start.evaluate_policy(first.params, first.cfg, first.tokenizer, examples,
-                                  num_samples=2, rng=jax.random.key(0), batch_questions=8,
-                                  max_new_tokens=budget)
+  policy = evaluate.EvalPolicy(first.params, first.cfg, first.tokenizer)
+  sampling = warm_start.DemoSampling(num_samples=2, max_new_tokens=budget, batch_questions=8)
+  ev = warm_start.evaluate_policy(policy, examples, sampling, rng=jax.random.key(0))
   assert ev["s"].shape == ev["correct"].shape == ev["lengths"].shape == (16, 2)
   tok = first.tokenizer
   checked = 0

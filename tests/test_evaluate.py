@@ -172,8 +172,8 @@ def test_evaluate_policy_uses_the_reward_grader(policy, tmp_path):
   exs = evaluate.load_benchmarks([str(_bench_file(tmp_path))])["tiny"][:2]
   cfg = evaluate.EvalConfig(num_samples=G, max_new_tokens=C, batch_size=2, progress=False)
   # Same batch shape as the CLI test (compiled once); "b" lists the questions reversed.
-  recs = evaluate.evaluate_policy(pol.params, pol.cfg, tokenizer, {"a": exs, "b": exs[::-1]},
-                                  cfg, jax.random.key(1))
+  recs = evaluate.evaluate_policy(evaluate.EvalPolicy(pol.params, pol.cfg, tokenizer),
+                                  {"a": exs, "b": exs[::-1]}, cfg, jax.random.key(1))
   assert [(r.benchmark, r.question_id) for r in recs[::G]] == [("a", "q0"), ("a", "q1"),
                                                                ("b", "q1"), ("b", "q0")]
   golds = [e.answer for e in exs + exs[::-1] for _ in range(G)]
@@ -277,8 +277,8 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
   dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "problem": "x", "answer": "1"}] * 2)
   exs = evaluate.load_benchmarks([str(dup)])["dup"]
   with pytest.raises(ValueError, match="'a' appears more than once"):
-    evaluate.evaluate_policy({}, None, None, exs, evaluate.EvalConfig(), jax.random.key(0),
-                             grader=_ParityGrader())
+    evaluate.evaluate_policy(evaluate.EvalPolicy({}, None, None), exs, evaluate.EvalConfig(),
+                             jax.random.key(0), grader=_ParityGrader())
   with pytest.raises(ValueError, match="given twice"):
     evaluate.load_benchmarks([str(dup), str(dup)])
   with pytest.raises(ValueError, match="num_samples"):

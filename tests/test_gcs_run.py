@@ -18,6 +18,7 @@ import pytest
 
 import gcs_emulator
 import hf_utils
+import host_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 BUCKET = "capo-test"
@@ -56,7 +57,6 @@ def _no_gs_dirs(*roots: pathlib.Path) -> list[str]:
 def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch):
   gcs.apply(monkeypatch)
   from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
-  from capo_jax.runtime import metrics
   assets = tmp_path / "assets"
   hf_utils.make_hf_model(assets / "model", vocab_size=512)
   hf_utils.make_tokenizer_dir(assets / "model")
@@ -94,7 +94,7 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   split = json.loads(fs.read_text(f"{run}/data_split.json"))
   assert len(split["val_ids"]) == 2 and len(split["train_ids"]) == len(QUESTIONS) - 2
   assert not set(split["val_ids"]) & set(split["train_ids"])
-  rows1 = metrics.read_jsonl(f"{run}/metrics.jsonl")
+  rows1 = host_utils.read_jsonl(f"{run}/metrics.jsonl")
   evals = [r for r in rows1 if "eval/val/auc_mean" in r or "eval/val/mean@4" in r]
   assert [r["step"] for r in evals] == [0, 2]
   assert "eval/bench/pass@4" in evals[-1] and "eval/bench/mean@4" in evals[-1]
@@ -102,7 +102,7 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   # Resume from the bucket with one more step: no step is logged twice.
   proc = _run([*cmd, "--config.train.num_steps=3"], env, cwd)
   assert "resuming at step 2" in proc.stderr
-  rows2 = metrics.read_jsonl(f"{run}/metrics.jsonl")
+  rows2 = host_utils.read_jsonl(f"{run}/metrics.jsonl")
   train_steps = [r["step"] for r in rows2 if "loss" in r]
   assert train_steps == [1, 2, 3]
   assert rows2[:len(rows1)] == rows1

@@ -83,15 +83,10 @@ def test_non_dividing_axes_replicate_with_a_log_line(caplog):
   assert "batch" in caplog.text and "not divisible" in caplog.text
 
 
-def test_rules_named():
-  assert mesh_lib.rules_named("train") is mesh_lib.TRAIN_RULES
-  with pytest.raises(ValueError, match="unknown sharding rules"):
-    mesh_lib.rules_named("inference")
-
-
 _EIGHT_DEVICES = textwrap.dedent("""
     import jax, numpy as np
-    from capo_jax.runtime import host, mesh as mesh_lib
+    from capo_jax.runtime import mesh as mesh_lib
+    from tests import host_utils
     assert len(jax.devices()) == 8
     m = mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": -1})
     assert dict(m.shape) == {"data": 2, "fsdp": 2, "tensor": 2}, m.shape
@@ -103,7 +98,7 @@ _EIGHT_DEVICES = textwrap.dedent("""
     small = mesh_lib.make_mesh({"data": 2, "fsdp": 1, "tensor": 1})
     assert small.devices.size == 2
     batch = {"x_BC": np.arange(16 * 3).reshape(16, 3), "y_B": np.arange(16)}
-    out = host.shard_batch(batch, m, mesh_lib.TRAIN_RULES)
+    out = host_utils.shard_batch(batch, m, mesh_lib.TRAIN_RULES)
     shards = out["x_BC"].addressable_shards
     assert len(shards) == 8 and {s.data.shape for s in shards} == {(4, 3)}
     for s in shards:  # each device holds the rows its (data, fsdp) index names

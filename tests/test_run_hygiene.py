@@ -10,6 +10,7 @@ import pathlib
 
 import pytest
 
+import host_utils
 import rl_driver
 from capo_jax.data import datasets as data
 from capo_jax.rl import experiment
@@ -43,7 +44,7 @@ def _config(assets: dict[str, str], steps: int):
 
 
 def _steps(workdir: pathlib.Path) -> list[int]:
-  return [r["step"] for r in metrics.read_jsonl(str(workdir / "metrics.jsonl")) if "loss" in r]
+  return [r["step"] for r in host_utils.read_jsonl(str(workdir / "metrics.jsonl")) if "loss" in r]
 
 
 @pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
@@ -118,10 +119,10 @@ def test_metrics_writer_drops_rows_past_the_restored_step(tmp_path):
   w = metrics.MetricsWriter(str(tmp_path), resume_step=2, tensorboard=False)
   w.write(3, {"loss": 30.0})
   w.close()
-  rows = metrics.read_jsonl(str(tmp_path / "metrics.jsonl"))
+  rows = host_utils.read_jsonl(str(tmp_path / "metrics.jsonl"))
   assert [(r["step"], r["loss"]) for r in rows] == [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
   metrics.MetricsWriter(str(tmp_path), resume_step=0, tensorboard=False).close()
-  assert metrics.read_jsonl(str(tmp_path / "metrics.jsonl")) == []  # a fresh start
+  assert host_utils.read_jsonl(str(tmp_path / "metrics.jsonl")) == []  # a fresh start
 
 
 def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):

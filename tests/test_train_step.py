@@ -13,11 +13,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from batches import HostBatch
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig, lr_schedule, make_optimizer
-from batches import HostBatch
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config

@@ -23,6 +23,7 @@ from capo_jax.demo import compare
 from capo_jax.demo import task as task_lib
 from capo_jax.demo import warm_start
 from capo_jax.eval import calibration
+from capo_jax.eval import evaluate
 from capo_jax.run import loop
 from capo_jax.run.spec import RunSpec
 
@@ -95,7 +96,8 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
   ``save_to``: an ``.npz`` path for the per-sample scores and verdicts (``s_QG``,
   ``correct_QG``, ``lengths_QG``), which the paired comparisons read.
   """
-  ev = warm_start.evaluate_policy(params, ws.cfg, ws.tokenizer, examples, num_samples,
+  ev = warm_start.evaluate_policy(evaluate.EvalPolicy(params, ws.cfg, ws.tokenizer), examples,
+                                  warm_start.DemoSampling(num_samples=num_samples),
                                   jax.random.key(seed))
   s_QG, correct_QG = ev["s"], ev["correct"]
   if save_to:

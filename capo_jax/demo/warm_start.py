@@ -157,15 +157,30 @@ def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation):
 # --- evaluation --------------------------------------------------------------
 
 
-def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: CharTokenizer,
-                    examples: list[Example], num_samples: int = 16,
-                    rng: jax.Array | None = None, *, max_new_tokens: int | None = None,
-                    temperature: float = 1.0, batch_questions: int = 128,
-                    progress: bool = False) -> dict[str, Any]:
-  """Samples ``num_samples`` answers per question with the project's evaluator and sums up.
+@dataclasses.dataclass(frozen=True)
+class DemoSampling:
+  """How ``evaluate_policy`` samples the demo's questions.
 
-  Ten parameters: the policy, its questions and the draw, then keyword-only
-  sampler settings that the warm start and the demo report set differently.
+  Attributes:
+    num_samples: answers per question (G).
+    max_new_tokens: completion budget; None: ``completion_budget`` of the questions.
+    temperature: sampling temperature.
+    batch_questions: at most this many questions per sampler call (rows = that x G);
+      the questions are split into equal batches.
+    progress: show a progress bar.
+  """
+  num_samples: int = 16
+  max_new_tokens: int | None = None
+  temperature: float = 1.0
+  batch_questions: int = 128
+  progress: bool = False
+
+
+def evaluate_policy(policy: evaluate.EvalPolicy, examples: list[Example],
+                    sampling: DemoSampling = DemoSampling(), rng: jax.Array | None = None
+                    ) -> dict[str, Any]:
+  """Samples ``sampling.num_samples`` answers per question with the project's evaluator
+  and sums up.
 
   Returns a dict: ``accuracy`` (mean@G), ``auc_mean`` and ``auc_n_used``
   (per-question ROC-AUC of s against correctness, ties 1/2; all-right or
@@ -175,23 +190,23 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: CharTokenizer,
   ``mean_length`` (tokens, stop token included), ``truncated`` (fraction of
   samples that used all ``max_new_tokens``), and per sample, grouped by
   question: ``s`` [Q, G] (mean token log-prob), ``correct`` [Q, G] (bool),
-  ``lengths`` [Q, G] and ``completions`` (Q*G texts). Questions go to the
-  sampler in equal batches of at most ``batch_questions`` (rows = that x G).
+  ``lengths`` [Q, G] and ``completions`` (Q*G texts).
   """
   if not examples:
     raise ValueError("evaluate_policy: no examples")
   rng = jax.random.key(0) if rng is None else rng
+  max_new_tokens = sampling.max_new_tokens
   if max_new_tokens is None:
-    max_new_tokens = completion_budget(tokenizer, examples)
+    max_new_tokens = completion_budget(policy.tokenizer, examples)
   # Equal batches (200 questions -> 2 x 100, not 128 + 72 padded to 128).
-  n_batches = -(-len(examples) // batch_questions)
-  eval_cfg = evaluate.EvalConfig(num_samples=num_samples, max_new_tokens=max_new_tokens,
-                                 temperature=temperature,
+  n_batches = -(-len(examples) // sampling.batch_questions)
+  eval_cfg = evaluate.EvalConfig(num_samples=sampling.num_samples,
+                                 max_new_tokens=max_new_tokens,
+                                 temperature=sampling.temperature,
                                  batch_size=-(-len(examples) // n_batches),
-                                 progress=progress)
-  records = evaluate.evaluate_policy(params, cfg, tokenizer, examples, eval_cfg, rng,
-                                     benchmark="demo")
-  Q, G = len(examples), num_samples
+                                 progress=sampling.progress)
+  records = evaluate.evaluate_policy(policy, examples, eval_cfg, rng, benchmark="demo")
+  Q, G = len(examples), sampling.num_samples
   s_QG = np.array([r.s for r in records], np.float64).reshape(Q, G)
   correct_QG = np.array([r.correct for r in records], bool).reshape(Q, G)
   lengths_QG = np.array([r.length for r in records], np.int64).reshape(Q, G)
@@ -312,8 +327,10 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
     params, opt_state, loss = step_fn(params, opt_state, tokens[idx], mask[idx], loss_mask[idx])
     losses.append(loss)
     if step % sft_cfg.eval_every == 0 or step == sft_cfg.max_steps:
-      ev = evaluate_policy(params, model_cfg, tokenizer, val, sft_cfg.eval_samples,
-                           jax.random.fold_in(rng, step), max_new_tokens=max_new)
+      ev = evaluate_policy(evaluate.EvalPolicy(params, model_cfg, tokenizer), val,
+                           DemoSampling(num_samples=sft_cfg.eval_samples,
+                                        max_new_tokens=max_new),
+                           jax.random.fold_in(rng, step))
       history.append(dict(step=step, loss=float(np.mean(losses[-sft_cfg.eval_every:])),
                           val_accuracy=ev["accuracy"],
                           val_auc_mean=None if np.isnan(ev["auc_mean"]) else ev["auc_mean"],

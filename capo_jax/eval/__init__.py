@@ -3,7 +3,8 @@
 ``python -m capo_jax.eval`` is the evaluator's command line (``capo_jax.eval.evaluate``).
 """
 
-from capo_jax.eval.evaluate import EvalConfig, evaluate_policy
+from capo_jax.eval.evaluate import EvalConfig, EvalPolicy, evaluate_policy
 from capo_jax.eval.report import compare, compute_results, load_results
 
-__all__ = ["EvalConfig", "compare", "compute_results", "evaluate_policy", "load_results"]
+__all__ = ["EvalConfig", "EvalPolicy", "compare", "compute_results", "evaluate_policy",
+           "load_results"]

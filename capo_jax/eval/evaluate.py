@@ -43,12 +43,11 @@ from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
 from capo_jax.masked import mean_logprob
 from capo_jax.runtime import fs
-from capo_jax.runtime.host import to_host
 from capo_jax.runtime.policy_io import load_policy
 from capo_jax.sampling import sampler as sampling
 from capo_jax.types import Params
 from models.config import Qwen2Config
-from models.sharding import Layout
+from models.sharding import Layout, to_host
 
 log = logging.getLogger(__name__)
 
@@ -84,19 +83,26 @@ def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
 
 
 @dataclasses.dataclass(frozen=True)
-class _Sampler:
-  """What samples, the same for every benchmark of an evaluation."""
+class EvalPolicy:
+  """What samples, the same for every benchmark of an evaluation.
+
+  Attributes:
+    params, cfg: the policy (params in any dtype; ``cfg.compute_dtype`` is used).
+    tokenizer: renders the chat prompt, pads prompts, decodes completions.
+    layout: device mesh and sampling rules for the sampler (e.g.
+      ``Layout.of(mesh, mesh_lib.SAMPLING_RULES)``); None: one device.
+  """
   params: Params
   cfg: Qwen2Config
   tokenizer: Tokenizer
-  layout: Layout | None
+  layout: Layout | None = None
 
 
-def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
+def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
                         eval_cfg: EvalConfig, rng: jax.Array, benchmark: str, grader: Any
                         ) -> list[SampleRecord]:
   """Records of one benchmark in file order (question, then sample index)."""
-  params, cfg, tokenizer, layout = sampler.params, sampler.cfg, sampler.tokenizer, sampler.layout
+  params, cfg, tokenizer, layout = policy.params, policy.cfg, policy.tokenizer, policy.layout
   ids = [ex.id for ex in examples]
   dup = next((i for i, c in collections.Counter(ids).items() if c > 1), None)
   if dup is not None:
@@ -163,28 +169,20 @@ def _evaluate_benchmark(sampler: _Sampler, examples: Sequence[data.Example],
   return [rec for recs in per_question for rec in recs]
 
 
-def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
+def evaluate_policy(policy: EvalPolicy,
                     examples: Sequence[data.Example] | Mapping[str, Sequence[data.Example]],
                     eval_cfg: EvalConfig, rng: jax.Array, *, benchmark: str = "eval",
-                    grader: Any = None, mesh: Any = None, rules: Any = None
-                    ) -> list[SampleRecord]:
+                    grader: Any = None) -> list[SampleRecord]:
   """Samples ``eval_cfg.num_samples`` responses per question and grades them.
 
-  Ten parameters: the six positional ones are what every evaluation needs (the
-  trainer, the CLI and the demo each hold them as separate objects already);
-  the keyword-only four are optional and default to one benchmark, the
-  default grader and a single device.
-
   Args:
-    params, cfg: the policy (params in any dtype; ``cfg.compute_dtype`` is used).
-    tokenizer: renders the chat prompt, pads prompts, decodes completions.
+    policy: the policy, its tokenizer and where it samples.
     examples: one benchmark's questions (named ``benchmark``), or
       ``{benchmark name: questions}``.
     eval_cfg: sampling settings.
     rng: PRNG key; batch b of benchmark k samples with ``fold_in(fold_in(rng, k), b)``.
     grader: has ``score(completions, golds) -> (rewards, health)``; default
       ``capo_jax.data.rewards.default_grader()``.
-    mesh, rules: optional device mesh and sampling rules, passed to the sampler.
 
   Returns:
     ``SampleRecord`` per sample (samples.jsonl rows), benchmarks and questions
@@ -194,12 +192,11 @@ def evaluate_policy(params: Params, cfg: Qwen2Config, tokenizer: Tokenizer,
   if not isinstance(examples, Mapping):
     examples = {benchmark: examples}
   grader = grader if grader is not None else rewards.default_grader()
-  sampler = _Sampler(params, cfg, tokenizer, None if mesh is None else Layout.of(mesh, rules))
   records: list[SampleRecord] = []
   for k, (name, exs) in enumerate(examples.items()):
     if not exs:
       raise ValueError(f"benchmark {name!r} has no questions")
-    records += _evaluate_benchmark(sampler, list(exs), eval_cfg, jax.random.fold_in(rng, k),
+    records += _evaluate_benchmark(policy, list(exs), eval_cfg, jax.random.fold_in(rng, k),
                                    name, grader)
   return records
 
@@ -309,12 +306,12 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _sampling_mesh(tensor: int) -> dict[str, Any]:
+def _sampling_layout(tensor: int) -> Layout | None:
   if jax.device_count() == 1:
-    return {}
+    return None
   from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  return {"mesh": mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}),
-          "rules": mesh_lib.SAMPLING_RULES}
+  return Layout.of(mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}),
+                   mesh_lib.SAMPLING_RULES)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
@@ -356,8 +353,9 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
       raise ValueError(f"tokenizer {tok_dir} has {tokenizer.vocab_size} tokens but the policy's "
                        f"vocab_size is {policy.cfg.vocab_size}: wrong --tokenizer?")
     log.info("policy %s (%s), tokenizer %s", policy.source, args.dtype, tok_dir)
-    records = evaluate_policy(policy.params, policy.cfg, tokenizer, benchmarks, eval_cfg,
-                              jax.random.key(args.seed), **_sampling_mesh(args.tensor_parallel))
+    sampler = EvalPolicy(policy.params, policy.cfg, tokenizer,
+                         _sampling_layout(args.tensor_parallel))
+    records = evaluate_policy(sampler, benchmarks, eval_cfg, jax.random.key(args.seed))
     config = dict(dataclasses.asdict(eval_cfg), policy=policy.source, tokenizer=tok_dir,
                   seed=args.seed, dtype=args.dtype, limit=args.limit,
                   benchmarks={k: len(v) for k, v in benchmarks.items()})

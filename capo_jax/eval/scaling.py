@@ -358,15 +358,6 @@ def subset_accuracy(question: QuestionSamples, idx_EU: np.ndarray, method: str,
   return _pick_groups(g, np.exp(s), include, correct_A, tie_rtol)
 
 
-def select_accuracy(question: QuestionSamples, method: str,
-                    config: ScalingConfig = ScalingConfig()) -> float:
-  """Expected accuracy of ``method`` using all of the question's samples."""
-  idx = np.arange(len(question.group_G))[None]
-  keep = (rpc_keep_mask(question.s_G[None], None, config.weibull)
-          if method == "rpc" else None)
-  return float(subset_accuracy(question, idx, method, keep, config.tie_rtol)[0])
-
-
 def _subsets(g: int, n: int, config: ScalingConfig, position: int) -> np.ndarray:
   if math.comb(g, n) <= config.n_subsets:
     return np.array(list(itertools.combinations(range(g), n)), dtype=np.int64)

@@ -27,6 +27,7 @@ The score ``s_QG`` is each response's mean token log-prob under the old policy
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 from typing import Any, Callable
 
@@ -41,6 +42,33 @@ GRPO_EPS = 1e-6
 NORMS = ("group", "pairs", "none")
 SCORES = ("mean_logprob", "neg_ppl")
 MASK_MODES = ("partner", "drop")
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupBatch:
+  """One step's groups, [Q, G] arrays: what every estimator reads.
+
+  Attributes:
+    rewards_QG: binary rewards.
+    s_QG: the score s of each response: its mean token log-prob under the old
+      policy. CAPO converts it with its ``score`` hparam; CoDaPO and CDE use s
+      itself, as their papers do.
+    valid_QG: rows that exist and act as partners (see ``split_masks``).
+    receive_QG: rows allowed a non-zero advantage (None: the valid ones).
+  """
+  rewards_QG: Array
+  s_QG: Array
+  valid_QG: Array
+  receive_QG: Array | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class CdeParams:
+  """CDE's fixed hyper-parameters: the bonus ``min(|r|/kappa, alpha * (-s))`` and
+  the ``eps`` of the GRPO normalisation that follows (its weight omega is scheduled)."""
+  kappa: float = 3.0
+  alpha: float = 1.0
+  eps: float = GRPO_EPS
 
 
 # --- Per-group kernels ([G] -> [G]). ---
@@ -107,13 +135,13 @@ def _codapo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, eps: float) ->
 
 
 def _cde_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
-               kappa: float, alpha: float, eps: float) -> Array:
+               p: CdeParams) -> Array:
   s_G = jnp.where(v_G, s_G, 0.0)
   signed_G = 2.0 * jnp.where(v_G, r_G, 0.0) - 1.0
-  bonus_G = jnp.minimum(jnp.abs(signed_G) / kappa, alpha * (-s_G))
+  bonus_G = jnp.minimum(jnp.abs(signed_G) / p.kappa, p.alpha * (-s_G))
   shaped_G = jnp.where(v_G, signed_G + omega * bonus_G, 0.0)
   mean, std = _masked_mean_std(shaped_G, v_G)
-  return _finish((shaped_G - mean) / (std + eps), r_G, v_G, u_G)
+  return _finish((shaped_G - mean) / (std + p.eps), r_G, v_G, u_G)
 
 
 # --- Public [Q, G] estimators. ---
@@ -191,15 +219,15 @@ def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
 
 
 def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array,
-        kappa: float = 3.0, alpha: float = 1.0, receive_QG: Array | None = None,
-        eps: float = GRPO_EPS) -> Array:
+        params: CdeParams = CdeParams(), receive_QG: Array | None = None) -> Array:
   """CDE: rewards mapped to {-1, +1} plus `omega * min(|r|/kappa, alpha * (-s))`, then GRPO.
 
-  `-s` is the response's log-perplexity. Degenerate groups get 0 even though
-  the bonus alone would spread them (every estimator zeroes them).
+  `-s` is the response's log-perplexity; `omega` is this step's bonus weight
+  (`cde_omega` schedules it). Degenerate groups get 0 even though the bonus
+  alone would spread them (every estimator zeroes them).
   """
   v, u = _receive(valid_QG, receive_QG)
-  kernel = lambda r, s, vv, uu, w: _cde_group(r, s, vv, uu, w, kappa, alpha, eps)
+  kernel = lambda r, s, vv, uu, w: _cde_group(r, s, vv, uu, w, params)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
       _float(rewards_QG), _float(s_QG), v, u,
       jnp.asarray(omega))
@@ -284,45 +312,39 @@ def adaptive_tau_value(s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale
 
 
 # --- Registry and the trainer's entry point. ---
-# Entries share one signature: (rewards, s, valid, receive, step, total_steps,
-# **hparams); hparams are keyword-only and checked by name.
+# Entries share one signature: (batch, step, total_steps, **hparams); hparams
+# are keyword-only and checked by name.
 
 
-def _grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
-                eps: float = GRPO_EPS) -> Array:
-  del s, step, total
-  return grpo(r, v, receive_QG=u, eps=eps)
+def _grpo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS) -> Array:
+  del step, total
+  return grpo(b.rewards_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps)
 
 
-def _dr_grpo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any,
-                   total: Any) -> Array:
-  del s, step, total
-  return dr_grpo(r, v, receive_QG=u)
+def _dr_grpo_entry(b: GroupBatch, step: Any, total: Any) -> Array:
+  del step, total
+  return dr_grpo(b.rewards_QG, b.valid_QG, receive_QG=b.receive_QG)
 
 
-def _capo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
-                tau: float = 0.6, norm: str = "group", score: str = "mean_logprob",
+def _capo_entry(b: GroupBatch, step: Any, total: Any, *, tau: float = 0.6,
+                norm: str = "group", score: str = "mean_logprob",
                 adaptive_tau: float = 0.0) -> Array:
-  """Ten parameters: the registry's six shared ones, then CAPO's four hyper-parameters."""
   del step, total
-  s = to_score(s, score)
+  s = to_score(b.s_QG, score)
   if adaptive_tau > 0:  # tau = c * the batch's within-group spread of the score
-    tau = adaptive_tau_value(s, r, v, scale=adaptive_tau, fallback=tau)
-  return capo(r, s, v, tau=tau, norm=norm, receive_QG=u)
+    tau = adaptive_tau_value(s, b.rewards_QG, b.valid_QG, scale=adaptive_tau, fallback=tau)
+  return capo(b.rewards_QG, s, b.valid_QG, tau=tau, norm=norm, receive_QG=b.receive_QG)
 
 
-def _codapo_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
-                  eps: float = GRPO_EPS) -> Array:
+def _codapo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS) -> Array:
   del step, total
-  return codapo(r, s, v, receive_QG=u, eps=eps)
+  return codapo(b.rewards_QG, b.s_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps)
 
 
-def _cde_entry(r: Array, s: Array, v: Array, u: Array | None, step: Any, total: Any, *,
-               kappa: float = 3.0, alpha: float = 1.0, omega: float = 1.0,
-               eps: float = GRPO_EPS) -> Array:
-  """Ten parameters: the registry's six shared ones, then CDE's four hyper-parameters."""
-  return cde(r, s, v, omega=omega * cde_omega(step, total), kappa=kappa, alpha=alpha,
-             receive_QG=u, eps=eps)
+def _cde_entry(b: GroupBatch, step: Any, total: Any, *, kappa: float = 3.0,
+               alpha: float = 1.0, omega: float = 1.0, eps: float = GRPO_EPS) -> Array:
+  return cde(b.rewards_QG, b.s_QG, b.valid_QG, omega=omega * cde_omega(step, total),
+             params=CdeParams(kappa=kappa, alpha=alpha, eps=eps), receive_QG=b.receive_QG)
 
 
 ADVANTAGES: dict[str, Callable[..., Array]] = {
@@ -349,11 +371,12 @@ def _lookup(name: str) -> Callable[..., Array]:
   return ADVANTAGES[name]
 
 
-def _check_inputs(name: str, arrays: dict[str, Any]) -> None:
+def _check_inputs(name: str, batch: GroupBatch) -> None:
+  arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
   shapes = {k: np.shape(a) for k, a in arrays.items() if a is not None}
   if len(set(shapes.values())) != 1 or len(shapes["rewards_QG"]) != 2:
     raise ValueError(f"{name}: inputs must all have one shape [Q, G]; got {shapes}")
-  r, v = arrays["rewards_QG"], arrays["valid_QG"]
+  r, v = batch.rewards_QG, batch.valid_QG
   if not any(isinstance(a, jax.core.Tracer) for a in (r, v)):
     bad = ~np.isin(np.asarray(r), (0.0, 1.0)) & np.asarray(v).astype(bool)
     if bad.any():
@@ -362,21 +385,14 @@ def _check_inputs(name: str, arrays: dict[str, Any]) -> None:
                        f"{np.asarray(r)[q, g]}")
 
 
-def compute_advantages(name: str, *, rewards_QG: Array, s_QG: Array,
-                       valid_QG: Array, receive_QG: Array | None = None,
-                       step: int | Array = 0, total_steps: int | Array = 1,
-                       **hparams: Any) -> Array:
+def compute_advantages(name: str, batch: GroupBatch, *, step: int | Array = 0,
+                       total_steps: int | Array = 1, **hparams: Any) -> Array:
   """The trainer's entry point: advantages of estimator `name` ([Q, G] -> [Q, G]).
 
   Args:
     name: a key of `ADVANTAGES` ("grpo", "dr_grpo", "capo", "codapo", "cde",
       "gspo", "simko").
-    rewards_QG: binary rewards.
-    s_QG: the score s of each response: its mean token log-prob under the
-      old policy. CAPO converts it with its `score` hparam; CoDaPO and CDE
-      use s itself, as their papers do.
-    valid_QG: rows that exist and act as partners (see `split_masks`).
-    receive_QG: rows allowed a non-zero advantage (default: valid).
+    batch: the groups' rewards, scores and masks.
     step: training step (CDE's omega schedule).
     total_steps: planned number of training steps (CDE).
     **hparams: the estimator's hyper-parameters (`hparam_names(name)`), e.g.
@@ -393,6 +409,5 @@ def compute_advantages(name: str, *, rewards_QG: Array, s_QG: Array,
   if unknown:
     raise ValueError(f"advantage {name!r}: unknown hyper-parameter(s) {sorted(unknown)}; "
                      f"accepted: {list(hparam_names(name))}")
-  _check_inputs(name, {"rewards_QG": rewards_QG, "s_QG": s_QG,
-                       "valid_QG": valid_QG, "receive_QG": receive_QG})
-  return fn(rewards_QG, s_QG, valid_QG, receive_QG, step, total_steps, **hparams)
+  _check_inputs(name, batch)
+  return fn(batch, step, total_steps, **hparams)

@@ -35,17 +35,17 @@ from jax.sharding import NamedSharding, PartitionSpec
 from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
+from capo_jax.masked import mean_logprob
 from capo_jax.rl import advantages
 from capo_jax.rl import dynamic_sampling
-from capo_jax.masked import mean_logprob
 from capo_jax.rl import packing
 from capo_jax.rl.batch import Sequences, TrainBatch
 from capo_jax.rl.logprob_pass import LogprobPass
-from capo_jax.runtime.host import gather_rows, put_global, to_host
+from capo_jax.runtime.host import gather_rows, put_global
 from capo_jax.sampling import sampler as sampling
 from capo_jax.types import Array
 from models.config import Qwen2Config
-from models.sharding import Layout
+from models.sharding import Layout, to_host
 
 LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this
 
@@ -102,7 +102,7 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
     metrics.update(advantages.masked_fraction(noisy_QG, rewards_QG, valid_QG))
     valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
   adv_QG = advantages.compute_advantages(
-      spec.algo, rewards_QG=rewards_QG, s_QG=s_QG, valid_QG=valid_QG, receive_QG=receive_QG,
+      spec.algo, advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG),
       step=step, total_steps=spec.num_steps, **hparams)
   score_QG = advantages.to_score(s_QG, hparams.get("score", "mean_logprob"))
   metrics["s_spread"] = advantages.score_spread(score_QG, rewards_QG, valid_QG)

@@ -133,7 +133,7 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   if eval_fn is None and spec.eval.every_steps > 0:
     eval_fn = train_eval.make_eval_fn(
         train_eval.EvalSetup(spec=spec.eval, model_cfg=model_cfg, tokenizer=tokenizer,
-                             mesh=mesh, rules=sampling_rules, grader=grader),
+                             layout=progs.sampling_layout, grader=grader),
         train_eval.eval_benchmarks(spec, val_examples), workdir, to_sampling)
 
   rng = jax.random.key(spec.seed)

@@ -22,11 +22,11 @@ from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from capo_jax.rl import train_step as ts
 from capo_jax.run.spec import ConfigError, Data, RunSpec
 from capo_jax.runtime import fs
-from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.runtime.distributed import is_main_process
 from models import hf_weights, lora, qwen2
 from models.config import Qwen2Config
+from models.sharding import to_host
 
 log = logging.getLogger(__name__)
 
@@ -176,7 +176,7 @@ def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
   Process 0 writes; every process must call (the params are gathered).
   ``config.json`` is written last, so a reader that finds it finds the weights.
   """
-  host_params = jax.tree.map(host.to_host, params)
+  host_params = jax.tree.map(to_host, params)
   if is_main_process():
     with fs.staged_dir(path, last=("config.json",)) as local:
       hf_weights.save_pretrained(model_cfg, host_params, local)

@@ -26,6 +26,7 @@ from capo_jax.run.spec import Eval, RunSpec
 from capo_jax.runtime import fs
 from capo_jax.runtime.distributed import is_main_process
 from models.config import Qwen2Config
+from models.sharding import Layout
 
 EvalFn = Callable[[int, Any], dict[str, float]]
 VAL_BENCHMARK = "val"
@@ -65,12 +66,11 @@ def eval_benchmarks(spec: RunSpec, val: Sequence[data.Example]
 @dataclasses.dataclass(frozen=True)
 class EvalSetup:
   """What the evaluator needs of the run: its ``eval`` settings and the objects the
-  trainer has already built (model, tokenizer, mesh with the sampling rules, grader)."""
+  trainer has already built (model, tokenizer, the sampling layout, grader)."""
   spec: Eval
   model_cfg: Qwen2Config
   tokenizer: Tokenizer
-  mesh: jax.sharding.Mesh
-  rules: Any
+  layout: Layout
   grader: Any = None
 
 
@@ -93,9 +93,9 @@ def make_eval_fn(setup: EvalSetup, benchmarks: Mapping[str, Sequence[data.Exampl
   rng = jax.random.key(e.seed)
 
   def eval_fn(step: int, params: Any) -> dict[str, float]:
-    records = evaluate.evaluate_policy(to_sampling(params), setup.model_cfg, setup.tokenizer,
-                                       benchmarks, eval_cfg, rng, grader=setup.grader,
-                                       mesh=setup.mesh, rules=setup.rules)
+    policy = evaluate.EvalPolicy(to_sampling(params), setup.model_cfg, setup.tokenizer,
+                                 setup.layout)
+    records = evaluate.evaluate_policy(policy, benchmarks, eval_cfg, rng, grader=setup.grader)
     results = report.compute_results(records, rcfg, run=f"step {step}")
     if is_main_process():
       report.write_results(results, fs.join(workdir, "eval", f"step_{step:06d}"))

@@ -19,10 +19,11 @@ Typical use::
 
   mesh = make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   p_specs = models.qwen2.param_specs(cfg, TRAIN_RULES, mesh)
-  batch = capo_jax.runtime.host.shard_batch(host_batch, mesh, TRAIN_RULES)
+  batch = capo_jax.runtime.host.put_global(
+      host_batch, batch_sharding(mesh, TRAIN_RULES, batch_size))
 
 Multi-host: ``make_mesh`` uses the global ``jax.devices()``, and
-``host.shard_batch`` assembles a global array from each process's local rows.
+``host.put_global`` places a batch every process holds in full on it.
 """
 
 from __future__ import annotations
@@ -119,15 +120,6 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
   # Auto axes: shardings are stated at jit boundaries and propagated by XLA.
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
                        devices=devices)
-
-
-def rules_named(name_or_rules: str | Rules) -> Rules:
-  """``"train"`` / ``"sampling"`` -> the rule list; a rule list passes through."""
-  if isinstance(name_or_rules, str):
-    if name_or_rules not in RULES:
-      raise ValueError(f"unknown sharding rules {name_or_rules!r}; known: {sorted(RULES)}")
-    return RULES[name_or_rules]
-  return name_or_rules
 
 
 def spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh,

@@ -195,10 +195,6 @@ def _start_wandb(cfg: WandbConfig, workdir: str) -> Any:
                     if fs.is_remote(workdir) else workdir)
 
 
-def read_jsonl(path: str) -> list[dict[str, Any]]:
-  return [json.loads(line) for line in fs.read_text(path).splitlines() if line.strip()]
-
-
 def summary_line(m: Mapping[str, float], keys: tuple[str, ...] = (
     "accuracy", "auc_mean", "entropy", "masked_frac", "response_len", "grad_norm")) -> str:
   """A short ``key=value`` string for the progress bar."""
