@@ -34,9 +34,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capo_jax.types import Array, Params
+from capo_jax.types import Array
 from models import qwen2
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
 
 def masked_mean(x: Array, mask: Array, axis: int | None = None) -> Array:

@@ -39,8 +39,9 @@ import numpy as np
 from capo_jax.rl import losses
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.logprobs import packed_token_logprobs
-from capo_jax.types import Array, Params
+from capo_jax.types import Array
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
 
 @dataclasses.dataclass(frozen=True)

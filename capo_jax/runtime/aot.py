@@ -11,8 +11,8 @@ The programs are the ones ``capo_jax.rl.loop.train`` jits, built by the same
 functions, at the run's padded shapes (prompt ``max_prompt_len``, completion
 ``max_new_tokens``: the largest shapes a step can see) and with its shardings:
 
-  prefill   ``sampling._prefill`` over one sampler call's prompts
-  decode    ``sampling._decode``, the engine's ``lax.while_loop`` over its N-slot cache
+  prefill   ``engine.prefill`` over one sampler call's prompts
+  decode    ``engine.decode_loop``, the engine's ``lax.while_loop`` over its W-slot cache
   logprobs  ``train_step.make_logprob_fn`` over one call of ``train.logprob_rows``
             rows, as the trainer calls it (0: all Q*G rows), float32 params
   logprobs_ref  the same program with the bfloat16 reference (when the run keeps one)
@@ -195,9 +195,10 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
   prefill = Lowerable(
-      "prefill", sampling._prefill,  # pylint: disable=protected-access
+      "prefill", engine.prefill,
       (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng),
-      dict(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples, layout=layout),
+      dict(plan=engine.PrefillPlan(cfg=model_cfg, strategy=strategy,
+                                   num_samples=sh.num_samples, layout=layout)),
       sh.num_calls, ("train state", "reference"))
   rows = sh.prompts_per_call * sh.num_samples
   slots = min(c.rollout.get("max_active_rows", 0) or rows, rows)
@@ -206,12 +207,11 @@ def _sampler_programs(c: ml_collections.ConfigDict, model_cfg: Any, mesh: Mesh, 
                      shrink=slots < rows)
 
   def decode(prefill_compiled: Any) -> Lowerable:
-    out = jax.eval_shape(functools.partial(sampling._prefill, **prefill.kwargs),  # pylint: disable=protected-access
-                         *prefill.args)
+    out = jax.eval_shape(functools.partial(engine.prefill, **prefill.kwargs), *prefill.args)
     prompts, first = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o), out,
                                   prefill_compiled.output_shardings)
-    return Lowerable("decode", sampling._decode,  # pylint: disable=protected-access
-                     (params, prompts, first, rng, stops, pad, _sds((), jnp.int32, rep)),
+    ends = engine.Ends(stops, pad, _sds((), jnp.int32, rep))
+    return Lowerable("decode", engine.decode_loop, (params, prompts, first, rng, ends),
                      dict(plan=plan), sh.num_calls, ("train state", "reference"))
 
   return prefill, decode
