@@ -26,6 +26,7 @@ import pytest
 from capo_jax.sampling import decode, engine
 from capo_jax.sampling import sampler as sampling
 from models import qwen2
+from models.config import Qwen2Config
 import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -34,7 +35,7 @@ STRATEGY = sampling.TopK(temperature=0.9, k=40)
 
 
 def tiny_policy():
-  cfg = qwen2.Qwen2Config.tiny()
+  cfg = Qwen2Config.tiny()
   params = qwen2.init_params(cfg, jax.random.key(0))
   # Weights of std 0.15 (not 0.02), so the model is far from uniform.
   params = jax.tree_util.tree_map_with_path(
@@ -57,9 +58,10 @@ def small_blocks():
 def run(cfg, params, tokens, mask, n: int, stops=(), layout=None, max_new: int = C,
         key: int = 2) -> sampling.Samples:
   with small_blocks():
-    return sampling.generate(params, cfg, tokens, mask, jax.random.key(key), num_samples=G,
-                             max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops,
-                             layout=layout, max_active_rows=n)
+    return sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(key), sampling.SamplingSpec(
+            num_samples=G, max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops,
+            max_active_rows=n), layout=layout)
 
 
 def stop_ids_for(cfg, params, tokens, mask) -> list[int]:
@@ -200,8 +202,9 @@ def test_one_token_and_compile_count(rollouts):
 def test_bad_max_active_rows_is_named(rollouts):
   cfg, params, tokens, mask, *_ = rollouts
   with pytest.raises(ValueError, match="max_active_rows"):
-    sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                      max_new_tokens=4, max_active_rows=0)
+    sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+            num_samples=1, max_new_tokens=4, max_active_rows=0))
 
 
 _SHARDED = textwrap.dedent("""
@@ -260,7 +263,7 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
   benchmark model such ~3e-6 logit differences flipped draws within a
   hundred tokens; here the log-probs, compared exactly, show them at once.
   """
-  cfg = qwen2.Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
+  cfg = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
                           num_layers=1, num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
   params = qwen2.init_params(cfg, jax.random.key(0))
   tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(1), [9, 16, 4, 12, 7, 1, 14, 3],
@@ -269,8 +272,9 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
   stops = np.random.default_rng(2).choice(np.arange(3, cfg.vocab_size), 82, replace=False)
 
   def rollout(n: int | None) -> sampling.Samples:
-    return sampling.generate(params, cfg, tokens, mask, jax.random.key(5), num_samples=G,
-                             max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n)
+    return sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(5), sampling.SamplingSpec(
+            num_samples=G, max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n))
 
   ref = rollout(None)
   assert np.asarray(ref.lengths_B).min() < 24 < np.asarray(ref.lengths_B).max()  # refills happen
