@@ -16,9 +16,10 @@ AdamW). Compilation happens in an untimed warm-up. Reported: medians per
 checkout and the ratio this / baseline of throughput (> 1: this checkout is
 faster), with the range of the per-round paired ratios.
 
-Workers speak both APIs the package has had: ``generate(temperature=)`` with
-``Samples.tokens`` and ``generate(strategy=)`` with ``Samples.tokens_BC``;
-``shard_batch`` from ``tests/host_utils.py``, ``runtime.host`` or ``runtime.mesh``.
+Workers speak the APIs the package has had: ``generate(temperature=)`` with
+``Samples.tokens``, ``generate(strategy=)`` and ``generate(spec)`` with
+``Samples.tokens_BC``; ``shard_batch`` from ``tests/host_utils.py``, ``runtime.host`` or
+``runtime.mesh``.
 """
 
 from __future__ import annotations
@@ -62,6 +63,11 @@ _WORKER = textwrap.dedent("""
 
     def generate(greedy, seed):
       kw = dict(num_samples=1, max_new_tokens=C_new)
+      if hasattr(sampling, "SamplingSpec"):  # generate(..., spec)
+        spec = sampling.SamplingSpec(strategy=sampling.make_strategy(0.0 if greedy else 1.0), **kw)
+        out = sampling.generate(params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed),
+                                spec)
+        return np.asarray(out.tokens_BC)
       try:
         strategy = sampling.make_strategy(0.0 if greedy else 1.0)
         out = sampling.generate(params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed),

@@ -33,12 +33,12 @@ from models import qwen2
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "block", "cols"), donate_argnames=("cache",))
-def _step(params, tokens_N, cache, filled, *, cfg, block: int, cols: int):
-  N = tokens_N.shape[0]
+def _step(params, tokens_W, cache, filled, *, cfg, block: int, cols: int):
+  W = tokens_W.shape[0]
   w = decode.prepare(params, cfg, cols)
-  col_N = jnp.full((N,), filled - 1, jnp.int32)
-  where = decode.Where(col_N=col_N, pos_N=col_N, num_blocks=-(-filled // block), block=block)
-  logits, cache = decode.step(w, cfg, tokens_N, cache, where)
+  col_W = jnp.full((W,), filled - 1, jnp.int32)
+  where = decode.Where(col_W=col_W, pos_W=col_W, num_blocks=-(-filled // block), block=block)
+  logits, cache = decode.step(w, cfg, tokens_W, cache, where)
   return logits.sum(), cache
 
 
@@ -54,14 +54,14 @@ def main() -> None:
     args.slots, args.cols, args.rounds = 4, 512, 2
   cfg = sampling_bench.bench_config(args.small)
   params = qwen2.init_params(cfg, jax.random.key(0))
-  N, S = args.slots, args.cols
-  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, N), jnp.int32)
+  W, S = args.slots, args.cols
+  tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, W), jnp.int32)
   blk = engine.KV_BLOCK
   cases = {f"filled {args.filled} of {S}": (args.filled, blk), f"full {S} of {S}": (S, blk),
            f"all columns, one softmax": (args.filled, S)}  # block = S: attend_full
   caches = {}
   for name, (filled, block) in cases.items():  # warm-up: compile, first touch
-    cache = decode.SlotCache.empty(cfg, N, S)
+    cache = decode.SlotCache.empty(cfg, W, S)
     cache = _all_real(cache)
     out, caches[name] = _step(params, tokens, cache, jnp.int32(filled), cfg=cfg, block=block,
                               cols=S)
@@ -75,8 +75,8 @@ def main() -> None:
       jax.block_until_ready(out)
       times[name].append(time.perf_counter() - t0)
   med = {n: float(np.median(t)) for n, t in times.items()}
-  kv_mb = 2 * cfg.num_layers * N * S * cfg.num_kv_heads * cfg.head_dim * 4 / 1e6
-  print(f"{N} slots x {S} columns (KV {kv_mb:.0f} MB float32), block {blk}, "
+  kv_mb = 2 * cfg.num_layers * W * S * cfg.num_kv_heads * cfg.head_dim * 4 / 1e6
+  print(f"{W} slots x {S} columns (KV {kv_mb:.0f} MB float32), block {blk}, "
         f"{qwen2.num_params(params) / 1e6:.1f}M params; jax {jax.__version__}")
   names = list(cases)
   for n in names:
@@ -87,7 +87,7 @@ def main() -> None:
 
 def _all_real(cache: decode.SlotCache) -> decode.SlotCache:
   """Every column marked real, so a full read attends over all of them."""
-  return decode.SlotCache(cache.k, cache.v, jnp.ones_like(cache.mask_NS))
+  return decode.SlotCache(cache.k, cache.v, jnp.ones_like(cache.mask_WS))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ import numpy as np
 
 from capo_jax import sampling
 from models import lora, qwen2
+from models.config import Qwen2Config
 
 
 def main() -> None:
@@ -27,7 +28,7 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--new_tokens", type=int, default=64)
   args = ap.parse_args()
-  cfg = qwen2.Qwen2Config.tiny(vocab_size=4096, hidden_size=256, intermediate_size=768,
+  cfg = Qwen2Config.tiny(vocab_size=4096, hidden_size=256, intermediate_size=768,
                                num_layers=4, num_heads=4, num_kv_heads=2)
   lcfg = lora.LoraConfig(args.rank, 2.0 * args.rank)
   base = qwen2.init_params(cfg, jax.random.key(0))
@@ -39,8 +40,9 @@ def main() -> None:
   mask = np.ones_like(tokens)
 
   def sample(params):
-    return sampling.generate(params, cfg, tokens, mask, jax.random.key(2), num_samples=4,
-                             max_new_tokens=args.new_tokens, stop_ids=()).tokens_BC
+    return sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(2), sampling.SamplingSpec(
+            num_samples=4, max_new_tokens=args.new_tokens, stop_ids=())).tokens_BC
 
   contenders = {"merged": lambda: sample(merge(base, ad, lcfg)),
                 "in-layer delta": lambda: sample(lora.with_adapters(base, ad, lcfg))}

@@ -70,19 +70,20 @@ def measure(args: argparse.Namespace) -> None:
   params = qwen2.init_params(cfg, jax.random.key(0))
   Q, G, C = args.prompts, args.samples, args.cap
   B = Q * G
-  N = B // 4
+  W = B // 4
   prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (Q, args.prompt_len))
   mask = np.ones_like(prompts)
   stops = np.random.default_rng(1).choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // 100,
                                           replace=False).astype(np.int32)
   print(f"model {qwen2.num_params(params) / 1e6:.1f}M params; {Q} prompts x {G} samples = {B} "
         f"rows, prompt {args.prompt_len}, cap {C}; {stops.size} stop ids of {cfg.vocab_size}; "
-        f"engine N = {N}; jax {jax.__version__}, {os.cpu_count()} CPUs", flush=True)
+        f"engine W = {W}; jax {jax.__version__}, {os.cpu_count()} CPUs", flush=True)
 
   def engine(n):
     def run(seed):
-      out = sampling.generate(params, cfg, prompts, mask, jax.random.key(seed), num_samples=G,
-                              max_new_tokens=C, stop_ids=stops.tolist(), max_active_rows=n)
+      out = sampling.generate(
+          params, cfg, prompts, mask, jax.random.key(seed), sampling.SamplingSpec(
+              num_samples=G, max_new_tokens=C, stop_ids=stops.tolist(), max_active_rows=n))
       return np.asarray(out.tokens_BC), np.asarray(out.lengths_B)
     return run
 
@@ -101,7 +102,7 @@ def measure(args: argparse.Namespace) -> None:
     tokens = out[:, prompts.shape[1]:].numpy()
     return tokens, useful_lengths(tokens, stops)
 
-  runners = {f"engine N={N}": engine(N), f"all {B} rows": engine(None), "transformers": hf}
+  runners = {f"engine W={W}": engine(W), f"all {B} rows": engine(None), "transformers": hf}
   if args.no_transformers:
     del runners["transformers"]
   names = list(runners)
@@ -268,13 +269,13 @@ def simulation(shape: Shape, slot_counts: list[int]) -> None:
         f" {t_lock:7.1f} {t_old / t_lock:7.2f}x")
   for n in slot_counts:
     sim = simulate(L, shape, n)
-    for read, label in (("kv_read", f"engine N={n}"), ("kv_read_own", "  each row its own")):
+    for read, label in (("kv_read", f"engine W={n}"), ("kv_read_own", "  each row its own")):
       t = seconds(sim, shape, read)
       print(f"{label:24s} {sim['steps']:6d} {n:9d} {kv_gib(n):7.1f} "
             f"{sim[read] * shape.kv_bytes / sim['steps'] / 1e9:15.1f} {t:7.1f} "
             f"{t_old / t:7.2f}x")
   print("expected speedup over the lockstep full-cache decode (mean of 4 length draws): "
-        + ", ".join(f"N={n}: {expected_speedup(shape, n):.2f}x" for n in slot_counts))
+        + ", ".join(f"W={n}: {expected_speedup(shape, n):.2f}x" for n in slot_counts))
 
 
 def main() -> None:
@@ -289,7 +290,7 @@ def main() -> None:
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
   ap.add_argument("--no-transformers", action="store_true", help="our two decodes only")
   ap.add_argument("--simulate", action="store_true", help="the simulation only")
-  ap.add_argument("--slots", default="128,256,512", help="engine N values to simulate")
+  ap.add_argument("--slots", default="128,256,512", help="engine W values to simulate")
   ap.add_argument("--replicas", type=int, default=1, help="weight copies read per step")
   args = ap.parse_args()
   if args.small:

@@ -53,9 +53,10 @@ def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
   mask = np.ones_like(prompts)
 
   def run(mode: str, seed: int) -> np.ndarray:
-    out = sampling.generate(params, cfg, prompts, mask, jax.random.key(seed), num_samples=1,
-                            max_new_tokens=new_tokens,
-                            strategy=sampling.make_strategy(1.0 if mode == "sample" else 0.0))
+    out = sampling.generate(
+        params, cfg, prompts, mask, jax.random.key(seed), sampling.SamplingSpec(
+            num_samples=1, max_new_tokens=new_tokens, strategy=sampling.make_strategy(1.0 if mode ==
+            "sample" else 0.0)))
     return np.asarray(out.tokens_BC)
   return run
 

@@ -34,6 +34,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
 from models import kv_cache, qwen2
 from models.config import Qwen2Config
@@ -98,7 +99,7 @@ def long_tailed(args: argparse.Namespace) -> None:
   cap 3,072; random weights (a near-uniform next-token distribution) with
   V / 600 stop ids: geometric lengths of mean about 600. The bound is the
   bandwidth model of benchmarks/rollout_lengths.py on the lengths the run
-  produced, for the same N: every step reads the weights once plus each
+  produced, for the same W: every step reads the weights once plus each
   active row's own cache ("own"), or, as the engine reads it, every slot up to
   the longest active row ("engine reads").
   """
@@ -107,14 +108,14 @@ def long_tailed(args: argparse.Namespace) -> None:
   cfg = (Qwen2Config.tiny(param_dtype="bfloat16", compute_dtype="bfloat16") if small else
          Qwen2Config.qwen2p5_1p5b(param_dtype="bfloat16", compute_dtype="bfloat16"))
   Q, G, P, C = (4, 4, 16, 256) if small else (128, 8, 128, 3072)
-  N = min(args.max_active_rows, Q * G)
+  W = min(args.max_active_rows, Q * G)
   params = jax.jit(qwen2.init_params, static_argnums=0)(cfg, jax.random.key(0))
   prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (Q, P))
   stops = np.random.default_rng(1).choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // (50 if small else 600),
                                           replace=False).tolist()
   gen = lambda seed: sampling.generate(
-      params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed), num_samples=G,
-      max_new_tokens=C, stop_ids=stops, max_active_rows=N)
+      params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed), sampling.SamplingSpec(
+          num_samples=G, max_new_tokens=C, stop_ids=stops, max_active_rows=W))
   t0 = time.perf_counter()
   np.asarray(gen(0).lengths_B)
   print(f"first call (compiles) {time.perf_counter() - t0:.1f}s", flush=True)
@@ -122,12 +123,12 @@ def long_tailed(args: argparse.Namespace) -> None:
       rows=Q * G, samples=G, prompt_len=P, cap=C,
       weight_bytes=step_bytes(cfg, Q * G, 0)["params"],
       kv_bytes=step_bytes(cfg, 1, 1)["kv"], bandwidth=args.bandwidth)
-  result = {"rows": Q * G, "max_active_rows": N, "cap": C, "rounds": []}
+  result = {"rows": Q * G, "max_active_rows": W, "cap": C, "rounds": []}
   for r in range(args.rounds):
     t0 = time.perf_counter()
     lengths = np.asarray(gen(r + 1).lengths_B)
     dt = time.perf_counter() - t0
-    sim = rollout_lengths.simulate(lengths.astype(np.int64), shape, N)
+    sim = rollout_lengths.simulate(lengths.astype(np.int64), shape, W)
     row = {"seconds": dt, "useful_tokens_per_s": lengths.sum() / dt,
            "bound_own_tokens_per_s": lengths.sum() / rollout_lengths.seconds(
                sim, shape, "kv_read_own"),
@@ -156,7 +157,7 @@ def main() -> None:
   ap.add_argument("--small", action="store_true", help="tiny model and batch (CPU smoke run)")
   ap.add_argument("--lengths", action="store_true",
                   help="long-tailed lengths instead (see long_tailed): the engine vs the bound")
-  ap.add_argument("--max-active-rows", type=int, default=256, help="--lengths: the engine's N")
+  ap.add_argument("--max-active-rows", type=int, default=256, help="--lengths: the engine's W")
   args = ap.parse_args()
   if args.lengths:
     long_tailed(args)
@@ -190,9 +191,8 @@ def main() -> None:
     pad = p_slots - P
     t = jnp.asarray(np.pad(tokens, ((0, 0), (pad, 0))))
     m = jnp.asarray(np.pad(mask, ((0, 0), (pad, 0))).astype(bool))
-    _, first = sampling._prefill(  # pylint: disable=protected-access
-        params, t, m, jax.random.key(seed), cfg=cfg, strategy=strategy, num_samples=G,
-        layout=None)
+    _, first = engine.prefill(params, t, m, jax.random.key(seed),
+                              plan=engine.PrefillPlan(cfg=cfg, strategy=strategy, num_samples=G))
     return first.token_B
 
   live = {"ideal": float(lengths.mean()) + (C - 1) / 2, "as_run": float(p_slots + c_slots)}
@@ -207,8 +207,8 @@ def main() -> None:
   for mode in args.modes.split(","):
     strategy = sampling.make_strategy(temperature=1.0 if mode == "sample" else 0.0)
     gen = lambda seed: sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(seed), num_samples=G, max_new_tokens=C,
-        strategy=strategy)
+        params, cfg, tokens, mask, jax.random.key(seed), sampling.SamplingSpec(
+            num_samples=G, max_new_tokens=C, strategy=strategy))
     t0 = time.perf_counter()
     out = gen(0)
     jax.block_until_ready(out.tokens_BC)

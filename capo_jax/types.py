@@ -1,29 +1,50 @@
-"""Shared types and the axis legend of array names in capo_jax.
+"""Shared types and the one axis legend of array names.
 
-Axis legend of the RL code (suffixes of array names, e.g. ``adv_QG``,
-``logp_BC``); each letter names one axis:
-  Q  questions (prompts) in a batch
+Array names end in the letters of their axes (``adv_QG``, ``logp_BC``,
+``k_LBSKH``), and einsum strings use the same letters in lower case. Each
+letter names one axis, everywhere (capo_jax and models); ``models/qwen2.py``
+repeats the model's letters.
+
+The model (``models``):
+  B  batch rows
+  T  query length: the tokens of one call (RL: the full sequence, P + C)
+  S  key / value length: the columns of a KV cache (prompt + completion)
+  D  model width (hidden size)
+  N  query heads
+  K  kv heads
+  R  query heads per kv head (N = K * R)
+  H  head dim (h: H / 2, RoPE's half)
+  F  MLP width
+  V  vocabulary
+  L  layers
+RL batches (``capo_jax.rl``, ``capo_jax.data``):
+  Q  questions (prompts): of a batch, or drawn so far (dynamic sampling)
   G  samples (responses) per question
-  B  rows of a batch; in RL batches B = Q * G, grouped by question
+  B  rows of a batch: B = Q * G, grouped by question
   P  prompt length (left-padded)
   C  completion length (right-padded)
-  T  full sequence length (P + C)
-  V  vocabulary
   M  micro-batches of one update (gradient accumulation)
   J  top-k candidate tokens (SimKO's top-K log-probs, ``topk_logp_BCJ``)
-Confidence-based scaling (``capo_jax.eval.scaling``) adds E sets of responses,
-U responses in a set and A answer classes. The model's axes (D, F, H, K kv
-heads, N query heads, R query heads per kv head, L layers, S cache slots) are
-listed at the top of ``models/qwen2.py``; no letter means two axes.
+  Y  packed rows (``capo_jax.rl.packing``: sequences packed end to end, T long)
+  Z  packed targets (the scored tokens of the packed rows, flattened)
+Sampling (``capo_jax.sampling``):
+  W  cache slots of the rollout engine (the rows decoded at once)
+  X  blocks of a blocked axis, which keeps its own letter at the block's
+     length: the sampler's vocabulary blocks ``[X, V, B]``, flash attention's
+     query blocks ``[X, B, T, ...]``
+Evaluation and comparisons (``capo_jax.eval``, ``capo_jax.demo``):
+  E  sets of responses (subsets of a question's samples, or rows of a batch of sets)
+  U  responses in a set
+  A  answer classes of a question
+  I  independent training runs (seeds)
+  O  bootstrap replicates
+
+Sizes that are not axes of any array name (a LoRA rank, a block's width)
+are spelled out.
 """
 
 from __future__ import annotations
 
-from typing import Any
-
 import jax
 
-from models.qwen2 import Params  # noqa: F401  (re-exported: the one definition, the model's tree)
-
-PyTree = Any
 Array = jax.Array

@@ -13,16 +13,17 @@ own, so every query sees at least itself and no row is ever fully masked
              (cuDNN on GPU when it takes the shape, else XLA's own; on CPU it
              builds the full score matrix too; see README "Train step at real lengths").
   flash      blocked online-softmax attention in plain JAX with a hand-written
-             backward (``jax.custom_vjp``): it holds one [B, K, R, W, W] float32
-             score block at a time, forward and backward, and skips the key
+             backward (``jax.custom_vjp``): it holds one [B, K, R, T, S] float32
+             score block (a block of each) at a time, forward and backward, and skips the key
              blocks above the diagonal and those of other segments.
   splash     the Pallas TPU splash-attention kernel with ``SegmentIds``
              (``interpret=True`` off TPU, for tests).
   auto       splash on TPU; elsewhere flash when the row is longer than one block,
              else reference (a single block: the same memory, less overhead).
 
-Shape letters as in ``models.qwen2`` (B, T, S, N, K, R, H), plus W (block length)
-and X (number of blocks) for the blocked implementation.
+Shape letters as in ``capo_jax/types.py`` (B, T, S, N, K, R, H), plus X (blocks) for
+the blocked implementation: a query block keeps the letter T and a key block S
+(``width`` long each).
 """
 
 from __future__ import annotations
@@ -71,21 +72,22 @@ def xla(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT:
 
 # --- blocked (flash-style) attention -----------------------------------------
 
-def _block_scores(q_BWKRH, k_BWKH, seg_q_BW, seg_k_BW, i, j, W):
-  """Masked float32 scores [B, K, R, W, W] of query block i against key block j."""
-  H = q_BWKRH.shape[-1]
-  s = jnp.einsum("bwkrh,bvkh->bkrwv", q_BWKRH, k_BWKH,
+def _block_scores(q_BTKRH, k_BSKH, seg_q_BT, seg_k_BS, i, j, width):
+  """Masked float32 scores [B, K, R, T, S] of query block i against key block j."""
+  H = q_BTKRH.shape[-1]
+  s = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH,
                  preferred_element_type=jnp.float32) * (H ** -0.5)
-  causal_WW = (i * W + jnp.arange(W))[:, None] >= (j * W + jnp.arange(W))[None, :]
-  mask_BWW = causal_WW[None] & (seg_q_BW[:, :, None] == seg_k_BW[:, None, :])
-  return jnp.where(mask_BWW[:, None, None], s, _NEG), mask_BWW
+  causal_TS = ((i * width + jnp.arange(width))[:, None]
+               >= (j * width + jnp.arange(width))[None, :])
+  mask_BTS = causal_TS[None] & (seg_q_BT[:, :, None] == seg_k_BS[:, None, :])
+  return jnp.where(mask_BTS[:, None, None], s, _NEG), mask_BTS
 
 
-def _blk(x: jax.Array, i: jax.Array, W: int) -> jax.Array:
-  return jax.lax.dynamic_slice_in_dim(x, i * W, W, axis=1)
+def _blk(x: jax.Array, i: jax.Array, width: int) -> jax.Array:
+  return jax.lax.dynamic_slice_in_dim(x, i * width, width, axis=1)
 
 
-def _block_overlap(seg, W):
+def _block_overlap(seg, width):
   """overlap(i, j): some row's query block i and key block j may share a segment.
 
   A range test on each block's (min, max) segment id: exact for packed rows
@@ -93,8 +95,8 @@ def _block_overlap(seg, W):
   it are fully masked and skipped, forward and backward.
   """
   B, T = seg.shape
-  seg_BXW = seg.reshape(B, T // W, W)
-  lo, hi = seg_BXW.min(-1), seg_BXW.max(-1)
+  seg_BXT = seg.reshape(B, T // width, width)
+  lo, hi = seg_BXT.min(-1), seg_BXT.max(-1)
   return lambda i, j: jnp.any((lo[:, i] <= hi[:, j]) & (lo[:, j] <= hi[:, i]))
 
 
@@ -103,84 +105,84 @@ def _skip_unless(pred, fn, carry):
   return jax.lax.cond(pred, fn, lambda c: c, carry)
 
 
-def _flash_forward(q, k, v, seg, W):
-  """out [B, T, K, R, H] and the log-sum-exp [X, B, K, R, W] of the blocked softmax."""
+def _flash_forward(q, k, v, seg, width):
+  """out [B, T, K, R, H] and the log-sum-exp [X, B, K, R, T] (a block of T) of the softmax."""
   B, T, K, R, H = q.shape
-  X = T // W
-  overlap = _block_overlap(seg, W)
+  X = T // width
+  overlap = _block_overlap(seg, width)
 
   def query_block(i):
-    q_i, sq_i = _blk(q, i, W), _blk(seg, i, W)
+    q_i, sq_i = _blk(q, i, width), _blk(seg, i, width)
 
     def update(j, carry):
       m, l, acc = carry
-      s, _ = _block_scores(q_i, _blk(k, j, W), sq_i, _blk(seg, j, W), i, j, W)
+      s, _ = _block_scores(q_i, _blk(k, j, width), sq_i, _blk(seg, j, width), i, j, width)
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       corr = jnp.exp(m - m_new)
-      pv = jnp.einsum("bkrwv,bvkh->bkrwh", p.astype(v.dtype), _blk(v, j, W),
+      pv = jnp.einsum("bkrts,bskh->bkrth", p.astype(v.dtype), _blk(v, j, width),
                       preferred_element_type=jnp.float32)
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
     key_block = lambda j, carry: _skip_unless(overlap(i, j), lambda c: update(j, c), carry)
 
-    init = (jnp.full((B, K, R, W), _NEG, jnp.float32), jnp.zeros((B, K, R, W), jnp.float32),
-            jnp.zeros((B, K, R, W, H), jnp.float32))
+    init = (jnp.full((B, K, R, width), _NEG, jnp.float32),
+            jnp.zeros((B, K, R, width), jnp.float32), jnp.zeros((B, K, R, width, H), jnp.float32))
     # Key blocks past the diagonal are fully masked: the loop stops at i.
     m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
-    out = jnp.einsum("bkrwh->bwkrh", acc / l[..., None]).astype(q.dtype)
+    out = jnp.einsum("bkrth->btkrh", acc / l[..., None]).astype(q.dtype)
     return out, m + jnp.log(l)
 
-  out_XBWKRH, lse_XBKRW = jax.lax.map(query_block, jnp.arange(X))
-  return jnp.moveaxis(out_XBWKRH, 0, 1).reshape(B, T, K, R, H), lse_XBKRW
+  out_XBTKRH, lse_XBKRT = jax.lax.map(query_block, jnp.arange(X))
+  return jnp.moveaxis(out_XBTKRH, 0, 1).reshape(B, T, K, R, H), lse_XBKRT
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(4,))
-def _flash(q, k, v, seg, W):
-  return _flash_forward(q, k, v, seg, W)[0]
+def _flash(q, k, v, seg, width):
+  return _flash_forward(q, k, v, seg, width)[0]
 
 
-def _flash_fwd(q, k, v, seg, W):
-  out, lse = _flash_forward(q, k, v, seg, W)
+def _flash_fwd(q, k, v, seg, width):
+  out, lse = _flash_forward(q, k, v, seg, width)
   return out, (q, k, v, seg, out, lse)
 
 
-def _flash_bwd(W, res, d_out):
+def _flash_bwd(width, res, d_out):
   """FlashAttention-2's backward: each block's probabilities recomputed from the lse."""
-  q, k, v, seg, out, lse_XBKRW = res
+  q, k, v, seg, out, lse_XBKRT = res
   B, T, K, R, H = q.shape
-  X = T // W
+  X = T // width
   scale = H ** -0.5
-  overlap = _block_overlap(seg, W)
+  overlap = _block_overlap(seg, width)
   # D = rowsum(dO * O), the softmax-Jacobian term; [B, K, R, T].
   delta_BKRT = jnp.einsum("btkrh,btkrh->bkrt", d_out.astype(jnp.float32),
                           out.astype(jnp.float32))
 
   def probs_and_ds(i, j):
-    q_i, k_j, v_j = _blk(q, i, W), _blk(k, j, W), _blk(v, j, W)
-    s, mask = _block_scores(q_i, k_j, _blk(seg, i, W), _blk(seg, j, W), i, j, W)
-    p = jnp.where(mask[:, None, None], jnp.exp(s - lse_XBKRW[i][..., None]), 0.0)
-    do_i = _blk(d_out, i, W).astype(jnp.float32)
-    dp = jnp.einsum("bwkrh,bvkh->bkrwv", do_i, v_j.astype(jnp.float32))
-    d_i = jax.lax.dynamic_slice_in_dim(delta_BKRT, i * W, W, axis=3)
+    q_i, k_j, v_j = _blk(q, i, width), _blk(k, j, width), _blk(v, j, width)
+    s, mask = _block_scores(q_i, k_j, _blk(seg, i, width), _blk(seg, j, width), i, j, width)
+    p = jnp.where(mask[:, None, None], jnp.exp(s - lse_XBKRT[i][..., None]), 0.0)
+    do_i = _blk(d_out, i, width).astype(jnp.float32)
+    dp = jnp.einsum("btkrh,bskh->bkrts", do_i, v_j.astype(jnp.float32))
+    d_i = jax.lax.dynamic_slice_in_dim(delta_BKRT, i * width, width, axis=3)
     return p, p * (dp - d_i[..., None]) * scale, do_i
 
   def dq_block(i):
     def update(j, dq):
       _, ds, _ = probs_and_ds(i, j)
-      return dq + jnp.einsum("bkrwv,bvkh->bwkrh", ds, _blk(k, j, W).astype(jnp.float32))
+      return dq + jnp.einsum("bkrts,bskh->btkrh", ds, _blk(k, j, width).astype(jnp.float32))
     body = lambda j, dq: _skip_unless(overlap(i, j), lambda c: update(j, c), dq)
-    return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((B, W, K, R, H), jnp.float32))
+    return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((B, width, K, R, H), jnp.float32))
 
   def dkv_block(j):
     def update(i, carry):
       dk, dv = carry
       p, ds, do_i = probs_and_ds(i, j)
-      dv = dv + jnp.einsum("bkrwv,bwkrh->bvkh", p, do_i)
-      dk = dk + jnp.einsum("bkrwv,bwkrh->bvkh", ds, _blk(q, i, W).astype(jnp.float32))
+      dv = dv + jnp.einsum("bkrts,btkrh->bskh", p, do_i)
+      dk = dk + jnp.einsum("bkrts,btkrh->bskh", ds, _blk(q, i, width).astype(jnp.float32))
       return dk, dv
     body = lambda i, c: _skip_unless(overlap(i, j), lambda c_: update(i, c_), c)
-    zeros = jnp.zeros((B, W, K, H), jnp.float32)
+    zeros = jnp.zeros((B, width, K, H), jnp.float32)
     return jax.lax.fori_loop(j, X, body, (zeros, zeros))
 
   unblock = lambda x_X: jnp.moveaxis(x_X, 0, 1).reshape((B, T) + x_X.shape[3:])
@@ -200,21 +202,21 @@ def _pad_rows(x: jax.Array, T_pad: int, value: int | float = 0) -> jax.Array:
 
 def flash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
           block: int = DEFAULT_BLOCK) -> jax.Array:
-  """Blocked attention in X = ceil(T / ``block``) blocks of W <= ``block`` columns (W a
-  multiple of 8 where that stays under ``block``); T is padded to X * W.
+  """Blocked attention in X = ceil(T / ``block``) blocks of ``width`` <= ``block`` columns
+  (a multiple of 8 where that stays under ``block``); T is padded to X * width.
 
   Padding columns get segment id -1: no real query sees them.
   """
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
   X = -(-T // block)
-  W = -(-T // X)
-  W = min(-(-W // 8) * 8, max(block, W))
-  T_pad = X * W
+  width = -(-T // X)
+  width = min(-(-width // 8) * 8, max(block, width))
+  T_pad = X * width
   q = _pad_rows(q_BTNH, T_pad).reshape(B, T_pad, K, N // K, H)
   k, v = _pad_rows(k_BSKH, T_pad), _pad_rows(v_BSKH, T_pad)
   seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
-  return _flash(q, k, v, seg, W).reshape(B, T_pad, N, H)[:, :T]
+  return _flash(q, k, v, seg, width).reshape(B, T_pad, N, H)[:, :T]
 
 
 # --- splash (Pallas, TPU) ------------------------------------------------------
@@ -235,17 +237,17 @@ def splash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_
            block: int = SPLASH_BLOCK, interpret: bool | None = None) -> jax.Array:
   """The splash kernel (a causal ``MultiHeadMask`` plus ``SegmentIds``), vmapped over rows.
 
-  Its blocks must be multiples of 128 columns: W is ``block`` or T rounded up
-  to 128, whichever is smaller, and T is padded to a multiple of W (segment -1).
+  Its blocks must be multiples of 128 columns: width is ``block`` or T rounded up
+  to 128, whichever is smaller, and T is padded to a multiple of width (segment -1).
   The kernel does not scale the scores, so q is scaled first.
   """
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
   if interpret is None:
     interpret = jax.default_backend() != "tpu"
   B, T, N, H = q_BTNH.shape
-  W = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
-  T_pad = -(-T // W) * W
-  kernel = _splash_kernel(N, T_pad, W, interpret)
+  width = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
+  T_pad = -(-T // width) * width
+  kernel = _splash_kernel(N, T_pad, width, interpret)
   q = jnp.swapaxes(_pad_rows(q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype), T_pad), 1, 2)
   k = jnp.swapaxes(_pad_rows(k_BSKH, T_pad), 1, 2)
   v = jnp.swapaxes(_pad_rows(v_BSKH, T_pad), 1, 2)

@@ -1,9 +1,9 @@
 """An explicit key/value cache: a plain pytree that goes in and comes out.
 
-Slots are shared by all rows: slot ``i`` of every row is written at the same
-call, so one scalar ``index`` says where the next tokens go. Left-padded
-prompts leave masked slots at the start of short rows; ``mask_BS`` marks the
-slots that hold real tokens and ``positions_B`` the next RoPE position of
+Columns (S) are shared by all rows: column ``i`` of every row is written at the
+same call, so one scalar ``index`` says where the next tokens go. Left-padded
+prompts leave masked columns at the start of short rows; ``mask_BS`` marks the
+columns that hold real tokens and ``positions_B`` the next RoPE position of
 each row (its count of real tokens so far).
 """
 
@@ -22,9 +22,9 @@ from models.config import Qwen2Config
 class KVCache:
   k_LBSKH: jax.Array
   v_LBSKH: jax.Array
-  mask_BS: jax.Array  # bool: slot holds a real token
+  mask_BS: jax.Array  # bool: column holds a real token
   positions_B: jax.Array  # int32: RoPE position of the row's next token
-  index: jax.Array  # int32 scalar: next slot to write
+  index: jax.Array  # int32 scalar: next column to write
 
   @property
   def max_len(self) -> int:
@@ -36,7 +36,7 @@ class KVCache:
 
 
 def init_cache(cfg: Qwen2Config, batch_size: int, max_len: int) -> KVCache:
-  """An empty cache of ``max_len`` slots in the compute dtype."""
+  """An empty cache of ``max_len`` columns in the compute dtype."""
   shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
   return KVCache(
       k_LBSKH=jnp.zeros(shape, cfg.dtype),
@@ -46,17 +46,3 @@ def init_cache(cfg: Qwen2Config, batch_size: int, max_len: int) -> KVCache:
       index=jnp.zeros((), jnp.int32),
   )
 
-
-def repeat_rows(cache: KVCache, times: int) -> KVCache:
-  """Each row repeated ``times`` times in place (row b -> rows b*times..).
-
-  Used to share one prompt prefill between the G samples of a prompt.
-  """
-  rep = lambda x, axis: jnp.repeat(x, times, axis=axis)
-  return KVCache(
-      k_LBSKH=rep(cache.k_LBSKH, 1),
-      v_LBSKH=rep(cache.v_LBSKH, 1),
-      mask_BS=rep(cache.mask_BS, 0),
-      positions_B=rep(cache.positions_B, 0),
-      index=cache.index,
-  )

@@ -1,7 +1,7 @@
 """LoRA: low-rank adapters on the frozen Qwen2 projections, written in the model code.
 
-A targeted kernel ``W`` (input dims I, output dims O) gets ``A`` [I..., Z] and
-``B`` [Z, O...] (Z: the rank); the layer computes ``x @ W + (alpha / Z) * (x @ A) @ B``
+A targeted kernel ``W`` [in..., out...] gets ``A`` [in..., rank] and
+``B`` [rank, out...]; the layer computes ``x @ W + (alpha / rank) * (x @ A) @ B``
 (``DecoderLayer`` adds ``delta`` after each projection). ``B`` starts at zero,
 so a fresh adapter leaves the model exactly as it was; ``A`` starts
 uniform(+-1/sqrt(fan_in)), PEFT's and qwix's default (he-uniform up to a constant).
@@ -9,7 +9,7 @@ uniform(+-1/sqrt(fan_in)), PEFT's and qwix's default (he-uniform up to a constan
 The adapter tree is separate from the base params and mirrors their layout,
 with qwix's names::
 
-  {"layers": {"q_kernel_lora_a": [L, D, Z], "q_kernel_lora_b": [L, Z, N, H], ...}}
+  {"layers": {"q_kernel_lora_a": [L, D, rank], "q_kernel_lora_b": [L, rank, N, H], ...}}
 
 so the optimizer state and the checkpoints hold only adapters, and the
 frozen base is a plain (non-donated) jit argument. ``with_adapters(base,
@@ -38,13 +38,13 @@ TARGETS = {"q": ("q_kernel", 1), "k": ("k_kernel", 1), "v": ("v_kernel", 1),
            "o": ("o_kernel", 2), "gate": ("gate_kernel", 1), "up": ("up_kernel", 1),
            "down": ("down_kernel", 1)}
 ALL_TARGETS = ",".join(TARGETS)
-SCALE = "lora_scale"  # the per-layer alpha / Z that ``with_adapters`` adds for the layers
-RANK_AXIS = "lora_rank"  # logical axis of Z (the rank): no rule names it, so it is never sharded
+SCALE = "lora_scale"  # the per-layer alpha / rank that ``with_adapters`` adds for the layers
+RANK_AXIS = "lora_rank"  # logical axis of the rank: no rule names it, so it is never sharded
 
 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
-  """Rank Z, alpha (the delta is scaled by alpha / Z) and the targeted projections."""
+  """Rank, alpha (the delta is scaled by alpha / rank) and the targeted projections."""
   rank: int
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
@@ -141,8 +141,8 @@ def delta(module: nn.Module, kernel: str, x: jax.Array, n_in: int) -> jax.Array 
   a = module.get_variable("params", f"{kernel}_lora_a").astype(dt)
   b = module.get_variable("params", f"{kernel}_lora_b").astype(dt)
   scale = module.get_variable("params", SCALE).astype(dt)
-  xa_BTZ = jnp.tensordot(x.astype(dt), a, axes=n_in)
-  return jnp.tensordot(xa_BTZ * scale, b, axes=1)
+  xa = jnp.tensordot(x.astype(dt), a, axes=n_in)  # [B, T, rank]
+  return jnp.tensordot(xa * scale, b, axes=1)
 
 
 def merge(base: Params, adapters: Params, lcfg: LoraConfig, dtype: Any = None) -> Params:

@@ -1,9 +1,11 @@
 """Qwen2 / Qwen2.5 / Qwen3 (dense) decoder as Flax linen modules, used pure-functionally.
 
-Axis legend (array-name suffixes and einsum letters):
-  B batch, T query length, S key/value length (cache slots), D model dim,
-  N query heads, K kv heads, R query heads per kv head (N = K*R), H head dim,
-  F MLP dim, V vocab, L layers; Z the LoRA rank (models.lora).
+Axis letters (array-name suffixes and einsum letters), the model's part of
+the one legend in ``capo_jax/types.py``:
+  B batch rows, T query length (this call's tokens), S key/value length (the
+  cache's columns), D model dim, N query heads, K kv heads, R query heads per
+  kv head (N = K*R), H head dim (h = H/2, RoPE's half), F MLP dim, V vocab,
+  L layers.
 
 ``Qwen2(cfg).apply({"params": params}, ...)`` is a pure function of the
 params: no mutable collections, and the KV cache is an explicit pytree passed
@@ -32,8 +34,8 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import attention as attention_lib
 from models import lora, sharding
-from models.config import PRESETS, Qwen2Config  # noqa: F401  (re-exported)
-from models.kv_cache import KVCache, init_cache  # noqa: F401  (re-exported)
+from models.config import Qwen2Config
+from models.kv_cache import KVCache
 
 Params = dict[str, Any]
 
@@ -136,9 +138,9 @@ class DecoderLayer(nn.Module):
     B, T, N, H = attn_BTNH.shape
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
     # kernel on every call of the sampler's decode loop.
-    x_BTD = x_BTD + self._lora("o_kernel", attn_BTNH, jnp.einsum(
-        "bte,ed->btd", attn_BTNH.reshape(B, T, N * H),
-        self.o_kernel.astype(dt).reshape(N * H, -1)), n_in=2)
+    x_BTD = x_BTD + self._lora("o_kernel", attn_BTNH, jax.lax.dot_general(
+        attn_BTNH.reshape(B, T, N * H), self.o_kernel.astype(dt).reshape(N * H, -1),
+        (((2,), (0,)), ((), ()))), n_in=2)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
     gate = self._lora("gate_kernel", h, jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt)))
     up = self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt)))
@@ -152,8 +154,8 @@ class DecoderLayer(nn.Module):
 
     ``carry`` is ``(x_BTD, None)`` for a full forward, where attention covers
     this call's tokens, or ``(x_BTD, (k_LBSKH, v_LBSKH))`` with a cache: this
-    call's keys / values go in at slot ``ctx["index"]`` of layer ``l`` and
-    attention covers every slot. The cache rides in the carry (not the scan's
+    call's keys / values go in at column ``ctx["index"]`` of layer ``l`` and
+    attention covers every column. The cache rides in the carry (not the scan's
     xs / ys) so each layer updates the donated buffer in place instead of
     materialising a fresh copy.
     """
@@ -202,7 +204,7 @@ class Qwen2(nn.Module):
                segment_ids_BT: jax.Array | None = None
                ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Hidden states [B, T, D]; with a stacked cache ``kv`` (k_LBSKH, v_LBSKH), writes
-    this call's keys / values at slot ``index`` and returns the updated pair.
+    this call's keys / values at column ``index`` and returns the updated pair.
 
     Without a cache, ``segment_ids_BT`` (instead of ``mask_BTS``) makes attention
     causal within segments, by ``cfg.attention`` (``models.attention``)."""
@@ -328,9 +330,9 @@ def forward_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
                        mask_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
   """Prefill (T > 1) or decode (T = 1) against an explicit cache.
 
-  Writes the T new tokens at slots ``[cache.index, cache.index + T)`` and
+  Writes the T new tokens at columns ``[cache.index, cache.index + T)`` and
   returns float32 logits [B, T, V] with the updated cache. Padding tokens
-  (mask 0) occupy slots but are never attended to and do not advance a
+  (mask 0) occupy columns but are never attended to and do not advance a
   row's RoPE position.
   """
   h_BTD, cache = hidden_states_with_cache(params, cfg, tokens_BT, mask_BT, cache)
@@ -348,12 +350,12 @@ def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Ar
   T = tokens_BT.shape[1]
   index = cache.index
   positions_BT = cache.positions_B[:, None] + positions_from_mask(mask_BT)
-  slot_mask_BS = jax.lax.dynamic_update_slice_in_dim(cache.mask_BS, mask_BT, index, axis=1)
+  kv_mask_BS = jax.lax.dynamic_update_slice_in_dim(cache.mask_BS, mask_BT, index, axis=1)
   causal_TS = jnp.arange(cache.max_len)[None, :] <= (index + jnp.arange(T))[:, None]
-  mask_BTS = causal_TS[None] & slot_mask_BS[:, None, :]
+  mask_BTS = causal_TS[None] & kv_mask_BS[:, None, :]
   h_BTD, (k, v) = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, mask_BTS,
                                    (cache.k_LBSKH, cache.v_LBSKH), index)
-  return h_BTD, KVCache(k_LBSKH=k, v_LBSKH=v, mask_BS=slot_mask_BS,
+  return h_BTD, KVCache(k_LBSKH=k, v_LBSKH=v, mask_BS=kv_mask_BS,
                         positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
                         index=index + T)
 

@@ -3,7 +3,7 @@
 References: a brute-force sampler that, for every token t, runs
 ``models.qwen2.forward`` over each row's prompt + tokens so far (no cache, no
 slots) and draws with the uniform of (rng, row, t); teacher-forced log-probs;
-and the same rollout at other slot counts N (all rows, a quarter, 3, which
+and the same rollout at other slot counts W (all rows, a quarter, 3, which
 does not divide B), unsharded and on 8 fake CPU devices (a subprocess, since
 XLA_FLAGS must be set before jax is imported). Attention blocks of 16 columns
 make the engine's blocked (filled-part only) attention run at these sizes.
@@ -26,15 +26,16 @@ import pytest
 from capo_jax.sampling import decode, engine
 from capo_jax.sampling import sampler as sampling
 from models import qwen2
+from models.config import Qwen2Config
 import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-Q, G, C = 4, 5, 28  # B = 20: N = 5 is a quarter, N = 3 does not divide it
+Q, G, C = 4, 5, 28  # B = 20: W = 5 is a quarter, W = 3 does not divide it
 STRATEGY = sampling.TopK(temperature=0.9, k=40)
 
 
 def tiny_policy():
-  cfg = qwen2.Qwen2Config.tiny()
+  cfg = Qwen2Config.tiny()
   params = qwen2.init_params(cfg, jax.random.key(0))
   # Weights of std 0.15 (not 0.02), so the model is far from uniform.
   params = jax.tree_util.tree_map_with_path(
@@ -57,21 +58,22 @@ def small_blocks():
 def run(cfg, params, tokens, mask, n: int, stops=(), layout=None, max_new: int = C,
         key: int = 2) -> sampling.Samples:
   with small_blocks():
-    return sampling.generate(params, cfg, tokens, mask, jax.random.key(key), num_samples=G,
-                             max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops,
-                             layout=layout, max_active_rows=n)
+    return sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(key), sampling.SamplingSpec(
+            num_samples=G, max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops,
+            max_active_rows=n), layout=layout)
 
 
 def stop_ids_for(cfg, params, tokens, mask) -> list[int]:
   """Stop ids (the tokens an unstopped run emits most) that end rows at many lengths."""
-  out = run(cfg, params, tokens, mask, Q * G, key=1)  # the N = B program, reused below
+  out = run(cfg, params, tokens, mask, Q * G, key=1)  # the W = B program, reused below
   counts = np.bincount(np.asarray(out.tokens_BC).ravel(), minlength=cfg.vocab_size)
   return [int(t) for t in np.argsort(-counts)[:6]]
 
 
 def schedules(cfg, params, tokens, mask, stops, layout=None, slots=(Q * G, Q * G // 4, 3)
               ) -> dict[int, sampling.Samples]:
-  """The same rollout at N = B, B / 4 and 3 slots."""
+  """The same rollout at W = B, B / 4 and 3 slots."""
   return {n: run(cfg, params, tokens, mask, n, stops, layout) for n in slots}
 
 
@@ -164,7 +166,7 @@ def test_tail_phases_schedule():
 
 
 def test_tail_phases_give_the_same_samples(rollouts, monkeypatch):
-  """N = 16 of 20 rows, then 4, then 1 slot: each loop runs, samples unchanged."""
+  """W = 16 of 20 rows, then 4, then 1 slot: each loop runs, samples unchanged."""
   cfg, params, tokens, mask, stops, outs = rollouts
   monkeypatch.setattr(decode, "MIN_ROWS_CPU", 1)  # loops of 4 and 1 slots on CPU too
   # key 6: lengths whose tail reaches all three loops (the fixture's key ends
@@ -179,9 +181,9 @@ def test_one_token_and_compile_count(rollouts):
   cfg, params, tokens, mask, stops, outs = rollouts
   before = dict(engine.TRACE_COUNTS)
   rng = np.random.default_rng(3)
-  # The fixture compiled N = 3 at these shapes. Prompt lengths within the 16
+  # The fixture compiled W = 3 at these shapes. Prompt lengths within the 16
   # bucket, max_new_tokens and stop sets within the 32 bucket reuse its
-  # programs; another N compiles the decode loop once, not the prefill.
+  # programs; another W compiles the decode loop once, not the prefill.
   for n, lengths, max_new, stop in [(3, [7, 7, 16, 1], 17, []), (3, [3, 4, 5, 6], 30, stops[:2]),
                                     (7, [5, 13, 2, 9], 20, stops), (7, [1, 2, 3, 4], 32, [])]:
     t, m = hf_utils.left_padded_batch(rng, lengths, cfg.vocab_size, low=3)
@@ -200,8 +202,9 @@ def test_one_token_and_compile_count(rollouts):
 def test_bad_max_active_rows_is_named(rollouts):
   cfg, params, tokens, mask, *_ = rollouts
   with pytest.raises(ValueError, match="max_active_rows"):
-    sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                      max_new_tokens=4, max_active_rows=0)
+    sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+            num_samples=1, max_new_tokens=4, max_active_rows=0))
 
 
 _SHARDED = textwrap.dedent("""
@@ -250,17 +253,17 @@ def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
 
 
 def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
-  """Bitwise the same tokens and log-probs at every N, on a model with fragile draws.
+  """Bitwise the same tokens and log-probs at every W, on a model with fragile draws.
 
   The tiny policy above is peaked, so a rounding difference rarely flips a
   draw. Here the next-token distribution is near uniform over 8,192 tokens
   and the matmuls contract 512 columns, the shapes at which XLA:CPU's GEMM
-  rounds an [N, D] x [D, F] product differently below 64 rows and its row
+  rounds an [W, D] x [D, F] product differently below 64 rows and its row
   reductions differently below 8 (capo_jax.sampling.decode). On the
   benchmark model such ~3e-6 logit differences flipped draws within a
   hundred tokens; here the log-probs, compared exactly, show them at once.
   """
-  cfg = qwen2.Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
+  cfg = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
                           num_layers=1, num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
   params = qwen2.init_params(cfg, jax.random.key(0))
   tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(1), [9, 16, 4, 12, 7, 1, 14, 3],
@@ -269,12 +272,13 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
   stops = np.random.default_rng(2).choice(np.arange(3, cfg.vocab_size), 82, replace=False)
 
   def rollout(n: int | None) -> sampling.Samples:
-    return sampling.generate(params, cfg, tokens, mask, jax.random.key(5), num_samples=G,
-                             max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n)
+    return sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(5), sampling.SamplingSpec(
+            num_samples=G, max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n))
 
   ref = rollout(None)
   assert np.asarray(ref.lengths_B).min() < 24 < np.asarray(ref.lengths_B).max()  # refills happen
-  # N = 32 of 40 rows ends in a loop of 8 slots (engine.Plan.phases).
+  # W = 32 of 40 rows ends in a loop of 8 slots (engine.Plan.phases).
   assert min(loop_steps(np.asarray(ref.lengths_B), 48, (32, 8))) > 0
   for n in (32, B // 4, 3):
     out = rollout(n)

@@ -100,8 +100,8 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
   calls = []
   real_generate = sampling.generate
 
-  def spy(params, cfg, tokens, mask, rng, **kw):
-    out = real_generate(params, cfg, tokens, mask, rng, **kw)
+  def spy(params, cfg, tokens, mask, rng, *args, **kw):
+    out = real_generate(params, cfg, tokens, mask, rng, *args, **kw)
     calls.append((np.asarray(tokens), np.asarray(mask), jax.tree.map(np.asarray, out)))
     return out
 

@@ -23,8 +23,9 @@ from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
 from configs import common
 from models import hf_weights, lora, qwen2
+from models.config import Qwen2Config
 
-CFG = qwen2.Qwen2Config.tiny(tie_word_embeddings=False)
+CFG = Qwen2Config.tiny(tie_word_embeddings=False)
 LCFG = lora.LoraConfig(rank=3, alpha=6.0)  # scale 2: a wrong scale shows
 # Jitted once each: eager Flax applies dispatch (and compile) op by op, slowly.
 forward = jax.jit(qwen2.forward, static_argnums=1)

@@ -295,8 +295,9 @@ def test_policy_gradient_identity_on_tiny_qwen2() -> None:
   """
   from capo_jax.rl import advantages
   from models import qwen2
+  from models.config import Qwen2Config
 
-  cfg = qwen2.Qwen2Config.tiny(num_layers=1, vocab_size=64)
+  cfg = Qwen2Config.tiny(num_layers=1, vocab_size=64)
   params = qwen2.init_params(cfg, jax.random.key(0))
   q, g, p_len, c_len = 2, 4, 5, 7
   b = q * g

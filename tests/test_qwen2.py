@@ -13,7 +13,7 @@ import pytest
 
 from models import hf_weights, qwen2
 from models.config import PRESETS, Qwen2Config
-from models.kv_cache import init_cache, repeat_rows
+from models.kv_cache import KVCache, init_cache
 
 forward = jax.jit(qwen2.forward, static_argnums=1)
 forward_with_cache = jax.jit(qwen2.forward_with_cache, static_argnums=1)
@@ -80,6 +80,14 @@ def test_cached_decode_equals_full_forward(chunks):
   assert np.abs(cached - full)[real].max() <= 1e-5
   np.testing.assert_array_equal(np.asarray(cache.positions_B), np.array(prompt_lens) + new)
   assert int(cache.index) == tokens.shape[1]
+
+
+def repeat_rows(cache: KVCache, times: int) -> KVCache:
+  """Each row repeated ``times`` times in place (row b -> rows b*times..)."""
+  rep = lambda x, axis: jnp.repeat(x, times, axis=axis)
+  return KVCache(k_LBSKH=rep(cache.k_LBSKH, 1), v_LBSKH=rep(cache.v_LBSKH, 1),
+                 mask_BS=rep(cache.mask_BS, 0), positions_B=rep(cache.positions_B, 0),
+                 index=cache.index)
 
 
 def test_repeat_rows_shares_one_prefill():

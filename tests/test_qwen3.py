@@ -152,8 +152,9 @@ def test_greedy_sampler_matches_transformers_generate_qwen3(tmp_path):
                             max_new_tokens=10, do_sample=False, eos_token_id=None,
                             pad_token_id=0)[:, tokens.shape[1]:].numpy()
   assert len(np.unique(ref)) > 3  # not one repeated token
-  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                          max_new_tokens=10, strategy=sampling.Greedy(), pad_id=0)
+  out = sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+          num_samples=1, max_new_tokens=10, strategy=sampling.Greedy(), pad_id=0))
   np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref)
 
 

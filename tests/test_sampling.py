@@ -22,8 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
 from models import hf_weights, qwen2
+from models.config import Qwen2Config
 import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -59,15 +61,18 @@ def test_greedy_matches_transformers_and_stops(tiny):
   # Stop ids the rows meet at different steps (and one row maybe never).
   stops = sorted({int(free[0, 3]), int(free[1, 6])})
   expected = _hf_greedy(model, tokens, mask, 12, stops)
-  ours = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                           max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD)
+  ours = sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+          num_samples=1, max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD))
   np.testing.assert_array_equal(np.asarray(sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(0), num_samples=1, max_new_tokens=12,
-      strategy=sampling.Greedy(), pad_id=PAD).tokens_BC), free)
+      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+          num_samples=1, max_new_tokens=12, strategy=sampling.Greedy(), pad_id=PAD)).tokens_BC),
+          free)
   # The engine with 2 slots for 3 rows (a refill mid-run) gives the same tokens.
-  two = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                          max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops,
-                          pad_id=PAD, max_active_rows=2)
+  two = sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+          num_samples=1, max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD,
+          max_active_rows=2))
   np.testing.assert_array_equal(np.asarray(two.tokens_BC), np.asarray(ours.tokens_BC))
   np.testing.assert_array_equal(np.asarray(two.mask_BC), np.asarray(ours.mask_BC))
   for b in range(tokens.shape[0]):
@@ -82,8 +87,9 @@ def test_greedy_matches_transformers_and_stops(tiny):
   assert int(ours.lengths_B[0]) <= 4 and int(ours.lengths_B[1]) <= 7  # the stops took effect
   # A stop on the very last allowed token is a stop, not a truncation.
   n0 = int(ours.lengths_B[0])
-  short = sampling.generate(params, cfg, tokens, mask, jax.random.key(0), num_samples=1,
-                            max_new_tokens=n0, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD)
+  short = sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
+          num_samples=1, max_new_tokens=n0, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD))
   stopped = np.isin(free[:, :n0], stops).any(1)
   np.testing.assert_array_equal(np.asarray(short.truncated_B), ~stopped)
   assert stopped[0] and int(short.lengths_B[0]) == n0
@@ -105,8 +111,10 @@ def test_logprobs_equal_teacher_forcing(tiny):
   _, cfg, params = tiny
   tokens, mask = _prompts(cfg.vocab_size)
   G, C = 2, 10
-  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(3), num_samples=G,
-                          max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20), stop_ids=[5, 17])
+  out = sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(3), sampling.SamplingSpec(
+          num_samples=G, max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20),
+          stop_ids=[5, 17]))
   ref, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   assert m.sum() > G * 3 * 3
   np.testing.assert_allclose(np.asarray(out.logprobs_BC)[m], ref[m], atol=1e-4)
@@ -125,8 +133,9 @@ def test_bfloat16_sampler_logprobs(tiny):
   params = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params32)
   tokens, mask = _prompts(cfg.vocab_size)
   G = 2
-  out = sampling.generate(params, cfg, tokens, mask, jax.random.key(5), num_samples=G,
-                          max_new_tokens=12, strategy=sampling.Temperature(1.0), stop_ids=[5, 17])
+  out = sampling.generate(
+      params, cfg, tokens, mask, jax.random.key(5), sampling.SamplingSpec(
+          num_samples=G, max_new_tokens=12, strategy=sampling.Temperature(1.0), stop_ids=[5, 17]))
   assert out.logprobs_BC.dtype == jnp.float32
   ref16, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   ref32, _ = _teacher_forced(params32, cfg32, tokens, mask, out, G)
@@ -140,8 +149,9 @@ def test_same_rng_same_samples(tiny):
   _, cfg, params = tiny
   tokens, mask = _prompts(cfg.vocab_size)
   run = lambda key: np.asarray(sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(key), num_samples=2, max_new_tokens=10,
-      strategy=sampling.TopK(temperature=0.7, k=20), stop_ids=[5, 17]).tokens_BC)
+      params, cfg, tokens, mask, jax.random.key(key), sampling.SamplingSpec(
+          num_samples=2, max_new_tokens=10, strategy=sampling.TopK(temperature=0.7, k=20),
+          stop_ids=[5, 17])).tokens_BC)
   np.testing.assert_array_equal(run(3), run(3))
   assert (run(3) != run(4)).any()
 
@@ -224,7 +234,7 @@ def test_token_frequencies_match_the_distribution(strategy):
 
 @pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_first_token_frequencies_through_generate():
-  cfg = qwen2.Qwen2Config.tiny(vocab_size=12)
+  cfg = Qwen2Config.tiny(vocab_size=12)
   params = qwen2.init_params(cfg, jax.random.key(5))
   params["embed"] = params["embed"] * 3.0  # spread the logits
   tokens, mask = np.array([[0, 0, 4, 7, 1]]), np.array([[0, 0, 1, 1, 1]])
@@ -234,8 +244,9 @@ def test_first_token_frequencies_through_generate():
   n, rounds = 2000, 4
   counts = np.zeros(12)
   for r in range(rounds):
-    out = sampling.generate(params, cfg, tokens, mask, jax.random.key(r), num_samples=n,
-                            max_new_tokens=1, strategy=sampling.Temperature(1.5))
+    out = sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(r), sampling.SamplingSpec(
+            num_samples=n, max_new_tokens=1, strategy=sampling.Temperature(1.5)))
     counts += np.bincount(np.asarray(out.tokens_BC[:, 0]), minlength=12)
   freq = counts / (n * rounds)
   assert (np.abs(freq - p) <= _freq_bound(p, n * rounds)).all(), np.abs(freq - p).max()
@@ -245,15 +256,17 @@ def test_first_token_frequencies_through_generate():
 def test_length_buckets_bound_compilations(tiny):
   _, cfg, params = tiny
   rng = np.random.default_rng(4)
-  for f in (sampling._prefill, sampling._decode):  # pylint: disable=protected-access
+  for f in (engine.prefill, engine.decode_loop):
     f.clear_cache()
   before = dict(sampling.TRACE_COUNTS)
   # Prompt lengths in buckets 16, 16, 16, 32, 32; max_new_tokens (and stop sets)
   # vary within the 16 bucket: two shapes, so two traces of each function.
   for P, C, stops in [(4, 9, [5]), (9, 16, [5, 17]), (16, 11, []), (17, 9, [5]), (30, 14, [9])]:
     tokens, mask = hf_utils.left_padded_batch(rng, [P, P - 2, 3], cfg.vocab_size)
-    out = sampling.generate(params, cfg, tokens, mask, jax.random.key(P), num_samples=2,
-                            max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20), stop_ids=stops)
+    out = sampling.generate(
+        params, cfg, tokens, mask, jax.random.key(P), sampling.SamplingSpec(
+            num_samples=2, max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20),
+            stop_ids=stops))
     assert out.tokens_BC.shape == (6, C)
   new = {k: sampling.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
   assert new == {"prefill": 2, "decode": 2}, new
@@ -262,7 +275,7 @@ def test_length_buckets_bound_compilations(tiny):
 def test_bad_input_is_named(tiny):
   _, cfg, params = tiny
   gen = lambda t, m, **kw: sampling.generate(params, cfg, t, m, jax.random.key(0),
-                                             num_samples=1, max_new_tokens=4, **kw)
+                                             sampling.SamplingSpec(1, 4, **kw))
   with pytest.raises(ValueError, match="left-padded"):
     gen(np.ones((1, 4), int), np.array([[1, 1, 0, 0]]))
   with pytest.raises(ValueError, match="stop_ids"):
@@ -271,34 +284,40 @@ def test_bad_input_is_named(tiny):
     sampling.make_strategy(temperature=-1.0)
   with pytest.raises(ValueError, match="TopP.p"):
     sampling.TopP(p=0.0)
+  with pytest.raises(ValueError, match="max_active_rows"):
+    sampling.SamplingSpec(num_samples=1, max_new_tokens=4, max_active_rows=0)
+  with pytest.raises(ValueError, match="must be >= 1"):
+    sampling.SamplingSpec(num_samples=0, max_new_tokens=4)
 
 
 _SHARDED = textwrap.dedent("""
     import os
     os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    import dataclasses
     import jax, numpy as np
     from capo_jax.runtime import mesh as capo_mesh
     from capo_jax.sampling import sampler as sampling
     from models import qwen2
+    from models.config import Qwen2Config
     from models.sharding import Layout
-    cfg = qwen2.Qwen2Config.tiny(tie_word_embeddings=False)
+    cfg = Qwen2Config.tiny(tie_word_embeddings=False)
     params = qwen2.init_params(cfg, jax.random.key(0))
     # Weights of std 0.15 (not 0.02) so greedy does not just repeat the last token.
     params = jax.tree_util.tree_map_with_path(
         lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 256, (4, 9)); mask = np.ones((4, 9), int); mask[1, :4] = 0
-    kw = dict(num_samples=2, max_new_tokens=12, strategy=sampling.Greedy())
+    spec = sampling.SamplingSpec(num_samples=2, max_new_tokens=12, strategy=sampling.Greedy())
     # Stop ids taken from an unstopped run (row 0 at step 2, row 4 at step 6), so rows end
     # at different lengths whatever the random weights.
     free = np.asarray(sampling.generate(params, cfg, tokens, mask, jax.random.key(1),
-                                        **kw).tokens_BC)
-    kw["stop_ids"] = sorted({int(free[0, 2]), int(free[4, 6])})
-    one = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), **kw)
+                                        spec).tokens_BC)
+    spec = dataclasses.replace(spec, stop_ids=sorted({int(free[0, 2]), int(free[4, 6])}))
+    one = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), spec)
     mesh = capo_mesh.make_mesh({"data": 2, "fsdp": 2, "tensor": 2})
     rules = capo_mesh.SAMPLING_RULES
     layout = Layout.of(mesh, rules)
-    eight = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), layout=layout, **kw)
+    eight = sampling.generate(params, cfg, tokens, mask, jax.random.key(1), spec, layout=layout)
     assert len(jax.devices()) == 8
     assert eight.tokens_BC.sharding.spec[0] == ("data", "fsdp"), eight.tokens_BC.sharding
     np.testing.assert_array_equal(np.asarray(one.tokens_BC), np.asarray(eight.tokens_BC))

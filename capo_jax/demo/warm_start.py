@@ -36,9 +36,9 @@ from capo_jax.demo.task import Example, TaskConfig, make_splits
 from capo_jax.eval import calibration
 from capo_jax.eval import evaluate
 from capo_jax.rl.optim import OptimConfig, make_optimizer
-from capo_jax.types import Params
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
 log = logging.getLogger(__name__)
 

@@ -30,9 +30,10 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from capo_jax.types import Array, Params
+from capo_jax.types import Array
 from models import qwen2
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
 
 def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC: Array,

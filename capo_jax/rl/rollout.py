@@ -238,12 +238,12 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
   for i, start in enumerate(range(0, Q, per_call)):
     samples = sampling.generate(
         params_sampling, ctx.model_cfg, tokens_QP[start:start + per_call],
-        mask_QP[start:start + per_call], jax.random.fold_in(rng, i), num_samples=G,
-        max_new_tokens=spec.max_new_tokens,
-        strategy=sampling.make_strategy(spec.temperature, spec.top_p, spec.top_k),
-        stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-        layout=Layout.of(ctx.mesh, ctx.sampling_rules),
-        max_active_rows=spec.max_active_rows or None)
+        mask_QP[start:start + per_call], jax.random.fold_in(rng, i), sampling.SamplingSpec(
+            num_samples=G, max_new_tokens=spec.max_new_tokens,
+            strategy=sampling.make_strategy(spec.temperature, spec.top_p, spec.top_k),
+            stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
+            max_active_rows=spec.max_active_rows or None),
+        layout=Layout.of(ctx.mesh, ctx.sampling_rules))
     # The host needs the tokens (to decode), the mask, lengths and truncation; the
     # sampler's log-probs stay on the devices.
     host.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.lengths_B,

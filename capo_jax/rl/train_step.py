@@ -57,10 +57,11 @@ from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs
 from capo_jax.rl.optim import OptimConfig, current_lr, make_optimizer
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.types import Array, Params
+from capo_jax.types import Array
 from models import lora as lora_lib
 from models import qwen2
 from models.config import Qwen2Config
+from models.qwen2 import Params
 from models import sharding
 from models.sharding import Rules
 

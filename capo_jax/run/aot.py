@@ -12,8 +12,8 @@ The programs are the ones the trainer runs, from the one builder
 ``max_prompt_len``, completion ``max_new_tokens``, every sequence that long) and
 with its shardings:
 
-  prefill   ``sampling._prefill`` over one sampler call's prompts
-  decode    ``sampling._decode``, the engine's ``lax.while_loop`` over its N-slot cache
+  prefill   ``engine.prefill`` over one sampler call's prompts
+  decode    ``engine.decode_loop``, the engine's ``lax.while_loop`` over its W-slot cache
   logprobs  the old-policy pass over one call of model rows (packed when
             ``train.pack``; LoRA: base + adapters), float32 params
   logprobs_ref  the same program with the reference (when the run keeps one)
@@ -219,9 +219,10 @@ def _sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh, sh: Shapes
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
   prefill = Lowerable(
-      "prefill", sampling._prefill,  # pylint: disable=protected-access
+      "prefill", engine.prefill,
       (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng),
-      dict(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples, layout=layout),
+      dict(plan=engine.PrefillPlan(cfg=model_cfg, strategy=strategy,
+                                   num_samples=sh.num_samples, layout=layout)),
       sh.num_calls, ("train state", "reference"))
   rows = sh.prompts_per_call * sh.num_samples
   slots = min(spec.rollout.max_active_rows or rows, rows)
@@ -230,12 +231,11 @@ def _sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh, sh: Shapes
                      shrink=slots < rows)
 
   def decode(prefill_compiled: Any) -> Lowerable:
-    out = jax.eval_shape(functools.partial(sampling._prefill, **prefill.kwargs),  # pylint: disable=protected-access
-                         *prefill.args)
+    out = jax.eval_shape(functools.partial(engine.prefill, **prefill.kwargs), *prefill.args)
     prompts, first = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o), out,
                                   prefill_compiled.output_shardings)
-    return Lowerable("decode", sampling._decode,  # pylint: disable=protected-access
-                     (params, prompts, first, rng, stops, pad, _sds((), jnp.int32, rep)),
+    ends = engine.Ends(stops, pad, _sds((), jnp.int32, rep))
+    return Lowerable("decode", engine.decode_loop, (params, prompts, first, rng, ends),
                      dict(plan=plan), sh.num_calls, ("train state", "reference"))
 
   return prefill, decode

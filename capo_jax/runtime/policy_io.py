@@ -19,9 +19,9 @@ import jax
 import jax.numpy as jnp
 
 from capo_jax.runtime import fs
-from capo_jax.types import Params
 from models import hub
 from models.config import Qwen2Config
+from models.qwen2 import Params
 
 EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
 # Key of the checkpoint's JSON record that holds the model's HF config.json dict.

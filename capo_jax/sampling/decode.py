@@ -1,11 +1,11 @@
-"""The engine's one-token decode step over N cache slots, each at its own column.
+"""The engine's one-token decode step over W cache slots, each at its own column.
 
 The prefill fills the model's stacked ``KVCache`` [L, Q, P, K, H] once per
 prompt; the engine (capo_jax.sampling.engine) copies a prompt's keys / values
 into a slot of a ``SlotCache`` when a row starts there, and every decode step
-advances all N slots by one token (``step``):
+advances all W slots by one token (``step``):
 
-- slot n holds one row: its left-padded prompt in columns [0, P), then its
+- slot w holds one row: its left-padded prompt in columns [0, P), then its
   completion, token t's key / value at column P + t - 1. Each slot writes at
   its own column (a scatter), so rows of different ages share a step.
 - attention reads only the filled part of the cache: blocks of ``block``
@@ -13,19 +13,19 @@ advances all N slots by one token (``step``):
   an online softmax. A block past a slot's end is all masked and changes
   nothing (max unchanged, rescale exactly 1, weights exactly 0), so a row's
   result does not depend on the other rows in the step.
-- keys as [N, K, H, S] and values as [N, K, S, H], the operand layouts of the
+- keys as [W, K, H, S] and values as [W, K, S, H], the operand layouts of the
   two attention matmuls, so no step transposes the cache (with the model's
   [B, S, K, H] layout XLA transposed every layer's whole cache every step),
   and one buffer per layer, not a slice of a stacked array (inside the
   model's layer scan XLA copies every layer's cache slice in and out).
 
 Row-count invariance: a row's logits must not depend on how many slots
-share the step (the engine's samples are the same whatever N). XLA:CPU's
-GEMM sums an [N, D] x [D, F] product in an order that depends on N: below
+share the step (the engine's samples are the same whatever W). XLA:CPU's
+GEMM sums an [W, D] x [D, F] product in an order that depends on W: below
 64 rows it blocks the contraction differently, and logits move by ~4e-6,
 enough to flip an inverse-CDF draw from a flat distribution. An
-[N, D] x [F, D] product (both operands contracted on their last axis) came
-out bitwise the same for every N from 2 to 256, on every projection shape
+[W, D] x [F, D] product (both operands contracted on their last axis) came
+out bitwise the same for every W from 2 to 256, on every projection shape
 of the benchmark model and of Qwen2.5-0.5B and on both unembeddings
 (measured 2026-12-02, jax 0.10.2). So on CPU ``prepare`` makes output-major
 [F, D] copies of the layer kernels once per rollout and the step contracts
@@ -34,9 +34,9 @@ since the copies would take a second set of weights in HBM. The embedding is
 [V, D] already: the unembedding needs no copy when the weights are tied.
 Below 8 rows XLA:CPU also vectorises the row reductions (RMS norms,
 softmaxes) another way (~2e-7 apart), so on CPU the engine gives its cache
-at least ``MIN_ROWS_CPU`` slots, the extra ones idle when N is smaller.
+at least ``MIN_ROWS_CPU`` slots, the extra ones idle when W is smaller.
 
-Logits come out vocab-major [V, N], the layout the strategies
+Logits come out vocab-major [V, W], the layout the strategies
 (capo_jax.sampling.strategies) reduce over.
 """
 
@@ -58,16 +58,16 @@ MIN_ROWS_CPU = 8  # from 8 rows up every row of a step is computed the same way 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotCache:
-  k: tuple[jax.Array, ...]  # per layer [N, K, H, S]
-  v: tuple[jax.Array, ...]  # per layer [N, K, S, H]
-  mask_NS: jax.Array  # bool: column holds a real token of the slot's row
+  k: tuple[jax.Array, ...]  # per layer [W, K, H, S]
+  v: tuple[jax.Array, ...]  # per layer [W, K, S, H]
+  mask_WS: jax.Array  # bool: column holds a real token of the slot's row
 
   @classmethod
   def empty(cls, cfg: Qwen2Config, num_slots: int, num_cols: int) -> SlotCache:
-    N, K, H, S = num_slots, cfg.num_kv_heads, cfg.head_dim, num_cols
-    return cls(k=tuple(jnp.zeros((N, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
-               v=tuple(jnp.zeros((N, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
-               mask_NS=jnp.zeros((N, S), jnp.bool_))
+    W, K, H, S = num_slots, cfg.num_kv_heads, cfg.head_dim, num_cols
+    return cls(k=tuple(jnp.zeros((W, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
+               v=tuple(jnp.zeros((W, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
+               mask_WS=jnp.zeros((W, S), jnp.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -126,24 +126,24 @@ def prepare(params: Params, cfg: Qwen2Config, num_cols: int,
       unembed=unembed, rope_Sh=(cos[0], sin[0]), out_major=out_major)
 
 
-def _proj(w: DecodeWeights, x_NI: jax.Array, kernel: jax.Array) -> jax.Array:
-  """``x_NI @ W`` with W [I, O], stored [O, I] when ``w.out_major``."""
-  eq = "ni,oi->no" if w.out_major else "ni,io->no"
-  return jnp.einsum(eq, x_NI, kernel)
+def _proj(w: DecodeWeights, x: jax.Array, kernel: jax.Array) -> jax.Array:
+  """``x @ kernel`` for x [W, in] and a kernel [in, out], stored [out, in] when ``w.out_major``."""
+  contract = (1,) if w.out_major else (0,)
+  return jax.lax.dot_general(x, kernel, (((1,), contract), ((), ())))
 
 
-def attend_full(q_NKRH: jax.Array, k_NKHS: jax.Array, v_NKSH: jax.Array,
-                mask_NS: jax.Array) -> jax.Array:
+def attend_full(q_WKRH: jax.Array, k_WKHS: jax.Array, v_WKSH: jax.Array,
+                mask_WS: jax.Array) -> jax.Array:
   """One query token per slot against every column; scores and softmax in float32."""
-  H = q_NKRH.shape[-1]
-  scores_NKRS = jnp.einsum("nkrh,nkhs->nkrs", q_NKRH, k_NKHS,
+  H = q_WKRH.shape[-1]
+  scores_WKRS = jnp.einsum("wkrh,wkhs->wkrs", q_WKRH, k_WKHS,
                            preferred_element_type=jnp.float32) * (H ** -0.5)
-  scores_NKRS = jnp.where(mask_NS[:, None, None], scores_NKRS, _NEG)
-  probs = jax.nn.softmax(scores_NKRS, axis=-1).astype(v_NKSH.dtype)
-  return jnp.einsum("nkrs,nksh->nkrh", probs, v_NKSH)
+  scores_WKRS = jnp.where(mask_WS[:, None, None], scores_WKRS, _NEG)
+  probs = jax.nn.softmax(scores_WKRS, axis=-1).astype(v_WKSH.dtype)
+  return jnp.einsum("wkrs,wksh->wkrh", probs, v_WKSH)
 
 
-def attend_blocks(q_NKRH: jax.Array, k_NKHS: jax.Array, v_NKSH: jax.Array, mask_NS: jax.Array,
+def attend_blocks(q_WKRH: jax.Array, k_WKHS: jax.Array, v_WKSH: jax.Array, mask_WS: jax.Array,
                   num_blocks: jax.Array, block: int) -> jax.Array:
   """``attend_full`` over the first ``num_blocks`` blocks of ``block`` columns only.
 
@@ -153,30 +153,30 @@ def attend_blocks(q_NKRH: jax.Array, k_NKHS: jax.Array, v_NKSH: jax.Array, mask_
   an exact no-op, so the result is the softmax over the slot's real columns
   whatever ``num_blocks`` (>= the slot's filled blocks) is.
   """
-  N, K, R, H = q_NKRH.shape
+  W, K, R, H = q_WKRH.shape
 
   def body(b: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
            ) -> tuple[jax.Array, jax.Array, jax.Array]:
-    m_NKR, l_NKR, acc_NKRH = carry
+    m_WKR, l_WKR, acc_WKRH = carry
     s0 = b * block
-    k_blk = jax.lax.dynamic_slice_in_dim(k_NKHS, s0, block, axis=3)
-    v_blk = jax.lax.dynamic_slice_in_dim(v_NKSH, s0, block, axis=2)
-    mask_blk = jax.lax.dynamic_slice_in_dim(mask_NS, s0, block, axis=1)
-    s_NKRJ = jnp.einsum("nkrh,nkhj->nkrj", q_NKRH, k_blk,
+    k_blk = jax.lax.dynamic_slice_in_dim(k_WKHS, s0, block, axis=3)
+    v_blk = jax.lax.dynamic_slice_in_dim(v_WKSH, s0, block, axis=2)
+    mask_blk = jax.lax.dynamic_slice_in_dim(mask_WS, s0, block, axis=1)
+    s_WKRS = jnp.einsum("wkrh,wkhs->wkrs", q_WKRH, k_blk,
                         preferred_element_type=jnp.float32) * (H ** -0.5)
-    s_NKRJ = jnp.where(mask_blk[:, None, None], s_NKRJ, _NEG)
-    m_new = jnp.maximum(m_NKR, s_NKRJ.max(-1))
-    rescale = jnp.exp(m_NKR - m_new)
-    p_NKRJ = jnp.exp(s_NKRJ - m_new[..., None])
-    acc_NKRH = acc_NKRH * rescale[..., None] + jnp.einsum(
-        "nkrj,nkjh->nkrh", p_NKRJ.astype(v_NKSH.dtype), v_blk,
+    s_WKRS = jnp.where(mask_blk[:, None, None], s_WKRS, _NEG)
+    m_new = jnp.maximum(m_WKR, s_WKRS.max(-1))
+    rescale = jnp.exp(m_WKR - m_new)
+    p_WKRS = jnp.exp(s_WKRS - m_new[..., None])
+    acc_WKRH = acc_WKRH * rescale[..., None] + jnp.einsum(
+        "wkrs,wksh->wkrh", p_WKRS.astype(v_WKSH.dtype), v_blk,
         preferred_element_type=jnp.float32)
-    return m_new, l_NKR * rescale + p_NKRJ.sum(-1), acc_NKRH
+    return m_new, l_WKR * rescale + p_WKRS.sum(-1), acc_WKRH
 
-  init = (jnp.full((N, K, R), _NEG, jnp.float32), jnp.zeros((N, K, R), jnp.float32),
-          jnp.zeros((N, K, R, H), jnp.float32))
-  _, l_NKR, acc_NKRH = jax.lax.fori_loop(0, num_blocks, body, init)
-  return (acc_NKRH / l_NKR[..., None]).astype(v_NKSH.dtype)
+  init = (jnp.full((W, K, R), _NEG, jnp.float32), jnp.zeros((W, K, R), jnp.float32),
+          jnp.zeros((W, K, R, H), jnp.float32))
+  _, l_WKR, acc_WKRH = jax.lax.fori_loop(0, num_blocks, body, init)
+  return (acc_WKRH / l_WKR[..., None]).astype(v_WKSH.dtype)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -184,72 +184,72 @@ class Where:
   """Per slot: the column its token is written at and that token's RoPE position;
   ``num_blocks``: the blocks of ``block`` columns that hold any active slot's tokens
   (ignored when the cache is one block or less: then attention reads it all)."""
-  col_N: jax.Array
-  pos_N: jax.Array
+  col_W: jax.Array
+  pos_W: jax.Array
   num_blocks: jax.Array
   block: int
 
 
-def step(w: DecodeWeights, cfg: Qwen2Config, tokens_N: jax.Array, cache: SlotCache,
+def step(w: DecodeWeights, cfg: Qwen2Config, tokens_W: jax.Array, cache: SlotCache,
          where: Where) -> tuple[jax.Array, SlotCache]:
-  """Float32 logits [V, N] of the next token after ``tokens_N``, and the updated cache.
+  """Float32 logits [V, W] of the next token after ``tokens_W``, and the updated cache.
 
   ``qwen2.forward_with_cache`` for T = 1 (same positions, masking and
   numerics up to the blocked softmax), with the weights of ``prepare``.
   """
-  N, S = cache.mask_NS.shape
-  slot_N = jnp.arange(N)
-  mask_NS = cache.mask_NS.at[slot_N, where.col_N].set(True)
-  rope_N1 = tuple(t[where.pos_N][:, None] for t in w.rope_Sh)
-  x_ND = w.embed_VD.astype(cfg.dtype)[tokens_N]
+  W, S = cache.mask_WS.shape
+  slot_W = jnp.arange(W)
+  mask_WS = cache.mask_WS.at[slot_W, where.col_W].set(True)
+  rope_W1 = tuple(t[where.pos_W][:, None] for t in w.rope_Sh)
+  x_WD = w.embed_VD.astype(cfg.dtype)[tokens_W]
   ks, vs = list(cache.k), list(cache.v)
   blocked = S > where.block
   for l, p in enumerate(w.layers):
     # Each slot writes its token's key / value at its own column, in place.
-    q_NKRH, k_NKH, v_NKH = _attention_inputs(w, cfg, p, x_ND, rope_N1)
-    ks[l] = ks[l].at[slot_N, :, :, where.col_N].set(k_NKH)
-    vs[l] = vs[l].at[slot_N, :, where.col_N, :].set(v_NKH)
+    q_WKRH, k_WKH, v_WKH = _attention_inputs(w, cfg, p, x_WD, rope_W1)
+    ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
+    vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
     if blocked:
-      out_NKRH = attend_blocks(q_NKRH, ks[l], vs[l], mask_NS, where.num_blocks, where.block)
+      out_WKRH = attend_blocks(q_WKRH, ks[l], vs[l], mask_WS, where.num_blocks, where.block)
     else:
-      out_NKRH = attend_full(q_NKRH, ks[l], vs[l], mask_NS)
-    x_ND = _attention_output(w, cfg, p, x_ND, out_NKRH.reshape(N, -1))
-  h_ND = qwen2.rms_norm(x_ND, w.final_norm_D, cfg.rms_norm_eps).astype(cfg.dtype)
+      out_WKRH = attend_full(q_WKRH, ks[l], vs[l], mask_WS)
+    x_WD = _attention_output(w, cfg, p, x_WD, out_WKRH.reshape(W, -1))
+  h_WD = qwen2.rms_norm(x_WD, w.final_norm_D, cfg.rms_norm_eps).astype(cfg.dtype)
   if w.out_major:
-    # The barrier stops XLA from turning the transpose into a [V, D] x [N, D]
+    # The barrier stops XLA from turning the transpose into a [V, D] x [W, D]
     # dot, the row-count-dependent form again.
-    logits_VN = jax.lax.optimization_barrier(jnp.einsum(
-        "nd,vd->nv", h_ND, w.unembed, preferred_element_type=jnp.float32)).T
+    logits_VW = jax.lax.optimization_barrier(jnp.einsum(
+        "wd,vd->wv", h_WD, w.unembed, preferred_element_type=jnp.float32)).T
   else:
-    logits_VN = jnp.einsum("dv,nd->vn", w.unembed, h_ND, preferred_element_type=jnp.float32)
-  return logits_VN, SlotCache(tuple(ks), tuple(vs), mask_NS)
+    logits_VW = jnp.einsum("dv,wd->vw", w.unembed, h_WD, preferred_element_type=jnp.float32)
+  return logits_VW, SlotCache(tuple(ks), tuple(vs), mask_WS)
 
 
-def _attention_inputs(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_ND: jax.Array,
-                      rope_N1: tuple[jax.Array, jax.Array]
+def _attention_inputs(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.Array,
+                      rope_W1: tuple[jax.Array, jax.Array]
                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``qwen2.DecoderLayer.attention_inputs`` for one token per slot, on 2-D kernels.
 
-  q as [N, K, R, H] (R query heads per kv head), k / v as [N, K, H].
+  q as [W, K, R, H] (R query heads per kv head), k / v as [W, K, H].
   """
-  N, dt = x_ND.shape[0], cfg.dtype
+  W, dt = x_WD.shape[0], cfg.dtype
   K, H = cfg.num_kv_heads, cfg.head_dim
-  h_ND = qwen2.rms_norm(x_ND, p["attn_norm"], cfg.rms_norm_eps)
-  q, k, v = (_proj(w, h_ND, p[n]).reshape(N, 1, -1, H)
+  h_WD = qwen2.rms_norm(x_WD, p["attn_norm"], cfg.rms_norm_eps)
+  q, k, v = (_proj(w, h_WD, p[n]).reshape(W, 1, -1, H)
              for n in ("q_kernel", "k_kernel", "v_kernel"))
   if cfg.qkv_bias:
     q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
   if cfg.qk_norm:
     q = qwen2.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
     k = qwen2.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  q, k = qwen2.apply_rope(q, *rope_N1), qwen2.apply_rope(k, *rope_N1)
-  return q.reshape(N, K, -1, H), k[:, 0], v[:, 0]
+  q, k = qwen2.apply_rope(q, *rope_W1), qwen2.apply_rope(k, *rope_W1)
+  return q.reshape(W, K, -1, H), k[:, 0], v[:, 0]
 
 
-def _attention_output(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_ND: jax.Array,
-                      attn_NE: jax.Array) -> jax.Array:
+def _attention_output(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.Array,
+                      attn: jax.Array) -> jax.Array:
   """``qwen2.DecoderLayer.attention_output`` for one token per slot, on 2-D kernels."""
-  x_ND = x_ND + _proj(w, attn_NE, p["o_kernel"])
-  h_ND = qwen2.rms_norm(x_ND, p["mlp_norm"], cfg.rms_norm_eps)
-  act_NF = jax.nn.silu(_proj(w, h_ND, p["gate_kernel"])) * _proj(w, h_ND, p["up_kernel"])
-  return x_ND + _proj(w, act_NF, p["down_kernel"])
+  x_WD = x_WD + _proj(w, attn, p["o_kernel"])
+  h_WD = qwen2.rms_norm(x_WD, p["mlp_norm"], cfg.rms_norm_eps)
+  act_WF = jax.nn.silu(_proj(w, h_WD, p["gate_kernel"])) * _proj(w, h_WD, p["up_kernel"])
+  return x_WD + _proj(w, act_WF, p["down_kernel"])

@@ -1,27 +1,27 @@
-"""The rollout engine: continuous batching over N cache slots, all in two jitted programs.
+"""The rollout engine: continuous batching over W cache slots, all in two jitted programs.
 
-``_prefill`` runs the Q prompts once (the G samples of a prompt share it):
+``prefill`` runs the Q prompts once (the G samples of a prompt share it):
 their keys / values (a ``PromptCache``, Q x P columns) and every row's token 0.
-``_decode`` is one ``lax.while_loop`` over a ``SlotCache`` of N slots x S
+``decode_loop`` is one ``lax.while_loop`` over a ``SlotCache`` of W slots x S
 columns. Each iteration
 
 1. refills: a slot whose row stopped (or that never had one) takes the next
    waiting row, whose prompt's keys / values are copied in from the prompt
    cache (a ``lax.cond``: no copy on steps where no slot frees up, and then
    one slot-sized copy per refilled slot);
-2. decodes one token in all N slots (capo_jax.sampling.decode.step), each at
+2. decodes one token in all W slots (capo_jax.sampling.decode.step), each at
    its own column, reading only the cache blocks up to the longest active row;
 3. writes each active slot's token into the [B, C] outputs at (row, t).
 
-So a rollout costs about (tokens generated) / N steps of N rows instead of
-(longest row) steps of B rows, and the cache holds N rows, not B. Nothing
+So a rollout costs about (tokens generated) / W steps of W rows instead of
+(longest row) steps of B rows, and the cache holds W rows, not B. Nothing
 crosses to the host until the loop ends. ``num_slots = B`` (every row at once,
 no refills after the first) is the lockstep decode.
 
 The tail: once no row waits, slots free up for good, and the last long rows
-would keep paying for N slots per step (all of them read up to the longest
+would keep paying for W slots per step (all of them read up to the longest
 active row). With ``Plan.shrink`` the program then moves on to smaller loops
-(``Plan.phases``: N, N/4, N/16, at most three): when the active rows fit in a
+(``Plan.phases``: W, W/4, W/16, at most three): when the active rows fit in a
 quarter of the slots, they are gathered into a cache of that many slots and
 decoding goes on there. Still one program, no host sync. The cache is one
 buffer per layer and per k / v, each freed once gathered, so the copy adds
@@ -82,16 +82,34 @@ class FirstTokens:
 
 
 @dataclasses.dataclass(frozen=True)
-class Plan:
-  """The static shape of one ``_decode`` program (a jit static argument)."""
+class PrefillPlan:
+  """The static shape of one ``prefill`` program (a jit static argument)."""
   cfg: Qwen2Config
   strategy: Strategy
   num_samples: int  # G
-  num_slots: int  # N
+  layout: Layout | None = None
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class Ends:
+  """Where rows end (traced: a new value does not compile anew)."""
+  stop_ids: jax.Array  # int32 [8k]: a row ends at any of them (-1 matches nothing)
+  pad_id: jax.Array  # int32 scalar: written after a row's end
+  max_new_tokens: jax.Array  # int32 scalar: a row ends at this many tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The static shape of one ``decode_loop`` program (a jit static argument)."""
+  cfg: Qwen2Config
+  strategy: Strategy
+  num_samples: int  # G
+  num_slots: int  # W
   gen_len: int  # C, the output width (>= max_new_tokens)
   layout: Layout | None = None
   block: int = KV_BLOCK
-  # Slots the cache has: max(N, min_slots). Slots past N never take a row;
+  # Slots the cache has: max(W, min_slots). Slots past W never take a row;
   # they are there because on CPU a step of fewer than 8 rows rounds its
   # reductions differently (decode.MIN_ROWS_CPU).
   min_slots: int = 1
@@ -99,10 +117,15 @@ class Plan:
   shrink: bool = False
 
   @property
+  def prefill_plan(self) -> PrefillPlan:
+    """The plan of the ``prefill`` whose output this program decodes."""
+    return PrefillPlan(self.cfg, self.strategy, self.num_samples, self.layout)
+
+  @property
   def phases(self) -> tuple[int, ...]:
     """Slot counts of the program's successive decode loops."""
-    N = max(self.num_slots, self.min_slots)
-    return tail_phases(N, _batch_shards(self.layout), self.min_slots) if self.shrink else (N,)
+    W = max(self.num_slots, self.min_slots)
+    return tail_phases(W, _batch_shards(self.layout), self.min_slots) if self.shrink else (W,)
 
 
 # Tail phases: each a quarter of the previous slots, at most three loops in all
@@ -111,7 +134,7 @@ SHRINK, MAX_PHASES = 4, 3
 
 
 def tail_phases(num_slots: int, shards: int = 1, min_slots: int = 1) -> tuple[int, ...]:
-  """N, N/4, N/16 while a phase keeps whole batch shards and ``min_slots`` slots.
+  """W, W/4, W/16 while a phase keeps whole batch shards and ``min_slots`` slots.
 
   benchmarks/memory_plan.py sizes its tail term with it.
   """
@@ -136,10 +159,10 @@ def _batch_shards(layout: Layout | None) -> int:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class _Slots:
-  row_N: jax.Array  # int32: the row in the slot; B when it never had one
-  t_N: jax.Array  # int32: tokens the row has so far (the next one's index)
-  active_N: jax.Array  # bool: the row has not stopped
-  last_N: jax.Array  # int32: the token fed to the next step
+  row_W: jax.Array  # int32: the row in the slot; B when it never had one
+  t_W: jax.Array  # int32: tokens the row has so far (the next one's index)
+  active_W: jax.Array  # bool: the row has not stopped
+  last_W: jax.Array  # int32: the token fed to the next step
   next: jax.Array  # int32 scalar: waiting rows handed out so far
 
 
@@ -174,19 +197,19 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
   return jnp.any(tokens[..., None] == stop_ids, axis=-1)
 
 
-def row_uniforms(rng: jax.Array, row_N: jax.Array, t_N: jax.Array) -> jax.Array:
+def row_uniforms(rng: jax.Array, row_W: jax.Array, t_W: jax.Array) -> jax.Array:
   """The uniform of token t of row b: from ``fold_in(fold_in(rng, b), t)`` alone."""
   key = lambda r, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(rng, r), t), (),
                                         jnp.float32)
-  return jax.vmap(key)(row_N, t_N)
+  return jax.vmap(key)(row_W, t_W)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "strategy", "num_samples", "layout"))
-def _prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array, *,
-             cfg: Qwen2Config, strategy: Strategy, num_samples: int, layout: Layout | None
-             ) -> tuple[PromptCache, FirstTokens]:
+@functools.partial(jax.jit, static_argnames=("plan",))
+def prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array, *,
+            plan: PrefillPlan) -> tuple[PromptCache, FirstTokens]:
   """The Q prompts' keys / values and token 0 of all B = Q*G rows."""
   TRACE_COUNTS["prefill"] += 1
+  cfg, strategy, num_samples, layout = plan.cfg, plan.strategy, plan.num_samples, plan.layout
   Q, P = tokens_QP.shape
   cache = kv_cache.init_cache(cfg, Q, P)
   if layout is not None:
@@ -219,28 +242,28 @@ def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.A
             ) -> tuple[_Slots, decode.SlotCache]:
   """Free slots take the next waiting rows (in ``order_B``), prompt cache copied in."""
   G, B = plan.num_samples, order_B.shape[0]
-  N, S = cache.mask_NS.shape
-  free_N = ~slots.active_N & (jnp.arange(N) < plan.num_slots)
-  idx_N = slots.next + jnp.cumsum(free_N, dtype=jnp.int32) - 1
-  take_N = free_N & (idx_N < num_waiting)
-  n_take = take_N.sum(dtype=jnp.int32)
-  row_N = jnp.where(take_N, order_B[jnp.clip(idx_N, 0, B - 1)], slots.row_N)
-  which_N = jnp.nonzero(take_N, size=N, fill_value=0)[0]
+  W, S = cache.mask_WS.shape
+  free_W = ~slots.active_W & (jnp.arange(W) < plan.num_slots)
+  idx_W = slots.next + jnp.cumsum(free_W, dtype=jnp.int32) - 1
+  take_W = free_W & (idx_W < num_waiting)
+  n_take = take_W.sum(dtype=jnp.int32)
+  row_W = jnp.where(take_W, order_B[jnp.clip(idx_W, 0, B - 1)], slots.row_W)
+  which_W = jnp.nonzero(take_W, size=W, fill_value=0)[0]
   P = prompts.mask_QP.shape[1]
   mask_QS = jnp.pad(prompts.mask_QP, ((0, 0), (0, S - P)))
 
   def copy(j: jax.Array, c: decode.SlotCache) -> decode.SlotCache:
-    n, q = which_N[j], row_N[which_N[j]] // G
+    n, q = which_W[j], row_W[which_W[j]] // G
     put = lambda dst, src: jax.lax.dynamic_update_slice(
         dst, jax.lax.dynamic_slice_in_dim(src, q, 1, axis=0), (n,) + (0,) * (dst.ndim - 1))
     return decode.SlotCache(k=tuple(put(d, s) for d, s in zip(c.k, prompts.k)),
                             v=tuple(put(d, s) for d, s in zip(c.v, prompts.v)),
-                            mask_NS=put(c.mask_NS, mask_QS))
+                            mask_WS=put(c.mask_WS, mask_QS))
 
   cache = jax.lax.fori_loop(0, n_take, copy, cache)
-  slots = _Slots(row_N=row_N, t_N=jnp.where(take_N, 1, slots.t_N),
-                 active_N=slots.active_N | take_N,
-                 last_N=jnp.where(take_N, first.token_B[jnp.minimum(row_N, B - 1)], slots.last_N),
+  slots = _Slots(row_W=row_W, t_W=jnp.where(take_W, 1, slots.t_W),
+                 active_W=slots.active_W | take_W,
+                 last_W=jnp.where(take_W, first.token_B[jnp.minimum(row_W, B - 1)], slots.last_W),
                  next=slots.next + n_take)
   return slots, cache
 
@@ -253,27 +276,28 @@ def _compact(layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out]
   next steps compute what they would have in the larger cache.
   """
   s, cache, out = carry
-  idx_n = jnp.nonzero(s.active_N, size=n, fill_value=0)[0]
-  valid_n = jnp.arange(n) < s.active_N.sum(dtype=jnp.int32)
-  slots = _Slots(row_N=jnp.where(valid_n, s.row_N[idx_n], num_rows), t_N=s.t_N[idx_n],
-                 active_N=valid_n, last_N=s.last_N[idx_n], next=s.next)
-  k, v = _constrain_cache(layout, tuple(x[idx_n] for x in cache.k),
-                          tuple(x[idx_n] for x in cache.v))
-  cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_NS[idx_n], ("batch", None)))
+  idx_W = jnp.nonzero(s.active_W, size=n, fill_value=0)[0]
+  valid_W = jnp.arange(n) < s.active_W.sum(dtype=jnp.int32)
+  slots = _Slots(row_W=jnp.where(valid_W, s.row_W[idx_W], num_rows), t_W=s.t_W[idx_W],
+                 active_W=valid_W, last_W=s.last_W[idx_W], next=s.next)
+  k, v = _constrain_cache(layout, tuple(x[idx_W] for x in cache.k),
+                          tuple(x[idx_W] for x in cache.v))
+  cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS[idx_W], ("batch", None)))
   return _constrain_rows(layout, slots), cache, out
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.Array,
-            stop_ids: jax.Array, pad_id: jax.Array, max_new_tokens: jax.Array, *, plan: Plan
-            ) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def decode_loop(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.Array,
+                ends: Ends, *, plan: Plan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Decodes every row to a stop id or ``max_new_tokens``; one device program.
 
+  ``prompts`` and ``first`` are ``prefill``'s (under ``plan.prefill_plan``).
   Returns tokens, log-probs and mask [B, C] and stopped [B].
   """
   TRACE_COUNTS["decode"] += 1
+  stop_ids, pad_id, max_new_tokens = ends.stop_ids, ends.pad_id, ends.max_new_tokens
   cfg, layout, G, C = plan.cfg, plan.layout, plan.num_samples, plan.gen_len
-  N = plan.phases[0]
+  W = plan.phases[0]
   Q, P = prompts.mask_QP.shape
   B = Q * G
   S = num_columns(P, C, plan.block)
@@ -287,49 +311,49 @@ def _decode(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.A
       tokens_BC=jnp.full((B, C), pad_id, jnp.int32).at[:, 0].set(first.token_B),
       logprobs_BC=jnp.zeros((B, C), jnp.float32).at[:, 0].set(first.logprob_B),
       mask_BC=jnp.zeros((B, C), jnp.int32).at[:, 0].set(1), stopped_B=stop0_B))
-  slots = _Slots(row_N=jnp.full((N,), B, jnp.int32), t_N=jnp.zeros((N,), jnp.int32),
-                 active_N=jnp.zeros((N,), jnp.bool_), last_N=jnp.zeros((N,), jnp.int32),
+  slots = _Slots(row_W=jnp.full((W,), B, jnp.int32), t_W=jnp.zeros((W,), jnp.int32),
+                 active_W=jnp.zeros((W,), jnp.bool_), last_W=jnp.zeros((W,), jnp.int32),
                  next=jnp.zeros((), jnp.int32))
-  empty = decode.SlotCache.empty(cfg, N, S)
+  empty = decode.SlotCache.empty(cfg, W, S)
   k, v = _constrain_cache(layout, empty.k, empty.v)
-  cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_NS, ("batch", None)))
+  cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_WS, ("batch", None)))
   refill = functools.partial(_refill, plan, prompts, first, order_B, num_waiting)
 
   Carry = tuple[_Slots, decode.SlotCache, _Out]
 
   def cond(smaller: int, carry: Carry) -> jax.Array:
     s = carry[0]
-    going = jnp.any(s.active_N) | (s.next < num_waiting)
+    going = jnp.any(s.active_W) | (s.next < num_waiting)
     if smaller:  # hand over to the next loop once its slots hold every active row
-      going &= (s.next < num_waiting) | (s.active_N.sum(dtype=jnp.int32) > smaller)
+      going &= (s.next < num_waiting) | (s.active_W.sum(dtype=jnp.int32) > smaller)
     return going
 
   def body(refills: bool, carry: Carry) -> Carry:
     s, cache, out = carry
     if refills:  # later loops start after the last row was handed out
-      s, cache = jax.lax.cond(jnp.any(~s.active_N[:plan.num_slots]) & (s.next < num_waiting),
+      s, cache = jax.lax.cond(jnp.any(~s.active_W[:plan.num_slots]) & (s.next < num_waiting),
                               lambda sc: refill(*sc), lambda sc: sc, (s, cache))
-    q_N = jnp.minimum(s.row_N, B - 1) // G
-    col_N = P + jnp.maximum(s.t_N, 1) - 1
-    pos_N = prompts.length_Q[q_N] + jnp.maximum(s.t_N, 1) - 1
-    longest = jnp.max(jnp.where(s.active_N, col_N + 1, 1))
-    where = decode.Where(col_N=col_N, pos_N=pos_N, block=plan.block,
+    q_W = jnp.minimum(s.row_W, B - 1) // G
+    col_W = P + jnp.maximum(s.t_W, 1) - 1
+    pos_W = prompts.length_Q[q_W] + jnp.maximum(s.t_W, 1) - 1
+    longest = jnp.max(jnp.where(s.active_W, col_W + 1, 1))
+    where = decode.Where(col_W=col_W, pos_W=pos_W, block=plan.block,
                          num_blocks=-(-longest // plan.block))
-    logits_VN, cache = decode.step(w, cfg, s.last_N, cache, where)
-    logits_VN = _constrain(layout, logits_VN, ("vocab", "batch"))
-    token_N, logprob_N = plan.strategy.choose(logits_VN, row_uniforms(rng, s.row_N, s.t_N))
+    logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
+    logits_VW = _constrain(layout, logits_VW, ("vocab", "batch"))
+    token_W, logprob_W = plan.strategy.choose(logits_VW, row_uniforms(rng, s.row_W, s.t_W))
     # Inactive slots write to row B: out of range, dropped.
-    row_N = jnp.where(s.active_N, s.row_N, B)
-    stop_N = is_stop(token_N, stop_ids)
-    out = _Out(tokens_BC=out.tokens_BC.at[row_N, s.t_N].set(token_N, mode="drop"),
-               logprobs_BC=out.logprobs_BC.at[row_N, s.t_N].set(logprob_N, mode="drop"),
-               mask_BC=out.mask_BC.at[row_N, s.t_N].set(1, mode="drop"),
-               stopped_B=out.stopped_B.at[row_N].set(stop_N, mode="drop"))
-    done_N = stop_N | (s.t_N + 1 >= max_new_tokens)
-    s = _Slots(row_N=s.row_N, t_N=jnp.where(s.active_N, s.t_N + 1, s.t_N),
-               active_N=s.active_N & ~done_N, last_N=token_N, next=s.next)
+    row_W = jnp.where(s.active_W, s.row_W, B)
+    stop_W = is_stop(token_W, stop_ids)
+    out = _Out(tokens_BC=out.tokens_BC.at[row_W, s.t_W].set(token_W, mode="drop"),
+               logprobs_BC=out.logprobs_BC.at[row_W, s.t_W].set(logprob_W, mode="drop"),
+               mask_BC=out.mask_BC.at[row_W, s.t_W].set(1, mode="drop"),
+               stopped_B=out.stopped_B.at[row_W].set(stop_W, mode="drop"))
+    done_W = stop_W | (s.t_W + 1 >= max_new_tokens)
+    s = _Slots(row_W=s.row_W, t_W=jnp.where(s.active_W, s.t_W + 1, s.t_W),
+               active_W=s.active_W & ~done_W, last_W=token_W, next=s.next)
     k, v = _constrain_cache(layout, cache.k, cache.v)
-    cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_NS, ("batch", None)))
+    cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS, ("batch", None)))
     return _constrain_rows(layout, s), cache, _constrain_rows(layout, out)
 
   carry = (_constrain_rows(layout, slots), cache, out)

@@ -1,24 +1,25 @@
 """``generate``: checks and pads the prompts, then runs the rollout engine.
 
-``generate`` left-pads the prompts to a bucketed length and runs the two
-jitted programs of capo_jax.sampling.engine: one prefill over the Q prompts
-(the G samples of a prompt share it) and one ``lax.while_loop`` that decodes
-the B = Q*G rows over a KV cache of N = ``max_active_rows`` slots (all B rows
-when None). When a row stops, its slot takes the next waiting row, so the
-work follows the tokens generated, not B x the longest row; no token crosses
-to the host until the end. Rows stop at any stop id or at ``max_new_tokens``.
+``generate(params, cfg, tokens_QP, mask_QP, rng, spec)`` left-pads the
+prompts to a bucketed length and runs the two jitted programs of
+capo_jax.sampling.engine: one prefill over the Q prompts (the G samples of a
+prompt share it) and one ``lax.while_loop`` that decodes the B = Q*G rows
+over a KV cache of W = ``spec.max_active_rows`` slots (all B rows when None).
+When a row stops, its slot takes the next waiting row, so the work follows the
+tokens generated, not B x the longest row; no token crosses to the host until
+the end. Rows stop at any stop id or at ``max_new_tokens``.
 
 Token choice is a small frozen strategy (capo_jax.sampling.strategies, re-exported
-here): ``Greedy``, ``Temperature``, ``TopK``, ``TopP``.
+here) in the ``SamplingSpec``: ``Greedy``, ``Temperature``, ``TopK``, ``TopP``.
 
 Randomness: token t of row b draws one uniform from
 ``fold_in(fold_in(rng, b), t)``, so the same rng gives the same samples
-whatever N, the slot or the step a row ran in.
+whatever W, the slot or the step a row ran in.
 
 Compilations: prompt length P and the generation buffer C are rounded up
 (``bucket_length``: powers of two up to 256, then multiples of 256), so a
 stream of batches with varying lengths compiles at most once per (P bucket,
-C bucket, batch shape, N, strategy). Temperature, top-k and top-p are static (a
+C bucket, batch shape, W, strategy). Temperature, top-k and top-p are static (a
 new value compiles anew); stop ids, max_new_tokens and the rng are not.
 ``TRACE_COUNTS`` counts the traces of each jitted function.
 """
@@ -35,7 +36,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 from capo_jax.sampling import decode, engine
-from capo_jax.sampling.engine import TRACE_COUNTS, _decode, _prefill  # noqa: F401  (re-exported)
+from capo_jax.sampling.engine import TRACE_COUNTS  # noqa: F401  (re-exported)
 from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
     Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
 from models import qwen2
@@ -94,49 +95,63 @@ def _check_prompts(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> Non
                      f"[{real.min()}, {real.max()}]")
 
 
-def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mask_QP: Any,
-             rng: jax.Array, *, num_samples: int, max_new_tokens: int,
-             strategy: Strategy = Temperature(1.0), stop_ids: Sequence[int] = (),
-             pad_id: int = 0, layout: Layout | None = None,
-             max_active_rows: int | None = None) -> Samples:
-  """Samples ``num_samples`` completions of each left-padded prompt.
+@dataclasses.dataclass(frozen=True)
+class SamplingSpec:
+  """What to sample, apart from the model, the prompts and the rng.
 
-  Eleven arguments, all but the model, prompts and rng keyword-only knobs that
-  callers set independently (a sampling-config object would only move them).
+  num_samples: G, samples per prompt; output row q*G + g is sample g of
+    prompt q.
+  max_new_tokens: C, the completion length limit (and the output width).
+  strategy: token choice (``Greedy()``, ``Temperature(t)``, ``TopK``, ``TopP``;
+    ``make_strategy(temperature, top_p, top_k)`` builds one from
+    transformers-style values). Default: the policy's own distribution.
+  stop_ids: token ids that end a row (e.g. EOS and ``<|im_end|>``); the stop
+    token is part of the completion.
+  pad_id: token written after a row's end.
+  max_active_rows: W, the rows decoded at once and the KV cache's slots
+    (continuous batching: a stopped row's slot takes the next waiting row;
+    once none waits, the active rows move to caches of W/4 and W/16 slots as
+    they fit, ``engine.Plan.phases``). None: all Q*G rows at once. The samples
+    are the same whatever W.
+  """
+  num_samples: int
+  max_new_tokens: int
+  strategy: Strategy = Temperature(1.0)
+  stop_ids: Sequence[int] = ()
+  pad_id: int = 0
+  max_active_rows: int | None = None
+
+  def __post_init__(self) -> None:
+    if self.num_samples < 1 or self.max_new_tokens < 1:
+      raise ValueError(f"num_samples ({self.num_samples}) and max_new_tokens "
+                       f"({self.max_new_tokens}) must be >= 1")
+    if self.max_active_rows is not None and self.max_active_rows < 1:
+      raise ValueError(f"max_active_rows must be >= 1 (or None: all rows), got "
+                       f"{self.max_active_rows}")
+    object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
+
+
+def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mask_QP: Any,
+             rng: jax.Array, spec: SamplingSpec, layout: Layout | None = None) -> Samples:
+  """Samples ``spec.num_samples`` completions of each left-padded prompt.
 
   Args:
     params, cfg: the Qwen2 policy.
     prompt_tokens_QP, prompt_mask_QP: [Q, P] left-padded prompts, mask 1 on
       real tokens.
     rng: a PRNG key; the same key gives the same samples.
-    num_samples: G, samples per prompt; output row q*G + g is sample g of
-      prompt q.
-    max_new_tokens: C, the completion length limit (and the output width).
-    strategy: token choice (``Greedy()``, ``Temperature(t)``, ``TopK``,
-      ``TopP``; ``make_strategy(temperature, top_p, top_k)`` builds one from
-      transformers-style values). Default: the policy's own distribution.
-    stop_ids: token ids that end a row (e.g. EOS and ``<|im_end|>``); the
-      stop token is part of the completion.
-    pad_id: token written after a row's end.
+    spec: samples per prompt, length limit, strategy, stop / pad ids and
+      slots (``SamplingSpec``).
     layout: optional ``models.sharding.Layout`` (mesh + rules, e.g.
       ``capo_jax.runtime.mesh.SAMPLING_RULES``): rows and cache slots are split
       over the ``"batch"`` axes, params placed per the rules. Without one,
       runs unsharded.
-    max_active_rows: N, the rows decoded at once and the KV cache's slots
-      (continuous batching: a stopped row's slot takes the next waiting row;
-      once none waits, the active rows move to caches of N/4 and N/16 slots
-      as they fit, ``engine.Plan.phases``). None: all Q*G rows at once. The
-      samples are the same whatever N.
 
   Returns:
     ``Samples`` of [Q*G, C] tokens / mask / logprobs and [Q*G] lengths /
     truncated.
   """
-  if num_samples < 1 or max_new_tokens < 1:
-    raise ValueError(f"num_samples ({num_samples}) and max_new_tokens ({max_new_tokens}) "
-                     "must be >= 1")
-  if max_active_rows is not None and max_active_rows < 1:
-    raise ValueError(f"max_active_rows must be >= 1 (or None: all rows), got {max_active_rows}")
+  num_samples, max_new_tokens, pad_id = spec.num_samples, spec.max_new_tokens, spec.pad_id
   if layout is not None and any(t != AxisType.Auto for t in layout.mesh.axis_types):
     raise ValueError(f"mesh axis types {layout.mesh.axis_types}: the sampler states shardings "
                      "with constraints and needs AxisType.Auto axes "
@@ -144,7 +159,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   tokens = np.asarray(prompt_tokens_QP)
   mask = np.asarray(prompt_mask_QP)
   _check_prompts(tokens, mask, cfg.vocab_size)
-  stops = np.asarray(list(stop_ids), np.int32).reshape(-1)
+  stops = np.asarray(spec.stop_ids, np.int32).reshape(-1)
   if stops.size and (stops.min() < 0 or stops.max() >= cfg.vocab_size):
     raise ValueError(f"stop_ids {stops.tolist()} must be in [0, {cfg.vocab_size})")
   Q, P = tokens.shape
@@ -163,20 +178,19 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   # (a jit argument) fixed across stop sets.
   width = max(8, -(-stops.size // 8) * 8)
   stops = np.pad(stops, (0, width - stops.size), constant_values=-1)
-  stops_j, pad_j = jnp.asarray(stops), jnp.asarray(pad_id, jnp.int32)
+  ends = engine.Ends(stop_ids=jnp.asarray(stops), pad_id=jnp.asarray(pad_id, jnp.int32),
+                     max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32))
   B = Q * num_samples
-  N = B if max_active_rows is None else min(max_active_rows, B)
+  W = B if spec.max_active_rows is None else min(spec.max_active_rows, B)
   # The tail moves to smaller caches only under continuous batching: None stays
   # the lockstep decode.
-  plan = engine.Plan(cfg=cfg, strategy=strategy, num_samples=num_samples, num_slots=N,
+  plan = engine.Plan(cfg=cfg, strategy=spec.strategy, num_samples=num_samples, num_slots=W,
                      gen_len=gen_len, layout=layout, block=engine.KV_BLOCK,
                      min_slots=decode.MIN_ROWS_CPU if jax.default_backend() == "cpu" else 1,
-                     shrink=N < B)
-  prompts, first = _prefill(params, tokens, mask, rng, cfg=cfg, strategy=strategy,
-                            num_samples=num_samples, layout=layout)
-  tokens_BC, logprobs_BC, mask_BC, stopped_B = _decode(
-      params, prompts, first, rng, stops_j, pad_j, jnp.asarray(max_new_tokens, jnp.int32),
-      plan=plan)
+                     shrink=W < B)
+  prompts, first = engine.prefill(params, tokens, mask, rng, plan=plan.prefill_plan)
+  tokens_BC, logprobs_BC, mask_BC, stopped_B = engine.decode_loop(
+      params, prompts, first, rng, ends, plan=plan)
   if gen_len != max_new_tokens:
     tokens_BC, logprobs_BC, mask_BC = (x[:, :max_new_tokens]
                                        for x in (tokens_BC, logprobs_BC, mask_BC))

@@ -8,7 +8,8 @@ convenience form. ``choose`` returns the token and its log-probability under
 the untempered policy, log_softmax(logits)[token], whatever the strategy.
 
 Sampling is an inverse-CDF draw: one uniform per row against the cumulative
-unnormalised probabilities, in two levels of 128-token blocks. On CPU it costs
+unnormalised probabilities, in two levels: X blocks of 128 vocabulary tokens
+([X, V, B], V the block's tokens), then the tokens of the chosen block. On CPU it costs
 a fraction of ``jax.random.categorical``'s Gumbel noise over the vocabulary.
 """
 
@@ -42,21 +43,21 @@ def _inverse_cdf_VB(x_VB: jax.Array, weight: Callable[[jax.Array], jax.Array], u
   """
   V, B = x_VB.shape
   nb = -(-V // _BLOCK)
-  x_NKB = jnp.pad(x_VB, ((0, nb * _BLOCK - V), (0, 0)), constant_values=pad)
-  x_NKB = x_NKB.reshape(nb, _BLOCK, B)
-  cum_NB = jnp.cumsum(jnp.sum(weight(x_NKB), axis=1), axis=0)
-  total_B = cum_NB[-1]
+  x_XVB = jnp.pad(x_VB, ((0, nb * _BLOCK - V), (0, 0)), constant_values=pad)
+  x_XVB = x_XVB.reshape(nb, _BLOCK, B)
+  cum_XB = jnp.cumsum(jnp.sum(weight(x_XVB), axis=1), axis=0)
+  total_B = cum_XB[-1]
   target_B = u_B * total_B
-  block_B = jnp.minimum(jnp.sum(cum_NB <= target_B, axis=0, dtype=jnp.int32), nb - 1)
-  before_B = jnp.take_along_axis(cum_NB, jnp.maximum(block_B - 1, 0)[None], axis=0)[0]
+  block_B = jnp.minimum(jnp.sum(cum_XB <= target_B, axis=0, dtype=jnp.int32), nb - 1)
+  before_B = jnp.take_along_axis(cum_XB, jnp.maximum(block_B - 1, 0)[None], axis=0)[0]
   before_B = jnp.where(block_B > 0, before_B, 0.0)
-  w_KB = weight(jnp.take_along_axis(x_NKB, block_B[None, None], axis=0)[0])
-  inner_KB = jnp.cumsum(w_KB, axis=0)
-  idx_B = jnp.sum(inner_KB <= (target_B - before_B), axis=0, dtype=jnp.int32)
+  w_VB = weight(jnp.take_along_axis(x_XVB, block_B[None, None], axis=0)[0])
+  inner_VB = jnp.cumsum(w_VB, axis=0)
+  idx_B = jnp.sum(inner_VB <= (target_B - before_B), axis=0, dtype=jnp.int32)
   # Rounding can push the index one past the block's mass: clamp to its last
   # positive-weight token so excluded (zero-weight) tokens stay excluded.
-  iota_K1 = jnp.arange(_BLOCK, dtype=jnp.int32)[:, None]
-  last_B = jnp.max(jnp.where(w_KB > 0, iota_K1, 0), axis=0)
+  iota_V1 = jnp.arange(_BLOCK, dtype=jnp.int32)[:, None]
+  last_B = jnp.max(jnp.where(w_VB > 0, iota_V1, 0), axis=0)
   return block_B * _BLOCK + jnp.minimum(idx_B, last_B), total_B
 
 
