@@ -7,7 +7,7 @@ kernel time per 2.5 s step on the project's 2-core box. Where the kernel's
 transparent huge pages are in ``madvise`` mode (the common default), glibc >= 2.35
 asks for 2 MiB pages when ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: about 1,000
 faults per step, and the same step in 2.2 s; the demo's SFT step went from 0.30 to
-0.24 s (README: "Install" and the train-step row of "Benchmarks"). The results are bit-identical: only where memory
+0.24 s (docs/training.md, "CPU runs: huge pages", and the train-step row of docs/benchmarks.md). The results are bit-identical: only where memory
 comes from changes.
 
 glibc reads the tunable once, at process start, so ``reexec_with_hugepages`` starts

@@ -119,7 +119,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.micro_batch_size = 16  # rows per gradient-accumulation micro-batch
   c.train.logprob_chunk = 512  # tokens per chunk of the vocab projection; 0 = unchunked
   # Rows per call of the old / reference log-prob pass (0: all Q*G at once). 64
-  # fits every slice of the README at 4k tokens (benchmarks/aot_tpu.py).
+  # fits every slice of docs/tpu.md at 4k tokens (benchmarks/aot_tpu.py).
   c.train.logprob_rows = 64
   c.train.max_consecutive_skips = 5
   # Sequence packing of the old / reference / train passes (capo_jax/rl/packing.py):

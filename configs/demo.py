@@ -42,7 +42,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.demo = ml_collections.ConfigDict()
   # 90% of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
   # the warm start is then confidently wrong on the questions where the rule's answer
-  # differs (capo_jax/demo/task.py). Measured (README, demo section): at 0.5 and 0.7
+  # differs (capo_jax/demo/task.py). Measured (docs/demo.md): at 0.5 and 0.7
   # GRPO's AUC-mean ended above the warm start's; at 0.9, on one box's warm start, it
   # fell from 0.821 to 0.768 (mean of 3 seeds) while accuracy rose, and CAPO kept it at
   # 0.810 (0.819 without the noise mask) at the same accuracy; on another box's warm

@@ -11,7 +11,7 @@ own, so every query sees at least itself and no row is ever fully masked
   reference  the float32 [B, N, T, S] score matrix, softmax, matmul (``reference``).
   xla        ``jax.nn.dot_product_attention`` with a boolean [B, 1, T, S] mask
              (cuDNN on GPU when it takes the shape, else XLA's own; on CPU it
-             builds the full score matrix too; see README "Train step at real lengths").
+             builds the full score matrix too; see docs/packing.md).
   flash      blocked online-softmax attention in plain JAX with a hand-written
              backward (``jax.custom_vjp``): it holds one [B, K, R, T, S] float32
              score block (a block of each) at a time, forward and backward, and skips the key

@@ -251,7 +251,7 @@ def test_memory_plan_lora_terms_by_hand():
   assert t["AdamW moments (2 x f32)"] == 8 * L * per_layer / shard
   assert t["reference (bf16)"] == 0  # the base is the reference
   assert t["grads (2 x f32) + bf16 copy"] == 8 * L * per_layer / shard  # bf16 base: no copy
-  # The README's claim: LoRA fits 7B on half the slice.
+  # docs/lora.md's claim: LoRA fits 7B on half the slice.
   for small in ("v4-8", "v5e-16", "v6e-4"):
     assert mp.plan(run, mp.parse_slice(small)).fits
     assert not mp.plan(full, mp.parse_slice(small)).fits

@@ -304,8 +304,8 @@ def score_serial(completions: Sequence[str],
 class Grader:
   """Scores completions with math-verify in `num_workers` processes, `timeout_s` per item.
 
-  Safe to call from any thread. Workers start on first use (a one-time cost; the README's
-  benchmark table has it) and are reused; call `close()` (or use as a context manager) to
+  Safe to call from any thread. Workers start on first use (a one-time cost; the benchmark
+  table of docs/benchmarks.md has it) and are reused; call `close()` (or use as a context manager) to
   stop them.
   """
 
