@@ -9,12 +9,15 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from batches import HostBatch
 from capo_jax.rl import losses, packing
 from capo_jax.rl import train_step as ts
+from capo_jax.rl.batch import unpack
+from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.rl.logprobs import packed_token_logprobs, token_logprobs
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
-from models import qwen2
+from models import lora, qwen2
 from models.config import Qwen2Config
 
 # The packed side runs the blocked attention over several blocks; the unpacked
@@ -26,13 +29,13 @@ PROMPT_LEN = [6, 3, 1, 4, 5, 2, 6, 3]
 COMP_LEN = [10, 2, 7, 0, 1, 9, 4, 5]  # one empty completion: a row with no tokens
 
 
-def _batch(rng: np.random.Generator) -> ts.TrainBatch:
+def _batch(rng: np.random.Generator) -> HostBatch:
   prompt = rng.integers(1, CFG.vocab_size, (B, P)).astype(np.int32)
   comp = rng.integers(1, CFG.vocab_size, (B, C)).astype(np.int32)
   pmask = (np.arange(P)[None] >= P - np.array(PROMPT_LEN)[:, None]).astype(np.int32)
   cmask = (np.arange(C)[None] < np.array(COMP_LEN)[:, None]).astype(np.int32)
   prompt, comp = prompt * pmask, comp * cmask  # padding ids 0, as the tokenizer's pad
-  return ts.TrainBatch(
+  return HostBatch(
       prompt_tokens_BP=prompt, prompt_mask_BP=pmask, completion_tokens_BC=comp,
       completion_mask_BC=cmask,
       old_logp_BC=(rng.normal(size=(B, C)) * 0.3 - 4.6).astype(np.float32) * cmask,
@@ -90,7 +93,7 @@ def _stats(params, b, packed: bool):
   assert rows.targets_Z.shape[0] >= sum(COMP_LEN) > rows.targets_Z.shape[0] * 0.75
   out = packed_token_logprobs(params, PACKED_CFG, rows, chunk_size=5)
   return {k.replace("_ZJ", "_BCJ").replace("_Z", "_BC"):
-          packing.unpack(v, slot_BC, b.completion_mask_BC) for k, v in out.items()}
+          unpack(v, slot_BC, b.completion_mask_BC) for k, v in out.items()}
 
 
 def test_packed_logprobs_equal_unpacked(setup):
@@ -113,7 +116,7 @@ def test_every_loss_and_gradient_packed_equals_unpacked(setup):
   for agg, kind in itertools.product(losses.AGGS, losses.KINDS):
     tcfg = ts.TrainConfig(loss_kind=kind, loss=losses.LossConfig(agg=agg, beta=0.05,
                                                                  simko_k=J))
-    loss_of = lambda lp: losses.policy_loss(kind, ts.policy_batch(lp, b, tcfg), tcfg.loss)[0]
+    loss_of = lambda lp: losses.policy_loss(kind, ts.policy_batch(lp, b.seqs(), tcfg), tcfg.loss)[0]
     results = []
     for packed in (False, True):
       stats, vjp = vjps[packed]
@@ -131,15 +134,15 @@ def test_every_loss_and_gradient_packed_equals_unpacked(setup):
     assert n0 > 0 and err <= 1e-5 * n0, (agg, kind, err, n0)
 
 
-def _two_steps(params, batch, tcfg, mesh):
-  step = ts.make_train_step(CFG if not tcfg.pack_len else PACKED_CFG, tcfg, mesh,
-                            mesh_lib.TRAIN_RULES, B)
-  state = ts.train_state_from_params(params, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
+def _two_steps(params, batch, tcfg, mesh, pack: bool, rows_per_microbatch: int,
+               base=None, cfg=PACKED_CFG):
+  step = ts.make_train_step(cfg, tcfg, mesh, mesh_lib.TRAIN_RULES, rows_per_microbatch)
+  trainable = params if base is None else base
+  state = ts.train_state_from_params(trainable, cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
   metrics = []
   for _ in range(2):
-    b = packing.pack_train_batch(batch, tcfg.pack_len, tcfg.pack_rows) if tcfg.pack_len \
-        else batch
-    state, m = step(state, b)
+    b = batch.train_batch(rows_per_microbatch, pack=pack, row_len=ROW if pack else 0)
+    state, m = step(state, b, *(() if base is None else (params,)))
     metrics.append(jax.device_get(m))
   return state.params, metrics
 
@@ -152,10 +155,11 @@ def test_two_training_steps_packed_equal_unpacked(setup):
                                                                   simko_k=J),
                         # eps 1e-4: Adam's 1 / sqrt(v) would blow float noise in
                         # near-zero gradients up to a full step of lr.
-                        optim=OptimConfig(learning_rate=1e-3, eps=1e-4), num_microbatches=2)
-  # pack_rows=1: several packed micro-batches, as the unpacked side has two.
-  p0, m0 = _two_steps(params, batch, base, mesh)
-  p1, m1 = _two_steps(params, batch, base.replace(pack_len=ROW, pack_rows=1), mesh)
+                        optim=OptimConfig(learning_rate=1e-3, eps=1e-4))
+  # One packed row per micro-batch: several packed micro-batches, as the unpacked side has two.
+  p0, m0 = _two_steps(params, batch, base, mesh, pack=False, rows_per_microbatch=B // 2,
+                      cfg=CFG)
+  p1, m1 = _two_steps(params, batch, base, mesh, pack=True, rows_per_microbatch=1)
   # Step 1 starts from the same params: its loss agrees to float rounding. Step 2
   # starts from params that already differ by float noise (up to ~5e-7, bounded
   # below), and its loss is a near-cancelling sum (-0.003 of per-token terms of
@@ -170,3 +174,56 @@ def test_two_training_steps_packed_equal_unpacked(setup):
   diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0),
                                                           jax.tree.leaves(p1)))
   assert moved > 1e-4 and diff < 1e-6, (moved, diff)
+
+
+def _lora(params):
+  """A rank-2 LoRA config and adapters with B != 0 (fresh ones would change nothing)."""
+  lcfg = lora.LoraConfig(2, 4.0, tuple(lora.TARGETS))
+  adapters = lora.init_adapters(qwen2.param_shapes(CFG), lcfg, jax.random.key(3))
+  adapters = jax.tree.map(
+      lambda a, k: a + 0.05 * jax.random.normal(k, a.shape),
+      adapters, jax.tree.unflatten(jax.tree.structure(adapters),
+                                   list(jax.random.split(jax.random.key(4),
+                                                         len(jax.tree.leaves(adapters))))))
+  return lcfg, adapters
+
+
+def test_packed_logprob_pass_applies_the_adapters(setup):
+  """The packed pass of a LoRA policy equals the pass of the merged weights, and
+  differs from the bare base's (so a pass that dropped the adapters fails here)."""
+  params, b = setup
+  lcfg, adapters = _lora(params)
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  rules, Y = mesh_lib.TRAIN_RULES, 2
+  pas = LogprobPass(ts.make_logprob_fn(PACKED_CFG, mesh, rules, Y, lora=lcfg), rows_per_call=Y,
+                    row_len=ROW, pack=True,
+                    rows_sharding=mesh_lib.batch_sharding(mesh, rules, Y),
+                    index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
+  rows = pas.upload(*(np.asarray(x) for x in (b.prompt_tokens_BP, b.prompt_mask_BP,
+                                              b.completion_tokens_BC, b.completion_mask_BC)))
+  mask = jnp.asarray(b.completion_mask_BC)
+  got = pas.run(params, rows, mask, ("logp_BC",), adapters=adapters)["logp_BC"]
+  bare = pas.run(params, rows, mask, ("logp_BC",))["logp_BC"]
+  merged = pas.run(lora.merge(params, adapters, lcfg, jnp.float32), rows, mask,
+                   ("logp_BC",))["logp_BC"]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(merged), atol=2e-5)
+  assert float(jnp.abs(got - bare).max()) > 1e-2
+
+
+@pytest.mark.slow  # two LoRA train-step compiles
+def test_two_lora_capo_steps_packed_equal_unpacked(setup):
+  params, batch = setup
+  lcfg, adapters = _lora(params)
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  tcfg = ts.TrainConfig(loss_kind="ppo", lora=lcfg,
+                        optim=OptimConfig(learning_rate=1e-3, eps=1e-4))
+  p0, m0 = _two_steps(params, batch, tcfg, mesh, pack=False, rows_per_microbatch=B // 2,
+                      base=adapters, cfg=CFG)
+  p1, m1 = _two_steps(params, batch, tcfg, mesh, pack=True, rows_per_microbatch=1,
+                      base=adapters)
+  moved = max(float(jnp.abs(x - y).max()) for x, y in
+              zip(jax.tree.leaves(p0), jax.tree.leaves(adapters)))
+  diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0),
+                                                          jax.tree.leaves(p1)))
+  assert moved > 1e-4 and diff < 1e-6, (moved, diff)
+  assert float(m1[0]["loss"]) == pytest.approx(float(m0[0]["loss"]), rel=1e-5, abs=1e-7)
