@@ -66,10 +66,17 @@ def params_digest(params) -> str:
   return h.hexdigest()
 
 
+def train(c, workdir: str, **kwargs):
+  """``capo_jax.run.loop.train`` of config ``c``, translated as the entry point does."""
+  from capo_jax.run import loop  # pylint: disable=import-outside-toplevel
+  from capo_jax.run.spec import RunSpec  # pylint: disable=import-outside-toplevel
+  spec = RunSpec.from_config(c, policy_given=kwargs.get("policy") is not None)
+  return loop.train(spec, str(workdir), **kwargs)
+
+
 def main(argv: list[str]) -> None:
   workdir, tok, data_file, steps = argv[1], argv[2], argv[3], int(argv[4])
   distributed.maybe_initialize()
-  from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
   from models.sharding import to_host  # pylint: disable=import-outside-toplevel
   c = tiny_config(tok, data_file, steps)
   for kv in argv[5:]:
@@ -79,7 +86,7 @@ def main(argv: list[str]) -> None:
     for p in parents:
       node = node[p]
     node[leaf] = type(node[leaf])(value) if not isinstance(node[leaf], bool) else value == "1"
-  params = rl_loop.train(c, workdir, grader=HashGrader())
+  params = train(c, workdir, grader=HashGrader())
   with open(f"{workdir}/params.{jax.process_index()}.sha256", "w") as f:
     f.write(params_digest(jax.tree.map(to_host, params)))
 

@@ -20,9 +20,9 @@ import importlib.util
 import jax
 import pytest
 
-from capo_jax.rl import experiment
+from capo_jax.run import spec as spec_lib
 from capo_jax.rl import train_step as ts
-from capo_jax.runtime import aot
+from capo_jax.run import aot
 from capo_jax.runtime import hlo_cost
 from capo_jax.runtime import mesh as mesh_lib
 from configs import capo_qwen2p5_math_1p5b
@@ -87,7 +87,7 @@ def test_memory_and_cost_analysis(compiled):
 
 def test_train_step_input_shardings_follow_the_rules(compiled):
   c, mesh, progs = compiled
-  model_cfg, tcfg = experiment.model_config(c), experiment.train_config(c)
+  model_cfg, tcfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config(), spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).train_config()
   rows = c.train.mini_batch_prompts * c.rollout.num_samples
   (state_sh, batch_sh), _ = progs["train"].compiled.input_shardings
   want_state = ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
@@ -104,7 +104,7 @@ def test_train_step_input_shardings_follow_the_rules(compiled):
 
 def test_decode_input_shardings_follow_the_rules(compiled):
   c, mesh, progs = compiled
-  model_cfg = experiment.model_config(c)
+  model_cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()
   args_sh, _ = progs["decode"].compiled.input_shardings
   params_sh, prompts_sh = args_sh[:2]
   want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)

@@ -17,13 +17,12 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Counts JAX's own cache-hit events (jax.monitoring) around one jitted call.
 _CHILD = textwrap.dedent("""
     import sys
-    import jax, jax.numpy as jnp, ml_collections
+    import jax, jax.numpy as jnp
     from capo_jax.runtime import compile_cache
     hits = []
     jax.monitoring.register_event_listener(
         lambda name, **kw: hits.append(name) if name.endswith("/cache_hits") else None)
-    c = ml_collections.ConfigDict({"compilation_cache_dir": sys.argv[2]})
-    compile_cache.enable(c, sys.argv[1], min_compile_s=0)
+    compile_cache.enable(sys.argv[2], sys.argv[1], min_compile_s=0)
     f = jax.jit(lambda x: jnp.tanh(x @ x.T).sum(-1) * 3.0)
     f(jnp.ones((16, 16))).block_until_ready()
     print("hits", len(hits))

@@ -12,8 +12,8 @@ import pytest
 import rl_driver
 from capo_jax.data.rewards import RewardHealth
 from capo_jax.rl import dynamic_sampling as ds
-from capo_jax.rl import experiment
-from capo_jax.rl import loop as rl_loop
+from capo_jax.run import spec as spec_lib
+from capo_jax.run import loop
 from configs import common
 
 def _brute_force_choice(rewards_NG: np.ndarray, q: int) -> list[int]:
@@ -100,7 +100,7 @@ def test_the_step_trains_on_mixed_groups_and_the_stream_covers_every_draw(assets
   c = _config(assets, steps=3)
   Q = c.rollout.num_prompts
   grader = ByGoldGrader()
-  rl_loop.train(c, str(tmp_path), grader=grader)
+  rl_driver.train(c, str(tmp_path), grader=grader)
   rows = _rows(tmp_path)
   drawn = [int(r["prompts_drawn"]) for r in rows]
   assert all(d % Q == 0 and Q <= d <= 3 * Q for d in drawn)
@@ -121,7 +121,7 @@ def test_the_step_trains_on_mixed_groups_and_the_stream_covers_every_draw(assets
 def test_all_degenerate_groups_stop_at_the_bound(assets, tmp_path):
   c = _config(assets, steps=2, max_draws=2)
   Q = c.rollout.num_prompts
-  rl_loop.train(c, str(tmp_path), grader=ByGoldGrader(constant=1.0))
+  rl_driver.train(c, str(tmp_path), grader=ByGoldGrader(constant=1.0))
   rows = _rows(tmp_path)
   assert [r["prompts_drawn"] for r in rows] == [2 * Q, 2 * Q]
   assert [r["groups_degenerate"] for r in rows] == [Q, Q]
@@ -132,9 +132,9 @@ def test_all_degenerate_groups_stop_at_the_bound(assets, tmp_path):
 @pytest.mark.slow  # ~1 min: three runs (.ci/run runs it)
 def test_resume_continues_the_data_stream_exactly(assets, tmp_path):
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  p_straight = rl_loop.train(_config(assets, 3), str(straight), grader=ByGoldGrader())
-  rl_loop.train(_config(assets, 2), str(resumed), grader=ByGoldGrader())
-  p_resumed = rl_loop.train(_config(assets, 3), str(resumed), grader=ByGoldGrader())
+  p_straight = rl_driver.train(_config(assets, 3), str(straight), grader=ByGoldGrader())
+  rl_driver.train(_config(assets, 2), str(resumed), grader=ByGoldGrader())
+  p_resumed = rl_driver.train(_config(assets, 3), str(resumed), grader=ByGoldGrader())
   assert _rows(straight)[-1]["prompts_drawn"] == _rows(resumed)[-1]["prompts_drawn"]
   assert _data_position(straight, 3) == _data_position(resumed, 3)
   for a, b in zip(jax.tree.leaves(p_straight), jax.tree.leaves(p_resumed)):
@@ -144,5 +144,5 @@ def test_resume_continues_the_data_stream_exactly(assets, tmp_path):
 def test_dynamic_sampling_needs_two_draws():
   c = common.shrink(common.get_base_config())
   c.rollout.dynamic_sampling, c.rollout.dynamic_max_draws = True, 1
-  with pytest.raises(experiment.ConfigError, match="rollout.dynamic_max_draws"):
-    experiment.validate(c, num_devices=1)
+  with pytest.raises(spec_lib.ConfigError, match="rollout.dynamic_max_draws"):
+    spec_lib.RunSpec.from_config(c, num_devices=1)

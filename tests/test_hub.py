@@ -23,7 +23,8 @@ import numpy as np
 import pytest
 
 from capo_jax.eval import evaluate
-from capo_jax.rl import experiment, run_setup
+from capo_jax.run import setup
+from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import fs, policy_io
 from configs import common
 from models import hf_weights, hub, qwen2
@@ -127,18 +128,18 @@ def test_trainer_config_takes_a_hub_id(repo, stand_in):
   """``--config.model.hf_path=Qwen/...``: validation, architecture, weights, tokenizer."""
   c = common.shrink(common.get_base_config())
   c.model.hf_path = HUB_ID
-  experiment.validate(c, num_devices=1)
-  cfg = experiment.model_config(c)
+  spec_lib.RunSpec.from_config(c, num_devices=1)
+  cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()
   assert cfg == hf_weights.load_pretrained(repo[1])[0]
-  params = run_setup.initial_params(c, cfg, None, None)
+  params = setup.initial_params(spec_lib.RunSpec.from_config(c, num_devices=1), cfg, None, None)
   want = hf_weights.load_params(cfg, repo[1])
   jax.tree.map(np.testing.assert_array_equal, params, want)
-  tok = run_setup.tokenizer_for(c)
+  tok = setup.tokenizer_for(spec_lib.RunSpec.from_config(c, num_devices=1))
   assert tok.encode("What is 1 + 2?") == hf_utils.make_tokenizer().encode("What is 1 + 2?")
   c.model.hf_path = "no-such-owner/no-such-model"
-  with pytest.raises(experiment.ConfigError, match=r"config\.model\.hf_path=.*neither a local "
+  with pytest.raises(spec_lib.ConfigError, match=r"config\.model\.hf_path=.*neither a local "
                      r"directory .* nor a model fetched from the Hugging Face hub"):
-    experiment.validate(c, num_devices=1)
+    spec_lib.RunSpec.from_config(c, num_devices=1)
 
 
 def test_evaluate_policy_by_hub_id(repo, stand_in, tmp_path):
@@ -189,7 +190,6 @@ def test_rl_run_from_a_qwen3_hub_id(repo, stand_in, tmp_path):
   """The trainer end to end on ``model.hf_path=Qwen/...`` (a Qwen3, tokenizer included):
   one CAPO step updates the policy and the export reloads as a Qwen3."""
   import rl_driver  # pylint: disable=import-outside-toplevel
-  from capo_jax.rl import loop as rl_loop  # pylint: disable=import-outside-toplevel
   c = common.shrink(common.get_base_config())
   c.model.hf_path, c.tokenizer_path = HUB_ID, ""  # the tokenizer comes from the snapshot
   c.data.train = str(tmp_path / "train.jsonl")
@@ -199,7 +199,7 @@ def test_rl_run_from_a_qwen3_hub_id(repo, stand_in, tmp_path):
   c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.train.num_steps = 256, 8, 1
   c.optim.lr = 1e-3
   workdir = tmp_path / "run"
-  params = rl_loop.train(c, str(workdir), grader=rl_driver.HashGrader())
+  params = rl_driver.train(c, str(workdir), grader=rl_driver.HashGrader())
   base = hf_weights.load_pretrained(repo[1])[1]
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
                        params, base)

@@ -14,9 +14,11 @@ import pytest
 
 import hf_utils
 import rl_driver
-from capo_jax.rl import experiment
-from capo_jax.rl import loop as rl_loop
+from capo_jax.run import spec as spec_lib
+from capo_jax.run import loop
+from batches import HostBatch
 from capo_jax.rl import train_step as ts
+from capo_jax.rl.batch import TrainBatch
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.runtime import policy_io
@@ -93,15 +95,16 @@ def test_merged_export_equals_the_adapted_forward_in_ours_and_transformers(tmp_p
   assert np.abs(hf_utils.hf_logits(hf, tokens, mask) - adapted)[real].max() <= 1e-5
 
 
-def _train_batch(B: int, P: int = 5, C: int = 6) -> ts.TrainBatch:
+def _train_batch(B: int, P: int = 5, C: int = 6) -> TrainBatch:
+  """B sequences, one per row, one micro-batch."""
   rng = np.random.default_rng(0)
   cmask = (np.arange(C)[None] < rng.integers(2, C + 1, (B, 1))).astype(np.int32)
-  return ts.TrainBatch(
+  return HostBatch(
       prompt_tokens_BP=rng.integers(1, CFG.vocab_size, (B, P)).astype(np.int32),
       prompt_mask_BP=np.ones((B, P), np.int32),
       completion_tokens_BC=rng.integers(1, CFG.vocab_size, (B, C)).astype(np.int32),
       completion_mask_BC=cmask, old_logp_BC=np.full((B, C), -5.0, np.float32) * cmask,
-      adv_B=rng.normal(size=B).astype(np.float32))
+      adv_B=rng.normal(size=B).astype(np.float32)).train_batch(B)
 
 
 def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp_path):
@@ -134,7 +137,7 @@ def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp
                                (s * A2.transpose(0, 2, 1) @ dW2).reshape(B.shape), atol=2e-6)
     assert np.abs(g_lora["layers"][f"{kernel}_lora_b"]).max() > 1e-6
 
-  step_fn = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, batch_size=4)
+  step_fn = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, rows_per_microbatch=4)
   new, metrics = step_fn(state, batch, base)
   assert float(metrics["skipped"]) == 0
   # The state holds adapters only: params, and Adam moments of the same size.
@@ -164,17 +167,15 @@ def test_bad_lora_config_fails_naming_the_field():
                                ("lora_rank", -2, "config.model.lora_rank=-2"),
                                ("lora_alpha", 0.0, "config.model.lora_alpha=0.0")):
     c = common.shrink(common.get_base_config())
-    c.model.lora_rank, c.train.pack = 4, False
+    c.model.lora_rank = 4
     c.model[field] = value
-    with pytest.raises(experiment.ConfigError, match=needle.replace("[", r"\[")):
-      experiment.validate(c, num_devices=1)
+    with pytest.raises(spec_lib.ConfigError, match=needle.replace("[", r"\[")):
+      spec_lib.RunSpec.from_config(c, num_devices=1)
   c = common.shrink(common.get_base_config())
   c.model.lora_rank, c.model.lora_targets = 2, " q, v "
-  with pytest.raises(experiment.ConfigError, match="config.train.pack=True"):
-    experiment.train_config(c)  # packing does not apply adapters yet: asking for both fails
-  c.train.pack = False
-  assert experiment.train_config(c).lora == lora.LoraConfig(2, 32.0, ("q", "v"))
-  assert experiment.train_config(common.shrink(common.get_base_config())).lora is None
+  spec_of = lambda c: spec_lib.RunSpec.from_config(c, num_devices=1)  # noqa: E731
+  assert c.train.pack and spec_of(c).train_config().lora == lora.LoraConfig(2, 32.0, ("q", "v"))
+  assert spec_of(common.shrink(common.get_base_config())).train_config().lora is None
 
 
 @pytest.mark.slow  # ~1-4 min on the 2-core box: a whole run, compiled twice
@@ -191,18 +192,18 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   _, base_dir = hf_utils.make_hf_model(tmp_path / "base", seed=2, vocab_size=512)
   c.model.hf_path = str(base_dir)  # a HF base, so a checkpoint alone can be evaluated
   c.model.lora_rank, c.model.lora_alpha, c.model.lora_targets = 4, 8.0, "q,v,o,up,down"
-  c.train.pack = False  # the packed passes do not apply adapters yet
   c.data.val_size = 0
-  assert c.algo.name == "capo" and experiment.needs_reference(c)
+  assert c.algo.name == "capo" and spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).needs_reference
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
-  want = rl_loop.train(c, str(straight), grader=rl_driver.HashGrader())
+  want = rl_driver.train(c, str(straight), grader=rl_driver.HashGrader())
 
   state_dir = straight / "checkpoints" / "2" / "state"
   tree = ocp.StandardCheckpointer().metadata(str(state_dir)).item_metadata.tree
   assert set(tree["params"]["layers"]) == {f"{k}_kernel_lora_{x}" for k in
                                           ("q", "v", "o", "up", "down") for x in "ab"}
   # Adapters, their two Adam moments and a few scalars: no base weight is saved.
-  n_base = qwen2.num_params(qwen2.param_shapes(experiment.model_config(c)))
+  n_base = qwen2.num_params(qwen2.param_shapes(
+      spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()))
   n_ad = sum(int(np.prod(m.shape)) for m in jax.tree.leaves(tree["params"]))
   n_saved = sum(int(np.prod(m.shape)) for m in jax.tree.leaves(tree))
   assert n_ad < n_base / 10 and 3 * n_ad <= n_saved <= 3 * n_ad + 8, (n_ad, n_saved, n_base)
@@ -226,7 +227,7 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   shutil.copytree(straight, resumed)
   shutil.rmtree(resumed / "checkpoints" / "2")
   shutil.rmtree(resumed / "export_hf")
-  got = rl_loop.train(c, str(resumed), grader=rl_driver.HashGrader())
+  got = rl_driver.train(c, str(resumed), grader=rl_driver.HashGrader())
   jax.tree.map(lambda x, y: np.testing.assert_array_equal(np.asarray(x), np.asarray(y)),
                got, want)
   rows = [json.loads(l) for l in (resumed / "metrics.jsonl").read_text().splitlines()]

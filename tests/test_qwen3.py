@@ -17,6 +17,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from batches import HostBatch
+
 from capo_jax.rl import train_step as ts
 from capo_jax.sampling import sampler as sampling
 from models import hf_weights, qwen2
@@ -191,8 +193,8 @@ def test_qwen3_train_step_matches_torch_gradient():
   (-(torch.as_tensor(adv) * s_B).sum() / B).backward()
   grads = {k: p.grad.numpy() for k, p in hf_model.named_parameters()}
 
-  batch = ts.TrainBatch(prompt, prompt_mask, completion, completion_mask,
-                        jnp.asarray(logp.detach().numpy()), jnp.asarray(adv))
+  batch = HostBatch(prompt, prompt_mask, completion, completion_mask,
+                    jnp.asarray(logp.detach().numpy()), jnp.asarray(adv)).train_batch(B)
   tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0,
                                           grad_clip=0.0))
   step = jax.jit(ts.train_step, static_argnames=("model_cfg", "tcfg"))

@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 
 import rl_driver
-from capo_jax.rl import experiment
-from capo_jax.rl import loop as rl_loop
+from capo_jax.run import spec as spec_lib
+from capo_jax.run import loop
+from capo_jax.run import setup
 from configs import common
 from models import qwen2
 
@@ -59,15 +60,15 @@ def test_every_config_file_loads_and_validates(name):
   if name == "demo":  # the warm start supplies the policy; "shrink" is its smoke variant
     full, tiny = mod.get_config(), mod.get_config("shrink")
     full.rollout.max_new_tokens = tiny.rollout.max_new_tokens = 40
-    experiment.validate(full, num_devices=1, policy_given=True)
-    experiment.validate(tiny, num_devices=1, policy_given=True)
+    spec_lib.RunSpec.from_config(full, num_devices=1, policy_given=True)
+    spec_lib.RunSpec.from_config(tiny, num_devices=1, policy_given=True)
     assert tiny.train.num_steps < full.train.num_steps
     return
   full, tiny = mod.get_config(), mod.get_config("shrink")
-  assert full.algo.name in experiment.ALGORITHMS
-  experiment.validate(full, num_devices=8)
-  experiment.validate(tiny, num_devices=1)
-  assert experiment.model_config(tiny).num_layers <= 4  # shrink really shrinks
+  assert full.algo.name in spec_lib.ALGORITHMS
+  spec_lib.RunSpec.from_config(full, num_devices=8)
+  spec_lib.RunSpec.from_config(tiny, num_devices=1)
+  assert spec_lib.RunSpec.from_config(tiny, num_devices=1, policy_given=True).model_config().num_layers <= 4  # shrink really shrinks
 
 
 @pytest.mark.parametrize("field,value,needle", [
@@ -84,8 +85,8 @@ def test_bad_config_fails_at_start_naming_the_field(field, value, needle):
   c = common.shrink(common.get_base_config())
   section, leaf = field.split(".")
   c[section][leaf] = value
-  with pytest.raises(experiment.ConfigError, match=needle.replace("(", r"\(")):
-    experiment.validate(c, num_devices=1)
+  with pytest.raises(spec_lib.ConfigError, match=needle.replace("(", r"\(")):
+    spec_lib.RunSpec.from_config(c, num_devices=1)
 
 
 @pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
@@ -115,11 +116,11 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path):
   c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
   c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8
   c.train.num_steps, c.train.max_consecutive_skips = 6, 2
-  cfg = experiment.model_config(c)
+  cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()
   params = jax.tree.map(np.array, qwen2.init_params(cfg, jax.random.key(1)))
   params["final_norm"][0] = np.nan  # every loss is NaN
-  with pytest.raises(rl_loop.TrainingDiverged, match="2 consecutive steps"):
-    rl_loop.train(c, str(tmp_path), policy=rl_loop.Policy(cfg, params),
+  with pytest.raises(loop.TrainingDiverged, match="2 consecutive steps"):
+    rl_driver.train(c, str(tmp_path), policy=setup.Policy(cfg, params),
                   grader=rl_driver.HashGrader())
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["skipped_updates"] for r in rows] == [2, 2]  # 2 mini-batch updates per step
@@ -216,7 +217,7 @@ def test_every_algorithm_trains_end_to_end(algo, assets, tmp_path):
   c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8
   c.algo.name, c.train.num_steps, c.checkpoint.export_hf = algo, 1, False
   c.optim.lr = 1e-3
-  rl_loop.train(c, str(tmp_path), grader=rl_driver.HashGrader())
+  rl_driver.train(c, str(tmp_path), grader=rl_driver.HashGrader())
   row = json.loads(open(tmp_path / "metrics.jsonl").readline())
   assert np.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["skipped_updates"] == 0
   if algo == "simko":

@@ -8,14 +8,15 @@ import logging
 import os
 import pathlib
 
+import numpy as np
 import pytest
 
 import host_utils
 import rl_driver
 from capo_jax.data import datasets as data
-from capo_jax.rl import experiment
-from capo_jax.rl import loop as rl_loop
-from capo_jax.rl import run_setup
+from capo_jax.run import spec as spec_lib
+from capo_jax.run import loop
+from capo_jax.run import setup
 from capo_jax.runtime import metrics
 from capo_jax.runtime import run_record
 from configs import common
@@ -55,7 +56,7 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
   workdir = tmp_path / "run"
   c = _config(assets, 3)
   c.log.wandb_project = "capo-test"
-  rl_loop.train(c, str(workdir), grader=rl_driver.HashGrader())
+  rl_driver.train(c, str(workdir), grader=rl_driver.HashGrader())
   assert _steps(workdir) == [1, 2, 3]
   record = json.loads((workdir / "config.json").read_text())
   assert record["config"]["train"]["num_steps"] == 3 and "git_commit" in record
@@ -74,7 +75,7 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
       os.truncate(f, f.stat().st_size // 2)
   c4 = _config(assets, 4)
   with caplog.at_level(logging.INFO):
-    rl_loop.train(c4, str(workdir), grader=rl_driver.HashGrader())
+    rl_driver.train(c4, str(workdir), grader=rl_driver.HashGrader())
   log_text = caplog.text
   assert "checkpoint step 3" in log_text and "unreadable" in log_text
   assert "resuming at step 2" in log_text
@@ -85,7 +86,7 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
   c_bad = _config(assets, 5)
   c_bad.rollout.max_new_tokens = 12
   with pytest.raises(run_record.ConfigChanged, match="rollout.max_new_tokens: 8 -> 12"):
-    rl_loop.train(c_bad, str(workdir), grader=rl_driver.HashGrader())
+    rl_driver.train(c_bad, str(workdir), grader=rl_driver.HashGrader())
 
 
 def test_config_record_warns_on_changed_fields_and_stops_on_shape_fields(tmp_path, caplog):
@@ -141,8 +142,8 @@ def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
   # Through the trainer's loader: the ids land in the workdir.
   c = common.get_base_config()
   c.data.data_dir, c.data.train_size, c.data.val_size = str(shared_data), 1000, 240
-  got = run_setup.training_data(c, str(tmp_path))
-  rec = json.loads((tmp_path / run_setup.SPLIT_FILE).read_text())
+  got = setup.training_data(spec_lib.RunSpec.from_config(c, num_devices=1).data, str(tmp_path))
+  rec = json.loads((tmp_path / setup.SPLIT_FILE).read_text())
   assert rec["val_ids"] == [e.id for e in got.val] == split.ids()["val_ids"]
   assert rec["train_ids"] == split.ids()["train_ids"]
   with pytest.raises(data.DataError, match="not enough"):
@@ -154,14 +155,14 @@ def test_an_empty_training_file_is_named_as_empty(assets, tmp_path):
   c.data.train = assets["empty"]
   with pytest.raises(data.DataError, match=r"empty\.jsonl: no training questions \(the file is "
                      "empty"):
-    rl_loop.train(c, str(tmp_path), grader=rl_driver.HashGrader())
+    rl_driver.train(c, str(tmp_path), grader=rl_driver.HashGrader())
 
 
 def test_eval_config_fields_are_checked(assets):
   c = _config(assets, 1)
   c.eval.num_samples = 0
-  with pytest.raises(experiment.ConfigError, match="eval.num_samples=0"):
-    experiment.validate(c, num_devices=1)
+  with pytest.raises(spec_lib.ConfigError, match="eval.num_samples=0"):
+    spec_lib.RunSpec.from_config(c, num_devices=1)
 
 
 @pytest.mark.parametrize("name", ["capo_qwen2p5_math_1p5b", "grpo_qwen2p5_math_7b", "demo"])
@@ -187,15 +188,16 @@ def test_an_unknown_config_argument_stops_the_cli_before_anything_runs(tmp_path)
 
 
 def test_log_prob_pass_in_row_calls_equals_one_call():
-  """train.logprob_rows: the old / reference pass in calls of 4 rows == one call of 16,
-  on 1 device and on a 2 x 2 x 2 mesh of 8 fake devices when they exist."""
+  """train.logprob_rows: the old / reference pass in calls of 4 rows == one call of 16
+  == the padded forward, on 1 device and on a 2 x 2 x 2 mesh of 8 fake devices when
+  they exist."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
   from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  from capo_jax.rl import rollout
+  from capo_jax.rl.logprobs import token_logprobs  # pylint: disable=import-outside-toplevel
   from models import qwen2  # pylint: disable=import-outside-toplevel
   c = common.shrink(common.get_base_config())
-  cfg = experiment.model_config(c)
+  cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()
   params = qwen2.init_params(cfg, jax.random.key(0))
   rng = np.random.default_rng(0)
   B, P, C = 16, 6, 5
@@ -208,20 +210,32 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
   if jax.device_count() >= 8:
     meshes.append(mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2},
                                      devices=jax.devices()[:8]))
+  keys = ("logp_BC", "entropy_BC", "topk_ids_BCJ", "topk_logp_BCJ")
+  # The padded [B, P + C] forward: an independent reference for the rows' layout.
+  ref = token_logprobs(params, cfg, prompt, pmask, comp, cmask, top_k=3)
   for mesh in meshes:
     p = jax.device_put(params, mesh_lib.param_shardings(cfg, mesh, mesh_lib.TRAIN_RULES))
-    one, calls = (rollout.make_host_logprob_fn(cfg, mesh, mesh_lib.TRAIN_RULES, B,
-                                               rows_per_call=L, top_k=3)
-                  for L in (0, 4))
-    keys = ("logp_BC", "entropy_BC", "topk_ids_BCJ", "topk_logp_BCJ")
-    want = one(p, prompt, pmask, comp, cmask, keys=keys)
-    got = calls(p, prompt, pmask, comp, cmask, keys=keys)
+    want, got = (_old_pass(cfg, mesh, p, (prompt, pmask, comp, cmask), L, keys) for L in (B, 4))
     assert set(got) == set(want) == set(keys) and got["logp_BC"].shape == (B, C)
-    assert set(calls(p, prompt, pmask, comp, cmask)) == {"logp_BC"}  # only what is asked
     for k in want:
       np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
-  with pytest.raises(ValueError, match="rows_per_call=5 must divide the 16 rows"):
-    rollout.make_host_logprob_fn(cfg, meshes[0], mesh_lib.TRAIN_RULES, B, rows_per_call=5)
+    np.testing.assert_allclose(got["logp_BC"], np.asarray(ref["logp_BC"]), atol=1e-5)
+    np.testing.assert_array_equal(got["topk_ids_BCJ"], np.asarray(ref["topk_ids_BCJ"]))
+
+
+def _old_pass(cfg, mesh, params, xs, rows_per_call, keys):
+  """The trainer's old-policy pass (one sequence per row) in calls of ``rows_per_call``."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import train_step as ts  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl.logprob_pass import LogprobPass  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  rules = mesh_lib.TRAIN_RULES
+  lp = LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, rows_per_call, top_k=3),
+                   rows_per_call=rows_per_call, row_len=0, pack=False,
+                   rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call),
+                   index_sharding=mesh_lib.batch_sharding(mesh, rules, xs[0].shape[0]))
+  out = lp.run(params, lp.upload(*xs), jnp.asarray(xs[3]), keys)
+  return {k: np.asarray(v) for k, v in out.items()}
 
 
 @pytest.mark.parametrize("algo,agg,want", [
@@ -231,4 +245,4 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
 def test_simko_is_one_field_away_with_its_papers_aggregation(algo, agg, want):
   c = common.shrink(common.get_base_config())
   c.algo.name, c.loss.agg = algo, agg
-  assert experiment.train_config(c).loss.agg == want
+  assert spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).train_config().loss.agg == want

@@ -115,15 +115,10 @@ class RolloutSpec:
   """What ``collect`` needs to know besides the arrays (from the run's spec)."""
   num_samples: int
   max_prompt_len: int
-  max_new_tokens: int
-  temperature: float
-  top_p: float
-  top_k: int
   adv: AdvantageSpec
   old_from_sampler: bool
   simko_k: int = 0
   prompts_per_call: int = 0  # 0: all Q prompts in one sampler call
-  max_active_rows: int = 0  # the engine's KV slots per call; 0: all rows of a call
   dynamic_max_draws: int = 1  # > 1: dynamic sampling, at most this many batches of Q prompts
 
 
@@ -198,9 +193,9 @@ class RolloutContext:
   model_cfg: Qwen2Config
   tokenizer: Tokenizer
   grader: Any  # .score(completions, golds) -> (rewards, RewardHealth)
+  sampling: sampling.SamplingSpec  # the sampler's calls, stop and pad ids the tokenizer's
+  sampling_layout: Layout  # the mesh and the sampling rules
   logprobs: LogprobPass  # the old / reference pass
-  mesh: jax.sharding.Mesh
-  sampling_rules: Any
 
 
 @dataclasses.dataclass
@@ -238,12 +233,8 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
   for i, start in enumerate(range(0, Q, per_call)):
     samples = sampling.generate(
         params_sampling, ctx.model_cfg, tokens_QP[start:start + per_call],
-        mask_QP[start:start + per_call], jax.random.fold_in(rng, i), sampling.SamplingSpec(
-            num_samples=G, max_new_tokens=spec.max_new_tokens,
-            strategy=sampling.make_strategy(spec.temperature, spec.top_p, spec.top_k),
-            stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-            max_active_rows=spec.max_active_rows or None),
-        layout=Layout.of(ctx.mesh, ctx.sampling_rules))
+        mask_QP[start:start + per_call], jax.random.fold_in(rng, i), ctx.sampling,
+        layout=ctx.sampling_layout)
     # The host needs the tokens (to decode), the mask, lengths and truncation; the
     # sampler's log-probs stay on the devices.
     host.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.lengths_B,
@@ -348,7 +339,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
 
   s_QG = _scores(old_logp_BC, cmask_dev).reshape(Q, G)
   ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
-  rewards_dev = put_global(rewards_QG, NamedSharding(ctx.mesh, PartitionSpec()))
+  rewards_dev = put_global(rewards_QG, NamedSharding(ctx.sampling_layout.mesh, PartitionSpec()))
   adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv)
   s_QG, adv_metrics = jax.device_get((s_QG, adv_metrics))
   t_logp = time.perf_counter() - t2

@@ -389,28 +389,16 @@ def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, rows_per_c
   """Jitted forward-only ``fn(params, rows, adapters=None) -> packed_token_logprobs dict``,
   the old / reference log-prob pass over ``rows_per_call`` model rows.
 
-  Params are expected in the shardings ``rules`` give (e.g. ``state.params``
+  Params (and adapters) are used in the shardings they arrive in (``state.params``
   under the train rules); rows and outputs are sharded over the rows. With
   ``lora``, ``fn(base, rows, adapters=state.params)`` is the policy and
   ``fn(base, rows)`` the base alone (the reference): two programs, one base.
   """
-  p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
   r_sh = mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows")
   tcfg = TrainConfig(lora=lora)
 
-  def fn(params: Params, adapters: Params | None, rows: ModelRows) -> dict[str, Array]:
+  def fn(params: Params, rows: ModelRows, adapters: Params | None = None) -> dict[str, Array]:
     weights = params if adapters is None else policy_weights(adapters, model_cfg, tcfg, params)
     return packed_token_logprobs(weights, model_cfg, rows, chunk_size=chunk_size, top_k=top_k)
 
-  plain = jax.jit(lambda p, rows: fn(p, None, rows), in_shardings=(p_sh, r_sh),
-                  out_shardings=r_sh)
-  if lora is None:
-    return lambda params, rows, adapters=None: plain(params, rows)
-  a_sh = trainable_shardings(model_cfg, tcfg, mesh, rules)
-  adapted = jax.jit(fn, in_shardings=(p_sh, a_sh, r_sh), out_shardings=r_sh)
-
-  def call(params: Params, rows: ModelRows, adapters: Params | None = None
-           ) -> dict[str, Array]:
-    return plain(params, rows) if adapters is None else adapted(params, adapters, rows)
-
-  return call
+  return jax.jit(fn, out_shardings=r_sh)

@@ -207,28 +207,28 @@ class Lowerable:
   resident: tuple[str, ...]  # live device buffers that are not among its arguments
 
 
-def _sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh, sh: Shapes
-                      ) -> tuple[Lowerable, Any]:
+def sampler_plan(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> engine.Plan:
+  """The engine's plan of one sampler call at the run's largest prompts (``generate``'s)."""
+  return sampling.engine_plan(model_cfg, programs_lib.sampling_spec(spec),
+                              Layout.of(mesh, mesh_lib.SAMPLING_RULES),
+                              Shapes.from_spec(spec).prompts_per_call)
+
+
+def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerable, Any]:
   """The prefill, and a function of its compiled form giving the decode loop."""
+  sh = Shapes.from_spec(spec)
   rules = mesh_lib.SAMPLING_RULES
   layout = Layout.of(mesh, rules)  # the value generate() is given, so the same jit cache key
   rep = mesh_lib.replicated(mesh)
   params = _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
-  strategy = programs_lib.sampling_settings(spec)
+  plan = sampler_plan(spec, model_cfg, mesh)
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
   prefill = Lowerable(
       "prefill", engine.prefill,
       (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng),
-      dict(plan=engine.PrefillPlan(cfg=model_cfg, strategy=strategy,
-                                   num_samples=sh.num_samples, layout=layout)),
-      sh.num_calls, ("train state", "reference"))
-  rows = sh.prompts_per_call * sh.num_samples
-  slots = min(spec.rollout.max_active_rows or rows, rows)
-  plan = engine.Plan(cfg=model_cfg, strategy=strategy, num_samples=sh.num_samples,
-                     num_slots=slots, gen_len=sh.gen_len, layout=layout, block=engine.KV_BLOCK,
-                     shrink=slots < rows)
+      dict(plan=plan.prefill_plan), sh.num_calls, ("train state", "reference"))
 
   def decode(prefill_compiled: Any) -> Lowerable:
     out = jax.eval_shape(functools.partial(engine.prefill, **prefill.kwargs), *prefill.args)
@@ -241,12 +241,14 @@ def _sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh, sh: Shapes
   return prefill, decode
 
 
-def _trainer_programs(spec: RunSpec, progs: StepPrograms, mesh: Mesh, sh: Shapes
-                      ) -> list[Lowerable]:
+def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = None
+                     ) -> list[Lowerable]:
   """The log-prob passes and the train step the trainer runs (``programs.build``), at the
   largest shapes a step can give them: every sequence as long as allowed, so each
   fills a row of its own when ``train.pack_len`` is the longest sequence."""
   rules = mesh_lib.TRAIN_RULES
+  progs = progs or programs_lib.build(spec, spec.model_config(), mesh)
+  sh = Shapes.from_spec(spec)
   model_cfg, tcfg = progs.model_cfg, progs.tcfg
   T, Y, Z, calls = sh.row_len, sh.rows_per_call, sh.targets_per_call, sh.logprob_calls
   rows = lambda shape, dtype=jnp.int32: _rows(mesh, rules, shape, dtype)  # noqa: E731
@@ -378,13 +380,10 @@ def compile_step(spec: RunSpec, mesh: Mesh, only: tuple[str, ...] = (),
                  log: Any = None) -> list[Compiled]:
   """Compiles every program of one RL step of ``spec`` on ``mesh`` (``programs.build``'s,
   at ``Shapes.from_spec``); ``only``: a subset of program names."""
-  model_cfg = spec.model_config()
-  sh = Shapes.from_spec(spec)
   want = lambda name: not only or name in only
   out = []
-  prefill, decode = _sampler_programs(spec, model_cfg, mesh, sh)
-  progs: list[Any] = [prefill, decode] + _trainer_programs(
-      spec, programs_lib.build(spec, model_cfg, mesh), mesh, sh)
+  prefill, decode = sampler_programs(spec, spec.model_config(), mesh)
+  progs: list[Any] = [prefill, decode] + trainer_programs(spec, mesh)
   prefill_compiled = None
   for p in progs:
     if not isinstance(p, Lowerable):  # the decode loop takes the prefill's output shardings

@@ -23,6 +23,7 @@ makes every process save the same step and exit with status 0.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -98,7 +99,7 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   mesh = spec.make_mesh()
   progs = programs_lib.build(spec, model_cfg, mesh)
   tcfg = progs.tcfg
-  train_rules, sampling_rules = mesh_lib.TRAIN_RULES, mesh_lib.SAMPLING_RULES
+  train_rules = mesh_lib.TRAIN_RULES
   tokenizer = tokenizer or setup.tokenizer_for(spec)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ConfigError(
@@ -127,9 +128,11 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   params0 = w.trainable0
   step_fn = progs.train_step
   to_sampling = w.to_sampling
-  ctx = rollout.RolloutContext(spec=spec.rollout_spec(), model_cfg=model_cfg,
-                               tokenizer=tokenizer, grader=grader, logprobs=progs.logprobs,
-                               mesh=mesh, sampling_rules=sampling_rules)
+  ctx = rollout.RolloutContext(
+      spec=spec.rollout_spec(), model_cfg=model_cfg, tokenizer=tokenizer, grader=grader,
+      sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tokenizer.stop_ids),
+                                   pad_id=tokenizer.pad_id),
+      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs)
   if eval_fn is None and spec.eval.every_steps > 0:
     eval_fn = train_eval.make_eval_fn(
         train_eval.EvalSetup(spec=spec.eval, model_cfg=model_cfg, tokenizer=tokenizer,

@@ -33,7 +33,7 @@ class StepPrograms:
   Attributes:
     model_cfg: the policy's architecture.
     tcfg: the train step's static configuration.
-    sampling: the sampler's static settings (``sampling.SamplingSpec``) and its layout.
+    sampling: the rollout's sampler calls (``sampling.SamplingSpec``).
     sampling_layout: the mesh and the sampling rules the engine shards by.
     logprobs: the old / reference log-prob pass.
     batch_layout: how an update's sequences become a train batch.
@@ -42,7 +42,7 @@ class StepPrograms:
   """
   model_cfg: Qwen2Config
   tcfg: ts.TrainConfig
-  sampling: Any
+  sampling: sampling.SamplingSpec
   sampling_layout: Layout
   logprobs: LogprobPass
   batch_layout: BatchLayout
@@ -70,14 +70,17 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
                              rows_per_microbatch=rows_per_mb, pack=spec.train.pack,
                              sharding=ts.batch_sharding(mesh, rules, rows_per_mb))
   return StepPrograms(
-      model_cfg=model_cfg, tcfg=tcfg, sampling=sampling_settings(spec),
+      model_cfg=model_cfg, tcfg=tcfg, sampling=sampling_spec(spec),
       sampling_layout=Layout.of(mesh, mesh_lib.SAMPLING_RULES), logprobs=logprobs,
       batch_layout=batch_layout,
       train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
       state_shardings=ts.state_shardings(model_cfg, tcfg, mesh, rules))
 
 
-def sampling_settings(spec: RunSpec) -> Any:
-  """The engine's static settings of the rollout's sampler calls."""
+def sampling_spec(spec: RunSpec) -> sampling.SamplingSpec:
+  """The rollout's sampler calls (the stop and pad ids are the tokenizer's: the trainer
+  sets them; they are arguments of the programs, not part of their shape)."""
   r = spec.rollout
-  return sampling.make_strategy(r.temperature, r.top_p, r.top_k)
+  return sampling.SamplingSpec(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
+                               strategy=sampling.make_strategy(r.temperature, r.top_p, r.top_k),
+                               max_active_rows=r.max_active_rows or None)

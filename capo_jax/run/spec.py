@@ -481,14 +481,12 @@ class RunSpec:
         mask_mode=a.mask_mode, num_steps=self.train.num_steps)
 
   def rollout_spec(self) -> rollout.RolloutSpec:
-    """What ``rollout.collect`` needs: sampling, advantages, log-probs."""
+    """What ``rollout.collect`` needs besides the programs: advantages, log-probs, draws."""
     r = self.rollout
     return rollout.RolloutSpec(
-        num_samples=r.num_samples, max_prompt_len=r.max_prompt_len,
-        max_new_tokens=r.max_new_tokens, temperature=r.temperature, top_p=r.top_p, top_k=r.top_k,
-        adv=self.advantage_spec(), old_from_sampler=r.old_logprobs == "sampler",
-        simko_k=self.simko_k, prompts_per_call=r.prompts_per_call,
-        max_active_rows=r.max_active_rows,
+        num_samples=r.num_samples, max_prompt_len=r.max_prompt_len, adv=self.advantage_spec(),
+        old_from_sampler=r.old_logprobs == "sampler", simko_k=self.simko_k,
+        prompts_per_call=r.prompts_per_call,
         dynamic_max_draws=r.dynamic_max_draws if r.dynamic_sampling else 1)
 
   def model_config(self) -> Qwen2Config:

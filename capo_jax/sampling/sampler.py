@@ -131,6 +131,23 @@ class SamplingSpec:
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
 
 
+def engine_plan(cfg: Qwen2Config, spec: SamplingSpec, layout: Layout | None,
+                num_prompts: int) -> engine.Plan:
+  """The static shape of the engine's programs for one call of ``num_prompts`` prompts:
+  what ``generate`` runs, and what the ahead-of-time compile lowers."""
+  B = num_prompts * spec.num_samples
+  W = B if spec.max_active_rows is None else min(spec.max_active_rows, B)
+  devices = jax.devices() if layout is None else layout.mesh.devices.flat
+  # XLA:CPU rounds row reductions by row count below 8 rows (decode.MIN_ROWS_CPU).
+  cpu = next(iter(devices)).platform == "cpu"
+  # The tail moves to smaller caches only under continuous batching: None stays
+  # the lockstep decode.
+  return engine.Plan(cfg=cfg, strategy=spec.strategy, num_samples=spec.num_samples,
+                     num_slots=W, gen_len=bucket_length(spec.max_new_tokens, GEN_BUCKET_MIN),
+                     layout=layout, block=engine.KV_BLOCK,
+                     min_slots=decode.MIN_ROWS_CPU if cpu else 1, shrink=W < B)
+
+
 def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mask_QP: Any,
              rng: jax.Array, spec: SamplingSpec, layout: Layout | None = None) -> Samples:
   """Samples ``spec.num_samples`` completions of each left-padded prompt.
@@ -180,14 +197,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   stops = np.pad(stops, (0, width - stops.size), constant_values=-1)
   ends = engine.Ends(stop_ids=jnp.asarray(stops), pad_id=jnp.asarray(pad_id, jnp.int32),
                      max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32))
-  B = Q * num_samples
-  W = B if spec.max_active_rows is None else min(spec.max_active_rows, B)
-  # The tail moves to smaller caches only under continuous batching: None stays
-  # the lockstep decode.
-  plan = engine.Plan(cfg=cfg, strategy=spec.strategy, num_samples=num_samples, num_slots=W,
-                     gen_len=gen_len, layout=layout, block=engine.KV_BLOCK,
-                     min_slots=decode.MIN_ROWS_CPU if jax.default_backend() == "cpu" else 1,
-                     shrink=W < B)
+  plan = engine_plan(cfg, spec, layout, Q)
   prompts, first = engine.prefill(params, tokens, mask, rng, plan=plan.prefill_plan)
   tokens_BC, logprobs_BC, mask_BC, stopped_B = engine.decode_loop(
       params, prompts, first, rng, ends, plan=plan)
