@@ -49,11 +49,11 @@ def plan_terms(cfg: Qwen2Config, T: int, chunk: int) -> dict[str, float]:
   D, F, N, L, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_layers,
                    cfg.vocab_size)
   act = 2
-  W = memory_plan.ATTN_BLOCK
+  block = memory_plan.ATTN_BLOCK
   common = T * F * act * 4 + T * D * act * 8
   return {"boundary activations": L * T * D * act,
           "layer working set, before (T^2 scores)": N * T * T * 10 + common,
-          "layer working set, now (one block)": N * (W * W * 10 + T * 4) + common,
+          "layer working set, now (one block)": N * (block * block * 10 + T * 4) + common,
           "log-prob chunk": chunk * V * 4 * 3,
           "bf16 params copy": act * qwen2.num_params(qwen2.param_shapes(cfg))}
 
