@@ -263,6 +263,7 @@ def test_main_prints_a_table_per_model(capsys, monkeypatch):
     ("capo", "auto", 0.0, True), ("grpo", "auto", 0.0, False), ("grpo", "on", 0.0, True),
     ("capo", "off", 0.0, False), ("grpo", "off", 0.1, True)])
 def test_reference_copy_only_when_the_mask_or_kl_needs_it(name, mask, beta, expected):
-  import ml_collections
-  c = ml_collections.ConfigDict({"algo": {"name": name, "mask": mask}, "loss": {"beta": beta}})
+  from configs import common  # pylint: disable=import-outside-toplevel
+  c = common.get_base_config()  # the trainer's rule reads a whole (validated) run config
+  c.algo.name, c.algo.mask, c.loss.beta = name, mask, beta
   assert mp._uses_reference(c) is expected
