@@ -18,8 +18,10 @@ faster), with the range of the per-round paired ratios.
 
 Workers speak the APIs the package has had: ``generate(temperature=)`` with
 ``Samples.tokens``, ``generate(strategy=)`` and ``generate(spec)`` with
-``Samples.tokens_BC``; ``shard_batch`` from ``tests/host_utils.py``, ``runtime.host`` or
-``runtime.mesh``.
+``Samples.tokens_BC``; the train step's batch as one ``capo_jax.rl.batch.TrainBatch`` of
+model rows (``tests/batches.py``: one sequence per row, one micro-batch) or, before it, the
+padded ``train_step.TrainBatch`` placed with ``shard_batch`` from ``tests/host_utils.py``,
+``runtime.host`` or ``runtime.mesh``.
 """
 
 from __future__ import annotations
@@ -45,6 +47,10 @@ _WORKER = textwrap.dedent("""
     from capo_jax.rl.losses import LossConfig
     from capo_jax.rl.optim import OptimConfig
     from capo_jax.runtime import mesh as mesh_lib
+    try:
+      from tests.batches import HostBatch  # the one TrainBatch of model rows
+    except ImportError:
+      HostBatch = None
     try:
       from tests.host_utils import shard_batch
     except ImportError:
@@ -85,11 +91,14 @@ _WORKER = textwrap.dedent("""
                           optim=OptimConfig(learning_rate=1e-6, weight_decay=0.01, grad_clip=1.0))
     state = ts.train_state_from_params(params, cfg, tcfg, mesh, rules)
     ones = lambda n: np.ones((B, n), np.int32)
-    batch = ts.TrainBatch(rng.integers(0, V, (B, TP)).astype(np.int32), ones(TP),
-                          rng.integers(0, V, (B, TC)).astype(np.int32), ones(TC),
-                          rng.normal(scale=0.1, size=(B, TC)).astype(np.float32) - 10.0,
-                          rng.normal(size=(B,)).astype(np.float32))
-    batch = shard_batch(batch, mesh, rules)
+    arrays = (rng.integers(0, V, (B, TP)).astype(np.int32), ones(TP),
+              rng.integers(0, V, (B, TC)).astype(np.int32), ones(TC),
+              rng.normal(scale=0.1, size=(B, TC)).astype(np.float32) - 10.0,
+              rng.normal(size=(B,)).astype(np.float32))
+    if HostBatch is not None:
+      batch = jax.device_put(HostBatch(*arrays).train_batch(B), ts.batch_sharding(mesh, rules, B))
+    else:
+      batch = shard_batch(ts.TrainBatch(*arrays), mesh, rules)
     step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
 
     def train(_greedy, _seed):

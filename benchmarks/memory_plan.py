@@ -19,26 +19,26 @@ Assumptions (the code this mirrors, where it exists):
   (capo_jax/runtime/mesh.py). Batch rows split over data x fsdp (an axis that does
   not divide the rows is replicated, as models/sharding.py does).
 * Rollout (capo_jax/sampling/engine.py): one prefill of the Q prompts (their
-  prompt cache, Q x P, stays while decoding), then N = ``rollout.max_active_rows``
-  rows decode at once over a cache of N slots x (P + C) (continuous batching);
-  P and C rounded up as the sampler does. The plan picks N: of B, B/2, ... B/16
+  prompt cache, Q x P, stays while decoding), then W = ``rollout.max_active_rows``
+  rows decode at once over a cache of W slots x (P + C) (continuous batching);
+  P and C rounded up as the sampler does. The plan picks W: of B, B/2, ... B/16
   the one whose cache fits with the least expected rollout time, from
   benchmarks/rollout_lengths.py's scheduler simulation (long-tailed lengths)
   and bandwidth model per chip. The old sampler's decode loop held a second
   copy of its B-row cache (XLA memory analysis, GPU temp 1.0-1.3 x the cache);
-  the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at N = 64
+  the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at W = 64
   / 16, the rest outputs and logits; not checked on TPU), so one copy is counted.
 * Train activations with remat: the bfloat16 residual at every layer boundary
   is saved; one layer is recomputed at a time. Attention never holds the T x T
   scores (``models.attention``: splash on TPU, the blocked "flash" elsewhere):
-  its working set is one [W, W] block of float32 scores + probabilities +
-  gradient (10 bytes per score, W = ``ATTN_BLOCK``) per head and row, plus the
+  its working set is one ``ATTN_BLOCK`` x ``ATTN_BLOCK`` block of float32 scores +
+  probabilities + gradient (10 bytes per score) per head and row, plus the
   float32 log-sum-exp per head and token; chunked log-probs hold
   ``logprob_chunk`` positions of float32 logits, log-softmax and gradient.
 * Shapes: a rollout decodes up to C_max steps; the trainer sees rows of
   T = P_max + C_max tokens (packed rows are that long, ``train.pack_len``'s
   default; unpacked rows at most that), ``micro_batch_size`` rows at a time.
-* When no N fits, the plan splits the rollout into 2, 4 or 8 sequential
+* When no W fits, the plan splits the rollout into 2, 4 or 8 sequential
   ``generate`` calls (fewer prompts at a time), printed as "rollout calls".
 * ``--lora-rank R`` (models/lora.py, ``--config.model.lora_rank=R``): the base is
   frozen in bfloat16 (``--config.model.param_dtype=bfloat16``), sharded like
@@ -150,8 +150,8 @@ class Run:
 
 def _uses_reference(c: Any) -> bool:
   """Whether the trainer keeps a reference policy (its own rule: noise mask or KL)."""
-  from capo_jax.rl import experiment
-  return bool(experiment.needs_reference(c))
+  from capo_jax.run.spec import RunSpec
+  return RunSpec.from_config(c, policy_given=True).needs_reference
 
 
 def load_run(model: str) -> Run:
@@ -179,7 +179,7 @@ def adapter_count(run: Run) -> int:
 @functools.lru_cache(maxsize=64)
 def param_counts(cfg: Qwen2Config) -> tuple[int, int]:
   """(all params, params of one layer) from ``models.qwen2.param_shapes`` (cached: the
-  plan asks for every candidate mesh and N)."""
+  plan asks for every candidate mesh and W)."""
   shapes = qwen2.param_shapes(cfg)
   return qwen2.num_params(shapes), qwen2.num_params(shapes["layers"]) // cfg.num_layers
 
@@ -199,7 +199,7 @@ def kv_slots(run: Run) -> int:
 
 
 def tail_phases(slots: int, rows: int, shards: int) -> tuple[int, ...]:
-  """The engine's loops on an accelerator: tail loops only with N < B rows."""
+  """The engine's loops on an accelerator: tail loops only with W < B rows."""
   return engine.tail_phases(slots, shards) if slots < rows else (slots,)
 
 
@@ -208,7 +208,7 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   """Bytes per chip of each term, plus the phase totals and the peak.
 
   ``rollout_chunks`` > 1: the Q prompts are sampled in that many sequential
-  ``generate`` calls, dividing the rollout terms. ``slots``: the engine's N
+  ``generate`` calls, dividing the rollout terms. ``slots``: the engine's W
   (0: all rows of a call).
   """
   cfg = run.model
@@ -241,16 +241,16 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   persistent = sum(m.values())
   # Rollout.
   m["sampling weights (bf16)"] = act * P / t
-  m["KV cache (N slots)"] = b_rows * S_len * kv_tok
+  m["KV cache (W slots)"] = b_rows * S_len * kv_tok
   m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
-  m["decode cache copy"] = m["KV cache (N slots)"] if run.decode_copies_cache else 0.0
-  # With N < B the engine gathers the tail's rows into a cache of N/4 slots
+  m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
+  # With W < B the engine gathers the tail's rows into a cache of W/4 slots
   # (engine.Plan.phases). The caches are one buffer per layer and per k / v, so
   # each large one is freed once gathered: one small buffer beside the large
   # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
   tail = tail_phases(min(slots or B, B), B, data * fsdp)
-  m["tail loop gather (1 layer)"] = (m["KV cache (N slots)"] * tail[1] / tail[0] / (2 * L)
+  m["tail loop gather (1 layer)"] = (m["KV cache (W slots)"] * tail[1] / tail[0] / (2 * L)
                                      if len(tail) > 1 else 0.0)
   decode = 3 * b_rows * V / t * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
@@ -258,7 +258,7 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   # The prefill's stacked cache and its per-layer copy, then the slots beside it.
   rollout = m["sampling weights (bf16)"] + m["LoRA merge (1 layer f32)"] + m[
       "prompt cache (Q rows)"] + max(m["prompt cache (Q rows)"] + m["prefill scores"],
-                                     m["KV cache (N slots)"] + m["decode cache copy"]
+                                     m["KV cache (W slots)"] + m["decode cache copy"]
                                      + m["tail loop gather (1 layer)"] + decode)
   # Train.
   # Gradients (and their accumulator) of what trains; the bf16 copy of the
@@ -288,7 +288,7 @@ class Plan:
   terms: dict[str, float]
   fits: bool
   notes: tuple[str, ...]
-  slots: int = 0  # the engine's N (rollout.max_active_rows) per generate call
+  slots: int = 0  # the engine's W (rollout.max_active_rows) per generate call
   rollout_s: float = 0.0  # expected (bandwidth-bound) rollout seconds
 
   @property
@@ -312,28 +312,28 @@ def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, s
                     read: str = "kv_read") -> float:
   """Expected rollout seconds per chip: the scheduler simulation of
   benchmarks/rollout_lengths.py (long-tailed lengths) through its bandwidth
-  model, with this chip's share of the weights and of the N slots' cache.
-  ``read="kv_read_full"`` with N = B: the old lockstep sampler."""
+  model, with this chip's share of the weights and of the W slots' cache.
+  ``read="kv_read_full"`` with W = B: the old lockstep sampler."""
   cfg, B = run.model, run.num_prompts * run.num_samples // chunks
-  N = min(slots or B, B)
+  W = min(slots or B, B)
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
-  sim = _simulated(B, run.num_samples, P_len, C, N, len(tail_phases(N, B, fsdp)))
+  sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, fsdp)))
   t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
   shape = rollout_lengths.Shape(
       rows=B, samples=run.num_samples, prompt_len=P_len, cap=C,
       weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / tensor,
-      kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(N, 1, fsdp) / N,
+      kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(W, 1, fsdp) / W,
       bandwidth=chip.hbm_gb_s * 1e9)
   return chunks * rollout_lengths.seconds(sim, shape, read)
 
 
 def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) -> Plan:
-  """The cheapest mesh whose peak fits ``headroom`` x HBM, and the engine's N.
+  """The cheapest mesh whose peak fits ``headroom`` x HBM, and the engine's W.
 
   Candidates: data = 1, tensor in 1, 2, 4, 8 (dividing the chips and the
   heads), fsdp = the rest; the first that fits wins, trying every tensor size
   with one rollout call before splitting the rollout into 2, 4 or 8
-  sequential calls. Per mesh, N is the one of B, B/2, ... B/16 that fits
+  sequential calls. Per mesh, W is the one of B, B/2, ... B/16 that fits
   with the least ``rollout_seconds``. A mesh whose fsdp leaves the micro-batch rows undivided
   (so they replicate) only wins when nothing else fits. With nothing
   fitting, the smallest peak is returned with ``fits`` False.
@@ -387,7 +387,7 @@ def flops_per_token(cfg: Qwen2Config, seq_len: int) -> tuple[float, float]:
 
 def step_time_bounds(run: Run, p: Plan) -> dict[str, float]:
   """Lower bounds in seconds: the rollout from HBM bandwidth (``rollout_seconds``:
-  the engine with the plan's N, and the old lockstep sampler reading the whole
+  the engine with the plan's W, and the old lockstep sampler reading the whole
   B-row cache for the longest row's steps), log-prob and train passes from peak
   bfloat16 FLOP/s. Communication and the prefill are left out."""
   cfg, chip, n = run.model, p.slice.chip, p.slice.chips
@@ -442,7 +442,7 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   row("chips / hosts", [f"{p.slice.chips}/{p.slice.hosts}" for p in plans])
   row("mesh data x fsdp x tensor", [f"{p.data}x{p.fsdp}x{p.tensor}" for p in plans])
   row("rollout calls per step", [str(p.rollout_chunks) for p in plans])
-  row("active rows N (KV slots)", [str(p.slots) for p in plans])
+  row("active rows W (KV slots)", [str(p.slots) for p in plans])
   for key in plans[0].terms:
     if key == "peak":
       continue

@@ -8,13 +8,15 @@ lengths geometric with mean 128, capped at 1,024 (a long tail). Both steps get
 the same model, weights, loss (PPO clip, seq-mean-token-mean), optimizer and
 batch:
 
-  padded   today's layout: [B, P + C] with C the longest completion (bucketed
-           to 16, as ``rollout.collect`` does), ``--microbatches`` micro-batches,
-           the reference (T x T) attention;
-  packed   ``packing.pack_train_batch`` into rows of P + 1,024 tokens (the
+  padded   one sequence per row (``packing.plan_update(pack=False)``): rows of
+           P + C tokens with C the longest completion (bucketed to 16, as
+           ``rollout.collect`` does), ``--microbatches`` micro-batches of B / M
+           rows, the reference (T x T) attention;
+  packed   ``packing.plan_update(pack=True)`` into rows of P + 1,024 tokens (the
            longest possible sequence), ``--pack-rows`` rows per micro-batch,
-           ``model.attention = "auto"`` (the blocked attention here); the host
-           packing is inside the timed region.
+           ``model.attention = "auto"`` (the blocked attention here).
+
+Each side's host layout (``plan_update``) is inside the timed region.
 
 Reported: real (unpadded) prompt + completion tokens per second of each, and
 the ratio. The rounds alternate between the two (the machine is shared).
@@ -29,21 +31,20 @@ import time
 import jax
 import numpy as np
 
-from capo_jax.rl import packing
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
-from tests import host_utils
+from tests.batches import HostBatch
 
 SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=2,
              num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
 CAP, BUCKET = 1024, 16
 
 
-def long_tail_batch(rows: int, seed: int, vocab: int) -> tuple[ts.TrainBatch, int]:
+def long_tail_batch(rows: int, seed: int, vocab: int) -> tuple[HostBatch, int]:
   """A rollout batch with geometric(mean 128, cap 1,024) completions; and its real tokens."""
   rng = np.random.default_rng(seed)
   P = 64
@@ -52,7 +53,7 @@ def long_tail_batch(rows: int, seed: int, vocab: int) -> tuple[ts.TrainBatch, in
   C = min(-(-int(c_B.max()) // BUCKET) * BUCKET, CAP)
   pmask = (np.arange(P)[None] >= P - p_B[:, None]).astype(np.int32)
   cmask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
-  batch = ts.TrainBatch(
+  batch = HostBatch(
       prompt_tokens_BP=rng.integers(1, vocab, (rows, P)).astype(np.int32) * pmask,
       prompt_mask_BP=pmask,
       completion_tokens_BC=rng.integers(1, vocab, (rows, C)).astype(np.int32) * cmask,
@@ -70,6 +71,8 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--repeats", type=int, default=5)
   parser.add_argument("--seed", type=int, default=0)
   args = parser.parse_args(argv)
+  if args.rows % args.microbatches:
+    parser.error(f"--microbatches={args.microbatches} must divide --rows={args.rows}")
 
   cfg = Qwen2Config(**SMALL, attention="reference")
   params = jax.jit(qwen2.init_params, static_argnums=0)(cfg, jax.random.key(0))
@@ -79,22 +82,23 @@ def main(argv: list[str] | None = None) -> None:
   pack_len = P + CAP
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   rules = mesh_lib.TRAIN_RULES
-  base = ts.TrainConfig(loss=LossConfig(agg="seq-mean-token-mean"),
-                        optim=OptimConfig(learning_rate=1e-6), num_microbatches=args.microbatches)
+  tcfg = ts.TrainConfig(loss=LossConfig(agg="seq-mean-token-mean"),
+                        optim=OptimConfig(learning_rate=1e-6))
+  # Each side: its model config, rows per micro-batch and host layout of the batch.
   contenders = {
-      "padded": (cfg, base, lambda: host_utils.shard_batch(batch, mesh, rules)),
-      "packed": (cfg.replace(attention="auto"), base.replace(pack_len=pack_len,
-                                                             pack_rows=args.pack_rows),
-                 lambda: packing.pack_train_batch(batch, pack_len, args.pack_rows)),
+      "padded": (cfg, B // args.microbatches, dict(pack=False)),
+      "packed": (cfg.replace(attention="auto"), args.pack_rows,
+                 dict(pack=True, row_len=pack_len)),
   }
   steps, states = {}, {}
-  for name, (mcfg, tcfg, _) in contenders.items():
-    steps[name] = ts.make_train_step(mcfg, tcfg, mesh, rules, B)
+  for name, (mcfg, rows_per_mb, _) in contenders.items():
+    steps[name] = ts.make_train_step(mcfg, tcfg, mesh, rules, rows_per_mb)
     states[name] = ts.train_state_from_params(params, mcfg, tcfg, mesh, rules)
 
   def run(name: str) -> float:
+    _, rows_per_mb, layout = contenders[name]
     t0 = time.perf_counter()
-    states[name], metrics = steps[name](states[name], contenders[name][2]())
+    states[name], metrics = steps[name](states[name], batch.train_batch(rows_per_mb, **layout))
     float(metrics["loss"])  # waits for the step
     return time.perf_counter() - t0
 
@@ -103,8 +107,8 @@ def main(argv: list[str] | None = None) -> None:
   for _ in range(args.repeats):
     for name in contenders:
       times[name].append(run(name))
-  pb = packing.pack_train_batch(batch, pack_len, args.pack_rows)
-  used_rows = int((pb.rows.segment_ids_YT > 0).any(-1).sum())
+  packed = batch.train_batch(args.pack_rows, pack=True, row_len=pack_len)
+  used_rows = int((packed.rows.segment_ids_YT > 0).any(-1).sum())
   print(f"model: {qwen2.num_params(params) / 1e6:.1f}M params; {B} sequences, {real_tokens} real "
         f"tokens; padded grid {B} x ({P} + {C}) = {B * (P + C)} tokens "
         f"({real_tokens / (B * (P + C)):.0%} real); packed {used_rows} rows x {pack_len} = "

@@ -18,12 +18,14 @@ import argparse
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from benchmarks import memory_plan
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from models import qwen2
 from models.config import Qwen2Config
+from tests.batches import HostBatch
 
 MiB = 1024**2
 
@@ -31,11 +33,10 @@ MiB = 1024**2
 def compiled_bytes(cfg: Qwen2Config, P: int, C: int, chunk: int) -> dict[str, float]:
   """Argument / output / temporary bytes of the compiled micro-batch gradient."""
   tcfg = ts.TrainConfig(loss=LossConfig(), logprob_chunk_size=chunk)
-  i32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.int32)
-  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  batch = ts.TrainBatch(prompt_tokens_BP=i32(1, P), prompt_mask_BP=i32(1, P),
-                        completion_tokens_BC=i32(1, C), completion_mask_BC=i32(1, C),
-                        old_logp_BC=f32(1, C), adv_B=f32(1))
+  i32 = lambda n: np.ones((1, n), np.int32)
+  host = HostBatch(i32(P), i32(P), i32(C), i32(C), np.zeros((1, C), np.float32),
+                   np.zeros(1, np.float32)).train_batch(1)  # one row of P + C tokens
+  batch = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype), host)
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32),
                         qwen2.param_shapes(cfg))
   fn = jax.jit(lambda p, b: ts.loss_and_grads(p, b, cfg, tcfg)[2])
@@ -49,11 +50,11 @@ def plan_terms(cfg: Qwen2Config, T: int, chunk: int) -> dict[str, float]:
   D, F, N, L, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_layers,
                    cfg.vocab_size)
   act = 2
-  W = memory_plan.ATTN_BLOCK
+  block = memory_plan.ATTN_BLOCK
   common = T * F * act * 4 + T * D * act * 8
   return {"boundary activations": L * T * D * act,
           "layer working set, before (T^2 scores)": N * T * T * 10 + common,
-          "layer working set, now (one block)": N * (W * W * 10 + T * 4) + common,
+          "layer working set, now (one block)": N * (block * block * 10 + T * 4) + common,
           "log-prob chunk": chunk * V * 4 * 3,
           "bf16 params copy": act * qwen2.num_params(qwen2.param_shapes(cfg))}
 
@@ -67,8 +68,8 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
   P, C = args.prompt, args.tokens - args.prompt
   base = getattr(Qwen2Config, args.preset)(compute_dtype="bfloat16", remat=True)
-  # The token_logprobs pass drops the last column: the model sees T - 1 tokens.
-  terms = plan_terms(base, args.tokens - 1, args.chunk)
+  # One sequence per row: the model sees the row's T tokens.
+  terms = plan_terms(base, args.tokens, args.chunk)
   print(f"{args.preset}, one row of {args.tokens} tokens ({P} + {C}), bf16 compute, remat, "
         f"log-prob chunk {args.chunk}; backend {jax.default_backend()}")
   print("plan terms (MiB):")

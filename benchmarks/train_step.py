@@ -54,7 +54,8 @@ from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
-from tests import hf_utils, host_utils
+from tests import hf_utils
+from tests.batches import HostBatch, padded_pass
 
 # A mid-size Qwen2 config (27.7M parameters, tied embeddings), the same in every CPU benchmark.
 MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
@@ -122,12 +123,14 @@ def main(argv: list[str] | None = None) -> None:
                         optim=OptimConfig(learning_rate=LR, weight_decay=WD, grad_clip=CLIP),
                         logprob_chunk_size=args.chunk)
   state = ts.train_state_from_params(params, cfg, tcfg, mesh, rules)
-  old = ts.make_logprob_fn(cfg, mesh, rules, B, chunk_size=args.chunk)(
-      state.params, prompt, ones_p, completion, ones_c)["logp_BC"]
+  lp = padded_pass(cfg, mesh, rules, B, chunk_size=args.chunk)
+  old = lp.run(state.params, lp.upload(prompt, ones_p, completion, ones_c), ones_c,
+               ("logp_BC",))["logp_BC"]
   # Perturbed old log-probs so some ratios clip, as in a real update.
   old = np.asarray(old) + rng.normal(scale=0.1, size=(B, C)).astype(np.float32)
-  batch = host_utils.shard_batch(ts.TrainBatch(prompt, ones_p, completion, ones_c, old, adv),
-                               mesh, rules)
+  # One micro-batch of B rows, one sequence of P + C tokens per row.
+  batch = jax.device_put(HostBatch(prompt, ones_p, completion, ones_c, old, adv).train_batch(B),
+                         ts.batch_sharding(mesh, rules, B))
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
 
   # PyTorch: the same loss written out, AdamW, clip_grad_norm_.

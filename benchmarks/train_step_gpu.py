@@ -26,7 +26,8 @@ completions get long-tailed lengths (geometric, mean ``--completion`` / 4,
 capped at ``--completion``) and the step trains their packing
 (``capo_jax.rl.packing``) into rows of P + C tokens, ``--pack-rows`` rows
 per micro-batch; tokens/s and MFU then count the real tokens only (the
-attention term summed per sequence).
+attention term summed per sequence). Unpacked, each sequence has a row of
+P + C tokens, ``--micro`` micro-batches of B / micro rows.
 Prints the numbers and writes them as JSON to ``--out``. About 1-2 minutes
 on an H200 (compilation included).
 """
@@ -48,7 +49,7 @@ from capo_jax.runtime import host
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import PRESETS, Qwen2Config
-from tests import host_utils
+from tests.batches import HostBatch, padded_pass
 
 
 def forward_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
@@ -103,10 +104,10 @@ def main(argv: list[str] | None = None) -> None:
 
   mesh = mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   rules = mesh_lib.TRAIN_RULES
-  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-6), num_microbatches=args.micro,
-                        logprob_chunk_size=args.chunk)
-  if args.pack:
-    tcfg = tcfg.replace(pack_len=P + C, pack_rows=args.pack_rows)
+  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-6), logprob_chunk_size=args.chunk)
+  if not args.pack and B % args.micro:
+    parser.error(f"--micro={args.micro} must divide --batch={B}")
+  rows_per_mb = args.pack_rows if args.pack else B // args.micro
   t0 = time.perf_counter()
   state = ts.create_train_state(cfg, tcfg, jax.random.key(0), mesh, rules)
   jax.block_until_ready(state)
@@ -125,27 +126,25 @@ def main(argv: list[str] | None = None) -> None:
     c_B = np.minimum(rng.geometric(4 / C, B), C)
     completion_mask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
   adv = rng.normal(size=(B,)).astype(np.float32)
-  inputs = host_utils.shard_batch((prompt, prompt_mask, completion, completion_mask), mesh, rules)
 
-  logprob_fn = ts.make_logprob_fn(cfg, mesh, rules, B, chunk_size=args.chunk)
+  # The old-policy pass: one call over B rows, one sequence per row (the padded grid).
+  lp = padded_pass(cfg, mesh, rules, B, chunk_size=args.chunk)
+  rows = lp.upload(prompt, prompt_mask, completion, completion_mask)
+  mask = host.put_global(completion_mask, lp.index_sharding)
+  logprob_fn = lambda: lp.run(state.params, rows, mask, ("logp_BC",))["logp_BC"]  # noqa: E731
   t0 = time.perf_counter()
-  old = logprob_fn(state.params, *inputs)["logp_BC"]
+  old = logprob_fn()
   old.block_until_ready()
   lp_compile_s = time.perf_counter() - t0
-  lp_times = _timed(lambda: logprob_fn(state.params, *inputs)["logp_BC"].block_until_ready(),
-                    max(args.steps, 2))
+  lp_times = _timed(lambda: logprob_fn().block_until_ready(), max(args.steps, 2))
   print(f"logprob fn: first call {lp_compile_s:.1f} s, then median "
         f"{statistics.median(lp_times):.3f} s", flush=True)
 
   old = np.asarray(old) + rng.normal(scale=0.05, size=(B, C)).astype(np.float32)
-  batch = ts.TrainBatch(prompt, prompt_mask, completion, completion_mask, old, adv)
-  if args.pack:
-    from capo_jax.rl import packing  # pylint: disable=g-import-not-at-top
-    batch = host.put_global(packing.pack_train_batch(batch, P + C, args.pack_rows),
-                            ts.batch_sharding(tcfg, mesh, rules, B))
-  else:
-    batch = host_utils.shard_batch(batch, mesh, rules)
-  step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
+  batch = HostBatch(prompt, prompt_mask, completion, completion_mask, old, adv).train_batch(
+      rows_per_mb, pack=args.pack, row_len=P + C)
+  batch = host.put_global(batch, ts.batch_sharding(mesh, rules, rows_per_mb))
+  step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, rows_per_mb)
   losses: list[float] = []
 
   def one_step() -> None:

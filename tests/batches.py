@@ -1,4 +1,5 @@
-"""A rollout mini-batch as the host holds it, and its ``TrainBatch`` (tests only)."""
+"""A rollout mini-batch as the host holds it, its ``TrainBatch``, and the log-prob pass over
+padded arrays (tests and benchmarks)."""
 
 from __future__ import annotations
 
@@ -9,7 +10,10 @@ import jax
 import numpy as np
 
 from capo_jax.rl import packing
+from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences, TrainBatch
+from capo_jax.rl.logprob_pass import LogprobPass
+from capo_jax.runtime import mesh as mesh_lib
 
 
 @jax.tree_util.register_dataclass
@@ -45,3 +49,14 @@ class HostBatch:
         rows_per_microbatch=rows_per_microbatch, pack=pack,
         topk_ids_BCJ=host(self.old_topk_ids_BCJ))
     return mbs.batch(jax.tree.map(host, self.seqs()))
+
+
+def padded_pass(cfg: Any, mesh: Any, rules: Any, rows: int, *, chunk_size: int = 0,
+                top_k: int = 0) -> LogprobPass:
+  """The old / reference log-prob pass with one sequence per row, ``rows`` rows per call:
+  ``lp.run(params, lp.upload(prompt, pmask, comp, cmask), cmask, keys)`` -> [B, C] outputs."""
+  sh = mesh_lib.batch_sharding(mesh, rules, rows)
+  return LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, rows, chunk_size=chunk_size,
+                                        top_k=top_k),
+                     rows_per_call=rows, row_len=0, pack=False, rows_sharding=sh,
+                     index_sharding=sh)

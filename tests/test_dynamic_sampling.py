@@ -16,10 +16,10 @@ from capo_jax.run import spec as spec_lib
 from capo_jax.run import loop
 from configs import common
 
-def _brute_force_choice(rewards_NG: np.ndarray, q: int) -> list[int]:
+def _brute_force_choice(rewards_QG: np.ndarray, q: int) -> list[int]:
   """Walk the groups in draw order: mixed ones first, then degenerate ones to fill."""
   mixed, degenerate = [], []
-  for i, row in enumerate(rewards_NG):
+  for i, row in enumerate(rewards_QG):
     (mixed if 0 < row.sum() < len(row) else degenerate).append(i)
   chosen = mixed[:q]
   return sorted(chosen + degenerate[:q - len(chosen)])
@@ -31,11 +31,11 @@ def test_select_groups_matches_a_brute_force_walk(p_correct):
   for trial in range(50):
     q, g = rng.integers(1, 9), rng.integers(2, 9)
     n = q * rng.integers(1, 4)
-    rewards_NG = (rng.random((n, g)) < p_correct).astype(np.float32)
-    idx, n_mixed = ds.select_groups(rewards_NG, q)
-    expected = _brute_force_choice(rewards_NG, q)
-    assert idx.tolist() == expected, (trial, rewards_NG)
-    assert n_mixed == sum(0 < rewards_NG[i].sum() < g for i in expected)
+    rewards_QG = (rng.random((n, g)) < p_correct).astype(np.float32)
+    idx, n_mixed = ds.select_groups(rewards_QG, q)
+    expected = _brute_force_choice(rewards_QG, q)
+    assert idx.tolist() == expected, (trial, rewards_QG)
+    assert n_mixed == sum(0 < rewards_QG[i].sum() < g for i in expected)
 
 
 def test_select_groups_refuses_too_few_groups():

@@ -174,12 +174,12 @@ def test_kv_and_param_terms_by_hand():
   assert 1024 + 3072 <= slots <= 2 * (1024 + 3072)
   P = mp.param_counts(run.model)[0]
   terms = mp.memory_terms(run, data=1, fsdp=16, tensor=1)
-  assert terms["KV cache (N slots)"] == (128 * 8 // 16) * slots * 28672
+  assert terms["KV cache (W slots)"] == (128 * 8 // 16) * slots * 28672
   assert terms["prompt cache (Q rows)"] == (128 // 16) * 1024 * 28672
-  # The engine's N slots: 256 of the 1024 rows at once, a quarter of the cache.
+  # The engine's W slots: 256 of the 1024 rows at once, a quarter of the cache.
   quarter = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=256)
-  assert quarter["KV cache (N slots)"] == (256 // 16) * slots * 28672
-  # Its tail loop: 64 slots (4 per chip), then 16 (1 per chip); none for N = B.
+  assert quarter["KV cache (W slots)"] == (256 // 16) * slots * 28672
+  # Its tail loop: 64 slots (4 per chip), then 16 (1 per chip); none for W = B.
   assert mp.tail_phases(256, 1024, 16) == (256, 64, 16)
   assert quarter["tail loop gather (1 layer)"] == (64 // 16) * slots * 28672 / (2 * 28)
   assert terms["tail loop gather (1 layer)"] == 0
@@ -191,10 +191,10 @@ def test_kv_and_param_terms_by_hand():
   assert terms["prefill scores"] == 8 * (12 * 1024 * 1024 * 6 + 151936 * 4)
   assert terms["decode cache copy"] == 0  # the engine's loop keeps one cache
   copying = mp.memory_terms(dataclasses.replace(run, decode_copies_cache=True), 1, 16, 1)
-  assert copying["decode cache copy"] == terms["KV cache (N slots)"]
+  assert copying["decode cache copy"] == terms["KV cache (W slots)"]
   # Two rollout calls halve the cache.
   half = mp.memory_terms(run, data=1, fsdp=16, tensor=1, rollout_chunks=2)
-  assert half["KV cache (N slots)"] == terms["KV cache (N slots)"] / 2
+  assert half["KV cache (W slots)"] == terms["KV cache (W slots)"] / 2
 
 
 def test_lockstep_rollout_seconds_by_hand():
@@ -263,6 +263,7 @@ def test_main_prints_a_table_per_model(capsys, monkeypatch):
     ("capo", "auto", 0.0, True), ("grpo", "auto", 0.0, False), ("grpo", "on", 0.0, True),
     ("capo", "off", 0.0, False), ("grpo", "off", 0.1, True)])
 def test_reference_copy_only_when_the_mask_or_kl_needs_it(name, mask, beta, expected):
-  import ml_collections
-  c = ml_collections.ConfigDict({"algo": {"name": name, "mask": mask}, "loss": {"beta": beta}})
+  from configs import common  # pylint: disable=import-outside-toplevel
+  c = common.get_base_config()  # the trainer's rule reads a whole (validated) run config
+  c.algo.name, c.algo.mask, c.loss.beta = name, mask, beta
   assert mp._uses_reference(c) is expected

@@ -17,7 +17,8 @@ questions and evaluation seed for every method:
 - ``NoisyGrader``: a verifier that flips a seeded fraction of rewards (the
   paper's noisy-verifier setting that the noise mask is for).
 
-Letters: K seeds, Q questions, G samples per question, R bootstrap replicates.
+Letters: I seeds (independent runs), Q questions, G samples per question, O bootstrap
+replicates.
 """
 
 from __future__ import annotations
@@ -61,37 +62,37 @@ VARIANTS: dict[str, dict[str, Any]] = {
 }
 
 
-def paired_delta_auc(auc_a_KQ: Any, auc_b_KQ: Any, *, n_boot: int = 2000, seed: int = 0,
+def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = 2000, seed: int = 0,
                      level: float = 0.95) -> dict[str, float]:
   """Mean paired AUC difference (A - B) and its bootstrap interval.
 
-  ``auc_*_KQ``: per-question AUC of each seed's final policy (NaN where the
+  ``auc_*_IQ``: per-question AUC of each seed's final policy (NaN where the
   question is all-right or all-wrong, ``calibration.auc_per_question``). Pairs
-  count where both are finite. Each replicate draws K seeds and Q questions
+  count where both are finite. Each replicate draws I seeds and Q questions
   with replacement; its estimate is the pair-weighted mean over the drawn
   (seed, question) cells. Returns ``delta``, ``lo``, ``hi``, ``pairs`` (the
   number of paired cells) and ``seeds``.
   """
-  a, b = np.atleast_2d(np.asarray(auc_a_KQ, np.float64)), np.atleast_2d(
-      np.asarray(auc_b_KQ, np.float64))
+  a, b = np.atleast_2d(np.asarray(auc_a_IQ, np.float64)), np.atleast_2d(
+      np.asarray(auc_b_IQ, np.float64))
   if a.shape != b.shape:
     raise ValueError(f"paired_delta_auc: shapes differ, {a.shape} vs {b.shape}")
-  valid_KQ = np.isfinite(a) & np.isfinite(b)
-  d_KQ = np.where(valid_KQ, a - b, 0.0)
-  n = int(valid_KQ.sum())
+  valid_IQ = np.isfinite(a) & np.isfinite(b)
+  d_IQ = np.where(valid_IQ, a - b, 0.0)
+  n = int(valid_IQ.sum())
   if n == 0:
     return dict(delta=float("nan"), lo=float("nan"), hi=float("nan"), pairs=0,
                 seeds=a.shape[0])
-  K, Q = a.shape
+  I, Q = a.shape
   rng = np.random.default_rng(seed)
-  w_RK = rng.multinomial(K, np.full(K, 1.0 / K), size=n_boot).astype(np.float64)
-  v_RQ = rng.multinomial(Q, np.full(Q, 1.0 / Q), size=n_boot).astype(np.float64)
-  num_R = np.einsum("rk,kq,rq->r", w_RK, d_KQ, v_RQ)
-  den_R = np.einsum("rk,kq,rq->r", w_RK, valid_KQ.astype(np.float64), v_RQ)
-  est_R = num_R[den_R > 0] / den_R[den_R > 0]
+  w_OI = rng.multinomial(I, np.full(I, 1.0 / I), size=n_boot).astype(np.float64)
+  v_OQ = rng.multinomial(Q, np.full(Q, 1.0 / Q), size=n_boot).astype(np.float64)
+  num_O = np.einsum("oi,iq,oq->o", w_OI, d_IQ, v_OQ)
+  den_O = np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ)
+  est_O = num_O[den_O > 0] / den_O[den_O > 0]
   alpha = (1.0 - level) / 2
-  lo, hi = np.quantile(est_R, [alpha, 1.0 - alpha])
-  return dict(delta=float(d_KQ.sum() / n), lo=float(lo), hi=float(hi), pairs=n, seeds=K)
+  lo, hi = np.quantile(est_O, [alpha, 1.0 - alpha])
+  return dict(delta=float(d_IQ.sum() / n), lo=float(lo), hi=float(hi), pairs=n, seeds=I)
 
 
 def difficulty_buckets(warm_correct_QG: Any, edges: Sequence[float] = BUCKET_EDGES

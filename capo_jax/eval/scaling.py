@@ -308,7 +308,7 @@ def _pick_groups(group_EU: np.ndarray, weight_EU: np.ndarray,
   if correct_A.size == 0:  # no sample of the question has an answer: all abstain
     return np.zeros(group_EU.shape[0])
   onehot = (group_EU[..., None] == np.arange(correct_A.size)) & include_EU[..., None]
-  score_EA = np.einsum("mr,mra->ma", weight_EU, onehot)
+  score_EA = np.einsum("eu,eua->ea", weight_EU, onehot)
   eligible = onehot.any(axis=1)
   best = np.max(np.where(eligible, score_EA, 0.0), axis=1, keepdims=True)
   tied = eligible & (score_EA >= best - rtol * np.abs(best))

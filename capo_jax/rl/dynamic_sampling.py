@@ -30,23 +30,23 @@ def mixed_groups(rewards_QG: np.ndarray) -> np.ndarray:
   return correct_QG.any(1) & ~correct_QG.all(1)
 
 
-def select_groups(rewards_NG: np.ndarray, num_groups: int) -> tuple[np.ndarray, int]:
-  """The groups a step trains on, out of the N drawn so far (rows in draw order).
+def select_groups(rewards_QG: np.ndarray, num_groups: int) -> tuple[np.ndarray, int]:
+  """The groups a step trains on, out of the Q drawn so far (rows in draw order).
 
   Returns (idx_Q, num_mixed): ``num_groups`` row indices in increasing order
   (the first ``num_groups`` mixed groups; if there are fewer, all of them plus
   the earliest degenerate ones) and how many of them are mixed.
   """
-  n = rewards_NG.shape[0]
+  n = rewards_QG.shape[0]
   if n < num_groups:
     raise ValueError(f"select_groups: {n} groups drawn, fewer than the {num_groups} a step "
                      "trains on")
-  mixed_N = mixed_groups(rewards_NG)
-  chosen = np.flatnonzero(mixed_N)[:num_groups]
-  fill = np.flatnonzero(~mixed_N)[:num_groups - chosen.size]
+  mixed_Q = mixed_groups(rewards_QG)
+  chosen = np.flatnonzero(mixed_Q)[:num_groups]
+  fill = np.flatnonzero(~mixed_Q)[:num_groups - chosen.size]
   return np.sort(np.concatenate([chosen, fill])).astype(np.int64), int(chosen.size)
 
 
-def needs_more(rewards_NG: np.ndarray, num_groups: int, draws: int, max_draws: int) -> bool:
+def needs_more(rewards_QG: np.ndarray, num_groups: int, draws: int, max_draws: int) -> bool:
   """Whether to draw another batch: fewer than ``num_groups`` mixed and draws left."""
-  return draws < max_draws and int(mixed_groups(rewards_NG).sum()) < num_groups
+  return draws < max_draws and int(mixed_groups(rewards_QG).sum()) < num_groups

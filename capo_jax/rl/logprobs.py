@@ -53,25 +53,25 @@ def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC:
                      f"expected {(B, C)} + (J,)")
 
 
-def _chunk_stats(h_BcD: Array, w_DV: Array, tokens_Bc: Array, ids_BcK: Array | None,
+def _chunk_stats(h_BCD: Array, w_DV: Array, tokens_BC: Array, ids_BCJ: Array | None,
                  top_k: int, temperature: float) -> dict[str, Array]:
   """Log-prob, entropy and top-k of one chunk; logits live only inside."""
-  logits = jnp.einsum("bcd,dv->bcv", h_BcD, w_DV, preferred_element_type=jnp.float32)
+  logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
   if temperature != 1.0:
     logits = logits / temperature
-  lse_Bc = jax.nn.logsumexp(logits, axis=-1)
-  logp_Bc = jnp.take_along_axis(logits, tokens_Bc[..., None], axis=-1)[..., 0] - lse_Bc
+  lse_BC = jax.nn.logsumexp(logits, axis=-1)
+  logp_BC = jnp.take_along_axis(logits, tokens_BC[..., None], axis=-1)[..., 0] - lse_BC
   sg = jax.lax.stop_gradient(logits)
-  probs = jnp.exp(sg - jax.lax.stop_gradient(lse_Bc)[..., None])
-  out = {"logp": logp_Bc,
-         "entropy": jax.lax.stop_gradient(lse_Bc) - jnp.sum(probs * sg, axis=-1)}
-  if ids_BcK is None and top_k > 0:
-    _, ids_BcK = jax.lax.top_k(sg, top_k)
-  if ids_BcK is not None:
-    ids_BcK = ids_BcK.astype(jnp.int32)
-    out["topk_logp"] = jnp.take_along_axis(logits, ids_BcK, axis=-1) - lse_Bc[..., None]
-    out["topk_ids"] = ids_BcK
-    out["is_argmax"] = jnp.argmax(sg, axis=-1) == tokens_Bc
+  probs = jnp.exp(sg - jax.lax.stop_gradient(lse_BC)[..., None])
+  out = {"logp": logp_BC,
+         "entropy": jax.lax.stop_gradient(lse_BC) - jnp.sum(probs * sg, axis=-1)}
+  if ids_BCJ is None and top_k > 0:
+    _, ids_BCJ = jax.lax.top_k(sg, top_k)
+  if ids_BCJ is not None:
+    ids_BCJ = ids_BCJ.astype(jnp.int32)
+    out["topk_logp"] = jnp.take_along_axis(logits, ids_BCJ, axis=-1) - lse_BC[..., None]
+    out["topk_ids"] = ids_BCJ
+    out["is_argmax"] = jnp.argmax(sg, axis=-1) == tokens_BC
   return out
 
 
