@@ -11,11 +11,9 @@ Typical use::
   rules = capo_jax.runtime.mesh.TRAIN_RULES
   tcfg = TrainConfig(loss_kind="ppo", optim=OptimConfig(learning_rate=1e-6))
   state = create_train_state(model_cfg, tcfg, rng, mesh, rules)   # or from params
-  logprob_fn = make_logprob_fn(model_cfg, mesh, rules, batch_size=B)
-  step_fn = make_train_step(model_cfg, tcfg, mesh, rules, batch_size=B)
-  old = logprob_fn(state.params, prompt, prompt_mask, completion, completion_mask)
-  batch = TrainBatch(..., old_logp_BC=old["logp_BC"], adv_B=adv_B)
-  state, metrics = step_fn(state, batch)   # `state` is donated: use the new one
+  layout = packing.plan_update(prompt, pmask, comp, cmask, row_len=T, rows_per_microbatch=Y)
+  step_fn = make_train_step(model_cfg, tcfg, mesh, rules, rows_per_microbatch=Y)
+  state, metrics = step_fn(state, layout.batch(seqs))   # `state` is donated: use the new one
 
 Precision: params (and Adam moments) are float32 masters; with
 ``model_cfg.compute_dtype == "bfloat16"`` they are cast to bfloat16 once per
@@ -23,11 +21,12 @@ micro-batch before the forward (halving FSDP all-gather traffic), while
 logits, log-softmax and the loss stay float32. ``model_cfg.remat`` remats
 each layer; ``TrainConfig.logprob_chunk_size`` bounds the logits memory.
 
-Gradient accumulation: the B rows are split into ``num_microbatches``
-strided micro-batches (row b goes to micro-batch b % M, so each stays spread
-over the data devices) run under ``lax.scan``. Micro-batch m's loss is
-weighted by its share of the aggregation's denominator (rows with tokens, or
-tokens for "token-mean"), so the summed gradient equals the full-batch one.
+Gradient accumulation: the batch arrives as M micro-batches
+(``capo_jax.rl.batch.TrainBatch``, rows packed or one sequence per row), and one
+``lax.fori_loop`` runs those that hold tokens. Micro-batch m's loss is weighted by
+its share of the aggregation's denominator over the original sequences (rows
+with tokens, or tokens for "token-mean"), so the summed gradient equals the
+full-batch one.
 
 LoRA (``TrainConfig.lora``): the state's params are the adapters only
 (``models.lora``), so the optimizer state and the checkpoints hold nothing
@@ -77,29 +76,6 @@ class TrainState:
   num_skipped: Array
 
 
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class TrainBatch:
-  """One optimizer update's rows (B = Q * G), every array's leading axis B.
-
-  Optional fields may be None: ref_logp_BC (needed when LossConfig.beta > 0;
-  the KL is logged whenever it is given); correct_B, old_topk_ids_BCJ and
-  old_topk_logp_BCJ (SimKO: the old policy's top-K token ids at each position
-  and their old log-probs, from ``make_logprob_fn(top_k=K)``; the current
-  policy's log-probs of those same ids give the ratios rho(v_k)).
-  """
-  prompt_tokens_BP: Array
-  prompt_mask_BP: Array
-  completion_tokens_BC: Array
-  completion_mask_BC: Array
-  old_logp_BC: Array
-  adv_B: Array
-  ref_logp_BC: Array | None = None
-  correct_B: Array | None = None
-  old_topk_ids_BCJ: Array | None = None
-  old_topk_logp_BCJ: Array | None = None
-
-
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
   """What the step does; hashable (a static argument of the jitted step).
@@ -108,36 +84,21 @@ class TrainConfig:
     loss_kind: "ppo" (GRPO, Dr.GRPO, CAPO, ...), "gspo" or "simko".
     loss: the policy loss hyper-parameters (aggregation, clipping, KL).
     optim: optimizer and learning-rate schedule.
-    num_microbatches: gradient-accumulation steps per update (divides B).
     logprob_chunk_size: completion positions per unembedding chunk (0: all).
     skip_nonfinite: keep the state when the loss or gradients are not finite.
     lora: train low-rank adapters on a frozen base (``models.lora``); None: all params.
-    pack_len: > 0: the step takes ``packing.PackedTrainBatch``es, rows of this
-      many tokens (``num_microbatches`` is then unused); 0: ``TrainBatch``es.
-    pack_rows: packed rows per micro-batch.
   """
   loss_kind: str = "ppo"
   loss: losses.LossConfig = losses.LossConfig()
   optim: OptimConfig = OptimConfig()
-  num_microbatches: int = 1
   logprob_chunk_size: int = 0
   skip_nonfinite: bool = True
   lora: lora_lib.LoraConfig | None = None
-  pack_len: int = 0
-  pack_rows: int = 1
 
   def __post_init__(self) -> None:
     if self.loss_kind not in losses.KINDS:
       raise ValueError(f"TrainConfig.loss_kind={self.loss_kind!r} is not one of "
                        f"{losses.KINDS}")
-    if self.num_microbatches < 1:
-      raise ValueError(f"TrainConfig.num_microbatches={self.num_microbatches} must be >= 1")
-    if self.pack_len < 0 or self.pack_rows < 1:
-      raise ValueError(f"TrainConfig.pack_len={self.pack_len} must be >= 0 and pack_rows="
-                       f"{self.pack_rows} >= 1")
-    if self.pack_len and self.lora is not None:
-      raise ValueError("TrainConfig.pack_len > 0 with lora: the packed step does not apply "
-                       "LoRA adapters yet")
     if self.logprob_chunk_size < 0:
       raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be "
                        ">= 0")

@@ -1,0 +1,104 @@
+r"""Host <-> device transfers per RL step on the demo config, of two checkouts side by side.
+
+  python -m benchmarks.transfers --warm_start_dir=/tmp/capo_demo/warm_start \
+      --checkout=. --checkout=/path/to/older/checkout
+
+Each checkout runs the demo's CAPO from a cached warm start (``make demo`` makes one)
+for 2 and for 4 RL steps in a subprocess; the per-step figure is the difference
+divided by 2, so start-up, compiles, the final evaluation and the checkpoint cancel.
+Host -> device: every transfer JAX's transfer guard logs (``jax_transfer_guard=log``:
+explicit ``device_put`` and the NumPy arguments of jitted calls alike). Device ->
+host: every read of a device array's value (``ArrayImpl._value``: ``np.asarray``,
+``jax.device_get``, ``float``; XLA:CPU does not log those). Scalars (0-d) are
+counted apart: they are the Python numbers jnp ops take.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+
+_DRIVER = r"""
+import atexit, json, sys
+import numpy as np
+import jax
+from jax._src import array as _array
+d2h = []
+_value = _array.ArrayImpl._value
+def _counted(self):
+  if self._npy_value is None:
+    d2h.append((list(self.shape), int(np.dtype(self.dtype).itemsize) if self.dtype != jax.dtypes.float0 else 0))
+  return _value.fget(self)
+_array.ArrayImpl._value = property(_counted)
+atexit.register(lambda: json.dump(d2h, open(sys.argv[1], "w")))
+jax.config.update("jax_transfer_guard", "log")
+sys.argv = ["capo_jax.main"] + sys.argv[2:]
+import runpy
+runpy.run_module("capo_jax.main", run_name="__main__")
+"""
+
+_H2D = re.compile(r"host-to-device transfer: aval=ShapedArray\((\w+)\[([\d,]*)\]")
+_SIZES = {"float32": 4, "int32": 4, "bool": 1, "uint32": 4, "float64": 8, "int64": 8,
+          "bfloat16": 2, "int8": 1, "uint8": 1, "key<fry>": 8}
+
+
+def _tally(items: list[tuple[list[int], int]]) -> dict[str, float]:
+  arrays = [(s, b) for s, b in items if s]
+  nbytes = lambda s, b: b * int(__import__("math").prod(s))  # noqa: E731
+  return {"count": len(arrays), "bytes": sum(nbytes(s, b) for s, b in arrays),
+          "scalars": len(items) - len(arrays)}
+
+
+def run(checkout: str, warm_start_dir: str, steps: int) -> dict[str, dict[str, float]]:
+  work = tempfile.mkdtemp(prefix="capo_transfers_")
+  shutil.copytree(warm_start_dir, os.path.join(work, "warm_start"))
+  d2h_file = os.path.join(work, "d2h.json")
+  args = [sys.executable, "-c", _DRIVER, d2h_file, "--config=configs/demo.py",
+          f"--workdir={work}", "--config.demo.methods=capo", f"--config.train.num_steps={steps}",
+          "--config.demo.eval_questions=16", "--config.demo.eval_samples=2",
+          "--config.checkpoint.every_steps=1000", "--config.log.samples_every_steps=0",
+          "--config.compilation_cache_dir="]
+  env = dict(os.environ, CAPO_HUGEPAGES="0", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
+             PYTHONPATH=os.path.abspath(checkout))
+  proc = subprocess.run(args, cwd=checkout, env=env, capture_output=True, text=True,
+                        check=False)
+  if proc.returncode:
+    raise RuntimeError(f"{checkout}: the demo failed:\n{proc.stderr[-3000:]}")
+  h2d = [([int(x) for x in dims.split(",") if x], _SIZES.get(dt, 4))
+         for dt, dims in _H2D.findall(proc.stderr)]
+  with open(d2h_file, encoding="utf-8") as f:
+    d2h = [tuple(x) for x in json.load(f)]
+  shutil.rmtree(work, ignore_errors=True)
+  return {"host_to_device": _tally(h2d), "device_to_host": _tally(d2h)}
+
+
+def per_step(checkout: str, warm_start_dir: str) -> dict[str, dict[str, float]]:
+  two, four = run(checkout, warm_start_dir, 2), run(checkout, warm_start_dir, 4)
+  return {d: {k: (four[d][k] - two[d][k]) / 2 for k in two[d]} for d in two}
+
+
+def main() -> None:
+  ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  ap.add_argument("--warm_start_dir", required=True)
+  ap.add_argument("--checkout", action="append", default=[])
+  ap.add_argument("--json", default="")
+  args = ap.parse_args()
+  out = {}
+  for checkout in args.checkout or ["."]:
+    out[checkout] = per_step(checkout, args.warm_start_dir)
+    for d, t in out[checkout].items():
+      print(f"{checkout}: {d:<15} {t['count']:7.1f} arrays, {t['bytes'] / 1e6:8.3f} MB, "
+            f"{t['scalars']:6.1f} scalars per step", flush=True)
+  if args.json:
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  main()
