@@ -1,4 +1,4 @@
-"""Ahead-of-time TPU compilation of a tiny run's programs (capo_jax.runtime.aot), on a CPU host.
+"""Ahead-of-time TPU compilation of a tiny run's programs (capo_jax.run.aot), on a CPU host.
 
 Needs libtpu (``jax[tpu]`` at the pinned jax version), which the default venv
 does not have: these tests skip there. Run them from the TPU venv:
@@ -23,7 +23,7 @@ import pytest
 from capo_jax.run import spec as spec_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.run import aot
-from capo_jax.runtime import hlo_cost
+from capo_jax.run import hlo_cost
 from capo_jax.runtime import mesh as mesh_lib
 from configs import capo_qwen2p5_math_1p5b
 from models import sharding
@@ -44,9 +44,11 @@ def compiled():
   aot.set_tpu_env(acc)
   c = capo_qwen2p5_math_1p5b.get_config("shrink")
   c.mesh.fsdp, c.mesh.tensor = -1, 2
-  mesh = aot.topology_mesh(c, acc)
-  progs = {p.name: p for p in aot.compile_step(c, mesh, only=("decode", "train"))}
-  return c, mesh, progs
+  spec = spec_lib.RunSpec.from_config(c, num_devices=len(aot.topology_devices(acc)),
+                                      policy_given=True)
+  mesh = aot.topology_mesh(spec, acc)
+  progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("decode", "train"))}
+  return spec, mesh, progs
 
 
 def _assert_same_shardings(got, want, shapes, what: str) -> None:
@@ -86,9 +88,8 @@ def test_memory_and_cost_analysis(compiled):
 
 
 def test_train_step_input_shardings_follow_the_rules(compiled):
-  c, mesh, progs = compiled
-  model_cfg, tcfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config(), spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).train_config()
-  rows = c.train.mini_batch_prompts * c.rollout.num_samples
+  spec, mesh, progs = compiled
+  model_cfg, tcfg = spec.model_config(), spec.train_config()
   (state_sh, batch_sh), _ = progs["train"].compiled.input_shardings
   want_state = ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
   state_shapes = jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
@@ -97,19 +98,20 @@ def test_train_step_input_shardings_follow_the_rules(compiled):
   # Params really are split over fsdp and tensor (a tiny model could replicate).
   q_spec = state_sh.params["layers"]["q_kernel"].spec
   assert "fsdp" in jax.tree.leaves(tuple(q_spec)) and "tensor" in jax.tree.leaves(tuple(q_spec))
-  want_rows = mesh_lib.batch_sharding(mesh, mesh_lib.TRAIN_RULES, rows)
+  # Every batch array is [M, rows or slots, ...], split over the rows (axis 1).
+  want_rows = ts.batch_sharding(mesh, mesh_lib.TRAIN_RULES, spec.packing_shape()[1])
   for i, sh in enumerate(jax.tree.leaves(batch_sh)):
-    assert sh.is_equivalent_to(want_rows, 1) or sh.spec[0] == want_rows.spec[0], (i, sh)
+    assert tuple(sh.spec)[:2] == tuple(want_rows.spec)[:2], (i, sh)
 
 
 def test_decode_input_shardings_follow_the_rules(compiled):
-  c, mesh, progs = compiled
-  model_cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()
+  spec, mesh, progs = compiled
+  model_cfg = spec.model_config()
   args_sh, _ = progs["decode"].compiled.input_shardings
   params_sh, prompts_sh = args_sh[:2]
   want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
   _assert_same_shardings(params_sh, want, aot.qwen2.param_shapes(model_cfg), "sampling params")
-  Q = c.rollout.prompts_per_call or c.rollout.num_prompts
+  Q = spec.rollout.prompts_per_call or spec.rollout.num_prompts
   k_QKHP = prompts_sh.k[0]  # the prompt cache the engine's slots are filled from
   shape = (Q, model_cfg.num_kv_heads, model_cfg.head_dim, 1)
   spec = sharding.logical_to_spec(("batch", "kv_heads", None, None), mesh_lib.SAMPLING_RULES,
