@@ -43,6 +43,7 @@ _WORKER = textwrap.dedent("""
     from models import qwen2
     from models.config import Qwen2Config
     from capo_jax.sampling import sampler as sampling
+    from capo_jax.sampling import strategies
     from capo_jax.rl import train_step as ts
     from capo_jax.rl.losses import LossConfig
     from capo_jax.rl.optim import OptimConfig
@@ -70,12 +71,12 @@ _WORKER = textwrap.dedent("""
     def generate(greedy, seed):
       kw = dict(num_samples=1, max_new_tokens=C_new)
       if hasattr(sampling, "SamplingSpec"):  # generate(..., spec)
-        spec = sampling.SamplingSpec(strategy=sampling.make_strategy(0.0 if greedy else 1.0), **kw)
+        spec = sampling.SamplingSpec(strategy=strategies.make_strategy(0.0 if greedy else 1.0), **kw)
         out = sampling.generate(params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed),
                                 spec)
         return np.asarray(out.tokens_BC)
       try:
-        strategy = sampling.make_strategy(0.0 if greedy else 1.0)
+        strategy = strategies.make_strategy(0.0 if greedy else 1.0)
         out = sampling.generate(params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed),
                                 strategy=strategy, **kw)
       except TypeError:  # the API before strategies were the only way in

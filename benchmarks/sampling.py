@@ -33,6 +33,7 @@ import jax
 import numpy as np
 
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import strategies
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 
@@ -55,7 +56,7 @@ def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
   def run(mode: str, seed: int) -> np.ndarray:
     out = sampling.generate(
         params, cfg, prompts, mask, jax.random.key(seed), sampling.SamplingSpec(
-            num_samples=1, max_new_tokens=new_tokens, strategy=sampling.make_strategy(1.0 if mode ==
+            num_samples=1, max_new_tokens=new_tokens, strategy=strategies.make_strategy(1.0 if mode ==
             "sample" else 0.0)))
     return np.asarray(out.tokens_BC)
   return run

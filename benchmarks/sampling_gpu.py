@@ -36,6 +36,7 @@ import numpy as np
 
 from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import strategies
 from models import kv_cache, qwen2
 from models.config import Qwen2Config
 
@@ -205,7 +206,7 @@ def main() -> None:
     result[f"bytes_per_step_{kind}"] = nbytes
     result[f"bound_tokens_per_s_{kind}"] = B * args.bandwidth / total
   for mode in args.modes.split(","):
-    strategy = sampling.make_strategy(temperature=1.0 if mode == "sample" else 0.0)
+    strategy = strategies.make_strategy(temperature=1.0 if mode == "sample" else 0.0)
     gen = lambda seed: sampling.generate(
         params, cfg, tokens, mask, jax.random.key(seed), sampling.SamplingSpec(
             num_samples=G, max_new_tokens=C, strategy=strategy))

@@ -45,18 +45,26 @@ class HostBatch:
     width = self.prompt_tokens_BP.shape[1] + self.completion_tokens_BC.shape[1]
     mbs = packing.plan_update(
         host(self.prompt_tokens_BP), host(self.prompt_mask_BP), host(self.completion_tokens_BC),
-        host(self.completion_mask_BC), row_len=row_len or width,
-        rows_per_microbatch=rows_per_microbatch, pack=pack,
+        host(self.completion_mask_BC), packing.RowLayout(row_len or width, rows_per_microbatch,
+                                                         pack),
         topk_ids_BCJ=host(self.old_topk_ids_BCJ))
     return mbs.batch(jax.tree.map(host, self.seqs()))
 
 
 def padded_pass(cfg: Any, mesh: Any, rules: Any, rows: int, *, chunk_size: int = 0,
-                top_k: int = 0) -> LogprobPass:
-  """The old / reference log-prob pass with one sequence per row, ``rows`` rows per call:
-  ``lp.run(params, lp.upload(prompt, pmask, comp, cmask), cmask, keys)`` -> [B, C] outputs."""
+                top_k: int = 0, lora: Any = None, layout: Any = None) -> LogprobPass:
+  """The old / reference log-prob pass, by default one sequence per row, ``rows`` rows per
+  call: ``lp.run(params, lp.upload(prompt, pmask, comp, cmask), cmask, keys)`` -> [B, C]."""
   sh = mesh_lib.batch_sharding(mesh, rules, rows)
   return LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, rows, chunk_size=chunk_size,
-                                        top_k=top_k),
-                     rows_per_call=rows, row_len=0, pack=False, rows_sharding=sh,
+                                        top_k=top_k, lora=lora),
+                     layout=layout or packing.RowLayout(0, rows, pack=False), rows_sharding=sh,
                      index_sharding=sh)
+
+
+def run_pass(lp: LogprobPass, params: Any, xs: Any, keys: tuple[str, ...] = ("logp_BC",),
+             adapters: Any = None) -> dict[str, np.ndarray]:
+  """``lp`` over the padded arrays ``xs`` (prompt, prompt mask, completion, its mask)."""
+  xs = [np.asarray(x) for x in xs]
+  out = lp.run(params, lp.upload(*xs), jax.numpy.asarray(xs[3]), keys, adapters=adapters)
+  return {k: np.asarray(v) for k, v in out.items()}

@@ -13,7 +13,6 @@ import rl_driver
 from capo_jax.data.rewards import RewardHealth
 from capo_jax.rl import dynamic_sampling as ds
 from capo_jax.run import spec as spec_lib
-from capo_jax.run import loop
 from configs import common
 
 def _brute_force_choice(rewards_QG: np.ndarray, q: int) -> list[int]:

@@ -15,7 +15,6 @@ import pytest
 import hf_utils
 import rl_driver
 from capo_jax.run import spec as spec_lib
-from capo_jax.run import loop
 from batches import HostBatch
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import TrainBatch

@@ -9,11 +9,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batches import HostBatch
+from batches import HostBatch, padded_pass, run_pass
 from capo_jax.rl import losses, packing
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import unpack
-from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.rl.logprobs import packed_token_logprobs, token_logprobs
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
@@ -195,19 +194,14 @@ def test_packed_logprob_pass_applies_the_adapters(setup):
   lcfg, adapters = _lora(params)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   rules, Y = mesh_lib.TRAIN_RULES, 2
-  pas = LogprobPass(ts.make_logprob_fn(PACKED_CFG, mesh, rules, Y, lora=lcfg), rows_per_call=Y,
-                    row_len=ROW, pack=True,
-                    rows_sharding=mesh_lib.batch_sharding(mesh, rules, Y),
-                    index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
-  rows = pas.upload(*(np.asarray(x) for x in (b.prompt_tokens_BP, b.prompt_mask_BP,
-                                              b.completion_tokens_BC, b.completion_mask_BC)))
-  mask = jnp.asarray(b.completion_mask_BC)
-  got = pas.run(params, rows, mask, ("logp_BC",), adapters=adapters)["logp_BC"]
-  bare = pas.run(params, rows, mask, ("logp_BC",))["logp_BC"]
-  merged = pas.run(lora.merge(params, adapters, lcfg, jnp.float32), rows, mask,
-                   ("logp_BC",))["logp_BC"]
-  np.testing.assert_allclose(np.asarray(got), np.asarray(merged), atol=2e-5)
-  assert float(jnp.abs(got - bare).max()) > 1e-2
+  pas = padded_pass(PACKED_CFG, mesh, rules, Y, lora=lcfg,
+                    layout=packing.RowLayout(ROW, Y, pack=True))
+  xs = (b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC)
+  got = run_pass(pas, params, xs, adapters=adapters)["logp_BC"]
+  bare = run_pass(pas, params, xs)["logp_BC"]
+  merged = run_pass(pas, lora.merge(params, adapters, lcfg, jnp.float32), xs)["logp_BC"]
+  np.testing.assert_allclose(got, merged, atol=2e-5)
+  assert float(np.abs(got - bare).max()) > 1e-2
 
 
 @pytest.mark.slow  # two LoRA train-step compiles

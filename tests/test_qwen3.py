@@ -21,6 +21,7 @@ from batches import HostBatch
 
 from capo_jax.rl import train_step as ts
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import strategies
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 from models.kv_cache import init_cache
@@ -156,7 +157,7 @@ def test_greedy_sampler_matches_transformers_generate_qwen3(tmp_path):
   assert len(np.unique(ref)) > 3  # not one repeated token
   out = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=10, strategy=sampling.Greedy(), pad_id=0))
+          num_samples=1, max_new_tokens=10, strategy=strategies.Greedy(), pad_id=0))
   np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref)
 
 

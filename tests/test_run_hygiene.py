@@ -8,14 +8,13 @@ import logging
 import os
 import pathlib
 
-import numpy as np
 import pytest
 
 import host_utils
+from batches import padded_pass, run_pass
 import rl_driver
 from capo_jax.data import datasets as data
 from capo_jax.run import spec as spec_lib
-from capo_jax.run import loop
 from capo_jax.run import setup
 from capo_jax.runtime import metrics
 from capo_jax.runtime import run_record
@@ -215,27 +214,13 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
   ref = token_logprobs(params, cfg, prompt, pmask, comp, cmask, top_k=3)
   for mesh in meshes:
     p = jax.device_put(params, mesh_lib.param_shardings(cfg, mesh, mesh_lib.TRAIN_RULES))
-    want, got = (_old_pass(cfg, mesh, p, (prompt, pmask, comp, cmask), L, keys) for L in (B, 4))
+    want, got = (run_pass(padded_pass(cfg, mesh, mesh_lib.TRAIN_RULES, L, top_k=3), p,
+                          (prompt, pmask, comp, cmask), keys) for L in (B, 4))
     assert set(got) == set(want) == set(keys) and got["logp_BC"].shape == (B, C)
     for k in want:
       np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
     np.testing.assert_allclose(got["logp_BC"], np.asarray(ref["logp_BC"]), atol=1e-5)
     np.testing.assert_array_equal(got["topk_ids_BCJ"], np.asarray(ref["topk_ids_BCJ"]))
-
-
-def _old_pass(cfg, mesh, params, xs, rows_per_call, keys):
-  """The trainer's old-policy pass (one sequence per row) in calls of ``rows_per_call``."""
-  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from capo_jax.rl import train_step as ts  # pylint: disable=import-outside-toplevel
-  from capo_jax.rl.logprob_pass import LogprobPass  # pylint: disable=import-outside-toplevel
-  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  rules = mesh_lib.TRAIN_RULES
-  lp = LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, rows_per_call, top_k=3),
-                   rows_per_call=rows_per_call, row_len=0, pack=False,
-                   rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call),
-                   index_sharding=mesh_lib.batch_sharding(mesh, rules, xs[0].shape[0]))
-  out = lp.run(params, lp.upload(*xs), jnp.asarray(xs[3]), keys)
-  return {k: np.asarray(v) for k, v in out.items()}
 
 
 @pytest.mark.parametrize("algo,agg,want", [

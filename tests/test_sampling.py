@@ -24,6 +24,7 @@ import pytest
 
 from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import strategies
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 import hf_utils
@@ -63,15 +64,15 @@ def test_greedy_matches_transformers_and_stops(tiny):
   expected = _hf_greedy(model, tokens, mask, 12, stops)
   ours = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD))
+          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD))
   np.testing.assert_array_equal(np.asarray(sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=sampling.Greedy(), pad_id=PAD)).tokens_BC),
+          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), pad_id=PAD)).tokens_BC),
           free)
   # The engine with 2 slots for 3 rows (a refill mid-run) gives the same tokens.
   two = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD,
+          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD,
           max_active_rows=2))
   np.testing.assert_array_equal(np.asarray(two.tokens_BC), np.asarray(ours.tokens_BC))
   np.testing.assert_array_equal(np.asarray(two.mask_BC), np.asarray(ours.mask_BC))
@@ -89,7 +90,7 @@ def test_greedy_matches_transformers_and_stops(tiny):
   n0 = int(ours.lengths_B[0])
   short = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=n0, strategy=sampling.Greedy(), stop_ids=stops, pad_id=PAD))
+          num_samples=1, max_new_tokens=n0, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD))
   stopped = np.isin(free[:, :n0], stops).any(1)
   np.testing.assert_array_equal(np.asarray(short.truncated_B), ~stopped)
   assert stopped[0] and int(short.lengths_B[0]) == n0
@@ -113,7 +114,7 @@ def test_logprobs_equal_teacher_forcing(tiny):
   G, C = 2, 10
   out = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(3), sampling.SamplingSpec(
-          num_samples=G, max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20),
+          num_samples=G, max_new_tokens=C, strategy=strategies.TopK(temperature=0.7, k=20),
           stop_ids=[5, 17]))
   ref, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   assert m.sum() > G * 3 * 3
@@ -135,7 +136,7 @@ def test_bfloat16_sampler_logprobs(tiny):
   G = 2
   out = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(5), sampling.SamplingSpec(
-          num_samples=G, max_new_tokens=12, strategy=sampling.Temperature(1.0), stop_ids=[5, 17]))
+          num_samples=G, max_new_tokens=12, strategy=strategies.Temperature(1.0), stop_ids=[5, 17]))
   assert out.logprobs_BC.dtype == jnp.float32
   ref16, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   ref32, _ = _teacher_forced(params32, cfg32, tokens, mask, out, G)
@@ -150,7 +151,7 @@ def test_same_rng_same_samples(tiny):
   tokens, mask = _prompts(cfg.vocab_size)
   run = lambda key: np.asarray(sampling.generate(
       params, cfg, tokens, mask, jax.random.key(key), sampling.SamplingSpec(
-          num_samples=2, max_new_tokens=10, strategy=sampling.TopK(temperature=0.7, k=20),
+          num_samples=2, max_new_tokens=10, strategy=strategies.TopK(temperature=0.7, k=20),
           stop_ids=[5, 17])).tokens_BC)
   np.testing.assert_array_equal(run(3), run(3))
   assert (run(3) != run(4)).any()
@@ -163,7 +164,7 @@ def test_inverse_cdf_is_exact_and_skips_zero_weights():
   w = rng.integers(0, 4, 300).astype(np.float32)
   w[:130] = 0  # the whole first block and more carry no weight
   u = np.arange(1024, dtype=np.float32) / 1024  # includes u = 0
-  got = np.asarray(sampling.inverse_cdf(jnp.broadcast_to(jnp.asarray(w), (1024, 300)),
+  got = np.asarray(strategies.inverse_cdf(jnp.broadcast_to(jnp.asarray(w), (1024, 300)),
                                         jnp.asarray(u)))
   want = np.searchsorted(np.cumsum(w), u * w.sum(), side="right")
   np.testing.assert_array_equal(got, want)
@@ -171,8 +172,8 @@ def test_inverse_cdf_is_exact_and_skips_zero_weights():
 
 
 @pytest.mark.parametrize("strategy", [
-    sampling.Greedy(), sampling.Temperature(1.0), sampling.Temperature(0.6),
-    sampling.TopK(temperature=1.0, k=5), sampling.TopP(temperature=1.2, p=0.5, k=30)])
+    strategies.Greedy(), strategies.Temperature(1.0), strategies.Temperature(0.6),
+    strategies.TopK(temperature=1.0, k=5), strategies.TopP(temperature=1.2, p=0.5, k=30)])
 def test_choose_returns_the_untempered_logprob(strategy):
   # Vocab-major logits (the decode loop's layout); V = 300 spans a partial block.
   logits_VB = jax.random.normal(jax.random.key(0), (300, 16)) * 3.0
@@ -184,7 +185,7 @@ def test_choose_returns_the_untempered_logprob(strategy):
   rows = np.arange(16)
   np.testing.assert_allclose(np.asarray(logprobs_B), ref_BV[rows, np.asarray(tokens_B)],
                              atol=1e-5)
-  if isinstance(strategy, sampling.Greedy):
+  if isinstance(strategy, strategies.Greedy):
     np.testing.assert_array_equal(np.asarray(tokens_B), ref_BV.argmax(-1))
 
 
@@ -207,8 +208,8 @@ def _softmax(x: np.ndarray) -> np.ndarray:
 
 
 @pytest.mark.parametrize("strategy", [
-    sampling.Temperature(0.7), sampling.TopK(temperature=1.3, k=7),
-    sampling.TopP(temperature=1.0, p=0.6), sampling.TopP(temperature=0.8, p=0.9, k=40)])
+    strategies.Temperature(0.7), strategies.TopK(temperature=1.3, k=7),
+    strategies.TopP(temperature=1.0, p=0.6), strategies.TopP(temperature=0.8, p=0.9, k=40)])
 def test_token_frequencies_match_the_distribution(strategy):
   # V = 300 is not a multiple of the 128-token block of the inverse-CDF draw.
   logits = np.random.default_rng(1).normal(0, 2.0, 300)
@@ -217,12 +218,12 @@ def test_token_frequencies_match_the_distribution(strategy):
   p = _softmax(logits / strategy.temperature)
   order = np.argsort(-p)
   keep = np.zeros(300, bool)
-  if isinstance(strategy, sampling.TopK) or getattr(strategy, "k", 0):
+  if isinstance(strategy, strategies.TopK) or getattr(strategy, "k", 0):
     keep[order[:strategy.k]] = True
   else:
     keep[:] = True
   p = np.where(keep, p, 0) / p[keep].sum()
-  if isinstance(strategy, sampling.TopP):
+  if isinstance(strategy, strategies.TopP):
     order = np.argsort(-p)
     above = np.cumsum(p[order]) - p[order]
     nucleus = np.zeros(300, bool)
@@ -246,7 +247,7 @@ def test_first_token_frequencies_through_generate():
   for r in range(rounds):
     out = sampling.generate(
         params, cfg, tokens, mask, jax.random.key(r), sampling.SamplingSpec(
-            num_samples=n, max_new_tokens=1, strategy=sampling.Temperature(1.5)))
+            num_samples=n, max_new_tokens=1, strategy=strategies.Temperature(1.5)))
     counts += np.bincount(np.asarray(out.tokens_BC[:, 0]), minlength=12)
   freq = counts / (n * rounds)
   assert (np.abs(freq - p) <= _freq_bound(p, n * rounds)).all(), np.abs(freq - p).max()
@@ -258,17 +259,17 @@ def test_length_buckets_bound_compilations(tiny):
   rng = np.random.default_rng(4)
   for f in (engine.prefill, engine.decode_loop):
     f.clear_cache()
-  before = dict(sampling.TRACE_COUNTS)
+  before = dict(engine.TRACE_COUNTS)
   # Prompt lengths in buckets 16, 16, 16, 32, 32; max_new_tokens (and stop sets)
   # vary within the 16 bucket: two shapes, so two traces of each function.
   for P, C, stops in [(4, 9, [5]), (9, 16, [5, 17]), (16, 11, []), (17, 9, [5]), (30, 14, [9])]:
     tokens, mask = hf_utils.left_padded_batch(rng, [P, P - 2, 3], cfg.vocab_size)
     out = sampling.generate(
         params, cfg, tokens, mask, jax.random.key(P), sampling.SamplingSpec(
-            num_samples=2, max_new_tokens=C, strategy=sampling.TopK(temperature=0.7, k=20),
+            num_samples=2, max_new_tokens=C, strategy=strategies.TopK(temperature=0.7, k=20),
             stop_ids=stops))
     assert out.tokens_BC.shape == (6, C)
-  new = {k: sampling.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
+  new = {k: engine.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
   assert new == {"prefill": 2, "decode": 2}, new
 
 
@@ -281,9 +282,9 @@ def test_bad_input_is_named(tiny):
   with pytest.raises(ValueError, match="stop_ids"):
     gen(np.ones((1, 4), int), np.ones((1, 4), int), stop_ids=[cfg.vocab_size])
   with pytest.raises(ValueError, match="temperature"):
-    sampling.make_strategy(temperature=-1.0)
+    strategies.make_strategy(temperature=-1.0)
   with pytest.raises(ValueError, match="TopP.p"):
-    sampling.TopP(p=0.0)
+    strategies.TopP(p=0.0)
   with pytest.raises(ValueError, match="max_active_rows"):
     sampling.SamplingSpec(num_samples=1, max_new_tokens=4, max_active_rows=0)
   with pytest.raises(ValueError, match="must be >= 1"):
@@ -307,7 +308,7 @@ _SHARDED = textwrap.dedent("""
         lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params)
     rng = np.random.default_rng(0)
     tokens = rng.integers(3, 256, (4, 9)); mask = np.ones((4, 9), int); mask[1, :4] = 0
-    spec = sampling.SamplingSpec(num_samples=2, max_new_tokens=12, strategy=sampling.Greedy())
+    spec = sampling.SamplingSpec(num_samples=2, max_new_tokens=12, strategy=strategies.Greedy())
     # Stop ids taken from an unstopped run (row 0 at step 2, row 4 at step 6), so rows end
     # at different lengths whatever the random weights.
     free = np.asarray(sampling.generate(params, cfg, tokens, mask, jax.random.key(1),

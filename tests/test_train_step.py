@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batches import HostBatch
+from batches import HostBatch, padded_pass, run_pass
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.rl.losses import LossConfig
@@ -31,16 +31,10 @@ _loss_and_grads = jax.jit(ts.loss_and_grads, static_argnums=(2, 3))
 
 def _old_pass(cfg, mesh, params, batch, top_k=0):
   """The old-policy pass (one sequence per row, all rows in one call) in [B, C]."""
-  from capo_jax.rl.logprob_pass import LogprobPass  # pylint: disable=import-outside-toplevel
-  rules = mesh_lib.TRAIN_RULES
-  lp = LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, B, top_k=top_k), rows_per_call=B,
-                   row_len=0, pack=False,
-                   rows_sharding=mesh_lib.batch_sharding(mesh, rules, B),
-                   index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
-  xs = [np.asarray(x) for x in (batch.prompt_tokens_BP, batch.prompt_mask_BP,
-                                batch.completion_tokens_BC, batch.completion_mask_BC)]
   keys = ("logp_BC",) + (("topk_ids_BCJ", "topk_logp_BCJ") if top_k else ())
-  return lp.run(params, lp.upload(*xs), jnp.asarray(xs[3]), keys)
+  return run_pass(padded_pass(cfg, mesh, mesh_lib.TRAIN_RULES, B, top_k=top_k), params,
+                  (batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
+                   batch.completion_mask_BC), keys)
 
 
 # --------------------------------------------------------------------------

@@ -45,6 +45,7 @@ from capo_jax.masked import mean_logprob
 from capo_jax.runtime import fs
 from capo_jax.runtime.policy_io import load_policy
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import strategies
 from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout, to_host
@@ -120,7 +121,7 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
     return sampling.generate(
         params, cfg, tokens, mask, jax.random.fold_in(rng, b), sampling.SamplingSpec(
             num_samples=G, max_new_tokens=eval_cfg.max_new_tokens,
-            strategy=sampling.make_strategy(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k),
+            strategy=strategies.make_strategy(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k),
             stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
             max_active_rows=eval_cfg.max_active_rows or None),
         layout=layout)

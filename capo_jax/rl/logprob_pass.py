@@ -2,7 +2,7 @@
 
 A pass runs the trainer's forward (``train_step.make_logprob_fn``) over a step's
 sequences laid into model rows (``packing.plan_calls``: packed, or one sequence
-per row), ``rows_per_call`` rows per call. The host plans the rows once per
+per row), ``layout.rows`` rows per call. The host plans the rows once per
 step and uploads them once (``upload``); the old and the reference pass both
 run over them, and each output comes back to the [B, C] layout with one
 gather on the devices (``run``): nothing of it returns to the host.
@@ -51,26 +51,20 @@ class LogprobPass:
   """The jitted pass ``fn(params, rows, adapters=None)`` and how a step's rows are laid out.
 
   Attributes:
-    fn: ``train_step.make_logprob_fn`` over ``rows_per_call`` rows.
-    rows_per_call: model rows per call.
-    row_len: tokens per row; 0: the step's prompt + completion width.
-    pack: pack several sequences per row (else one sequence per row).
+    fn: ``train_step.make_logprob_fn`` over ``layout.rows`` rows a call.
+    layout: the calls' rows (``packing.RowLayout``).
     rows_sharding: the sharding of one call's rows (and of its outputs).
     index_sharding: the sharding of the [B, C] index and outputs.
   """
   fn: Callable[..., dict[str, Array]]
-  rows_per_call: int
-  row_len: int
-  pack: bool
+  layout: packing.RowLayout
   rows_sharding: jax.sharding.Sharding
   index_sharding: jax.sharding.Sharding
 
   def upload(self, prompt_BP: np.ndarray, pmask_BP: np.ndarray, comp_BC: np.ndarray,
              cmask_BC: np.ndarray) -> StepRows:
     """Plans the step's rows on the host and places them on the devices, once."""
-    row_len = self.row_len or prompt_BP.shape[1] + comp_BC.shape[1]
-    plan = packing.plan_calls(prompt_BP, pmask_BP, comp_BC, cmask_BC, row_len=row_len,
-                              rows_per_call=self.rows_per_call, pack=self.pack)
+    plan = packing.plan_calls(prompt_BP, pmask_BP, comp_BC, cmask_BC, self.layout)
     return StepRows([put_global(r, self.rows_sharding) for r in plan.calls],
                     put_global(plan.index_BC, self.index_sharding))
 

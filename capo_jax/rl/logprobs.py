@@ -24,6 +24,7 @@ Outputs (a dict, float32, zero on completion padding):
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Any
 
@@ -110,36 +111,47 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
   mask_BT = jnp.concatenate([prompt_mask_BP, completion_mask_BC], axis=1).astype(jnp.bool_)
   # The last position predicts nothing we need; dropping it saves a column.
   h_BCD = qwen2.hidden_states(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])[:, P - 1:]
-  return logprobs_from_hidden(params, cfg, h_BCD, completion_tokens_BC, completion_mask_BC,
-                              chunk_size=chunk_size, top_k=top_k, topk_ids_BCJ=topk_ids_BCJ,
-                              temperature=temperature)
+  return logprobs_from_hidden(params, cfg, Targets(h_BCD, completion_tokens_BC,
+                                                   completion_mask_BC, topk_ids_BCJ),
+                              chunk_size=chunk_size, top_k=top_k, temperature=temperature)
 
 
 def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_size: int = 0,
                           top_k: int = 0, temperature: float = 1.0) -> dict[str, Array]:
-  """``token_logprobs`` of packed rows (``capo_jax.rl.packing.PackedRows``).
+  """``token_logprobs`` of model rows (``capo_jax.rl.batch.ModelRows``).
 
   The rows [Y, T] run through the model with their segment ids and
   positions; only the Z positions ``rows.target_pos_Z`` (flat into Y * T) are
   unembedded, for the tokens ``rows.targets_Z`` (mask ``rows.target_mask_Z``).
   ``rows.topk_ids_ZJ``, when not None, plays the part of ``topk_ids_BCJ``.
-  Keys end in ``_Z`` / ``_ZJ``; ``packing.unpack`` puts them back in [B, C].
+  Keys end in ``_Z`` / ``_ZJ``; ``batch.unpack`` puts them back in [B, C].
   """
   h_YTD = qwen2.hidden_states(params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0,
                               rows.positions_YT, rows.segment_ids_YT)
   h_1ZD = h_YTD.reshape(-1, h_YTD.shape[-1])[rows.target_pos_Z][None]
   topk = None if rows.topk_ids_ZJ is None else rows.topk_ids_ZJ[None]
-  out = logprobs_from_hidden(params, cfg, h_1ZD, rows.targets_Z[None],
-                             rows.target_mask_Z[None], chunk_size=chunk_size, top_k=top_k,
-                             topk_ids_BCJ=topk, temperature=temperature)
+  out = logprobs_from_hidden(params, cfg, Targets(h_1ZD, rows.targets_Z[None],
+                                                  rows.target_mask_Z[None], topk),
+                             chunk_size=chunk_size, top_k=top_k, temperature=temperature)
   return {k.replace("_BC", "_Z"): v[0] for k, v in out.items()}
 
 
-def logprobs_from_hidden(params: Params, cfg: Qwen2Config, h_BCD: Array, tokens_BC: Array,
-                         mask_BC: Array, *, chunk_size: int, top_k: int,
-                         topk_ids_BCJ: Array | None, temperature: float) -> dict[str, Array]:
-  """The stats of ``token_logprobs`` from the hidden states [B, C, D] that predict
-  ``tokens_BC``, unembedded ``chunk_size`` positions at a time."""
+@dataclasses.dataclass(frozen=True)
+class Targets:
+  """The hidden states [B, C, D] that predict ``tokens_BC`` (mask ``mask_BC``), and the
+  ids whose log-probs to return at each position (or None: the current top-k)."""
+  h_BCD: Array
+  tokens_BC: Array
+  mask_BC: Array
+  topk_ids_BCJ: Array | None = None
+
+
+def logprobs_from_hidden(params: Params, cfg: Qwen2Config, targets: Targets, *,
+                         chunk_size: int, top_k: int, temperature: float) -> dict[str, Array]:
+  """The stats of ``token_logprobs`` at ``targets``, unembedded ``chunk_size`` positions
+  at a time."""
+  h_BCD, tokens_BC, mask_BC, topk_ids_BCJ = (targets.h_BCD, targets.tokens_BC,
+                                             targets.mask_BC, targets.topk_ids_BCJ)
   B, C = tokens_BC.shape
   # The unembedding stays in its stored dtype and is cast where it is used: cast
   # outside the chunk loop, its gradient would be summed over the chunks in the

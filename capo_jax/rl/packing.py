@@ -16,8 +16,8 @@ step's rows into the calls of a log-prob pass. Shapes are bucketed
 ``bucket``) to bound recompiles; the step loops over the micro-batches that
 hold tokens only.
 
-Letters: Y model rows, T row length, Z target slots, M micro-batches, W
-sequence slots of a micro-batch; B, C, J as in the RL code.
+Letters: Y model rows, T row length, Z target slots, M micro-batches; B (sequences, a
+micro-batch's sequence slots), C, J as in the RL code.
 """
 
 from __future__ import annotations
@@ -176,58 +176,71 @@ def pow2(n: int) -> int:
 class MicroBatches:
   """An update's sequences laid into M micro-batches of Y rows (host arrays).
 
-  rows: ``ModelRows`` [M, Y, T] / [M, Z]; index_MWC: each slot's ``index_BC``
-  into its micro-batch's targets; take_MW: the sequence (row of the update's
+  rows: ``ModelRows`` [M, Y, T] / [M, Z]; index_MBC: each slot's ``index_BC``
+  into its micro-batch's targets; take_MB: the sequence (row of the update's
   [B, ...] arrays) in each slot, -1 where empty.
   """
   rows: ModelRows
-  index_MWC: np.ndarray
-  take_MW: np.ndarray
+  index_MBC: np.ndarray
+  take_MB: np.ndarray
 
   def batch(self, seqs: Sequences) -> TrainBatch:
     """The ``TrainBatch`` of an update's sequences ``seqs`` [B, ...] in this layout."""
-    return TrainBatch(rows=self.rows, index_MBC=self.index_MWC, seqs=regroup(seqs, self.take_MW))
+    return TrainBatch(rows=self.rows, index_MBC=self.index_MBC, seqs=regroup(seqs, self.take_MB))
 
 
-def regroup(tree: Any, take_MW: Any) -> Any:
-  """[B, ...] leaves -> [M, W, ...]: sequence ``take_MW[m, w]`` in slot (m, w), 0 where -1.
+def regroup(tree: Any, take_MB: Any) -> Any:
+  """[B, ...] leaves -> [M, B, ...]: sequence ``take_MB[m, b]`` in slot (m, b), 0 where -1.
 
   NumPy or jax arrays (traceable: the trainer runs it on the devices)."""
-  xp = np if isinstance(take_MW, np.ndarray) else jnp
-  valid_MW = take_MW >= 0
-  idx_MW = xp.maximum(take_MW, 0)
+  xp = np if isinstance(take_MB, np.ndarray) else jnp
+  valid_MB = take_MB >= 0
+  idx_MB = xp.maximum(take_MB, 0)
 
   def one(x: Any) -> Any:
     xq = np if isinstance(x, np.ndarray) and xp is np else jnp
-    x = x[idx_MW]
-    m = valid_MW.reshape(valid_MW.shape + (1,) * (x.ndim - 2))
+    x = x[idx_MB]
+    m = valid_MB.reshape(valid_MB.shape + (1,) * (x.ndim - 2))
     return xq.where(m, x, xq.zeros((), x.dtype))
 
   return jax.tree.map(one, tree)
 
 
-def scatter_topk(rows: ModelRows, index_MWC: Any, seqs_MW: Sequences) -> ModelRows:
+def scatter_topk(rows: ModelRows, index_MBC: Any, seqs_MB: Sequences) -> ModelRows:
   """The rows' ``topk_ids_ZJ`` [M, Z, J]: each target's old top-K ids (SimKO), from the
-  regrouped sequences' ``old_topk_ids_BCJ`` [M, W, C, J]."""
-  ids_MWCJ = seqs_MW.old_topk_ids_BCJ
+  regrouped sequences' ``old_topk_ids_BCJ`` [M, B, C, J]."""
+  ids_MBCJ = seqs_MB.old_topk_ids_BCJ
   M, Z = rows.targets_Z.shape
-  xp = np if isinstance(ids_MWCJ, np.ndarray) else jnp
+  xp = np if isinstance(ids_MBCJ, np.ndarray) else jnp
   # Padding columns point past the targets, where the scatter drops them.
-  z_MWC = xp.where(seqs_MW.completion_mask_BC > 0, index_MWC, Z)
-  m_MWC = xp.broadcast_to(xp.arange(M)[:, None, None], z_MWC.shape)
-  topk = jnp.zeros((M, Z, ids_MWCJ.shape[-1]), jnp.int32).at[m_MWC, z_MWC].set(
-      ids_MWCJ.astype(jnp.int32), mode="drop")
+  z_MBC = xp.where(seqs_MB.completion_mask_BC > 0, index_MBC, Z)
+  m_MBC = xp.broadcast_to(xp.arange(M)[:, None, None], z_MBC.shape)
+  topk = jnp.zeros((M, Z, ids_MBCJ.shape[-1]), jnp.int32).at[m_MBC, z_MBC].set(
+      ids_MBCJ.astype(jnp.int32), mode="drop")
   return dataclasses.replace(rows, topk_ids_ZJ=topk)
 
 
+@dataclasses.dataclass(frozen=True)
+class RowLayout:
+  """How sequences become model rows: ``row_len`` tokens a row (0: the batch's prompt +
+  completion width), ``rows`` rows a micro-batch or a call, several sequences a row
+  when ``pack`` (else one)."""
+  row_len: int
+  rows: int
+  pack: bool = True
+
+  def width(self, prompt_BP: np.ndarray, completion_BC: np.ndarray) -> int:
+    return self.row_len or prompt_BP.shape[1] + completion_BC.shape[1]
+
+
 def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
-                completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray, *,
-                row_len: int, rows_per_microbatch: int, pack: bool = True,
-                topk_ids_BCJ: np.ndarray | None = None) -> MicroBatches:
-  """Lays one update's sequences into micro-batches of ``rows_per_microbatch`` rows."""
+                completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray,
+                layout: RowLayout, topk_ids_BCJ: np.ndarray | None = None) -> MicroBatches:
+  """Lays one update's sequences into micro-batches of ``layout.rows`` rows."""
   pl = plan(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-            row_len, topk_ids_BCJ, pack=pack)
-  Y = rows_per_microbatch
+            layout.width(prompt_tokens_BP, completion_tokens_BC), topk_ids_BCJ,
+            pack=layout.pack)
+  Y = layout.rows
   num_rows = pl.rows.tokens_YT.shape[0]
   M = pow2(-(-num_rows // Y))
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, M * Y))
@@ -237,15 +250,15 @@ def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
   mb_B = pl.row_B // Y
   members = [np.flatnonzero(mb_B == m) for m in range(M)]
   # Slots: a multiple of Y (so whatever shards the rows shards the slots), bucketed.
-  W = Y * pow2(-(-max(len(x) for x in members) // Y))
-  take_MW = np.full((M, W), -1)
+  slots = Y * pow2(-(-max(len(x) for x in members) // Y))
+  take_MB = np.full((M, slots), -1)
   for m, bs in enumerate(members):
-    take_MW[m, :len(bs)] = bs
+    take_MB[m, :len(bs)] = bs
   slot_BC = np.stack([groups[m][1][b] for b, m in enumerate(mb_B)]) if len(mb_B) else \
       pl.index_BC
-  index_MWC = np.where((take_MW >= 0)[..., None], slot_BC[np.maximum(take_MW, 0)], 0
+  index_MBC = np.where((take_MB >= 0)[..., None], slot_BC[np.maximum(take_MB, 0)], 0
                        ).astype(np.int32)
-  return MicroBatches(rows=rows, index_MWC=index_MWC, take_MW=take_MW)
+  return MicroBatches(rows=rows, index_MBC=index_MBC, take_MB=take_MB)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -261,13 +274,13 @@ class CallPlan:
 
 
 def plan_calls(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
-               completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray, *,
-               row_len: int, rows_per_call: int, pack: bool = True) -> CallPlan:
-  """Lays a step's sequences into calls of ``rows_per_call`` rows (each call's
-  targets bucketed on their own, as the pass has always run them)."""
+               completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray,
+               layout: RowLayout) -> CallPlan:
+  """Lays a step's sequences into calls of ``layout.rows`` rows (each call's targets
+  bucketed on their own, as the pass has always run them)."""
   pl = plan(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-            row_len, pack=pack)
-  Y = rows_per_call
+            layout.width(prompt_tokens_BP, completion_tokens_BC), pack=layout.pack)
+  Y = layout.rows
   n = -(-pl.rows.tokens_YT.shape[0] // Y)
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, n * Y))
   groups = [pl.group(i * Y, (i + 1) * Y) for i in range(n)]

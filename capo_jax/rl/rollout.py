@@ -148,11 +148,9 @@ class Rollout:
       sl = slice(start, start + rows)
       mbs = packing.plan_update(
           self.prompt_tokens_BP[sl], self.prompt_mask_BP[sl], self.completion_tokens_BC[sl],
-          self.completion_mask_BC[sl], row_len=layout.row_len or (
-              self.prompt_tokens_BP.shape[1] + self.completion_tokens_BC.shape[1]),
-          rows_per_microbatch=layout.rows_per_microbatch, pack=layout.pack)
-      take_MW = np.where(mbs.take_MW >= 0, mbs.take_MW + start, -1)
-      rows_dev, index_dev, take_dev = put_global((mbs.rows, mbs.index_MWC, take_MW),
+          self.completion_mask_BC[sl], layout.rows)
+      take_MB = np.where(mbs.take_MB >= 0, mbs.take_MB + start, -1)
+      rows_dev, index_dev, take_dev = put_global((mbs.rows, mbs.index_MBC, take_MB),
                                                  layout.sharding)
       out.append(_device_batch(rows_dev, index_dev, take_dev, self.seqs,
                                sharding=layout.sharding))
@@ -164,26 +162,22 @@ class BatchLayout:
   """How an update's sequences become a ``TrainBatch`` (the run's packing settings).
 
   Attributes:
-    row_len: tokens per model row; 0: the step's prompt + completion width.
-    rows_per_microbatch: model rows per micro-batch.
-    pack: pack several sequences per row (else one per row).
+    rows: the micro-batches' rows (``packing.RowLayout``).
     sharding: the train batch's sharding ([M, rows or slots, ...] on axis 1).
   """
-  row_len: int
-  rows_per_microbatch: int
-  pack: bool
+  rows: packing.RowLayout
   sharding: jax.sharding.Sharding
 
 
 @functools.partial(jax.jit, static_argnames="sharding")
-def _device_batch(rows: Any, index_MWC: Array, take_MW: Array, seqs: Sequences, *,
+def _device_batch(rows: Any, index_MBC: Array, take_MB: Array, seqs: Sequences, *,
                   sharding: jax.sharding.Sharding) -> TrainBatch:
   """An update's ``TrainBatch`` from its uploaded rows and the step's sequences, gathered
   into the micro-batches' slots on the devices."""
-  seqs_MW = packing.regroup(seqs, take_MW)
+  seqs_MB = packing.regroup(seqs, take_MB)
   if seqs.old_topk_ids_BCJ is not None:  # SimKO: each target's old top-K ids
-    rows = packing.scatter_topk(rows, index_MWC, seqs_MW)
-  return jax.lax.with_sharding_constraint(TrainBatch(rows, index_MWC, seqs_MW), sharding)
+    rows = packing.scatter_topk(rows, index_MBC, seqs_MB)
+  return jax.lax.with_sharding_constraint(TrainBatch(rows, index_MBC, seqs_MB), sharding)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -170,7 +170,7 @@ class Shapes:
   microbatches: int  # M of one update
   rows_per_microbatch: int
   targets_per_microbatch: int
-  slots_per_microbatch: int  # sequence slots W
+  slots_per_microbatch: int  # sequence slots of a micro-batch
 
   @classmethod
   def from_spec(cls, spec: RunSpec) -> Shapes:
@@ -218,7 +218,6 @@ def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerab
   """The prefill, and a function of its compiled form giving the decode loop."""
   sh = Shapes.from_spec(spec)
   rules = mesh_lib.SAMPLING_RULES
-  layout = Layout.of(mesh, rules)  # the value generate() is given, so the same jit cache key
   rep = mesh_lib.replicated(mesh)
   params = _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
   plan = sampler_plan(spec, model_cfg, mesh)
@@ -273,7 +272,7 @@ def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = Non
   state = _abstract_tree(jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
                                         ts.trainable_shapes(model_cfg, tcfg)),
                          progs.state_shardings)
-  M, Ym, Zm, W, C = sh.microbatches, sh.rows_per_microbatch, sh.targets_per_microbatch, \
+  M, Ym, Zm, Bm, C = sh.microbatches, sh.rows_per_microbatch, sh.targets_per_microbatch, \
       sh.slots_per_microbatch, sh.max_new_tokens
   mb = lambda *shape, dtype=jnp.int32: _sds(shape, dtype, progs.batch_layout.sharding)  # noqa: E731
   f32 = lambda *shape: mb(*shape, dtype=jnp.float32)  # noqa: E731
@@ -281,12 +280,12 @@ def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = Non
       rows=ModelRows(tokens_YT=mb(M, Ym, T), segment_ids_YT=mb(M, Ym, T),
                      positions_YT=mb(M, Ym, T), target_pos_Z=mb(M, Zm), targets_Z=mb(M, Zm),
                      target_mask_Z=mb(M, Zm), topk_ids_ZJ=mb(M, Zm, J) if J else None),
-      index_MBC=mb(M, W, C),
-      seqs=Sequences(completion_mask_BC=mb(M, W, C), old_logp_BC=f32(M, W, C), adv_B=f32(M, W),
-                     ref_logp_BC=f32(M, W, C) if spec.needs_reference else None,
-                     correct_B=mb(M, W, dtype=jnp.bool_) if J else None,
-                     old_topk_ids_BCJ=mb(M, W, C, J) if J else None,
-                     old_topk_logp_BCJ=f32(M, W, C, J) if J else None))
+      index_MBC=mb(M, Bm, C),
+      seqs=Sequences(completion_mask_BC=mb(M, Bm, C), old_logp_BC=f32(M, Bm, C), adv_B=f32(M, Bm),
+                     ref_logp_BC=f32(M, Bm, C) if spec.needs_reference else None,
+                     correct_B=mb(M, Bm, dtype=jnp.bool_) if J else None,
+                     old_topk_ids_BCJ=mb(M, Bm, C, J) if J else None,
+                     old_topk_logp_BCJ=f32(M, Bm, C, J) if J else None))
   base = () if lora_cfg is None else (trained_params,)
   out.append(Lowerable("train", progs.train_step, (state, batch) + base, {},
                        spec.updates_per_step, ("reference",)))

@@ -18,10 +18,12 @@ import jax
 
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.logprob_pass import LogprobPass
+from capo_jax.rl.packing import RowLayout
 from capo_jax.rl.rollout import BatchLayout
 from capo_jax.run.spec import RunSpec
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import strategies
 from models.config import Qwen2Config
 from models.sharding import Layout
 
@@ -58,16 +60,17 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
   r = spec.rollout
   rows_per_call = spec.logprob_rows_per_call
   B = r.num_prompts * r.num_samples
+  pack = spec.train.pack
+  # Unpacked rows are as wide as the step's sequences (0: the batch's own width).
+  row_len = row_len if pack else 0
   logprobs = LogprobPass(
       fn=ts.make_logprob_fn(model_cfg, mesh, rules, rows_per_call,
                             chunk_size=spec.train.logprob_chunk, top_k=spec.simko_k,
                             lora=tcfg.lora),
-      rows_per_call=rows_per_call, row_len=row_len if spec.train.pack else 0,
-      pack=spec.train.pack,
+      layout=RowLayout(row_len, rows_per_call, pack),
       rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
       index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
-  batch_layout = BatchLayout(row_len=row_len if spec.train.pack else 0,
-                             rows_per_microbatch=rows_per_mb, pack=spec.train.pack,
+  batch_layout = BatchLayout(rows=RowLayout(row_len, rows_per_mb, pack),
                              sharding=ts.batch_sharding(mesh, rules, rows_per_mb))
   return StepPrograms(
       model_cfg=model_cfg, tcfg=tcfg, sampling=sampling_spec(spec),
@@ -82,5 +85,5 @@ def sampling_spec(spec: RunSpec) -> sampling.SamplingSpec:
   sets them; they are arguments of the programs, not part of their shape)."""
   r = spec.rollout
   return sampling.SamplingSpec(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
-                               strategy=sampling.make_strategy(r.temperature, r.top_p, r.top_k),
+                               strategy=strategies.make_strategy(r.temperature, r.top_p, r.top_k),
                                max_active_rows=r.max_active_rows or None)

@@ -29,6 +29,9 @@ from capo_jax.rl import losses
 from capo_jax.rl import rollout
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
+from capo_jax.run.sections import (SECTIONS, TOP_LEVEL, Algo, Checkpoint, ConfigError, Data,
+                                   Eval, Log, Loss, Mesh, Model, Optim, Rollout, Train, fail,
+                                   section)
 from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
 from models import hub, lora
@@ -43,176 +46,7 @@ LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "c
 DEFAULT_AGG = {"simko": "token-mean"}
 
 
-class ConfigError(ValueError):
-  """A configuration field has a bad value."""
-
-
-def _fail(field: str, value: Any, why: str) -> None:
-  raise ConfigError(f"config.{field}={value!r}: {why}")
-
-
-_frozen = dataclasses.dataclass(frozen=True)
-
-
-@_frozen
-class Model:
-  hf_path: str
-  preset: str
-  preset_overrides: Mapping[str, Any]
-  param_dtype: str
-  compute_dtype: str
-  remat: bool
-  lora_rank: int
-  lora_alpha: float
-  lora_targets: str
-  attention: str
-
-
-@_frozen
-class Data:
-  train: str
-  data_dir: str
-  skip_bad_rows: bool
-  train_size: int
-  val_size: int
-  split_seed: int
-  eval: tuple[str, ...]
-
-
-@_frozen
-class Rollout:
-  num_prompts: int
-  num_samples: int
-  max_prompt_len: int
-  max_new_tokens: int
-  temperature: float
-  top_p: float
-  top_k: int
-  old_logprobs: str
-  prompts_per_call: int
-  max_active_rows: int
-  dynamic_sampling: bool
-  dynamic_max_draws: int
-
-
-@_frozen
-class Algo:
-  name: str
-  tau: float
-  norm: str
-  score: str
-  adaptive_tau: float
-  mask: str
-  mask_high: float
-  mask_low: float
-  mask_mode: str
-  cde_kappa: float
-  cde_alpha: float
-  cde_omega: float
-
-
-@_frozen
-class Loss:
-  eps_low: float
-  eps_high: float
-  agg: str
-  beta: float
-  kl_estimator: str
-  gspo_eps_low: float
-  gspo_eps_high: float
-  simko_alpha: float
-  simko_k: int
-  simko_lambda: float
-  simko_quantile: float
-
-
-@_frozen
-class Optim:
-  lr: float
-  warmup_steps: int
-  schedule: str
-  weight_decay: float
-  b1: float
-  b2: float
-  grad_clip: float
-
-
-@_frozen
-class Train:
-  num_steps: int
-  mini_batch_prompts: int
-  ppo_epochs: int
-  micro_batch_size: int
-  logprob_chunk: int
-  logprob_rows: int
-  max_consecutive_skips: int
-  pack: bool
-  pack_len: int
-  pack_rows: int
-
-
-@_frozen
-class Mesh:
-  data: int
-  fsdp: int
-  tensor: int
-
-  def sizes(self) -> dict[str, int]:
-    return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}
-
-
-@_frozen
-class Checkpoint:
-  every_steps: int
-  keep: int
-  export_hf: bool
-  export_hf_every: int
-
-
-@_frozen
-class Log:
-  every_steps: int
-  samples_every_steps: int
-  num_samples_logged: int
-  wandb_project: str
-  wandb_entity: str
-  wandb_name: str
-
-
-@_frozen
-class Eval:
-  every_steps: int
-  num_samples: int
-  max_new_tokens: int
-  temperature: float
-  limit: int
-  batch_size: int
-  max_active_rows: int
-  seed: int
-
-
-SECTIONS = {"model": Model, "data": Data, "rollout": Rollout, "algo": Algo, "loss": Loss,
-            "optim": Optim, "train": Train, "mesh": Mesh, "checkpoint": Checkpoint,
-            "log": Log, "eval": Eval}
-TOP_LEVEL = ("seed", "tokenizer_path", "compilation_cache_dir")
-
-
-def _section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
-  fields = {f.name for f in dataclasses.fields(cls)}
-  unknown = sorted(set(values) - fields)
-  if unknown:
-    _fail(f"{name}.{unknown[0]}", values[unknown[0]], f"unknown field; config.{name} has "
-          f"{sorted(fields)}")
-  missing = sorted(fields - set(values))
-  if missing:
-    _fail(f"{name}.{missing[0]}", None, "missing (start run files from "
-          "configs/common.get_base_config())")
-  if name == "data":
-    values = {**values, "eval": tuple(values["eval"])}
-  return cls(**values)
-
-
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class RunSpec:
   """One run, validated. ``raw`` is the resolved config as JSON (``config.json``)."""
   seed: int
@@ -245,10 +79,10 @@ class RunSpec:
         else json.loads(json.dumps(dict(c)))
     missing = [k for k in (*TOP_LEVEL, *SECTIONS) if k not in raw]
     if missing:
-      _fail(missing[0], None, "missing (start run files from configs/common.get_base_config())")
+      fail(missing[0], None, "missing (start run files from configs/common.get_base_config())")
     extra = {k: v for k, v in raw.items() if k not in TOP_LEVEL and k not in SECTIONS}
     spec = cls(**{k: raw[k] for k in TOP_LEVEL},
-               **{k: _section(k, cls_, raw[k]) for k, cls_ in SECTIONS.items()},
+               **{k: section(k, cls_, raw[k]) for k, cls_ in SECTIONS.items()},
                raw=raw, extra=extra)
     spec.validate(num_devices=num_devices, policy_given=policy_given)
     return spec
@@ -262,9 +96,9 @@ class RunSpec:
       for key in path:
         node = node.get(key) if isinstance(node, dict) else None
         if node is None:
-          _fail(dotted, value, "no such config section")
+          fail(dotted, value, "no such config section")
       if last not in node:
-        _fail(dotted, value, "no such config field")
+        fail(dotted, value, "no such config field")
       node[last] = list(value) if isinstance(value, tuple) else value
     return RunSpec.from_config(raw, **kwargs)
 
@@ -273,58 +107,58 @@ class RunSpec:
   def validate(self, *, num_devices: int | None = None, policy_given: bool = False) -> None:
     """Raises ConfigError naming the first bad field."""
     if self.algo.name not in ALGORITHMS:
-      _fail("algo.name", self.algo.name, f"unknown algorithm; expected one of {ALGORITHMS}")
+      fail("algo.name", self.algo.name, f"unknown algorithm; expected one of {ALGORITHMS}")
     r, t = self.rollout, self.train
     if r.num_samples < 2:
-      _fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
+      fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
     if r.num_prompts < 1:
-      _fail("rollout.num_prompts", r.num_prompts, "must be >= 1")
+      fail("rollout.num_prompts", r.num_prompts, "must be >= 1")
     if t.mini_batch_prompts < 1 or r.num_prompts % t.mini_batch_prompts:
-      _fail("train.mini_batch_prompts", t.mini_batch_prompts,
+      fail("train.mini_batch_prompts", t.mini_batch_prompts,
             f"must divide rollout.num_prompts={r.num_prompts}")
     rows = t.mini_batch_prompts * r.num_samples
     if t.micro_batch_size < 1 or rows % t.micro_batch_size:
-      _fail("train.micro_batch_size", t.micro_batch_size,
+      fail("train.micro_batch_size", t.micro_batch_size,
             f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}")
     B = r.num_prompts * r.num_samples
     if t.logprob_rows < 0 or (t.logprob_rows and B % t.logprob_rows):
-      _fail("train.logprob_rows", t.logprob_rows,
+      fail("train.logprob_rows", t.logprob_rows,
             f"must be 0 (all rows at once) or divide num_prompts * num_samples = {B}")
     if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
-      _fail("rollout.prompts_per_call", r.prompts_per_call,
+      fail("rollout.prompts_per_call", r.prompts_per_call,
             f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}")
     if r.max_active_rows < 0:
-      _fail("rollout.max_active_rows", r.max_active_rows,
+      fail("rollout.max_active_rows", r.max_active_rows,
             "must be 0 (all rows at once) or the number of rows decoded at once")
     if r.dynamic_sampling and r.dynamic_max_draws < 2:
-      _fail("rollout.dynamic_max_draws", r.dynamic_max_draws,
+      fail("rollout.dynamic_max_draws", r.dynamic_max_draws,
             "must be >= 2 with rollout.dynamic_sampling (1 draw per step is no filter)")
     for field in ("max_prompt_len", "max_new_tokens"):
       if getattr(r, field) < 1:
-        _fail(f"rollout.{field}", getattr(r, field), "must be >= 1")
+        fail(f"rollout.{field}", getattr(r, field), "must be >= 1")
     if t.num_steps < 0:
-      _fail("train.num_steps", t.num_steps, "must be >= 0")
+      fail("train.num_steps", t.num_steps, "must be >= 0")
     if r.old_logprobs not in ("trainer", "sampler"):
-      _fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
+      fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
     self._validate_algo()
     self._validate_model(policy_given)
     for field in ("train_size", "val_size"):
       if getattr(self.data, field) < 0:
-        _fail(f"data.{field}", getattr(self.data, field),
+        fail(f"data.{field}", getattr(self.data, field),
               "must be >= 0 (0: all the rest / no validation)")
     e = self.eval
     if e.every_steps < 0:
-      _fail("eval.every_steps", e.every_steps, "must be >= 0 (0: no evaluation)")
+      fail("eval.every_steps", e.every_steps, "must be >= 0 (0: no evaluation)")
     for field in ("num_samples", "max_new_tokens", "batch_size"):
       if getattr(e, field) < 1:
-        _fail(f"eval.{field}", getattr(e, field), "must be >= 1")
+        fail(f"eval.{field}", getattr(e, field), "must be >= 1")
     if e.limit < 0:
-      _fail("eval.limit", e.limit, "must be >= 0 (0: every question)")
+      fail("eval.limit", e.limit, "must be >= 0 (0: every question)")
     for field in ("every_steps", "samples_every_steps"):
       if getattr(self.log, field) < 0:
-        _fail(f"log.{field}", getattr(self.log, field), "must be >= 0")
+        fail(f"log.{field}", getattr(self.log, field), "must be >= 0")
     if self.checkpoint.export_hf_every < 0:
-      _fail("checkpoint.export_hf_every", self.checkpoint.export_hf_every, "must be >= 0")
+      fail("checkpoint.export_hf_every", self.checkpoint.export_hf_every, "must be >= 0")
     self._validate_mesh(jax.device_count() if num_devices is None else num_devices)
     self.packing_shape()
     self.train_config()  # dataclass checks (loss, optimizer) with field names
@@ -332,32 +166,32 @@ class RunSpec:
   def _validate_algo(self) -> None:
     a = self.algo
     if a.mask not in ("auto", "on", "off"):
-      _fail("algo.mask", a.mask, "expected 'auto', 'on' or 'off'")
+      fail("algo.mask", a.mask, "expected 'auto', 'on' or 'off'")
     if a.tau <= 0:
-      _fail("algo.tau", a.tau, "must be > 0")
+      fail("algo.tau", a.tau, "must be > 0")
     if a.norm not in advantages.NORMS:
-      _fail("algo.norm", a.norm, f"expected one of {advantages.NORMS}")
+      fail("algo.norm", a.norm, f"expected one of {advantages.NORMS}")
     if a.score not in advantages.SCORES:
-      _fail("algo.score", a.score, f"expected one of {advantages.SCORES}")
+      fail("algo.score", a.score, f"expected one of {advantages.SCORES}")
     if a.mask_mode not in advantages.MASK_MODES:
-      _fail("algo.mask_mode", a.mask_mode, f"expected one of {advantages.MASK_MODES}")
+      fail("algo.mask_mode", a.mask_mode, f"expected one of {advantages.MASK_MODES}")
 
   def _validate_model(self, policy_given: bool) -> None:
     m = self.model
     if not policy_given and not m.hf_path:
       if not m.preset:
-        _fail("model.hf_path", m.hf_path,
+        fail("model.hf_path", m.hf_path,
               "set model.hf_path (a HF checkpoint directory or hub id) or model.preset "
               f"(random weights, one of {sorted(PRESETS)})")
       if m.preset not in PRESETS:
-        _fail("model.preset", m.preset, f"expected one of {sorted(PRESETS)}")
+        fail("model.preset", m.preset, f"expected one of {sorted(PRESETS)}")
     if m.hf_path:
       try:  # a hub id is fetched here (once, into the hub cache): its config is needed next
         hf_dir = hub.resolve(m.hf_path)
       except FileNotFoundError as e:
-        _fail("model.hf_path", m.hf_path, str(e))
+        fail("model.hf_path", m.hf_path, str(e))
       if not fs.is_file(fs.join(hf_dir, "config.json")):
-        _fail("model.hf_path", m.hf_path, "not a HF checkpoint directory (no config.json)")
+        fail("model.hf_path", m.hf_path, "not a HF checkpoint directory (no config.json)")
     self.lora_config()
 
   def _validate_mesh(self, n: int) -> None:
@@ -365,10 +199,10 @@ class RunSpec:
     fixed = 1
     for ax, size in sizes.items():
       if size == 0 or size < -1:
-        _fail(f"mesh.{ax}", size, "must be a positive size or -1 (the remaining devices)")
+        fail(f"mesh.{ax}", size, "must be a positive size or -1 (the remaining devices)")
       fixed *= max(size, 1)
     if fixed > n or (n % fixed):
-      _fail("mesh", sizes, f"the mesh needs a multiple of {fixed} devices; {n} are available")
+      fail("mesh", sizes, f"the mesh needs a multiple of {fixed} devices; {n} are available")
 
   # ------------------------------------------------------- derived settings
 
@@ -410,15 +244,15 @@ class RunSpec:
     """``model.lora_rank`` > 0: adapters on a frozen base (``models.lora``); 0: full training."""
     m = self.model
     if m.lora_rank < 0:
-      _fail("model.lora_rank", m.lora_rank, "must be >= 0 (0: no LoRA, train every param)")
+      fail("model.lora_rank", m.lora_rank, "must be >= 0 (0: no LoRA, train every param)")
     if m.lora_rank == 0:
       return None
     if m.lora_alpha <= 0:
-      _fail("model.lora_alpha", m.lora_alpha, "must be > 0 (the delta is scaled by alpha / rank)")
+      fail("model.lora_alpha", m.lora_alpha, "must be > 0 (the delta is scaled by alpha / rank)")
     names = [t.strip() for t in str(m.lora_targets).split(",") if t.strip()]
     bad = [t for t in names if t not in lora.TARGETS]
     if bad or not names:
-      _fail("model.lora_targets", m.lora_targets, f"unknown target(s) {bad}; expected a "
+      fail("model.lora_targets", m.lora_targets, f"unknown target(s) {bad}; expected a "
             f"comma-separated subset of {lora.ALL_TARGETS}")
     return lora.LoraConfig(int(m.lora_rank), float(m.lora_alpha), tuple(names))
 
@@ -434,9 +268,9 @@ class RunSpec:
     if not t.pack:
       return longest, t.micro_batch_size
     if t.pack_len < 0 or t.pack_rows < 0:
-      _fail("train.pack_len / pack_rows", (t.pack_len, t.pack_rows), "must be >= 0 (0: default)")
+      fail("train.pack_len / pack_rows", (t.pack_len, t.pack_rows), "must be >= 0 (0: default)")
     if t.pack_len and t.pack_len < longest:
-      _fail("train.pack_len", t.pack_len, f"a packed row must hold the longest sequence, "
+      fail("train.pack_len", t.pack_len, f"a packed row must hold the longest sequence, "
             f"rollout.max_prompt_len + max_new_tokens = {longest}")
     return t.pack_len or longest, t.pack_rows or t.micro_batch_size
 

@@ -36,9 +36,7 @@ import numpy as np
 from jax.sharding import AxisType
 
 from capo_jax.sampling import decode, engine
-from capo_jax.sampling.engine import TRACE_COUNTS  # noqa: F401  (re-exported)
-from capo_jax.sampling.strategies import (  # noqa: F401  (re-exported)
-    Greedy, Strategy, Temperature, TopK, TopP, inverse_cdf, make_strategy)
+from capo_jax.sampling.strategies import Strategy, Temperature
 from models import qwen2
 from models.config import Qwen2Config
 from models.qwen2 import Params
@@ -168,7 +166,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
     ``Samples`` of [Q*G, C] tokens / mask / logprobs and [Q*G] lengths /
     truncated.
   """
-  num_samples, max_new_tokens, pad_id = spec.num_samples, spec.max_new_tokens, spec.pad_id
+  max_new_tokens, pad_id = spec.max_new_tokens, spec.pad_id
   if layout is not None and any(t != AxisType.Auto for t in layout.mesh.axis_types):
     raise ValueError(f"mesh axis types {layout.mesh.axis_types}: the sampler states shardings "
                      "with constraints and needs AxisType.Auto axes "

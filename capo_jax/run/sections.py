@@ -1,0 +1,183 @@
+"""The sections of a ``RunSpec``: one small frozen dataclass per config section.
+
+Field names are the config's (``configs/common.py`` documents each), so an error
+can name ``config.<section>.<field>``; ``section`` builds one from its dict.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Mapping
+from typing import Any
+
+from capo_jax.runtime import mesh as mesh_lib
+
+
+class ConfigError(ValueError):
+  """A configuration field has a bad value."""
+
+
+def fail(field: str, value: Any, why: str) -> None:
+  raise ConfigError(f"config.{field}={value!r}: {why}")
+
+
+_frozen = dataclasses.dataclass(frozen=True)
+
+
+@_frozen
+class Model:
+  hf_path: str
+  preset: str
+  preset_overrides: Mapping[str, Any]
+  param_dtype: str
+  compute_dtype: str
+  remat: bool
+  lora_rank: int
+  lora_alpha: float
+  lora_targets: str
+  attention: str
+
+
+@_frozen
+class Data:
+  train: str
+  data_dir: str
+  skip_bad_rows: bool
+  train_size: int
+  val_size: int
+  split_seed: int
+  eval: tuple[str, ...]
+
+
+@_frozen
+class Rollout:
+  num_prompts: int
+  num_samples: int
+  max_prompt_len: int
+  max_new_tokens: int
+  temperature: float
+  top_p: float
+  top_k: int
+  old_logprobs: str
+  prompts_per_call: int
+  max_active_rows: int
+  dynamic_sampling: bool
+  dynamic_max_draws: int
+
+
+@_frozen
+class Algo:
+  name: str
+  tau: float
+  norm: str
+  score: str
+  adaptive_tau: float
+  mask: str
+  mask_high: float
+  mask_low: float
+  mask_mode: str
+  cde_kappa: float
+  cde_alpha: float
+  cde_omega: float
+
+
+@_frozen
+class Loss:
+  eps_low: float
+  eps_high: float
+  agg: str
+  beta: float
+  kl_estimator: str
+  gspo_eps_low: float
+  gspo_eps_high: float
+  simko_alpha: float
+  simko_k: int
+  simko_lambda: float
+  simko_quantile: float
+
+
+@_frozen
+class Optim:
+  lr: float
+  warmup_steps: int
+  schedule: str
+  weight_decay: float
+  b1: float
+  b2: float
+  grad_clip: float
+
+
+@_frozen
+class Train:
+  num_steps: int
+  mini_batch_prompts: int
+  ppo_epochs: int
+  micro_batch_size: int
+  logprob_chunk: int
+  logprob_rows: int
+  max_consecutive_skips: int
+  pack: bool
+  pack_len: int
+  pack_rows: int
+
+
+@_frozen
+class Mesh:
+  data: int
+  fsdp: int
+  tensor: int
+
+  def sizes(self) -> dict[str, int]:
+    return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}
+
+
+@_frozen
+class Checkpoint:
+  every_steps: int
+  keep: int
+  export_hf: bool
+  export_hf_every: int
+
+
+@_frozen
+class Log:
+  every_steps: int
+  samples_every_steps: int
+  num_samples_logged: int
+  wandb_project: str
+  wandb_entity: str
+  wandb_name: str
+
+
+@_frozen
+class Eval:
+  every_steps: int
+  num_samples: int
+  max_new_tokens: int
+  temperature: float
+  limit: int
+  batch_size: int
+  max_active_rows: int
+  seed: int
+
+
+SECTIONS = {"model": Model, "data": Data, "rollout": Rollout, "algo": Algo, "loss": Loss,
+            "optim": Optim, "train": Train, "mesh": Mesh, "checkpoint": Checkpoint,
+            "log": Log, "eval": Eval}
+TOP_LEVEL = ("seed", "tokenizer_path", "compilation_cache_dir")
+
+
+def section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
+  """The ``cls`` of config section ``name``; an unknown or missing field is a ConfigError."""
+  fields = {f.name for f in dataclasses.fields(cls)}
+  unknown = sorted(set(values) - fields)
+  if unknown:
+    fail(f"{name}.{unknown[0]}", values[unknown[0]], f"unknown field; config.{name} has "
+          f"{sorted(fields)}")
+  missing = sorted(fields - set(values))
+  if missing:
+    fail(f"{name}.{missing[0]}", None, "missing (start run files from "
+          "configs/common.get_base_config())")
+  if name == "data":
+    values = {**values, "eval": tuple(values["eval"])}
+  return cls(**values)
