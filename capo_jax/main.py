@@ -6,7 +6,8 @@ the same command with the same workdir resumes from its last checkpoint.
 
 On Linux the command first re-executes itself once with glibc's transparent
 huge pages for the host heap (``capo_jax/hugepages.py``; ``CAPO_HUGEPAGES=0``
-turns it off): XLA:CPU's train and SFT steps ran 14-19% faster here, with the same results.
+turns it off): XLA:CPU maps each step's temporaries afresh, and huge pages make
+that cheaper, with the same results (the measured effect: ``docs/training.md``).
 """
 
 from __future__ import annotations

@@ -9,14 +9,12 @@ from it, then a side-by-side report (accuracy, AUC-mean, paired per-question
 ``--config.demo.methods=capo`` runs one; ``configs/demo.py:shrink`` is a
 seconds-long smoke version (tests, Colab check).
 
-Why tau = 0.1 and not the paper's 0.6: on this task the mean token log-probs
-of one question's samples differ by only ~0.05-0.2 (median 0.08 over a
-100-step run), so at tau = 0.6 every sigmoid weight sits near 1/2 and CAPO
-degenerates to Dr.GRPO up to a constant that Adam removes (weights within about
-0.43-0.57; in an earlier 150-step run, tau = 0.6 ended level with GRPO on
-AUC-mean and tau = 0.1 above it); the paper's tau is relative to gaps of up to ~0.9. ``s_spread`` in
-metrics.jsonl shows the spread; ``--config.algo.adaptive_tau=c`` sets
-tau = c * spread instead.
+Why tau = 0.1 and not the paper's 0.6: on this task the mean token log-probs of
+one question's samples differ by much less than in the paper, so at tau = 0.6
+every sigmoid weight sits near 1/2 and CAPO degenerates to Dr.GRPO up to a
+constant that Adam removes (the measured spreads and runs: ``docs/demo.md``).
+``s_spread`` in metrics.jsonl shows the spread; ``--config.algo.adaptive_tau=c``
+sets tau = c * spread instead.
 """
 
 from __future__ import annotations
@@ -42,11 +40,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.demo = ml_collections.ConfigDict()
   # 90% of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
   # the warm start is then confidently wrong on the questions where the rule's answer
-  # differs (capo_jax/demo/task.py). Measured (docs/demo.md): at 0.5 and 0.7
-  # GRPO's AUC-mean ended above the warm start's; at 0.9, on one box's warm start, it
-  # fell from 0.821 to 0.768 (mean of 3 seeds) while accuracy rose, and CAPO kept it at
-  # 0.810 (0.819 without the noise mask) at the same accuracy; on another box's warm
-  # start (the float rounding differs) GRPO ended at 0.811 from 0.819, CAPO at 0.807.
+  # differs (capo_jax/demo/task.py). Why 0.9 and what it gave: docs/demo.md.
   c.demo.task = ml_collections.ConfigDict(dict(
       min_operands=4, max_operands=4, max_operand=9, operators="+-*", num_train=20000,
       num_heldout=1000, seed=0, wrong_rule="left_to_right", wrong_fraction=0.9))

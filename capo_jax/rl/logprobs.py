@@ -83,9 +83,6 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
                    ) -> dict[str, Array]:
   """Per-token log-probs (and entropy, top-k) of the completion tokens.
 
-  Ten parameters: the model, its four input arrays as the batch stores them
-  (each sharded over rows by the jitted callers), and keyword-only options.
-
   Args:
     params: Qwen2 params (any float dtype; matmuls run in ``cfg.compute_dtype``).
     cfg: the model config (``cfg.remat`` rematerialises each layer).

@@ -4,13 +4,8 @@ The trainer builds its jitted train step and log-prob pass as closures over the
 run's config, so every run compiles them again: a rerun of the same command, a
 resumed run, and each of the study's runs in one process
 (``benchmarks/demo_grpo_vs_capo.py``). JAX's disk cache is keyed by the compiled
-program, not by the Python function, so each finds the executables of the first.
-Measured on the 2-core CPU box (2026-12-02): a demo RL run spent ~21 s of its 150
-steps compiling (steps 1, 3, 4 and 42: new packed shapes); 8 steps of GRPO and CAPO
-from a cached warm start took 81 s, and 56 s rerun under another workdir with the
-cache copied. Within one demo command GRPO and CAPO share no train step (CAPO's
-batch carries the reference log-probs, for its KL metric), so a first run gains
-little.
+program, not by the Python function, so each finds the executables of the first
+(what it saves, measured: ``docs/training.md``).
 
 ``compilation_cache_dir``: empty turns the cache off (the default for real runs);
 an absolute path or ``gs://`` URL is used as is (JAX reaches Cloud Storage through

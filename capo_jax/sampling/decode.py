@@ -21,13 +21,11 @@ advances all W slots by one token (``step``):
 
 Row-count invariance: a row's logits must not depend on how many slots
 share the step (the engine's samples are the same whatever W). XLA:CPU's
-GEMM sums an [W, D] x [D, F] product in an order that depends on W: below
-64 rows it blocks the contraction differently, and logits move by ~4e-6,
-enough to flip an inverse-CDF draw from a flat distribution. An
-[W, D] x [F, D] product (both operands contracted on their last axis) came
-out bitwise the same for every W from 2 to 256, on every projection shape
-of the benchmark model and of Qwen2.5-0.5B and on both unembeddings
-(measured 2026-12-02, jax 0.10.2). So on CPU ``prepare`` makes output-major
+GEMM sums an [W, D] x [D, F] product in an order that depends on W (for
+small W it blocks the contraction differently), enough to flip an
+inverse-CDF draw from a flat distribution, while an [W, D] x [F, D] product
+(both operands contracted on their last axis) rounds the same whatever W
+(the shapes checked: ``docs/sampling.md``). So on CPU ``prepare`` makes output-major
 [F, D] copies of the layer kernels once per rollout and the step contracts
 against them (``out_major``); on accelerators it reads the kernels as stored,
 since the copies would take a second set of weights in HBM. The embedding is

@@ -25,9 +25,8 @@ active row). With ``Plan.shrink`` the program then moves on to smaller loops
 quarter of the slots, they are gathered into a cache of that many slots and
 decoding goes on there. Still one program, no host sync. The cache is one
 buffer per layer and per k / v, each freed once gathered, so the copy adds
-about one layer's small buffer to the peak (XLA's memory analysis: the same
-temp bytes with and without the tail loops on CPU; +2.1 MB on a v5e-8 AOT
-compile, the same at 80 and 2,560 columns; 2026-12-03).
+about one layer's small buffer to the peak, not a cache's worth (XLA's memory
+analysis, in ``docs/sampling.md``).
 
 Scheduling independence: token t of row b = q*G + g is drawn with the uniform
 of ``fold_in(fold_in(rng, b), t)``, from logits that depend only on row b's
