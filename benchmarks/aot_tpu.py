@@ -5,9 +5,10 @@ r"""Compile every program of one RL step for a TPU slice, ahead of time, on this
       --config=configs/capo_qwen2p5_math_1p5b.py --accelerator=v5e-32 --config.mesh.tensor=2
 
 Builds the run's mesh over the slice's devices (``jax.experimental.topologies``;
-no TPU needed), compiles prefill, the decode loop, the log-prob pass(es) and the
-train step (micro-batch scan + AdamW) at the run's padded shapes with its
-shardings (``capo_jax.runtime.aot``), and prints per program and per device XLA's memory
+no TPU needed), compiles the programs the trainer runs (``capo_jax.run.programs``:
+prefill, the decode loop, the log-prob pass(es), the train step's micro-batch loop +
+AdamW; packed when ``train.pack``, with LoRA's adapters when set) at the run's largest
+shapes with its shardings (``capo_jax.run.aot``), and prints per program and per device XLA's memory
 analysis, what else is resident on the chip while it runs (train state,
 reference, sampler weights), the total against the chip's HBM, and the FLOPs
 and bytes of XLA's cost analysis with loop bodies counted per iteration
