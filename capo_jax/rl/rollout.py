@@ -335,7 +335,8 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
   ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
   rewards_dev = put_global(rewards_QG, NamedSharding(ctx.sampling_layout.mesh, PartitionSpec()))
   adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv)
-  s_QG, adv_metrics = jax.device_get((s_QG, adv_metrics))
+  # One read-back for the logs (whole on every process): the scores, for the AUC.
+  s_QG, adv_metrics = jax.tree.map(to_host, (s_QG, adv_metrics))
   t_logp = time.perf_counter() - t2
 
   correct_QG = rewards_QG > 0.5

@@ -50,6 +50,7 @@ from capo_jax.runtime import metrics
 from capo_jax.runtime import preemption
 from capo_jax.runtime import run_record
 from capo_jax.runtime.distributed import is_main_process
+from models.sharding import to_host
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _mean_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 def _sample_records(ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
                     ) -> list[dict[str, Any]]:
   """The first ``n`` completions of this process's groups, for a human to read."""
-  adv_QG = jax.device_get(ro.adv_QG)
+  adv_QG = to_host(ro.adv_QG)
   rows = [q * G + g for q, e in enumerate(ro.examples_Q) if e is not None for g in range(G)][:n]
   texts = tokenizer.decode_completions(ro.completion_tokens_BC[rows], ro.completion_mask_BC[rows])
   recs = []
