@@ -90,10 +90,11 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
 
 def test_config_record_warns_on_changed_fields_and_stops_on_shape_fields(tmp_path, caplog):
   c = common.shrink(common.get_base_config())
-  run_record.record(c, str(tmp_path), resuming=False)
+  raw = lambda c: spec_lib.RunSpec.from_config(c, num_devices=1).raw  # noqa: E731
+  run_record.record(raw(c), str(tmp_path), resuming=False)
   c.optim.lr = 5e-5
   with caplog.at_level(logging.WARNING):
-    rec = run_record.record(c, str(tmp_path), resuming=True)
+    rec = run_record.record(raw(c), str(tmp_path), resuming=True)
   assert "optim.lr: 0.0001 -> 5e-05" in caplog.text
   assert rec["previous"]["config"]["optim"]["lr"] == 1e-4
   assert json.loads((tmp_path / "config.json").read_text())["config"]["optim"]["lr"] == 5e-5
@@ -104,7 +105,7 @@ def test_config_record_warns_on_changed_fields_and_stops_on_shape_fields(tmp_pat
     section, leaf = field.split(".")
     c2[section][leaf] = value
     with pytest.raises(run_record.ConfigChanged, match=field.replace(".", r"\.")):
-      run_record.record(c2, str(tmp_path), resuming=True)
+      run_record.record(raw(c2), str(tmp_path), resuming=True)
   assert run_record.is_shape_field("model.preset_overrides.vocab_size")
   assert not run_record.is_shape_field("train.num_steps")
 
@@ -141,7 +142,8 @@ def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
   # Through the trainer's loader: the ids land in the workdir.
   c = common.get_base_config()
   c.data.data_dir, c.data.train_size, c.data.val_size = str(shared_data), 1000, 240
-  got = setup.training_data(spec_lib.RunSpec.from_config(c, num_devices=1).data, str(tmp_path))
+  got = setup.training_data(spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).data,
+                            str(tmp_path))
   rec = json.loads((tmp_path / setup.SPLIT_FILE).read_text())
   assert rec["val_ids"] == [e.id for e in got.val] == split.ids()["val_ids"]
   assert rec["train_ids"] == split.ids()["train_ids"]
