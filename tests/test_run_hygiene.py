@@ -90,7 +90,7 @@ def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_
 
 def test_config_record_warns_on_changed_fields_and_stops_on_shape_fields(tmp_path, caplog):
   c = common.shrink(common.get_base_config())
-  raw = lambda c: spec_lib.RunSpec.from_config(c, num_devices=1).raw  # noqa: E731
+  raw = lambda c: spec_lib.RunSpec.from_config(c, num_devices=8).raw  # noqa: E731
   run_record.record(raw(c), str(tmp_path), resuming=False)
   c.optim.lr = 5e-5
   with caplog.at_level(logging.WARNING):
