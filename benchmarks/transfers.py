@@ -8,9 +8,10 @@ for 2 and for 4 RL steps in a subprocess; the per-step figure is the difference
 divided by 2, so start-up, compiles, the final evaluation and the checkpoint cancel.
 Host -> device: every transfer JAX's transfer guard logs (``jax_transfer_guard=log``:
 explicit ``device_put`` and the NumPy arguments of jitted calls alike). Device ->
-host: every read of a device array's value (``ArrayImpl._value``: ``np.asarray``,
-``jax.device_get``, ``float``; XLA:CPU does not log those). Scalars (0-d) are
-counted apart: they are the Python numbers jnp ops take.
+host: every array the package reads back (``models.sharding.to_host`` and
+``jax.device_get``, the two ways it reads device arrays; XLA:CPU does not log
+those, and ``np.asarray`` reads a CPU buffer in place), and every scalar read
+with ``float`` / ``int``. Scalars (0-d) are counted apart.
 """
 
 from __future__ import annotations
@@ -29,14 +30,33 @@ import atexit, json, sys
 import numpy as np
 import jax
 from jax._src import array as _array
+import models.sharding
 d2h = []
+def _note(x):
+  if isinstance(x, jax.Array):
+    d2h.append((list(x.shape), int(np.dtype(x.dtype).itemsize)))
+# Every read-back of the package goes through models.sharding.to_host or
+# jax.device_get (on CPU np.asarray reads a device buffer in place, unseen).
+_to_host = models.sharding.to_host
+def to_host(x):
+  _note(x)
+  return _to_host(x)
+models.sharding.to_host = to_host
+_device_get = jax.device_get
+def device_get(tree):
+  for x in jax.tree.leaves(tree):
+    _note(x)
+  return _device_get(tree)
+jax.device_get = device_get
+# Scalars read with float() / int() / bool().
 _value = _array.ArrayImpl._value
 def _counted(self):
-  if self._npy_value is None:
-    d2h.append((list(self.shape), int(np.dtype(self.dtype).itemsize) if self.dtype != jax.dtypes.float0 else 0))
+  if self._npy_value is None and not self.shape:
+    d2h.append(([], 0))
   return _value.fget(self)
 _array.ArrayImpl._value = property(_counted)
-atexit.register(lambda: json.dump(d2h, open(sys.argv[1], "w")))
+out_path = sys.argv[1]
+atexit.register(lambda: json.dump(d2h, open(out_path, "w")))
 jax.config.update("jax_transfer_guard", "log")
 sys.argv = ["capo_jax.main"] + sys.argv[2:]
 import runpy

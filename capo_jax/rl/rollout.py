@@ -229,12 +229,13 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
         params_sampling, ctx.model_cfg, tokens_QP[start:start + per_call],
         mask_QP[start:start + per_call], jax.random.fold_in(rng, i), ctx.sampling,
         layout=ctx.sampling_layout)
-    # The host needs the tokens (to decode), the mask, lengths and truncation; the
-    # sampler's log-probs stay on the devices.
-    host.append([to_host(x) for x in (samples.tokens_BC, samples.mask_BC, samples.lengths_B,
+    # The host needs the tokens (to decode), lengths and truncation; the sampler's
+    # log-probs and mask stay on the devices (the mask is 1 up to each row's length).
+    host.append([to_host(x) for x in (samples.tokens_BC, samples.lengths_B,
                                       samples.truncated_B)])
     dev.append((samples.logprobs_BC, samples.mask_BC))
-  comp_BC, cmask_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*host))
+  comp_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*host))
+  cmask_BC = (np.arange(comp_BC.shape[1])[None] < lengths_B[:, None]).astype(np.int32)
   logp_dev, cmask_dev = (x[0] if len(x) == 1 else jnp.concatenate(x) for x in zip(*dev))
 
   # Grade this process's own rows only; share the rewards.
