@@ -220,3 +220,20 @@ def test_comparison_table_layout():
   assert lines[3] == "| aime25 | 10.0 | - | - | - |"
   assert lines[4] == "| average | 40.0 | 0.800 | 72.0 | 0.850 |"
   assert len(lines) == 5
+
+
+def test_traced_auc_mean_equals_the_numpy_one():
+  """The rollout's on-device AUC-mean (ties, invalid samples, degenerate questions)
+  against the NumPy metric the evaluator reports."""
+  import jax  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(0)
+  s = rng.integers(0, 4, (40, 8)).astype(np.float32) / 4  # many ties
+  correct = rng.random((40, 8)) < 0.5
+  correct[:3] = True  # all-correct questions: no AUC
+  valid = rng.random((40, 8)) < 0.85
+  want, n_want = cal.auc_mean(s, correct, valid)
+  got, n_got = jax.jit(cal.auc_mean_traced)(s, correct, valid)
+  assert int(n_got) == n_want and 0 < n_want < 40
+  assert float(got) == pytest.approx(want, abs=1e-6)
+  nan, zero = cal.auc_mean_traced(s, np.ones_like(correct), valid)
+  assert np.isnan(float(nan)) and int(zero) == 0

@@ -227,6 +227,24 @@ def auc_mean(s_QG: Any, correct_QG: Any,
   return (float(auc_Q[used].mean()) if n else float("nan")), n
 
 
+def auc_mean_traced(s_QG: Any, correct_QG: Any, valid_QG: Any) -> tuple[Any, Any]:
+  """``auc_mean`` as jax.numpy (traceable: the trainer's rollout logs it without
+  reading the scores back): (mean AUC over the questions that have one, or NaN;
+  their number). Invalid samples take part in no pair."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  pos, neg = correct_QG & valid_QG, ~correct_QG & valid_QG
+  pair_QGG = pos[:, :, None] & neg[:, None, :]
+  diff_QGG = s_QG[:, :, None] - s_QG[:, None, :]
+  win_QGG = (diff_QGG > 0) + 0.5 * (diff_QGG == 0)
+  num_Q = jnp.sum(jnp.where(pair_QGG, win_QGG, 0.0), axis=(1, 2))
+  den_Q = pos.sum(1) * neg.sum(1)
+  used_Q = den_Q > 0
+  n = used_Q.sum()
+  auc_Q = num_Q / jnp.maximum(den_Q, 1)
+  mean = jnp.where(n > 0, jnp.sum(jnp.where(used_Q, auc_Q, 0.0)) / jnp.maximum(n, 1), jnp.nan)
+  return mean, n
+
+
 def bucket_label(lo: float, hi: float) -> str:
   """Printable name of a difficulty bucket, e.g. ``(0.25, 0.5]``."""
   return f"({lo:g}, {hi:g})" if hi >= 1.0 else f"({lo:g}, {hi:g}]"

@@ -7,12 +7,12 @@ question), ``collect`` orchestrates:
   (jit, trainer forward) -> ``score_rollout`` (one jitted program: noise mask,
   advantages, their metrics) -> ``Rollout.minibatches``: the PPO updates' batches.
 
-What crosses between host and device: the completion tokens, their mask,
-lengths and truncation flags come to the host (to decode, grade and plan the
-rows); the rewards, the model rows the host lays out (``capo_jax.rl.packing``)
-and their index arrays go to the devices; the scores s (for the logged AUC) and
-the scalar metrics come back once per step. The log-probs, masks, advantages and
-every mini-batch's per-sequence arrays stay on the devices.
+What crosses between host and device: the completion tokens, their lengths
+and truncation flags come to the host (to decode, grade and plan the rows);
+the rewards, the model rows the host lays out (``capo_jax.rl.packing``) and
+their index arrays go to the devices; the logged metrics come back as scalars.
+The log-probs, masks, scores, advantages and every mini-batch's per-sequence
+arrays stay on the devices.
 
 Multi-host: each process reads and grades only its own questions; prompt
 tokens and rewards are all-gathered (small arrays), so every process holds the
@@ -131,7 +131,7 @@ class Rollout:
   completion_tokens_BC: np.ndarray
   completion_mask_BC: np.ndarray
   rewards_QG: np.ndarray
-  s_QG: np.ndarray
+  s_QG: Array  # device
   seqs: Sequences  # device arrays, B rows
   adv_QG: Array  # device
   metrics: dict[str, float]
@@ -273,6 +273,15 @@ def _scores(logp_BC: Array, mask_BC: Array) -> Array:
   return mean_logprob(logp_BC, mask_BC)
 
 
+@jax.jit
+def _score_metrics(s_QG: Array, correct_QG: Array) -> dict[str, Array]:
+  """The logged statistics of the scores, on the devices: AUC-mean (over the finite
+  scores: a diverged policy must not crash the logging) and the mean."""
+  finite_QG = jnp.isfinite(s_QG)
+  auc, n = calibration.auc_mean_traced(jnp.where(finite_QG, s_QG, 0.0), correct_QG, finite_QG)
+  return {"auc_mean": auc, "auc_questions": n, "s_mean": s_QG.mean()}
+
+
 def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs, *,
             step: int, rng: jax.Array,
             draw_more: Callable[[], Sequence[Example]] | None = None) -> Rollout:
@@ -334,31 +343,29 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
 
   s_QG = _scores(old_logp_BC, cmask_dev).reshape(Q, G)
   ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
-  rewards_dev = put_global(rewards_QG, NamedSharding(ctx.sampling_layout.mesh, PartitionSpec()))
+  replicated = NamedSharding(ctx.sampling_layout.mesh, PartitionSpec())
+  correct_QG = rewards_QG > 0.5
+  rewards_dev, correct_dev = put_global((rewards_QG, correct_QG), replicated)
   adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv)
-  # One read-back for the logs (whole on every process): the scores, for the AUC.
-  s_QG, adv_metrics = jax.tree.map(to_host, (s_QG, adv_metrics))
+  # The logs read scalars only: the scores and advantages stay on the devices.
+  adv_metrics = jax.tree.map(to_host, {**adv_metrics, **_score_metrics(s_QG, correct_dev)})
   t_logp = time.perf_counter() - t2
 
-  correct_QG = rewards_QG > 0.5
   seqs = Sequences(
       completion_mask_BC=cmask_dev, old_logp_BC=old_logp_BC, adv_B=adv_QG.reshape(-1),
       ref_logp_BC=ref_logp_BC,
       correct_B=put_global(correct_QG.reshape(-1), ctx.logprobs.index_sharding)
       if spec.simko_k else None,
       old_topk_ids_BCJ=old.get("topk_ids_BCJ"), old_topk_logp_BCJ=old.get("topk_logp_BCJ"))
-  finite_QG = np.isfinite(s_QG)  # a diverged policy must not crash the logging
-  auc, n_auc = calibration.auc_mean(np.where(finite_QG, s_QG, 0.0), correct_QG,
-                                    valid_QG=finite_QG)
   n_gen = int(sum(int(p.lengths_B.sum()) for p in parts))
   metrics = {
       "accuracy": float(correct_QG.mean()),
-      "auc_mean": auc, "auc_questions": n_auc,
+      "auc_mean": float(adv_metrics.pop("auc_mean")),
+      "auc_questions": int(adv_metrics.pop("auc_questions")),
       "frac_all_correct": float(correct_QG.all(1).mean()),
       "frac_all_wrong": float((~correct_QG).all(1).mean()),
       "response_len": float(lengths_B.mean()),
       "truncation_rate": float(sel.truncated_B.mean()),
-      "s_mean": float(s_QG.mean()),
       **{k: float(v) for k, v in adv_metrics.items()},
       "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
       "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),

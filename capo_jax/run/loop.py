@@ -69,7 +69,7 @@ def _mean_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
 def _sample_records(ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
                     ) -> list[dict[str, Any]]:
   """The first ``n`` completions of this process's groups, for a human to read."""
-  adv_QG = to_host(ro.adv_QG)
+  adv_QG, s_QG = to_host(ro.adv_QG), to_host(ro.s_QG)  # a few rows, on logging steps
   rows = [q * G + g for q, e in enumerate(ro.examples_Q) if e is not None for g in range(G)][:n]
   texts = tokenizer.decode_completions(ro.completion_tokens_BC[rows], ro.completion_mask_BC[rows])
   recs = []
@@ -77,7 +77,7 @@ def _sample_records(ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
     q, g = divmod(i, G)
     e = ro.examples_Q[q]
     recs.append({"question": e.problem, "gold": e.answer, "completion": text,
-                 "reward": float(ro.rewards_QG[q, g]), "s": float(ro.s_QG[q, g]),
+                 "reward": float(ro.rewards_QG[q, g]), "s": float(s_QG[q, g]),
                  "advantage": float(adv_QG[q, g])})
   return recs
 
