@@ -179,8 +179,11 @@ class Shapes:
     row_len, Y = spec.packing_shape()
     B, R = r.num_prompts * r.num_samples, spec.rows_per_update
     L = spec.logprob_rows_per_call
-    # Every sequence max_prompt_len + max_new_tokens long: one per row, each row
-    # ``max_new_tokens`` targets (packing's own bucketing and power-of-two counts).
+    # Upper bounds, each over the step's possible lengths (packing's own bucketing and
+    # power-of-two counts): the most rows when every sequence is as long as allowed
+    # (``per_row`` a row), the most targets when rows are full of completion tokens
+    # (each sequence keeps one prompt token), the most slots when a micro-batch holds
+    # every sequence of the update.
     per_row = -(-row_len // (r.max_prompt_len + r.max_new_tokens))
     rows_needed = lambda n: -(-n // per_row)  # noqa: E731
     return cls(prompts_per_call=per_call, num_calls=r.num_prompts // per_call,
@@ -190,10 +193,10 @@ class Shapes:
                max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                rows=B, rows_per_update=R, row_len=row_len, rows_per_call=L,
                logprob_calls=-(-rows_needed(B) // L),
-               targets_per_call=packing.bucket(min(L * per_row, B) * r.max_new_tokens),
+               targets_per_call=packing.bucket(L * (row_len - 1)),
                microbatches=packing.pow2(-(-rows_needed(R) // Y)), rows_per_microbatch=Y,
-               targets_per_microbatch=packing.bucket(min(Y * per_row, R) * r.max_new_tokens),
-               slots_per_microbatch=Y * packing.pow2(-(-min(Y * per_row, R) // Y)))
+               targets_per_microbatch=packing.bucket(Y * (row_len - 1)),
+               slots_per_microbatch=Y * packing.pow2(-(-R // Y)))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -243,8 +246,7 @@ def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerab
 def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = None
                      ) -> list[Lowerable]:
   """The log-prob passes and the train step the trainer runs (``programs.build``), at the
-  largest shapes a step can give them: every sequence as long as allowed, so each
-  fills a row of its own when ``train.pack_len`` is the longest sequence."""
+  largest shapes a step can give them (``Shapes.from_spec``)."""
   rules = mesh_lib.TRAIN_RULES
   progs = progs or programs_lib.build(spec, spec.model_config(), mesh)
   sh = Shapes.from_spec(spec)
