@@ -118,7 +118,7 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   monkeypatch.setattr(warm_start, "train_sft", no_training)
   before = _cache_files(workdir)
   capsys.readouterr()
-  runs_again = demo_run.run(demo.get_config("shrink"), str(workdir))
+  runs_again = demo_run.run(demo_run.spec_of(demo.get_config("shrink")), str(workdir))
   out2 = capsys.readouterr().out
   assert "warm start: loaded from cache" in out2, out2
   assert _cache_files(workdir) == before
