@@ -298,6 +298,7 @@ _SHARDED = textwrap.dedent("""
     import jax, numpy as np
     from capo_jax.runtime import mesh as capo_mesh
     from capo_jax.sampling import sampler as sampling
+    from capo_jax.sampling import strategies
     from models import qwen2
     from models.config import Qwen2Config
     from models.sharding import Layout
