@@ -27,7 +27,7 @@ RL batches (``capo_jax.rl``, ``capo_jax.data``):
   J  top-k candidate tokens (SimKO's top-K log-probs, ``topk_logp_BCJ``)
   Y  model rows of a train or log-prob batch (``capo_jax.rl.batch``: whole
      sequences laid end to end, packed or one per row, T long)
-  Z  targets: the positions of the model rows that predict a completion token
+  Z  target slots of a model row: the row's positions that predict a completion token
 Sampling (``capo_jax.sampling``):
   W  cache slots of the rollout engine (the rows decoded at once)
   X  blocks of a blocked axis, which keeps its own letter at the block's

@@ -19,6 +19,10 @@ The param tree is ``{"embed", "layers": {"attn_norm", "q_kernel", ...},
 ``v_bias``, a Qwen3 layer ``q_norm`` / ``k_norm`` instead. Each param carries
 logical axis names (``nn.with_logical_partitioning``; the scan adds
 ``"layers"``), from which ``models.sharding`` derives shardings under a rule list.
+Activations name theirs too (``models.sharding.constrain``; ``ACT_*`` below) at the
+layer boundary and inside attention, the MLP and the unembedding: under a program's
+layout (``models.sharding.activations``) the rows stay split over the batch mesh
+axes, and fsdp-sharded weights are gathered layer by layer inside the scan.
 """
 
 from __future__ import annotations
@@ -38,6 +42,14 @@ from models.config import Qwen2Config
 from models.kv_cache import KVCache
 
 Params = dict[str, Any]
+
+# Logical axes of the activations (the rule lists of capo_jax.runtime.mesh map them).
+ACT_BTD = ("batch", "length", "act_embed")
+ACT_BTNH = ("batch", "length", "act_heads", None)
+ACT_BTKH = ("batch", "length", "act_kv_heads", None)
+ACT_BTF = ("batch", "length", "act_mlp")
+ACT_BTV = ("batch", "length", "act_vocab")
+_c = sharding.constrain
 
 _normal = nn.initializers.normal(stddev=0.02)
 
@@ -117,9 +129,12 @@ class DecoderLayer(nn.Module):
     """q [B, T, N, H] and k, v [B, T, K, H] of this call's tokens, RoPE applied."""
     c, dt = self.cfg, self.cfg.dtype
     h = rms_norm(x_BTD, self.attn_norm, c.rms_norm_eps)
-    q = self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt)))
-    k = self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt)))
-    v = self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt)))
+    q = _c(self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt))),
+           ACT_BTNH)
+    k = _c(self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt))),
+           ACT_BTKH)
+    v = _c(self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt))),
+           ACT_BTKH)
     if c.qkv_bias:
       q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt),
                  v + self.v_bias.astype(dt))
@@ -135,18 +150,23 @@ class DecoderLayer(nn.Module):
   def attention_output(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     """The residual stream after the output projection and the MLP."""
     dt = self.cfg.dtype
+    attn_BTNH = _c(attn_BTNH, ACT_BTNH)
     B, T, N, H = attn_BTNH.shape
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
     # kernel on every call of the sampler's decode loop.
     x_BTD = x_BTD + self._lora("o_kernel", attn_BTNH, jax.lax.dot_general(
         attn_BTNH.reshape(B, T, N * H), self.o_kernel.astype(dt).reshape(N * H, -1),
         (((2,), (0,)), ((), ()))), n_in=2)
+    x_BTD = _c(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
-    gate = self._lora("gate_kernel", h, jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt)))
-    up = self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt)))
+    gate = _c(self._lora("gate_kernel", h,
+                         jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt))), ACT_BTF)
+    up = _c(self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt))),
+            ACT_BTF)
     act = jax.nn.silu(gate) * up
-    return x_BTD + self._lora("down_kernel", act,
-                              jnp.einsum("btf,fd->btd", act, self.down_kernel.astype(dt)))
+    return _c(x_BTD + self._lora("down_kernel", act,
+                                 jnp.einsum("btf,fd->btd", act, self.down_kernel.astype(dt))),
+              ACT_BTD)
 
   def __call__(self, carry: tuple[jax.Array, Any], l: jax.Array, ctx: dict[str, Any]
                ) -> tuple[tuple[jax.Array, Any], None]:
@@ -160,6 +180,7 @@ class DecoderLayer(nn.Module):
     materialising a fresh copy.
     """
     x_BTD, kv = carry
+    x_BTD = _c(x_BTD, ACT_BTD)
     q, k, v = self.attention_inputs(x_BTD, ctx["rope"])
     if kv is not None:
       k_all, v_all = kv
@@ -209,13 +230,13 @@ class Qwen2(nn.Module):
     Without a cache, ``segment_ids_BT`` (instead of ``mask_BTS``) makes attention
     causal within segments, by ``cfg.attention`` (``models.attention``)."""
     c = self.cfg
-    x_BTD = self.embed.astype(c.dtype)[tokens_BT]
+    x_BTD = _c(self.embed.astype(c.dtype)[tokens_BT], ACT_BTD)
     # RoPE tables once for all layers: left to each layer, XLA fused the cos /
     # sin into the rotation and evaluated them once per head and element.
     ctx = {"rope": rope_tables(positions_BT, c.head_dim, c.rope_theta), "mask_BTS": mask_BTS,
            "index": index, "segment_ids_BT": segment_ids_BT}
     (x_BTD, kv), _ = self.layers((x_BTD, kv), jnp.arange(c.num_layers), ctx)
-    return rms_norm(x_BTD, self.final_norm, c.rms_norm_eps), kv
+    return _c(rms_norm(x_BTD, self.final_norm, c.rms_norm_eps), ACT_BTD), kv
 
   def unembed_matrix(self) -> jax.Array:
     """The [D, V] output projection (the embedding, transposed, when tied)."""
@@ -224,8 +245,8 @@ class Qwen2(nn.Module):
   def logits(self, h_BTD: jax.Array) -> jax.Array:
     """Float32 logits; the matmul accumulates in float32 on the bfloat16 path."""
     dt = self.cfg.dtype
-    return jnp.einsum("btd,dv->btv", h_BTD.astype(dt), self.unembed_matrix().astype(dt),
-                      preferred_element_type=jnp.float32)
+    return _c(jnp.einsum("btd,dv->btv", h_BTD.astype(dt), self.unembed_matrix().astype(dt),
+                         preferred_element_type=jnp.float32), ACT_BTV)
 
 
 # --- params: creation, shapes, logical axes, shardings ------------------------

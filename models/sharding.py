@@ -13,14 +13,24 @@ replicates instead of failing in ``device_put``.
 
 ``Layout`` bundles a mesh with its rule list: the one value that says how a
 program is laid out.
+
+Activations: the model names the logical axes of its activations where it makes
+them (``constrain(x, ("batch", "length", "act_embed"))``, as MaxText's layers do)
+and a program says, while it traces, which layout those names resolve under
+(``with activations(layout): ...``). Outside such a block ``constrain`` is the
+identity, so the model runs unchanged on one device and in tests. The constraint
+is what keeps the rows where the batch put them: without it, XLA is free to keep
+the fsdp-sharded weights in place and gather the rows instead.
 """
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import flax.linen as nn
@@ -132,3 +142,29 @@ class Layout:
   def put(self, x: Any, axes: Sequence[str | None]) -> jax.Array:
     """``x`` placed on the mesh along its logical ``axes`` (outside jit)."""
     return jax.device_put(x, self.sharding(axes, x.shape))
+
+
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("activation_layout",
+                                                                       default=None)
+
+
+@contextlib.contextmanager
+def activations(layout: Layout | None) -> Iterator[None]:
+  """Within the block, ``constrain`` resolves activation axis names under ``layout``
+  (None: constraints off). Enter it inside the traced function, so it holds when
+  ``jax.jit`` traces it."""
+  token = _ACTIVE.set(layout)
+  try:
+    yield
+  finally:
+    _ACTIVE.reset(token)
+
+
+def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
+  """``x`` constrained to its logical ``axes`` under the active layout (identity when none)."""
+  layout = _ACTIVE.get()
+  if layout is None:
+    return x
+  if len(axes) != x.ndim:
+    raise ValueError(f"constrain: {len(axes)} axis names {tuple(axes)} for shape {x.shape}")
+  return layout.constrain(x, axes)

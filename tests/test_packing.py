@@ -89,9 +89,10 @@ def _stats(params, b, packed: bool):
   pl = packing.plan(b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC,
                     b.completion_mask_BC, ROW, b.old_topk_ids_BCJ)
   rows, slot_BC = pl.group(0, pl.rows.tokens_YT.shape[0])
-  assert rows.targets_Z.shape[0] >= sum(COMP_LEN) > rows.targets_Z.shape[0] * 0.75
+  n_Y, Z = rows.target_mask_YZ.sum(1), rows.targets_YZ.shape[1]
+  assert n_Y.sum() == sum(COMP_LEN) and Z >= n_Y.max() > Z * 0.75  # bucketed to the fullest row
   out = packed_token_logprobs(params, PACKED_CFG, rows, chunk_size=5)
-  return {k.replace("_ZJ", "_BCJ").replace("_Z", "_BC"):
+  return {k.replace("_YZJ", "_BCJ").replace("_YZ", "_BC"):
           unpack(v, slot_BC, b.completion_mask_BC) for k, v in out.items()}
 
 

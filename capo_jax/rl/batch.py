@@ -6,9 +6,11 @@ each row holds one or more whole sequences (prompt ++ completion) with
   segment_ids_YT  1, 2, ... per sequence within a row, 0 on the row's padding:
                   attention stays within a sequence (``models.attention``);
   positions_YT    RoPE positions restarting at 0 for each sequence;
-  target_pos_Z    the Z flat positions (row * T + column) that predict a
-                  completion token, ``targets_Z`` those tokens (padding slots
-                  masked by ``target_mask_Z``): only they are unembedded.
+  target_col_YZ   each row's Z target slots: the columns of the row that predict
+                  a completion token, ``targets_YZ`` those tokens (padding slots
+                  masked by ``target_mask_YZ``): only they are unembedded.
+                  Targets stay with their row, so whatever shards the rows
+                  shards the hidden states gathered at them and their logits.
 
 Packing (``capo_jax.rl.packing``) decides how many sequences share a row; one
 sequence per row is the unpacked batch. The loss runs on the sequences as they
@@ -16,7 +18,9 @@ were (``Sequences``, [B, C]): ``unpack`` gathers each completion token's
 value from its slot, so every aggregation's denominators are the sequences'
 and tokens', never the rows'.
 
-``TrainBatch`` stacks M micro-batches: rows [M, Y, T], targets [M, Z] and each
+A target slot is addressed flat, ``row * Z + slot`` (``index_BC``).
+
+``TrainBatch`` stacks M micro-batches: rows [M, Y, T], targets [M, Y, Z] and each
 micro-batch's own sequences [M, B, ...] (empty slots all-zero, weighing nothing).
 """
 
@@ -34,18 +38,18 @@ from capo_jax.types import Array
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class ModelRows:
-  """What the model sees: rows [Y, T] and Z compact targets (see module doc).
+  """What the model sees: rows [Y, T] and Z target slots a row (see module doc).
 
-  ``topk_ids_ZJ``: ids whose log-probs to return at each target (SimKO: the old
+  ``topk_ids_YZJ``: ids whose log-probs to return at each target (SimKO: the old
   policy's top-K of the token predicted there), or None.
   """
   tokens_YT: Array
   segment_ids_YT: Array
   positions_YT: Array
-  target_pos_Z: Array
-  targets_Z: Array
-  target_mask_Z: Array
-  topk_ids_ZJ: Array | None = None
+  target_col_YZ: Array
+  targets_YZ: Array
+  target_mask_YZ: Array
+  topk_ids_YZJ: Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -73,8 +77,8 @@ class Sequences:
 class TrainBatch:
   """One optimizer update: M micro-batches of model rows and their sequences.
 
-  rows: ``ModelRows`` [M, Y, T] / [M, Z];
-  index_MBC: per micro-batch, each completion token's slot among its Z targets;
+  rows: ``ModelRows`` [M, Y, T] / [M, Y, Z];
+  index_MBC: per micro-batch, each completion token's flat slot among its Y * Z targets;
   seqs: ``Sequences`` [M, B, ...] of each micro-batch's sequences.
   """
   rows: ModelRows
@@ -82,9 +86,9 @@ class TrainBatch:
   seqs: Sequences
 
 
-def unpack(x_Z: Array, index_BC: Array, mask_BC: Array) -> Array:
-  """Per-slot values [Z, ...] -> [B, C, ...], 0 on completion padding (exact: a gather)."""
-  xp = np if isinstance(x_Z, np.ndarray) else jnp
-  out = x_Z[index_BC]
+def unpack(x_YZ: Array, index_BC: Array, mask_BC: Array) -> Array:
+  """Per-slot values [Y, Z, ...] -> [B, C, ...], 0 on completion padding (exact: a gather)."""
+  xp = np if isinstance(x_YZ, np.ndarray) else jnp
+  out = x_YZ.reshape((-1,) + x_YZ.shape[2:])[index_BC]
   m = (mask_BC > 0).reshape(mask_BC.shape + (1,) * (out.ndim - 2))
   return xp.where(m, out, xp.zeros((), out.dtype))

@@ -28,11 +28,13 @@ from capo_jax.types import Array
 @functools.partial(jax.jit, static_argnames="keys")
 def _unpack_calls(outs: Sequence[dict[str, Array]], index_BC: Array, mask_BC: Array, *,
                   keys: tuple[str, ...]) -> dict[str, Array]:
-  """Each key's per-call [Z_i, ...] outputs, laid end to end, gathered to [B, C, ...]."""
+  """Each key's per-call [Y, Z_i, ...] outputs, flattened and laid end to end, gathered
+  to [B, C, ...]."""
   m_BC = mask_BC > 0
   result = {}
   for k in keys:
-    flat = jnp.concatenate([o[k.replace("_BC", "_Z")] for o in outs])
+    per_call = [o[k.replace("_BC", "_YZ")] for o in outs]
+    flat = jnp.concatenate([x.reshape((-1,) + x.shape[2:]) for x in per_call])
     got = flat[index_BC]
     m = m_BC.reshape(m_BC.shape + (1,) * (got.ndim - 2))
     result[k] = jnp.where(m, got, jnp.zeros((), got.dtype))

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from capo_jax.types import Array
-from models import qwen2
+from models import qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 
@@ -57,7 +57,8 @@ def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC:
 def _chunk_stats(h_BCD: Array, w_DV: Array, tokens_BC: Array, ids_BCJ: Array | None,
                  top_k: int, temperature: float) -> dict[str, Array]:
   """Log-prob, entropy and top-k of one chunk; logits live only inside."""
-  logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+  logits = sharding.constrain(
+      jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32), qwen2.ACT_BTV)
   if temperature != 1.0:
     logits = logits / temperature
   lse_BC = jax.nn.logsumexp(logits, axis=-1)
@@ -118,19 +119,21 @@ def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_
   """``token_logprobs`` of model rows (``capo_jax.rl.batch.ModelRows``).
 
   The rows [Y, T] run through the model with their segment ids and
-  positions; only the Z positions ``rows.target_pos_Z`` (flat into Y * T) are
-  unembedded, for the tokens ``rows.targets_Z`` (mask ``rows.target_mask_Z``).
-  ``rows.topk_ids_ZJ``, when not None, plays the part of ``topk_ids_BCJ``.
-  Keys end in ``_Z`` / ``_ZJ``; ``batch.unpack`` puts them back in [B, C].
+  positions; only each row's Z target columns ``rows.target_col_YZ`` are
+  unembedded, for the tokens ``rows.targets_YZ`` (mask ``rows.target_mask_YZ``),
+  row by row: the gather stays within a row, so the hidden states and logits stay
+  sharded as the rows are. ``rows.topk_ids_YZJ``, when not None, plays the part of
+  ``topk_ids_BCJ``. Keys end in ``_YZ`` / ``_YZJ``; ``batch.unpack`` puts them back
+  in [B, C].
   """
   h_YTD = qwen2.hidden_states(params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0,
                               rows.positions_YT, rows.segment_ids_YT)
-  h_1ZD = h_YTD.reshape(-1, h_YTD.shape[-1])[rows.target_pos_Z][None]
-  topk = None if rows.topk_ids_ZJ is None else rows.topk_ids_ZJ[None]
-  out = logprobs_from_hidden(params, cfg, Targets(h_1ZD, rows.targets_Z[None],
-                                                  rows.target_mask_Z[None], topk),
+  h_YZD = jnp.take_along_axis(h_YTD, rows.target_col_YZ[..., None], axis=1)
+  h_YZD = sharding.constrain(h_YZD, qwen2.ACT_BTD)
+  out = logprobs_from_hidden(params, cfg, Targets(h_YZD, rows.targets_YZ, rows.target_mask_YZ,
+                                                  rows.topk_ids_YZJ),
                              chunk_size=chunk_size, top_k=top_k, temperature=temperature)
-  return {k.replace("_BC", "_Z"): v[0] for k, v in out.items()}
+  return {k.replace("_BC", "_YZ"): v for k, v in out.items()}
 
 
 @dataclasses.dataclass(frozen=True)

@@ -65,22 +65,31 @@ class Plan:
   index_BC: np.ndarray
 
   def group(self, r0: int, r1: int, Z: int = 0) -> tuple[ModelRows, np.ndarray]:
-    """Rows [r0, r1) as the model's ``ModelRows`` (Z target slots, 0: bucketed), and
-    each sequence's ``index_BC`` into those slots (meaningful for the group's sequences)."""
+    """Rows [r0, r1) as the model's ``ModelRows`` with Z target slots a row (0: bucketed
+    to the group's fullest row), and each sequence's ``index_BC`` into the group's
+    flat ``row * Z + slot`` targets (meaningful for the group's sequences)."""
     f, T = self.rows, self.rows.tokens_YT.shape[1]
     rows = slice(r0, r1)
-    tm = f.target_mask_YT[rows].reshape(-1)
-    pos_z = np.flatnonzero(tm)
-    Z = Z or bucket(len(pos_z))
-    pad = lambda x: np.pad(x, [(0, Z - len(pos_z))] + [(0, 0)] * (x.ndim - 1))
-    topk = None if f.topk_ids_YTJ is None else pad(
-        f.topk_ids_YTJ[rows].reshape(-1, f.topk_ids_YTJ.shape[-1])[pos_z])
+    tm_YT = f.target_mask_YT[rows] > 0
+    Y = tm_YT.shape[0]
+    Z = Z or bucket(tm_YT.sum(1).max(initial=0))
+    slot_YT = np.cumsum(tm_YT, axis=1) - 1  # row y's k-th target goes to slot k
+    y, t = np.nonzero(tm_YT)
+    z = slot_YT[y, t]
+
+    def slots(values_YT: np.ndarray) -> np.ndarray:
+      out = np.zeros((Y, Z) + values_YT.shape[2:], np.int32)
+      out[y, z] = values_YT[y, t]
+      return out
+
+    cols_YT = np.broadcast_to(np.arange(T, dtype=np.int32), (Y, T))
+    topk = None if f.topk_ids_YTJ is None else slots(f.topk_ids_YTJ[rows])
     packed = ModelRows(f.tokens_YT[rows], f.segment_ids_YT[rows], f.positions_YT[rows],
-                        pad(pos_z).astype(np.int32), pad(f.targets_YT[rows].reshape(-1)[pos_z]),
-                        pad(np.ones(len(pos_z), np.int32)), topk)
-    rank = np.cumsum(tm) - 1  # slot of each flat position of the group
-    local = np.clip(self.index_BC - r0 * T, 0, len(tm) - 1)
-    return packed, rank[local].astype(np.int32)
+                       slots(cols_YT), slots(f.targets_YT[rows]), slots(tm_YT.astype(np.int32)),
+                       topk)
+    local = np.clip(self.index_BC - r0 * T, 0, Y * T - 1)
+    row, col = local // T, local % T
+    return packed, (row * Z + slot_YT[row, col]).astype(np.int32)
 
 
 def _lengths(prompt_mask_BP: np.ndarray, completion_mask_BC: np.ndarray
@@ -176,8 +185,8 @@ def pow2(n: int) -> int:
 class MicroBatches:
   """An update's sequences laid into M micro-batches of Y rows (host arrays).
 
-  rows: ``ModelRows`` [M, Y, T] / [M, Z]; index_MBC: each slot's ``index_BC``
-  into its micro-batch's targets; take_MB: the sequence (row of the update's
+  rows: ``ModelRows`` [M, Y, T] / [M, Y, Z]; index_MBC: each slot's ``index_BC``
+  into its micro-batch's flat Y * Z targets; take_MB: the sequence (row of the update's
   [B, ...] arrays) in each slot, -1 where empty.
   """
   rows: ModelRows
@@ -207,17 +216,18 @@ def regroup(tree: Any, take_MB: Any) -> Any:
 
 
 def scatter_topk(rows: ModelRows, index_MBC: Any, seqs_MB: Sequences) -> ModelRows:
-  """The rows' ``topk_ids_ZJ`` [M, Z, J]: each target's old top-K ids (SimKO), from the
+  """The rows' ``topk_ids_YZJ`` [M, Y, Z, J]: each target's old top-K ids (SimKO), from the
   regrouped sequences' ``old_topk_ids_BCJ`` [M, B, C, J]."""
   ids_MBCJ = seqs_MB.old_topk_ids_BCJ
-  M, Z = rows.targets_Z.shape
+  M, Y, Z = rows.targets_YZ.shape
+  J = ids_MBCJ.shape[-1]
   xp = np if isinstance(ids_MBCJ, np.ndarray) else jnp
   # Padding columns point past the targets, where the scatter drops them.
-  z_MBC = xp.where(seqs_MB.completion_mask_BC > 0, index_MBC, Z)
+  z_MBC = xp.where(seqs_MB.completion_mask_BC > 0, index_MBC, Y * Z)
   m_MBC = xp.broadcast_to(xp.arange(M)[:, None, None], z_MBC.shape)
-  topk = jnp.zeros((M, Z, ids_MBCJ.shape[-1]), jnp.int32).at[m_MBC, z_MBC].set(
+  topk = jnp.zeros((M, Y * Z, J), jnp.int32).at[m_MBC, z_MBC].set(
       ids_MBCJ.astype(jnp.int32), mode="drop")
-  return dataclasses.replace(rows, topk_ids_ZJ=topk)
+  return dataclasses.replace(rows, topk_ids_YZJ=topk.reshape(M, Y, Z, J))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -244,8 +254,9 @@ def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
   num_rows = pl.rows.tokens_YT.shape[0]
   M = pow2(-(-num_rows // Y))
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, M * Y))
-  tm_M = pl.rows.target_mask_YT.reshape(M, -1).sum(-1)
-  groups = [pl.group(m * Y, (m + 1) * Y, bucket(tm_M.max())) for m in range(M)]
+  # One Z for the update (the micro-batches stack), from its fullest row.
+  Z = bucket(pl.rows.target_mask_YT.sum(-1).max(initial=0))
+  groups = [pl.group(m * Y, (m + 1) * Y, Z) for m in range(M)]
   rows = jax.tree.map(lambda *xs: np.stack(xs), *[g[0] for g in groups])
   mb_B = pl.row_B // Y
   members = [np.flatnonzero(mb_B == m) for m in range(M)]
@@ -265,9 +276,10 @@ def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
 class CallPlan:
   """A step's rows split into the calls of a log-prob pass (host arrays).
 
-  calls: each call's ``ModelRows`` [Y, T] / [Z_i]; index_BC: each completion
-  token's slot in the calls' targets laid end to end (call i's slots after
-  those of calls 0..i-1), so the passes' outputs, concatenated, unpack with one gather.
+  calls: each call's ``ModelRows`` [Y, T] / [Y, Z_i]; index_BC: each completion
+  token's flat slot in the calls' targets laid end to end (call i's Y * Z_i slots after
+  those of calls 0..i-1), so the passes' outputs, flattened and concatenated, unpack
+  with one gather.
   """
   calls: list[ModelRows]
   index_BC: np.ndarray
@@ -284,7 +296,7 @@ def plan_calls(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
   n = -(-pl.rows.tokens_YT.shape[0] // Y)
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, n * Y))
   groups = [pl.group(i * Y, (i + 1) * Y) for i in range(n)]
-  offsets = np.cumsum([0] + [g[0].targets_Z.shape[0] for g in groups])
+  offsets = np.cumsum([0] + [g[0].targets_YZ.size for g in groups])
   call_B = pl.row_B // Y
   index_BC = np.stack([groups[i][1][b] + offsets[i] for b, i in enumerate(call_B)])
   index_BC = np.where(np.asarray(completion_mask_BC) > 0, index_BC, 0).astype(np.int32)

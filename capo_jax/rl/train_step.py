@@ -226,11 +226,11 @@ def microbatch_loss(params: Params, rows: ModelRows, index_BC: Array, seqs: Sequ
   """The policy loss of one micro-batch under ``params`` (one forward, no accumulation)."""
   check_simko_inputs(seqs, tcfg)
   if tcfg.loss_kind != "simko":
-    rows = dataclasses.replace(rows, topk_ids_ZJ=None)
+    rows = dataclasses.replace(rows, topk_ids_YZJ=None)
   lp = packed_token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg, rows,
                              chunk_size=tcfg.logprob_chunk_size)
   mask_BC = seqs.completion_mask_BC
-  lp = {k.replace("_Z", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
+  lp = {k.replace("_YZ", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
   return losses.policy_loss(tcfg.loss_kind, policy_batch(lp, seqs, tcfg), tcfg.loss)
 
 
@@ -339,7 +339,12 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
   in_sh = (state_sh, batch_sharding(mesh, rules, rows_per_microbatch))
   if tcfg.lora is not None:
     in_sh += (mesh_lib.param_shardings(model_cfg, mesh, rules),)
-  step = functools.partial(train_step, model_cfg=model_cfg, tcfg=tcfg)
+  layout = sharding.Layout.of(mesh, rules)
+
+  def step(*args: Any) -> tuple[TrainState, dict[str, Array]]:
+    with sharding.activations(layout):  # the rows stay split as the batch arrives
+      return train_step(*args, model_cfg=model_cfg, tcfg=tcfg)
+
   return jax.jit(step, in_shardings=in_sh, out_shardings=(state_sh, mesh_lib.replicated(mesh)),
                  donate_argnums=0)
 
@@ -351,15 +356,18 @@ def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, rows_per_c
   the old / reference log-prob pass over ``rows_per_call`` model rows.
 
   Params (and adapters) are used in the shardings they arrive in (``state.params``
-  under the train rules); rows and outputs are sharded over the rows. With
+  under the train rules); rows, activations and outputs are sharded over the rows. With
   ``lora``, ``fn(base, rows, adapters=state.params)`` is the policy and
   ``fn(base, rows)`` the base alone (the reference): two programs, one base.
   """
   r_sh = mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows")
   tcfg = TrainConfig(lora=lora)
+  layout = sharding.Layout.of(mesh, rules)
 
   def fn(params: Params, rows: ModelRows, adapters: Params | None = None) -> dict[str, Array]:
     weights = params if adapters is None else policy_weights(adapters, model_cfg, tcfg, params)
-    return packed_token_logprobs(weights, model_cfg, rows, chunk_size=chunk_size, top_k=top_k)
+    with sharding.activations(layout):
+      return packed_token_logprobs(weights, model_cfg, rows, chunk_size=chunk_size,
+                                   top_k=top_k)
 
   return jax.jit(fn, out_shardings=r_sh)

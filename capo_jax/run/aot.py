@@ -166,10 +166,9 @@ class Shapes:
   row_len: int  # tokens of a model row of the log-prob passes and the train step
   rows_per_call: int  # model rows per log-prob call
   logprob_calls: int  # calls per pass
-  targets_per_call: int
+  targets_per_row: int  # Z: target slots of a model row
   microbatches: int  # M of one update
   rows_per_microbatch: int
-  targets_per_microbatch: int
   slots_per_microbatch: int  # sequence slots of a micro-batch
 
   @classmethod
@@ -182,7 +181,7 @@ class Shapes:
     # Upper bounds, each over the step's possible lengths (packing's own bucketing and
     # power-of-two counts): the most rows when every sequence is as long as allowed
     # (``per_row`` a row), the most targets when rows are full of completion tokens
-    # (each sequence keeps one prompt token), the most slots when a micro-batch holds
+    # (each sequence keeps one prompt token) in every row, the most slots when a micro-batch holds
     # every sequence of the update.
     per_row = -(-row_len // (r.max_prompt_len + r.max_new_tokens))
     rows_needed = lambda n: -(-n // per_row)  # noqa: E731
@@ -193,9 +192,8 @@ class Shapes:
                max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
                rows=B, rows_per_update=R, row_len=row_len, rows_per_call=L,
                logprob_calls=-(-rows_needed(B) // L),
-               targets_per_call=packing.bucket(L * (row_len - 1)),
+               targets_per_row=packing.bucket(row_len - 1),
                microbatches=packing.pow2(-(-rows_needed(R) // Y)), rows_per_microbatch=Y,
-               targets_per_microbatch=packing.bucket(Y * (row_len - 1)),
                slots_per_microbatch=Y * packing.pow2(-(-R // Y)))
 
 
@@ -251,12 +249,12 @@ def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = Non
   progs = progs or programs_lib.build(spec, spec.model_config(), mesh)
   sh = Shapes.from_spec(spec)
   model_cfg, tcfg = progs.model_cfg, progs.tcfg
-  T, Y, Z, calls = sh.row_len, sh.rows_per_call, sh.targets_per_call, sh.logprob_calls
+  T, Y, Z, calls = sh.row_len, sh.rows_per_call, sh.targets_per_row, sh.logprob_calls
   rows = lambda shape, dtype=jnp.int32: _rows(mesh, rules, shape, dtype)  # noqa: E731
   J = spec.simko_k
   call_rows = ModelRows(tokens_YT=rows((Y, T)), segment_ids_YT=rows((Y, T)),
-                        positions_YT=rows((Y, T)), target_pos_Z=rows((Z,)), targets_Z=rows((Z,)),
-                        target_mask_Z=rows((Z,)))
+                        positions_YT=rows((Y, T)), target_col_YZ=rows((Y, Z)),
+                        targets_YZ=rows((Y, Z)), target_mask_YZ=rows((Y, Z)))
   lora_cfg = tcfg.lora
   trained_params = _abstract_params(model_cfg, mesh, rules, model_cfg.weight_dtype)
   adapters = None if lora_cfg is None else _abstract_tree(
@@ -274,14 +272,15 @@ def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = Non
   state = _abstract_tree(jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
                                         ts.trainable_shapes(model_cfg, tcfg)),
                          progs.state_shardings)
-  M, Ym, Zm, Bm, C = sh.microbatches, sh.rows_per_microbatch, sh.targets_per_microbatch, \
-      sh.slots_per_microbatch, sh.max_new_tokens
+  M, Ym, Bm, C = sh.microbatches, sh.rows_per_microbatch, sh.slots_per_microbatch, \
+      sh.max_new_tokens
   mb = lambda *shape, dtype=jnp.int32: _sds(shape, dtype, progs.batch_layout.sharding)  # noqa: E731
   f32 = lambda *shape: mb(*shape, dtype=jnp.float32)  # noqa: E731
   batch = TrainBatch(
       rows=ModelRows(tokens_YT=mb(M, Ym, T), segment_ids_YT=mb(M, Ym, T),
-                     positions_YT=mb(M, Ym, T), target_pos_Z=mb(M, Zm), targets_Z=mb(M, Zm),
-                     target_mask_Z=mb(M, Zm), topk_ids_ZJ=mb(M, Zm, J) if J else None),
+                     positions_YT=mb(M, Ym, T), target_col_YZ=mb(M, Ym, Z),
+                     targets_YZ=mb(M, Ym, Z), target_mask_YZ=mb(M, Ym, Z),
+                     topk_ids_YZJ=mb(M, Ym, Z, J) if J else None),
       index_MBC=mb(M, Bm, C),
       seqs=Sequences(completion_mask_BC=mb(M, Bm, C), old_logp_BC=f32(M, Bm, C), adv_B=f32(M, Bm),
                      ref_logp_BC=f32(M, Bm, C) if spec.needs_reference else None,

@@ -9,7 +9,9 @@ The mesh has up to three named axes (``MESH_AXES``):
 Sharding is data: params carry logical axis names (Flax's
 ``nn.with_logical_partitioning``, listed by ``models.qwen2.param_axes``),
 activations and batches use ``"batch"``, and a rule list maps logical names
-to mesh axes (``models.sharding``, on Flax's ``nn.logical_to_mesh_axes``). ``TRAIN_RULES`` shard params
+to mesh axes (``models.sharding``, on Flax's ``nn.logical_to_mesh_axes``).
+Activations carry names of their own (``models.qwen2.ACT_*``), resolved under the
+program's layout (``models.sharding.activations``). ``TRAIN_RULES`` shard params
 over fsdp and tensor; ``SAMPLING_RULES`` keep params whole on every data /
 fsdp replica (no all-gather per decode step) and split them over tensor only.
 A mesh axis that does not divide a dimension is dropped with a log line
@@ -56,6 +58,14 @@ TRAIN_RULES: Rules = (
     ("head_dim", None),
     ("layers", None),
     ("norm", None),
+    # Activations (models.qwen2.ACT_*): rows over data x fsdp ("batch" above), the
+    # model dim whole, heads / MLP columns / vocab over tensor.
+    ("length", None),
+    ("act_embed", None),
+    ("act_heads", "tensor"),
+    ("act_kv_heads", "tensor"),
+    ("act_mlp", "tensor"),
+    ("act_vocab", "tensor"),
 )
 
 # The train rules with "embed" whole: no fsdp all-gather of the weights per decode step.
