@@ -18,8 +18,10 @@ own, so every query sees at least itself and no row is ever fully masked
              blocks above the diagonal and those of other segments.
   splash     the Pallas TPU splash-attention kernel with ``SegmentIds``
              (``interpret=True`` off TPU, for tests).
-  auto       splash on TPU; elsewhere flash when the row is longer than one block,
-             else reference (a single block: the same memory, less overhead).
+  auto       splash on TPU (the platform of the program's layout, so a TPU program
+             compiled ahead of time from a CPU host gets it too); elsewhere flash
+             when the row is longer than one block, else reference (a single
+             block: the same memory, less overhead).
 
 Shape letters as in ``capo_jax/types.py`` (B, T, S, N, K, R, H), plus X (blocks) for
 the blocked implementation: a query block keeps the letter T and a key block S
@@ -33,6 +35,9 @@ import functools
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import PartitionSpec
+
+from models import sharding
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "flash", "splash")
 DEFAULT_BLOCK = 128  # flash: small blocks skip more of a packed row's masked pairs
@@ -240,10 +245,31 @@ def splash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_
   Its blocks must be multiples of 128 columns: width is ``block`` or T rounded up
   to 128, whichever is smaller, and T is padded to a multiple of width (segment -1).
   The kernel does not scale the scores, so q is scaled first.
+
+  Under an activation layout (``models.sharding.activations``) the kernel runs in
+  a ``shard_map`` over the rows and heads as the layout splits them: XLA cannot
+  partition a Pallas call, and left to itself gathers every row onto every chip.
   """
-  from jax.experimental.pallas.ops.tpu import splash_attention as sa
   if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+    interpret = sharding.platform() != "tpu"
+  local = functools.partial(_splash_local, block=block, interpret=interpret)
+  layout = sharding.active_layout()
+  if layout is None:
+    return local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+  q_spec = layout.spec(sharding.ACT_BTNH, q_BTNH.shape, "splash q")
+  kv_spec = layout.spec(sharding.ACT_BTKH, k_BSKH.shape, "splash k/v")
+  if q_spec[2] != kv_spec[2]:  # each shard must hold whole GQA groups: heads whole
+    q_spec = PartitionSpec(*q_spec[:2], None, None)
+    kv_spec = PartitionSpec(*kv_spec[:2], None, None)
+  seg_spec = PartitionSpec(*q_spec[:2])
+  return jax.shard_map(local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+                       out_specs=q_spec, check_vma=False)(q_BTNH, k_BSKH, v_BSKH,
+                                                          segment_ids_BT)
+
+
+def _splash_local(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
+                  segment_ids_BT: jax.Array, block: int, interpret: bool) -> jax.Array:
+  from jax.experimental.pallas.ops.tpu import splash_attention as sa
   B, T, N, H = q_BTNH.shape
   width = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
   T_pad = -(-T // width) * width
@@ -267,7 +293,7 @@ def resolve(implementation: str, T: int, block: int = DEFAULT_BLOCK) -> str:
                      f"{IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
-  if jax.default_backend() == "tpu":
+  if sharding.platform() == "tpu":
     return "splash"
   return "flash" if T > block else "reference"
 

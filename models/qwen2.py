@@ -43,13 +43,26 @@ from models.kv_cache import KVCache
 
 Params = dict[str, Any]
 
-# Logical axes of the activations (the rule lists of capo_jax.runtime.mesh map them).
-ACT_BTD = ("batch", "length", "act_embed")
-ACT_BTNH = ("batch", "length", "act_heads", None)
-ACT_BTKH = ("batch", "length", "act_kv_heads", None)
-ACT_BTF = ("batch", "length", "act_mlp")
-ACT_BTV = ("batch", "length", "act_vocab")
+ACT_BTD, ACT_BTNH, ACT_BTKH, ACT_BTF, ACT_BTV = (sharding.ACT_BTD, sharding.ACT_BTNH,
+                                                 sharding.ACT_BTKH, sharding.ACT_BTF,
+                                                 sharding.ACT_BTV)
 _c = sharding.constrain
+
+# Logical axes of a layer's kernels.
+_AXES = {"q_kernel": ("embed", "q_heads", "head_dim"),
+         "k_kernel": ("embed", "kv_heads", "head_dim"),
+         "v_kernel": ("embed", "kv_heads", "head_dim"),
+         "o_kernel": ("q_heads", "head_dim", "embed"),
+         "gate_kernel": ("embed", "mlp"), "up_kernel": ("embed", "mlp"),
+         "down_kernel": ("mlp", "embed")}
+
+
+def _gathered(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
+  """A weight constrained whole along ``embed`` (its fsdp storage axis), split as its
+  other axes say: the all-gather happens here, once per use, not inside the matmul
+  (left to itself, XLA's SPMD partitioner chose a windowed collective matmul that
+  re-reads and re-writes the [rows, T, F] accumulator at every step of the ring)."""
+  return _c(w, tuple(None if a == "embed" else a for a in axes))
 
 _normal = nn.initializers.normal(stddev=0.02)
 
@@ -109,31 +122,31 @@ class DecoderLayer(nn.Module):
     self.attn_norm = p("attn_norm", ones, (D,), ("norm",))
     # Creation order fixes each param's init rng (Flax counts draws): Qwen2's is unchanged.
     bias = c.qkv_bias  # Qwen2; Qwen3 has none
-    self.q_kernel = p("q_kernel", _normal, (D, N, H), ("embed", "q_heads", "head_dim"))
+    self.q_kernel = p("q_kernel", _normal, (D, N, H), _AXES["q_kernel"])
     self.q_bias = p("q_bias", zeros, (N, H), ("q_heads", "head_dim")) if bias else None
-    self.k_kernel = p("k_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
+    self.k_kernel = p("k_kernel", _normal, (D, K, H), _AXES["k_kernel"])
     self.k_bias = p("k_bias", zeros, (K, H), ("kv_heads", "head_dim")) if bias else None
-    self.v_kernel = p("v_kernel", _normal, (D, K, H), ("embed", "kv_heads", "head_dim"))
+    self.v_kernel = p("v_kernel", _normal, (D, K, H), _AXES["v_kernel"])
     self.v_bias = p("v_bias", zeros, (K, H), ("kv_heads", "head_dim")) if bias else None
     if c.qk_norm:  # Qwen3: one [H] scale shared by every head
       self.q_norm = p("q_norm", ones, (H,), ("norm",))
       self.k_norm = p("k_norm", ones, (H,), ("norm",))
-    self.o_kernel = p("o_kernel", _normal, (N, H, D), ("q_heads", "head_dim", "embed"))
+    self.o_kernel = p("o_kernel", _normal, (N, H, D), _AXES["o_kernel"])
     self.mlp_norm = p("mlp_norm", ones, (D,), ("norm",))
-    self.gate_kernel = p("gate_kernel", _normal, (D, F), ("embed", "mlp"))
-    self.up_kernel = p("up_kernel", _normal, (D, F), ("embed", "mlp"))
-    self.down_kernel = p("down_kernel", _normal, (F, D), ("mlp", "embed"))
+    self.gate_kernel = p("gate_kernel", _normal, (D, F), _AXES["gate_kernel"])
+    self.up_kernel = p("up_kernel", _normal, (D, F), _AXES["up_kernel"])
+    self.down_kernel = p("down_kernel", _normal, (F, D), _AXES["down_kernel"])
 
   def attention_inputs(self, x_BTD: jax.Array, rope_BT: tuple[jax.Array, jax.Array]
                        ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, N, H] and k, v [B, T, K, H] of this call's tokens, RoPE applied."""
     c, dt = self.cfg, self.cfg.dtype
     h = rms_norm(x_BTD, self.attn_norm, c.rms_norm_eps)
-    q = _c(self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self.q_kernel.astype(dt))),
+    q = _c(self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self._w("q_kernel"))),
            ACT_BTNH)
-    k = _c(self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.k_kernel.astype(dt))),
+    k = _c(self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("k_kernel"))),
            ACT_BTKH)
-    v = _c(self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self.v_kernel.astype(dt))),
+    v = _c(self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("v_kernel"))),
            ACT_BTKH)
     if c.qkv_bias:
       q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt),
@@ -141,6 +154,12 @@ class DecoderLayer(nn.Module):
     if c.qk_norm:  # over the head dim of each head, before RoPE (as transformers' Qwen3)
       q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
     return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
+
+  def _w(self, name: str) -> jax.Array:
+    """Kernel ``name`` in the compute dtype, whole over the axes that shard only its
+    storage (``embed`` over fsdp): under a layout each layer's weights are gathered
+    where they are used, in the compute dtype, and the rows stay split."""
+    return _gathered(getattr(self, name).astype(self.cfg.dtype), _AXES[name])
 
   def _lora(self, kernel: str, x: jax.Array, y: jax.Array, n_in: int = 1) -> jax.Array:
     """``y = x @ kernel`` plus the LoRA delta when the params carry adapters (models.lora)."""
@@ -155,17 +174,17 @@ class DecoderLayer(nn.Module):
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
     # kernel on every call of the sampler's decode loop.
     x_BTD = x_BTD + self._lora("o_kernel", attn_BTNH, jax.lax.dot_general(
-        attn_BTNH.reshape(B, T, N * H), self.o_kernel.astype(dt).reshape(N * H, -1),
+        attn_BTNH.reshape(B, T, N * H), self._w("o_kernel").reshape(N * H, -1),
         (((2,), (0,)), ((), ()))), n_in=2)
     x_BTD = _c(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
     gate = _c(self._lora("gate_kernel", h,
-                         jnp.einsum("btd,df->btf", h, self.gate_kernel.astype(dt))), ACT_BTF)
-    up = _c(self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self.up_kernel.astype(dt))),
+                         jnp.einsum("btd,df->btf", h, self._w("gate_kernel"))), ACT_BTF)
+    up = _c(self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self._w("up_kernel"))),
             ACT_BTF)
     act = jax.nn.silu(gate) * up
     return _c(x_BTD + self._lora("down_kernel", act,
-                                 jnp.einsum("btf,fd->btd", act, self.down_kernel.astype(dt))),
+                                 jnp.einsum("btf,fd->btd", act, self._w("down_kernel"))),
               ACT_BTD)
 
   def __call__(self, carry: tuple[jax.Array, Any], l: jax.Array, ctx: dict[str, Any]
@@ -245,7 +264,8 @@ class Qwen2(nn.Module):
   def logits(self, h_BTD: jax.Array) -> jax.Array:
     """Float32 logits; the matmul accumulates in float32 on the bfloat16 path."""
     dt = self.cfg.dtype
-    return _c(jnp.einsum("btd,dv->btv", h_BTD.astype(dt), self.unembed_matrix().astype(dt),
+    w_DV = _gathered(self.unembed_matrix().astype(dt), ("embed", "vocab"))
+    return _c(jnp.einsum("btd,dv->btv", h_BTD.astype(dt), w_DV,
                          preferred_element_type=jnp.float32), ACT_BTV)
 
 

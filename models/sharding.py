@@ -144,6 +144,14 @@ class Layout:
     return jax.device_put(x, self.sharding(axes, x.shape))
 
 
+# Logical axes of the models' activations (the rule lists of capo_jax.runtime.mesh map them).
+ACT_BT = ("batch", "length")
+ACT_BTD = ("batch", "length", "act_embed")
+ACT_BTNH = ("batch", "length", "act_heads", None)
+ACT_BTKH = ("batch", "length", "act_kv_heads", None)
+ACT_BTF = ("batch", "length", "act_mlp")
+ACT_BTV = ("batch", "length", "act_vocab")
+
 _ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("activation_layout",
                                                                        default=None)
 
@@ -168,3 +176,17 @@ def constrain(x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
   if len(axes) != x.ndim:
     raise ValueError(f"constrain: {len(axes)} axis names {tuple(axes)} for shape {x.shape}")
   return layout.constrain(x, axes)
+
+
+def active_layout() -> Layout | None:
+  """The layout of the ``activations`` block being traced, or None."""
+  return _ACTIVE.get()
+
+
+def platform() -> str:
+  """The platform the traced program is for: the active layout's devices' (a TPU
+  topology compiled ahead of time from a CPU host), else JAX's default backend."""
+  layout = _ACTIVE.get()
+  if layout is None:
+    return jax.default_backend()
+  return layout.mesh.devices.flat[0].platform

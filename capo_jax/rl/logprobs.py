@@ -160,7 +160,8 @@ def logprobs_from_hidden(params: Params, cfg: Qwen2Config, targets: Targets, *,
   h_BCD = h_BCD.astype(cfg.dtype)
   tokens_BC = tokens_BC.astype(jnp.int32)
   stats = functools.partial(_chunk_stats, top_k=top_k, temperature=temperature)
-  cast = lambda w: w.astype(cfg.dtype)  # noqa: E731
+  # Whole over fsdp (gathered once per chunk, in the compute dtype), split over tensor.
+  cast = lambda w: sharding.constrain(w.astype(cfg.dtype), (None, "act_vocab"))  # noqa: E731
 
   if chunk_size == 0 or chunk_size >= C:
     out = stats(h_BCD, cast(w_DV), tokens_BC, topk_ids_BCJ)
