@@ -16,6 +16,8 @@ attention kernel standalone, to show TPU kernels compile here too.
 from __future__ import annotations
 
 import importlib.util
+import math
+import re
 
 import jax
 import pytest
@@ -154,3 +156,36 @@ def test_splash_attention_kernel_compiles_for_tpu():
   assert fwd.as_text().count("tpu_custom_call") == 1
   assert bwd.as_text().count("tpu_custom_call") >= 2  # dq and dkv kernels
   assert fwd.memory_analysis() is not None
+
+
+def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
+  return [(dt, tuple(int(d) for d in dims.split(",") if d))
+          for dt, dims in re.findall(r"\b(bf16|f32|s32|pred)\[([\d,]+)\]", text)]
+
+
+def test_activations_stay_split_by_rows():
+  """Per device, the MLP activations and the logits chunk hold rows / (data x fsdp) rows:
+  no program gathers the rows (as XLA did when only the params were sharded)."""
+  acc = aot.parse_accelerator(ACCELERATOR)
+  aot.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.mesh.fsdp, c.mesh.tensor = -1, 2
+  F, V = 192, 512  # distinctive sizes: nothing else in the program has them
+  c.model.preset_overrides.intermediate_size = F
+  spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+  mesh = aot.topology_mesh(spec, acc)
+  progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("logprobs", "train"))}
+  shapes = aot.Shapes.from_spec(spec)
+  shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  T, Z = shapes.row_len, shapes.targets_per_row
+  for name, rows in (("logprobs", shapes.rows_per_call), ("train", shapes.rows_per_microbatch)):
+    arrays = _arrays(progs[name].compiled.as_text())
+    # [..., rows, T, F]: the rows before T (a leading axis may stack layers or micro-batches).
+    mlp = [s for _, s in arrays if s[-1] in (F, F // 2) and len(s) >= 3 and s[-2] == T]
+    assert (rows // shards, T, F // 2) in {s[-3:] for s in mlp}, (name, sorted(set(mlp)))
+    assert max(s[-3] for s in mlp) == rows // shards, (name, sorted(set(mlp)))
+    flat = [s for _, s in arrays if s[-1] in (F, F // 2) and len(s) == 2]  # [rows * T, F]
+    assert max((s[0] for s in flat), default=0) <= rows // shards * T, (name, flat)
+    logits = [s for dt, s in arrays if dt == "f32" and s[-1] in (V, V // 2)]
+    assert any(s[-1] == V // 2 for s in logits), (name, logits)  # the vocab split over tensor
+    assert max(math.prod(s) // s[-1] for s in logits) <= rows // shards * Z, (name, logits)
