@@ -81,7 +81,8 @@ class AdvantageSpec:
 
 @functools.partial(jax.jit, static_argnames="spec")
 def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: Array, *,
-                  spec: AdvantageSpec) -> tuple[Array, dict[str, Array]]:
+                  spec: AdvantageSpec, correct_QG: Array | None = None
+                  ) -> tuple[Array, dict[str, Array]]:
   """One step's advantages and their metrics, as one pure jitted program.
 
   Noise mask (when ``spec.noise_mask``: from the reference's scores
