@@ -393,14 +393,13 @@ def _check_inputs(name: str, batch: GroupBatch) -> None:
   r, v = batch.labels_QG, batch.valid_QG
   label = "rewards_QG" if batch.correct_QG is None else "correct_QG"
   if not any(isinstance(a, jax.core.Tracer) for a in (r, v, batch.rewards_QG)):
-    bad = ~np.isin(np.asarray(r), (0.0, 1.0)) & np.asarray(v).astype(bool)
-    if batch.correct_QG is not None:
-      bad |= ~np.isfinite(np.asarray(batch.rewards_QG)) & np.asarray(v).astype(bool)
-    if bad.any():
-      q, g = np.argwhere(bad)[0]
-      raise ValueError(f"{name}: {label} must be 0 or 1 and rewards_QG finite; "
-                       f"{label}[{q}, {g}] = {np.asarray(r)[q, g]}, rewards_QG[{q}, {g}] = "
-                       f"{np.asarray(batch.rewards_QG)[q, g]}")
+    v = np.asarray(v).astype(bool)
+    for what, bad in ((f"{label} must be 0 or 1", ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
+                      ("rewards_QG must be finite", ~np.isfinite(batch.rewards_QG) & v)):
+      if bad.any():
+        q, g = np.argwhere(bad)[0]
+        arr = np.asarray(r if "0 or 1" in what else batch.rewards_QG)
+        raise ValueError(f"{name}: {what}; {what.split()[0]}[{q}, {g}] = {arr[q, g]}")
 
 
 def compute_advantages(name: str, batch: GroupBatch, *, step: int | Array = 0,
