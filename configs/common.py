@@ -161,6 +161,27 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 8  # questions per sampler call
   c.eval.max_active_rows = 0  # as rollout.max_active_rows, for the evaluator's calls
   c.eval.seed = 0  # the same draws at every evaluation
+
+  # --- Rewards from the config (docs/rewards.md; capo_jax/data/reward_fns.py). ---
+  # Every sample gets `correct` (binary: CAPO's pairs, the noise mask, AUC, accuracy) and
+  # `reward` (scalar: the advantage input of GRPO, Dr.GRPO, GSPO, CoDaPO, CDE, SimKO).
+  # The defaults are the paper's: both from the math grader, reward = correct.
+  c.reward = ml_collections.ConfigDict()
+  # The checker deciding `correct`: "auto" (the training dataset's registry checker:
+  # math, or countdown for data.train="countdown"), "math", "countdown", or a plug-in
+  # "package.module:function" / "path/to/file.py:function" taking (completion, gold) -> bool.
+  c.reward.correct = "auto"
+  # Reward plug-ins, each "package.module:function" or "path/to/file.py:function" taking
+  # (completions, examples) of one question and returning one float per completion;
+  # "correct" names the binary label. Empty: reward = correct. Else reward = sum_k w_k f_k.
+  c.reward.fns = ()
+  c.reward.weights = ()  # one per fn; empty: all 1.0
+  # Deadline of one plug-in call (a checker's completion, a reward function's question);
+  # past it the worker is killed, the call counted (reward/timeout, reward/fn_timeout).
+  c.reward.timeout_s = 5.0
+  # DAPO's overlong penalty on L generated tokens, L_max = rollout.max_new_tokens, buffer
+  # L_b: 0 up to L_max - L_b, then linear down to -1 at L_max, added to the reward. 0 = off.
+  c.reward.overlong_buffer = 0
   return c
 
 

@@ -36,6 +36,7 @@ import numpy as np
 from tqdm import auto as tqdm
 
 from capo_jax.data import datasets as data
+from capo_jax.data import reward_fns
 from capo_jax.data import rewards
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import report
@@ -183,8 +184,9 @@ def evaluate_policy(policy: EvalPolicy,
       ``{benchmark name: questions}``.
     eval_cfg: sampling settings.
     rng: PRNG key; batch b of benchmark k samples with ``fold_in(fold_in(rng, k), b)``.
-    grader: has ``score(completions, golds) -> (rewards, health)``; default
-      ``capo_jax.data.rewards.default_grader()``.
+    grader: has ``score(completions, golds) -> (rewards, health)``, or ``{benchmark:
+      grader}``; a benchmark without one is graded by its registry checker
+      (``reward_fns.benchmark_checker``: the math grader unless e.g. ``countdown``).
 
   Returns:
     ``SampleRecord`` per sample (samples.jsonl rows), benchmarks and questions
@@ -193,13 +195,14 @@ def evaluate_policy(policy: EvalPolicy,
   """
   if not isinstance(examples, Mapping):
     examples = {benchmark: examples}
-  grader = grader if grader is not None else rewards.default_grader()
   records: list[SampleRecord] = []
   for k, (name, exs) in enumerate(examples.items()):
     if not exs:
       raise ValueError(f"benchmark {name!r} has no questions")
+    g = grader.get(name) if isinstance(grader, Mapping) else grader
+    g = g if g is not None else reward_fns.grader_for(reward_fns.benchmark_checker(name))
     records += _evaluate_benchmark(policy, list(exs), eval_cfg, jax.random.fold_in(rng, k),
-                                   name, grader)
+                                   name, g)
   return records
 
 
@@ -299,6 +302,9 @@ def _parser() -> argparse.ArgumentParser:
                  "config and tokenizer for an Orbax checkpoint")
   p.add_argument("--tensor_parallel", type=int, default=1,
                  help="tensor axis of the sampling mesh when several devices are visible")
+  p.add_argument("--checker", default="auto", help="what decides 'correct': auto (each "
+                 "benchmark's registry checker: math, countdown), math, countdown, or a "
+                 "plug-in module:function / file.py:function (docs/rewards.md)")
   p.add_argument("--grouping", default="rewards", choices=("rewards", "exact"),
                  help="answer equivalence of maj@k / PC / RPC")
   p.add_argument("--run", default="", help="run name in results.json (default: out dir name)")
@@ -343,6 +349,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
                           progress=not args.no_progress)
     benchmarks = load_benchmarks([b.strip() for b in args.benchmarks.split(",") if b.strip()],
                                  args.data_dir, args.limit)
+    grader = None if args.checker == "auto" else reward_fns.grader_for(args.checker)
     policy = load_policy(args.policy, base_model=args.base_model or None,
                          dtype=jnp.dtype(args.dtype))
     tok_dir = args.tokenizer or policy.tokenizer_dir
@@ -357,7 +364,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     log.info("policy %s (%s), tokenizer %s", policy.source, args.dtype, tok_dir)
     sampler = EvalPolicy(policy.params, policy.cfg, tokenizer,
                          _sampling_layout(args.tensor_parallel))
-    records = evaluate_policy(sampler, benchmarks, eval_cfg, jax.random.key(args.seed))
+    records = evaluate_policy(sampler, benchmarks, eval_cfg, jax.random.key(args.seed),
+                              grader=grader)
     config = dict(dataclasses.asdict(eval_cfg), policy=policy.source, tokenizer=tok_dir,
                   seed=args.seed, dtype=args.dtype, limit=args.limit,
                   benchmarks={k: len(v) for k, v in benchmarks.items()})

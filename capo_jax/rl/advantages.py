@@ -20,7 +20,8 @@ exactly 0 for every estimator, and so does every non-receiving row. Inputs on
 invalid rows are replaced by 0 before any arithmetic, so NaN / inf there (an
 empty completion's mean log-prob, say) never leaks into the others.
 
-Rewards are binary {0, 1}: a sample is correct when its reward is above 1/2.
+Rewards are binary {0, 1} (correct: above 1/2), unless ``GroupBatch.correct_QG`` holds the
+labels: then rewards are any scalar (docs/rewards.md) and CAPO's pairs read the labels.
 The score ``s_QG`` is each response's mean token log-prob under the old policy
 (``logprobs.mean_logprob``); CAPO may convert it first (``to_score``).
 """
@@ -49,17 +50,24 @@ class GroupBatch:
   """One step's groups, [Q, G] arrays: what every estimator reads.
 
   Attributes:
-    rewards_QG: binary rewards.
+    rewards_QG: rewards: binary, or any finite scalar when ``correct_QG`` is given.
     s_QG: the score s of each response: its mean token log-prob under the old
       policy. CAPO converts it with its ``score`` hparam; CoDaPO and CDE use s
       itself, as their papers do.
     valid_QG: rows that exist and act as partners (see ``split_masks``).
     receive_QG: rows allowed a non-zero advantage (None: the valid ones).
+    correct_QG: binary labels (CAPO's pairs, CoDaPO's accuracy); None: the rewards are.
   """
   rewards_QG: Array
   s_QG: Array
   valid_QG: Array
   receive_QG: Array | None = None
+  correct_QG: Array | None = None
+
+  @property
+  def labels_QG(self) -> Array:
+    """The binary labels: ``correct_QG``, or the (binary) rewards themselves."""
+    return self.rewards_QG if self.correct_QG is None else self.correct_QG
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,8 +97,9 @@ def _masked_mean_std(x_G: Array, v_G: Array) -> tuple[Array, Array]:
 
 
 def _finish(a_G: Array, r_G: Array, v_G: Array, u_G: Array) -> Array:
-  """Zeroes degenerate groups and non-receiving rows (exact zeros, no NaN)."""
-  _, _, live = _classes(r_G, v_G)
+  """Zeroes degenerate groups (valid inputs all equal: for binary r, all right or all
+  wrong) and non-receiving rows (exact zeros, no NaN)."""
+  live = jnp.where(v_G, r_G, -jnp.inf).max() > jnp.where(v_G, r_G, jnp.inf).min()
   return jnp.where(live & u_G & v_G, a_G, 0.0)
 
 
@@ -124,9 +133,10 @@ def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array,
   return _finish(a_G / (denom * tau), r_G, v_G, u_G)
 
 
-def _codapo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, eps: float) -> Array:
+def _codapo_group(r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array,
+                  eps: float) -> Array:
   r_G = jnp.where(v_G, r_G, 0.0)
-  acc, _ = _masked_mean_std(r_G, v_G)
+  acc, _ = _masked_mean_std(jnp.where(v_G, c_G, 0.0), v_G)
   mean_s, _ = _masked_mean_std(s_G, v_G)
   d = 1.0 - acc
   w = 1.0 - 4.0 * (d - 0.5) ** 2
@@ -206,11 +216,14 @@ def capo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, tau: float | Array,
 
 
 def codapo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *,
-           receive_QG: Array | None = None, eps: float = GRPO_EPS) -> Array:
-  """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`."""
+           receive_QG: Array | None = None, eps: float = GRPO_EPS,
+           correct_QG: Array | None = None) -> Array:
+  """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`,
+  d = 1 - the group's accuracy (of ``correct_QG``; default: the binary rewards)."""
   v, u = _receive(valid_QG, receive_QG)
-  return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, None))(
-      _float(rewards_QG), _float(s_QG), v, u, eps)
+  c = _float(rewards_QG if correct_QG is None else correct_QG)
+  return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, 0, None))(
+      _float(rewards_QG), c, _float(s_QG), v, u, eps)
 
 
 def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
@@ -332,13 +345,14 @@ def _capo_entry(b: GroupBatch, step: Any, total: Any, *, tau: float = 0.6,
   del step, total
   s = to_score(b.s_QG, score)
   if adaptive_tau > 0:  # tau = c * the batch's within-group spread of the score
-    tau = adaptive_tau_value(s, b.rewards_QG, b.valid_QG, scale=adaptive_tau, fallback=tau)
-  return capo(b.rewards_QG, s, b.valid_QG, tau=tau, norm=norm, receive_QG=b.receive_QG)
+    tau = adaptive_tau_value(s, b.labels_QG, b.valid_QG, scale=adaptive_tau, fallback=tau)
+  return capo(b.labels_QG, s, b.valid_QG, tau=tau, norm=norm, receive_QG=b.receive_QG)
 
 
 def _codapo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS) -> Array:
   del step, total
-  return codapo(b.rewards_QG, b.s_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps)
+  return codapo(b.rewards_QG, b.s_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps,
+                correct_QG=b.correct_QG)
 
 
 def _cde_entry(b: GroupBatch, step: Any, total: Any, *, kappa: float = 3.0,
@@ -376,13 +390,16 @@ def _check_inputs(name: str, batch: GroupBatch) -> None:
   shapes = {k: np.shape(a) for k, a in arrays.items() if a is not None}
   if len(set(shapes.values())) != 1 or len(shapes["rewards_QG"]) != 2:
     raise ValueError(f"{name}: inputs must all have one shape [Q, G]; got {shapes}")
-  r, v = batch.rewards_QG, batch.valid_QG
-  if not any(isinstance(a, jax.core.Tracer) for a in (r, v)):
-    bad = ~np.isin(np.asarray(r), (0.0, 1.0)) & np.asarray(v).astype(bool)
-    if bad.any():
-      q, g = np.argwhere(bad)[0]
-      raise ValueError(f"{name}: rewards_QG must be 0 or 1; rewards_QG[{q}, {g}] = "
-                       f"{np.asarray(r)[q, g]}")
+  r, v = batch.labels_QG, batch.valid_QG
+  label = "rewards_QG" if batch.correct_QG is None else "correct_QG"
+  if not any(isinstance(a, jax.core.Tracer) for a in (r, v, batch.rewards_QG)):
+    v = np.asarray(v).astype(bool)
+    for what, bad in ((f"{label} must be 0 or 1", ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
+                      ("rewards_QG must be finite", ~np.isfinite(batch.rewards_QG) & v)):
+      if bad.any():
+        q, g = np.argwhere(bad)[0]
+        arr = np.asarray(r if "0 or 1" in what else batch.rewards_QG)
+        raise ValueError(f"{name}: {what}; {what.split()[0]}[{q}, {g}] = {arr[q, g]}")
 
 
 def compute_advantages(name: str, batch: GroupBatch, *, step: int | Array = 0,

@@ -32,6 +32,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from capo_jax.data import reward_fns
 from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
@@ -80,32 +81,35 @@ class AdvantageSpec:
 
 @functools.partial(jax.jit, static_argnames="spec")
 def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: Array, *,
-                  spec: AdvantageSpec) -> tuple[Array, dict[str, Array]]:
+                  spec: AdvantageSpec, correct_QG: Array | None = None
+                  ) -> tuple[Array, dict[str, Array]]:
   """One step's advantages and their metrics, as one pure jitted program.
 
   Noise mask (when ``spec.noise_mask``: from the reference's scores
   ``ref_s_QG``), split into valid / receiving rows, the estimator, the masked
   fractions and the within-group spread of the score. ``step`` is traced (CDE's
-  schedule), so every step runs the same compiled program.
+  schedule), so every step runs the same compiled program. ``correct_QG``: the binary
+  labels when the rewards are not (reward plug-ins); the mask and CAPO's pairs read them.
 
   Returns:
     (adv_QG, metrics): float32 advantages and scalar metrics ``s_spread``,
     ``adv_abs_mean`` and, with the mask, ``masked_frac{,_correct,_wrong}``.
   """
   hparams = dict(spec.hparams)
+  labels_QG = rewards_QG if correct_QG is None else correct_QG
   valid_QG = jnp.ones(rewards_QG.shape, bool)
   receive_QG = None
   metrics: dict[str, Array] = {}
   if spec.noise_mask:
-    noisy_QG = advantages.noise_mask(rewards_QG, advantages.ref_ppl(ref_s_QG),
+    noisy_QG = advantages.noise_mask(labels_QG, advantages.ref_ppl(ref_s_QG),
                                      high=spec.mask_high, low=spec.mask_low)
-    metrics.update(advantages.masked_fraction(noisy_QG, rewards_QG, valid_QG))
+    metrics.update(advantages.masked_fraction(noisy_QG, labels_QG, valid_QG))
     valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
   adv_QG = advantages.compute_advantages(
-      spec.algo, advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG),
+      spec.algo, advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG, correct_QG),
       step=step, total_steps=spec.num_steps, **hparams)
   score_QG = advantages.to_score(s_QG, hparams.get("score", "mean_logprob"))
-  metrics["s_spread"] = advantages.score_spread(score_QG, rewards_QG, valid_QG)
+  metrics["s_spread"] = advantages.score_spread(score_QG, labels_QG, valid_QG)
   metrics["adv_abs_mean"] = jnp.abs(adv_QG).mean()
   return adv_QG, metrics
 
@@ -137,6 +141,7 @@ class Rollout:
   metrics: dict[str, float]
   # The example of each group when this process drew it, else None (multi-host).
   examples_Q: list[Example | None]
+  correct_QG: np.ndarray | None = None  # the binary labels (rewards_QG: the scalar reward)
 
   def minibatches(self, mini_batch_prompts: int, layout: BatchLayout) -> list[TrainBatch]:
     """Consecutive groups of questions, each one update's ``TrainBatch`` on the devices:
@@ -190,6 +195,7 @@ class RolloutContext:
   sampling: sampling.SamplingSpec  # the sampler's calls, stop and pad ids the tokenizer's
   sampling_layout: Layout  # the mesh and the sampling rules
   logprobs: LogprobPass  # the old / reference pass
+  reward_fns: Any = None  # data.reward_fns.RewardFns: the scalar reward; None: reward = correct
 
 
 @dataclasses.dataclass
@@ -201,11 +207,12 @@ class _Graded:
   cmask_BC: np.ndarray
   lengths_B: np.ndarray
   truncated_B: np.ndarray
-  rewards_QG: np.ndarray
+  rewards_QG: np.ndarray  # the binary labels (correct)
   health: dict[str, int]
   logp_dev: Array
   cmask_dev: Array
   time_reward: float = 0.0
+  reward_QG: np.ndarray | None = None  # the scalar reward (None: the labels)
 
 
 def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_sampling: Any,
@@ -243,13 +250,15 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
   n_local = len(examples) * G
   local_rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
   texts = tokenizer.decode_completions(comp_BC[local_rows], cmask_BC[local_rows])
-  golds = [e.answer for e in examples for _ in range(G)]
-  rewards_local, health = ctx.grader.score(texts, golds)
-  rewards_QG = gather_rows(np.asarray(rewards_local, np.float32)).reshape(Q, G)
-  health_counts = gather_rows(np.asarray([list(health.as_dict().values())], np.int64)).sum(0)
+  correct_local, reward_local, health = reward_fns.grade(
+      ctx.grader, ctx.reward_fns, texts, [e for e in examples for _ in range(G)],
+      lengths_B[local_rows])
+  rewards_QG, reward_QG = (gather_rows(np.asarray(x, np.float32)).reshape(Q, G)
+                           for x in (correct_local, reward_local))
+  health_counts = gather_rows(np.asarray([list(health.values())], np.int64)).sum(0)
   return _Graded(tokens_QP, mask_QP, comp_BC, cmask_BC, lengths_B, truncated_B, rewards_QG,
-                 dict(zip(health.as_dict().keys(), health_counts.tolist())), logp_dev,
-                 cmask_dev, time.perf_counter() - t0)
+                 dict(zip(health.keys(), health_counts.tolist())), logp_dev, cmask_dev,
+                 time.perf_counter() - t0, reward_QG if ctx.reward_fns is not None else None)
 
 
 def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Graded:
@@ -265,7 +274,9 @@ def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Gr
                  cat(lambda p: left(p.mask_QP, 0))[idx_Q],
                  *(cat(lambda p, f=f: getattr(p, f))[rows_B]
                    for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")),
-                 cat(lambda p: p.rewards_QG)[idx_Q], health, *dev)
+                 cat(lambda p: p.rewards_QG)[idx_Q], health, *dev,
+                 reward_QG=None if parts[0].reward_QG is None else cat(
+                     lambda p: p.reward_QG)[idx_Q])
 
 
 @jax.jit
@@ -346,7 +357,11 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
   replicated = NamedSharding(ctx.sampling_layout.mesh, PartitionSpec())
   correct_QG = rewards_QG > 0.5
   rewards_dev, correct_dev = put_global((rewards_QG, correct_QG), replicated)
-  adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv)
+  labels_dev = None if sel.reward_QG is None else rewards_dev  # plug-ins: reward != labels
+  if labels_dev is not None:
+    rewards_QG, rewards_dev = sel.reward_QG, put_global(sel.reward_QG, replicated)
+  adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv,
+                                      correct_QG=labels_dev)
   # The logs read scalars only: the scores and advantages stay on the devices.
   adv_metrics = jax.tree.map(to_host, {**adv_metrics, **_score_metrics(s_QG, correct_dev)})
   t_logp = time.perf_counter() - t2
@@ -370,6 +385,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
       "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
       "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
       **{f"reward/{k}": float(v) for k, v in sel.health.items()},
+      **({"reward_mean": float(rewards_QG.mean())} if sel.reward_QG is not None else {}),
   }
   if spec.dynamic_max_draws > 1:
     # Drawn: every prompt sampled this step; dropped: the drawn groups not trained on.
@@ -377,7 +393,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
                    groups_degenerate=float(Q - n_mixed),
                    accuracy_drawn=float(np.mean([p.rewards_QG.mean() for p in parts])))
   return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, rewards_QG, s_QG, seqs, adv_QG,
-                 metrics, examples_Q)
+                 metrics, examples_Q, correct_QG)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -34,7 +34,7 @@ import numpy as np
 from tqdm import tqdm
 
 from capo_jax.data import datasets as data
-from capo_jax.data import rewards
+from capo_jax.data import reward_fns
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.rl import rollout
 from capo_jax.rl import train_step as ts
@@ -122,7 +122,8 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   Q, G = spec.rollout.num_prompts, spec.rollout.num_samples
   iterator = data.PromptIterator(train_examples, Q, spec.seed, process_index=jax.process_index(),
                                  process_count=jax.process_count())
-  grader = grader or rewards.default_grader()
+  given_grader = grader  # a caller's grader (tests, the demo's noisy one) grades everything
+  grader = grader or reward_fns.grader_for(spec.checker, spec.reward.timeout_s)
 
   state_sh = progs.state_shardings
   w = setup.policy_weights(spec, model_cfg, policy, tcfg, mesh, train_rules)
@@ -133,11 +134,14 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
       spec=spec.rollout_spec(), model_cfg=model_cfg, tokenizer=tokenizer, grader=grader,
       sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tokenizer.stop_ids),
                                    pad_id=tokenizer.pad_id),
-      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs)
+      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs,
+      reward_fns=spec.reward_fns())
   if eval_fn is None and spec.eval.every_steps > 0:
     eval_fn = train_eval.make_eval_fn(
         train_eval.EvalSetup(spec=spec.eval, model_cfg=model_cfg, tokenizer=tokenizer,
-                             layout=progs.sampling_layout, grader=grader),
+                             layout=progs.sampling_layout,
+                             # data.eval benchmarks: their own checkers (evaluate_policy)
+                             grader=given_grader or {train_eval.VAL_BENCHMARK: grader}),
         train_eval.eval_benchmarks(spec, val_examples), workdir, to_sampling)
 
   rng = jax.random.key(spec.seed)

@@ -161,9 +161,19 @@ class Eval:
   seed: int
 
 
+@_frozen
+class Reward:
+  """Rewards from the config (docs/rewards.md): what decides ``correct`` and the scalar reward."""
+  correct: str
+  fns: tuple[str, ...]
+  weights: tuple[float, ...]
+  timeout_s: float
+  overlong_buffer: int
+
+
 SECTIONS = {"model": Model, "data": Data, "rollout": Rollout, "algo": Algo, "loss": Loss,
             "optim": Optim, "train": Train, "mesh": Mesh, "checkpoint": Checkpoint,
-            "log": Log, "eval": Eval}
+            "log": Log, "eval": Eval, "reward": Reward}
 TOP_LEVEL = ("seed", "tokenizer_path", "compilation_cache_dir")
 
 
@@ -180,4 +190,7 @@ def section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
           "configs/common.get_base_config())")
   if name == "data":
     values = {**values, "eval": tuple(values["eval"])}
+  if name == "reward":  # lists from JSON, or one name given as a plain string
+    as_tuple = lambda v: ((v,) if v else ()) if isinstance(v, str) else tuple(v)  # noqa: E731
+    values = {**values, "fns": as_tuple(values["fns"]), "weights": as_tuple(values["weights"])}
   return cls(**values)

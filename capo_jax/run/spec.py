@@ -18,20 +18,22 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import ml_collections
 
+from capo_jax.data import reward_fns as reward_lib
 from capo_jax.rl import advantages
 from capo_jax.rl import losses
 from capo_jax.rl import rollout
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
 from capo_jax.run.sections import (SECTIONS, TOP_LEVEL, Algo, Checkpoint, ConfigError, Data,
-                                   Eval, Log, Loss, Mesh, Model, Optim, Rollout, Train, fail,
-                                   section)
+                                   Eval, Log, Loss, Mesh, Model, Optim, Reward, Rollout, Train,
+                                   fail, section)
 from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
 from models import hub, lora
@@ -63,6 +65,7 @@ class RunSpec:
   checkpoint: Checkpoint
   log: Log
   eval: Eval
+  reward: Reward
   raw: Mapping[str, Any] = dataclasses.field(compare=False, repr=False)
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -141,6 +144,7 @@ class RunSpec:
     if r.old_logprobs not in ("trainer", "sampler"):
       fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
     self._validate_algo()
+    self._validate_reward()
     self._validate_model(policy_given)
     for field in ("train_size", "val_size"):
       if getattr(self.data, field) < 0:
@@ -175,6 +179,42 @@ class RunSpec:
       fail("algo.score", a.score, f"expected one of {advantages.SCORES}")
     if a.mask_mode not in advantages.MASK_MODES:
       fail("algo.mask_mode", a.mask_mode, f"expected one of {advantages.MASK_MODES}")
+
+  def _validate_reward(self) -> None:
+    """Plug-ins are imported here (in this process), so a typo fails at the start."""
+    w = self.reward
+    for field, names in (("reward.correct", (self.checker,)), ("reward.fns", w.fns)):
+      for name in names:
+        if name in reward_lib.CHECKERS or (field == "reward.fns" and name == reward_lib.CORRECT):
+          continue
+        try:
+          reward_lib.load(reward_lib.target_of(name))
+        except Exception as e:  # noqa: BLE001 -- any import failure is the config's
+          fail(field, name, f"cannot load the plug-in: {type(e).__name__}: {e}")
+    if w.weights and len(w.weights) != len(w.fns):
+      fail("reward.weights", w.weights, f"needs one weight per reward.fns entry ({len(w.fns)})")
+    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in w.weights):
+      fail("reward.weights", w.weights, "must be finite numbers")
+    if not w.timeout_s > 0:
+      fail("reward.timeout_s", w.timeout_s, "must be > 0")
+    if not 0 <= w.overlong_buffer <= self.rollout.max_new_tokens:
+      fail("reward.overlong_buffer", w.overlong_buffer,
+           f"must be 0 (off) or in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
+
+  @property
+  def checker(self) -> str:
+    """``reward.correct`` with "auto" resolved for ``data.train``."""
+    return reward_lib.checker_name(self.reward.correct, str(self.data.train))
+
+  def reward_fns(self) -> reward_lib.RewardFns | None:
+    """The scalar reward's plug-ins and penalty; None when reward = correct (the default)."""
+    w = self.reward
+    if not w.fns and not w.overlong_buffer:
+      return None
+    return reward_lib.RewardFns(
+        fns=w.fns, weights=tuple(float(x) for x in w.weights) or (1.0,) * len(w.fns),
+        timeout_s=w.timeout_s, max_len=self.rollout.max_new_tokens,
+        overlong_buffer=w.overlong_buffer)
 
   def _validate_model(self, policy_given: bool) -> None:
     m = self.model
