@@ -85,7 +85,9 @@ def report(c, acc: aot.Accelerator, progs: list[aot.Compiled], resident: dict[st
         resident_gib=extra / GiB, total_gib=total / GiB, fits=fits,
         margin_gib=(hbm - total) / GiB, cost=cost, loop_steps=steps,
         roofline_s=(t_call + steps * t_iter) * p.calls_per_step,
-        bound="compute" if t_flops > t_bytes else "HBM")
+        bound="compute" if t_flops > t_bytes else "HBM",
+        hbm_over_flop_time=t_bytes / t_flops if t_flops else float("inf"),
+        collective_gb_per_step=cost.get("collective_bytes", 0) * p.calls_per_step / 1e9)
     rows.append([p.name, f"{p.compile_s:.0f}", *(f"{mem[k] / GiB:.2f}" for k in
                  ("arguments", "outputs", "temporaries", "aliased", "peak")),
                  f"{extra / GiB:.2f}", f"{total / GiB:.2f}",
@@ -118,6 +120,13 @@ def report(c, acc: aot.Accelerator, progs: list[aot.Compiled], resident: dict[st
     print(f"  {name:13s} {r['roofline_s']:8.1f} s  ({r['calls_per_step']} calls{steps}, "
           f"{r['bound']} bound)")
   print(f"  {'step':13s} {total_s:8.1f} s")
+  print("per program and device: HBM-traffic time / FLOP time (one call; unbounded loops "
+        "once), collectives per call and per step:")
+  for name, r in result["programs"].items():
+    if not r["error"]:
+      print(f"  {name:13s} {r['hbm_over_flop_time']:7.2f}x  "
+            f"{r['cost'].get('collective_bytes', 0) / 1e9:9.2f} GB  "
+            f"{r['collective_gb_per_step']:9.1f} GB/step")
   result["roofline_step_s"] = total_s
   return result
 
