@@ -129,3 +129,31 @@ def read_prompt_file(text: str, source: str) -> PromptFormat:
     return PromptFormat.from_json(json.loads(text))
   except (ValueError, TypeError) as e:
     raise ValueError(f"{source}: not a prompt record ({e})") from e
+
+
+# Command-line flags of ``python -m capo_jax.eval`` -> PromptFormat fields.
+FLAGS = {"system_prompt": "system", "prompt_template": "template",
+         "chat_template": "chat_template", "enable_thinking": "enable_thinking"}
+
+
+def add_flags(parser: Any) -> None:
+  """The prompt flags of an argparse parser; each defaults to the policy's recorded prompt."""
+  g = parser.add_argument_group("prompt (default: the policy's recorded prompt, "
+                                f"{PROMPT_FILE} or its run's config.json, else the paper's)")
+  g.add_argument("--system_prompt", default=None, help="system message ('' sends none)")
+  g.add_argument("--prompt_template", default=None,
+                 help=f"user message; {QUESTION} is replaced by the question")
+  g.add_argument("--chat_template", default=None, choices=MODES)
+  g.add_argument("--enable_thinking", default=None, choices=MODES, help="Qwen3's switch")
+
+
+def from_flags(args: Any, recorded: Mapping[str, Any] | None) -> PromptFormat:
+  """``recorded`` (a prompt.json dict, or None: the paper's) with the flags given on top."""
+  base = PromptFormat.from_json(recorded) if recorded else PromptFormat()
+  given = {field: getattr(args, flag) for flag, field in FLAGS.items()
+           if getattr(args, flag, None) is not None}
+  try:
+    return dataclasses.replace(base, **given)
+  except PromptError as e:
+    flag = next((f for f, field in FLAGS.items() if field == e.field), e.field)
+    raise ValueError(f"--{flag}: {e.why}") from e
