@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 EVAL_DIR = "eval"  # train_eval writes <workdir>/eval/step_<N>/results.json
-METHODS = {"capo": "CAPO (Calibration-Aware Policy Optimization)", "grpo": "GRPO",
+METHODS = {"capo": "CAPO", "grpo": "GRPO",
            "dr_grpo": "Dr. GRPO", "gspo": "GSPO", "codapo": "CoDaPO", "cde": "CDE",
            "simko": "SimKO"}
 TAGS = ("capo-jax", "reinforcement-learning", "calibration", "math")
@@ -87,8 +87,8 @@ def _front_matter(spec: RunSpec) -> str:
 
 def _run_rows(spec: RunSpec, workdir: str, step: int) -> list[tuple[str, str]]:
   hp = ", ".join(f"{k}={v}" for k, v in sorted(spec.advantage_hparams().items()))
-  method = f"{METHODS.get(spec.algo.name, spec.algo.name)} (`algo.name={spec.algo.name}`" + (
-      f", {hp}" if hp else "") + (", noise mask on" if spec.uses_noise_mask else "") + ")"
+  method = f"{METHODS.get(spec.algo.name, spec.algo.name)}: `algo.name={spec.algo.name}`" + (
+      f", {hp}" if hp else "") + (", noise mask on" if spec.uses_noise_mask else "")
   base = spec.model.hf_path or (f"random weights of preset `{spec.model.preset}`"
                                 if spec.model.random_init else "given by the caller")
   rows = [("method", method), ("base model", base),
@@ -124,7 +124,9 @@ def model_card(spec: RunSpec, workdir: str, step: int, prompt: PromptFormat | No
   """The README.md of the export of ``step``: run, prompt, latest evaluation (at or
   before ``step``) and the step-0 evaluation of the base policy."""
   name = os.path.basename(str(workdir).rstrip("/")) or "policy"
-  out = [_front_matter(spec), "", f"# {name}: {spec.algo.name} fine-tune, step {step}", "",
+  method = METHODS.get(spec.algo.name, spec.algo.name)
+  of = f" of {spec.model.hf_path}" if spec.model.hf_path else ""
+  out = [_front_matter(spec), "", f"# {name}: {method} fine-tune{of}, step {step}", "",
          "A policy trained with capo-jax by reinforcement learning "
          "with verifiable math rewards. Calibration numbers: AUC-mean is the mean over "
          "questions of the AUC of the confidence score (mean token log-prob) at telling "
@@ -140,12 +142,13 @@ def model_card(spec: RunSpec, workdir: str, step: int, prompt: PromptFormat | No
   else:
     last = steps[-1]
     e = spec.eval
-    out += [f"At step {last} (`eval/step_{last:06d}/results.json`): {e.num_samples} samples "
-            f"per question at temperature {e.temperature}, at most {e.max_new_tokens} new "
-            "tokens" + (f", the first {e.limit} questions of each benchmark" if e.limit else "")
-            + ".", "", eval_table(load_eval(workdir, last))]
+    out += [f"At step {last} (`eval/step_{last:06d}/results.json`), sampled at temperature "
+            f"{e.temperature} with at most {e.max_new_tokens} new tokens"
+            + (f", the first {e.limit} questions of each benchmark" if e.limit else "")
+            + "; accuracy is mean@k over the k samples of each question.", "",
+            eval_table(load_eval(workdir, last))]
     if steps[0] == 0 and last != 0:
-      out += ["", "At step 0 (the base policy, the same samples settings):", "",
+      out += ["", "At step 0 (the base policy, the same sampling settings):", "",
               eval_table(load_eval(workdir, 0))]
   return "\n".join(out) + "\n"
 
