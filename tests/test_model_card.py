@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import pathlib
 import re
 
 import numpy as np
