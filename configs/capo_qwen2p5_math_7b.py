@@ -1,9 +1,11 @@
 r"""CAPO on Qwen2.5-Math-7B with the paper's settings.
 
   python -m capo_jax.main --config=configs/capo_qwen2p5_math_7b.py \
-      --workdir=gs://BUCKET/capo-7b --config.model.hf_path=/path/to/Qwen2.5-Math-7B
+      --workdir=gs://BUCKET/capo-7b
 
-Tiny CPU variant: ``--config=configs/capo_qwen2p5_math_7b.py:shrink``.
+The weights come from the hub id Qwen/Qwen2.5-Math-7B (``model.hf_path``; a local or gs://
+copy: ``--config.model.hf_path=DIR``). Tiny CPU variant (random weights):
+``--config=configs/capo_qwen2p5_math_7b.py:shrink``.
 Another baseline: ``--config.algo.name=grpo`` (capo, grpo, dr_grpo, gspo,
 codapo, cde, simko).
 """
@@ -17,6 +19,10 @@ from configs import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.get_base_config()
+  # The weights: the hub id (fetched once into HF_HOME's hub cache; HF_HUB_OFFLINE=1 reads
+  # only the cache), or a local / gs:// copy with --config.model.hf_path=DIR. The preset
+  # names the same architecture for benchmarks/memory_plan.py.
+  c.model.hf_path = "Qwen/Qwen2.5-Math-7B"
   c.model.preset = "qwen2p5_math_7b"
   c.algo.name = "capo"
   c.algo.tau = 0.5

@@ -13,6 +13,10 @@ import os
 
 import ml_collections
 
+# The paper's system prompt; configs import no JAX, so this is copied from
+# capo_jax/data/prompts.py, and tests/test_prompts.py checks that the two agree.
+SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
+
 
 def get_base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
@@ -35,6 +39,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   # The train / log-prob passes' attention: "auto" (splash on TPU, blocked flash
   # elsewhere), "reference" (full T x T scores), "xla", "flash", "splash" (models.attention).
   c.model.attention = "auto"
+  # Random weights (issue 31): without model.hf_path a run needs random_init=True and a
+  # model.preset (tests, benchmarks, :shrink); anything else without weights is an error
+  # naming model.hf_path. Ignored when hf_path is set (the weights are loaded).
+  c.model.random_init = False
   c.tokenizer_path = ""  # defaults to model.hf_path
   # JAX's persistent compilation cache (capo_jax/runtime/compile_cache.py): empty = off;
   # a relative path lies under the workdir. Reruns and resumed runs skip their compiles.
@@ -182,6 +190,17 @@ def get_base_config() -> ml_collections.ConfigDict:
   # DAPO's overlong penalty on L generated tokens, L_max = rollout.max_new_tokens, buffer
   # L_b: 0 up to L_max - L_b, then linear down to -1 at L_max, added to the reward. 0 = off.
   c.reward.overlong_buffer = 0
+  # The prompt (capo_jax/data/prompts.py), the same in training, evaluation during
+  # training and every export's prompt.json. The defaults are the paper's: the
+  # Qwen2.5-Math system prompt, the question alone as the user message.
+  c.prompt = ml_collections.ConfigDict()
+  c.prompt.system = SYSTEM_PROMPT  # "" sends no system message
+  c.prompt.template = "{question}"  # the user message; must contain {question}
+  # "auto": the tokenizer's chat template when it has one, else the Qwen format written
+  # out in prompts.PROMPT_FORMAT; "on": the template or an error; "off": that format.
+  c.prompt.chat_template = "auto"
+  c.prompt.enable_thinking = "auto"  # Qwen3's template switch: "auto" (not passed), "on", "off"
+  c.prompt.chat_template_kwargs = ml_collections.ConfigDict()  # more apply_chat_template kwargs
   return c
 
 
@@ -211,6 +230,7 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"
   c.model.compute_dtype = "float32"
   c.model.remat = False
+  c.model.random_init = True
   c.rollout.num_prompts = 4
   c.rollout.num_samples = 4
   c.rollout.max_prompt_len = 64

@@ -1,7 +1,7 @@
 r"""GRPO on Qwen2.5-Math-1.5B: the CAPO run of ``capo_qwen2p5_math_1p5b.py`` with GRPO's advantage.
 
   python -m capo_jax.main --config=configs/grpo_qwen2p5_math_1p5b.py \
-      --workdir=gs://BUCKET/grpo-1p5b --config.model.hf_path=/path/to/Qwen2.5-Math-1.5B
+      --workdir=gs://BUCKET/grpo-1p5b
 
 Tiny CPU variant: ``--config=configs/grpo_qwen2p5_math_1p5b.py:shrink``. The noise
 mask stays off (``algo.mask="auto"`` masks for CAPO only); the paper's ablation

@@ -77,3 +77,21 @@ def resolve(path: str | os.PathLike) -> str:
         f"{s!r} is neither a local directory ({local}) nor a model fetched from {mode} "
         f"(hub id {s!r}: {type(e).__name__}: {e})") from e
   return os.fspath(snapshot)
+
+
+def resolve_file(path: str | os.PathLike, filename: str) -> str:
+  """``filename`` of the model at ``path``; a hub id fetches that one file, not the snapshot
+  (the architecture of a run to compile ahead of time needs config.json, not the weights)."""
+  s = os.fspath(path)
+  if "://" in s:
+    return f"{s.rstrip('/')}/{filename}"
+  if os.path.exists(s) or not is_hub_id(s):
+    return os.path.join(resolve(s), filename)  # resolve raises for what is neither
+  mode = "the local hub cache (HF_HUB_OFFLINE is set)" if offline() else "the Hugging Face hub"
+  try:
+    snapshot = _download(s, allow_patterns=[filename], local_files_only=offline())
+  except Exception as e:  # pylint: disable=broad-except  (hub errors have no common base)
+    raise FileNotFoundError(f"{s!r}: {filename} not found locally ({os.path.abspath(s)} does "
+                            f"not exist) nor fetched from {mode} ({type(e).__name__}: {e})"
+                            ) from e
+  return os.path.join(os.fspath(snapshot), filename)

@@ -182,3 +182,42 @@ def make_tokenizer_dir(path: str | os.PathLike, chat_template: bool = True,
   path = pathlib.Path(path)
   make_tokenizer(vocab_size, chat_template).save_pretrained(path)
   return path
+
+
+def write_hub_snapshot(hub_cache: str | os.PathLike, repo_id: str,
+                       src: str | os.PathLike | None = None,
+                       files: dict[str, str] | None = None) -> pathlib.Path:
+  """Lays out ``repo_id`` as huggingface_hub's cache does (``models--Org--Name/refs/main``
+  and ``snapshots/<commit>/``), with the files of directory ``src`` and ``files``
+  (name -> text); returns the snapshot directory. ``hub_cache`` is ``$HF_HOME/hub``."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  commit = "0123456789abcdef0123456789abcdef01234567"
+  store = pathlib.Path(hub_cache) / ("models--" + repo_id.replace("/", "--"))
+  (store / "refs").mkdir(parents=True, exist_ok=True)
+  (store / "refs" / "main").write_text(commit)
+  snapshot = store / "snapshots" / commit
+  if src is not None:
+    shutil.copytree(src, snapshot, dirs_exist_ok=True)
+  snapshot.mkdir(parents=True, exist_ok=True)
+  for name, text in (files or {}).items():
+    (snapshot / name).write_text(text)
+  return snapshot
+
+
+def offline_hub(monkeypatch: Any, hub_cache: str | os.PathLike) -> None:
+  """This process reads the hub cache ``hub_cache`` only (HF_HUB_OFFLINE=1), as a process
+  started with ``HF_HOME`` = its parent would (huggingface_hub reads HF_HOME at import)."""
+  from huggingface_hub import constants  # pylint: disable=g-import-not-at-top
+  monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+  monkeypatch.setattr(constants, "HF_HUB_CACHE", str(hub_cache))
+
+
+def stub_snapshot_of_preset(hub_cache: str | os.PathLike, repo_id: str,
+                            preset: str) -> pathlib.Path:
+  """A cached snapshot of ``repo_id`` whose config.json is ``preset``'s and whose weight and
+  tokenizer files exist but are empty: enough for a run config to validate, not to load."""
+  import json  # pylint: disable=g-import-not-at-top
+  from models.config import PRESETS  # pylint: disable=g-import-not-at-top
+  stubs = {n: "" for n in ("model.safetensors", "tokenizer.json", "tokenizer_config.json")}
+  return write_hub_snapshot(hub_cache, repo_id, files={
+      "config.json": json.dumps(PRESETS[preset]().to_hf()), **stubs})

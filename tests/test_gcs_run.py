@@ -85,7 +85,8 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   for name in ("metrics.jsonl", "samples.jsonl", "config.json", "data_split.json",
                "checkpoints/2/_CHECKPOINT_METADATA", "export_hf/config.json",
                "export_hf/model.safetensors", "export_hf/tokenizer.json",
-               "exports/step_000001/config.json", "eval/step_000002/results.json"):
+               "exports/step_000001/config.json", "eval/step_000002/results.json",
+               "export_hf/README.md", "exports/step_000001/prompt.json"):
     assert fs.exists(f"{run}/{name}"), name
   assert any(p.name.startswith("events.out.tfevents") for p in fs.path(f"{run}/tb").iterdir())
   record = json.loads(fs.read_text(f"{run}/config.json"))

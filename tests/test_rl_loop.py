@@ -16,6 +16,7 @@ import jax
 import numpy as np
 import pytest
 
+import hf_utils
 import rl_driver
 from capo_jax.run import spec as spec_lib
 from capo_jax.run import loop
@@ -55,8 +56,12 @@ def _digest(workdir: str, process: int = 0) -> str:
 
 
 @pytest.mark.parametrize("name", CONFIG_FILES)
-def test_every_config_file_loads_and_validates(name):
+def test_every_config_file_loads_and_validates(name, monkeypatch, tmp_path):
   mod = importlib.import_module(f"configs.{name}")
+  if mod.get_config().model.hf_path:  # a hub id: validated against an offline stub snapshot
+    hf_utils.offline_hub(monkeypatch, tmp_path / "hub")
+    hf_utils.stub_snapshot_of_preset(tmp_path / "hub", mod.get_config().model.hf_path,
+                                     mod.get_config().model.preset)
   if name == "demo":  # the warm start supplies the policy; "shrink" is its smoke variant
     full, tiny = mod.get_config(), mod.get_config("shrink")
     full.rollout.max_new_tokens = tiny.rollout.max_new_tokens = 40

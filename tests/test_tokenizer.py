@@ -105,4 +105,4 @@ def test_protocol_and_offline_errors(tok, tmp_path):
     tk.load_tokenizer(tmp_path / "absent")
   if not tok.use_chat_template:
     with pytest.raises(ValueError, match="no chat template"):
-      tk.HFTokenizer(tok.hf, use_chat_template=True)
+      tk.HFTokenizer(tok.hf, prompt=tk.PromptFormat(chat_template="on"))

@@ -19,10 +19,9 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-# The Qwen2.5-Math chain-of-thought prompt the paper trains and evaluates with.
-SYSTEM_PROMPT = "Please reason step by step, and put your final answer within \\boxed{}."
-PROMPT_FORMAT = ("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
-                 "<|im_start|>assistant\n")
+# The paper's prompt is the default; config.prompt changes it (capo_jax/data/prompts.py).
+from capo_jax.data.prompts import PROMPT_FORMAT, SYSTEM_PROMPT, PromptFormat  # noqa: F401
+
 EOS_TOKEN = "<|endoftext|>"
 IM_END_TOKEN = "<|im_end|>"
 
@@ -164,14 +163,11 @@ class HFTokenizer(PromptCodec):
   included; a model's embedding may be larger (Qwen2.5 pads it to 151936).
   """
 
-  def __init__(self, hf_tokenizer: Any, system_prompt: str = SYSTEM_PROMPT,
-               use_chat_template: bool | None = None, name: str = "tokenizer") -> None:
+  def __init__(self, hf_tokenizer: Any, prompt: PromptFormat = PromptFormat(),
+               name: str = "tokenizer") -> None:
     self.hf = hf_tokenizer
-    self.system_prompt = system_prompt
-    has_template = bool(getattr(hf_tokenizer, "chat_template", None))
-    if use_chat_template and not has_template:
-      raise ValueError(f"{name}: use_chat_template=True but the tokenizer has no chat template")
-    self.use_chat_template = has_template if use_chat_template is None else use_chat_template
+    self.prompt = prompt
+    self.use_chat_template = prompt.uses_template(hf_tokenizer, name)  # raises when it can't
     vocab = hf_tokenizer.get_vocab()
     stops = [vocab[t] for t in (EOS_TOKEN, IM_END_TOKEN) if t in vocab]
     if hf_tokenizer.eos_token_id is not None:
@@ -188,9 +184,13 @@ class HFTokenizer(PromptCodec):
   def from_pretrained(cls, path: str | os.PathLike, **kw: Any) -> HFTokenizer:
     """Loads ``AutoTokenizer`` from a local directory (``local_files_only``: no hub)."""
     import transformers  # pylint: disable=g-import-not-at-top  (heavy; only HF users pay)
+    from capo_jax.runtime import model_files  # pylint: disable=import-outside-toplevel
     path = os.fspath(path)
     if not os.path.isdir(path):
       raise FileNotFoundError(f"tokenizer directory {path} does not exist")
+    # transformers' own error for a directory without tokenizer files asks for
+    # sentencepiece or tiktoken; name the directory and the files instead.
+    model_files.check_tokenizer_dir(path)
     hf = transformers.AutoTokenizer.from_pretrained(path, local_files_only=True)
     return cls(hf, name=path, **kw)
 
@@ -214,12 +214,13 @@ class HFTokenizer(PromptCodec):
     return self.hf.decode([int(t) for t in ids], skip_special_tokens=skip_special)
 
   def render_prompt(self, question: str) -> str:
-    """The Qwen2.5-Math chat prompt (through the chat template when there is one)."""
+    """The chat prompt of ``self.prompt`` (the paper's by default), through the chat
+    template when ``use_chat_template``."""
     if self.use_chat_template:
-      messages = [{"role": "system", "content": self.system_prompt},
-                  {"role": "user", "content": question}]
-      return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    return PROMPT_FORMAT.format(system=self.system_prompt, question=question)
+      return self.hf.apply_chat_template(self.prompt.messages(question), tokenize=False,
+                                         add_generation_prompt=True,
+                                         **self.prompt.template_kwargs())
+    return self.prompt.render_plain(question)
 
   def encode_prompt(self, question: str) -> list[int]:
     return self.encode(self.render_prompt(question))

@@ -7,7 +7,10 @@
 
 ``--policy`` is a Hugging Face model directory, or a trainer workdir: then its
 HF export ``<workdir>/export_hf`` when present, else the params of the latest
-Orbax checkpoint in ``<workdir>/checkpoints`` (``runtime.policy_io.load_policy``). Every
+Orbax checkpoint in ``<workdir>/checkpoints`` (``runtime.policy_io.load_policy``). The
+prompt is the one the policy was trained with (an export's ``prompt.json``, a
+workdir's ``config.json``), else the paper's; ``--system_prompt``,
+``--prompt_template``, ``--chat_template`` and ``--enable_thinking`` change it. Every
 question gets ``num_samples`` responses (T = 1.0, top_p = 1.0 by default, as
 in the paper), graded by ``capo_jax.data.rewards``; the metrics are defined in
 docs/algorithms.md ("Evaluation metrics"). The output directory gets
@@ -37,6 +40,7 @@ from tqdm import auto as tqdm
 
 from capo_jax.data import datasets as data
 from capo_jax.data import reward_fns
+from capo_jax.data import prompts
 from capo_jax.data import rewards
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import report
@@ -309,6 +313,7 @@ def _parser() -> argparse.ArgumentParser:
                  help="answer equivalence of maj@k / PC / RPC")
   p.add_argument("--run", default="", help="run name in results.json (default: out dir name)")
   p.add_argument("--names", nargs="*", help="--compare: run names")
+  prompts.add_flags(p)
   p.add_argument("--no_plots", action="store_true")
   p.add_argument("--no_progress", action="store_true")
   return p
@@ -350,6 +355,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     benchmarks = load_benchmarks([b.strip() for b in args.benchmarks.split(",") if b.strip()],
                                  args.data_dir, args.limit)
     grader = None if args.checker == "auto" else reward_fns.grader_for(args.checker)
+    prompts.from_flags(args, None)
     policy = load_policy(args.policy, base_model=args.base_model or None,
                          dtype=jnp.dtype(args.dtype))
     tok_dir = args.tokenizer or policy.tokenizer_dir
@@ -357,7 +363,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
       raise FileNotFoundError(f"no tokenizer next to {policy.source}: pass --tokenizer=DIR "
                               "(or --base_model=DIR)")
     from capo_jax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
-    tokenizer = load_tokenizer(tok_dir)
+    prompt = prompts.from_flags(args, policy.prompt)  # the run's prompt, unless overridden
+    tokenizer = load_tokenizer(tok_dir, prompt=prompt)
     if tokenizer.vocab_size > policy.cfg.vocab_size:
       raise ValueError(f"tokenizer {tok_dir} has {tokenizer.vocab_size} tokens but the policy's "
                        f"vocab_size is {policy.cfg.vocab_size}: wrong --tokenizer?")
@@ -367,7 +374,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     records = evaluate_policy(sampler, benchmarks, eval_cfg, jax.random.key(args.seed),
                               grader=grader)
     config = dict(dataclasses.asdict(eval_cfg), policy=policy.source, tokenizer=tok_dir,
-                  seed=args.seed, dtype=args.dtype, limit=args.limit,
+                  seed=args.seed, dtype=args.dtype, limit=args.limit, prompt=prompt.to_json(),
                   benchmarks={k: len(v) for k, v in benchmarks.items()})
     num_samples = args.num_samples
     results = write_outputs(records, args.out, run=run, config=config,

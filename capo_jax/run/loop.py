@@ -14,7 +14,7 @@ What the run writes to its workdir (local or ``gs://``):
   checkpoints/<N>/   Orbax, every ``checkpoint.every_steps`` and at the end
   eval/step_<N>/     results.json of each ``eval.every_steps`` evaluation
   exports/step_<N>/  HF exports every ``checkpoint.export_hf_every`` steps
-  export_hf/         the final HF export
+  export_hf/         the final HF export (each export has a model card, README.md)
 
 A restart with the same workdir resumes from the newest readable checkpoint
 and drops the metrics rows logged past it. SIGTERM (a TPU preemption notice)
@@ -38,6 +38,7 @@ from capo_jax.data import reward_fns
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.rl import rollout
 from capo_jax.rl import train_step as ts
+from capo_jax.run import model_card
 from capo_jax.run import programs as programs_lib
 from capo_jax.run import setup
 from capo_jax.run import train_eval
@@ -172,6 +173,10 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
     log.info("evaluating the policy of step %d", step)
     writer.write(step, {f"eval/{k}": v for k, v in eval_fn(step, state.params).items()})
 
+  def export(path: str, step: int) -> None:  # the HF policy, its model card and prompt
+    export_policy(model_cfg, w.full(state.params), path, tokenizer,
+                  files=lambda: model_card.export_files(spec, workdir, step, tokenizer))
+
   if eval_fn is not None and start == 0:
     evaluate(0)
   consecutive_skips = 0
@@ -227,8 +232,7 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
       preempted = watch.reached(done)  # every process, every step (JAX's protocol)
       save(done, force=preempted)
       if every(spec.checkpoint.export_hf_every, done) and done < spec.train.num_steps:
-        export_policy(model_cfg, w.full(state.params),
-                      fs.join(workdir, "exports", f"step_{done:06d}"), tokenizer)
+        export(fs.join(workdir, "exports", f"step_{done:06d}"), done)
       if preempted and done < spec.train.num_steps:
         bar.close()
         checkpointer.close()
@@ -245,7 +249,7 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   export_dir = fs.join(workdir, "export_hf")
   if spec.checkpoint.export_hf and (spec.train.num_steps > start
                                  or not fs.exists(fs.join(export_dir, "config.json"))):
-    export_policy(model_cfg, w.full(state.params), export_dir, tokenizer)
+    export(export_dir, spec.train.num_steps)
   writer.close()
   return w.full(state.params)
 

@@ -36,6 +36,7 @@ class Model:
   lora_alpha: float
   lora_targets: str
   attention: str
+  random_init: bool  # issue 31: random weights only when asked for
 
 
 @_frozen
@@ -171,9 +172,20 @@ class Reward:
   overlong_buffer: int
 
 
+@_frozen
+class Prompt:
+  """How a question becomes a prompt (``capo_jax.data.prompts.PromptFormat``)."""
+  system: str
+  template: str
+  chat_template: str
+  enable_thinking: str
+  chat_template_kwargs: Mapping[str, Any]
+
+
 SECTIONS = {"model": Model, "data": Data, "rollout": Rollout, "algo": Algo, "loss": Loss,
             "optim": Optim, "train": Train, "mesh": Mesh, "checkpoint": Checkpoint,
-            "log": Log, "eval": Eval, "reward": Reward}
+            "log": Log, "eval": Eval, "reward": Reward,
+            "prompt": Prompt}
 TOP_LEVEL = ("seed", "tokenizer_path", "compilation_cache_dir")
 
 

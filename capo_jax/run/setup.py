@@ -11,7 +11,8 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
-from collections.abc import Callable, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import jax
@@ -23,6 +24,7 @@ from capo_jax.rl import train_step as ts
 from capo_jax.run.spec import ConfigError, Data, RunSpec
 from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.runtime import model_files
 from capo_jax.runtime.distributed import is_main_process
 from models import hf_weights, lora, qwen2
 from models.config import Qwen2Config
@@ -41,11 +43,19 @@ class Policy:
 
 
 def tokenizer_for(spec: RunSpec) -> Tokenizer:
+  """The run's tokenizer (``tokenizer_path``, else ``model.hf_path``), rendering prompts
+  as ``config.prompt`` says."""
+  field = "tokenizer_path" if spec.tokenizer_path else "model.hf_path"
   path = spec.tokenizer_path or spec.model.hf_path
   if not path:
     raise ConfigError("config.tokenizer_path is empty and there is no "
                                  "model.hf_path to take the tokenizer from")
-  return load_tokenizer(path)
+  try:
+    return load_tokenizer(path, prompt=spec.prompt_format())
+  except FileNotFoundError as e:
+    raise ConfigError(f"config.{field}={path!r}: {e}") from e
+  except ValueError as e:  # a chat-template option the tokenizer cannot honour
+    raise ConfigError(f"config.prompt / config.{field}={path!r}: {e}") from e
 
 
 def initial_params(spec: RunSpec, model_cfg: Qwen2Config,
@@ -54,9 +64,17 @@ def initial_params(spec: RunSpec, model_cfg: Qwen2Config,
   if policy is not None:
     return jax.device_put(policy.params, shardings)
   if spec.model.hf_path:
-    _, params = hf_weights.load_pretrained(fs.model_dir(spec.model.hf_path),
-                                           dtype=model_cfg.weight_dtype, shardings=shardings)
+    local = fs.model_dir(spec.model.hf_path)
+    try:
+      model_files.check_model_dir(local)
+    except FileNotFoundError as e:
+      raise ConfigError(f"config.model.hf_path={spec.model.hf_path!r}: {e}") from e
+    _, params = hf_weights.load_pretrained(local, dtype=model_cfg.weight_dtype,
+                                           shardings=shardings)
     return params
+  if not spec.model.random_init:  # never a random policy that nobody asked for
+    raise ConfigError("config.model.hf_path='': no weights to start from; set model.hf_path, "
+                      "or model.random_init=True for random weights of model.preset")
   init = lambda key: qwen2.init_params(model_cfg, key)
   return jax.jit(init, out_shardings=shardings)(jax.random.key(spec.seed))
 
@@ -170,10 +188,12 @@ def training_data(d: Data, workdir: str) -> data.Split:
 
 
 def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
-                  tokenizer: Tokenizer | None = None) -> None:
+                  tokenizer: Tokenizer | None = None,
+                  files: Callable[[], Mapping[str, str]] | None = None) -> None:
   """Writes the policy (and a HF tokenizer) as a HF directory, local or ``gs://``.
 
-  Process 0 writes; every process must call (the params are gathered).
+  ``files()``: more text files by name (the model card, ``run.model_card``), called on
+  process 0 only. Process 0 writes; every process must call (the params are gathered).
   ``config.json`` is written last, so a reader that finds it finds the weights.
   """
   host_params = jax.tree.map(to_host, params)
@@ -182,4 +202,7 @@ def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
       hf_weights.save_pretrained(model_cfg, host_params, local)
       if hasattr(tokenizer, "hf"):
         tokenizer.hf.save_pretrained(local)
+      for name, text in (files() if files else {}).items():
+        with open(os.path.join(local, name), "w", encoding="utf-8") as f:
+          f.write(text)
     log.info("exported the policy as a HF checkpoint to %s", path)

@@ -8,7 +8,7 @@ nothing fails an hour into a run because of a typo in a config file.
 
 The sections mirror the config's (``configs/common.py`` documents each field):
 ``model``, ``data``, ``rollout``, ``algo``, ``loss``, ``optim``, ``train``,
-``mesh``, ``checkpoint``, ``log``, ``eval``. A field's name is the same in
+``mesh``, ``checkpoint``, ``log``, ``eval``, ``prompt``. A field's name is the same in
 both, so ``spec.rollout.num_samples`` is ``--config.rollout.num_samples``.
 Sections the library does not know (the demo's ``demo``) are kept, as plain
 dicts, in ``RunSpec.extra`` for their owner to translate.
@@ -26,16 +26,18 @@ import jax
 import ml_collections
 
 from capo_jax.data import reward_fns as reward_lib
+from capo_jax.data.prompts import PromptError, PromptFormat
 from capo_jax.rl import advantages
 from capo_jax.rl import losses
 from capo_jax.rl import rollout
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
 from capo_jax.run.sections import (SECTIONS, TOP_LEVEL, Algo, Checkpoint, ConfigError, Data,
-                                   Eval, Log, Loss, Mesh, Model, Optim, Reward, Rollout, Train,
-                                   fail, section)
+                                   Eval, Log, Loss, Mesh, Model, Optim, Prompt, Reward, Rollout,
+                                   Train, fail, section)
 from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.runtime import model_files
 from models import hub, lora
 from models.config import PRESETS, Qwen2Config
 
@@ -66,6 +68,7 @@ class RunSpec:
   log: Log
   eval: Eval
   reward: Reward
+  prompt: Prompt
   raw: Mapping[str, Any] = dataclasses.field(compare=False, repr=False)
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
@@ -146,6 +149,7 @@ class RunSpec:
     self._validate_algo()
     self._validate_reward()
     self._validate_model(policy_given)
+    self.prompt_format()
     for field in ("train_size", "val_size"):
       if getattr(self.data, field) < 0:
         fail(f"data.{field}", getattr(self.data, field),
@@ -217,21 +221,25 @@ class RunSpec:
         overlong_buffer=w.overlong_buffer)
 
   def _validate_model(self, policy_given: bool) -> None:
+    """A run loads weights from ``model.hf_path``, or asks for random ones with
+    ``model.random_init``; no weights and no ask is an error naming ``model.hf_path``."""
     m = self.model
     if not policy_given and not m.hf_path:
-      if not m.preset:
+      if not m.random_init:
         fail("model.hf_path", m.hf_path,
-              "set model.hf_path (a HF checkpoint directory or hub id) or model.preset "
-              f"(random weights, one of {sorted(PRESETS)})")
+              "no weights to start from: set model.hf_path (a HF checkpoint directory, gs:// "
+              "path or hub id such as Qwen/Qwen2.5-Math-1.5B), or model.random_init=True with "
+              f"model.preset (one of {sorted(PRESETS)}) for random weights")
       if m.preset not in PRESETS:
-        fail("model.preset", m.preset, f"expected one of {sorted(PRESETS)}")
-    if m.hf_path:
-      try:  # a hub id is fetched here (once, into the hub cache): its config is needed next
+        fail("model.preset", m.preset, f"model.random_init=True needs a preset, one of "
+              f"{sorted(PRESETS)}")
+    if m.hf_path and not policy_given:
+      try:  # a hub id is fetched here (once, into the hub cache): its files are checked next
         hf_dir = hub.resolve(m.hf_path)
+        # The tokenizer comes from the same directory unless tokenizer_path names another.
+        model_files.check_model_dir(hf_dir, tokenizer=not self.tokenizer_path)
       except FileNotFoundError as e:
         fail("model.hf_path", m.hf_path, str(e))
-      if not fs.is_file(fs.join(hf_dir, "config.json")):
-        fail("model.hf_path", m.hf_path, "not a HF checkpoint directory (no config.json)")
     self.lora_config()
 
   def _validate_mesh(self, n: int) -> None:
@@ -370,12 +378,28 @@ class RunSpec:
     kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
               attention=m.attention)
     try:
-      if m.hf_path:
-        return Qwen2Config.from_hf(fs.local_copy(fs.join(hub.resolve(m.hf_path), "config.json")),
+      if m.hf_path:  # config.json alone: the AOT compile needs no weights
+        return Qwen2Config.from_hf(fs.local_copy(hub.resolve_file(m.hf_path, "config.json")),
                                    **kw)
       return PRESETS[m.preset](**{**dict(m.preset_overrides or {}), **kw})
     except (ValueError, TypeError) as e:
       raise ConfigError(f"config.model: {e}") from e
+    except FileNotFoundError as e:
+      raise ConfigError(f"config.model.hf_path={m.hf_path!r}: {e}") from e
+
+  def prompt_format(self) -> PromptFormat:
+    """``config.prompt`` as the tokenizer's ``PromptFormat``; errors name the field."""
+    p = self.prompt
+    kwargs = p.chat_template_kwargs or {}
+    if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
+      fail("prompt.chat_template_kwargs", kwargs, "expected a dict of keyword arguments")
+    try:
+      return PromptFormat(system=str(p.system), template=str(p.template),
+                          chat_template=p.chat_template, enable_thinking=p.enable_thinking,
+                          chat_template_kwargs=tuple(sorted(dict(kwargs).items())))
+    except PromptError as e:
+      fail(f"prompt.{e.field}", getattr(p, e.field), e.why)
+      raise  # unreachable: fail raises
 
   def make_mesh(self, devices: Any = None) -> jax.sharding.Mesh:
     return mesh_lib.make_mesh(self.mesh.sizes(), devices=devices)

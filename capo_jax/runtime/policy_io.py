@@ -12,6 +12,7 @@ A path that is neither local nor a URL is taken for a Hugging Face hub id
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from typing import Any
 
@@ -27,6 +28,7 @@ EXPORT_DIR, CHECKPOINT_DIR = "export_hf", "checkpoints"
 # Key of the checkpoint's JSON record that holds the model's HF config.json dict.
 _META_CONFIG_KEY = "hf_config"
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "vocab.json")
+PROMPT_FILE = "prompt.json"  # capo_jax.data.prompts.PROMPT_FILE (runtime imports no data)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -36,6 +38,9 @@ class Policy:
   params: Params
   tokenizer_dir: str | None
   source: str
+  # The prompt the policy was trained with (capo_jax.data.prompts: an export's prompt.json,
+  # or the prompt section of its run's config.json); None when neither exists.
+  prompt: dict[str, Any] | None = None
 
 
 def _has_tokenizer(path: str | os.PathLike | None) -> bool:
@@ -102,6 +107,18 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
   return cfg, params, step
 
 
+def _recorded_prompt(hf_dir: str | None, workdir: str) -> dict[str, Any] | None:
+  """``hf_dir/prompt.json``, else the ``prompt`` of ``workdir/config.json`` (a trainer's)."""
+  if hf_dir and fs.is_file(fs.join(hf_dir, PROMPT_FILE)):
+    return json.loads(fs.read_text(fs.join(hf_dir, PROMPT_FILE)))
+  record = fs.join(workdir, "config.json")
+  if fs.is_file(record):
+    config = json.loads(fs.read_text(record)).get("config")  # a HF config.json has none
+    prompt = config.get("prompt") if isinstance(config, dict) else None
+    return prompt if isinstance(prompt, dict) else None
+  return None
+
+
 def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
                 dtype: Any = jnp.bfloat16) -> Policy:
   """Loads a policy from a HF directory or a trainer workdir, in that order of lookup.
@@ -130,10 +147,12 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
       cfg, params = hf_weights.load_pretrained(fs.local_copy(hf_dir), dtype=dtype)
       tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
           else None
-      return Policy(cfg, params, tok, given if hf_dir == path else hf_dir)
+      return Policy(cfg, params, tok, given if hf_dir == path else hf_dir,
+                    _recorded_prompt(hf_dir, path))
   if fs.exists(fs.join(path, CHECKPOINT_DIR)):
     cfg, params, step = _restore_params(path, dtype, base_model)
     tok = base_model if _has_tokenizer(base_model) else None
-    return Policy(cfg, params, tok, f"{path} (checkpoint step {step})")
+    return Policy(cfg, params, tok, f"{path} (checkpoint step {step})",
+                  _recorded_prompt(None, path))
   raise FileNotFoundError(f"--policy {path}: neither a HF model directory (no config.json) nor "
                           f"a trainer workdir (no {EXPORT_DIR}/config.json, no {CHECKPOINT_DIR}/)")
