@@ -99,7 +99,8 @@ def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
   lr_BC = log_ratio(old_logp_BC, sampler_logp_BC, mask_BC).astype(jnp.float32)
   rho_BC = jnp.exp(lr_BC)
   out = {"abs_log_ratio": masked_mean(jnp.abs(lr_BC), m),
-         "k3_kl": masked_mean(rho_BC - 1.0 - lr_BC, m)}
+         # expm1: exp(x) - 1 - x in float32 would cancel to 0 below |x| ~ 1e-4
+         "k3_kl": masked_mean(jnp.expm1(lr_BC) - lr_BC, m)}
   q = jnp.nanquantile(jnp.where(m, rho_BC, jnp.nan), jnp.asarray(QUANTILES))
   out.update({f"ratio_p{round(p * 100):02d}": q[i] for i, p in enumerate(QUANTILES)})
   out["ratio_min"] = jnp.where(m, rho_BC, jnp.inf).min()
