@@ -134,6 +134,9 @@ def is_weights(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array,
   return jax.lax.stop_gradient(jnp.where(keep_BC, w_BC, 0.0)), keep_BC
 
 
+_measure = jax.jit(mismatch_metrics)
+
+
 @functools.partial(jax.jit, static_argnames="spec")
 def _correct(seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *,
              spec: MismatchSpec) -> tuple[Sequences, dict[str, Array]]:
@@ -141,8 +144,6 @@ def _correct(seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *,
   metrics: dict[str, Array] = {}
   if spec.measure:
     metrics.update(mismatch_metrics(seqs.old_logp_BC, sampler_logp_BC, mask_BC))
-  if spec.correction == "none" and keep_B is None:
-    return seqs, metrics  # measured only: the sequences are the rollout's own
   real = jnp.maximum((mask_BC > 0).sum(), 1)
   keep_BC, w_BC = mask_BC > 0, None
   if spec.correction != "none":
@@ -169,6 +170,9 @@ def correct(seqs: Sequences, sampler_logp_BC: Array, truncated_B: np.ndarray,
   """
   if not spec.active:
     return seqs, {}
+  if spec.correction == "none" and not spec.mask_truncated:  # measured only (the default)
+    metrics = _measure(seqs.old_logp_BC, sampler_logp_BC, seqs.completion_mask_BC)
+    return seqs, {f"mismatch/{k}": float(v) for k, v in jax.device_get(metrics).items()}
   keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated \
       else None
   seqs, metrics = _correct(seqs, sampler_logp_BC, keep_B, spec=spec)
