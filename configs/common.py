@@ -81,6 +81,21 @@ def get_base_config() -> ml_collections.ConfigDict:
   # all wrong (those have zero advantage). Off: the paper's runs.
   c.rollout.dynamic_sampling = False
   c.rollout.dynamic_max_draws = 3
+  # The sampler / trainer mismatch (capo_jax/rl/mismatch.py, docs/mismatch.md). With
+  # old_logprobs="trainer" every step logs mismatch/* (|log rho|, k3 KL, quantiles of
+  # rho = pi_trainer_old / pi_sampler per token). is_correction reweights each token's
+  # policy-gradient term by a detached w: "none" (the paper's run); "tis_token" /
+  # "tis_seq" w = min(rho, is_cap); "mis_token" / "mis_seq" w = rho, tokens (sequences)
+  # with rho > is_cap rejected; "icepop" w = rho, tokens outside [icepop_low,
+  # icepop_high] rejected. A rejected token leaves the loss's numerator and denominator.
+  # Needs old_logprobs="trainer" (with the sampler's, rho = 1).
+  c.rollout.is_correction = "none"
+  c.rollout.is_cap = 2.0
+  c.rollout.icepop_low = 0.5
+  c.rollout.icepop_high = 5.0
+  # True: rows that hit max_new_tokens (graded wrong: no final answer) leave the loss,
+  # numerator and denominator; their advantages and CAPO's pairs are computed as usual.
+  c.rollout.mask_truncated = False
 
   c.algo = ml_collections.ConfigDict()
   c.algo.name = "capo"  # one of ALGORITHMS

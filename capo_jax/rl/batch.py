@@ -61,7 +61,8 @@ class Sequences:
   KL is logged whenever it is given); correct_B, old_topk_ids_BCJ and
   old_topk_logp_BCJ (SimKO: the old policy's top-K ids at each position and
   their old log-probs; the current policy's log-probs of those ids give the
-  ratios rho(v_k)).
+  ratios rho(v_k)); is_weight_BC (the sampler / trainer mismatch correction's
+  detached per-token weight, ``capo_jax.rl.mismatch``; None: 1).
   """
   completion_mask_BC: Array
   old_logp_BC: Array
@@ -70,6 +71,7 @@ class Sequences:
   correct_B: Array | None = None
   old_topk_ids_BCJ: Array | None = None
   old_topk_logp_BCJ: Array | None = None
+  is_weight_BC: Array | None = None
 
 
 @jax.tree_util.register_dataclass

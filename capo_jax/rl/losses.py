@@ -50,6 +50,8 @@ class PolicyBatch(NamedTuple):
     old_topk_logp_BCJ: SimKO: old-policy log-probs of those same tokens.
     is_argmax_BC: SimKO: the sampled token is the current argmax.
     correct_B: SimKO: the response is correct (reward 1).
+    is_weight_BC: the mismatch correction's detached weight w >= 0 of each token's
+      policy-gradient term (``capo_jax.rl.mismatch``); None: 1.
   """
   logp_BC: Array
   old_logp_BC: Array
@@ -61,6 +63,7 @@ class PolicyBatch(NamedTuple):
   old_topk_logp_BCJ: Array | None = None
   is_argmax_BC: Array | None = None
   correct_B: Array | None = None
+  is_weight_BC: Array | None = None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -181,6 +184,14 @@ def _common_aux(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, A
   return penalty, aux
 
 
+def _weighted(adv_BC: Array, batch: PolicyBatch) -> Array:
+  """The advantage times the mismatch weight: w >= 0 is detached, so
+  min(rho A w, clip(rho) A w) = w min(rho A, clip(rho) A), the clip statistics unchanged."""
+  if batch.is_weight_BC is None:
+    return adv_BC
+  return adv_BC * jax.lax.stop_gradient(batch.is_weight_BC)
+
+
 # --------------------------------------------------------------------------
 # The three kinds.
 # --------------------------------------------------------------------------
@@ -189,7 +200,7 @@ def _common_aux(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, A
 def ppo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
   """Token-level clipped surrogate (GRPO, Dr.GRPO, CAPO, CoDaPO, CDE)."""
   ratio_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
-  adv_BC = jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape)
+  adv_BC = _weighted(jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape), batch)
   return _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
 
 
@@ -197,7 +208,7 @@ def gspo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Arr
   """GSPO: one ratio per response, `exp(mean_t(logp - old_logp))`, clipped per response."""
   log_ratio_B = masked_mean(batch.logp_BC - batch.old_logp_BC, batch.mask_BC, axis=-1)
   ratio_BC = jnp.broadcast_to(jnp.exp(log_ratio_B)[:, None], batch.mask_BC.shape)
-  adv_BC = jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape)
+  adv_BC = _weighted(jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape), batch)
   return _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.gspo_eps_low, cfg.gspo_eps_high, cfg)
 
 
@@ -238,7 +249,7 @@ def simko_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Ar
   alpha_BC = jnp.where(fork_BC & correct_B1, cfg.simko_alpha, 0.0)
   ratio_BC = (1.0 - alpha_BC) * rho_BC + alpha_BC * lifted_BC
   boost_BC = fork_BC & ~correct_B1 & batch.is_argmax_BC.astype(bool)
-  adv_BC = batch.adv_B[:, None] * jnp.where(boost_BC, cfg.simko_lambda, 1.0)
+  adv_BC = _weighted(batch.adv_B[:, None] * jnp.where(boost_BC, cfg.simko_lambda, 1.0), batch)
   loss, aux = _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
   aux["forked_frac"] = masked_mean(fork_BC.astype(rho_BC.dtype), batch.mask_BC)
   aux["boosted_frac"] = masked_mean(boost_BC.astype(rho_BC.dtype), batch.mask_BC)
@@ -252,7 +263,8 @@ def _check_batch(batch: PolicyBatch) -> None:
   shape = batch.logp_BC.shape
   if len(shape) != 2:
     raise ValueError(f"policy_loss: logp_BC must be [B, C], got shape {shape}")
-  for field in ("old_logp_BC", "mask_BC", "entropy_BC", "ref_logp_BC", "is_argmax_BC"):
+  for field in ("old_logp_BC", "mask_BC", "entropy_BC", "ref_logp_BC", "is_argmax_BC",
+                "is_weight_BC"):
     x = getattr(batch, field)
     if x is not None and x.shape != shape:
       raise ValueError(f"policy_loss: {field} has shape {x.shape}, expected {shape}")
@@ -275,7 +287,7 @@ def _zero_padding(batch: PolicyBatch) -> PolicyBatch:
       logp_BC=fix(batch.logp_BC), old_logp_BC=fix(batch.old_logp_BC),
       entropy_BC=fix(batch.entropy_BC), ref_logp_BC=fix(batch.ref_logp_BC),
       topk_logp_BCJ=fix(batch.topk_logp_BCJ),
-      old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ))
+      old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ), is_weight_BC=fix(batch.is_weight_BC))
 
 
 def policy_loss(kind: str, batch: PolicyBatch,

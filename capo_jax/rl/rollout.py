@@ -39,6 +39,7 @@ from capo_jax.eval import calibration
 from capo_jax.masked import mean_logprob
 from capo_jax.rl import advantages
 from capo_jax.rl import dynamic_sampling
+from capo_jax.rl import mismatch
 from capo_jax.rl import packing
 from capo_jax.rl.batch import Sequences, TrainBatch
 from capo_jax.rl.logprob_pass import LogprobPass
@@ -124,6 +125,8 @@ class RolloutSpec:
   simko_k: int = 0
   prompts_per_call: int = 0  # 0: all Q prompts in one sampler call
   dynamic_max_draws: int = 1  # > 1: dynamic sampling, at most this many batches of Q prompts
+  # The sampler / trainer mismatch metrics, IS correction and truncated rows (default: none).
+  mismatch: mismatch.MismatchSpec = mismatch.MismatchSpec(measure=False)
 
 
 @dataclasses.dataclass
@@ -372,6 +375,8 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
       correct_B=put_global(correct_QG.reshape(-1), ctx.logprobs.index_sharding)
       if spec.simko_k else None,
       old_topk_ids_BCJ=old.get("topk_ids_BCJ"), old_topk_logp_BCJ=old.get("topk_logp_BCJ"))
+  seqs, mismatch_metrics = mismatch.correct(seqs, sampler_logp_BC, sel.truncated_B,
+                                            spec.mismatch, ctx.logprobs.index_sharding)
   n_gen = int(sum(int(p.lengths_B.sum()) for p in parts))
   metrics = {
       "accuracy": float(correct_QG.mean()),
@@ -381,7 +386,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
       "frac_all_wrong": float((~correct_QG).all(1).mean()),
       "response_len": float(lengths_B.mean()),
       "truncation_rate": float(sel.truncated_B.mean()),
-      **{k: float(v) for k, v in adv_metrics.items()},
+      **{k: float(v) for k, v in adv_metrics.items()}, **mismatch_metrics,
       "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
       "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
       **{f"reward/{k}": float(v) for k, v in sel.health.items()},

@@ -217,7 +217,7 @@ def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig
       topk_logp_BCJ=lp.get("topk_logp_BCJ") if simko else None,
       old_topk_logp_BCJ=seqs.old_topk_logp_BCJ if simko else None,
       is_argmax_BC=lp.get("is_argmax_BC") if simko else None,
-      correct_B=seqs.correct_B if simko else None)
+      correct_B=seqs.correct_B if simko else None, is_weight_BC=seqs.is_weight_BC)
 
 
 def microbatch_loss(params: Params, rows: ModelRows, index_BC: Array, seqs: Sequences,

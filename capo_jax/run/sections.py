@@ -64,6 +64,12 @@ class Rollout:
   max_active_rows: int
   dynamic_sampling: bool
   dynamic_max_draws: int
+  # Sampler / trainer mismatch correction and truncated rows (capo_jax/rl/mismatch.py).
+  is_correction: str
+  is_cap: float
+  icepop_low: float
+  icepop_high: float
+  mask_truncated: bool
 
 
 @_frozen

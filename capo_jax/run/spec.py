@@ -29,6 +29,7 @@ from capo_jax.data import reward_fns as reward_lib
 from capo_jax.data.prompts import PromptError, PromptFormat
 from capo_jax.rl import advantages
 from capo_jax.rl import losses
+from capo_jax.rl import mismatch
 from capo_jax.rl import rollout
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
@@ -148,6 +149,7 @@ class RunSpec:
       fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
     self._validate_algo()
     self._validate_reward()
+    self.mismatch_spec()
     self._validate_model(policy_given)
     self.prompt_format()
     for field in ("train_size", "val_size"):
@@ -369,7 +371,27 @@ class RunSpec:
         num_samples=r.num_samples, max_prompt_len=r.max_prompt_len, adv=self.advantage_spec(),
         old_from_sampler=r.old_logprobs == "sampler", simko_k=self.simko_k,
         prompts_per_call=r.prompts_per_call,
-        dynamic_max_draws=r.dynamic_max_draws if r.dynamic_sampling else 1)
+        dynamic_max_draws=r.dynamic_max_draws if r.dynamic_sampling else 1,
+        mismatch=self.mismatch_spec())
+
+  def mismatch_spec(self) -> mismatch.MismatchSpec:
+    """The mismatch metrics (measured unless the old log-probs are the sampler's), the
+    IS correction and ``mask_truncated`` (``capo_jax.rl.mismatch``)."""
+    r = self.rollout
+    if r.is_correction not in mismatch.CORRECTIONS:
+      fail("rollout.is_correction", r.is_correction, f"expected one of {mismatch.CORRECTIONS}")
+    if r.is_correction != "none" and r.old_logprobs == "sampler":
+      fail("rollout.is_correction", r.is_correction, "needs rollout.old_logprobs='trainer' "
+           "(with the sampler's old log-probs rho = 1: nothing to correct)")
+    if not r.is_cap > 0:
+      fail("rollout.is_cap", r.is_cap, "must be > 0")
+    if not 0 <= r.icepop_low < r.icepop_high:
+      fail("rollout.icepop_low / icepop_high", (r.icepop_low, r.icepop_high),
+           "need 0 <= icepop_low < icepop_high")
+    return mismatch.MismatchSpec(
+        measure=r.old_logprobs == "trainer", correction=r.is_correction, cap=float(r.is_cap),
+        low=float(r.icepop_low), high=float(r.icepop_high),
+        mask_truncated=bool(r.mask_truncated))
 
   def model_config(self) -> Qwen2Config:
     """The policy's architecture: from ``model.hf_path`` when set (it wins over

@@ -1,0 +1,179 @@
+"""The sampler / trainer mismatch: measured every step, corrected as an option; truncated rows.
+
+The sampler draws each completion token with its own numerics (KV-cache decode,
+its dtype and kernels); the trainer recomputes the same tokens' log-probs with
+the old policy's params in a full forward. Per real completion token
+
+  rho_t = pi_trainer_old(o_t) / pi_sampler(o_t) = exp(logp_old_t - logp_sampler_t),
+
+and per sequence rho = exp(mean_t log rho_t) (``/work/shared/SPEC.md`` 5b;
+``docs/mismatch.md``). Logged every step (``mismatch_metrics``): mean |log rho|,
+the k3 estimate of KL(sampler || trainer) from the sampler's tokens,
+mean_t (rho_t - 1 - log rho_t), and quantiles of rho.
+
+Corrections (``MismatchSpec.correction``; "none" is the paper's run) multiply each
+token's policy-gradient term by a detached weight w, or reject it:
+
+  tis_token / tis_seq   w = min(rho, cap)                          (never rejects)
+  mis_token / mis_seq   w = rho if rho <= cap, else rejected
+  icepop                w = rho if low <= rho <= high, else rejected (token level)
+
+A rejected token (``_seq``: every token of the sequence) leaves the loss's
+numerator and its denominator: the rollout folds ``keep_BC`` into the sequences'
+completion mask, which every aggregation and the micro-batch weights divide by.
+``mask_truncated`` folds the rows that hit ``max_new_tokens`` out the same way.
+The PPO ratio stays pi_theta / pi_trainer_old; w enters as a factor on the
+advantage (w >= 0, so min(rho A w, clip(rho) A w) = w min(rho A, clip(rho) A)).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from capo_jax.masked import masked_mean
+from capo_jax.rl.batch import Sequences
+from capo_jax.runtime.host import put_global
+from capo_jax.types import Array
+
+CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq", "icepop")
+QUANTILES = (0.01, 0.5, 0.99)  # logged as mismatch/ratio_p01, _p50, _p99
+
+
+@dataclasses.dataclass(frozen=True)
+class MismatchSpec:
+  """What the rollout does with the sampler's log-probs and truncated rows (hashable).
+
+  Attributes:
+    measure: log the mismatch metrics (False when the old log-probs are the
+      sampler's: rho = 1, nothing to measure).
+    correction: one of ``CORRECTIONS``.
+    cap: C of TIS (w = min(rho, C)) and MIS (rejected above C).
+    low, high: IcePop's two-sided band [low, high] of kept ratios.
+    mask_truncated: rows that hit ``max_new_tokens`` leave the loss.
+  """
+  measure: bool = True
+  correction: str = "none"
+  cap: float = 2.0
+  low: float = 0.5
+  high: float = 5.0
+  mask_truncated: bool = False
+
+  def __post_init__(self) -> None:
+    if self.correction not in CORRECTIONS:
+      raise ValueError(f"MismatchSpec.correction={self.correction!r} is not one of "
+                       f"{CORRECTIONS}")
+    if not self.cap > 0:
+      raise ValueError(f"MismatchSpec.cap={self.cap} must be > 0")
+    if not 0 <= self.low < self.high:
+      raise ValueError(f"MismatchSpec.low={self.low}, high={self.high}: need 0 <= low < high")
+    if self.correction != "none" and not self.measure:
+      raise ValueError(f"MismatchSpec.correction={self.correction!r} needs the trainer's old "
+                       "log-probs (with the sampler's, rho = 1: there is nothing to correct)")
+
+  @property
+  def active(self) -> bool:
+    """Whether the rollout does anything here at all (the default run: measure only)."""
+    return self.measure or self.correction != "none" or self.mask_truncated
+
+
+def log_ratio(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array) -> Array:
+  """log rho_t = logp_old_t - logp_sampler_t on real tokens, 0 on padding."""
+  return jnp.where(mask_BC > 0, old_logp_BC - sampler_logp_BC, 0.0)
+
+
+def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
+                     ) -> dict[str, Array]:
+  """The logged mismatch over the real completion tokens (token level unless named seq_).
+
+  ``abs_log_ratio`` mean |log rho_t|; ``k3_kl`` mean (rho_t - 1 - log rho_t), an
+  estimate of KL(sampler || trainer) from the sampler's own tokens;
+  ``ratio_p01/p50/p99`` NumPy-default (linear) quantiles of rho_t, ``ratio_min``,
+  ``ratio_max``; ``seq_abs_log_ratio`` mean over rows of |mean_t log rho_t|.
+  """
+  m = mask_BC > 0
+  lr_BC = log_ratio(old_logp_BC, sampler_logp_BC, mask_BC).astype(jnp.float32)
+  rho_BC = jnp.exp(lr_BC)
+  out = {"abs_log_ratio": masked_mean(jnp.abs(lr_BC), m),
+         # expm1: exp(x) - 1 - x in float32 would cancel to 0 below |x| ~ 1e-4
+         "k3_kl": masked_mean(jnp.expm1(lr_BC) - lr_BC, m)}
+  q = jnp.nanquantile(jnp.where(m, rho_BC, jnp.nan), jnp.asarray(QUANTILES))
+  out.update({f"ratio_p{round(p * 100):02d}": q[i] for i, p in enumerate(QUANTILES)})
+  out["ratio_min"] = jnp.where(m, rho_BC, jnp.inf).min()
+  out["ratio_max"] = jnp.where(m, rho_BC, -jnp.inf).max()
+  rows_B = m.any(-1)
+  seq_B = jnp.abs(masked_mean(lr_BC, m, axis=-1))
+  out["seq_abs_log_ratio"] = masked_mean(seq_B, rows_B)
+  return out
+
+
+def is_weights(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array,
+               spec: MismatchSpec) -> tuple[Array, Array]:
+  """(w_BC, keep_BC) of ``spec.correction``: the detached weight of each kept token (0
+  elsewhere) and the tokens that stay in the loss (real and not rejected)."""
+  m = mask_BC > 0
+  lr_BC = log_ratio(old_logp_BC, sampler_logp_BC, mask_BC).astype(jnp.float32)
+  kind = spec.correction
+  if kind.endswith("_seq"):  # one ratio per sequence, rho = exp(mean_t log rho_t)
+    lr_BC = jnp.broadcast_to(masked_mean(lr_BC, m, axis=-1)[:, None], lr_BC.shape)
+  rho_BC = jnp.exp(lr_BC)
+  if kind == "none":
+    keep_BC, w_BC = m, jnp.ones_like(rho_BC)
+  elif kind.startswith("tis"):
+    keep_BC, w_BC = m, jnp.minimum(rho_BC, spec.cap)
+  elif kind.startswith("mis"):
+    keep_BC, w_BC = m & (rho_BC <= spec.cap), rho_BC
+  elif kind == "icepop":
+    keep_BC, w_BC = m & (rho_BC >= spec.low) & (rho_BC <= spec.high), rho_BC
+  else:
+    raise ValueError(f"is_weights: correction={kind!r} is not one of {CORRECTIONS}")
+  return jax.lax.stop_gradient(jnp.where(keep_BC, w_BC, 0.0)), keep_BC
+
+
+_measure = jax.jit(mismatch_metrics)
+
+
+@functools.partial(jax.jit, static_argnames="spec")
+def _correct(seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *,
+             spec: MismatchSpec) -> tuple[Sequences, dict[str, Array]]:
+  mask_BC = seqs.completion_mask_BC
+  metrics: dict[str, Array] = {}
+  if spec.measure:
+    metrics.update(mismatch_metrics(seqs.old_logp_BC, sampler_logp_BC, mask_BC))
+  real = jnp.maximum((mask_BC > 0).sum(), 1)
+  keep_BC, w_BC = mask_BC > 0, None
+  if spec.correction != "none":
+    w_BC, keep_BC = is_weights(seqs.old_logp_BC, sampler_logp_BC, mask_BC, spec)
+    # Of the real tokens: the share rejected, and the mean weight of the kept ones.
+    metrics["reject_frac"] = 1.0 - keep_BC.sum() / real
+    metrics["weight_mean"] = masked_mean(w_BC, keep_BC)
+  if keep_B is not None:
+    keep_BC = keep_BC & keep_B[:, None]
+  metrics["loss_token_frac"] = keep_BC.sum() / real
+  seqs = dataclasses.replace(seqs, completion_mask_BC=keep_BC.astype(mask_BC.dtype),
+                             is_weight_BC=w_BC)
+  return seqs, metrics
+
+
+def correct(seqs: Sequences, sampler_logp_BC: Array, truncated_B: np.ndarray,
+            spec: MismatchSpec, sharding: jax.sharding.Sharding
+            ) -> tuple[Sequences, dict[str, float]]:
+  """The rollout's sequences with the correction and ``mask_truncated`` folded in, and the
+  logged metrics (``mismatch/...``; scalars to the host, the arrays stay on the devices).
+
+  ``truncated_B``: host flags of the rows that hit ``max_new_tokens``; ``sharding``:
+  where a [B] array goes (the log-prob pass's index sharding).
+  """
+  if not spec.active:
+    return seqs, {}
+  if spec.correction == "none" and not spec.mask_truncated:  # measured only (the default)
+    metrics = _measure(seqs.old_logp_BC, sampler_logp_BC, seqs.completion_mask_BC)
+    return seqs, {f"mismatch/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+  keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated \
+      else None
+  seqs, metrics = _correct(seqs, sampler_logp_BC, keep_B, spec=spec)
+  return seqs, {f"mismatch/{k}": float(v) for k, v in jax.device_get(metrics).items()}

@@ -1,0 +1,302 @@
+"""Sampler / trainer mismatch: metrics against NumPy, every IS correction and
+``mask_truncated`` against hand-computed losses, the train step against a full-batch
+reference written out by hand, the config checks, and one RL step end to end.
+
+The hand cases (``_HAND``): row 0 has four tokens with rho = 0.25, 1, 3, 27 (sequence
+rho = (0.25 * 1 * 3 * 27)^(1/4) = 20.25^(1/4) = sqrt(4.5) ~ 2.12), row 1 two tokens
+with rho = 0.4, 1.5 (sequence rho = sqrt(0.6) ~ 0.775) and two padding slots holding
+rho = 100; advantages A = (2, -1); C = 2, IcePop's band [0.5, 5]. At theta = theta_old
+the PPO ratio is 1 and nothing clips, so each kept token's objective is A * w.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import rl_driver
+from batches import HostBatch, padded_pass, run_pass
+from capo_jax.rl import losses
+from capo_jax.rl import mismatch
+from capo_jax.rl import packing
+from capo_jax.rl import train_step as ts
+from capo_jax.rl.batch import Sequences
+from capo_jax.rl.losses import LossConfig, PolicyBatch
+from capo_jax.run import spec as spec_lib
+from capo_jax.runtime import mesh as mesh_lib
+from configs import common
+from models import qwen2
+from models.config import Qwen2Config
+
+RHO_BC = np.array([[0.25, 1.0, 3.0, 27.0], [0.4, 1.5, 100.0, 100.0]])
+MASK_BC = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)
+ADV_B = np.array([2.0, -1.0], np.float32)
+SEQ0, SEQ1 = math.sqrt(4.5), math.sqrt(0.6)  # the rows' sequence-level rho
+
+# correction -> (w, keep) by hand (cap 2, band [0.5, 5]).
+_HAND = {
+    "none": ([[1, 1, 1, 1], [1, 1, 0, 0]], MASK_BC),
+    "tis_token": ([[0.25, 1, 2, 2], [0.4, 1.5, 0, 0]], MASK_BC),
+    "tis_seq": ([[2, 2, 2, 2], [SEQ1, SEQ1, 0, 0]], MASK_BC),  # row 0 capped at 2
+    "mis_token": ([[0.25, 1, 0, 0], [0.4, 1.5, 0, 0]], [[1, 1, 0, 0], [1, 1, 0, 0]]),
+    "mis_seq": ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+    "icepop": ([[0, 1, 3, 0], [0, 1.5, 0, 0]], [[0, 1, 1, 0], [0, 1, 0, 0]]),
+}
+# correction -> loss by hand: seq-mean-token-mean averages each kept row's token mean
+# over the kept rows; token-mean sums over the kept tokens and divides by their count.
+_LOSS = {
+    "none": {"seq-mean-token-mean": -(2 * 1 - 1 * 1) / 2,
+             "token-mean": -(2 * 4 - 1 * 2) / 6},
+    "tis_token": {"seq-mean-token-mean": -(2 * 5.25 / 4 - 1 * 1.9 / 2) / 2,
+                  "token-mean": -(2 * 5.25 - 1 * 1.9) / 6},
+    "tis_seq": {"seq-mean-token-mean": -(2 * 2 - SEQ1) / 2,
+                "token-mean": -(2 * 2 * 4 - 2 * SEQ1) / 6},
+    "mis_token": {"seq-mean-token-mean": -(2 * 1.25 / 2 - 1.9 / 2) / 2,
+                  "token-mean": -(2 * 1.25 - 1.9) / 4},
+    "mis_seq": {"seq-mean-token-mean": -(-SEQ1) / 1,  # row 0 rejected: one row left
+                "token-mean": -(-2 * SEQ1) / 2,
+                "seq-mean-token-sum-norm": -(-2 * SEQ1) / (4 * 1)},
+    "icepop": {"seq-mean-token-mean": -(2 * 4 / 2 - 1.5 / 1) / 2,
+               "token-mean": -(2 * 4 - 1.5) / 3,
+               # Dr.GRPO: the constant normaliser max_len = 4 stays; only rows leave it.
+               "seq-mean-token-sum-norm": -(2 * 4 - 1.5) / (4 * 2)},
+}
+
+
+def _hand_logps() -> tuple[jax.Array, jax.Array]:
+  sampler = np.full(RHO_BC.shape, -1.0)
+  return jnp.asarray(sampler + np.log(RHO_BC), jnp.float32), jnp.asarray(sampler, jnp.float32)
+
+
+def _spec(correction: str, **kw) -> mismatch.MismatchSpec:
+  return mismatch.MismatchSpec(correction=correction, cap=2.0, low=0.5, high=5.0, **kw)
+
+
+@pytest.mark.parametrize("correction", mismatch.CORRECTIONS)
+def test_weights_and_rejections_match_the_hand_table(correction):
+  old, sampler = _hand_logps()
+  w, keep = mismatch.is_weights(old, sampler, jnp.asarray(MASK_BC), _spec(correction))
+  want_w, want_keep = _HAND[correction]
+  np.testing.assert_allclose(np.asarray(w), np.asarray(want_w, np.float32), rtol=1e-5)
+  np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep, bool))
+
+
+def _corrected_batch(correction: str, mask_truncated: bool = False, truncated=(False, False)
+                     ) -> PolicyBatch:
+  """The hand case through the rollout's ``mismatch.correct``, as the loss sees it."""
+  old, sampler = _hand_logps()
+  seqs = Sequences(completion_mask_BC=jnp.asarray(MASK_BC), old_logp_BC=old,
+                   adv_B=jnp.asarray(ADV_B))
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  seqs, metrics = mismatch.correct(seqs, sampler, np.asarray(truncated),
+                                   _spec(correction, mask_truncated=mask_truncated), sh)
+  assert "mismatch/abs_log_ratio" in metrics
+  return PolicyBatch(logp_BC=old, old_logp_BC=old, mask_BC=seqs.completion_mask_BC,
+                     adv_B=seqs.adv_B, is_weight_BC=seqs.is_weight_BC)
+
+
+@pytest.mark.parametrize("correction,agg", [(c, a) for c in _LOSS for a in _LOSS[c]])
+def test_corrected_loss_matches_hand_computation(correction, agg):
+  batch = _corrected_batch(correction)
+  loss, aux = losses.policy_loss("ppo", batch, LossConfig(agg=agg, max_len=4))
+  assert float(loss) == pytest.approx(_LOSS[correction][agg], rel=1e-5)
+  assert float(aux["clip_frac"]) == 0.0
+
+
+def test_rejected_tokens_leave_the_gradient_and_the_weight_is_detached():
+  """IcePop, seq-mean-token-mean: d loss / d logp_t = -(1/rows)(1/kept in row) A w_t on
+  kept tokens (ratio 1), 0 on rejected ones; no gradient reaches w."""
+  batch = _corrected_batch("icepop")
+  cfg = LossConfig()
+  grad = jax.grad(lambda lp: losses.policy_loss("ppo", batch._replace(logp_BC=lp), cfg)[0])(
+      batch.logp_BC)
+  want = [[0, -(1 / 2) * (1 / 2) * 2 * 1, -(1 / 2) * (1 / 2) * 2 * 3, 0],
+          [0, -(1 / 2) * (1 / 1) * -1 * 1.5, 0, 0]]
+  np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
+  g_w = jax.grad(lambda w: losses.policy_loss("ppo", batch._replace(is_weight_BC=w), cfg)[0])(
+      batch.is_weight_BC)
+  assert not np.asarray(g_w).any()
+
+
+@pytest.mark.parametrize("agg,want", [
+    # Row 0 (A = 2, four tokens) truncated: only row 1 (A = -1, two tokens) is left.
+    ("seq-mean-token-mean", -(-1.0) / 1),
+    ("token-mean", -(-1.0 * 2) / 2)])
+def test_mask_truncated_drops_the_row_from_numerator_and_denominator(agg, want):
+  batch = _corrected_batch("none", mask_truncated=True, truncated=(True, False))
+  assert float(losses.policy_loss("ppo", batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
+  # Without the flag, the same batch is the "none" row of the table.
+  plain = _corrected_batch("none", mask_truncated=False, truncated=(True, False))
+  assert float(losses.policy_loss("ppo", plain, LossConfig(agg=agg))[0]) == pytest.approx(
+      _LOSS["none"][agg])
+
+
+def test_mask_truncated_three_rows_by_hand():
+  """Rows: truncated (A 2, 4 tokens), kept (A -1, 2 tokens), kept (A 0.5, 3 tokens);
+  the ratio is 1 on every token."""
+  mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], np.int32)
+  logp = jnp.full(mask.shape, -1.0)
+  seqs = Sequences(completion_mask_BC=jnp.asarray(mask), old_logp_BC=logp,
+                   adv_B=jnp.asarray([2.0, -1.0, 0.5]))
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  seqs, metrics = mismatch.correct(seqs, logp, np.array([True, False, False]),
+                                   mismatch.MismatchSpec(measure=False, mask_truncated=True), sh)
+  assert metrics == {"mismatch/loss_token_frac": pytest.approx(5 / 9)}
+  batch = PolicyBatch(logp, logp, seqs.completion_mask_BC, seqs.adv_B)
+  for agg, want in (("seq-mean-token-mean", -(-1.0 + 0.5) / 2),
+                    ("token-mean", -(-1.0 * 2 + 0.5 * 3) / 5)):
+    assert float(losses.policy_loss("ppo", batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
+
+
+def test_metrics_match_numpy():
+  rng = np.random.default_rng(0)
+  B, C = 5, 11
+  sampler = np.log(rng.uniform(0.05, 1.0, (B, C)))
+  old = sampler + 0.3 * rng.standard_normal((B, C))
+  lens = np.array([11, 3, 0, 7, 1])
+  mask = np.arange(C)[None] < lens[:, None]
+  got = jax.jit(mismatch.mismatch_metrics)(jnp.asarray(old, jnp.float32),
+                                           jnp.asarray(sampler, jnp.float32),
+                                           jnp.asarray(mask, jnp.int32))
+  lr = []  # token by token, real tokens only
+  for b in range(B):
+    for t in range(lens[b]):
+      lr.append(old[b, t] - sampler[b, t])
+  lr = np.array(lr)
+  rho = np.exp(lr)
+  want = {"abs_log_ratio": np.abs(lr).mean(), "k3_kl": (rho - 1 - lr).mean(),
+          "ratio_p01": np.quantile(rho, 0.01), "ratio_p50": np.quantile(rho, 0.5),
+          "ratio_p99": np.quantile(rho, 0.99), "ratio_min": rho.min(), "ratio_max": rho.max(),
+          "seq_abs_log_ratio": np.mean([abs(np.mean(old[b, :lens[b]] - sampler[b, :lens[b]]))
+                                        for b in range(B) if lens[b]])}
+  assert set(got) == set(want)
+  for k, v in want.items():
+    assert float(got[k]) == pytest.approx(v, rel=1e-4), k
+  assert float(got["k3_kl"]) > 0
+
+
+# --------------------------------------------------------------------------
+# The train step: micro-batches, packing, the folded mask and the weights.
+# --------------------------------------------------------------------------
+
+CFG = Qwen2Config.tiny(vocab_size=128)
+B, P, C = 8, 4, 6
+
+
+@jax.jit
+def _ref_logp(params, prompt, prompt_mask, completion):
+  logits = qwen2.forward(params, CFG, jnp.concatenate([prompt, completion], 1),
+                         jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1))
+  logp_BCV = jax.nn.log_softmax(logits[:, P - 1:P - 1 + C], -1)
+  return jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
+
+
+@pytest.mark.parametrize("agg", ["seq-mean-token-mean", "token-mean"])
+def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg):
+  params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p,
+                        qwen2.init_params(CFG, jax.random.key(0)))
+  rng = np.random.default_rng(1)
+  prompt = rng.integers(0, CFG.vocab_size, (B, P)).astype(np.int32)
+  pmask = (np.arange(P)[None] >= rng.integers(0, P - 1, (B, 1))).astype(np.int32)
+  comp = rng.integers(0, CFG.vocab_size, (B, C)).astype(np.int32)
+  cmask = (np.arange(C)[None] < np.array([6, 1, 3, 6, 6, 2, 5, 4])[:, None]).astype(np.int32)
+  truncated = np.array([1, 0, 0, 1, 0, 0, 0, 0], bool)
+  adv = rng.normal(size=(B,)).astype(np.float32)
+  old = np.asarray(_ref_logp(params, prompt, pmask, comp))
+  old = old + rng.normal(scale=0.1, size=old.shape).astype(np.float32)  # some ratios clip
+  sampler = old - rng.normal(scale=0.6, size=old.shape).astype(np.float32)
+  spec = _spec("icepop", mask_truncated=True)
+  seqs = Sequences(completion_mask_BC=jnp.asarray(cmask), old_logp_BC=jnp.asarray(old),
+                   adv_B=jnp.asarray(adv))
+  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+  seqs, metrics = mismatch.correct(seqs, jnp.asarray(sampler), truncated, spec, sh)
+  assert 0 < metrics["mismatch/reject_frac"] < 1
+
+  # Reference: every token written out in [B, C], no aggregate() and no packing.
+  rho = np.exp(np.where(cmask > 0, old - sampler, 0.0))
+  keep = (cmask > 0) & (rho >= 0.5) & (rho <= 5.0) & ~truncated[:, None]
+  w = np.where(keep, rho, 0.0)
+
+  def ref_loss(p):
+    ratio = jnp.exp(_ref_logp(p, prompt, pmask, comp) - old)
+    a = adv[:, None]
+    obj = jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a) * w * keep
+    if agg == "token-mean":
+      return -obj.sum() / keep.sum()
+    rows = keep.any(1)
+    return -(obj.sum(1) / np.maximum(keep.sum(1), 1)).sum() / rows.sum()
+
+  mbs = packing.plan_update(prompt, pmask, comp, cmask, packing.RowLayout(P + C, B // 4,
+                                                                          pack=False))
+  assert mbs.rows.tokens_YT.shape[0] == 4  # four micro-batches to accumulate
+  batch = mbs.batch(jax.tree.map(np.asarray, seqs))
+  tcfg = ts.TrainConfig(loss=LossConfig(agg=agg))
+  loss, _, grads = jax.jit(ts.loss_and_grads, static_argnums=(2, 3))(params, batch, CFG, tcfg)
+  assert float(loss) == pytest.approx(float(ref_loss(params)), rel=1e-5)
+  want = jax.jit(jax.grad(ref_loss))(params)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(want)):
+    scale = float(jnp.abs(r).max()) + 1e-12
+    np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(r) / scale, atol=1e-4)
+
+
+# --------------------------------------------------------------------------
+# Config and the run.
+# --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("field,value,needle", [
+    ("rollout.is_correction", "tis", "rollout.is_correction='tis'"),
+    ("rollout.is_cap", 0.0, "rollout.is_cap=0.0"),
+    ("rollout.icepop_low", 6.0, "icepop_low / icepop_high"),
+])
+def test_bad_mismatch_config_names_the_field(field, value, needle):
+  c = common.shrink(common.get_base_config())
+  section, leaf = field.split(".")
+  c[section][leaf] = value
+  with pytest.raises(spec_lib.ConfigError, match=needle):
+    spec_lib.RunSpec.from_config(c, num_devices=1)
+
+
+def test_correction_with_sampler_old_logprobs_is_an_error_and_default_is_off():
+  c = common.shrink(common.get_base_config())
+  spec = spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec()
+  assert spec == mismatch.MismatchSpec(measure=True)  # measured, nothing corrected
+  c.rollout.old_logprobs = "sampler"
+  assert not spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().active
+  c.rollout.is_correction = "icepop"
+  with pytest.raises(spec_lib.ConfigError, match="old_logprobs='trainer'"):
+    spec_lib.RunSpec.from_config(c, num_devices=1)
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> dict[str, str]:
+  return rl_driver.write_assets(tmp_path_factory.mktemp("rl"))
+
+
+@pytest.mark.slow  # ~40 s each on 2 cores
+@pytest.mark.parametrize("correction,mask_truncated", [("mis_token", False), ("tis_seq", True)])
+def test_a_corrected_run_trains_end_to_end_and_logs_the_mismatch(assets, tmp_path, correction,
+                                                                 mask_truncated):
+  c = common.shrink(common.get_base_config())
+  c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8
+  c.train.num_steps, c.checkpoint.export_hf, c.optim.lr = 1, False, 1e-3
+  c.rollout.is_correction, c.rollout.mask_truncated = correction, mask_truncated
+  rl_driver.train(c, str(tmp_path), grader=rl_driver.HashGrader())
+  row = json.loads(open(tmp_path / "metrics.jsonl").readline())
+  assert np.isfinite(row["loss"]) and row["skipped_updates"] == 0
+  # float32 sampler and trainer on a CPU: the same numbers up to rounding.
+  assert 0 <= row["mismatch/abs_log_ratio"] < 1e-3
+  assert row["mismatch/ratio_p01"] <= row["mismatch/ratio_p50"] <= row["mismatch/ratio_p99"]
+  assert row["mismatch/reject_frac"] == 0.0  # MIS's cap 2 is far above 1 + 1e-3
+  if not mask_truncated:
+    assert row["mismatch/loss_token_frac"] == 1.0 and row["grad_norm"] > 0
+  elif row["truncation_rate"] == 1.0:  # a random tiny model rarely stops within 8 tokens
+    assert row["mismatch/loss_token_frac"] == 0.0 and row["loss"] == row["grad_norm"] == 0.0
+  else:
+    assert 0.0 < row["mismatch/loss_token_frac"] < 1.0 and row["grad_norm"] > 0
