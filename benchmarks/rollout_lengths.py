@@ -200,6 +200,9 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   start: dict[int, int] = {}  # active slot -> the step its row started after
   free, nxt, k, kv = list(range(slots)), 0, 0, 0
   cur, loops, gathered = slots, 1, 0  # the engine's tail loops (engine.Plan.phases)
+  # Per loop of the engine: its decode steps, and the KV blocks its steps read per layer
+  # (the trip counts of the step's per-layer block loops, summed over its steps).
+  phase_steps, phase_blocks = [0] * shape.max_loops, [0] * shape.max_loops
   while True:
     while free and nxt < B:
       n = free.pop()
@@ -215,14 +218,18 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
       gathered += cur * (P + shape.cap)  # the smaller cache, copied whole
     k1 = ends[0][0]
     ks = np.arange(k + 1, k1 + 1)
-    kv += cur * int(_blocks(P + ks - min(start.values()), blk).sum())
+    cols = int(_blocks(P + ks - min(start.values()), blk).sum())
+    kv += cur * cols
+    phase_steps[loops - 1] += len(ks)
+    phase_blocks[loops - 1] += cols // blk
     k = k1
     while ends and ends[0][0] == k:
       n = heapq.heappop(ends)[1]
       del start[n]
       free.append(n)
   return {"steps": k, "row_steps": k * slots, "kv_read": kv, "kv_read_full": kv,
-          "kv_read_own": own_total, "copies": B, "gathered": gathered}
+          "kv_read_own": own_total, "copies": B, "gathered": gathered,
+          "phase_steps": phase_steps[:loops], "phase_blocks": phase_blocks[:loops]}
 
 
 def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float:

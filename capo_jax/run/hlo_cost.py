@@ -16,7 +16,9 @@ What is counted, per device (the SPMD program):
          lowers batched matmuls to dilated, padded convolutions);
   bytes  operands + result of every instruction outside fusions (what a fusion
          reads from and writes to memory), leaving out the ones that move
-         nothing (tuples, bitcasts, parameters).
+         nothing (tuples, bitcasts, parameters); an operand a fusion only slices or
+         gathers from costs what is sliced or gathered, and a buffer updated in place
+         (dynamic-update-slice, scatter: the loop-carried KV cache) costs the update.
 With ``trip_counts=False`` each body counts once, XLA's usual convention: the
 matmul FLOPs then come within ~10% under ``cost_analysis()`` (which adds the
 elementwise work). XLA's own figures are not used for totals because, for the
@@ -152,16 +154,21 @@ def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr]) -> f
     uses = users.get(pname, [])
     if uses and all(u.op in ("slice", "dynamic-slice") for u in uses):
       total += min(full, sum(_bytes(u.shape) for u in uses))
-    elif uses and all(u.op == "dynamic-update-slice" and _operands(u.rest)[0] == pname
-                      for u in uses):
+    elif uses and all(u.op == "gather" and _operands(u.rest)[0] == pname for u in uses):
+      total += min(full, sum(_bytes(u.shape) for u in uses))  # the rows gathered
+    elif uses and all(u.op in ("dynamic-update-slice", "scatter")
+                      and _operands(u.rest)[0] == pname for u in uses):
       total += 0.0  # the buffer itself is neither read nor rewritten
     else:
       total += full
-  updates = [i for i in fused if i.op == "dynamic-update-slice"]
-  root_in_place = fused and fused[-1].op in ("dynamic-update-slice", "tuple") and updates
+  updates = [i for i in fused if i.op in ("dynamic-update-slice", "scatter")]
+  root_in_place = fused and fused[-1].op in ("dynamic-update-slice", "scatter", "tuple") and updates
   if root_in_place:
     fshapes = {i.name: i.shape for i in fused}
-    return total + sum(_bytes(fshapes.get(_operands(u.rest)[1], "")) for u in updates)
+    # dynamic-update-slice(buffer, update, ...); scatter(buffer, indices, updates): the
+    # update is written (and the indices read), the rest of the buffer stays in place.
+    return total + sum(_bytes(fshapes.get(o, "")) for u in updates
+                       for o in _operands(u.rest)[1:(2 if u.op == "dynamic-update-slice" else 3)])
   return total + _bytes(ins.shape)
 
 
@@ -178,6 +185,69 @@ def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) 
   return _bytes(ins.shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(ins.rest))
 
 
+@dataclasses.dataclass
+class _Walk:
+  weight: dict[str, float]
+  in_loop: dict[str, float]  # weight reached through unbounded loops
+  fused: set[str]
+  unbounded: list[tuple[str, bool]]  # (body, inside a conditional) of loops not entered
+
+
+def _walk(comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_unbounded: bool
+          ) -> _Walk:
+  """Each computation's weight (how many times it runs per run of ``root``)."""
+  walk = _Walk(collections.defaultdict(float), collections.defaultdict(float), set(), [])
+
+  def visit(name: str, w: float, in_fusion: bool, looped: bool, in_cond: bool) -> None:
+    walk.weight[name] += w
+    walk.in_loop[name] += w if looped else 0.0
+    if in_fusion:
+      walk.fused.add(name)
+    for ins in comps.get(name, []):
+      if ins.op == "while":
+        cond, body = (re.search(rf"{k}=%([\w.\-]+)", ins.rest)[1] for k in ("condition", "body"))
+        n = _trip_count(comps.get(cond, []))
+        if n is None and not enter_unbounded:
+          walk.unbounded.append((body, in_cond))
+          continue
+        visit(body, w * (n if n and trip_counts else 1), in_fusion, looped or n is None, in_cond)
+      elif ins.op == "fusion":
+        visit(re.search(r"calls=%([\w.\-]+)", ins.rest)[1], w, True, looped, in_cond)
+      elif ins.op == "call" or ins.op.endswith("-start"):
+        for callee in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.rest):
+          visit(callee, w, in_fusion, looped, in_cond)
+      elif ins.op == "conditional":
+        for callee in re.findall(r"%([\w.\-]+)", ins.rest.split("branch_computations=")[-1]):
+          if callee in comps:
+            visit(callee, w, in_fusion, looped, True)
+
+  visit(root, 1.0, False, False, False)
+  return walk
+
+
+def _sum(comps: dict[str, list[_Instr]], walk: _Walk) -> dict[str, float]:
+  out = dict.fromkeys(("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes"), 0.0)
+  for name, w in walk.weight.items():
+    instrs = comps[name]
+    shapes = {i.name: i.shape for i in instrs}
+    for ins in instrs:
+      if ins.op in ("dot", "convolution"):
+        f = _matmul_flops(ins, shapes)
+        out["flops"] += w * f
+        out["loop_flops"] += walk.in_loop[name] * f
+      # Async starts on TPU move data between memory spaces (HBM <-> VMEM)
+      # for an instruction whose own operands are counted already.
+      if name in walk.fused or ins.op in _FREE or ins.op.endswith(("-done", "slice-start",
+                                                                    "copy-start")):
+        continue
+      moved = _moved(ins, shapes, comps)
+      out["bytes"] += w * moved
+      out["loop_bytes"] += walk.in_loop[name] * moved
+      if ins.op.startswith(_COLLECTIVES):
+        out["collective_bytes"] += w * _bytes(ins.shape)
+  return out
+
+
 def hlo_cost(text: str, trip_counts: bool = True) -> dict[str, float]:
   """Per-device ``flops``, ``bytes`` and ``collective_bytes`` of one HLO module.
 
@@ -185,52 +255,35 @@ def hlo_cost(text: str, trip_counts: bool = True) -> dict[str, float]:
   are the part inside them (one iteration), ``unbounded_loops`` their number.
   """
   comps, entry = _parse(text)
-  weight: dict[str, float] = collections.defaultdict(float)
-  in_loop: dict[str, float] = collections.defaultdict(float)  # weight via unbounded loops
-  fused: set[str] = set()
-  unbounded = 0
-
-  def visit(name: str, w: float, in_fusion: bool, looped: bool) -> None:
-    nonlocal unbounded
-    weight[name] += w
-    in_loop[name] += w if looped else 0.0
-    if in_fusion:
-      fused.add(name)
-    for ins in comps.get(name, []):
-      if ins.op == "while":
-        cond, body = (re.search(rf"{k}=%([\w.\-]+)", ins.rest)[1] for k in ("condition", "body"))
-        n = _trip_count(comps.get(cond, []))
-        unbounded += n is None
-        visit(body, w * (n if n and trip_counts else 1), in_fusion, looped or n is None)
-      elif ins.op == "fusion":
-        visit(re.search(r"calls=%([\w.\-]+)", ins.rest)[1], w, True, looped)
-      elif ins.op == "call" or ins.op.endswith("-start"):
-        for callee in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.rest):
-          visit(callee, w, in_fusion, looped)
-      elif ins.op == "conditional":
-        for callee in re.findall(r"%([\w.\-]+)", ins.rest.split("branch_computations=")[-1]):
-          if callee in comps:
-            visit(callee, w, in_fusion, looped)
-
-  visit(entry, 1.0, False, False)
-  out = dict.fromkeys(("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes"), 0.0)
-  for name, w in weight.items():
-    instrs = comps[name]
-    shapes = {i.name: i.shape for i in instrs}
-    for ins in instrs:
-      if ins.op in ("dot", "convolution"):
-        f = _matmul_flops(ins, shapes)
-        out["flops"] += w * f
-        out["loop_flops"] += in_loop[name] * f
-      # Async starts on TPU move data between memory spaces (HBM <-> VMEM)
-      # for an instruction whose own operands are counted already.
-      if name in fused or ins.op in _FREE or ins.op.endswith(("-done", "slice-start",
-                                                               "copy-start")):
-        continue
-      moved = _moved(ins, shapes, comps)
-      out["bytes"] += w * moved
-      out["loop_bytes"] += in_loop[name] * moved
-      if ins.op.startswith(_COLLECTIVES):
-        out["collective_bytes"] += w * _bytes(ins.shape)
-  out["unbounded_loops"] = float(unbounded)
+  walk = _walk(comps, entry, trip_counts, enter_unbounded=True)
+  out = _sum(comps, walk)
+  out["unbounded_loops"] = float(sum(
+      1 for name in walk.weight for ins in comps[name] if ins.op == "while"
+      and _trip_count(comps.get(re.search(r"condition=%([\w.\-]+)", ins.rest)[1], [])) is None))
   return out
+
+
+@dataclasses.dataclass
+class Loop:
+  """An unbounded loop: one iteration of its body without the unbounded loops nested in
+  it (``cost``), those loops, and whether it sits inside a conditional."""
+  cost: dict[str, float]
+  nested: list[Loop]
+  in_conditional: bool
+
+
+def loop_tree(text: str) -> tuple[dict[str, float], list[Loop]]:
+  """The cost outside every unbounded loop, and the unbounded loops of the program in
+  order, each with the unbounded loops nested in it: for the caller to weight each by
+  its own expected trip count (bounded loops are counted by theirs, as in ``hlo_cost``)."""
+  comps, entry = _parse(text)
+
+  def loops(root: str) -> tuple[dict[str, float], list[Loop]]:
+    walk = _walk(comps, root, True, enter_unbounded=False)
+    inner = []
+    for body, in_cond in walk.unbounded:
+      cost, nested = loops(body)
+      inner.append(Loop(cost, nested, in_cond))
+    return _sum(comps, walk), inner
+
+  return loops(entry)

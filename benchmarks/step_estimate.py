@@ -1,0 +1,128 @@
+"""The step-time estimate of ``aot_tpu.py``: each compiled program's loops by their own trip
+counts, at the README's length model.
+
+The compiled programs carry loops whose trip count is known only at run time: the
+engine's decode loops (one per tail phase; inside each, one KV-block loop per layer
+and, in the first, the refill copies) and the train step's micro-batch loop.
+``hlo_cost.loop_tree`` gives the cost of one iteration of each; this module weights
+them by what the rollout would do:
+
+* decode: the scheduler simulation (``benchmarks/rollout_lengths.simulate``) of one
+  sampler call's rows at the length model (lognormal median 550, sigma 0.7,
+  per-prompt sigma 0.4, ``--trunc`` of the samples at the cap) gives each phase's
+  steps and KV blocks read (the block loops' trip counts, summed); each row is
+  copied into a slot once (the refill loop).
+* log-prob passes and train step: the same lengths plus ``prompt_tokens`` a prompt,
+  packed first-fit into the run's rows (``packing.first_fit``), give the calls of a
+  pass and the micro-batches of each update.
+
+Per program, time = max(FLOPs / peak, bytes / HBM bandwidth) per device, summed over
+its calls: a roofline, no overlap, communication as its HBM traffic only.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import numpy as np
+
+from benchmarks import rollout_lengths
+from capo_jax.rl import packing
+from capo_jax.run import hlo_cost
+
+
+@dataclasses.dataclass(frozen=True)
+class Lengths:
+  """The length model (``rollout_lengths.sample_lengths``'s) and the prompts' tokens."""
+  prompt_tokens: int = 200
+  trunc: float = 0.045
+  seeds: int = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class Trips:
+  """Expected trip counts of one RL step's loops (means over the seeds)."""
+  phase_steps: tuple[float, ...]  # decode steps of each engine loop, per sampler call
+  phase_blocks: tuple[float, ...]  # KV blocks read per layer, summed over those steps
+  refills: float  # rows copied into slots per sampler call
+  logprob_calls: float  # calls of one log-prob pass per step
+  microbatches: float  # micro-batches per update
+  real_token_fraction: float  # real tokens / the rows' token slots
+
+
+def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
+  """``sh``: ``capo_jax.run.aot.Shapes`` of the run."""
+  rows_call = sh.prompts_per_call * sh.num_samples
+  shape = rollout_lengths.Shape(rows=rows_call, samples=sh.num_samples,
+                                prompt_len=sh.prompt_len, cap=sh.max_new_tokens,
+                                max_loops=phases)
+  steps, blocks, calls, mbs, fill = [], [], [], [], []
+  for seed in range(lengths.seeds):
+    rng = np.random.default_rng(seed)
+    per_call = [rollout_lengths.sample_lengths(rng, shape, trunc=lengths.trunc)
+                for _ in range(sh.num_calls)]
+    sims = [rollout_lengths.simulate(L, shape, slots if slots < rows_call else None)
+            for L in per_call]
+    steps.append(np.sum([_pad(s.get("phase_steps", [s["steps"]]), phases) for s in sims], 0))
+    blocks.append(np.sum([_pad(s.get("phase_blocks", [s["kv_read"] // max(rows_call, 1)
+                                                      // shape.block]), phases)
+                          for s in sims], 0) / sh.num_calls)
+    steps[-1] = steps[-1] / sh.num_calls
+    seq = min(lengths.prompt_tokens, sh.max_prompt_len) + np.concatenate(per_call)
+    row_B, _ = packing.first_fit(seq, sh.row_len)
+    calls.append(-(-(int(row_B.max()) + 1) // sh.rows_per_call))
+    per_update = np.array_split(seq, updates)
+    mbs.append(np.mean([-(-(int(packing.first_fit(u, sh.row_len)[0].max()) + 1)
+                          // sh.rows_per_microbatch) for u in per_update]))
+    fill.append(seq.sum() / ((int(row_B.max()) + 1) * sh.row_len))
+  return Trips(tuple(np.mean(steps, 0)), tuple(np.mean(blocks, 0)), rows_call / 1.0,
+               float(np.mean(calls)), float(np.mean(mbs)), float(np.mean(fill)))
+
+
+def _pad(xs: list[float], n: int) -> np.ndarray:
+  return np.array(list(xs) + [0.0] * (n - len(xs)), np.float64)[:n]
+
+
+def _add(acc: dict[str, float], cost: dict[str, float], w: float) -> None:
+  for k in ("flops", "bytes", "collective_bytes"):
+    acc[k] = acc.get(k, 0.0) + w * cost.get(k, 0.0)
+
+
+def weighted_cost(name: str, text: str, t: Trips) -> dict[str, float]:
+  """Per-device FLOPs, bytes and collective bytes of one call of program ``name`` with its
+  unbounded loops at their expected trips; for decode also ``step_bytes`` (one step of
+  the first loop, its blocks included) and ``blocks_per_step``."""
+  rest, loops = hlo_cost.loop_tree(text)
+  out: dict[str, float] = {}
+  _add(out, rest, 1.0)
+  if name == "decode":
+    if len(loops) > len(t.phase_steps):
+      raise ValueError(f"decode: {len(loops)} unbounded loops, {len(t.phase_steps)} phases")
+    for i, loop in enumerate(loops):
+      _add(out, loop.cost, t.phase_steps[i])
+      for inner in loop.nested:
+        _add(out, inner.cost, t.refills if inner.in_conditional else t.phase_blocks[i])
+    blocks = t.phase_blocks[0] / max(t.phase_steps[0], 1.0)
+    step = {}
+    _add(step, loops[0].cost, 1.0)
+    for inner in loops[0].nested:
+      if not inner.in_conditional:
+        _add(step, inner.cost, blocks)
+    out["step_bytes"], out["blocks_per_step"] = step["bytes"], blocks
+    refill = {}
+    for inner in loops[0].nested:
+      if inner.in_conditional:
+        _add(refill, inner.cost, 1.0)
+    out["refill_bytes"] = refill.get("bytes", 0.0)
+    out["refill_collective_bytes"] = refill.get("collective_bytes", 0.0)
+    return out
+  if name == "train":
+    if len(loops) > 1 or any(loop.nested for loop in loops):
+      raise ValueError(f"train: expected one micro-batch loop, got {len(loops)}")
+    for loop in loops:
+      _add(out, loop.cost, t.microbatches)
+    return out
+  if loops:
+    raise ValueError(f"{name}: {len(loops)} loops without a constant trip count")
+  return out
