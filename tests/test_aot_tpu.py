@@ -20,6 +20,7 @@ import math
 import re
 
 import jax
+import jax.numpy as jnp
 import pytest
 
 from capo_jax.run import spec as spec_lib
@@ -134,6 +135,41 @@ def test_hlo_cost_counts_scan_bodies_per_iteration():
   per_layer = 2 * (1024 // 8) * 256 * 256  # one [128, 256] x [256, 256] matmul per device
   assert hlo_cost.hlo_cost(text, trip_counts=False)["flops"] == per_layer
   assert hlo_cost.hlo_cost(text)["flops"] == 6 * per_layer
+
+
+def test_loop_tree_counts_each_loop_by_its_own_trips():
+  """A while loop with a run-time bound holding a 5-step scan and a nested run-time
+  loop: ``loop_tree`` splits them, and the estimate weights each by its own count."""
+  from benchmarks import step_estimate  # pylint: disable=import-outside-toplevel
+  acc = aot.parse_accelerator(ACCELERATOR)
+  aot.set_tpu_env(acc)
+  mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  w = jax.ShapeDtypeStruct((5, 256, 256), "float32", sharding=rep)
+  x = jax.ShapeDtypeStruct((128, 256), "float32", sharding=rep)
+  n = jax.ShapeDtypeStruct((), "int32", sharding=rep)
+
+  def f(w, x, n):
+    def body(carry):
+      i, h = carry
+      h = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]  # 5 matmuls
+      # A nested loop with a run-time bound: one more matmul per iteration.
+      h = jax.lax.while_loop(lambda c: c[0] < n + i, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w[0])),
+                             (0, h))[1]
+      return i + 1, h
+    return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
+
+  text = jax.jit(f).lower(w, x, n).compile().as_text()
+  matmul = 2 * 128 * 256 * 256
+  rest, loops = hlo_cost.loop_tree(text)
+  assert rest["flops"] == 0 and len(loops) == 1, (rest, loops)
+  assert loops[0].cost["flops"] == 5 * matmul
+  assert len(loops[0].nested) == 1 and loops[0].nested[0].cost["flops"] == matmul
+  trips = step_estimate.Trips(phase_steps=(7,), phase_blocks=(30,), refills=0, logprob_calls=1,
+                              microbatches=1, real_token_fraction=1)
+  got = step_estimate.weighted_cost("decode", text, trips)
+  assert got["flops"] == 7 * 5 * matmul + 30 * matmul  # 7 outer iterations, 30 inner in all
+  assert got["blocks_per_step"] == 30 / 7
 
 
 def test_splash_attention_kernel_compiles_for_tpu():

@@ -26,6 +26,8 @@ def test_tail_loop_reads_counted_by_hand():
   assert sim["steps"] == 9
   assert sim["kv_read"] == 2 * 1 + 2 * 1 + sum(range(2, 9))
   assert sim["gathered"] == 1 * 8  # the one-slot cache, prompt + cap columns
+  # Per engine loop: its steps, and the blocks a layer's block loop runs, summed.
+  assert sim["phase_steps"] == [2, 7] and sim["phase_blocks"] == [1 + 1, sum(range(2, 9))]
   one_loop = rl.simulate(lengths, dataclasses.replace(shape, max_loops=1), 2)
   assert one_loop["kv_read"] == 2 * 1 + 2 * 1 + 2 * sum(range(2, 9))
   assert one_loop["gathered"] == 0
