@@ -251,10 +251,24 @@ def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.A
   P = prompts.mask_QP.shape[1]
   mask_QS = jnp.pad(prompts.mask_QP, ((0, 0), (0, S - P)))
 
+  sharded = _batch_shards(plan.layout) > 1
+
+  def row(src: jax.Array, q: jax.Array) -> jax.Array:
+    """Prompt q of ``src`` [Q, ...] as [1, ...]. With the prompts split over devices, a
+    dynamic slice at a run-time row makes XLA all-gather the whole prompt cache (3.8 GB
+    per copy for 1.5B on v4-32, by the TPU compiler); a masked sum over the prompts
+    reads each device's own share and all-reduces one row (exact: the other terms are 0)."""
+    if not sharded:
+      return jax.lax.dynamic_slice_in_dim(src, q, 1, axis=0)
+    hit_Q = (jnp.arange(src.shape[0]) == q).reshape((-1,) + (1,) * (src.ndim - 1))
+    if src.dtype == jnp.bool_:
+      return jnp.any(hit_Q & src, axis=0, keepdims=True)
+    return jnp.sum(jnp.where(hit_Q, src, jnp.zeros((), src.dtype)), axis=0, keepdims=True)
+
   def copy(j: jax.Array, c: decode.SlotCache) -> decode.SlotCache:
     n, q = which_W[j], row_W[which_W[j]] // G
     put = lambda dst, src: jax.lax.dynamic_update_slice(
-        dst, jax.lax.dynamic_slice_in_dim(src, q, 1, axis=0), (n,) + (0,) * (dst.ndim - 1))
+        dst, row(src, q), (n,) + (0,) * (dst.ndim - 1))
     return decode.SlotCache(k=tuple(put(d, s) for d, s in zip(c.k, prompts.k)),
                             v=tuple(put(d, s) for d, s in zip(c.v, prompts.v)),
                             mask_WS=put(c.mask_WS, mask_QS))
