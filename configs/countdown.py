@@ -1,7 +1,6 @@
 r"""Countdown: RL on a task whose answers are expressions, graded by a plug-in checker.
 
-  python -m capo_jax.main --config=configs/countdown.py --workdir=DIR \
-      --config.model.hf_path=/path/to/Qwen2.5-Math-1.5B
+  python -m capo_jax.main --config=configs/countdown.py --workdir=DIR
 
 Each question gives 3-4 numbers and a target; the answer is an arithmetic expression
 over them (``capo_jax/data/countdown.py``: a generated dataset, registry name
@@ -24,6 +23,7 @@ from configs import common
 
 def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.get_base_config()
+  c.model.hf_path = "Qwen/Qwen2.5-Math-1.5B"  # or a local / gs:// copy
   c.model.preset = "qwen2p5_math_1p5b"
   c.algo.name = "capo"
   c.data.train = "countdown"  # 5,000 generated questions (or countdown.jsonl in data_dir)
