@@ -151,7 +151,9 @@ class Run:
 def _uses_reference(c: Any) -> bool:
   """Whether the trainer keeps a reference policy (its own rule: noise mask or KL)."""
   from capo_jax.run.spec import RunSpec
-  return RunSpec.from_config(c, policy_given=True).needs_reference
+  # Validated against a device count the mesh fits (the plan is for any slice).
+  fixed = max(c.mesh.data, 1) * max(c.mesh.fsdp, 1) * max(c.mesh.tensor, 1)
+  return RunSpec.from_config(c, policy_given=True, num_devices=fixed).needs_reference
 
 
 def load_run(model: str) -> Run:
