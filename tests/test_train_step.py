@@ -205,7 +205,7 @@ def test_bfloat16_gradient_keeps_no_bfloat16_copy_of_the_model():
   i32, f32 = jnp.int32, jnp.float32
   batch = TrainBatch(  # one micro-batch of two 128-token rows, 96 completion tokens each
       ModelRows(spec(i32, 1, 2, 128), spec(i32, 1, 2, 128), spec(i32, 1, 2, 128),
-                spec(i32, 1, 192), spec(i32, 1, 192), spec(i32, 1, 192)),
+                spec(i32, 1, 2, 96), spec(i32, 1, 2, 96), spec(i32, 1, 2, 96)),
       spec(i32, 1, 2, 96), Sequences(spec(i32, 1, 2, 96), spec(f32, 1, 2, 96), spec(f32, 1, 2)))
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes)
 
