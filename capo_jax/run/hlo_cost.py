@@ -138,24 +138,56 @@ def _trip_count(cond: list[_Instr]) -> int | None:
   return None
 
 
-def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr]) -> float:
-  """Bytes a fusion moves: each operand once, except that an operand read only
-  through dynamic slices costs the slices, and a buffer updated in place
-  (dynamic-update-slice) costs the update, read and written, not the buffer."""
-  params = {i.name: int(re.match(r"(\d+)\)", i.rest)[1]) for i in fused if i.op == "parameter"}
+def _users(fused: list[_Instr]) -> dict[str, list[_Instr]]:
   users: dict[str, list[_Instr]] = collections.defaultdict(list)
   for i in fused:
     for o in _operands(i.rest):
       users[o].append(i)
+  return users
+
+
+def _params(fused: list[_Instr]) -> dict[str, int]:
+  return {i.name: int(re.match(r"(\d+)\)", i.rest)[1]) for i in fused if i.op == "parameter"}
+
+
+def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]]
+                    ) -> float | None:
+  """Bytes of parameter ``pname`` a fusion reads when it only slices or gathers from it
+  (also through a nested fusion that does), else None."""
+  total = 0.0
+  uses = _users(fused).get(pname, [])
+  for u in uses:
+    if u.op in ("slice", "dynamic-slice") or (u.op == "gather"
+                                              and _operands(u.rest)[0] == pname):
+      total += _bytes(u.shape)
+    elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
+      inner = comps.get(re.search(r"calls=%([\w.\-]+)", u.rest)[1], [])
+      idx = _operands(u.rest).index(pname)
+      names = [n for n, i in _params(inner).items() if i == idx]
+      got = _read_by_slices(names[0], inner, comps) if names else None
+      if got is None:
+        return None
+      total += got
+    else:
+      return None
+  return total if uses else None
+
+
+def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
+                  comps: dict[str, list[_Instr]]) -> float:
+  """Bytes a fusion moves: each operand once, except that an operand read only
+  through slices or gathers costs what they read, and a buffer updated in place
+  (dynamic-update-slice, scatter) costs the update, read and written, not the buffer."""
+  params = _params(fused)
+  users = _users(fused)
   operands = _operands(ins.rest)
   total = 0.0
   for pname, idx in params.items():
     full = _bytes(shapes.get(operands[idx], "")) if idx < len(operands) else 0.0
     uses = users.get(pname, [])
-    if uses and all(u.op in ("slice", "dynamic-slice") for u in uses):
-      total += min(full, sum(_bytes(u.shape) for u in uses))
-    elif uses and all(u.op == "gather" and _operands(u.rest)[0] == pname for u in uses):
-      total += min(full, sum(_bytes(u.shape) for u in uses))  # the rows gathered
+    sliced = _read_by_slices(pname, fused, comps)
+    if sliced is not None:
+      total += min(full, sliced)
     elif uses and all(u.op in ("dynamic-update-slice", "scatter")
                       and _operands(u.rest)[0] == pname for u in uses):
       total += 0.0  # the buffer itself is neither read nor rewritten
@@ -181,7 +213,8 @@ def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) 
   if ins.op == "dynamic-update-slice":
     return 2 * _bytes(shapes.get(_operands(ins.rest)[1], ""))
   if ins.op == "fusion":
-    return _fusion_bytes(ins, shapes, comps[re.search(r"calls=%([\w.\-]+)", ins.rest)[1]])
+    return _fusion_bytes(ins, shapes, comps[re.search(r"calls=%([\w.\-]+)", ins.rest)[1]],
+                         comps)
   return _bytes(ins.shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(ins.rest))
 
 
