@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 from collections.abc import Mapping
 from typing import Any
@@ -50,6 +51,8 @@ LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "c
 # aggregates with the token mean (DAPO's); the others with GRPO's per-sequence mean.
 DEFAULT_AGG = {"simko": "token-mean"}
 
+
+log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
@@ -253,6 +256,17 @@ class RunSpec:
       fixed *= max(size, 1)
     if fixed > n or (n % fixed):
       fail("mesh", sizes, f"the mesh needs a multiple of {fixed} devices; {n} are available")
+    rest = n // fixed  # the -1 axis
+    shards = (rest if sizes["data"] == -1 else sizes["data"]) * (
+        rest if sizes["fsdp"] == -1 else sizes["fsdp"])
+    rows = self.packing_shape()[1]
+    if rows % shards:
+      # Not an error (it runs), but each chip then computes every row of a micro-batch.
+      log.warning("config.train: %d model rows per micro-batch / log-prob call are not "
+                  "divisible by data x fsdp = %d, so the rows are replicated over it and "
+                  "every chip computes all of them; set train.pack_rows (or "
+                  "train.micro_batch_size) to a multiple of %d, or move devices to "
+                  "mesh.tensor", rows, shards, shards)
 
   # ------------------------------------------------------- derived settings
 
