@@ -51,8 +51,8 @@ LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "c
 # aggregates with the token mean (DAPO's); the others with GRPO's per-sequence mean.
 DEFAULT_AGG = {"simko": "token-mean"}
 
-
 log = logging.getLogger(__name__)
+
 
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
