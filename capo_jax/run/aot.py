@@ -286,7 +286,9 @@ def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = Non
                      ref_logp_BC=f32(M, Bm, C) if spec.needs_reference else None,
                      correct_B=mb(M, Bm, dtype=jnp.bool_) if J else None,
                      old_topk_ids_BCJ=mb(M, Bm, C, J) if J else None,
-                     old_topk_logp_BCJ=f32(M, Bm, C, J) if J else None))
+                     old_topk_logp_BCJ=f32(M, Bm, C, J) if J else None,
+                     is_weight_BC=(f32(M, Bm, C) if spec.rollout.is_correction != "none"
+                                   else None)))
   base = () if lora_cfg is None else (trained_params,)
   out.append(Lowerable("train", progs.train_step, (state, batch) + base, {},
                        spec.updates_per_step, ("reference",)))
