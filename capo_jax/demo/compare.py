@@ -39,6 +39,11 @@ _GRPO = {"algo.name": "grpo", "algo.mask": "off"}
 VARIANTS: dict[str, dict[str, Any]] = {
     "capo": _CAPO,
     "grpo": _GRPO,
+    # The paper's other baselines (docs/algorithms.md), without the mask as in the paper.
+    "gspo": {"algo.name": "gspo", "algo.mask": "off"},
+    "codapo": {"algo.name": "codapo", "algo.mask": "off"},
+    "cde": {"algo.name": "cde", "algo.mask": "off"},
+    "simko": {"algo.name": "simko", "algo.mask": "off"},
     # Controls: which part of CAPO does the work, its logistic weights or GRPO's 1/std.
     "dr_grpo": {"algo.name": "dr_grpo", "algo.mask": "off"},
     "capo_tau10": {**_CAPO, "algo.tau": 10.0},  # large tau: Dr.GRPO up to a constant

@@ -12,6 +12,7 @@ import dataclasses
 import json
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -87,6 +88,16 @@ def rule_share(completions: list[str], examples: list[Any], correct_QG: np.ndarr
   return hits / total if total else float("nan")
 
 
+def _completion_ids(completions: list[str], shape: tuple[int, int]) -> np.ndarray:
+  """[Q, G] ids, equal within a question for identical completions (PC counts each once)."""
+  Q, G = shape
+  out = np.zeros(shape, np.int64)
+  for q in range(Q):
+    ids: dict[str, int] = {}
+    out[q] = [ids.setdefault(t, len(ids)) for t in completions[q * G:(q + 1) * G]]
+  return out
+
+
 def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
                     num_samples: int, seed: int, save_to: str | None = None
                     ) -> dict[str, float]:
@@ -94,7 +105,9 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
   metrics"), also on the questions the policy mostly gets wrong.
 
   ``save_to``: an ``.npz`` path for the per-sample scores and verdicts (``s_QG``,
-  ``correct_QG``, ``lengths_QG``), which the paired comparisons read.
+  ``correct_QG``, ``lengths_QG``, ``answers_QG``: the boxed answer, "" for none, and
+  ``completion_QG``: equal ids within a question mark identical completions, which
+  the voting methods read), which the paired comparisons read.
   """
   ev = warm_start.evaluate_policy(evaluate.EvalPolicy(params, ws.cfg, ws.tokenizer), examples,
                                   warm_start.DemoSampling(num_samples=num_samples),
@@ -103,7 +116,11 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
   if save_to:
     os.makedirs(os.path.dirname(save_to), exist_ok=True)
     tmp = save_to + ".tmp.npz"
-    np.savez_compressed(tmp, s_QG=s_QG, correct_QG=correct_QG, lengths_QG=ev["lengths"])
+    answers_QG = np.array([rewards.extract_boxed(c) or "" for c in ev["completions"]],
+                          dtype=str).reshape(s_QG.shape)
+    np.savez_compressed(tmp, s_QG=s_QG, correct_QG=correct_QG, lengths_QG=ev["lengths"],
+                        answers_QG=answers_QG,
+                        completion_QG=_completion_ids(ev["completions"], s_QG.shape))
     os.replace(tmp, save_to)
   buckets = calibration.auc_by_bucket(s_QG, correct_QG)
   # Questions the policy mostly gets wrong (<= 1/4 right): in the demo's runs GRPO's
@@ -119,12 +136,15 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
 
 
 def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
-           *, run_name: str | None = None, initial_eval: dict[str, float] | None = None
+           *, run_name: str | None = None, initial_eval: dict[str, float] | None = None,
+           on_eval: Callable[[int, Any, str], None] | None = None
            ) -> list[dict[str, float]]:
   """RL from the warm start with held-out evals; returns them (step 0 = the warm start).
 
   ``initial_eval``: the warm start's held-out metrics, when already known (every
   run of a comparison shares them: same params, same evaluation seed).
+  ``on_eval(step, params, run_dir)``: called after each held-out evaluation (the
+  study's extra evaluations, e.g. more samples at the last step).
   """
   demo = Demo.of(spec)
   train, heldout = task_lib.make_splits(demo.task)
@@ -139,6 +159,8 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
       m = heldout_metrics(ws, params, heldout, demo.eval_samples, demo.eval_seed,
                           save_to=os.path.join(run_dir, "heldout", f"step_{step:06d}.npz"))
     evals.append({"step": step, **m})
+    if on_eval is not None:
+      on_eval(step, params, run_dir)
     return m
 
   grader = None

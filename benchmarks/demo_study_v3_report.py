@@ -1,0 +1,258 @@
+"""The report of the demo study v3 (``benchmarks/demo_study_v3.py``): tables, intervals, plots.
+
+Reads what has finished under ``--root`` and writes ``study_v3.md``, ``study_v3.json``,
+``study_v3_curves.png`` and ``study_v3_frontier.png``. Every number is computed
+here from the runs' per-sample files (``heldout/step_*.npz``, ``scaling_final.npz``),
+and the header records the machine, the date and the commit.
+"""
+
+from __future__ import annotations
+
+import datetime
+import json
+import os
+import pathlib
+import platform
+import subprocess
+from typing import Any
+
+import numpy as np
+
+from benchmarks.demo_study_v3 import METHODS, PRIMARY, REPO
+from capo_jax.demo import study
+from capo_jax.eval import calibration, scaling
+
+
+def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
+  with np.load(path) as z:
+    return {k: z[k] for k in z.files}
+
+
+def _runs(root: pathlib.Path) -> dict[tuple[int, str], dict[str, Any]]:
+  """(warm start, variant) -> {"evals", "dir"} for every finished run (seed 0)."""
+  out = {}
+  for path in sorted(root.glob("ws*/*_seed0/evals.json")):
+    w = int(path.parent.parent.name[2:])
+    out[(w, path.parent.name.rsplit("_seed", 1)[0])] = {
+        "evals": json.loads(path.read_text()), "dir": path.parent}
+  return out
+
+
+def _selected(root: pathlib.Path, w: int, design: dict[str, Any]) -> np.ndarray:
+  return study.select_questions(_load_npz(root / f"ws{w}" / "selection.npz")["correct_QG"],
+                                *design["band"])
+
+
+def _at(run: dict[str, Any], step: int, keep_Q: np.ndarray) -> dict[str, Any]:
+  """Metrics of one checkpoint on the selected questions."""
+  z = _load_npz(run["dir"] / "heldout" / f"step_{step:06d}.npz")
+  s_QG, c_QG = z["s_QG"][keep_Q], z["correct_QG"][keep_Q]
+  auc_Q = calibration.auc_per_question(s_QG, c_QG)
+  return {"auc_Q": auc_Q, "accuracy_sel": float(c_QG.mean()),
+          "auc_mean_sel": float(np.nanmean(auc_Q)), "aurc_sel": calibration.aurc(s_QG, c_QG)}
+
+
+def _scaling(path: pathlib.Path, design: dict[str, Any]) -> dict[str, Any] | None:
+  if not path.exists():
+    return None
+  z = _load_npz(path)
+  qs = []
+  for q in range(z["s_QG"].shape[0]):
+    group_G = scaling.group_answers([a or None for a in z["answers_QG"][q]], str.__eq__)
+    qs.append(scaling.QuestionSamples(group_G, z["s_QG"][q], z["correct_QG"][q],
+                                      z["completion_QG"][q]))
+  cfg = scaling.ScalingConfig(ns=tuple(design["scaling_ks"]),
+                              n_subsets=design["scaling_subsets"], seed=0)
+  return scaling.scaling_curves(qs, cfg)
+
+
+def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
+  runs = _runs(root)
+  warm_starts = sorted({w for w, _ in runs})
+  res: dict[str, Any] = {"warm_starts": {}, "final": {}, "paired": {}, "scaling": {}}
+  keep = {w: _selected(root, w, design) for w in warm_starts}
+  for w in warm_starts:
+    info = json.loads((root / f"ws{w}" / "warm_start_eval.json").read_text())
+    ws_sc = _scaling(root / f"ws{w}" / "warm_start_scaling.npz", design)
+    res["warm_starts"][w] = {"accuracy": info["accuracy"], "auc_mean": info["auc_mean"],
+                             "selected": int(keep[w].sum()), "scaling": ws_sc}
+  for (w, variant), run in runs.items():
+    last = run["evals"][-1]
+    sel = _at(run, last["step"], keep[w])
+    res["final"].setdefault(variant, {})[w] = {
+        "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
+        "aurc": last["aurc"], "entropy": last["entropy"],
+        **{k: v for k, v in sel.items() if k != "auc_Q"}}
+    res["scaling"].setdefault(variant, {})[w] = _scaling(run["dir"] / "scaling_final.npz", design)
+  base = PRIMARY[1]
+  for variant in sorted({v for _, v in runs}):
+    if variant == base or variant.endswith(tuple(s for s in design["lrs"] if s)):
+      continue
+    matched, final, notes = [], [], []
+    for w in warm_starts:
+      a, b = runs.get((w, variant)), runs.get((w, base))
+      if a is None or b is None:
+        continue
+      m = study.matched_checkpoints(a["evals"], b["evals"], design["match_tol"])
+      last_a, last_b = a["evals"][-1]["step"], b["evals"][-1]["step"]
+      final.append((_at(a, last_a, keep[w])["auc_Q"], _at(b, last_b, keep[w])["auc_Q"]))
+      if m is None:
+        notes.append({"warm_start": w, "matched": None})
+        continue
+      matched.append((_at(a, m["step_a"], keep[w])["auc_Q"],
+                      _at(b, m["step_b"], keep[w])["auc_Q"]))
+      notes.append({"warm_start": w, "matched": m})
+    if final:
+      res["paired"][variant] = {
+          "matched": study.hierarchical_delta(matched) if matched else None,
+          "final": study.hierarchical_delta(final), "checkpoints": notes}
+  return res
+
+
+def _f(v: Any, sign: bool = False) -> str:
+  if v is None or not np.isfinite(v):
+    return "-"
+  return f"{v:+.3f}" if sign else f"{v:.3f}"
+
+
+def _ms(vals: list[float]) -> str:
+  vals = [v for v in vals if v is not None and np.isfinite(v)]
+  if not vals:
+    return "-"
+  return f"{np.mean(vals):.3f}" + (f" ± {np.std(vals):.3f}" if len(vals) > 1 else "")
+
+
+def _interval(d: dict[str, Any] | None) -> str:
+  if not d:
+    return "- (no matched checkpoints)"
+  return (f"{_f(d['delta'], True)} [{_f(d['lo'], True)}, {_f(d['hi'], True)}] "
+          f"({d['pairs']} q, {d['warm_starts']} ws)")
+
+
+def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
+  k_max = max(design["scaling_ks"])
+  head = ["method", "warm starts", "accuracy", "AUC-mean", "AURC", "accuracy (sel.)",
+          "AUC-mean (sel.)", f"PC@{k_max} (sel.)", f"maj@{k_max} (sel.)", "entropy"]
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+  ws = res["warm_starts"]
+  lines.append("| warm start | " + str(len(ws)) + " | " + " | ".join(
+      [_ms([v["accuracy"] for v in ws.values()]), _ms([v["auc_mean"] for v in ws.values()]),
+       "-", "-", "-",
+       _ms([v["scaling"]["pc"][-1] for v in ws.values() if v["scaling"]]),
+       _ms([v["scaling"]["majority"][-1] for v in ws.values() if v["scaling"]]), "-"]) + " |")
+  order = [m for m in METHODS if m in res["final"]] + sorted(
+      v for v in res["final"] if v not in METHODS)
+  for v in order:
+    per = res["final"][v]
+    sc = [s for s in res["scaling"].get(v, {}).values() if s]
+    label = f"{v} (large-tau control)" if v == "dr_grpo" else v
+    lines.append(f"| {label} | {len(per)} | " + " | ".join(
+        [_ms([r[k] for r in per.values()]) for k in
+         ("accuracy", "auc_mean", "aurc", "accuracy_sel", "auc_mean_sel")]
+        + [_ms([s["pc"][-1] for s in sc]), _ms([s["majority"][-1] for s in sc]),
+           _ms([r["entropy"] for r in per.values()])]) + " |")
+  out = "\n".join(lines)
+  out += ("\n\nPaired per-question ΔAUC against grpo on the selected questions "
+          "(hierarchical bootstrap 95%):\n\n| method | at matched accuracy (primary for capo) "
+          "| at the final step | matched steps (method / grpo, per warm start) |\n"
+          "|---|---|---|---|\n")
+  for v, p in res["paired"].items():
+    steps = ", ".join(f"ws{c['warm_start']}: " + (
+        f"{c['matched']['step_a']}/{c['matched']['step_b']}" if c["matched"] else "none")
+        for c in p["checkpoints"])
+    out += f"| {v} | {_interval(p['matched'])} | {_interval(p['final'])} | {steps} |\n"
+  out += "\nConfidence-weighted voting on the selected questions at the last step, mean over " \
+         f"warm starts ({design['scaling_samples']} samples per question, each k averaged " \
+         f"over {design['scaling_subsets']} random subsets):\n\n| method | " + " | ".join(
+             f"{m}@{k}" for m in ("majority", "pc", "rpc") for k in design["scaling_ks"]) + \
+         " |\n|---|" + "---|" * (3 * len(design["scaling_ks"])) + "\n"
+  rows = {"warm start": [v["scaling"] for v in ws.values() if v["scaling"]]}
+  rows.update({v: [s for s in res["scaling"].get(v, {}).values() if s] for v in order})
+  for v, sc in rows.items():
+    if sc:
+      out += f"| {v} | " + " | ".join(
+          _ms([s[m][i] for s in sc]) for m in ("majority", "pc", "rpc")
+          for i in range(len(design["scaling_ks"]))) + " |\n"
+  return out
+
+
+def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, Any]
+           ) -> None:
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  runs = _runs(root)
+  fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
+  for v in [m for m in METHODS if m in res["final"]]:
+    by_w = {w: r for (w, name), r in runs.items() if name == v}
+    steps = [e["step"] for e in next(iter(by_w.values()))["evals"]]
+    curves = {k: [] for k in ("accuracy", "auc_mean_sel", "entropy")}
+    for w, r in by_w.items():
+      if len(r["evals"]) != len(steps):
+        continue
+      keep = _selected(root, w, design)
+      curves["accuracy"].append([e["accuracy"] for e in r["evals"]])
+      curves["entropy"].append([e["entropy"] for e in r["evals"]])
+      curves["auc_mean_sel"].append([
+          _at(r, e["step"], keep)["auc_mean_sel"] if e["step"] else np.nan
+          for e in r["evals"]])
+    for ax, (k, c) in zip(axes, curves.items()):
+      ax.plot(steps, np.nanmean(np.array(c, float), 0), "o-", ms=3, label=v)
+      ax.set_title(k + " (mean over warm starts)")
+      ax.set_xlabel("RL step")
+  axes[0].legend(fontsize=7)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "study_v3_curves.png"), dpi=110)
+  plt.close(fig)
+  fig, ax = plt.subplots(figsize=(5.5, 4))
+  for (w, name), r in sorted(runs.items()):
+    method = name.split("_lr")[0]
+    if method not in PRIMARY:
+      continue
+    keep = _selected(root, w, design)
+    xs = [e["accuracy"] for e in r["evals"] if e["step"]]
+    ys = [_at(r, e["step"], keep)["auc_mean_sel"] for e in r["evals"] if e["step"]]
+    ax.plot(xs, ys, "o-" if method == "capo" else "s--", ms=3,
+            color="C1" if method == "capo" else "C0", alpha=0.4 + 0.2 * ("_lr" in name),
+            label=f"{name} ws{w}")
+  ax.set_xlabel("held-out accuracy")
+  ax.set_ylabel("AUC-mean, selected questions")
+  ax.legend(fontsize=5)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "study_v3_frontier.png"), dpi=110)
+  plt.close(fig)
+
+
+def _machine() -> str:
+  cpu = platform.processor() or platform.machine()
+  try:
+    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
+      if line.startswith("model name"):
+        cpu = line.split(":", 1)[1].strip()
+        break
+  except OSError:
+    pass
+  return f"{cpu}, {os.cpu_count()} cores"
+
+
+def report(root: str, out: str) -> str:
+  root_p = pathlib.Path(root)
+  # The design the runs were made with (run_all writes it), not this file's.
+  design = json.loads((root_p / "design.json").read_text())
+  res = analyse(root_p, design)
+  os.makedirs(out, exist_ok=True)
+  commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                          capture_output=True, text=True, check=False).stdout.strip()
+  header = (f"Demo study v3, {datetime.date.today().isoformat()}, {_machine()}, commit "
+            f"{commit}. Warm starts (SFT seeds): " + ", ".join(
+                f"ws{w} accuracy {_f(v['accuracy'])}, AUC-mean {_f(v['auc_mean'])}, "
+                f"{v['selected']} selected questions" for w, v in res["warm_starts"].items())
+            + ".\n\n")
+  text = header + tables(res, design)
+  _plots(root_p, res, out, design)
+  with open(os.path.join(out, "study_v3.md"), "w", encoding="utf-8") as f:
+    f.write(text)
+  with open(os.path.join(out, "study_v3.json"), "w", encoding="utf-8") as f:
+    json.dump({"design": design, "machine": _machine(), "commit": commit,
+               "date": datetime.date.today().isoformat(), **res}, f, indent=1, default=str)
+  return text

@@ -1,0 +1,118 @@
+"""The demo study v3's statistics: warm starts as a factor, matched checkpoints.
+
+The pre-registered design and primary metric are written in ``docs/demo.md``
+("Study v3"); ``benchmarks/demo_study_v3.py`` runs it. What lives here is the
+part with maths in it, tested against brute-force references:
+
+- ``select_questions``: the held-out questions of a warm start whose accuracy
+  lies in (lo, hi], measured on samples drawn with a *selection* seed that the
+  reported evaluation does not use (selecting and scoring on the same samples
+  would regress every method toward the mean by the same amount and hide it).
+- ``matched_checkpoints``: the two evaluated checkpoints, one per run, whose
+  held-out accuracies are within ``tol`` of each other, the most accurate such
+  pair; so AUC is compared at equal accuracy, not at equal step.
+- ``hierarchical_delta``: the pair-weighted mean paired per-question ΔAUC over
+  warm starts, their seeds and their questions, with a bootstrap interval that
+  resamples warm starts, then seeds within each, then questions within each
+  (shared by that warm start's seeds, which see the same questions).
+
+Letters: W warm starts, I seeds of one warm start, Q questions, G samples, O
+bootstrap replicates.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+
+def select_questions(correct_QG: Any, lo: float = 0.0, hi: float = 0.6) -> np.ndarray:
+  """Questions whose accuracy (mean over G) lies in (lo, hi]; a bool mask [Q]."""
+  acc_Q = np.asarray(correct_QG, bool).mean(axis=1)
+  return (acc_Q > lo) & (acc_Q <= hi)
+
+
+def matched_checkpoints(evals_a: Sequence[Mapping[str, float]],
+                        evals_b: Sequence[Mapping[str, float]], tol: float = 0.005,
+                        key: str = "accuracy") -> dict[str, Any] | None:
+  """The evaluated steps (one of each run, step 0 excluded) whose ``key`` differ by at
+  most ``tol``, the pair with the highest mean ``key`` (ties: the earlier steps).
+
+  Returns ``{"step_a", "step_b", "acc_a", "acc_b", "gap"}`` or None when no pair of
+  checkpoints is that close (the report counts such run pairs as unmatched).
+  """
+  best: tuple[float, int, int] | None = None
+  for ea in evals_a:
+    for eb in evals_b:
+      if ea["step"] == 0 or eb["step"] == 0 or abs(ea[key] - eb[key]) > tol:
+        continue
+      cand = (-(ea[key] + eb[key]) / 2, ea["step"], eb["step"])
+      if best is None or cand < best:
+        best = cand
+  if best is None:
+    return None
+  ea = next(e for e in evals_a if e["step"] == best[1])
+  eb = next(e for e in evals_b if e["step"] == best[2])
+  return {"step_a": best[1], "step_b": best[2], "acc_a": float(ea[key]),
+          "acc_b": float(eb[key]), "gap": float(ea[key] - eb[key])}
+
+
+def _sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, w_OI: np.ndarray, v_OQ: np.ndarray
+          ) -> tuple[np.ndarray, np.ndarray]:
+  """Per replicate: the weighted sum of differences and of valid cells."""
+  return (np.einsum("oi,iq,oq->o", w_OI, d_IQ, v_OQ),
+          np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ))
+
+
+def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
+                       seed: int = 0, level: float = 0.95) -> dict[str, Any]:
+  """Mean paired ΔAUC (A - B) pooled over warm starts, with a hierarchical bootstrap.
+
+  ``pairs``: one ``(auc_a_IQ, auc_b_IQ)`` per warm start: per-question AUCs (NaN
+  where a question is all-right or all-wrong) of A's and B's runs, row i of both
+  from the same RL seed; Q may differ between warm starts (each has its own
+  selected questions). A cell counts where both are finite. The estimate is the
+  mean over all counted cells. Each replicate draws W warm starts with
+  replacement, and in each drawn warm start its I seeds and its Q questions with
+  replacement (one question draw shared by its seeds); its estimate is the
+  cell-weighted mean of the drawn cells. Returns ``delta``, ``lo``, ``hi``,
+  ``pairs`` (counted cells), ``warm_starts`` and ``per_warm_start`` (each one's
+  delta and cells).
+  """
+  if not pairs:
+    raise ValueError("hierarchical_delta: no warm starts")
+  rng = np.random.default_rng(seed)
+  num_OW, den_OW, per = [], [], []
+  total_d = total_n = 0.0
+  for w, (a, b) in enumerate(pairs):
+    a_IQ = np.atleast_2d(np.asarray(a, np.float64))
+    b_IQ = np.atleast_2d(np.asarray(b, np.float64))
+    if a_IQ.shape != b_IQ.shape:
+      raise ValueError(f"hierarchical_delta: warm start {w}: shapes differ, "
+                       f"{a_IQ.shape} vs {b_IQ.shape}")
+    valid_IQ = np.isfinite(a_IQ) & np.isfinite(b_IQ)
+    d_IQ = np.where(valid_IQ, a_IQ - b_IQ, 0.0)
+    n_i, n_q = a_IQ.shape
+    w_OI = rng.multinomial(n_i, np.full(n_i, 1.0 / n_i), size=n_boot).astype(np.float64)
+    v_OQ = rng.multinomial(n_q, np.full(n_q, 1.0 / n_q), size=n_boot).astype(np.float64)
+    num_O, den_O = _sums(d_IQ, valid_IQ, w_OI, v_OQ)
+    num_OW.append(num_O)
+    den_OW.append(den_O)
+    n = float(valid_IQ.sum())
+    per.append({"delta": float(d_IQ.sum() / n) if n else float("nan"), "pairs": int(n)})
+    total_d, total_n = total_d + float(d_IQ.sum()), total_n + n
+  num_OW, den_OW = np.stack(num_OW, 1), np.stack(den_OW, 1)
+  n_w = len(pairs)
+  u_OW = rng.multinomial(n_w, np.full(n_w, 1.0 / n_w), size=n_boot).astype(np.float64)
+  num_O, den_O = (u_OW * num_OW).sum(1), (u_OW * den_OW).sum(1)
+  est_O = num_O[den_O > 0] / den_O[den_O > 0]
+  alpha = (1.0 - level) / 2
+  if total_n == 0 or est_O.size == 0:
+    lo = hi = delta = float("nan")
+  else:
+    lo, hi = (float(x) for x in np.quantile(est_O, [alpha, 1.0 - alpha]))
+    delta = total_d / total_n
+  return {"delta": delta, "lo": lo, "hi": hi, "pairs": int(total_n),
+          "warm_starts": n_w, "per_warm_start": per}

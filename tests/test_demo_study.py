@@ -1,0 +1,87 @@
+"""The demo study v3's statistics against brute-force references (capo_jax/demo/study.py)."""
+
+from __future__ import annotations
+
+import itertools
+
+import numpy as np
+import pytest
+
+from capo_jax.demo import study
+
+
+def test_select_questions_keeps_accuracy_in_the_half_open_band():
+  correct_QG = np.zeros((5, 10), bool)
+  for q, k in enumerate([0, 1, 6, 7, 10]):  # accuracies 0, .1, .6, .7, 1
+    correct_QG[q, :k] = True
+  np.testing.assert_array_equal(study.select_questions(correct_QG, 0.0, 0.6),
+                                [False, True, True, False, False])
+
+
+def _evals(steps_acc):
+  return [{"step": s, "accuracy": a} for s, a in steps_acc]
+
+
+def test_matched_checkpoints_picks_the_most_accurate_pair_within_tolerance():
+  a = _evals([(0, 0.35), (25, 0.45), (50, 0.503), (75, 0.56)])
+  b = _evals([(0, 0.35), (25, 0.50), (50, 0.541), (75, 0.60)])
+  # Brute force over all pairs: within 0.005 are (50, 25) gap .003 and (25, -) none...
+  pairs = [(ea, eb) for ea, eb in itertools.product(a, b)
+           if ea["step"] and eb["step"] and abs(ea["accuracy"] - eb["accuracy"]) <= 0.005]
+  want = max(pairs, key=lambda p: p[0]["accuracy"] + p[1]["accuracy"])
+  got = study.matched_checkpoints(a, b)
+  assert (got["step_a"], got["step_b"]) == (want[0]["step"], want[1]["step"]) == (50, 25)
+  assert got["gap"] == pytest.approx(0.003)
+  # Step 0 (the shared warm start) never counts as a match.
+  assert study.matched_checkpoints(_evals([(0, .3), (25, .4)]), _evals([(0, .3), (25, .5)])) is None
+
+
+def test_hierarchical_delta_is_the_mean_over_cells_finite_in_both():
+  rng = np.random.default_rng(0)
+  pairs, diffs = [], []
+  for n_q in (40, 25, 60):  # each warm start its own selected questions
+    a, b = rng.random((2, n_q)), rng.random((2, n_q))
+    a[0, :5] = np.nan  # all-right or all-wrong under A
+    b[1, -3:] = np.nan
+    pairs.append((a, b))
+    for i in range(2):
+      for q in range(n_q):
+        if np.isfinite(a[i, q]) and np.isfinite(b[i, q]):
+          diffs.append(a[i, q] - b[i, q])
+  got = study.hierarchical_delta(pairs, n_boot=200)
+  assert got["delta"] == pytest.approx(np.mean(diffs))
+  assert got["pairs"] == len(diffs)
+  assert got["lo"] < got["delta"] < got["hi"]
+  assert [p["pairs"] for p in got["per_warm_start"]] == [2 * 40 - 8, 2 * 25 - 8, 2 * 60 - 8]
+
+
+def test_hierarchical_interval_widens_when_warm_starts_disagree():
+  """Same questions-level noise; warm starts that shift the effect by +-0.1 must give a
+  wider interval than warm starts that agree (the variance the v2 study never varied)."""
+  rng = np.random.default_rng(1)
+
+  def make(shifts):
+    out = []
+    for sh in shifts:
+      b = rng.random((2, 200))
+      out.append((b + sh + rng.normal(0, 0.05, b.shape), b))
+    return out
+
+  agree = study.hierarchical_delta(make([0.0, 0.0, 0.0, 0.0]), n_boot=500)
+  disagree = study.hierarchical_delta(make([-0.1, 0.1, -0.1, 0.1]), n_boot=500)
+  assert (disagree["hi"] - disagree["lo"]) > 3 * (agree["hi"] - agree["lo"])
+
+
+def test_hierarchical_interval_covers_the_truth_about_95_percent():
+  rng = np.random.default_rng(2)
+  hits, n = 0, 200
+  for _ in range(n):
+    pairs = []
+    for _w in range(4):
+      shift = rng.normal(0, 0.03)  # each warm start's own effect around 0.05
+      b = rng.random((2, 60))
+      pairs.append((b + 0.05 + shift + rng.normal(0, 0.1, b.shape), b))
+    r = study.hierarchical_delta(pairs, n_boot=300, seed=int(rng.integers(1 << 30)))
+    hits += r["lo"] <= 0.05 <= r["hi"]
+  # Four warm starts are few for a percentile bootstrap: it undercovers somewhat.
+  assert 0.75 <= hits / n <= 1.0
