@@ -77,7 +77,7 @@ def run_names() -> list[str]:
   """Every run, most important first: the primary pair on each warm start, then the
   other methods, then the frontier's second learning rate."""
   ws = DESIGN["warm_starts"]
-  names = [f"ws{w}/{m}_seed0" for m in PRIMARY for w in ws]
+  names = [f"ws{w}/{m}_seed0" for w in ws for m in PRIMARY]  # a pair per warm start, early
   names += [f"ws{w}/{m}_seed0" for m in METHODS if m not in PRIMARY for w in ws]
   names += [f"ws{w}/{m}{lr}_seed0" for lr in DESIGN["lrs"] if lr for m in FRONTIER_METHODS
             for w in ws]
