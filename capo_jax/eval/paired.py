@@ -15,7 +15,7 @@ compared with itself), the interval shows the second.
   over the pairs mixed in both, and a bootstrap over questions; pooled over
   benchmarks, the resampling is stratified (questions drawn within each
   benchmark, so every replicate keeps each benchmark's number of pairs).
-- ``paired_table``: the "Paired ΔAUC" table of ``comparison.md``.
+- ``paired_section``: the "Paired ΔAUC" section of ``comparison.md``.
 
 Letters: I seeds (independent runs), Q questions, O bootstrap replicates.
 """
@@ -174,3 +174,12 @@ def paired_table(runs: Mapping[str, Mapping[str, Any]], *, n_boot: int = N_BOOT,
       out = delta_interval(d_by_bench, n_boot=n_boot, seed=seed, level=level)
       lines.append(_row("pooled", name, out, not_mixed, f"{only[0]} / {only[1]}"))
   return "\n".join(lines) + "\n"
+
+
+def paired_section(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
+  """The "Paired ΔAUC" section of comparison.md, as markdown lines."""
+  return ["## Paired ΔAUC", "",
+          "Per-question AUC of each run minus the first run's, over the questions (matched "
+          f"by id) mixed in both; {LEVEL:.0%} bootstrap interval over questions ({N_BOOT} "
+          f"replicates, seed {SEED}); pooled: every pair of the benchmarks, questions "
+          "resampled within each benchmark.", "", paired_table(runs)]

@@ -395,12 +395,7 @@ def _write_comparison(runs: Mapping[str, Mapping[str, Any]], out_dir: str) -> st
   """comparison.md and its plots in the local ``out_dir``; returns the md's name."""
   md = ["# Evaluation comparison", "",
         "acc = mean@16 (%), AUC = AUC-mean of s over questions.", "",
-        comparison_table(runs), "## Paired ΔAUC", "",
-        f"Per-question AUC of each run minus the first run's, over the questions (matched "
-        f"by id) mixed in both; {paired.LEVEL:.0%} bootstrap interval over questions "
-        f"({paired.N_BOOT} replicates, seed {paired.SEED}); pooled: every pair of the "
-        "benchmarks, questions resampled within each benchmark.", "",
-        paired.paired_table(runs), "## Calibration and scaling", "",
+        comparison_table(runs), *paired.paired_section(runs), "## Calibration and scaling", "",
         comparison_table(runs, EXTRA_COLUMNS), *_subset_section(runs), "## Plots", ""]
   benchmarks = {b for res in runs.values() for b in res["benchmarks"]}
   for b in sorted(benchmarks):
