@@ -4,7 +4,8 @@ What the demo and ``benchmarks/demo_grpo_vs_capo.py`` report beside AUC-mean
 (``docs/algorithms.md``, "Evaluation metrics"), all on the same held-out
 questions and evaluation seed for every method:
 
-- ``paired_delta_auc``: the mean over (seed, question) of AUC_A - AUC_B, over
+- ``paired_delta_auc`` (from ``capo_jax.eval.paired``, which the evaluator's
+  ``--compare`` shares): the mean over (seed, question) of AUC_A - AUC_B, over
   the questions that are mixed (some right, some wrong) under both methods of
   that seed, with a bootstrap 95% interval that resamples seeds and questions
   (two-way: one question draw shared by the seeds, since the questions are).
@@ -17,8 +18,7 @@ questions and evaluation seed for every method:
 - ``NoisyGrader``: a verifier that flips a seeded fraction of rewards (the
   paper's noisy-verifier setting that the noise mask is for).
 
-Letters: I seeds (independent runs), Q questions, G samples per question, O bootstrap
-replicates.
+Letters: I seeds (independent runs), Q questions, G samples per question.
 """
 
 from __future__ import annotations
@@ -30,6 +30,8 @@ from typing import Any
 import numpy as np
 
 from capo_jax.eval import calibration
+# Re-exported: the demo, its study and benchmarks/demo_grpo_vs_capo.py call it from here.
+from capo_jax.eval.paired import paired_delta_auc  # noqa: F401  pylint: disable=unused-import
 
 BUCKET_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
 
@@ -65,39 +67,6 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "grpo_dyn": {**_GRPO, "rollout.dynamic_sampling": True},
     "capo_dyn": {**_CAPO, "rollout.dynamic_sampling": True},
 }
-
-
-def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> dict[str, float]:
-  """Mean paired AUC difference (A - B) and its bootstrap interval.
-
-  ``auc_*_IQ``: per-question AUC of each seed's final policy (NaN where the
-  question is all-right or all-wrong, ``calibration.auc_per_question``). Pairs
-  count where both are finite. Each replicate draws I seeds and Q questions
-  with replacement; its estimate is the pair-weighted mean over the drawn
-  (seed, question) cells. Returns ``delta``, ``lo``, ``hi``, ``pairs`` (the
-  number of paired cells) and ``seeds``.
-  """
-  a, b = np.atleast_2d(np.asarray(auc_a_IQ, np.float64)), np.atleast_2d(
-      np.asarray(auc_b_IQ, np.float64))
-  if a.shape != b.shape:
-    raise ValueError(f"paired_delta_auc: shapes differ, {a.shape} vs {b.shape}")
-  valid_IQ = np.isfinite(a) & np.isfinite(b)
-  d_IQ = np.where(valid_IQ, a - b, 0.0)
-  n = int(valid_IQ.sum())
-  if n == 0:
-    return dict(delta=float("nan"), lo=float("nan"), hi=float("nan"), pairs=0,
-                seeds=a.shape[0])
-  I, Q = a.shape
-  rng = np.random.default_rng(seed)
-  w_OI = rng.multinomial(I, np.full(I, 1.0 / I), size=n_boot).astype(np.float64)
-  v_OQ = rng.multinomial(Q, np.full(Q, 1.0 / Q), size=n_boot).astype(np.float64)
-  num_O = np.einsum("oi,iq,oq->o", w_OI, d_IQ, v_OQ)
-  den_O = np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ)
-  est_O = num_O[den_O > 0] / den_O[den_O > 0]
-  alpha = (1.0 - level) / 2
-  lo, hi = np.quantile(est_O, [alpha, 1.0 - alpha])
-  return dict(delta=float(d_IQ.sum() / n), lo=float(lo), hi=float(hi), pairs=n, seeds=I)
 
 
 def difficulty_buckets(warm_correct_QG: Any, edges: Sequence[float] = BUCKET_EDGES

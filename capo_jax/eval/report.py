@@ -22,6 +22,8 @@ extra fields are allowed and ignored):
       "auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "brier",
       "auc_by_bucket": {"(0, 0.25]": {"lo", "hi", "auc_mean", "n"}, ...},
       "auc_per_question": [auc or null per question, in file order],
+      "question_ids": [...], "acc_per_question": [...],  (same order; the
+                                      pairing of --compare matches by id)
       "precision_coverage": {"coverage": [...], "precision": [...]},
       "scaling": {"n": [1, 2, 4, 8, 16], "n_questions": [...], "n_subsets",
                   "seed", "pc": [...], "rpc": [...], "majority": [...],
@@ -45,6 +47,7 @@ from typing import Any
 import numpy as np
 
 from capo_jax.eval import calibration as cal
+from capo_jax.eval import paired
 from capo_jax.eval import scaling
 from capo_jax.runtime import fs
 
@@ -201,6 +204,8 @@ def _benchmark_results(questions: list[list[SampleRecord]],
       "brier": cal.brier(s_QG, correct_QG, valid_QG),
       "auc_by_bucket": cal.auc_by_bucket(s_QG, correct_QG, valid_QG, config.buckets),
       "auc_per_question": auc_Q,
+      "question_ids": [q[0].question_id for q in questions],
+      "acc_per_question": (correct_QG & valid_QG).sum(1) / valid_QG.sum(1),
       "precision_coverage": {"coverage": coverage[keep], "precision": precision[keep]},
       "scaling": scaling.scaling_curves(prepared, config.scaling),
       "no_answer_rate": float(np.mean([r.answer is None for q in questions for r in q])),
@@ -354,12 +359,44 @@ def compare(result_dirs: Sequence[str | os.PathLike[str]],
     return fs.join(out_dir, _write_comparison(runs, local))
 
 
+def _at_k(runs: Mapping[str, Mapping[str, Any]], methods: Sequence[str],
+          ks: Sequence[int]) -> dict[str, dict[str, Any]]:
+  """The subset-averaged scaling accuracies at ``ks`` as 'scaling/<method>@<k>' keys
+  (looked up by N, so runs evaluated at different N still line up)."""
+  out: dict[str, dict[str, Any]] = {}
+  for run, res in runs.items():
+    benches = {}
+    for b, v in res["benchmarks"].items():
+      sc = v.get("scaling", {})
+      pos = {n: i for i, n in enumerate(sc.get("n", []))}
+      benches[b] = {"scaling": {f"{m}@{k}": sc[m][pos[k]] for m in methods
+                                for k in ks if k in pos and m in sc}}
+    out[run] = {"benchmarks": benches}
+  return out
+
+
+def _subset_section(runs: Mapping[str, Mapping[str, Any]],
+                    ks: Sequence[int] = (4, 8, 16)) -> list[str]:
+  subsets = {v["scaling"].get("n_subsets") for res in runs.values()
+             for v in res["benchmarks"].values() if "scaling" in v}
+  at_k = _at_k(runs, ("pc", "majority"), ks)
+  return [
+      "## PC@k and maj@k over subsets", "",
+      f"Accuracy (%) of perplexity consistency and of majority vote on k of a question's "
+      f"samples, averaged over {' / '.join(str(n) for n in sorted(subsets))} random "
+      "subsets of size k per question (all of them when there are fewer; the full set "
+      "when k is its sample count), then over questions; from results.json's "
+      "`scaling` curves.", "",
+      comparison_table(at_k, [(f"PC@{k}", f"scaling/pc@{k}") for k in ks]),
+      comparison_table(at_k, [(f"maj@{k}", f"scaling/majority@{k}") for k in ks])]
+
+
 def _write_comparison(runs: Mapping[str, Mapping[str, Any]], out_dir: str) -> str:
   """comparison.md and its plots in the local ``out_dir``; returns the md's name."""
   md = ["# Evaluation comparison", "",
         "acc = mean@16 (%), AUC = AUC-mean of s over questions.", "",
-        comparison_table(runs), "## Calibration and scaling", "",
-        comparison_table(runs, EXTRA_COLUMNS), "## Plots", ""]
+        comparison_table(runs), *paired.paired_section(runs), "## Calibration and scaling", "",
+        comparison_table(runs, EXTRA_COLUMNS), *_subset_section(runs), "## Plots", ""]
   benchmarks = {b for res in runs.values() for b in res["benchmarks"]}
   for b in sorted(benchmarks):
     have = {r: res["benchmarks"][b] for r, res in runs.items() if b in res["benchmarks"]}
