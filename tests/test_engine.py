@@ -253,6 +253,7 @@ def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
+@pytest.mark.slow  # ~20 s; the narrow model's slot test stays in the default suite
 def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
   """Bitwise the same tokens and log-probs at every W, on a model with fragile draws.
 

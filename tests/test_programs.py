@@ -70,7 +70,8 @@ def _run_one_step(tmp_path, monkeypatch, **overrides):
 
 @pytest.mark.parametrize("overrides", [
     {},  # packed, full fine-tuning, the noise mask's reference pass
-    {"model__lora_rank": 2},  # LoRA adapters through the packed passes
+    # LoRA adapters through the packed passes (slow: the default suite keeps to 10 min)
+    pytest.param({"model__lora_rank": 2}, marks=pytest.mark.slow),
 ], ids=["packed", "lora"])
 def test_aot_lowers_the_programs_the_trainer_ran(tmp_path, monkeypatch, overrides):
   spec, progs, seen = _run_one_step(tmp_path, monkeypatch, **overrides)
