@@ -85,14 +85,15 @@ def _pad(xs: list[float], n: int) -> np.ndarray:
 
 
 def _add(acc: dict[str, float], cost: dict[str, float], w: float) -> None:
-  for k in ("flops", "bytes", "collective_bytes"):
+  for k in ("flops", "bytes", "collective_bytes", "onchip_bytes"):
     acc[k] = acc.get(k, 0.0) + w * cost.get(k, 0.0)
 
 
 def weighted_cost(name: str, text: str, t: Trips) -> dict[str, float]:
   """Per-device FLOPs, bytes and collective bytes of one call of program ``name`` with its
-  unbounded loops at their expected trips; for decode also ``step_bytes`` (one step of
-  the first loop, its blocks included) and ``blocks_per_step``."""
+  unbounded loops at their expected trips; for decode also ``step_bytes`` (HBM bytes of
+  one step of the first loop, its blocks included), ``step_onchip_bytes`` (what that step
+  moves on chip, ``hlo_cost``) and ``blocks_per_step``."""
   rest, loops = hlo_cost.loop_tree(text)
   out: dict[str, float] = {}
   _add(out, rest, 1.0)
@@ -110,6 +111,7 @@ def weighted_cost(name: str, text: str, t: Trips) -> dict[str, float]:
       if not inner.in_conditional:
         _add(step, inner.cost, blocks)
     out["step_bytes"], out["blocks_per_step"] = step["bytes"], blocks
+    out["step_onchip_bytes"] = step["onchip_bytes"]
     refill = {}
     for inner in loops[0].nested:
       if inner.in_conditional:

@@ -18,7 +18,14 @@ What is counted, per device (the SPMD program):
          reads from and writes to memory), leaving out the ones that move
          nothing (tuples, bitcasts, parameters); an operand a fusion only slices or
          gathers from costs what is sliced or gathered, and a buffer updated in place
-         (dynamic-update-slice, scatter: the loop-carried KV cache) costs the update.
+         (dynamic-update-slice, scatter: the loop-carried KV cache) costs the update;
+         only arrays in HBM (memory space 0) count: the TPU compiler places some
+         buffers on chip (``S(n)`` in their layout: VMEM, and on v4 the 128 MiB CMEM,
+         which holds e.g. a KV block it cut out of the cache for two dots, or a layer's
+         weights across the decode loop), and what moves there is ``onchip_bytes``,
+         reported but not timed (its bandwidth is higher and not published); the
+         asynchronous copies that fill and drain those buffers (copy-start,
+         slice-start) count on both sides.
 With ``trip_counts=False`` each body counts once, XLA's usual convention: the
 matmul FLOPs then come within ~10% under ``cost_analysis()`` (which adds the
 elementwise work). XLA's own figures are not used for totals because, for the
@@ -36,7 +43,8 @@ import re
 
 _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b(pred|token|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\]")
+_ARRAY = re.compile(r"\b(pred|token|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
+_SPACE = re.compile(r"S\((\d+)\)")
 _BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16,
          "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64, "c64": 64,
          "c128": 128}
@@ -54,11 +62,28 @@ class _Instr:
 
 
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims in _ARRAY.findall(shape)]
+  return [(dt, tuple(int(d) for d in dims.split(",") if d))
+          for dt, dims, _ in _ARRAY.findall(shape)]
 
 
-def _bytes(shape: str) -> float:
-  return sum(_BITS.get(dt, 32) / 8 * math.prod(dims) for dt, dims in _arrays(shape))
+def _space(layout: str) -> int:
+  """The memory space of an array's layout: 0 (HBM) unless the layout says ``S(n)``."""
+  m = _SPACE.search(layout or "")
+  return int(m[1]) if m else 0
+
+
+def _bytes(shape: str, where: str = "all", space_of: str | None = None) -> float:
+  """Bytes of the arrays in ``shape``; ``where`` "hbm" keeps those in memory space 0,
+  "onchip" the others (on TPU the compiler places buffers in VMEM, or CMEM on v4,
+  with ``S(n)`` in their layout). ``space_of``: take the memory space from this shape
+  instead (a slice read from a fusion's parameter is read where the parameter lives)."""
+  spaces = [_space(lay) for _, _, lay in _ARRAY.findall(space_of)] if space_of else None
+  total = 0.0
+  for i, (dt, dims, lay) in enumerate(_ARRAY.findall(shape)):
+    sp = spaces[min(i, len(spaces) - 1)] if spaces else _space(lay)
+    if where == "all" or (where == "hbm") == (sp == 0):
+      total += _BITS.get(dt, 32) / 8 * math.prod(int(d) for d in dims.split(",") if d)
+  return total
 
 
 def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
@@ -150,21 +175,22 @@ def _params(fused: list[_Instr]) -> dict[str, int]:
   return {i.name: int(re.match(r"(\d+)\)", i.rest)[1]) for i in fused if i.op == "parameter"}
 
 
-def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]]
-                    ) -> float | None:
+def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]],
+                    where: str = "all") -> float | None:
   """Bytes of parameter ``pname`` a fusion reads when it only slices or gathers from it
   (also through a nested fusion that does), else None."""
   total = 0.0
   uses = _users(fused).get(pname, [])
+  pshape = next((i.shape for i in fused if i.name == pname), None)
   for u in uses:
     if u.op in ("slice", "dynamic-slice") or (u.op == "gather"
                                               and _operands(u.rest)[0] == pname):
-      total += _bytes(u.shape)
+      total += _bytes(u.shape, where, space_of=pshape)
     elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
       inner = comps.get(re.search(r"calls=%([\w.\-]+)", u.rest)[1], [])
       idx = _operands(u.rest).index(pname)
       names = [n for n, i in _params(inner).items() if i == idx]
-      got = _read_by_slices(names[0], inner, comps) if names else None
+      got = _read_by_slices(names[0], inner, comps, where) if names else None
       if got is None:
         return None
       total += got
@@ -174,7 +200,7 @@ def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Inst
 
 
 def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
-                  comps: dict[str, list[_Instr]]) -> float:
+                  comps: dict[str, list[_Instr]], where: str = "all") -> float:
   """Bytes a fusion moves: each operand once, except that an operand read only
   through slices or gathers costs what they read, and a buffer updated in place
   (dynamic-update-slice, scatter) costs the update, read and written, not the buffer."""
@@ -183,9 +209,9 @@ def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
   operands = _operands(ins.rest)
   total = 0.0
   for pname, idx in params.items():
-    full = _bytes(shapes.get(operands[idx], "")) if idx < len(operands) else 0.0
+    full = _bytes(shapes.get(operands[idx], ""), where) if idx < len(operands) else 0.0
     uses = users.get(pname, [])
-    sliced = _read_by_slices(pname, fused, comps)
+    sliced = _read_by_slices(pname, fused, comps, where)
     if sliced is not None:
       total += min(full, sliced)
     elif uses and all(u.op in ("dynamic-update-slice", "scatter")
@@ -199,23 +225,37 @@ def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
     fshapes = {i.name: i.shape for i in fused}
     # dynamic-update-slice(buffer, update, ...); scatter(buffer, indices, updates): the
     # update is written (and the indices read), the rest of the buffer stays in place.
-    return total + sum(_bytes(fshapes.get(o, "")) for u in updates
+    return total + sum(_bytes(fshapes.get(o, ""), where) for u in updates
                        for o in _operands(u.rest)[1:(2 if u.op == "dynamic-update-slice" else 3)])
-  return total + _bytes(ins.shape)
+  return total + _bytes(ins.shape, where)
 
 
-def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]]) -> float:
+def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]],
+           where: str = "all") -> float:
+  """Bytes ``ins`` reads and writes, in the memory spaces ``where`` names (``_bytes``)."""
   # TPU views: slices and concatenations the compiler lays out as bitcasts.
   if "bitcast_fusion" in ins.name or 'custom_call_target="ConcatBitcast"' in ins.rest:
     return 0.0
-  if ins.op == "dynamic-slice":
-    return 2 * _bytes(ins.shape)
+  if ins.op in ("copy-start", "slice-start"):
+    # TPU's asynchronous moves between memory spaces (HBM <-> VMEM / CMEM: prefetches
+    # and evictions): shaped (destination, source, context) for a copy and ((source),
+    # destination, context) for a slice; the destination's bytes are read where the
+    # source lives and written where the destination does.
+    arrays = [f"{dt}[{dims}]{lay}" for dt, dims, lay in _ARRAY.findall(ins.shape)]
+    dst, src = (arrays[0], arrays[1]) if ins.op == "copy-start" else (arrays[1], arrays[0])
+    return _bytes(dst, where, space_of=src) + _bytes(dst, where)
+  if ins.op == "dynamic-slice":  # read where the source lives, written where it goes
+    return (_bytes(ins.shape, where, space_of=shapes.get(_operands(ins.rest)[0]))
+            + _bytes(ins.shape, where))
   if ins.op == "dynamic-update-slice":
-    return 2 * _bytes(shapes.get(_operands(ins.rest)[1], ""))
+    ops = _operands(ins.rest)
+    update = shapes.get(ops[1], "")
+    return _bytes(update, where) + _bytes(update, where, space_of=shapes.get(ops[0]))
   if ins.op == "fusion":
     return _fusion_bytes(ins, shapes, comps[re.search(r"calls=%([\w.\-]+)", ins.rest)[1]],
-                         comps)
-  return _bytes(ins.shape) + sum(_bytes(shapes.get(o, "")) for o in _operands(ins.rest))
+                         comps, where)
+  return _bytes(ins.shape, where) + sum(_bytes(shapes.get(o, ""), where)
+                                        for o in _operands(ins.rest))
 
 
 @dataclasses.dataclass
@@ -259,7 +299,8 @@ def _walk(comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_un
 
 
 def _sum(comps: dict[str, list[_Instr]], walk: _Walk) -> dict[str, float]:
-  out = dict.fromkeys(("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes"), 0.0)
+  out = dict.fromkeys(("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes",
+                       "onchip_bytes"), 0.0)
   for name, w in walk.weight.items():
     instrs = comps[name]
     shapes = {i.name: i.shape for i in instrs}
@@ -268,14 +309,12 @@ def _sum(comps: dict[str, list[_Instr]], walk: _Walk) -> dict[str, float]:
         f = _matmul_flops(ins, shapes)
         out["flops"] += w * f
         out["loop_flops"] += walk.in_loop[name] * f
-      # Async starts on TPU move data between memory spaces (HBM <-> VMEM)
-      # for an instruction whose own operands are counted already.
-      if name in walk.fused or ins.op in _FREE or ins.op.endswith(("-done", "slice-start",
-                                                                    "copy-start")):
+      if name in walk.fused or ins.op in _FREE or ins.op.endswith("-done"):
         continue
-      moved = _moved(ins, shapes, comps)
+      moved, onchip = _moved(ins, shapes, comps, "hbm"), _moved(ins, shapes, comps, "onchip")
       out["bytes"] += w * moved
       out["loop_bytes"] += walk.in_loop[name] * moved
+      out["onchip_bytes"] += w * onchip
       if ins.op.startswith(_COLLECTIVES):
         out["collective_bytes"] += w * _bytes(ins.shape)
   return out
