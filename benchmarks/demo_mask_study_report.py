@@ -193,13 +193,13 @@ def plot(root: pathlib.Path, path: str) -> str:
     for i, m in enumerate(METHODS):
       seeds = [r for (v, _), r in runs.items() if v == f"{m}_{noise}"]
       for ax, (src, key) in zip(axes[row], panels):
+        ax.set_title(f"{key} ({noise})", fontsize=8)
         curves = [_curve(r[src], key) for r in seeds]
         n = min((len(c[0]) for c in curves), default=0)
         if n == 0 or all(np.isnan(c[1][:n]).all() for c in curves):
           continue  # e.g. masked fractions of an unmasked run
         ax.plot(curves[0][0][:n], np.nanmean([c[1][:n] for c in curves], 0), "-",
                 color=f"C{i}", lw=1, label=m)
-        ax.set_title(f"{key} ({noise})", fontsize=8)
     axes[row][0].legend(fontsize=6)
   for ax in axes[-1]:
     ax.set_xlabel("RL step")

@@ -157,3 +157,19 @@ def test_study_variants_cover_the_design():
   for name, over in v.items():
     assert ("demo.false_negative" in over) == name.endswith("_fneg")
     assert ("demo.reward_flip" in over) == name.endswith("_noise")
+
+
+def test_verdict_is_the_pre_registered_rule():
+  from benchmarks.demo_mask_study_report import verdict  # pylint: disable=import-outside-toplevel
+
+  def paired(lo, hi, per_seed):
+    return {"selected": {"delta": (lo + hi) / 2, "lo": lo, "hi": hi, "pairs": 9},
+            "per_seed": [{"d_accuracy": a, "d_entropy": e} for a, e in per_seed]}
+  grows_and_stalls = [(0.02, -0.1)] * 3  # mask minus no mask: more accurate, lower entropy
+  assert verdict(paired(0.01, 0.05, grows_and_stalls)) == {
+      "calibration": "helps", "paper_claim": "reproduced"}
+  assert verdict(paired(-0.05, -0.01, [(-0.01, 0.1)] * 3)) == {
+      "calibration": "hurts", "paper_claim": "contradicted"}
+  assert verdict(paired(-0.01, 0.02, grows_and_stalls[:2] + [(-0.01, -0.1)])) == {
+      "calibration": "inconclusive", "paper_claim": "mixed"}
+  assert verdict(paired(float("nan"), float("nan"), []))["paper_claim"] == "-"
