@@ -62,6 +62,12 @@ FRONTIER_METHODS = ("grpo", "capo")
 PRIMARY = ("capo", "grpo")
 
 
+def shrink() -> None:
+  """Switches this module to the smoke-run size (``--shrink``)."""
+  _SHRINK[0] = True
+  DESIGN.update(SHRINK_DESIGN)
+
+
 def base_config(warm_start: int):
   """configs/demo.py with the study's task, SFT target and evaluation cadence."""
   from configs import demo  # pylint: disable=import-outside-toplevel
@@ -108,7 +114,7 @@ def spec_for(warm_start: int, method: str = "capo", lr: str = "", seed: int = 0)
   return demo_run.spec_of(c)
 
 
-def _selected_examples(spec, workdir: str, ws) -> tuple[list[Any], np.ndarray]:
+def selected_examples(spec, workdir: str, ws) -> tuple[list[Any], np.ndarray]:
   """The held-out questions in the band, chosen on the selection seed's samples (cached)."""
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from capo_jax.demo import study  # pylint: disable=import-outside-toplevel
@@ -145,25 +151,29 @@ def prepare(root: str, warm_start: int):
         f"({'trained' if ws.info.get('trained') else 'cached'}) -> {ws.info.get('path')}",
         flush=True)
   initial = demo_run.warm_start_eval(spec, workdir, ws)
-  examples, _ = _selected_examples(spec, workdir, ws)
+  examples, _ = selected_examples(spec, workdir, ws)
   scaling_eval(ws, ws.params, examples, os.path.join(workdir, "warm_start_scaling.npz"))
   return workdir, ws, initial, examples
+
+
+def check_design(path: str, design: dict[str, Any]) -> None:
+  """Writes ``design`` to ``path``, or exits if the file there holds another one."""
+  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+  if os.path.exists(path):
+    with open(path, encoding="utf-8") as f:
+      if json.load(f) != json.loads(json.dumps(design)):
+        raise SystemExit(f"{path}: the runs under {os.path.dirname(path)} were made with "
+                         "another DESIGN; use a new --root")
+  else:
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump(design, f, indent=1)
 
 
 def run_all(root: str, names: list[str]) -> None:
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from capo_jax.runtime import compile_cache  # pylint: disable=import-outside-toplevel
   compile_cache.enable("jax_cache", root)  # one cache for every warm start's runs
-  os.makedirs(root, exist_ok=True)
-  path = os.path.join(root, "design.json")
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      if json.load(f) != json.loads(json.dumps(DESIGN)):
-        raise SystemExit(f"{path}: the runs under {root} were made with another DESIGN; "
-                         "use a new --root")
-  else:
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(DESIGN, f, indent=1)
+  check_design(os.path.join(root, "design.json"), DESIGN)
   prepared: dict[int, Any] = {}
   for i, name in enumerate(names):
     w, method, lr, seed = parse_name(name)
@@ -193,8 +203,7 @@ def main() -> None:
   p.add_argument("--shrink", action="store_true", help="a seconds-long smoke run of the code")
   args = p.parse_args()
   if args.shrink:
-    _SHRINK[0] = True
-    DESIGN.update(SHRINK_DESIGN)
+    shrink()
   if not args.report_only:
     run_all(args.root, args.runs.split(",") if args.runs else run_names())
   from benchmarks import demo_study_v3_report  # pylint: disable=import-outside-toplevel

@@ -109,13 +109,13 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   return res
 
 
-def _f(v: Any, sign: bool = False) -> str:
+def fmt(v: Any, sign: bool = False) -> str:
   if v is None or not np.isfinite(v):
     return "-"
   return f"{v:+.3f}" if sign else f"{v:.3f}"
 
 
-def _ms(vals: list[float]) -> str:
+def mean_sd(vals: list[float]) -> str:
   vals = [v for v in vals if v is not None and np.isfinite(v)]
   if not vals:
     return "-"
@@ -125,7 +125,7 @@ def _ms(vals: list[float]) -> str:
 def _interval(d: dict[str, Any] | None) -> str:
   if not d:
     return "- (no matched checkpoints)"
-  return (f"{_f(d['delta'], True)} [{_f(d['lo'], True)}, {_f(d['hi'], True)}] "
+  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}] "
           f"({d['pairs']} q, {d['warm_starts']} ws)")
 
 
@@ -136,10 +136,11 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   ws = res["warm_starts"]
   lines.append("| warm start | " + str(len(ws)) + " | " + " | ".join(
-      [_ms([v["accuracy"] for v in ws.values()]), _ms([v["auc_mean"] for v in ws.values()]),
+      [mean_sd([v["accuracy"] for v in ws.values()]),
+       mean_sd([v["auc_mean"] for v in ws.values()]),
        "-", "-", "-",
-       _ms([v["scaling"]["pc"][-1] for v in ws.values() if v["scaling"]]),
-       _ms([v["scaling"]["majority"][-1] for v in ws.values() if v["scaling"]]), "-"]) + " |")
+       mean_sd([v["scaling"]["pc"][-1] for v in ws.values() if v["scaling"]]),
+       mean_sd([v["scaling"]["majority"][-1] for v in ws.values() if v["scaling"]]), "-"]) + " |")
   order = [m for m in METHODS if m in res["final"]] + sorted(
       v for v in res["final"] if v not in METHODS)
   for v in order:
@@ -147,10 +148,10 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
     sc = [s for s in res["scaling"].get(v, {}).values() if s]
     label = f"{v} (large-tau control)" if v == "dr_grpo" else v
     lines.append(f"| {label} | {len(per)} | " + " | ".join(
-        [_ms([r[k] for r in per.values()]) for k in
+        [mean_sd([r[k] for r in per.values()]) for k in
          ("accuracy", "auc_mean", "aurc", "accuracy_sel", "auc_mean_sel")]
-        + [_ms([s["pc"][-1] for s in sc]), _ms([s["majority"][-1] for s in sc]),
-           _ms([r["entropy"] for r in per.values()])]) + " |")
+        + [mean_sd([s["pc"][-1] for s in sc]), mean_sd([s["majority"][-1] for s in sc]),
+           mean_sd([r["entropy"] for r in per.values()])]) + " |")
   out = "\n".join(lines)
   out += ("\n\nPaired per-question ΔAUC against grpo on the selected questions "
           "(hierarchical bootstrap 95%):\n\n| method | at matched accuracy (primary for capo) "
@@ -171,7 +172,7 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
   for v, sc in rows.items():
     if sc:
       out += f"| {v} | " + " | ".join(
-          _ms([s[m][i] for s in sc]) for m in ("majority", "pc", "rpc")
+          mean_sd([s[m][i] for s in sc]) for m in ("majority", "pc", "rpc")
           for i in range(len(design["scaling_ks"]))) + " |\n"
   return out
 
@@ -223,7 +224,7 @@ def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, 
   plt.close(fig)
 
 
-def _machine() -> str:
+def machine() -> str:
   cpu = platform.processor() or platform.machine()
   try:
     for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
@@ -235,17 +236,21 @@ def _machine() -> str:
   return f"{cpu}, {os.cpu_count()} cores"
 
 
+def git_commit() -> str:
+  return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+                        capture_output=True, text=True, check=False).stdout.strip()
+
+
 def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   # The design the runs were made with (run_all writes it), not this file's.
   design = json.loads((root_p / "design.json").read_text())
   res = analyse(root_p, design)
   os.makedirs(out, exist_ok=True)
-  commit = subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                          capture_output=True, text=True, check=False).stdout.strip()
-  header = (f"Demo study v3, {datetime.date.today().isoformat()}, {_machine()}, commit "
+  commit = git_commit()
+  header = (f"Demo study v3, {datetime.date.today().isoformat()}, {machine()}, commit "
             f"{commit}. Warm starts (SFT seeds): " + ", ".join(
-                f"ws{w} accuracy {_f(v['accuracy'])}, AUC-mean {_f(v['auc_mean'])}, "
+                f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
                 f"{v['selected']} selected questions" for w, v in res["warm_starts"].items())
             + ".\n\n")
   text = header + tables(res, design)
@@ -253,6 +258,6 @@ def report(root: str, out: str) -> str:
   with open(os.path.join(out, "study_v3.md"), "w", encoding="utf-8") as f:
     f.write(text)
   with open(os.path.join(out, "study_v3.json"), "w", encoding="utf-8") as f:
-    json.dump({"design": design, "machine": _machine(), "commit": commit,
+    json.dump({"design": design, "machine": machine(), "commit": commit,
                "date": datetime.date.today().isoformat(), **res}, f, indent=1, default=str)
   return text

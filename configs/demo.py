@@ -56,6 +56,18 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # (names of capo_jax.demo.compare.VARIANTS).
   c.demo.methods = "grpo,capo"
   c.demo.reward_flip = 0.0  # > 0: flip this fraction of training rewards (noisy verifier)
+  # Structured false negatives (training rewards only): "negative" rejects each correct
+  # answer boxed with a leading minus with probability false_negative_rate
+  # (capo_jax/demo/compare.py: FalseNegativeGrader says why a rate).
+  c.demo.false_negative = ""
+  c.demo.false_negative_rate = 0.5
+  # The noise mask's thresholds: () = algo.mask_low / mask_high (the paper's 1.05 / 2.5);
+  # (q_wrong, q_right) = those quantiles of the warm start's reference perplexity on its
+  # wrong / correct samples of mask_questions training questions (seed mask_seed), e.g.
+  # (0.1, 0.9) masks 10% of each on the warm start (capo_jax/demo/mask.py).
+  c.demo.mask_quantiles = ()
+  c.demo.mask_questions = 512
+  c.demo.mask_seed = 99
 
   c.rollout.num_prompts = 32
   c.rollout.num_samples = 8
@@ -91,6 +103,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
     c.demo.sft.update(max_steps=20, eval_every=10, eval_questions=32, eval_samples=2,
                       early_stop=False, batch_size=16)
     c.demo.eval_questions, c.demo.eval_samples = 16, 2
+    c.demo.mask_questions = 16
     c.rollout.num_prompts, c.rollout.num_samples = 4, 4
     c.train.num_steps, c.train.mini_batch_prompts, c.train.micro_batch_size = 2, 2, 8
     c.eval.every_steps, c.checkpoint.every_steps = 0, 1

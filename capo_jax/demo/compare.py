@@ -17,6 +17,8 @@ questions and evaluation seed for every method:
   compared at matched accuracy, not only at the final step.
 - ``NoisyGrader``: a verifier that flips a seeded fraction of rewards (the
   paper's noisy-verifier setting that the noise mask is for).
+- ``FalseNegativeGrader``: a verifier that rejects correct answers of one fluent
+  form (structured false negatives: the paper's "near misses").
 
 Letters: I seeds (independent runs), Q questions, G samples per question.
 """
@@ -29,6 +31,7 @@ from typing import Any
 
 import numpy as np
 
+from capo_jax.data import rewards as rewards_lib
 from capo_jax.eval import calibration
 # Re-exported: the demo, its study and benchmarks/demo_grpo_vs_capo.py call it from here.
 from capo_jax.eval.paired import paired_delta_auc  # noqa: F401  pylint: disable=unused-import
@@ -38,6 +41,10 @@ BUCKET_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
 # The methods the demo and its study compare: config overrides of configs/demo.py.
 _CAPO = {"algo.name": "capo", "algo.mask": "on"}
 _GRPO = {"algo.name": "grpo", "algo.mask": "off"}
+# Mask thresholds that mask 10% of the warm start's wrong samples (lowest reference
+# perplexity) and 10% of its correct ones (highest): capo_jax/demo/mask.py.
+QMASK = {"demo.mask_quantiles": (0.1, 0.9)}
+_FNEG = {"demo.false_negative": "negative", "demo.false_negative_rate": 0.5}
 VARIANTS: dict[str, dict[str, Any]] = {
     "capo": _CAPO,
     "grpo": _GRPO,
@@ -63,6 +70,14 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
     "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
     "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
+    # The mask study (docs/demo_v3.md, "Mask study"): the mask's thresholds at the paper's
+    # values or at the reference's perplexity quantiles (QMASK), under the flips above and
+    # under structured false negatives (a verifier rejecting half the correct negative answers).
+    "capo_qmask_noise": {**_CAPO, **QMASK, "demo.reward_flip": 0.1},
+    "grpo_fneg": {**_GRPO, **_FNEG},
+    "capo_fneg": {**_CAPO, **_FNEG},
+    "capo_qmask_fneg": {**_CAPO, **QMASK, **_FNEG},
+    "capo_nomask_fneg": {"algo.name": "capo", "algo.mask": "off", **_FNEG},
     # DAPO's dynamic sampling (rollout.dynamic_sampling), compared at equal wall time.
     "grpo_dyn": {**_GRPO, "rollout.dynamic_sampling": True},
     "capo_dyn": {**_CAPO, "rollout.dynamic_sampling": True},
@@ -129,6 +144,16 @@ def summary(s_QG: np.ndarray, correct_QG: np.ndarray, bucket_Q: np.ndarray,
               buckets=bucket_auc(auc_Q, bucket_Q, num_buckets))
 
 
+def _content_rng(seed: int, completions: Sequence[str], golds: Sequence[str]
+                 ) -> np.random.Generator:
+  """A generator seeded by (seed, the batch's completions and golds): a resumed run that
+  redraws the same samples gets the same verdicts."""
+  h = hashlib.sha256(str(seed).encode())
+  for c, g in zip(completions, golds):
+    h.update(c.encode() + b"\0" + g.encode() + b"\1")
+  return np.random.default_rng(int.from_bytes(h.digest()[:8], "little"))
+
+
 class NoisyGrader:
   """Wraps a grader and flips each reward with probability ``flip_prob``.
 
@@ -145,9 +170,69 @@ class NoisyGrader:
 
   def score(self, completions: Sequence[str], golds: Sequence[str]) -> tuple[np.ndarray, Any]:
     rewards, health = self.grader.score(completions, golds)
-    h = hashlib.sha256(str(self.seed).encode())
-    for c, g in zip(completions, golds):
-      h.update(c.encode() + b"\0" + g.encode() + b"\1")
-    rng = np.random.default_rng(int.from_bytes(h.digest()[:8], "little"))
-    flip = rng.random(len(rewards)) < self.flip_prob
+    flip = _content_rng(self.seed, completions, golds).random(len(rewards)) < self.flip_prob
     return np.where(flip, 1.0 - rewards, rewards).astype(np.float32), health
+
+
+# Structured false negatives: the forms of a correct answer the faulty verifier rejects.
+FALSE_NEGATIVE_FORMS = ("", "negative")
+
+
+def false_negative_form(completion: str, form: str) -> bool:
+  """Whether ``completion``'s final boxed answer is written in ``form``: "negative" is a
+  leading minus sign (``\\boxed{-7}``, and ``\\boxed{-0}``: the parser's fault is the
+  sign, whatever the value)."""
+  if form not in FALSE_NEGATIVE_FORMS[1:]:
+    raise ValueError(f"false_negative_form: form={form!r}, expected one of "
+                     f"{FALSE_NEGATIVE_FORMS[1:]}")
+  answer = rewards_lib.extract_boxed(completion)
+  return answer is not None and answer.strip().startswith("-")
+
+
+class FalseNegativeGrader:
+  """Wraps a grader and rejects correct answers written in ``form``, each with
+  probability ``rate`` (training rewards only: the held-out evaluation keeps the true
+  grader). Wrong answers, and correct answers in other forms, keep their verdict.
+
+  Why negative answers: they are the toy's analogue of the paper's near misses (a
+  correct fraction written as a decimal that the verifier fails to match): a fluent,
+  correct form that a parser which mishandles a leading minus rejects. Why a rate and
+  not every such answer: in the paper the policy writes the same value in an accepted
+  and a rejected form, so a group holds both and the rejected ones get a negative
+  advantage. Here the policy has one form per value, so rejecting every correct
+  negative answer would only make those questions' groups all-wrong (zero advantage,
+  no gradient, nothing for a mask to do); rejecting each with probability ``rate`` is
+  the reward process of a policy that writes the rejected form ``rate`` of the time.
+  The rejections are seeded by (seed, the batch's content), as ``NoisyGrader``'s flips.
+  """
+
+  def __init__(self, grader: Any, form: str, rate: float = 0.5, seed: int = 0):
+    if form not in FALSE_NEGATIVE_FORMS[1:]:
+      raise ValueError(f"FalseNegativeGrader: form={form!r}, expected one of "
+                       f"{FALSE_NEGATIVE_FORMS[1:]}")
+    if not 0.0 < rate <= 1.0:
+      raise ValueError(f"FalseNegativeGrader: rate={rate} must be in (0, 1]")
+    self.grader, self.form, self.rate, self.seed = grader, form, rate, seed
+
+  def score(self, completions: Sequence[str], golds: Sequence[str]) -> tuple[np.ndarray, Any]:
+    rewards, health = self.grader.score(completions, golds)
+    in_form = np.array([false_negative_form(c, self.form) for c in completions], bool)
+    draw = _content_rng(self.seed, completions, golds).random(len(rewards)) < self.rate
+    reject = in_form & draw & (np.asarray(rewards) > 0.5)
+    return np.where(reject, 0.0, rewards).astype(np.float32), health
+
+
+def training_grader(grader: Any, *, reward_flip: float = 0.0, false_negative: str = "",
+                    false_negative_rate: float = 0.5, seed: int = 0) -> Any:
+  """``grader`` with the demo's training-only verifier faults (None: none asked):
+  structured false negatives first, then random flips of what that verifier says."""
+  if false_negative not in FALSE_NEGATIVE_FORMS:
+    raise ValueError(f"config.demo.false_negative={false_negative!r}: expected one of "
+                     f"{FALSE_NEGATIVE_FORMS}")
+  if not false_negative and reward_flip <= 0:
+    return None
+  if false_negative:
+    grader = FalseNegativeGrader(grader, false_negative, false_negative_rate, seed=seed)
+  if reward_flip > 0:
+    grader = NoisyGrader(grader, reward_flip, seed=seed)
+  return grader

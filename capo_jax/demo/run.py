@@ -21,6 +21,7 @@ import numpy as np
 
 from capo_jax.data import rewards
 from capo_jax.demo import compare
+from capo_jax.demo import mask as mask_lib
 from capo_jax.demo import task as task_lib
 from capo_jax.demo import warm_start
 from capo_jax.eval import calibration
@@ -45,12 +46,28 @@ class Demo:
   eval_seed: int
   methods: str
   reward_flip: float
+  false_negative: str = ""
+  false_negative_rate: float = 0.5
+  mask_quantiles: tuple[float, ...] = ()
+  mask_questions: int = 512
+  mask_seed: int = 99
+
+  def __post_init__(self) -> None:
+    if self.false_negative not in compare.FALSE_NEGATIVE_FORMS:
+      raise ValueError(f"config.demo.false_negative={self.false_negative!r}: expected one of "
+                       f"{compare.FALSE_NEGATIVE_FORMS}")
+    if len(self.mask_quantiles) not in (0, 2) or not all(
+        0.0 < q < 1.0 for q in self.mask_quantiles):
+      raise ValueError(f"config.demo.mask_quantiles={self.mask_quantiles!r}: expected () (the "
+                       "paper's thresholds, algo.mask_low / mask_high) or (q_wrong, q_right) "
+                       "in (0, 1)")
 
   @classmethod
   def of(cls, spec: RunSpec) -> Demo:
     d = dict(spec.extra["demo"])
     return cls(**{**d, "task": task_lib.TaskConfig(**d["task"]),
-                  "sft": warm_start.SFTConfig(**d["sft"]), "model": dict(d["model"])})
+                  "sft": warm_start.SFTConfig(**d["sft"]), "model": dict(d["model"]),
+                  "mask_quantiles": tuple(d.get("mask_quantiles", ()))})
 
 
 def spec_of(config: ml_collections.ConfigDict) -> RunSpec:
@@ -163,9 +180,13 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
       on_eval(step, params, run_dir)
     return m
 
-  grader = None
-  if demo.reward_flip > 0:  # the noisy-verifier variant: training rewards only
-    grader = compare.NoisyGrader(rewards.default_grader(), demo.reward_flip, seed=spec.seed)
+  if demo.mask_quantiles and spec.uses_noise_mask:
+    spec = spec.with_overrides(mask_thresholds(spec, workdir, ws), policy_given=True)
+  # The faulty-verifier variants grade the training rewards only (eval_fn: the true grader).
+  grader = compare.training_grader(
+      rewards.default_grader(), reward_flip=demo.reward_flip,
+      false_negative=demo.false_negative, false_negative_rate=demo.false_negative_rate,
+      seed=spec.seed)
   loop.train(spec, run_dir, policy=loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
              train_examples=train, eval_fn=eval_fn, grader=grader)
   if not evals:  # resumed a finished run: read its evals back
@@ -173,6 +194,29 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
   with open(os.path.join(run_dir, "evals.json"), "w", encoding="utf-8") as f:
     json.dump(evals, f, indent=1)
   return evals
+
+
+def mask_thresholds(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> dict[str, float]:
+  """``algo.mask_low`` / ``mask_high`` at ``demo.mask_quantiles`` of the warm start's
+  reference perplexities (``capo_jax/demo/mask.py``) on ``demo.mask_questions`` training
+  questions x ``rollout.num_samples``; computed once per warm start, cached in
+  ``workdir`` and logged. The run's config then records the values it used."""
+  demo = Demo.of(spec)
+  q_wrong, q_right = demo.mask_quantiles
+  train = task_lib.make_splits(demo.task)[0][:demo.mask_questions]
+  res = mask_lib.calibrate(
+      ws, train, num_samples=spec.rollout.num_samples, seed=demo.mask_seed,
+      quantiles=(q_wrong, q_right), paper=(spec.algo.mask_low, spec.algo.mask_high),
+      path=os.path.join(workdir, f"mask_thresholds_q{q_wrong:g}_{q_right:g}.json"))
+  msg = (f"mask thresholds at quantiles ({q_wrong:g}, {q_right:g}) of the warm start's "
+         f"reference perplexity ({res['samples']} samples): low {res['low']:.4f}, high "
+         f"{res['high']:.4f}, masking {res['masked']['wrong']:.3f} of its wrong and "
+         f"{res['masked']['right']:.3f} of its correct samples (the paper's "
+         f"{spec.algo.mask_low:g} / {spec.algo.mask_high:g}: {res['paper_masked']['wrong']:.3f}"
+         f" / {res['paper_masked']['right']:.3f})")
+  log.info(msg)
+  print(msg, flush=True)
+  return {"algo.mask_low": res["low"], "algo.mask_high": res["high"]}
 
 
 def _evals_from_metrics(path: str) -> list[dict[str, float]]:

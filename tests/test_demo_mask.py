@@ -1,0 +1,175 @@
+"""The mask study's pieces: the false-negative verifier and the quantile mask thresholds."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from capo_jax.data import rewards
+from capo_jax.demo import compare
+from capo_jax.demo.char_tokenizer import CharTokenizer
+from capo_jax.demo import mask as mask_lib
+from capo_jax.demo import run as demo_run
+
+
+class _SerialGrader:
+  """The project's real scoring function, in this process."""
+
+  def score(self, completions, golds):
+    return rewards.score_serial(completions, golds)
+
+
+def _batch(n_each: int = 400) -> tuple[list[str], list[str], np.ndarray, np.ndarray]:
+  """Hand-built completions of four kinds, n_each of each: correct negative, correct
+  non-negative, wrong negative, wrong non-negative; with their kind masks."""
+  texts, golds, kind = [], [], []
+  for i in range(n_each):
+    v = i % 50 + 1
+    texts += [f"3-{v + 3}\n\\boxed{{-{v}}}", f"{v}+0\n\\boxed{{{v}}}",
+              f"1-9\n\\boxed{{-{v}}}", f"9-1\n\\boxed{{{v}}}"]
+    golds += [f"-{v}", str(v), str(v), f"-{v}"]
+    kind += [0, 1, 2, 3]
+  kind_B = np.array(kind)
+  return texts, golds, kind_B == 0, np.isin(kind_B, (0, 1))
+
+
+def test_false_negative_grader_rejects_only_correct_negative_answers_at_the_rate():
+  texts, golds, target_B, correct_B = _batch()
+  true_B, health = _SerialGrader().score(texts, golds)
+  np.testing.assert_array_equal(true_B > 0.5, correct_B)  # the hand-built verdicts hold
+  fn = compare.FalseNegativeGrader(_SerialGrader(), "negative", rate=0.5, seed=3)
+  got_B, got_health = fn.score(texts, golds)
+  changed_B = got_B != true_B
+  assert not changed_B[~target_B].any()  # wrong answers and positive correct ones: untouched
+  assert (got_B[changed_B] == 0).all()  # only ever a rejection
+  n = int(target_B.sum())
+  assert abs(changed_B[target_B].mean() - 0.5) < 4 * np.sqrt(0.25 / n)
+  assert got_health.correct == health.correct  # the health counts the true verdicts
+  np.testing.assert_array_equal(fn.score(texts, golds)[0], got_B)  # deterministic
+  all_B, _ = compare.FalseNegativeGrader(_SerialGrader(), "negative", rate=1.0).score(texts,
+                                                                                      golds)
+  np.testing.assert_array_equal(all_B > 0.5, correct_B & ~target_B)
+  # "-0" is the parser's fault too (the sign), though it equals the gold 0.
+  assert compare.false_negative_form("0-0\n\\boxed{-0}", "negative")
+  assert not compare.false_negative_form("no box -3", "negative")
+  with pytest.raises(ValueError, match="form"):
+    compare.FalseNegativeGrader(_SerialGrader(), "decimal")
+
+
+def test_training_grader_composes_and_names_the_bad_field():
+  g = _SerialGrader()
+  assert compare.training_grader(g) is None
+  fn = compare.training_grader(g, false_negative="negative", seed=1)
+  assert isinstance(fn, compare.FalseNegativeGrader) and fn.grader is g
+  both = compare.training_grader(g, reward_flip=0.1, false_negative="negative")
+  assert isinstance(both, compare.NoisyGrader)
+  assert isinstance(both.grader, compare.FalseNegativeGrader)
+  with pytest.raises(ValueError, match="config.demo.false_negative"):
+    compare.training_grader(g, false_negative="decimal")
+
+
+def test_evaluation_never_sees_the_faulty_verifier(monkeypatch, tmp_path):
+  """run_rl hands the faulty verifier to the training loop; its held-out evaluation of
+  always-correct answers (a third of them negative) still scores 100%."""
+  from configs import demo  # pylint: disable=import-outside-toplevel
+  from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
+  from capo_jax.eval.report import SampleRecord  # pylint: disable=import-outside-toplevel
+  seen = {}
+
+  def fake_evaluate(policy, examples, eval_cfg, rng, benchmark, grader=None):
+    del policy, rng
+    seen["eval_grader"] = grader
+    texts = [f"\\boxed{{{ex.answer}}}" for ex in examples for _ in range(eval_cfg.num_samples)]
+    golds = [ex.answer for ex in examples for _ in range(eval_cfg.num_samples)]
+    verdicts = (grader or _SerialGrader()).score(texts, golds)[0]
+    return [SampleRecord(benchmark, "q", 0, t, g, bool(v > 0.5), -0.1, 5)
+            for t, g, v in zip(texts, golds, verdicts)]
+
+  def fake_train(spec, run_dir, *, policy, tokenizer, train_examples, eval_fn, grader):
+    del spec, policy, tokenizer
+    seen["grader"] = grader
+    seen["train_rewards"] = grader.score([f"\\boxed{{{ex.answer}}}" for ex in train_examples],
+                                         [ex.answer for ex in train_examples])[0]
+    tmp_path.joinpath(run_dir).mkdir(parents=True, exist_ok=True)
+    eval_fn(1, None)
+
+  monkeypatch.setattr(demo_run.loop, "train", fake_train)
+  monkeypatch.setattr(evaluate, "evaluate_policy", fake_evaluate)
+  monkeypatch.setattr(demo_run.rewards, "default_grader", _SerialGrader)
+  c = demo.get_config("shrink")
+  c.demo.false_negative, c.demo.false_negative_rate = "negative", 1.0
+  spec = demo_run.method_spec(demo_run.spec_of(c), "grpo")
+
+  class _WS:
+    cfg = params = None
+    tokenizer = CharTokenizer()
+  evals = demo_run.run_rl(spec, str(tmp_path), _WS(), run_name="r")
+  assert isinstance(seen["grader"], compare.FalseNegativeGrader)
+  assert 0.1 < 1 - seen["train_rewards"].mean() < 0.6  # training: the negatives rejected
+  assert seen["eval_grader"] is None  # evaluation: the benchmark's own (true) checker
+  assert evals[0]["step"] == 1 and evals[0]["accuracy"] == 1.0
+
+
+def test_unknown_false_negative_or_quantiles_name_the_field():
+  from configs import demo  # pylint: disable=import-outside-toplevel
+  for field, value, match in (("false_negative", "decimal", "config.demo.false_negative"),
+                              ("mask_quantiles", (0.1,), "config.demo.mask_quantiles"),
+                              ("mask_quantiles", (0.1, 1.0), "config.demo.mask_quantiles")):
+    c = demo.get_config("shrink")
+    c.demo[field] = value
+    with pytest.raises(ValueError, match=match):
+      demo_run.Demo.of(demo_run.spec_of(c))
+
+
+def test_quantile_thresholds_match_numpy_and_mask_the_stated_fraction():
+  rng = np.random.default_rng(0)
+  ppl_QG = 1.0 + rng.exponential(0.2, size=(50, 8))
+  correct_QG = rng.random((50, 8)) < 0.4
+  low, high = mask_lib.quantile_thresholds(ppl_QG, correct_QG, 0.1, 0.9)
+  assert low == pytest.approx(np.quantile(ppl_QG[~correct_QG], 0.1))
+  assert high == pytest.approx(np.quantile(ppl_QG[correct_QG], 0.9))
+  frac = mask_lib.masked_fractions(ppl_QG, correct_QG, low, high)
+  # Brute force: continuous values, so the strict comparisons remove ~10% of each kind.
+  n_wrong, n_right = int((~correct_QG).sum()), int(correct_QG.sum())
+  assert frac["wrong"] == sum(p < low for p in ppl_QG[~correct_QG]) / n_wrong
+  assert frac["right"] == sum(p > high for p in ppl_QG[correct_QG]) / n_right
+  assert abs(frac["wrong"] - 0.1) <= 1 / n_wrong + 1e-12
+  assert abs(frac["right"] - 0.1) <= 1 / n_right + 1e-12
+  # A hand-built case: wrong 1.0..1.9, right 2.0..2.9.
+  ppl = np.arange(10, 30) / 10
+  correct = ppl >= 2.0
+  low, high = mask_lib.quantile_thresholds(ppl, correct, 0.2, 0.7)
+  assert (low, high) == pytest.approx((1.18, 2.63))
+  assert mask_lib.masked_fractions(ppl, correct, low, high) == {"wrong": 0.2, "right": 0.3}
+  # A kind the sample lacks: nothing of it is masked.
+  assert mask_lib.quantile_thresholds(ppl, np.zeros_like(correct), 0.1, 0.9)[1] == np.inf
+  assert mask_lib.quantile_thresholds(ppl, np.ones_like(correct), 0.1, 0.9)[0] == 0.0
+
+
+def test_study_variants_cover_the_design():
+  v = compare.VARIANTS
+  for noise in ("noise", "fneg"):
+    assert v[f"grpo_{noise}"]["algo.mask"] == "off"
+    assert v[f"capo_{noise}"]["algo.mask"] == "on"
+    assert "demo.mask_quantiles" not in v[f"capo_{noise}"]
+    assert v[f"capo_qmask_{noise}"]["demo.mask_quantiles"] == (0.1, 0.9)
+    assert v[f"capo_nomask_{noise}"]["algo.mask"] == "off"
+  for name, over in v.items():
+    assert ("demo.false_negative" in over) == name.endswith("_fneg")
+    assert ("demo.reward_flip" in over) == name.endswith("_noise")
+
+
+def test_verdict_is_the_pre_registered_rule():
+  from benchmarks.demo_mask_study_report import verdict  # pylint: disable=import-outside-toplevel
+
+  def paired(lo, hi, per_seed):
+    return {"selected": {"delta": (lo + hi) / 2, "lo": lo, "hi": hi, "pairs": 9},
+            "per_seed": [{"d_accuracy": a, "d_entropy": e} for a, e in per_seed]}
+  grows_and_stalls = [(0.02, -0.1)] * 3  # mask minus no mask: more accurate, lower entropy
+  assert verdict(paired(0.01, 0.05, grows_and_stalls)) == {
+      "calibration": "helps", "paper_claim": "reproduced"}
+  assert verdict(paired(-0.05, -0.01, [(-0.01, 0.1)] * 3)) == {
+      "calibration": "hurts", "paper_claim": "contradicted"}
+  assert verdict(paired(-0.01, 0.02, grows_and_stalls[:2] + [(-0.01, -0.1)])) == {
+      "calibration": "inconclusive", "paper_claim": "mixed"}
+  assert verdict(paired(float("nan"), float("nan"), []))["paper_claim"] == "-"
