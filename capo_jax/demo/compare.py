@@ -59,6 +59,9 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
     "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
     "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
+    # The tau study (docs/demo_v3.md): the paper's grid {0.4, 0.6, 1.0} relative to the
+    # measured spread of s, with its default 0.6 at tau = spread (benchmarks/demo_tau_study.py).
+    **{f"capo_rtau{t:g}": {**_CAPO, "algo.adaptive_tau": t / 0.6} for t in (0.4, 0.6, 1.0)},
     # Learning-rate sweep (x the default 1e-4).
     "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},
     "grpo_lr2": {**_GRPO, "optim.lr": 2e-4},

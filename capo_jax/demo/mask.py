@@ -89,9 +89,10 @@ def calibrate(ws: Any, examples: list[Example], *, num_samples: int, seed: int,
          "masked": masked_fractions(ppl_QG, correct_QG, low, high),
          "paper_masked": masked_fractions(ppl_QG, correct_QG, *paper)}
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  np.savez_compressed(path + ".tmp.npz", ref_ppl_QG=ppl_QG, correct_QG=correct_QG)
-  os.replace(path + ".tmp.npz", path + ".npz")
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
+  tmp = f"{path}.{os.getpid()}.tmp"  # runs in parallel processes may calibrate at once
+  np.savez_compressed(tmp + ".npz", ref_ppl_QG=ppl_QG, correct_QG=correct_QG)
+  os.replace(tmp + ".npz", path + ".npz")
+  with open(tmp, "w", encoding="utf-8") as f:
     json.dump(out, f, indent=1)
-  os.replace(path + ".tmp", path)
+  os.replace(tmp, path)
   return out
