@@ -173,3 +173,48 @@ def test_verdict_is_the_pre_registered_rule():
   assert verdict(paired(-0.01, 0.02, grows_and_stalls[:2] + [(-0.01, -0.1)])) == {
       "calibration": "inconclusive", "paper_claim": "mixed"}
   assert verdict(paired(float("nan"), float("nan"), []))["paper_claim"] == "-"
+
+
+def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
+  """A study root copied elsewhere (another machine, a bucket) keeps its warm start's
+  held-out evaluation: the cache is keyed on the settings hash, not the absolute path,
+  and a key written with the old absolute path still serves."""
+  from configs import demo  # pylint: disable=import-outside-toplevel
+  import json  # pylint: disable=import-outside-toplevel
+  spec = demo_run.spec_of(demo.get_config("shrink"))
+  d = demo_run.Demo.of(spec)
+  old_key = {"warm_start": "/elsewhere/ws0/warm_start/abc123", "questions": d.eval_questions,
+             "samples": d.eval_samples, "seed": d.eval_seed}
+  (tmp_path / "warm_start_eval.json").write_text(json.dumps({"accuracy": 0.25,
+                                                            "key": old_key}))
+
+  class _WS:
+    params = None
+    info = {"path": str(tmp_path / "warm_start" / "abc123")}
+
+  def must_not_run(*a, **k):
+    raise AssertionError("recomputed a cached evaluation")
+  monkeypatch.setattr(demo_run, "heldout_metrics", must_not_run)
+  assert demo_run.warm_start_eval(spec, str(tmp_path), _WS()) == {"accuracy": 0.25}
+  # Another warm start (other settings hash) is not served by it.
+  _WS.info = {"path": str(tmp_path / "warm_start" / "def456")}
+  with pytest.raises(AssertionError, match="recomputed"):
+    demo_run.warm_start_eval(spec, str(tmp_path), _WS())
+
+
+def test_tau_grid_is_relative_to_the_spread_and_its_verdict_the_rule():
+  from benchmarks import demo_tau_study  # pylint: disable=import-outside-toplevel
+  scales = {v: compare.VARIANTS[v]["algo.adaptive_tau"] for v in demo_tau_study.variant_names()
+            if v != "grpo"}
+  assert scales == pytest.approx({"capo_rtau0.4": 2 / 3, "capo_rtau0.6": 1.0,
+                                  "capo_rtau1": 5 / 3})
+  assert all(compare.VARIANTS[v]["algo.mask"] == "on" for v in scales)
+
+  def d(lo, hi):
+    return {"delta": (lo + hi) / 2, "lo": lo, "hi": hi}
+  verdict = demo_tau_study.verdict
+  assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.02, 0.04)]) == "robust to tau"
+  assert verdict([d(-0.05, 0.01), d(0.01, 0.03), d(-0.02, 0.04)]) == "not robust"  # signs
+  assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.05, -0.01) | {"delta": 0.001}]
+                 ) == "not robust"  # an interval wholly below 0 against a positive estimate
+  assert verdict([d(0.0, 0.1), d(0.0, 0.1)]) == "-"  # not all three

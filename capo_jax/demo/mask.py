@@ -71,12 +71,12 @@ def calibrate(ws: Any, examples: list[Example], *, num_samples: int, seed: int,
   (low, high). The per-sample arrays go beside it (``<path>.npz``: ``ref_ppl_QG``,
   ``correct_QG``).
   """
-  key = {"warm_start": ws.info.get("path"), "quantiles": list(quantiles),
+  key = {"warm_start": warm_start.cache_id(ws), "quantiles": list(quantiles),
          "questions": len(examples), "samples": num_samples, "seed": seed}
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
-    if cached.get("key") == key:
+    if warm_start.same_cache_key(cached.get("key", {}), key):
       return cached
   ev = warm_start.evaluate_policy(evaluate.EvalPolicy(ws.params, ws.cfg, ws.tokenizer),
                                   examples, warm_start.DemoSampling(num_samples=num_samples),

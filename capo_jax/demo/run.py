@@ -132,7 +132,7 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
   s_QG, correct_QG = ev["s"], ev["correct"]
   if save_to:
     os.makedirs(os.path.dirname(save_to), exist_ok=True)
-    tmp = save_to + ".tmp.npz"
+    tmp = f"{save_to}.{os.getpid()}.tmp.npz"  # parallel processes may write it at once
     answers_QG = np.array([rewards.extract_boxed(c) or "" for c in ev["completions"]],
                           dtype=str).reshape(s_QG.shape)
     np.savez_compressed(tmp, s_QG=s_QG, correct_QG=correct_QG, lengths_QG=ev["lengths"],
@@ -259,19 +259,20 @@ def warm_start_eval(spec: RunSpec, workdir: str, ws: warm_start.WarmStart
   workdir (``warm_start_eval.json`` and the per-sample ``warm_start_heldout.npz``)."""
   path = os.path.join(workdir, "warm_start_eval.json")
   demo = Demo.of(spec)
-  key = {"warm_start": ws.info.get("path"), "questions": demo.eval_questions,
+  key = {"warm_start": warm_start.cache_id(ws), "questions": demo.eval_questions,
          "samples": demo.eval_samples, "seed": demo.eval_seed}
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
-    if cached.get("key", key) == key:
+    if "key" not in cached or warm_start.same_cache_key(cached["key"], key):
       return {k: v for k, v in cached.items() if k != "key"}
   heldout = task_lib.make_splits(demo.task)[1][:demo.eval_questions]
   m = heldout_metrics(ws, ws.params, heldout, demo.eval_samples, demo.eval_seed,
                       save_to=os.path.join(workdir, "warm_start_heldout.npz"))
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
+  tmp = f"{path}.{os.getpid()}.tmp"  # runs in parallel processes may evaluate at once
+  with open(tmp, "w", encoding="utf-8") as f:
     json.dump({**m, "key": key}, f)
-  os.replace(path + ".tmp", path)
+  os.replace(tmp, path)
   return m
 
 

@@ -244,6 +244,21 @@ def cache_dir(workdir: str, task_cfg: TaskConfig, model_cfg: Qwen2Config,
   return os.path.join(workdir, "warm_start", hashlib.sha1(blob.encode()).hexdigest()[:12])
 
 
+def cache_id(ws: WarmStart) -> str:
+  """The warm start's settings hash (its cache folder's name): what caches derived from
+  it are keyed on, so a study root copied or moved elsewhere keeps them valid."""
+  return os.path.basename(os.path.normpath(ws.info["path"]))
+
+
+def same_cache_key(cached: dict[str, Any], key: dict[str, Any]) -> bool:
+  """Whether a cache written under ``cached`` serves ``key``; keys written before
+  ``cache_id`` held the warm start's absolute path, of which the id is the last part."""
+  old = cached.get("warm_start")
+  if isinstance(old, str):
+    cached = {**cached, "warm_start": os.path.basename(os.path.normpath(old))}
+  return cached == key
+
+
 def _load(path: str, model_cfg: Qwen2Config) -> tuple[Params, dict[str, Any]]:
   info_path = os.path.join(path, _INFO_FILE)
   try:
