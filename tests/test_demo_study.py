@@ -85,3 +85,28 @@ def test_hierarchical_interval_covers_the_truth_about_95_percent():
     hits += r["lo"] <= 0.05 <= r["hi"]
   # Four warm starts are few for a percentile bootstrap: it undercovers somewhat.
   assert 0.75 <= hits / n <= 1.0
+
+
+def test_held_across_warm_starts_lists_every_comparison_and_only_what_held():
+  def pooled(delta, lo, hi, per):
+    return {"delta": delta, "lo": lo, "hi": hi, "pairs": 10 * len(per),
+            "warm_starts": len(per), "per_warm_start": [{"delta": d, "pairs": 10} for d in per]}
+  result = {"date": "d", "machine": "m", "final": {
+      "capo": {"0": {"accuracy": 0.4}, "1": {"accuracy": 0.6}},
+      "grpo": {"0": {"accuracy": 0.5}, "1": {"accuracy": 0.5}}, "simko": {}},
+            "paired": {
+      "capo": {"matched": pooled(0.03, -0.01, 0.07, [0.05, -0.01]),
+               "final": pooled(0.04, 0.01, 0.08, [0.03, 0.05])},
+      "simko": {"matched": None, "final": pooled(-0.05, -0.09, -0.02, [-0.04, -0.06])}}}
+  text = study.held_across_warm_starts(result)
+  lines = text.splitlines()
+  capo_matched = next(x for x in lines if x.startswith("  capo - grpo at matched"))
+  assert "did not hold" in capo_matched and "the same sign on 1" in capo_matched
+  capo_final = next(x for x in lines if x.startswith("  capo - grpo at the final"))
+  assert "held (above 0)" in capo_final and "accuracy 0.500 vs 0.500" in capo_final
+  assert "simko - grpo at matched accuracy: no matched checkpoints" in text
+  assert "held (below 0)" in next(x for x in lines if x.startswith("  simko - grpo at the final"))
+  assert lines[-1] == ("What held: capo - grpo at the final step; "
+                       "simko - grpo at the final step.")
+  result["paired"] = {"capo": {"matched": pooled(0.0, -0.1, 0.1, [0.0]), "final": None}}
+  assert study.held_across_warm_starts(result).splitlines()[-1].startswith("What held: nothing")

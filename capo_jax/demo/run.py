@@ -22,6 +22,7 @@ import numpy as np
 from capo_jax.data import rewards
 from capo_jax.demo import compare
 from capo_jax.demo import mask as mask_lib
+from capo_jax.demo import study
 from capo_jax.demo import task as task_lib
 from capo_jax.demo import warm_start
 from capo_jax.eval import calibration
@@ -31,6 +32,10 @@ from capo_jax.run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
+# The demo study v3's recorded result (benchmarks/demo_study_v3.py --report_only writes
+# it): the main command prints what held across warm starts beside its own single run.
+STUDY_RESULT = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "demo", "v3",
+                            "study_v3.json")
 REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy",
                "mean_length")
 
@@ -366,4 +371,9 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
         f"questions x {demo.eval_samples} samples (evaluation seed {demo.eval_seed}):")
   print(side_by_side(runs, cmp))
   print(f"curves: {png}")
+  print("\nThis run is one warm start and one RL seed: an illustration, not evidence "
+        "(docs/demo.md says how much warm starts differ).")
+  if os.path.exists(STUDY_RESULT):
+    with open(STUDY_RESULT, encoding="utf-8") as f:
+      print(study.held_across_warm_starts(json.load(f)))
   return runs

@@ -116,3 +116,54 @@ def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
     delta = total_d / total_n
   return {"delta": delta, "lo": lo, "hi": hi, "pairs": int(total_n),
           "warm_starts": n_w, "per_warm_start": per}
+
+
+def _reading(d: Mapping[str, Any] | None) -> str:
+  """"held (above 0)" / "held (below 0)" / "did not hold" for one pooled interval."""
+  if not d or not np.isfinite(d["lo"]):
+    return "not measured"
+  if d["lo"] > 0 or d["hi"] < 0:
+    return f"held ({'above' if d['lo'] > 0 else 'below'} 0)"
+  return "did not hold (the interval contains 0)"
+
+
+def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") -> str:
+  """What the recorded v3 study says held across warm starts, every comparison listed.
+
+  ``result``: ``study_v3.json`` (``benchmarks/demo_study_v3_report.py``). For each
+  method paired against ``reference``: the primary, paired ΔAUC at matched accuracy,
+  and the final step's, each pooled over warm starts with its hierarchical interval and
+  the per-warm-start signs. A comparison *held* when its interval excludes 0; nothing
+  else is called a result. Every compared method is printed, whatever it shows.
+  """
+  sg = lambda v: f"{v:+.3f}"  # noqa: E731
+  lines = [f"Across warm starts (the demo study v3, {result.get('date', '?')}, "
+           f"{result.get('machine', '?')}; docs/demo_v3.md): paired per-question ΔAUC "
+           f"against {reference} on the questions each warm start gets right in (0, 60%], "
+           "95% hierarchical bootstrap over warm starts and questions."]
+  held = []
+  for method, p in sorted(result.get("paired", {}).items()):
+    for when, label in (("matched", "at matched accuracy"), ("final", "at the final step")):
+      d = p.get(when)
+      if not d:
+        lines.append(f"  {method} - {reference} {label}: "
+                     + ("no matched checkpoints" if when == "matched" else "not measured"))
+        continue
+      signs = [np.sign(w["delta"]) for w in d["per_warm_start"] if np.isfinite(w["delta"])]
+      same = max(signs.count(1.0), signs.count(-1.0)) if signs else 0
+      reading = _reading(d)
+      acc = ""
+      if when == "final":
+        fa, fb = result["final"].get(method, {}), result["final"].get(reference, {})
+        both = [w for w in fa if w in fb]
+        if both:
+          acc = (f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
+                 f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})")
+      lines.append(f"  {method} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
+                   f"{sg(d['hi'])}], {d['pairs']} question pairs on {d['warm_starts']} warm "
+                   f"starts, the same sign on {same}: {reading}")
+      if reading.startswith("held"):
+        held.append(f"{method} - {reference} {label}")
+  lines.append("What held: " + ("; ".join(held) if held else
+                                "nothing; no comparison's interval excludes 0") + ".")
+  return "\n".join(lines)
