@@ -138,8 +138,8 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
   """
   sg = lambda v: f"{v:+.3f}"  # noqa: E731
   lines = [f"Across warm starts (the demo study v3, {result.get('date', '?')}, "
-           f"{result.get('machine', '?')}; docs/demo_v3.md): paired per-question ΔAUC "
-           f"against {reference} on the questions each warm start gets right in (0, 60%], "
+           f"{result.get('machine', '?')}; docs/demo_v3.md):\npaired per-question ΔAUC "
+           f"against {reference} on the questions each warm start gets right in (0, 60%],\n"
            "95% hierarchical bootstrap over warm starts and questions."]
   held = []
   for method, p in sorted(result.get("paired", {}).items()):
