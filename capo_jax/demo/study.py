@@ -142,11 +142,13 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
            f"against {reference} on the questions each warm start gets right in (0, 60%],\n"
            "95% hierarchical bootstrap over warm starts and questions."]
   held = []
+  controls = {"dr_grpo": "dr_grpo (large-tau control)"}  # not a paper baseline
   for method, p in sorted(result.get("paired", {}).items()):
+    name = controls.get(method, method)
     for when, label in (("matched", "at matched accuracy"), ("final", "at the final step")):
       d = p.get(when)
       if not d:
-        lines.append(f"  {method} - {reference} {label}: "
+        lines.append(f"  {name} - {reference} {label}: "
                      + ("no matched checkpoints" if when == "matched" else "not measured"))
         continue
       signs = [np.sign(w["delta"]) for w in d["per_warm_start"] if np.isfinite(w["delta"])]
@@ -159,11 +161,11 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
         if both:
           acc = (f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
                  f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})")
-      lines.append(f"  {method} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
+      lines.append(f"  {name} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
                    f"{sg(d['hi'])}], {d['pairs']} question pairs on {d['warm_starts']} warm "
                    f"starts, the same sign on {same}: {reading}")
       if reading.startswith("held"):
-        held.append(f"{method} - {reference} {label}")
+        held.append(f"{name} - {reference} {label}")
   lines.append("What held: " + ("; ".join(held) if held else
                                 "nothing; no comparison's interval excludes 0") + ".")
   return "\n".join(lines)
