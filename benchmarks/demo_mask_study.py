@@ -17,7 +17,7 @@ design is ``make_design()``; runs record it in ``<root>/mask_design.json`` (and
 v3's in ``<root>/design.json``: the warm start is v3's) and refuse another.
 
 Runs are ordinary RL workdirs under ``<root>/ws0/mask/`` and resume where they
-stopped; ``--runs`` splits them over processes. The report
+stopped; ``--runs`` splits them over processes (``benchmarks/demo_ws0_study.py``). The report
 (``benchmarks/demo_mask_study_report.py``) goes to ``<out>/mask_study.md``,
 ``mask_study.json`` and ``mask_study_curves.png``.
 """
@@ -29,11 +29,10 @@ if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as
   hugepages.reexec_with_hugepages()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
-import os
 from typing import Any
 
 from benchmarks import demo_study_v3 as v3
+from benchmarks import demo_ws0_study
 
 # The variants (capo_jax/demo/compare.py VARIANTS: "<method>_<noise>"), the primary pair
 # first: CAPO with the mask at the paper's thresholds against CAPO without it.
@@ -73,16 +72,6 @@ def run_names() -> list[str]:
   return names
 
 
-def parse_name(name: str) -> tuple[str, int]:
-  """``ws0/mask/capo_fneg_seed1`` -> ("capo_fneg", 1)."""
-  head, _, rest = name.rpartition("/")
-  variant, _, seed = rest.rpartition("_seed")
-  if head != "ws0/mask" or variant not in variant_names() or not seed.isdigit():
-    raise SystemExit(f"--runs: {name!r} is not ws0/mask/<variant>_seed<k> with variant in "
-                     f"{variant_names()}")
-  return variant, int(seed)
-
-
 def spec_for(variant: str, seed: int):
   """v3's configuration of warm start 0 with the variant's overrides and the study's
   threshold-calibration sample."""
@@ -91,47 +80,19 @@ def spec_for(variant: str, seed: int):
        "demo.mask_seed": _SETTINGS["mask_seed"]}, policy_given=True)
 
 
-def run_all(root: str, names: list[str]) -> None:
-  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-  from capo_jax.runtime import compile_cache  # pylint: disable=import-outside-toplevel
-  compile_cache.enable("jax_cache", root)  # shared with the v3 study's runs
-  v3.check_design(os.path.join(root, "design.json"), v3.DESIGN)
-  v3.check_design(os.path.join(root, "mask_design.json"), make_design())
-  parsed = [parse_name(n) for n in names]  # every name checked before any run
-  workdir = os.path.join(root, "ws0")
-  spec = spec_for(*parsed[0])
-  ws = demo_run.get_warm_start(spec, workdir)
-  print(f"warm start 0: {ws.info.get('steps')} SFT steps "
-        f"({'trained' if ws.info.get('trained') else 'cached'}) -> {ws.info.get('path')}",
-        flush=True)
-  initial = demo_run.warm_start_eval(spec, workdir, ws)
-  v3.selected_examples(spec, workdir, ws)  # the selection the report scores on
-  for i, (name, (variant, seed)) in enumerate(zip(names, parsed)):
-    run_name = name.split("/", 1)[1]
-    if os.path.exists(os.path.join(workdir, run_name, "evals.json")):
-      print(f"=== [{i + 1}/{len(names)}] {name}: finished", flush=True)
-      continue
-    print(f"=== [{i + 1}/{len(names)}] {name}", flush=True)
-    demo_run.run_rl(spec_for(variant, seed), workdir, ws, run_name=run_name,
-                    initial_eval=initial)
+def shrink() -> None:
+  v3.shrink()
+  _SETTINGS.update(SHRINK_SETTINGS)
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--root", default="/tmp/capo_study_v3")
-  p.add_argument("--out", default=str(v3.REPO / "docs" / "demo" / "mask"))
-  p.add_argument("--runs", default="", help="comma list of ws0/mask/<variant>_seed<k>")
-  p.add_argument("--report_only", action="store_true")
-  p.add_argument("--shrink", action="store_true", help="a seconds-long smoke run of the code")
-  args = p.parse_args()
-  if args.shrink:
-    v3.shrink()
-    _SETTINGS.update(SHRINK_SETTINGS)
-  if not args.report_only:
-    run_all(args.root, args.runs.split(",") if args.runs else run_names())
+def _report(root: str, out: str) -> str:
   from benchmarks import demo_mask_study_report  # pylint: disable=import-outside-toplevel
-  print(demo_mask_study_report.report(args.root, args.out))
+  return demo_mask_study_report.report(root, out)
 
+
+STUDY = demo_ws0_study.Ws0Study(name="mask", variants=variant_names, make_design=make_design,
+                                spec_for=spec_for, run_names=run_names, report=_report,
+                                shrink=shrink)
 
 if __name__ == "__main__":
-  main()
+  STUDY.main(__doc__.split("\n")[0])

@@ -9,7 +9,6 @@ docs/demo_v3.md ("Mask study") is ``verdict``.
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import pathlib
@@ -17,10 +16,10 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import demo_ws0_study
 from benchmarks.demo_mask_study import METHODS, NOISES
-from benchmarks.demo_study_v3_report import fmt, git_commit, machine, mean_sd
-from capo_jax.demo import compare, study
-from capo_jax.eval import calibration
+from benchmarks.demo_study_v3_report import fmt, mean_sd
+from capo_jax.demo import compare
 
 TAIL = 10  # training metrics are read as the mean over the first / last TAIL RL steps
 TRAIN_KEYS = ("entropy", "masked_frac_wrong", "masked_frac_correct")
@@ -30,33 +29,11 @@ def _float(v: Any) -> float:
   return float(v) if v is not None else float("nan")  # MetricsWriter writes NaN as "nan"
 
 
-def _train_rows(path: pathlib.Path) -> list[dict[str, Any]]:
-  """One row per RL step (the last written, after a resume), in step order."""
-  by_step = {}
-  for line in path.read_text(encoding="utf-8").splitlines():
-    row = json.loads(line)
-    if "entropy" in row:  # a training step (held-out rows carry eval/ keys only)
-      by_step[row["step"]] = row
-  return [by_step[s] for s in sorted(by_step)]
-
-
 def _runs(root: pathlib.Path) -> dict[tuple[str, int], dict[str, Any]]:
   """(variant, seed) -> {"evals", "dir", "train"} for every finished run."""
-  out = {}
-  for path in sorted((root / "ws0" / "mask").glob("*_seed*/evals.json")):
-    variant, seed = path.parent.name.rsplit("_seed", 1)
-    out[(variant, int(seed))] = {"evals": json.loads(path.read_text()), "dir": path.parent,
-                                 "train": _train_rows(path.parent / "metrics.jsonl")}
-  return out
-
-
-def _heldout(run: dict[str, Any], step: int, keep_Q: np.ndarray) -> dict[str, Any]:
-  with np.load(run["dir"] / "heldout" / f"step_{step:06d}.npz") as z:
-    s_QG, c_QG = z["s_QG"], z["correct_QG"]
-  auc_Q = calibration.auc_per_question(s_QG, c_QG)
-  return {"auc_Q": auc_Q, "auc_sel_Q": auc_Q[keep_Q], "accuracy_sel": float(c_QG[keep_Q].mean()),
-          "auc_mean_sel": float(np.nanmean(auc_Q[keep_Q])) if np.isfinite(
-              auc_Q[keep_Q]).any() else float("nan")}
+  return {key: {"evals": json.loads((d / "evals.json").read_text()), "dir": d,
+                "train": demo_ws0_study.train_rows(d / "metrics.jsonl")}
+          for key, d in demo_ws0_study.finished_runs(root, "mask").items()}
 
 
 def _train_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
@@ -92,8 +69,7 @@ def verdict(paired: dict[str, Any]) -> dict[str, str]:
 def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   runs = _runs(root)
   ws_dir = root / "ws0"
-  with np.load(ws_dir / "selection.npz") as z:
-    keep_Q = study.select_questions(z["correct_QG"], *design["v3"]["band"])
+  keep_Q = demo_ws0_study.selection(root, design["v3"]["band"])
   warm = json.loads((ws_dir / "warm_start_eval.json").read_text())
   res: dict[str, Any] = {
       "warm_start": {"accuracy": warm["accuracy"], "auc_mean": warm["auc_mean"],
@@ -104,7 +80,7 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   auc: dict[tuple[str, int], dict[str, Any]] = {}
   for (variant, seed), run in runs.items():
     last = run["evals"][-1]
-    auc[(variant, seed)] = h = _heldout(run, last["step"], keep_Q)
+    auc[(variant, seed)] = h = demo_ws0_study.heldout_at(run["dir"], last["step"], keep_Q)
     res["final"].setdefault(variant, {})[seed] = {
         "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
         "entropy_heldout": last["entropy"], "accuracy_sel": h["accuracy_sel"],
@@ -213,16 +189,10 @@ def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   design = json.loads((root_p / "mask_design.json").read_text())  # what the runs used
   res = analyse(root_p, design)
-  os.makedirs(out, exist_ok=True)
-  commit, today = git_commit(), datetime.date.today().isoformat()
   w = res["warm_start"]
-  text = (f"Mask study, {today}, {machine()}, commit {commit}. Warm start 0 of the v3 study: "
-          f"held-out accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
+  text = (demo_ws0_study.header("Mask study") + " Warm start 0 of the v3 study: held-out "
+          f"accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
           f"{w['selected']} selected questions.\n\n" + tables(res))
+  demo_ws0_study.write_report(out, "mask_study", text, {"design": design, **res})
   plot(root_p, os.path.join(out, "mask_study_curves.png"))
-  with open(os.path.join(out, "mask_study.md"), "w", encoding="utf-8") as f:
-    f.write(text)
-  with open(os.path.join(out, "mask_study.json"), "w", encoding="utf-8") as f:
-    json.dump({"design": design, "machine": machine(), "commit": commit, "date": today,
-               **res}, f, indent=1, default=str)
   return text

@@ -13,7 +13,7 @@ tau = (t / 0.6) x s_spread at every step, for t in {0.4, 0.6, 1.0}. Each from
 warm start 0 of the v3 study, 2 RL seeds, beside GRPO on the same seeds; the
 design is ``make_design()`` (``<root>/tau_design.json``; v3's in
 ``<root>/design.json``). Runs are ordinary RL workdirs under ``<root>/ws0/tau/``
-and resume where they stopped.
+and resume where they stopped (``benchmarks/demo_ws0_study.py``).
 
 The pre-registered reading (``verdict``): the result is CAPO minus GRPO, the
 paired per-question ΔAUC on the selected questions at the final step. It is
@@ -28,16 +28,14 @@ if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as
   hugepages.reexec_with_hugepages()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
-import argparse
-import datetime
 import json
-import os
 import pathlib
 from typing import Any
 
 import numpy as np
 
 from benchmarks import demo_study_v3 as v3
+from benchmarks import demo_ws0_study
 
 GRID = (0.4, 0.6, 1.0)  # the paper's tau grid, on its own scale
 PAPER_TAU = 0.6  # the paper's default: the centre of the grid, c = 1 here
@@ -63,35 +61,8 @@ def run_names() -> list[str]:
   return [f"ws0/tau/{v}_seed{k}" for k in _SETTINGS["seeds"] for v in variant_names()]
 
 
-def parse_name(name: str) -> tuple[str, int]:
-  head, _, rest = name.rpartition("/")
-  variant, _, seed = rest.rpartition("_seed")
-  if head != "ws0/tau" or variant not in variant_names() or not seed.isdigit():
-    raise SystemExit(f"--runs: {name!r} is not ws0/tau/<variant>_seed<k> with variant in "
-                     f"{variant_names()}")
-  return variant, int(seed)
-
-
-def run_all(root: str, names: list[str]) -> None:
-  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-  from capo_jax.runtime import compile_cache  # pylint: disable=import-outside-toplevel
-  compile_cache.enable("jax_cache", root)
-  v3.check_design(os.path.join(root, "design.json"), v3.DESIGN)
-  v3.check_design(os.path.join(root, "tau_design.json"), make_design())
-  parsed = [parse_name(n) for n in names]
-  workdir = os.path.join(root, "ws0")
-  spec = v3.spec_for(0, parsed[0][0], "", parsed[0][1])
-  ws = demo_run.get_warm_start(spec, workdir)
-  initial = demo_run.warm_start_eval(spec, workdir, ws)
-  v3.selected_examples(spec, workdir, ws)
-  for i, (name, (variant, seed)) in enumerate(zip(names, parsed)):
-    run_name = name.split("/", 1)[1]
-    if os.path.exists(os.path.join(workdir, run_name, "evals.json")):
-      print(f"=== [{i + 1}/{len(names)}] {name}: finished", flush=True)
-      continue
-    print(f"=== [{i + 1}/{len(names)}] {name}", flush=True)
-    demo_run.run_rl(v3.spec_for(0, variant, "", seed), workdir, ws, run_name=run_name,
-                    initial_eval=initial)
+def spec_for(variant: str, seed: int):
+  return v3.spec_for(0, variant, "", seed)
 
 
 def verdict(deltas: list[dict[str, Any]]) -> str:
@@ -107,20 +78,16 @@ def verdict(deltas: list[dict[str, Any]]) -> str:
 
 
 def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
-  from benchmarks.demo_mask_study_report import _heldout, _train_rows  # pylint: disable=import-outside-toplevel
-  from capo_jax.demo import compare, study  # pylint: disable=import-outside-toplevel
-  ws_dir = root / "ws0"
-  with np.load(ws_dir / "selection.npz") as z:
-    keep_Q = study.select_questions(z["correct_QG"], *design["v3"]["band"])
+  from capo_jax.demo import compare  # pylint: disable=import-outside-toplevel
+  keep_Q = demo_ws0_study.selection(root, design["v3"]["band"])
   runs, final = {}, {}
-  for path in sorted((ws_dir / "tau").glob("*_seed*/evals.json")):
-    variant, seed = path.parent.name.rsplit("_seed", 1)
-    evals = json.loads(path.read_text())
-    h = _heldout({"dir": path.parent}, evals[-1]["step"], keep_Q)
-    spread = [r.get("s_spread") for r in _train_rows(path.parent / "metrics.jsonl")]
+  for (variant, seed), run_dir in demo_ws0_study.finished_runs(root, "tau").items():
+    evals = json.loads((run_dir / "evals.json").read_text())
+    h = demo_ws0_study.heldout_at(run_dir, evals[-1]["step"], keep_Q)
+    spread = [r.get("s_spread") for r in demo_ws0_study.train_rows(run_dir / "metrics.jsonl")]
     spread = np.array([np.nan if v is None else v for v in spread], np.float64)
-    runs[(variant, int(seed))] = h
-    final.setdefault(variant, {})[int(seed)] = {
+    runs[(variant, seed)] = h
+    final.setdefault(variant, {})[seed] = {
         "accuracy": evals[-1]["accuracy"], "auc_mean": evals[-1]["auc_mean"],
         "accuracy_sel": h["accuracy_sel"], "auc_mean_sel": h["auc_mean_sel"],
         "s_spread_median": float(np.nanmedian(spread)) if np.isfinite(spread).any() else None}
@@ -165,37 +132,23 @@ def tables(res: dict[str, Any]) -> str:
 
 
 def report(root: str, out: str) -> str:
-  from benchmarks.demo_study_v3_report import git_commit, machine  # pylint: disable=import-outside-toplevel
   root_p = pathlib.Path(root)
   design = json.loads((root_p / "tau_design.json").read_text())  # what the runs used
   res = analyse(root_p, design)
-  os.makedirs(out, exist_ok=True)
-  commit, today = git_commit(), datetime.date.today().isoformat()
-  text = (f"Tau study, {today}, {machine()}, commit {commit}. Warm start 0 of the v3 study, "
+  text = (demo_ws0_study.header("Tau study") + " Warm start 0 of the v3 study, "
           f"{res['selected']} selected questions.\n\n" + tables(res))
-  with open(os.path.join(out, "tau_study.md"), "w", encoding="utf-8") as f:
-    f.write(text)
-  with open(os.path.join(out, "tau_study.json"), "w", encoding="utf-8") as f:
-    json.dump({"design": design, "machine": machine(), "commit": commit, "date": today, **res},
-              f, indent=1, default=str)
+  demo_ws0_study.write_report(out, "tau_study", text, {"design": design, **res})
   return text
 
 
-def main() -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-  p.add_argument("--root", default="/tmp/capo_study_v3")
-  p.add_argument("--out", default=str(v3.REPO / "docs" / "demo" / "tau"))
-  p.add_argument("--runs", default="", help="comma list of ws0/tau/<variant>_seed<k>")
-  p.add_argument("--report_only", action="store_true")
-  p.add_argument("--shrink", action="store_true", help="a seconds-long smoke run of the code")
-  args = p.parse_args()
-  if args.shrink:
-    v3.shrink()
-    _SETTINGS.update({"seeds": (0,), "n_boot": 200})
-  if not args.report_only:
-    run_all(args.root, args.runs.split(",") if args.runs else run_names())
-  print(report(args.root, args.out))
+def shrink() -> None:
+  v3.shrink()
+  _SETTINGS.update({"seeds": (0,), "n_boot": 200})
 
+
+STUDY = demo_ws0_study.Ws0Study(name="tau", variants=variant_names, make_design=make_design,
+                                spec_for=spec_for, run_names=run_names, report=report,
+                                shrink=shrink)
 
 if __name__ == "__main__":
-  main()
+  STUDY.main(__doc__.split("\n")[0])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -180,7 +182,6 @@ def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
   held-out evaluation: the cache is keyed on the settings hash, not the absolute path,
   and a key written with the old absolute path still serves."""
   from configs import demo  # pylint: disable=import-outside-toplevel
-  import json  # pylint: disable=import-outside-toplevel
   spec = demo_run.spec_of(demo.get_config("shrink"))
   d = demo_run.Demo.of(spec)
   old_key = {"warm_start": "/elsewhere/ws0/warm_start/abc123", "questions": d.eval_questions,
@@ -218,3 +219,37 @@ def test_tau_grid_is_relative_to_the_spread_and_its_verdict_the_rule():
   assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.05, -0.01) | {"delta": 0.001}]
                  ) == "not robust"  # an interval wholly below 0 against a positive estimate
   assert verdict([d(0.0, 0.1), d(0.0, 0.1)]) == "-"  # not all three
+
+
+def test_ws0_study_names_rows_and_heldout(tmp_path):
+  """The runner the mask and tau studies share: run names, the training rows of a resumed
+  run, and a run's held-out AUC on the selected questions against scikit-learn."""
+  from sklearn.metrics import roc_auc_score  # pylint: disable=import-outside-toplevel
+  from benchmarks import demo_mask_study, demo_tau_study, demo_ws0_study  # pylint: disable=import-outside-toplevel
+  for s in (demo_mask_study.STUDY, demo_tau_study.STUDY):
+    assert [s.parse_name(n) for n in s.run_names()][0][0] in s.variants()
+  assert demo_tau_study.STUDY.parse_name("ws0/tau/capo_rtau1_seed1") == ("capo_rtau1", 1)
+  for bad in ("ws0/mask/capo_rtau1_seed1", "ws1/tau/grpo_seed0", "ws0/tau/grpo_seedx"):
+    with pytest.raises(SystemExit, match="--runs"):
+      demo_tau_study.STUDY.parse_name(bad)
+
+  # A run resumed after step 2: its steps 2-3 were written twice; the last row wins.
+  rows = [{"step": 1, "entropy": 1.0}, {"step": 2, "entropy": 2.0}, {"step": 3, "entropy": 3.0},
+          {"step": 2, "eval/accuracy": 0.5}, {"step": 2, "entropy": 2.5},
+          {"step": 3, "entropy": 3.5}]
+  (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+  got = demo_ws0_study.train_rows(tmp_path / "metrics.jsonl")
+  assert [(r["step"], r["entropy"]) for r in got] == [(1, 1.0), (2, 2.5), (3, 3.5)]
+
+  rng = np.random.default_rng(0)
+  s_QG, c_QG = rng.normal(size=(6, 8)), rng.random((6, 8)) < 0.5
+  c_QG[0], c_QG[1, :3] = False, True  # question 0: no correct sample, AUC undefined
+  (tmp_path / "heldout").mkdir()
+  np.savez(tmp_path / "heldout" / "step_000150.npz", s_QG=s_QG, correct_QG=c_QG)
+  keep_Q = np.array([True, True, False, True, False, True])
+  h = demo_ws0_study.heldout_at(tmp_path, 150, keep_Q)
+  want = [roc_auc_score(c, s) if 0 < c.sum() < c.size else np.nan for s, c in zip(s_QG, c_QG)]
+  np.testing.assert_allclose(h["auc_Q"], want)
+  np.testing.assert_allclose(h["auc_sel_Q"], np.array(want)[keep_Q])
+  assert h["accuracy_sel"] == pytest.approx(c_QG[keep_Q].mean())
+  assert h["auc_mean_sel"] == pytest.approx(np.nanmean(np.array(want)[keep_Q]))
