@@ -125,3 +125,27 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   assert [e["step"] for e in runs_again["capo"]] == [0, TINY_STEPS]
   # The resumed runs read their evaluations back from metrics.jsonl (NaN included).
   assert _report_rows(out2) == report
+
+
+@pytest.mark.slow  # two real shrink runs and a warm start (~1 min on 2 cores)
+def test_resumed_run_keeps_every_evaluation(tmp_path: pathlib.Path) -> None:
+  """A run stopped after its step-1 checkpoint and resumed writes the evaluations of
+  steps 0, 1 and 2 to evals.json, not only those made after the resume."""
+  import shutil  # pylint: disable=import-outside-toplevel
+  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
+  from configs import demo  # pylint: disable=import-outside-toplevel
+  c = demo.get_config("shrink")
+  c.eval.every_steps, c.checkpoint.every_steps = 1, 1
+  spec = demo_run.method_spec(demo_run.spec_of(c), "grpo")
+  ws = demo_run.get_warm_start(spec, str(tmp_path))
+  first = demo_run.run_rl(spec, str(tmp_path), ws, run_name="r")
+  assert [e["step"] for e in first] == [0, 1, TINY_STEPS]
+  run_dir = tmp_path / "r"
+  (run_dir / "evals.json").unlink()
+  shutil.rmtree(run_dir / "checkpoints" / str(TINY_STEPS))  # as if stopped after step 1
+  again = demo_run.run_rl(spec, str(tmp_path), ws, run_name="r")
+  written = json.loads((run_dir / "evals.json").read_text())
+  assert [e["step"] for e in written] == [e["step"] for e in again] == [0, 1, TINY_STEPS]
+  for w, f in zip(written[:2], first[:2]):  # the evaluations before the resume, as made
+    assert w == pytest.approx(f, nan_ok=True)
+  assert written[2]["accuracy"] == pytest.approx(first[2]["accuracy"])  # step 2 redone

@@ -194,8 +194,11 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
       seed=spec.seed)
   loop.train(spec, run_dir, policy=loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
              train_examples=train, eval_fn=eval_fn, grader=grader)
-  if not evals:  # resumed a finished run: read its evals back
-    evals = _evals_from_metrics(os.path.join(run_dir, "metrics.jsonl"))
+  # A resumed run evaluated, in this process, only the steps after its checkpoint (none
+  # when it had finished); the metrics file holds every evaluation the run made.
+  by_step = {e["step"]: e for e in _evals_from_metrics(os.path.join(run_dir, "metrics.jsonl"))}
+  by_step.update({e["step"]: e for e in evals})
+  evals = [by_step[s] for s in sorted(by_step)]
   with open(os.path.join(run_dir, "evals.json"), "w", encoding="utf-8") as f:
     json.dump(evals, f, indent=1)
   return evals
@@ -225,7 +228,11 @@ def mask_thresholds(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> di
 
 
 def _evals_from_metrics(path: str) -> list[dict[str, float]]:
+  """The held-out evaluations in a run's ``metrics.jsonl``, in the order written (a
+  step evaluated again after a resume appears twice); [] without the file."""
   out = []
+  if not os.path.exists(path):
+    return out
   with open(path, encoding="utf-8") as f:
     for line in f:
       row = json.loads(line)
