@@ -190,9 +190,11 @@ def report(root: str, out: str) -> str:
   design = json.loads((root_p / "mask_design.json").read_text())  # what the runs used
   res = analyse(root_p, design)
   w = res["warm_start"]
-  text = (demo_ws0_study.header("Mask study") + " Warm start 0 of the v3 study: held-out "
+  dirs = list(demo_ws0_study.finished_runs(root_p, "mask").values())
+  text = (demo_ws0_study.header("Mask study", dirs) + " Warm start 0 of the v3 study: held-out "
           f"accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
           f"{w['selected']} selected questions.\n\n" + tables(res))
-  demo_ws0_study.write_report(out, "mask_study", text, {"design": design, **res})
+  demo_ws0_study.write_report(out, "mask_study", text, {
+      "design": design, "ran_on": demo_ws0_study.ran_on(dirs), **res})
   plot(root_p, os.path.join(out, "mask_study_curves.png"))
   return text

@@ -135,9 +135,11 @@ def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   design = json.loads((root_p / "tau_design.json").read_text())  # what the runs used
   res = analyse(root_p, design)
-  text = (demo_ws0_study.header("Tau study") + " Warm start 0 of the v3 study, "
+  dirs = list(demo_ws0_study.finished_runs(root_p, "tau").values())
+  text = (demo_ws0_study.header("Tau study", dirs) + " Warm start 0 of the v3 study, "
           f"{res['selected']} selected questions.\n\n" + tables(res))
-  demo_ws0_study.write_report(out, "tau_study", text, {"design": design, **res})
+  demo_ws0_study.write_report(out, "tau_study", text, {
+      "design": design, "ran_on": demo_ws0_study.ran_on(dirs), **res})
   return text
 
 
