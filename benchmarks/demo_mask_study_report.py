@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from benchmarks import demo_study_v3_report as v3_report
 from benchmarks import demo_ws0_study
 from benchmarks.demo_mask_study import METHODS, NOISES
 from benchmarks.demo_study_v3_report import fmt, mean_sd
@@ -194,7 +195,7 @@ def report(root: str, out: str) -> str:
   text = (demo_ws0_study.header("Mask study", dirs) + " Warm start 0 of the v3 study: held-out "
           f"accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
           f"{w['selected']} selected questions.\n\n" + tables(res))
-  demo_ws0_study.write_report(out, "mask_study", text, {
-      "design": design, "ran_on": demo_ws0_study.ran_on(dirs), **res})
+  v3_report.write_report(out, "mask_study", text, {
+      "design": design, "ran_on": v3_report.ran_on(dirs), **res})
   plot(root_p, os.path.join(out, "mask_study_curves.png"))
   return text

@@ -192,6 +192,8 @@ def run_all(root: str, names: list[str]) -> None:
 
     demo_run.run_rl(spec_for(w, method, lr, seed), workdir, ws,
                     run_name=name.split("/", 1)[1], initial_eval=initial, on_eval=on_eval)
+    from benchmarks import demo_study_v3_report  # pylint: disable=import-outside-toplevel
+    demo_study_v3_report.record_machine(pathlib.Path(run_dir))
 
 
 def main() -> None:

@@ -241,23 +241,53 @@ def git_commit() -> str:
                         capture_output=True, text=True, check=False).stdout.strip()
 
 
+def write_report(out: str, stem: str, text: str, payload: dict[str, Any]) -> None:
+  """``<out>/<stem>.md`` (``text``) and ``<out>/<stem>.json`` (``payload`` with the
+  machine, the commit and the date)."""
+  os.makedirs(out, exist_ok=True)
+  with open(os.path.join(out, f"{stem}.md"), "w", encoding="utf-8") as f:
+    f.write(text)
+  with open(os.path.join(out, f"{stem}.json"), "w", encoding="utf-8") as f:
+    json.dump({**payload, "machine": machine(), "commit": git_commit(),
+               "date": datetime.date.today().isoformat()}, f, indent=1, default=str)
+
+
+def record_machine(run_dir: pathlib.Path) -> None:
+  """``<run_dir>/ran_on.json``: the machine, JAX version and date a run finished on. A
+  study's runs may be split over machines; XLA's float rounding differs between them."""
+  import jax  # pylint: disable=import-outside-toplevel
+  (run_dir / "ran_on.json").write_text(json.dumps(
+      {"machine": machine(), "jax": jax.__version__,
+       "date": datetime.date.today().isoformat()}), encoding="utf-8")
+
+
+def ran_on(run_dirs: list[pathlib.Path]) -> dict[str, int]:
+  """How many of ``run_dirs`` finished on each machine (``record_machine``)."""
+  out: dict[str, int] = {}
+  for d in run_dirs:
+    path = d / "ran_on.json"
+    if path.exists():
+      r = json.loads(path.read_text(encoding="utf-8"))
+      where = f"{r['machine']}, jax {r['jax']}, {r['date']}"
+    else:
+      where = "not recorded"
+    out[where] = out.get(where, 0) + 1
+  return out
+
+
 def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   # The design the runs were made with (run_all writes it), not this file's.
   design = json.loads((root_p / "design.json").read_text())
   res = analyse(root_p, design)
-  os.makedirs(out, exist_ok=True)
-  commit = git_commit()
+  dirs = sorted(p.parent for p in root_p.glob("ws*/*_seed*/evals.json"))
+  runs = "; ".join(f"{n} on {where}" for where, n in ran_on(dirs).items())
   header = (f"Demo study v3, {datetime.date.today().isoformat()}, {machine()}, commit "
-            f"{commit}. Warm starts (SFT seeds): " + ", ".join(
-                f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
-                f"{v['selected']} selected questions" for w, v in res["warm_starts"].items())
-            + ".\n\n")
+            f"{git_commit()}; runs: {runs or 'none finished'}. Warm starts (SFT seeds): "
+            + ", ".join(f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
+                        f"{v['selected']} selected questions"
+                        for w, v in res["warm_starts"].items()) + ".\n\n")
   text = header + tables(res, design)
-  _plots(root_p, res, out, design)
-  with open(os.path.join(out, "study_v3.md"), "w", encoding="utf-8") as f:
-    f.write(text)
-  with open(os.path.join(out, "study_v3.json"), "w", encoding="utf-8") as f:
-    json.dump({"design": design, "machine": machine(), "commit": commit,
-               "date": datetime.date.today().isoformat(), **res}, f, indent=1, default=str)
+  write_report(out, "study_v3", text, {"design": design, "ran_on": ran_on(dirs), **res})
+  _plots(root_p, res, out, design)  # into the folder write_report made
   return text

@@ -35,6 +35,7 @@ from typing import Any
 import numpy as np
 
 from benchmarks import demo_study_v3 as v3
+from benchmarks import demo_study_v3_report as v3_report
 from benchmarks import demo_ws0_study
 
 GRID = (0.4, 0.6, 1.0)  # the paper's tau grid, on its own scale
@@ -138,8 +139,8 @@ def report(root: str, out: str) -> str:
   dirs = list(demo_ws0_study.finished_runs(root_p, "tau").values())
   text = (demo_ws0_study.header("Tau study", dirs) + " Warm start 0 of the v3 study, "
           f"{res['selected']} selected questions.\n\n" + tables(res))
-  demo_ws0_study.write_report(out, "tau_study", text, {
-      "design": design, "ran_on": demo_ws0_study.ran_on(dirs), **res})
+  v3_report.write_report(out, "tau_study", text, {
+      "design": design, "ran_on": v3_report.ran_on(dirs), **res})
   return text
 
 

@@ -25,6 +25,7 @@ from typing import Any, Callable
 import numpy as np
 
 from benchmarks import demo_study_v3 as v3
+from benchmarks import demo_study_v3_report as v3_report
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +81,7 @@ class Ws0Study:
       print(f"=== [{i + 1}/{len(names)}] {name}", flush=True)
       demo_run.run_rl(self.spec_for(variant, seed), workdir, ws, run_name=run_name,
                       initial_eval=initial)
-      record_machine(pathlib.Path(workdir) / run_name)
+      v3_report.record_machine(pathlib.Path(workdir) / run_name)
 
   def main(self, description: str) -> None:
     """The study's command line: every run (or ``--runs``), then the report."""
@@ -139,46 +140,10 @@ def heldout_at(run_dir: pathlib.Path, step: int, keep_Q: np.ndarray) -> dict[str
                           else float("nan")}
 
 
-def write_report(out: str, stem: str, text: str, payload: dict[str, Any]) -> None:
-  """``<out>/<stem>.md`` (``text``) and ``<out>/<stem>.json`` (``payload`` with the
-  machine, the commit and the date)."""
-  from benchmarks.demo_study_v3_report import git_commit, machine  # pylint: disable=import-outside-toplevel
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, f"{stem}.md"), "w", encoding="utf-8") as f:
-    f.write(text)
-  with open(os.path.join(out, f"{stem}.json"), "w", encoding="utf-8") as f:
-    json.dump({**payload, "machine": machine(), "commit": git_commit(),
-               "date": datetime.date.today().isoformat()}, f, indent=1, default=str)
-
-
-def record_machine(run_dir: pathlib.Path) -> None:
-  """``<run_dir>/ran_on.json``: the machine, JAX version and date a run finished on. A
-  study's runs may be split over machines; XLA's float rounding differs between them."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from benchmarks.demo_study_v3_report import machine  # pylint: disable=import-outside-toplevel
-  (run_dir / "ran_on.json").write_text(json.dumps(
-      {"machine": machine(), "jax": jax.__version__,
-       "date": datetime.date.today().isoformat()}), encoding="utf-8")
-
-
-def ran_on(run_dirs: list[pathlib.Path]) -> dict[str, int]:
-  """How many of ``run_dirs`` finished on each machine (``record_machine``)."""
-  out: dict[str, int] = {}
-  for d in run_dirs:
-    path = d / "ran_on.json"
-    if path.exists():
-      r = json.loads(path.read_text(encoding="utf-8"))
-      where = f"{r['machine']}, jax {r['jax']}, {r['date']}"
-    else:
-      where = "not recorded"
-    out[where] = out.get(where, 0) + 1
-  return out
-
-
 def header(study: str, run_dirs: list[pathlib.Path]) -> str:
   """The report's first words: the study, the date, the machine and the commit of the
   report, and the machines the runs were made on."""
-  from benchmarks.demo_study_v3_report import git_commit, machine  # pylint: disable=import-outside-toplevel
+  from benchmarks.demo_study_v3_report import git_commit, machine, ran_on  # pylint: disable=import-outside-toplevel
   runs = "; ".join(f"{n} on {where}" for where, n in ran_on(run_dirs).items())
   return (f"{study}, report of {datetime.date.today().isoformat()} on {machine()}, commit "
           f"{git_commit()}; runs: {runs or 'none finished'}.")
