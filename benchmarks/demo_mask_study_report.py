@@ -26,21 +26,10 @@ TAIL = 10  # training metrics are read as the mean over the first / last TAIL RL
 TRAIN_KEYS = ("entropy", "masked_frac_wrong", "masked_frac_correct")
 
 
-def _float(v: Any) -> float:
-  return float(v) if v is not None else float("nan")  # MetricsWriter writes NaN as "nan"
-
-
-def _runs(root: pathlib.Path) -> dict[tuple[str, int], dict[str, Any]]:
-  """(variant, seed) -> {"evals", "dir", "train"} for every finished run."""
-  return {key: {"evals": json.loads((d / "evals.json").read_text()), "dir": d,
-                "train": demo_ws0_study.train_rows(d / "metrics.jsonl")}
-          for key, d in demo_ws0_study.finished_runs(root, "mask").items()}
-
-
 def _train_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
   out = {}
   for k in TRAIN_KEYS:
-    v = np.array([_float(r.get(k)) for r in rows], np.float64)
+    v = np.array([demo_ws0_study.as_float(r.get(k)) for r in rows], np.float64)
     out[f"{k}_first"] = float(np.nanmean(v[:TAIL])) if np.isfinite(v[:TAIL]).any() else np.nan
     out[f"{k}_last"] = float(np.nanmean(v[-TAIL:])) if np.isfinite(v[-TAIL:]).any() else np.nan
     out[f"{k}_mean"] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
@@ -68,7 +57,7 @@ def verdict(paired: dict[str, Any]) -> dict[str, str]:
 
 
 def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
-  runs = _runs(root)
+  runs = demo_ws0_study.load_runs(root, "mask")
   ws_dir = root / "ws0"
   keep_Q = demo_ws0_study.selection(root, design["v3"]["band"])
   warm = json.loads((ws_dir / "warm_start_eval.json").read_text())
@@ -151,17 +140,13 @@ def tables(res: dict[str, Any]) -> str:
   return "\n".join(out) + "\n"
 
 
-def _curve(rows: list[dict[str, Any]], key: str) -> tuple[list[int], list[float]]:
-  return [r["step"] for r in rows], [_float(r.get(key)) for r in rows]
-
-
 def plot(root: pathlib.Path, path: str) -> str:
   """Per noise (rows): held-out accuracy and AUC-mean, training entropy and masked
   fractions against the RL step, one line per variant (mean over seeds)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  runs = _runs(root)
+  runs = demo_ws0_study.load_runs(root, "mask")
   panels = (("evals", "accuracy"), ("evals", "auc_mean"), ("train", "entropy"),
             ("train", "masked_frac_wrong"), ("train", "masked_frac_correct"))
   fig, axes = plt.subplots(len(NOISES), len(panels), figsize=(3.3 * len(panels), 5.6),
@@ -171,12 +156,9 @@ def plot(root: pathlib.Path, path: str) -> str:
       seeds = [r for (v, _), r in runs.items() if v == f"{m}_{noise}"]
       for ax, (src, key) in zip(axes[row], panels):
         ax.set_title(f"{key} ({noise})", fontsize=8)
-        curves = [_curve(r[src], key) for r in seeds]
-        n = min((len(c[0]) for c in curves), default=0)
-        if n == 0 or all(np.isnan(c[1][:n]).all() for c in curves):
-          continue  # e.g. masked fractions of an unmasked run
-        ax.plot(curves[0][0][:n], np.nanmean([c[1][:n] for c in curves], 0), "-",
-                color=f"C{i}", lw=1, label=m)
+        curve = demo_ws0_study.mean_curve(seeds, src, key)
+        if curve is not None:
+          ax.plot(*curve, "-", color=f"C{i}", lw=1, label=m)
     axes[row][0].legend(fontsize=6)
   for ax in axes[-1]:
     ax.set_xlabel("RL step")

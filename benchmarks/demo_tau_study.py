@@ -29,6 +29,7 @@ if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import json
+import os
 import pathlib
 from typing import Any
 
@@ -105,8 +106,13 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
                                         np.stack([runs[(REFERENCE, s)][key] for s in seeds]),
                                         n_boot=design["n_boot"])
         for where, key in (("selected", "auc_sel_Q"), ("all", "auc_Q"))}}
+  # Per-question AUC on the selected questions, so that a later session can pool these
+  # seeds with its own (another box gives another warm start: docs/demo_v3.md).
+  per_question = {f"{v}_seed{s}": [None if np.isnan(a) else round(float(a), 4)
+                                   for a in h["auc_sel_Q"]] for (v, s), h in runs.items()}
   return {"final": final, "paired": paired, "selected": int(keep_Q.sum()),
-          "verdict": verdict([p["selected"] for p in paired.values()])}
+          "verdict": verdict([p["selected"] for p in paired.values()]),
+          "auc_selected_per_question": per_question}
 
 
 def tables(res: dict[str, Any]) -> str:
@@ -132,6 +138,32 @@ def tables(res: dict[str, Any]) -> str:
   return "\n".join(out) + "\n"
 
 
+def plot(root: pathlib.Path, path: str) -> str:
+  """Held-out accuracy and AUC-mean, and the training score spread and entropy, against
+  the RL step: one line per variant, the mean over its seeds."""
+  import matplotlib  # pylint: disable=import-outside-toplevel
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+  runs = demo_ws0_study.load_runs(root, "tau")
+  panels = (("evals", "accuracy"), ("evals", "auc_mean"), ("train", "s_spread"),
+            ("train", "entropy"))
+  fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.0))
+  for i, v in enumerate(variant_names()):
+    seeds = [r for (u, _), r in runs.items() if u == v]
+    for ax, (src, key) in zip(axes, panels):
+      ax.set_title(f"{key} ({'held-out' if src == 'evals' else 'training'})", fontsize=8)
+      ax.set_xlabel("RL step", fontsize=8)
+      curve = demo_ws0_study.mean_curve(seeds, src, key)
+      if curve is not None:
+        ax.plot(*curve, "o-" if src == "evals" else "-", ms=3, color=f"C{i}", lw=1,
+                label=f"{v} ({len(seeds)} seed{'s' * (len(seeds) != 1)})")
+  axes[0].legend(fontsize=6)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+  return path
+
+
 def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   design = json.loads((root_p / "tau_design.json").read_text())  # what the runs used
@@ -141,6 +173,7 @@ def report(root: str, out: str) -> str:
           f"{res['selected']} selected questions.\n\n" + tables(res))
   v3_report.write_report(out, "tau_study", text, {
       "design": design, "ran_on": v3_report.ran_on(dirs), **res})
+  plot(root_p, os.path.join(out, "tau_study_curves.png"))  # into the folder write_report made
   return text
 
 

@@ -20,6 +20,7 @@ import datetime
 import json
 import os
 import pathlib
+import warnings
 from typing import Any, Callable
 
 import numpy as np
@@ -107,6 +108,33 @@ def finished_runs(root: pathlib.Path, name: str) -> dict[tuple[str, int], pathli
     variant, seed = path.parent.name.rsplit("_seed", 1)
     out[(variant, int(seed))] = path.parent
   return out
+
+
+def as_float(v: Any) -> float:
+  return float(v) if v is not None else float("nan")  # MetricsWriter writes NaN as "nan"
+
+
+def load_runs(root: pathlib.Path, name: str) -> dict[tuple[str, int], dict[str, Any]]:
+  """(variant, seed) -> {"evals", "dir", "train"} for every finished run of study ``name``."""
+  return {key: {"evals": json.loads((d / "evals.json").read_text()), "dir": d,
+                "train": train_rows(d / "metrics.jsonl")}
+          for key, d in finished_runs(root, name).items()}
+
+
+def mean_curve(runs: list[dict[str, Any]], src: str, key: str
+               ) -> tuple[list[int], np.ndarray] | None:
+  """One logged value (``src`` "evals" or "train") against the RL step, the mean over
+  ``runs`` up to the shortest of them; None where no run logged it (e.g. the masked
+  fraction of an unmasked run)."""
+  n = min((len(r[src]) for r in runs), default=0)
+  if n == 0:
+    return None
+  y_RS = np.array([[as_float(row.get(key)) for row in r[src][:n]] for r in runs], np.float64)
+  if not np.isfinite(y_RS).any():
+    return None
+  with np.errstate(invalid="ignore"), warnings.catch_warnings():
+    warnings.simplefilter("ignore", RuntimeWarning)  # a step no run logged stays NaN
+    return [row["step"] for row in runs[0][src][:n]], np.nanmean(y_RS, 0)
 
 
 def selection(root: pathlib.Path, band: tuple[float, float]) -> np.ndarray:

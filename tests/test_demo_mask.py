@@ -253,3 +253,16 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
   np.testing.assert_allclose(h["auc_sel_Q"], np.array(want)[keep_Q])
   assert h["accuracy_sel"] == pytest.approx(c_QG[keep_Q].mean())
   assert h["auc_mean_sel"] == pytest.approx(np.nanmean(np.array(want)[keep_Q]))
+
+
+def test_mean_curve_averages_seeds_up_to_the_shortest_run():
+  """The studies' plotted curves: the mean over seeds at each step, NaN where no seed logged
+  a value, cut at the shortest run; nothing for a value no run logged."""
+  from benchmarks import demo_ws0_study  # pylint: disable=import-outside-toplevel
+  a = {"train": [{"step": 1, "x": 1.0}, {"step": 2, "x": None}, {"step": 3, "x": 5.0}]}
+  b = {"train": [{"step": 1, "x": 3.0}, {"step": 2, "x": None}]}  # stopped after step 2
+  steps, mean = demo_ws0_study.mean_curve([a, b], "train", "x")
+  assert steps == [1, 2]
+  np.testing.assert_array_equal(mean, [2.0, np.nan])
+  assert demo_ws0_study.mean_curve([a, b], "train", "masked_frac_wrong") is None
+  assert demo_ws0_study.mean_curve([], "train", "x") is None
