@@ -106,7 +106,30 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
       res["paired"][variant] = {
           "matched": study.hierarchical_delta(matched) if matched else None,
           "final": study.hierarchical_delta(final), "checkpoints": notes}
+  res["frontier"] = _frontier(runs, keep, design)
   return res
+
+
+def _frontier(runs: dict[tuple[int, str], dict[str, Any]], keep: dict[int, np.ndarray],
+              design: dict[str, Any]) -> dict[str, Any]:
+  """Per learning rate: CAPO's checkpoints against GRPO's interpolated accuracy-AUC
+  frontier (selected questions, same warm start; ``study.frontier_gaps``)."""
+  def points(run: dict[str, Any], w: int) -> list[tuple[float, float]]:
+    return [(e["accuracy"], _at(run, e["step"], keep[w])["auc_mean_sel"])
+            for e in run["evals"] if e["step"]]
+  out: dict[str, Any] = {}
+  capo, grpo = PRIMARY
+  for lr_name, lr in design["lrs"].items():
+    per_ws = {w: study.frontier_gaps(points(runs[(w, capo + lr_name)], w),
+                                     points(runs[(w, grpo + lr_name)], w))
+              for w in sorted(keep)
+              if (w, capo + lr_name) in runs and (w, grpo + lr_name) in runs}
+    gaps = [g for v in per_ws.values() for g in v]
+    if per_ws:
+      out[f"{lr:.0e}".replace("e-0", "e-")] = {"per_warm_start": per_ws, "points": len(gaps),
+                        "above": sum(g > 0 for g in gaps),
+                        "mean_gap": float(np.mean(gaps)) if gaps else None}
+  return out
 
 
 def fmt(v: Any, sign: bool = False) -> str:
@@ -162,6 +185,17 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
         f"{c['matched']['step_a']}/{c['matched']['step_b']}" if c["matched"] else "none")
         for c in p["checkpoints"])
     out += f"| {v} | {_interval(p['matched'])} | {_interval(p['final'])} | {steps} |\n"
+  if res.get("frontier"):
+    out += ("\nFrontier, descriptive (no interval): each CAPO checkpoint inside its GRPO "
+            "run's accuracy range (same warm start and learning rate) against GRPO's "
+            "checkpoints linearly interpolated at its accuracy, AUC-mean on the selected "
+            "questions:\n\n| lr | CAPO checkpoints in range | above GRPO's frontier "
+            "| mean gap | per warm start (mean gap, checkpoints) |\n|---|---|---|---|---|\n")
+    for lr, f in res["frontier"].items():
+      per = ", ".join(f"ws{w}: {fmt(np.mean(g) if g else None, True)} ({len(g)})"
+                      for w, g in f["per_warm_start"].items())
+      out += (f"| {lr} | {f['points']} | {f['above']} | {fmt(f['mean_gap'], True)} "
+              f"| {per} |\n")
   out += "\nConfidence-weighted voting on the selected questions at the last step, mean over " \
          f"warm starts ({design['scaling_samples']} samples per question, each k averaged " \
          f"over {design['scaling_subsets']} random subsets):\n\n| method | " + " | ".join(

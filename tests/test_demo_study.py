@@ -36,6 +36,16 @@ def test_matched_checkpoints_picks_the_most_accurate_pair_within_tolerance():
   assert study.matched_checkpoints(_evals([(0, .3), (25, .4)]), _evals([(0, .3), (25, .5)])) is None
 
 
+def test_frontier_gaps_against_a_hand_drawn_frontier():
+  # GRPO's checkpoints, out of accuracy order: sorted they are (.4, .70), (.5, .80), (.6, .76).
+  grpo = [(0.5, 0.80), (0.6, 0.76), (0.4, 0.70)]
+  # CAPO: .45 lies halfway between .70 and .80 (0.75), .55 halfway between .80 and .76
+  # (0.78), .6 on a GRPO point; .35 and .65 are outside GRPO's range and left out.
+  capo = [(0.35, 0.99), (0.45, 0.77), (0.55, 0.75), (0.6, 0.76), (0.65, 0.10)]
+  np.testing.assert_allclose(study.frontier_gaps(capo, grpo), [0.02, -0.03, 0.0], atol=1e-12)
+  assert study.frontier_gaps(capo, []) == []
+
+
 def test_hierarchical_delta_is_the_mean_over_cells_finite_in_both():
   rng = np.random.default_rng(0)
   pairs, diffs = [], []

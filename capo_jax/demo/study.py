@@ -11,6 +11,9 @@ part with maths in it, tested against brute-force references:
 - ``matched_checkpoints``: the two evaluated checkpoints, one per run, whose
   held-out accuracies are within ``tol`` of each other, the most accurate such
   pair; so AUC is compared at equal accuracy, not at equal step.
+- ``frontier_gaps``: how far each checkpoint of one run lies above (or below)
+  the other run's accuracy-AUC frontier, linearly interpolated at its accuracy;
+  the descriptive reading of the frontiers over learning rates.
 - ``hierarchical_delta``: the pair-weighted mean paired per-question ΔAUC over
   warm starts, their seeds and their questions, with a bootstrap interval that
   resamples warm starts, then seeds within each, then questions within each
@@ -57,6 +60,23 @@ def matched_checkpoints(evals_a: Sequence[Mapping[str, float]],
   eb = next(e for e in evals_b if e["step"] == best[2])
   return {"step_a": best[1], "step_b": best[2], "acc_a": float(ea[key]),
           "acc_b": float(eb[key]), "gap": float(ea[key] - eb[key])}
+
+
+def frontier_gaps(points_a: Sequence[tuple[float, float]],
+                  points_b: Sequence[tuple[float, float]]) -> list[float]:
+  """For each (accuracy, AUC) checkpoint of run a whose accuracy lies within the range
+  of run b's, its AUC minus b's AUC linearly interpolated at that accuracy.
+
+  b's checkpoints are joined in order of accuracy (a run's accuracy need not grow with
+  its step); a's checkpoints outside b's accuracy range are left out, since there b
+  has no frontier to compare with. Positive: a is better calibrated at equal accuracy.
+  """
+  if not points_b:
+    return []
+  order = np.argsort([x for x, _ in points_b], kind="stable")
+  xb = np.array([points_b[i][0] for i in order], float)
+  yb = np.array([points_b[i][1] for i in order], float)
+  return [float(y - np.interp(x, xb, yb)) for x, y in points_a if xb[0] <= x <= xb[-1]]
 
 
 def _sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, w_OI: np.ndarray, v_OQ: np.ndarray
