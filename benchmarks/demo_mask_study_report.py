@@ -36,14 +36,16 @@ def _train_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
   return out
 
 
-def verdict(paired: dict[str, Any]) -> dict[str, str]:
+def verdict(paired: dict[str, Any], n_seeds: int) -> dict[str, str]:
   """The pre-registered reading of one (noise, mask vs no mask) comparison.
 
   Calibration: "helps" when the ΔAUC interval on the selected questions lies above 0,
   "hurts" below, else "inconclusive". The paper's claim (without the mask, entropy
   grows and accuracy stalls): "reproduced" when in every seed the unmasked run ends
   with the higher training entropy and the lower held-out accuracy, "contradicted"
-  when every seed shows neither, else "mixed"; "-" without paired seeds.
+  when every seed shows neither, else "mixed"; "-" without paired seeds. The rule is
+  over the design's ``n_seeds``: with fewer paired seeds finished, both readings say
+  so ("... (1 of 3 seeds)"), so a partial study is never read as the verdict.
   """
   d = paired["selected"]
   calib = ("inconclusive" if not np.isfinite(d["lo"]) or d["lo"] <= 0 <= d["hi"]
@@ -53,6 +55,9 @@ def verdict(paired: dict[str, Any]) -> dict[str, str]:
   against = [s["d_entropy"] >= 0 and s["d_accuracy"] <= 0 for s in seeds]
   paper = ("-" if not seeds else "reproduced" if all(claim) else
            "contradicted" if all(against) else "mixed")
+  if seeds and len(seeds) < n_seeds:
+    partial = f" ({len(seeds)} of {n_seeds} seeds)"
+    calib, paper = calib + partial, paper + partial
   return {"calibration": calib, "paper_claim": paper}
 
 
@@ -90,7 +95,7 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
           "per_seed": [{"seed": s, "d_accuracy": fa[s]["accuracy"] - fb[s]["accuracy"],
                         "d_entropy": fa[s]["entropy_last"] - fb[s]["entropy_last"]}
                        for s in seeds]}
-      p["verdict"] = verdict(p)
+      p["verdict"] = verdict(p, len(design["seeds"]))
       res["paired"][f"{va} - {vb}"] = p
   return res
 

@@ -168,13 +168,16 @@ def test_verdict_is_the_pre_registered_rule():
     return {"selected": {"delta": (lo + hi) / 2, "lo": lo, "hi": hi, "pairs": 9},
             "per_seed": [{"d_accuracy": a, "d_entropy": e} for a, e in per_seed]}
   grows_and_stalls = [(0.02, -0.1)] * 3  # mask minus no mask: more accurate, lower entropy
-  assert verdict(paired(0.01, 0.05, grows_and_stalls)) == {
+  assert verdict(paired(0.01, 0.05, grows_and_stalls), 3) == {
       "calibration": "helps", "paper_claim": "reproduced"}
-  assert verdict(paired(-0.05, -0.01, [(-0.01, 0.1)] * 3)) == {
+  assert verdict(paired(-0.05, -0.01, [(-0.01, 0.1)] * 3), 3) == {
       "calibration": "hurts", "paper_claim": "contradicted"}
-  assert verdict(paired(-0.01, 0.02, grows_and_stalls[:2] + [(-0.01, -0.1)])) == {
+  assert verdict(paired(-0.01, 0.02, grows_and_stalls[:2] + [(-0.01, -0.1)]), 3) == {
       "calibration": "inconclusive", "paper_claim": "mixed"}
-  assert verdict(paired(float("nan"), float("nan"), []))["paper_claim"] == "-"
+  assert verdict(paired(float("nan"), float("nan"), []), 3)["paper_claim"] == "-"
+  # One seed of three: the same readings, labelled partial, never the verdict itself.
+  assert verdict(paired(0.01, 0.05, grows_and_stalls[:1]), 3) == {
+      "calibration": "helps (1 of 3 seeds)", "paper_claim": "reproduced (1 of 3 seeds)"}
 
 
 def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
