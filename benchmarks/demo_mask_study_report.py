@@ -78,7 +78,7 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
     auc[(variant, seed)] = h = demo_ws0_study.heldout_at(run["dir"], last["step"], keep_Q)
     res["final"].setdefault(variant, {})[seed] = {
         "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
-        "entropy_heldout": last["entropy"], "accuracy_sel": h["accuracy_sel"],
+        "auc_questions": last["auc_questions"], "entropy_heldout": last["entropy"], "accuracy_sel": h["accuracy_sel"],
         "auc_mean_sel": h["auc_mean_sel"], **_train_summary(run["train"])}
   for noise in NOISES:
     for a, b in (design["primary"], design["secondary"]):
@@ -115,7 +115,9 @@ def tables(res: dict[str, Any]) -> str:
                f"masking {fmt(t['masked']['wrong'])} of the wrong and "
                f"{fmt(t['masked']['right'])} of the correct samples; the paper's thresholds "
                f"mask {fmt(t['paper_masked']['wrong'])} and {fmt(t['paper_masked']['right'])}.")
-  head = ["variant", "seeds", "accuracy", "AUC-mean", "accuracy (sel.)", "AUC-mean (sel.)",
+  # AUC-mean is a mean over the questions with right and wrong samples: a collapsed run
+  # has few, so its AUC-mean says little; the count is printed beside it.
+  head = ["variant", "seeds", "accuracy", "AUC-mean", "over questions", "accuracy (sel.)", "AUC-mean (sel.)",
           "held-out entropy", f"train entropy (first / last {TAIL})",
           "masked of wrong", "masked of right"]
   for noise in NOISES:
@@ -128,7 +130,8 @@ def tables(res: dict[str, Any]) -> str:
         continue
       ms = lambda k: mean_sd([r[k] for r in per])  # noqa: E731
       out.append(f"| {m}_{noise} | {len(per)} | " + " | ".join(
-          [ms("accuracy"), ms("auc_mean"), ms("accuracy_sel"), ms("auc_mean_sel"),
+          [ms("accuracy"), ms("auc_mean"), " / ".join(f"{r['auc_questions']:.0f}" for r in per),
+           ms("accuracy_sel"), ms("auc_mean_sel"),
            ms("entropy_heldout"), f"{ms('entropy_first')} / {ms('entropy_last')}",
            ms("masked_frac_wrong_mean"), ms("masked_frac_correct_mean")]) + " |")
   out.append("\nPaired per-question ΔAUC (mask minus no mask) at the final step, bootstrap "
