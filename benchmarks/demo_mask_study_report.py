@@ -78,7 +78,8 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
     auc[(variant, seed)] = h = demo_ws0_study.heldout_at(run["dir"], last["step"], keep_Q)
     res["final"].setdefault(variant, {})[seed] = {
         "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
-        "auc_questions": last["auc_questions"], "entropy_heldout": last["entropy"], "accuracy_sel": h["accuracy_sel"],
+        "auc_questions": last["auc_questions"], "entropy_heldout": last["entropy"],
+        "accuracy_sel": h["accuracy_sel"],
         "auc_mean_sel": h["auc_mean_sel"], **_train_summary(run["train"])}
   for noise in NOISES:
     for a, b in (design["primary"], design["secondary"]):
@@ -117,7 +118,8 @@ def tables(res: dict[str, Any]) -> str:
                f"mask {fmt(t['paper_masked']['wrong'])} and {fmt(t['paper_masked']['right'])}.")
   # AUC-mean is a mean over the questions with right and wrong samples: a collapsed run
   # has few, so its AUC-mean says little; the count is printed beside it.
-  head = ["variant", "seeds", "accuracy", "AUC-mean", "over questions", "accuracy (sel.)", "AUC-mean (sel.)",
+  head = ["variant", "seeds", "accuracy", "AUC-mean", "over questions", "accuracy (sel.)",
+          "AUC-mean (sel.)",
           "held-out entropy", f"train entropy (first / last {TAIL})",
           "masked of wrong", "masked of right"]
   for noise in NOISES:

@@ -70,6 +70,8 @@ def frontier_gaps(points_a: Sequence[tuple[float, float]],
   b's checkpoints are joined in order of accuracy (a run's accuracy need not grow with
   its step); a's checkpoints outside b's accuracy range are left out, since there b
   has no frontier to compare with. Positive: a is better calibrated at equal accuracy.
+  Two of b's checkpoints at exactly the same accuracy leave the frontier ambiguous
+  there; ``np.interp`` then takes one of them.
   """
   if not points_b:
     return []
