@@ -174,9 +174,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.log.wandb_name = ""  # default: the workdir's name
 
   # Evaluation during training: the validation split and data.eval, with the
-  # evaluator's metrics, logged as eval/<benchmark>/<metric>.
+  # evaluator's metrics, logged as eval/<benchmark>/<metric>. Every 50 steps, as the
+  # paper's curves (its Fig. 1b/c); also at step 0 and the end. The benchmark files must
+  # be in data.data_dir (or on the hub); docs/training.md gives the cost (~28 training
+  # steps' worth of sampling per evaluation at the paper's shape).
   c.eval = ml_collections.ConfigDict()
-  c.eval.every_steps = 0  # 0: no evaluation during training
+  c.eval.every_steps = 50  # 0: no evaluation during training
   c.eval.num_samples = 16
   c.eval.max_new_tokens = 3072
   c.eval.temperature = 1.0
@@ -260,6 +263,7 @@ def shrink(c: ml_collections.ConfigDict) -> ml_collections.ConfigDict:
   c.checkpoint.every_steps = 1
   c.data.train_size, c.data.val_size = 0, 2
   c.eval.num_samples, c.eval.max_new_tokens, c.eval.limit, c.eval.batch_size = 4, 8, 2, 2
+  c.eval.every_steps = 0  # a smoke run: evaluation (and its benchmark files) only when asked
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1

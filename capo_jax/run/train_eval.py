@@ -13,6 +13,7 @@ a change between steps is the policy's, not the draw's.
 from __future__ import annotations
 
 import dataclasses
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
@@ -22,6 +23,7 @@ from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import evaluate
 from capo_jax.eval import report
+from capo_jax.run.sections import ConfigError
 from capo_jax.run.spec import Eval, RunSpec
 from capo_jax.runtime import fs
 from capo_jax.runtime.distributed import is_main_process
@@ -59,8 +61,28 @@ def eval_benchmarks(spec: RunSpec, val: Sequence[data.Example]
   out = {VAL_BENCHMARK: list(val[:limit] if limit > 0 else val)} if val else {}
   names = [b for b in spec.data.eval if b]
   if names:
-    out.update(evaluate.load_benchmarks(names, spec.data.data_dir or None, limit))
+    try:
+      out.update(evaluate.load_benchmarks(names, spec.data.data_dir or None, limit))
+    except (OSError, ImportError, RuntimeError) as e:
+      raise ConfigError(_missing_benchmarks(spec, names, e)) from e
   return out
+
+
+def _missing_benchmarks(spec: RunSpec, names: Sequence[str], error: Exception) -> str:
+  """Why the ``data.eval`` benchmarks did not load, naming the data directory searched."""
+  data_dir = spec.data.data_dir or os.environ.get("CAPO_DATA_DIR", "")
+  where = (f"the data directory {data_dir!r}" if data_dir else
+           "no data directory (config.data.data_dir and $CAPO_DATA_DIR are both unset)")
+  # Registry names not found as files there (the loader then tried the hub).
+  missing = [n for n in names if n in data.REGISTRY
+             and isinstance(data.resolve(n, data_dir or None), data.DatasetSpec)]
+  files = ", ".join(data.REGISTRY[n].filenames[0] for n in missing)
+  return (f"config.eval.every_steps={spec.eval.every_steps} evaluates config.data.eval "
+          f"{tuple(names)} during training, but {', '.join(missing) or 'a benchmark'} could "
+          f"not be loaded from {where} ({error}). Put {files or 'the files'} there "
+          "(--config.data.data_dir=DIR, local or gs://), or evaluate less: "
+          "--config.data.eval=\"()\" (the validation split only) or "
+          "--config.eval.every_steps=0.")
 
 
 @dataclasses.dataclass(frozen=True)
