@@ -207,19 +207,23 @@ def test_load_samples_errors_name_file_and_line(tmp_path, line, message):
 
 
 def test_comparison_table_layout():
-  def bench(acc, auc):
-    return {"mean@16": acc, "auc_mean": auc}
+  def bench(acc, auc, aurc):
+    return {"mean@16": acc, "auc_mean": auc, "aurc": aurc, "ece": 0.5}
   runs = {
-      "grpo": {"benchmarks": {"math500": bench(0.70, 0.80), "aime25": bench(0.10, None)}},
-      "capo": {"benchmarks": {"math500": bench(0.72, 0.85)}},
+      "grpo": {"benchmarks": {"math500": bench(0.70, 0.80, 0.2), "aime25": bench(0.10, None, 0.8)}},
+      "capo": {"benchmarks": {"math500": bench(0.72, 0.85, 0.1)}},
   }
   lines = report.comparison_table(runs).strip().split("\n")
-  assert lines[0] == "| benchmark | grpo acc | grpo AUC | capo acc | capo AUC |"
-  assert lines[1] == "|---|---:|---:|---:|---:|"
-  assert lines[2] == "| math500 | 70.0 | 0.800 | 72.0 | 0.850 |"
-  assert lines[3] == "| aime25 | 10.0 | - | - | - |"
-  assert lines[4] == "| average | 40.0 | 0.800 | 72.0 | 0.850 |"
+  # The paper's metrics lead; ECE of exp(s) is in no table (report.ECE_NOTE).
+  assert lines[0] == ("| benchmark | grpo acc | grpo AUC | grpo AURC | capo acc | capo AUC "
+                      "| capo AURC |")
+  assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|"
+  assert lines[2] == "| math500 | 70.0 | 0.800 | 0.200 | 72.0 | 0.850 | 0.100 |"
+  assert lines[3] == "| aime25 | 10.0 | - | 0.800 | - | - | - |"
+  assert lines[4] == "| average | 40.0 | 0.800 | 0.500 | 72.0 | 0.850 | 0.100 |"
   assert len(lines) == 5
+  for columns in (report.MAIN_COLUMNS, report.EXTRA_COLUMNS):
+    assert "ece" not in {key for _, key in columns} and "brier" not in {k for _, k in columns}
 
 
 def test_traced_auc_mean_equals_the_numpy_one():

@@ -31,7 +31,10 @@ Definitions (docs/algorithms.md, "Evaluation metrics"):
   risk(coverage) = 1 - precision, i.e. ``sum_m (cov_m - cov_{m-1}) * risk_m``;
   without ties it is the usual ``(1/n) sum_k risk(top k)``.
 - ``ece`` / ``brier``: of the probability ``exp(s)`` against correctness; ECE
-  uses ``n_bins`` equal-width bins on [0, 1], right-open except the last.
+  uses ``n_bins`` equal-width bins on [0, 1], right-open except the last. Not the
+  paper's metrics: exp(s) is the geometric-mean token probability, ~0.9-1.0 for
+  every chain-of-thought sample, so ECE is close to 1 - accuracy. Reports keep them
+  out of their tables (``capo_jax.eval.report.ECE_NOTE``).
 """
 
 from __future__ import annotations

@@ -20,6 +20,7 @@ extra fields are allowed and ignored):
       "mean@8", "mean@16",            null when a question has fewer samples
       "pass@k": {"1": .., "8": .., "16": ..}, "maj@k": {"8": .., "16": ..},
       "auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "brier",
+                                      (ece / brier: of exp(s); see ECE_NOTE)
       "auc_by_bucket": {"(0, 0.25]": {"lo", "hi", "auc_mean", "n"}, ...},
       "auc_per_question": [auc or null per question, in file order],
       "question_ids": [...], "acc_per_question": [...],  (same order; the
@@ -56,10 +57,15 @@ _FIELDS: dict[str, tuple[type, ...]] = {
     "benchmark": (str,), "question_id": (str,), "sample_index": (int,),
     "completion": (str,), "answer": (str, type(None)), "correct": (bool,),
     "s": (int, float), "length": (int,)}
-MAIN_COLUMNS = (("acc", "mean@16"), ("AUC", "auc_mean"))
-EXTRA_COLUMNS = (("pooled AUC", "pooled_auc"), ("AURC", "aurc"),
-                 ("ECE", "ece"), ("PC@16", "scaling/pc/-1"),
+# The paper's calibration metrics lead: AUC-mean, then AURC. ECE and Brier of exp(s) stay
+# out of every table (results.json keeps them; ``ECE_NOTE`` says why).
+MAIN_COLUMNS = (("acc", "mean@16"), ("AUC", "auc_mean"), ("AURC", "aurc"))
+EXTRA_COLUMNS = (("pooled AUC", "pooled_auc"), ("PC@16", "scaling/pc/-1"),
                  ("maj@16", "maj@k/16"))
+ECE_NOTE = ("ECE and Brier (results.json: `ece`, `brier`) score exp(s), the geometric-mean "
+            "token probability, as if it were P(correct). For a long chain of thought it is "
+            "~0.9-1.0 for every sample, so ECE is close to 1 - accuracy and says little about "
+            "ranking; they are not the paper's metrics. AUC-mean and AURC are.")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -394,7 +400,8 @@ def _subset_section(runs: Mapping[str, Mapping[str, Any]],
 def _write_comparison(runs: Mapping[str, Mapping[str, Any]], out_dir: str) -> str:
   """comparison.md and its plots in the local ``out_dir``; returns the md's name."""
   md = ["# Evaluation comparison", "",
-        "acc = mean@16 (%), AUC = AUC-mean of s over questions.", "",
+        "acc = mean@16 (%), AUC = AUC-mean of s over questions, AURC = area under the "
+        "risk-coverage curve (lower is better).", "", ECE_NOTE, "",
         comparison_table(runs), *paired.paired_section(runs), "## Calibration and scaling", "",
         comparison_table(runs, EXTRA_COLUMNS), *_subset_section(runs), "## Plots", ""]
   benchmarks = {b for res in runs.values() for b in res["benchmarks"]}
