@@ -200,6 +200,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Reward plug-ins, each "package.module:function" or "path/to/file.py:function" taking
   # (completions, examples) of one question and returning one float per completion;
   # "correct" names the binary label. Empty: reward = correct. Else reward = sum_k w_k f_k.
+  # No effect on CAPO's advantage (it pairs on `correct`; a run that sets it logs so).
   c.reward.fns = ()
   c.reward.weights = ()  # one per fn; empty: all 1.0
   # Deadline of one plug-in call (a checker's completion, a reward function's question);
@@ -207,6 +208,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.reward.timeout_s = 5.0
   # DAPO's overlong penalty on L generated tokens, L_max = rollout.max_new_tokens, buffer
   # L_b: 0 up to L_max - L_b, then linear down to -1 at L_max, added to the reward. 0 = off.
+  # No effect on CAPO's advantage (the reward, not `correct`; a run that sets it logs so).
   c.reward.overlong_buffer = 0
   # The prompt (capo_jax/data/prompts.py), the same in training, evaluation during
   # training and every export's prompt.json. The defaults are the paper's: the

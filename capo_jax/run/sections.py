@@ -170,7 +170,11 @@ class Eval:
 
 @_frozen
 class Reward:
-  """Rewards from the config (docs/rewards.md): what decides ``correct`` and the scalar reward."""
+  """Rewards from the config (docs/rewards.md): what decides ``correct`` and the scalar reward.
+
+  ``fns`` and ``overlong_buffer`` shape the scalar reward only: CAPO pairs on ``correct``,
+  so they change no CAPO advantage (``RunSpec`` logs a line when a CAPO run sets them).
+  """
   correct: str
   fns: tuple[str, ...]
   weights: tuple[float, ...]

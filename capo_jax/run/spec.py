@@ -52,6 +52,8 @@ LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "c
 DEFAULT_AGG = {"simko": "token-mean"}
 
 log = logging.getLogger(__name__)
+# Estimators whose advantage reads only the binary label, never the shaped reward.
+PAIRS_ON_CORRECT = ("capo",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -209,6 +211,12 @@ class RunSpec:
     if not 0 <= w.overlong_buffer <= self.rollout.max_new_tokens:
       fail("reward.overlong_buffer", w.overlong_buffer,
            f"must be 0 (off) or in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
+    if self.algo.name in PAIRS_ON_CORRECT and (w.fns or w.overlong_buffer):
+      # A comparison with shaping on would treat CAPO and the baselines differently.
+      log.warning("config.reward.fns=%s / reward.overlong_buffer=%d shape the scalar reward, "
+                  "which algo.name=%r does not read (it pairs on `correct`, the checker's "
+                  "label): they are logged but change no advantage; the baselines use them "
+                  "(docs/rewards.md)", tuple(w.fns), w.overlong_buffer, self.algo.name)
 
   @property
   def checker(self) -> str:
