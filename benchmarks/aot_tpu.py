@@ -185,6 +185,7 @@ def main(argv: list[str]) -> None:
   aot.set_tpu_env(acc)  # before anything initialises a jax backend
   c = _CONFIG.value
   spec = RunSpec.from_config(c, num_devices=len(aot.topology_devices(acc)), policy_given=True)
+  spec = aot.architecture_spec(spec)  # offline: the run file's preset for an uncached hub id
   mesh = aot.topology_mesh(spec, acc)
   print(f"mesh {dict(mesh.shape)} over {acc.name}; config {c.model.preset or c.model.hf_path}, "
         f"Q={c.rollout.num_prompts} G={c.rollout.num_samples} P={c.rollout.max_prompt_len} "

@@ -59,3 +59,4 @@ def test_the_paper_benchmarks_load_from_the_shared_data(shared_data):
   for name, examples in got.items():  # every question of each file
     lines = (shared_data / f"{name}.jsonl").read_text().splitlines()
     assert len(examples) == sum(1 for line in lines if line.strip()), name
+

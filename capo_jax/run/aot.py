@@ -39,6 +39,7 @@ import math
 import os
 import re
 import time
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -51,11 +52,12 @@ from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.run import hlo_cost
 from capo_jax.run import programs as programs_lib
 from capo_jax.run.programs import StepPrograms
+from capo_jax.run.sections import ConfigError
 from capo_jax.run.spec import RunSpec
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
-from models import qwen2, sharding
+from models import hub, qwen2, sharding
 from models.sharding import Layout
 
 # Chips per slice -> the topology string libtpu takes ("<gen>:<chip grid>").
@@ -121,6 +123,27 @@ def topology_devices(acc: Accelerator) -> list[Any]:
   # chip, as jax.devices() shows on those VMs (jax's TPU mesh builder requires it).
   kw = {"chip_config_name": "megacore"} if acc.gen in ("v4", "v5p") else {}
   return list(topologies.get_topology_desc(acc.topology, "tpu", **kw).devices)
+
+
+def architecture_spec(spec: RunSpec, log: Callable[[str], None] = print) -> RunSpec:
+  """The spec to compile: the architecture needs ``config.json``, never the weights.
+
+  A run file names a hub id. When that id's config.json is neither local nor fetchable
+  (offline, not in the hub cache), the run file's ``model.preset``, the same architecture,
+  stands in, and ``log`` says so in one line; any other model error is raised as is.
+  """
+  m = spec.model
+  if not m.hf_path or not m.preset or not hub.is_hub_id(m.hf_path) or os.path.exists(m.hf_path):
+    return spec
+  try:
+    spec.model_config()
+    return spec
+  except ConfigError as e:
+    if not isinstance(e.__cause__, FileNotFoundError):
+      raise
+  log(f"config.model.hf_path={m.hf_path!r}: config.json not found locally nor on the hub; "
+      f"compiling the run file's preset {m.preset!r} (the same architecture) instead")
+  return dataclasses.replace(spec, model=dataclasses.replace(m, hf_path="", random_init=True))
 
 
 def topology_mesh(spec: RunSpec, acc: Accelerator) -> Mesh:
