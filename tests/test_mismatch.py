@@ -126,7 +126,7 @@ def test_a_3000_token_response_binds_the_sequence_cap_not_the_geometric_one():
   C = 3000
   lr = np.array([[5e-4] * C, [0.05] * C, [-0.05] * C])
   mask = np.ones(lr.shape, np.int32)
-  assert math.exp(150) > np.finfo(np.float32).max  # why the product must stay in log space
+  assert 150 > math.log(np.finfo(np.float32).max)  # ~88.7: why the product stays in log space
   w, keep = _weights(lr, mask, "tis_seq")
   np.testing.assert_allclose(w[0], 2.0, rtol=1e-6)  # min(4.48, 2)
   np.testing.assert_allclose(w[1], 2.0, rtol=1e-6)  # min(e^150, 2)
@@ -273,7 +273,9 @@ def test_metrics_match_numpy():
           "ratio_p01": np.quantile(rho, 0.01), "ratio_p50": np.quantile(rho, 0.5),
           "ratio_p99": np.quantile(rho, 0.99), "ratio_min": rho.min(), "ratio_max": rho.max(),
           "seq_abs_log_ratio": np.mean([abs(np.mean(old[b, :lens[b]] - sampler[b, :lens[b]]))
-                                        for b in range(B) if lens[b]])}
+                                        for b in range(B) if lens[b]]),
+          "seq_abs_sum_log_ratio": np.mean([abs(np.sum(old[b, :lens[b]] - sampler[b, :lens[b]]))
+                                            for b in range(B) if lens[b]])}
   assert set(got) == set(want)
   for k, v in want.items():
     assert float(got[k]) == pytest.approx(v, rel=1e-4), k
@@ -355,13 +357,30 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
     ("rollout.is_correction", "tis", "rollout.is_correction='tis'"),
     ("rollout.is_cap", 0.0, "rollout.is_cap=0.0"),
     ("rollout.icepop_low", 6.0, "icepop_low / icepop_high"),
+    ("rollout.mis_two_sided", "yes", "rollout.mis_two_sided='yes'"),
 ])
 def test_bad_mismatch_config_names_the_field(field, value, needle):
-  c = common.shrink(common.get_base_config())
+  # As a plain dict (a JSON config): a ConfigDict would refuse "yes" for a bool itself.
+  c = json.loads(common.shrink(common.get_base_config()).to_json_best_effort())
   section, leaf = field.split(".")
   c[section][leaf] = value
   with pytest.raises(spec_lib.ConfigError, match=needle):
     spec_lib.RunSpec.from_config(c, num_devices=1)
+
+
+def test_mis_sides_come_from_the_config_and_two_sided_needs_a_cap_above_one():
+  c = common.shrink(common.get_base_config())
+  c.rollout.is_correction = "mis_seq"
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().mis_two_sided
+  c.rollout.mis_two_sided = False
+  assert not spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().mis_two_sided
+  c.rollout.is_cap = 0.8  # one-sided: rho <= 0.8 is a valid (if odd) choice
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().cap == 0.8
+  c.rollout.mis_two_sided = True  # [1/0.8, 0.8] is empty
+  with pytest.raises(spec_lib.ConfigError, match=r"rollout.is_cap=0.8.*is_cap > 1"):
+    spec_lib.RunSpec.from_config(c, num_devices=1)
+  c.rollout.is_correction = "tis_seq"  # TIS caps at any C > 0
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().cap == 0.8
 
 
 def test_correction_with_sampler_old_logprobs_is_an_error_and_default_is_off():
