@@ -113,8 +113,9 @@ def _weights(lr_BC: np.ndarray, mask_BC: np.ndarray, correction: str, **kw
              ) -> tuple[np.ndarray, np.ndarray]:
   """is_weights on token log-ratios ``lr_BC`` (sampler log-prob -1 on every slot)."""
   sampler = np.full(lr_BC.shape, -1.0, np.float32)
-  w, keep = mismatch.is_weights(jnp.asarray(sampler + lr_BC.astype(np.float32)),
-                                jnp.asarray(sampler), jnp.asarray(mask_BC), _spec(correction, **kw))
+  old = jnp.asarray(sampler + lr_BC.astype(np.float32))
+  w, keep = mismatch.is_weights(old, jnp.asarray(sampler), jnp.asarray(mask_BC),
+                                _spec(correction, **kw))
   return np.asarray(w), np.asarray(keep)
 
 
