@@ -21,7 +21,6 @@ import numpy as np
 import pytest
 
 import rl_driver
-from batches import HostBatch, padded_pass, run_pass
 from capo_jax.rl import losses
 from capo_jax.rl import mismatch
 from capo_jax.rl import packing
@@ -29,7 +28,6 @@ from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences
 from capo_jax.rl.losses import LossConfig, PolicyBatch
 from capo_jax.run import spec as spec_lib
-from capo_jax.runtime import mesh as mesh_lib
 from configs import common
 from models import qwen2
 from models.config import Qwen2Config

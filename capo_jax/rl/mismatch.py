@@ -86,7 +86,7 @@ class MismatchSpec:
     if not self.cap > 0:
       raise ValueError(f"MismatchSpec.cap={self.cap} must be > 0")
     if not isinstance(self.mis_two_sided, bool):
-      raise ValueError(f"MismatchSpec.mis_two_sided={self.mis_two_sided!r} must be a bool")
+      raise TypeError(f"MismatchSpec.mis_two_sided={self.mis_two_sided!r} must be a bool")
     if self.correction.startswith("mis") and self.mis_two_sided and not self.cap > 1:
       raise ValueError(f"MismatchSpec.cap={self.cap}: two-sided MIS keeps [1/cap, cap], "
                        "which needs cap > 1")
