@@ -84,13 +84,17 @@ def get_base_config() -> ml_collections.ConfigDict:
   # The sampler / trainer mismatch (capo_jax/rl/mismatch.py, docs/mismatch.md). With
   # old_logprobs="trainer" every step logs mismatch/* (|log rho|, k3 KL, quantiles of
   # rho = pi_trainer_old / pi_sampler per token). is_correction reweights each token's
-  # policy-gradient term by a detached w: "none" (the paper's run); "tis_token" /
-  # "tis_seq" w = min(rho, is_cap); "mis_token" / "mis_seq" w = rho, tokens (sequences)
-  # with rho > is_cap rejected; "icepop" w = rho, tokens outside [icepop_low,
-  # icepop_high] rejected. A rejected token leaves the loss's numerator and denominator.
-  # Needs old_logprobs="trainer" (with the sampler's, rho = 1).
+  # policy-gradient term by a detached w, at one of three levels: _token (rho_t), _seq
+  # (the row's product exp(sum_t log rho_t), verl's "sequence") or _geo (the geometric
+  # mean exp(mean_t log rho_t), verl's "geometric"): "none" (the paper's run);
+  # "tis_token" / "tis_seq" / "tis_geo" w = min(rho, is_cap); "mis_token" / "mis_seq" /
+  # "mis_geo" w = rho, tokens (rows) with rho outside [1/is_cap, is_cap] rejected
+  # (mis_two_sided=False: only rho > is_cap); "icepop" w = rho_t, tokens outside
+  # [icepop_low, icepop_high] rejected. A rejected token leaves the loss's numerator and
+  # denominator. Needs old_logprobs="trainer" (with the sampler's, rho = 1).
   c.rollout.is_correction = "none"
   c.rollout.is_cap = 2.0
+  c.rollout.mis_two_sided = True
   c.rollout.icepop_low = 0.5
   c.rollout.icepop_high = 5.0
   # True: rows that hit max_new_tokens (graded wrong: no final answer) leave the loss,

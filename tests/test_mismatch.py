@@ -1,12 +1,13 @@
-"""Sampler / trainer mismatch: metrics against NumPy, every IS correction and
-``mask_truncated`` against hand-computed losses, the train step against a full-batch
+"""Sampler / trainer mismatch: metrics against NumPy, every IS correction at every level
+and ``mask_truncated`` against hand-computed losses, the train step against a full-batch
 reference written out by hand, the config checks, and one RL step end to end.
 
 The hand cases (``_HAND``): row 0 has four tokens with rho = 0.25, 1, 3, 27 (sequence
-rho = (0.25 * 1 * 3 * 27)^(1/4) = 20.25^(1/4) = sqrt(4.5) ~ 2.12), row 1 two tokens
-with rho = 0.4, 1.5 (sequence rho = sqrt(0.6) ~ 0.775) and two padding slots holding
-rho = 100; advantages A = (2, -1); C = 2, IcePop's band [0.5, 5]. At theta = theta_old
-the PPO ratio is 1 and nothing clips, so each kept token's objective is A * w.
+rho = 0.25 * 1 * 3 * 27 = 20.25, geometric rho = 20.25^(1/4) = sqrt(4.5) ~ 2.12), row 1
+two tokens with rho = 0.4, 1.5 (sequence rho = 0.6, geometric sqrt(0.6) ~ 0.775) and two
+padding slots holding rho = 100; advantages A = (2, -1); C = 2 (MIS keeps [0.5, 2], or
+rho <= 2 one-sided), IcePop's band [0.5, 5]. At theta = theta_old the PPO ratio is 1 and
+nothing clips, so each kept token's objective is A * w.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ import numpy as np
 import pytest
 
 import rl_driver
-from batches import HostBatch, padded_pass, run_pass
 from capo_jax.rl import losses
 from capo_jax.rl import mismatch
 from capo_jax.rl import packing
@@ -28,7 +28,6 @@ from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences
 from capo_jax.rl.losses import LossConfig, PolicyBatch
 from capo_jax.run import spec as spec_lib
-from capo_jax.runtime import mesh as mesh_lib
 from configs import common
 from models import qwen2
 from models.config import Qwen2Config
@@ -36,15 +35,22 @@ from models.config import Qwen2Config
 RHO_BC = np.array([[0.25, 1.0, 3.0, 27.0], [0.4, 1.5, 100.0, 100.0]])
 MASK_BC = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)
 ADV_B = np.array([2.0, -1.0], np.float32)
-SEQ0, SEQ1 = math.sqrt(4.5), math.sqrt(0.6)  # the rows' sequence-level rho
+SEQ1, GEO1 = 0.6, math.sqrt(0.6)  # row 1's sequence (product) and geometric rho
+ONE_SIDED = "/one-sided"  # a _HAND key suffix: the MIS correction with mis_two_sided=False
 
 # correction -> (w, keep) by hand (cap 2, band [0.5, 5]).
 _HAND = {
     "none": ([[1, 1, 1, 1], [1, 1, 0, 0]], MASK_BC),
     "tis_token": ([[0.25, 1, 2, 2], [0.4, 1.5, 0, 0]], MASK_BC),
-    "tis_seq": ([[2, 2, 2, 2], [SEQ1, SEQ1, 0, 0]], MASK_BC),  # row 0 capped at 2
-    "mis_token": ([[0.25, 1, 0, 0], [0.4, 1.5, 0, 0]], [[1, 1, 0, 0], [1, 1, 0, 0]]),
+    "tis_seq": ([[2, 2, 2, 2], [SEQ1, SEQ1, 0, 0]], MASK_BC),  # row 0 (20.25) capped at 2
+    "tis_geo": ([[2, 2, 2, 2], [GEO1, GEO1, 0, 0]], MASK_BC),  # row 0 (2.12) capped at 2
+    # two-sided: 0.25 and 0.4 fall below 1/C = 0.5, 3 and 27 above C.
+    "mis_token": ([[0, 1, 0, 0], [0, 1.5, 0, 0]], [[0, 1, 0, 0], [0, 1, 0, 0]]),
+    "mis_token" + ONE_SIDED: ([[0.25, 1, 0, 0], [0.4, 1.5, 0, 0]],
+                              [[1, 1, 0, 0], [1, 1, 0, 0]]),
     "mis_seq": ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+    "mis_seq" + ONE_SIDED: ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+    "mis_geo": ([[0, 0, 0, 0], [GEO1, GEO1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
     "icepop": ([[0, 1, 3, 0], [0, 1.5, 0, 0]], [[0, 1, 1, 0], [0, 1, 0, 0]]),
 }
 # correction -> loss by hand: seq-mean-token-mean averages each kept row's token mean
@@ -56,11 +62,19 @@ _LOSS = {
                   "token-mean": -(2 * 5.25 - 1 * 1.9) / 6},
     "tis_seq": {"seq-mean-token-mean": -(2 * 2 - SEQ1) / 2,
                 "token-mean": -(2 * 2 * 4 - 2 * SEQ1) / 6},
-    "mis_token": {"seq-mean-token-mean": -(2 * 1.25 / 2 - 1.9 / 2) / 2,
-                  "token-mean": -(2 * 1.25 - 1.9) / 4},
+    "tis_geo": {"seq-mean-token-mean": -(2 * 2 - GEO1) / 2,
+                "token-mean": -(2 * 2 * 4 - 2 * GEO1) / 6},
+    # one kept token per row: 1 in row 0 (A 2), 1.5 in row 1 (A -1).
+    "mis_token": {"seq-mean-token-mean": -(2 * 1 - 1.5) / 2,
+                  "token-mean": -(2 * 1 - 1.5) / 2},
+    "mis_token" + ONE_SIDED: {"seq-mean-token-mean": -(2 * 1.25 / 2 - 1.9 / 2) / 2,
+                              "token-mean": -(2 * 1.25 - 1.9) / 4},
     "mis_seq": {"seq-mean-token-mean": -(-SEQ1) / 1,  # row 0 rejected: one row left
                 "token-mean": -(-2 * SEQ1) / 2,
                 "seq-mean-token-sum-norm": -(-2 * SEQ1) / (4 * 1)},
+    "mis_geo": {"seq-mean-token-mean": -(-GEO1) / 1,
+                "token-mean": -(-2 * GEO1) / 2,
+                "seq-mean-token-sum-norm": -(-2 * GEO1) / (4 * 1)},
     "icepop": {"seq-mean-token-mean": -(2 * 4 / 2 - 1.5 / 1) / 2,
                "token-mean": -(2 * 4 - 1.5) / 3,
                # Dr.GRPO: the constant normaliser max_len = 4 stays; only rows leave it.
@@ -74,16 +88,101 @@ def _hand_logps() -> tuple[jax.Array, jax.Array]:
 
 
 def _spec(correction: str, **kw) -> mismatch.MismatchSpec:
-  return mismatch.MismatchSpec(correction=correction, cap=2.0, low=0.5, high=5.0, **kw)
+  """``correction`` may carry the ``ONE_SIDED`` suffix of the hand tables."""
+  name, one_sided, _ = correction.partition(ONE_SIDED)
+  return mismatch.MismatchSpec(correction=name, cap=2.0, low=0.5, high=5.0,
+                               mis_two_sided=not one_sided, **kw)
 
 
-@pytest.mark.parametrize("correction", mismatch.CORRECTIONS)
+def test_the_hand_table_covers_every_correction():
+  assert {k.partition(ONE_SIDED)[0] for k in _HAND} == set(mismatch.CORRECTIONS)
+
+
+@pytest.mark.parametrize("correction", list(_HAND))
 def test_weights_and_rejections_match_the_hand_table(correction):
   old, sampler = _hand_logps()
   w, keep = mismatch.is_weights(old, sampler, jnp.asarray(MASK_BC), _spec(correction))
   want_w, want_keep = _HAND[correction]
   np.testing.assert_allclose(np.asarray(w), np.asarray(want_w, np.float32), rtol=1e-5)
   np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep, bool))
+
+
+def _weights(lr_BC: np.ndarray, mask_BC: np.ndarray, correction: str, **kw
+             ) -> tuple[np.ndarray, np.ndarray]:
+  """is_weights on token log-ratios ``lr_BC`` (sampler log-prob -1 on every slot)."""
+  sampler = np.full(lr_BC.shape, -1.0, np.float32)
+  old = jnp.asarray(sampler + lr_BC.astype(np.float32))
+  w, keep = mismatch.is_weights(old, jnp.asarray(sampler), jnp.asarray(mask_BC),
+                                _spec(correction, **kw))
+  return np.asarray(w), np.asarray(keep)
+
+
+def test_a_3000_token_response_binds_the_sequence_cap_not_the_geometric_one():
+  """Row 0: 3,000 tokens with log rho_t = 5e-4 (the demo's measured scale): sequence
+  rho = e^1.5 ~ 4.48 > C = 2, geometric rho = e^0.0005 ~ 1.0005. Row 1: 3,000 tokens with
+  log rho_t = 0.05: the product e^150 overflows float32, the capped weight must not.
+  Row 2: 3,000 tokens with log rho_t = -0.05: the product e^-150 < 1/C."""
+  C = 3000
+  lr = np.array([[5e-4] * C, [0.05] * C, [-0.05] * C])
+  mask = np.ones(lr.shape, np.int32)
+  assert 150 > math.log(np.finfo(np.float32).max)  # ~88.7: why the product stays in log space
+  w, keep = _weights(lr, mask, "tis_seq")
+  np.testing.assert_allclose(w[0], 2.0, rtol=1e-6)  # min(4.48, 2)
+  np.testing.assert_allclose(w[1], 2.0, rtol=1e-6)  # min(e^150, 2)
+  np.testing.assert_allclose(w[2], 0.0, atol=1e-30)  # e^-150 is below float32's range
+  assert keep.all()
+  w, keep = _weights(lr, mask, "tis_geo")
+  np.testing.assert_allclose(w[0], math.exp(5e-4), rtol=1e-5)  # 1.0005: the cap never binds
+  np.testing.assert_allclose(w[1:], np.exp(lr[1:]), rtol=1e-4)  # e^0.05, e^-0.05
+  w, keep = _weights(lr, mask, "mis_seq")  # two-sided: 4.48 and e^150 > 2, e^-150 < 1/2
+  assert not keep.any() and not w.any()
+  w, keep = _weights(lr, mask, "mis_seq" + ONE_SIDED)  # only row 2 (below C) is kept
+  np.testing.assert_array_equal(keep, [[False] * C, [False] * C, [True] * C])
+  w, keep = _weights(lr, mask, "mis_geo")  # geometric: all three rows within [1/2, 2]
+  assert keep.all()
+  np.testing.assert_allclose(w, np.exp(lr), rtol=1e-4)
+
+
+def test_two_sided_mis_rejects_a_sequence_below_one_over_c_and_one_sided_keeps_it():
+  """rho_t = 0.5, 0.5, 1.5: sequence rho = 0.375 < 1/C = 0.5; geometric 0.375^(1/3)
+  ~ 0.721 lies inside [0.5, 2]. Row 1 (rho_t = 1.2, 1.5: 1.8) is kept either way."""
+  lr = np.log(np.array([[0.5, 0.5, 1.5], [1.2, 1.5, 1.0]]))
+  mask = np.array([[1, 1, 1], [1, 1, 0]], np.int32)
+  w, keep = _weights(lr, mask, "mis_seq")
+  np.testing.assert_array_equal(keep, [[0, 0, 0], [1, 1, 0]])
+  np.testing.assert_allclose(w, [[0, 0, 0], [1.8, 1.8, 0]], rtol=1e-5)
+  w, keep = _weights(lr, mask, "mis_seq" + ONE_SIDED)
+  np.testing.assert_array_equal(keep, mask.astype(bool))
+  np.testing.assert_allclose(w, [[0.375] * 3, [1.8, 1.8, 0]], rtol=1e-5)
+  w, keep = _weights(lr, mask, "mis_geo")
+  np.testing.assert_array_equal(keep, mask.astype(bool))
+  np.testing.assert_allclose(w[0], 0.375 ** (1 / 3), rtol=1e-5)
+
+
+@pytest.mark.parametrize("correction", ["tis_seq", "tis_geo", "mis_seq", "mis_geo"])
+def test_padding_does_not_enter_the_sequence_sums(correction):
+  """Random rows of 1..40 real tokens, padding slots holding log rho = 30 (rho ~ 1e13):
+  each row's weight equals a plain loop over its real tokens. The rows' biases put
+  sequence rho = 0.61, 2.67, 0.34, 0.04, 66, 2.14 and geometric rho = 0.99, 2.67, 0.94,
+  0.34, 1.16, 1.10: each level has rows inside and outside [1/C, C]."""
+  rng = np.random.default_rng(3)
+  B, C = 6, 40
+  lens = np.array([40, 1, 17, 3, 29, 8])
+  bias_B = np.array([0.0, 0.9, -0.05, -0.9, 0.02, 0.1])
+  mask = (np.arange(C)[None] < lens[:, None]).astype(np.int32)
+  lr = np.where(mask > 0, rng.normal(bias_B[:, None], 0.3, (B, C)), 30.0)
+  w, keep = _weights(lr, mask, correction)
+  for b in range(B):
+    total = 0.0
+    for t in range(lens[b]):
+      total += lr[b, t]
+    log_rho = total if correction.endswith("seq") else total / lens[b]
+    rho = math.exp(log_rho)
+    kept = correction.startswith("tis") or 0.5 <= rho <= 2.0
+    want = (min(rho, 2.0) if correction.startswith("tis") else rho) if kept else 0.0
+    assert keep[b, :lens[b]].all() == kept and not keep[b, lens[b]:].any(), b
+    np.testing.assert_allclose(w[b, :lens[b]], want, rtol=1e-4, atol=1e-12)
+    assert not w[b, lens[b]:].any()
 
 
 def _corrected_batch(correction: str, mask_truncated: bool = False, truncated=(False, False)
@@ -173,7 +272,9 @@ def test_metrics_match_numpy():
           "ratio_p01": np.quantile(rho, 0.01), "ratio_p50": np.quantile(rho, 0.5),
           "ratio_p99": np.quantile(rho, 0.99), "ratio_min": rho.min(), "ratio_max": rho.max(),
           "seq_abs_log_ratio": np.mean([abs(np.mean(old[b, :lens[b]] - sampler[b, :lens[b]]))
-                                        for b in range(B) if lens[b]])}
+                                        for b in range(B) if lens[b]]),
+          "seq_abs_sum_log_ratio": np.mean([abs(np.sum(old[b, :lens[b]] - sampler[b, :lens[b]]))
+                                            for b in range(B) if lens[b]])}
   assert set(got) == set(want)
   for k, v in want.items():
     assert float(got[k]) == pytest.approx(v, rel=1e-4), k
@@ -255,13 +356,30 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
     ("rollout.is_correction", "tis", "rollout.is_correction='tis'"),
     ("rollout.is_cap", 0.0, "rollout.is_cap=0.0"),
     ("rollout.icepop_low", 6.0, "icepop_low / icepop_high"),
+    ("rollout.mis_two_sided", "yes", "rollout.mis_two_sided='yes'"),
 ])
 def test_bad_mismatch_config_names_the_field(field, value, needle):
-  c = common.shrink(common.get_base_config())
+  # As a plain dict (a JSON config): a ConfigDict would refuse "yes" for a bool itself.
+  c = json.loads(common.shrink(common.get_base_config()).to_json_best_effort())
   section, leaf = field.split(".")
   c[section][leaf] = value
   with pytest.raises(spec_lib.ConfigError, match=needle):
     spec_lib.RunSpec.from_config(c, num_devices=1)
+
+
+def test_mis_sides_come_from_the_config_and_two_sided_needs_a_cap_above_one():
+  c = common.shrink(common.get_base_config())
+  c.rollout.is_correction = "mis_seq"
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().mis_two_sided
+  c.rollout.mis_two_sided = False
+  assert not spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().mis_two_sided
+  c.rollout.is_cap = 0.8  # one-sided: rho <= 0.8 is a valid (if odd) choice
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().cap == 0.8
+  c.rollout.mis_two_sided = True  # [1/0.8, 0.8] is empty
+  with pytest.raises(spec_lib.ConfigError, match=r"rollout.is_cap=0.8.*is_cap > 1"):
+    spec_lib.RunSpec.from_config(c, num_devices=1)
+  c.rollout.is_correction = "tis_seq"  # TIS caps at any C > 0
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).mismatch_spec().cap == 0.8
 
 
 def test_correction_with_sampler_old_logprobs_is_an_error_and_default_is_off():

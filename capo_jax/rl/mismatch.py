@@ -4,21 +4,31 @@ The sampler draws each completion token with its own numerics (KV-cache decode,
 its dtype and kernels); the trainer recomputes the same tokens' log-probs with
 the old policy's params in a full forward. Per real completion token
 
-  rho_t = pi_trainer_old(o_t) / pi_sampler(o_t) = exp(logp_old_t - logp_sampler_t),
+  rho_t = pi_trainer_old(o_t) / pi_sampler(o_t) = exp(logp_old_t - logp_sampler_t).
 
-and per sequence rho = exp(mean_t log rho_t) (``/work/shared/SPEC.md`` 5b;
-``docs/mismatch.md``). Logged every step (``mismatch_metrics``): mean |log rho|,
-the k3 estimate of KL(sampler || trainer) from the sampler's tokens,
-mean_t (rho_t - 1 - log rho_t), and quantiles of rho.
+Three levels of the ratio (``SPEC.md`` 5b of the project; ``docs/mismatch.md``), as
+verl names them:
+
+  token      rho_t
+  sequence   rho = exp(sum_t log rho_t), the product: the importance ratio of the
+             whole response (suffix ``_seq``)
+  geometric  rho = exp(mean_t log rho_t), near 1 for long responses (suffix ``_geo``)
+
+A sequence-level ratio is put on each of the row's real tokens; it is kept in log
+space until capped, so a 3,000-token product neither overflows nor turns into NaN.
+Logged every step (``mismatch_metrics``): mean |log rho_t|, the k3 estimate of
+KL(sampler || trainer) from the sampler's tokens, mean_t (rho_t - 1 - log rho_t),
+quantiles of rho_t, and the rows' |log rho| at the sequence and geometric levels.
 
 Corrections (``MismatchSpec.correction``; "none" is the paper's run) multiply each
-token's policy-gradient term by a detached weight w, or reject it:
+token's policy-gradient term by a detached weight w, or reject it (C = ``cap``):
 
-  tis_token / tis_seq   w = min(rho, cap)                          (never rejects)
-  mis_token / mis_seq   w = rho if rho <= cap, else rejected
-  icepop                w = rho if low <= rho <= high, else rejected (token level)
+  tis_token / tis_seq / tis_geo   w = min(rho, C)                      (never rejects)
+  mis_token / mis_seq / mis_geo   w = rho if 1/C <= rho <= C, else rejected
+                                  (``mis_two_sided=False``: rejected only above C)
+  icepop                          w = rho if low <= rho <= high, else rejected (token level)
 
-A rejected token (``_seq``: every token of the sequence) leaves the loss's
+A rejected token (``_seq`` / ``_geo``: every token of the row) leaves the loss's
 numerator and its denominator: the rollout folds ``keep_BC`` into the sequences'
 completion mask, which every aggregation and the micro-batch weights divide by.
 ``mask_truncated`` folds the rows that hit ``max_new_tokens`` out the same way.
@@ -30,6 +40,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +51,9 @@ from capo_jax.rl.batch import Sequences
 from capo_jax.runtime.host import put_global
 from capo_jax.types import Array
 
-CORRECTIONS = ("none", "tis_token", "tis_seq", "mis_token", "mis_seq", "icepop")
+CORRECTIONS = ("none", "tis_token", "tis_seq", "tis_geo", "mis_token", "mis_seq", "mis_geo",
+               "icepop")
+LEVELS = ("token", "seq", "geo")  # the suffix of tis_* / mis_*: token, sequence, geometric
 QUANTILES = (0.01, 0.5, 0.99)  # logged as mismatch/ratio_p01, _p50, _p99
 
 
@@ -52,13 +65,16 @@ class MismatchSpec:
     measure: log the mismatch metrics (False when the old log-probs are the
       sampler's: rho = 1, nothing to measure).
     correction: one of ``CORRECTIONS``.
-    cap: C of TIS (w = min(rho, C)) and MIS (rejected above C).
+    cap: C of TIS (w = min(rho, C)) and MIS (kept within [1/C, C]).
+    mis_two_sided: MIS rejects rho outside [1/C, C] (verl's mask mode); False:
+      only rho > C (the one-sided variant).
     low, high: IcePop's two-sided band [low, high] of kept ratios.
     mask_truncated: rows that hit ``max_new_tokens`` leave the loss.
   """
   measure: bool = True
   correction: str = "none"
   cap: float = 2.0
+  mis_two_sided: bool = True
   low: float = 0.5
   high: float = 5.0
   mask_truncated: bool = False
@@ -69,6 +85,11 @@ class MismatchSpec:
                        f"{CORRECTIONS}")
     if not self.cap > 0:
       raise ValueError(f"MismatchSpec.cap={self.cap} must be > 0")
+    if not isinstance(self.mis_two_sided, bool):
+      raise TypeError(f"MismatchSpec.mis_two_sided={self.mis_two_sided!r} must be a bool")
+    if self.correction.startswith("mis") and self.mis_two_sided and not self.cap > 1:
+      raise ValueError(f"MismatchSpec.cap={self.cap}: two-sided MIS keeps [1/cap, cap], "
+                       "which needs cap > 1")
     if not 0 <= self.low < self.high:
       raise ValueError(f"MismatchSpec.low={self.low}, high={self.high}: need 0 <= low < high")
     if self.correction != "none" and not self.measure:
@@ -86,6 +107,24 @@ def log_ratio(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array) -> Arr
   return jnp.where(mask_BC > 0, old_logp_BC - sampler_logp_BC, 0.0)
 
 
+def level_log_ratio(lr_BC: Array, mask_BC: Array, level: str) -> Array:
+  """log rho at ``level`` on each token, from the token log-ratios ``lr_BC``.
+
+  "token": log rho_t; "seq": the row's sum_t log rho_t (the log of the product);
+  "geo": the row's mean_t log rho_t. Sums and means run over the real tokens only.
+  """
+  m = mask_BC > 0
+  if level == "token":
+    return lr_BC
+  if level == "seq":
+    row_B = jnp.where(m, lr_BC, 0.0).sum(-1)
+  elif level == "geo":
+    row_B = masked_mean(lr_BC, m, axis=-1)
+  else:
+    raise ValueError(f"level_log_ratio: level={level!r} is not one of {LEVELS}")
+  return jnp.broadcast_to(row_B[:, None], lr_BC.shape)
+
+
 def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
                      ) -> dict[str, Array]:
   """The logged mismatch over the real completion tokens (token level unless named seq_).
@@ -93,7 +132,9 @@ def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
   ``abs_log_ratio`` mean |log rho_t|; ``k3_kl`` mean (rho_t - 1 - log rho_t), an
   estimate of KL(sampler || trainer) from the sampler's own tokens;
   ``ratio_p01/p50/p99`` NumPy-default (linear) quantiles of rho_t, ``ratio_min``,
-  ``ratio_max``; ``seq_abs_log_ratio`` mean over rows of |mean_t log rho_t|.
+  ``ratio_max``; over the rows with a real token, ``seq_abs_log_ratio`` the mean of
+  |mean_t log rho_t| (geometric level) and ``seq_abs_sum_log_ratio`` the mean of
+  |sum_t log rho_t| (sequence level: the log of the product).
   """
   m = mask_BC > 0
   lr_BC = log_ratio(old_logp_BC, sampler_logp_BC, mask_BC).astype(jnp.float32)
@@ -106,8 +147,8 @@ def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
   out["ratio_min"] = jnp.where(m, rho_BC, jnp.inf).min()
   out["ratio_max"] = jnp.where(m, rho_BC, -jnp.inf).max()
   rows_B = m.any(-1)
-  seq_B = jnp.abs(masked_mean(lr_BC, m, axis=-1))
-  out["seq_abs_log_ratio"] = masked_mean(seq_B, rows_B)
+  for name, level in (("seq_abs_log_ratio", "geo"), ("seq_abs_sum_log_ratio", "seq")):
+    out[name] = masked_mean(jnp.abs(level_log_ratio(lr_BC, m, level)[:, 0]), rows_B)
   return out
 
 
@@ -118,19 +159,24 @@ def is_weights(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array,
   m = mask_BC > 0
   lr_BC = log_ratio(old_logp_BC, sampler_logp_BC, mask_BC).astype(jnp.float32)
   kind = spec.correction
-  if kind.endswith("_seq"):  # one ratio per sequence, rho = exp(mean_t log rho_t)
-    lr_BC = jnp.broadcast_to(masked_mean(lr_BC, m, axis=-1)[:, None], lr_BC.shape)
-  rho_BC = jnp.exp(lr_BC)
   if kind == "none":
-    keep_BC, w_BC = m, jnp.ones_like(rho_BC)
-  elif kind.startswith("tis"):
-    keep_BC, w_BC = m, jnp.minimum(rho_BC, spec.cap)
-  elif kind.startswith("mis"):
-    keep_BC, w_BC = m & (rho_BC <= spec.cap), rho_BC
-  elif kind == "icepop":
-    keep_BC, w_BC = m & (rho_BC >= spec.low) & (rho_BC <= spec.high), rho_BC
-  else:
+    return jnp.where(m, 1.0, 0.0), m
+  if kind == "icepop":  # token level, two-sided band [low, high]
+    rho_BC = jnp.exp(jnp.minimum(lr_BC, math.log(spec.high)))
+    keep_BC = m & (lr_BC <= math.log(spec.high)) & (rho_BC >= spec.low)
+    return jax.lax.stop_gradient(jnp.where(keep_BC, rho_BC, 0.0)), keep_BC
+  family, level = kind.split("_")
+  if family not in ("tis", "mis") or level not in LEVELS:
     raise ValueError(f"is_weights: correction={kind!r} is not one of {CORRECTIONS}")
+  lr_BC = level_log_ratio(lr_BC, m, level)
+  log_cap = math.log(spec.cap)
+  # min(rho, C) taken in log space: a long row's product exp(sum) never reaches inf.
+  w_BC = jnp.exp(jnp.minimum(lr_BC, log_cap))
+  keep_BC = m
+  if family == "mis":  # kept below C (w = rho there), and above 1/C when two-sided
+    keep_BC = m & (lr_BC <= log_cap)
+    if spec.mis_two_sided:
+      keep_BC = keep_BC & (lr_BC >= -log_cap)
   return jax.lax.stop_gradient(jnp.where(keep_BC, w_BC, 0.0)), keep_BC
 
 

@@ -67,6 +67,7 @@ class Rollout:
   # Sampler / trainer mismatch correction and truncated rows (capo_jax/rl/mismatch.py).
   is_correction: str
   is_cap: float
+  mis_two_sided: bool
   icepop_low: float
   icepop_high: float
   mask_truncated: bool

@@ -407,12 +407,17 @@ class RunSpec:
            "(with the sampler's old log-probs rho = 1: nothing to correct)")
     if not r.is_cap > 0:
       fail("rollout.is_cap", r.is_cap, "must be > 0")
+    if not isinstance(r.mis_two_sided, bool):
+      fail("rollout.mis_two_sided", r.mis_two_sided, "must be true or false")
+    if r.is_correction.startswith("mis") and r.mis_two_sided and not r.is_cap > 1:
+      fail("rollout.is_cap", r.is_cap, "two-sided MIS keeps rho in [1/is_cap, is_cap]: "
+           "needs is_cap > 1 (or rollout.mis_two_sided=False)")
     if not 0 <= r.icepop_low < r.icepop_high:
       fail("rollout.icepop_low / icepop_high", (r.icepop_low, r.icepop_high),
            "need 0 <= icepop_low < icepop_high")
     return mismatch.MismatchSpec(
         measure=r.old_logprobs == "trainer", correction=r.is_correction, cap=float(r.is_cap),
-        low=float(r.icepop_low), high=float(r.icepop_high),
+        mis_two_sided=r.mis_two_sided, low=float(r.icepop_low), high=float(r.icepop_high),
         mask_truncated=bool(r.mask_truncated))
 
   def model_config(self) -> Qwen2Config:
