@@ -86,6 +86,7 @@ class Algo:
   cde_kappa: float
   cde_alpha: float
   cde_omega: float
+  std: str  # GRPO's group std: "unbiased" (ddof 1) or "population"
 
 
 @_frozen
