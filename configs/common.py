@@ -111,15 +111,22 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.algo.mask_high = 2.5
   c.algo.mask_low = 1.05
   c.algo.mask_mode = "partner"  # or "drop"
+  # CDE: r = 2 correct - 1 plus the reward plug-ins' shaping, plus the bonus
+  # omega * min(|r| / kappa, alpha * log-perplexity) in the first half of training.
   c.algo.cde_kappa = 3.0
   c.algo.cde_alpha = 1.0
   c.algo.cde_omega = 1.0
+  # The std of GRPO's normalisation (grpo, gspo, simko, codapo, cde): "unbiased" (ddof 1,
+  # as verl and TRL) or "population" (ddof 0; the recorded demo studies ran with it).
+  c.algo.std = "unbiased"
 
   c.loss = ml_collections.ConfigDict()
   c.loss.eps_low = 0.2
   c.loss.eps_high = 0.2
   # "auto": the algorithm's own (token-mean for simko, as in SimKO's paper;
-  # seq-mean-token-mean otherwise), or one of capo_jax.rl.losses.AGGS.
+  # seq-mean-token-sum-norm for dr_grpo: each response's token sum over the constant
+  # rollout.max_new_tokens, as in Dr.GRPO's code; seq-mean-token-mean otherwise),
+  # or one of capo_jax.rl.losses.AGGS, which overrides it.
   c.loss.agg = "auto"
   c.loss.beta = 0.0  # KL to the reference
   c.loss.kl_estimator = "k3"

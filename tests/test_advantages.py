@@ -104,8 +104,11 @@ def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
   valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], bool)
   receive = valid.copy()
   receive[3, 1] = receive[3, 3] = False  # noise-masked, still partners
+  # CDE in its second half (omega = 0): its bonus would spread groups 0 and 1
+  # (test_cde_all_correct_group_keeps_its_bonus).
+  step = 9 if method == "cde" else 0
   a = np.asarray(adv.compute_advantages(method, adv.GroupBatch(r, s, valid, receive),
-                                        step=0, total_steps=10))
+                                        step=step, total_steps=10))
   assert np.isfinite(a).all()
   assert (a[0] == 0).all() and (a[1] == 0).all()  # all-correct / all-wrong among valid
   assert a[2, 2] == 0 and a[3, 1] == 0 and a[3, 3] == 0
@@ -156,15 +159,66 @@ def _dr_grpo_loop(r: np.ndarray, v: np.ndarray) -> np.ndarray:
   return out
 
 
-def test_grpo_and_dr_grpo_against_numpy() -> None:
+@pytest.mark.parametrize("std,ddof", [("unbiased", 1), ("population", 0)])
+def test_grpo_and_dr_grpo_against_numpy(std: str, ddof: int) -> None:
   r, s, v = _random_batch(seed=9, q=16, g=8)
   dr = _dr_grpo_loop(r, v)
   want = np.zeros(r.shape)
   for q in range(r.shape[0]):
     rv = r[q][v[q]]
-    want[q][v[q]] = dr[q][v[q]] / (np.std(rv) + 1e-6)  # np.std: population std
+    want[q][v[q]] = dr[q][v[q]] / (np.std(rv, ddof=ddof) + 1e-6)
   np.testing.assert_allclose(np.asarray(adv.dr_grpo(r, v)), dr, rtol=1e-6, atol=1e-6)
-  np.testing.assert_allclose(np.asarray(adv.grpo(r, v)), want, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(adv.grpo(r, v, std=std)), want, rtol=1e-5, atol=1e-6)
+  if std == "unbiased":  # the default
+    np.testing.assert_allclose(np.asarray(adv.grpo(r, v)), want, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("method", ["grpo", "gspo", "simko", "codapo", "cde"])
+def test_std_option_reaches_every_grpo_normalisation(method: str) -> None:
+  """At G = 8 with 3 correct the unbiased std is sqrt(8/7) times the population std, so
+  (A and the eps aside) every advantage of the default is sqrt(7/8) ~ 0.935 times the
+  population one's."""
+  r = np.array([[1, 0, 0, 1, 0, 1, 0, 0]], np.float32)
+  s = np.linspace(-0.9, -0.2, 8, dtype=np.float32)[None]
+  b = adv.GroupBatch(r, s, np.ones_like(r, bool))
+  unb = np.asarray(adv.compute_advantages(method, b, total_steps=10))
+  pop = np.asarray(adv.compute_advantages(method, b, total_steps=10, std="population"))
+  assert (unb != 0).all()
+  np.testing.assert_allclose(unb, pop * math.sqrt(7 / 8), rtol=1e-5)
+  with pytest.raises(ValueError, match=r"std='sample' is not one of \('unbiased', 'population'\)"):
+    adv.compute_advantages(method, b, total_steps=10, std="sample")
+
+
+def test_config_algo_std_is_validated_and_reaches_the_estimators() -> None:
+  from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from configs import common  # pylint: disable=import-outside-toplevel
+  c = common.shrink(common.get_base_config())
+  spec = lambda: spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
+  assert c.algo.std == "unbiased" and "std" not in spec().advantage_hparams()  # capo
+  for name in ("grpo", "gspo", "simko", "codapo", "cde"):
+    c.algo.name = name
+    assert spec().advantage_hparams()["std"] == "unbiased"
+  c.algo.std = "population"
+  assert spec().advantage_hparams()["std"] == "population"
+  c.algo.std = "sample"
+  with pytest.raises(ValueError, match=r"config\.algo\.std='sample': GRPO's group std"):
+    spec()
+
+
+def test_group_with_one_valid_row_is_degenerate_under_both_stds() -> None:
+  """n = 1: the unbiased std's n - 1 = 0 never divides; A = 0 (no partner to compare to)."""
+  r = np.array([[1, 0, 0, 0], [1, 0, 1, 0]], np.float32)
+  v = np.array([[1, 0, 0, 0], [1, 1, 0, 0]], bool)
+  for std in adv.STDS:
+    for method in ("grpo", "codapo", "cde"):
+      a = np.asarray(adv.compute_advantages(method, adv.GroupBatch(r, r - 1, v), std=std))
+      assert np.isfinite(a).all() and (a[0] == 0).all(), (method, std)
+  # Two valid rows, one right: (1 - 1/2) / std; unbiased std = sqrt(1/2), population 1/2.
+  np.testing.assert_allclose(np.asarray(adv.grpo(r, v))[1],
+                             [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0, 0],
+                             rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(adv.grpo(r, v, std="population"))[1],
+                             [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0, 0], rtol=1e-6)
 
 
 def _linear_surrogate(s_G, r_G, v_G):
@@ -189,7 +243,7 @@ def test_grpo_gradient_is_linear_pairwise_surrogate_gradient() -> None:
       g = -np.asarray(jax.grad(_linear_surrogate)(jnp.asarray(s[q]), r[q], v[q]))
       g = np.where(v[q], g, 0.0)
       np.testing.assert_allclose(a_dr[q], g, rtol=0, atol=1e-12)
-      np.testing.assert_allclose(a_grpo[q], g / (np.std(r[q][v[q]]) + 1e-6), atol=1e-9)
+      np.testing.assert_allclose(a_grpo[q], g / (np.std(r[q][v[q]], ddof=1) + 1e-6), atol=1e-9)
 
 
 def test_noise_mask_thresholds() -> None:
@@ -224,14 +278,47 @@ def test_capo_noise_mask_partner_and_drop_modes() -> None:
   np.testing.assert_allclose(float(frac["masked_frac_correct"]), mask[r == 1].mean(), rtol=1e-6)
 
 
+@pytest.mark.parametrize("mode", adv.MASK_MODES)
+def test_lone_correct_sample_masked_as_lucky_guess(mode: str) -> None:
+  """One correct sample, masked (reference perplexity 3 > 2.5), and seven wrong ones.
+
+  partner (the paper's A = m * A~, A~ over the whole group): the masked sample receives 0
+  but stays the wrong samples' partner, so each wrong j still gets
+  A_j = -sigmoid((s_j - s_0) / tau) / (G tau) with G = 8. drop: the group left is all
+  wrong, hence degenerate: every advantage is 0."""
+  tau = 0.6
+  r = np.array([[1, 0, 0, 0, 0, 0, 0, 0]], np.float32)
+  s = np.array([[-0.4, -0.9, -0.6, -0.5, -0.4, -0.3, -0.2, -0.1]], np.float32)
+  ppl = np.array([[3.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]], np.float32)
+  mask = adv.noise_mask(r, ppl)
+  np.testing.assert_array_equal(np.asarray(mask), [[True] + [False] * 7])
+  valid, receive = adv.split_masks(np.ones_like(r, bool), mask, mode=mode)
+  got = np.asarray(adv.compute_advantages("capo", adv.GroupBatch(r, s, valid, receive),
+                                          tau=tau))[0]
+  if mode == "drop":
+    assert (got == 0).all()
+    return
+  want = [0.0] + [-1 / (1 + math.exp(-(s[0, j] - s[0, 0]) / tau)) / (8 * tau)
+                  for j in range(1, 8)]
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
+  # Every wrong sample pushed down, the more confident ones (s rises with j) the more.
+  assert got[0] == 0 and (got[1:] < 0).all() and (np.diff(got[1:]) < 0).all()
+
+
 def test_codapo_hand_computed() -> None:
   r = np.array([[1, 0, 0, 0]], np.float32)
   s = np.array([[-0.2, -0.4, -0.6, -0.8]], np.float32)
-  # acc = 1/4, d = 3/4, w = 1 - 4 (1/4)^2 = 3/4, c = exp(-0.5), std(R) = sqrt(3)/4.
+  # acc = 1/4, d = 3/4, w = 1 - 4 (1/4)^2 = 3/4, c = exp(-0.5), unbiased std(R) =
+  # sqrt((0.75^2 + 3 * 0.25^2) / 3) = 1/2.
   scale = math.exp(-0.5) * 0.75 + 0.1
-  base = np.array([0.75, -0.25, -0.25, -0.25]) / (math.sqrt(3) / 4 + 1e-6)
+  base = np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6)
   got = adv.compute_advantages("codapo", adv.GroupBatch(r, s, np.ones_like(r, bool)))
   np.testing.assert_allclose(np.asarray(got)[0], base * scale, rtol=1e-5)
+
+
+def _grpo_norm(x: np.ndarray, ddof: int = 1) -> np.ndarray:
+  """GRPO's normalisation of one group in NumPy: (x - mean) / (std + 1e-6)."""
+  return (x - x.mean()) / (x.std(ddof=ddof) + 1e-6)
 
 
 def test_cde_hand_computed_and_omega_schedule() -> None:
@@ -240,23 +327,59 @@ def test_cde_hand_computed_and_omega_schedule() -> None:
   v = np.ones_like(r, bool)
   # rewards -> [1, -1, 1]; bonus min(1/3, -s) = [0.1, 1/3, 1/3].
   shaped = np.array([1.1, -1 + 1 / 3, 1 + 1 / 3])
-  want = (shaped - shaped.mean()) / (shaped.std() + 1e-6)
   early = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=4, total_steps=10)
-  np.testing.assert_allclose(np.asarray(early)[0], want, rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(early)[0], _grpo_norm(shaped), rtol=1e-5)
   late = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=5, total_steps=10)
-  plain = np.array([1, -1, 1.0])
-  np.testing.assert_allclose(np.asarray(late)[0],
-                             (plain - plain.mean()) / (plain.std() + 1e-6), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(late)[0], _grpo_norm(np.array([1, -1, 1.0])), rtol=1e-5)
   # omega scales the first half's bonus.
   half = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), omega=0.5)
   shaped = np.array([1.05, -1 + 1 / 6, 1 + 1 / 6])
-  np.testing.assert_allclose(np.asarray(half)[0],
-                             (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(half)[0], _grpo_norm(shaped), rtol=1e-5)
   # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
   got = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), alpha=0.1)
-  shaped = np.array([1.01, -0.95, 1.2])
-  np.testing.assert_allclose(np.asarray(got)[0],
-                             (shaped - shaped.mean()) / (shaped.std() + 1e-6), rtol=1e-5)
+  np.testing.assert_allclose(np.asarray(got)[0], _grpo_norm(np.array([1.01, -0.95, 1.2])),
+                             rtol=1e-5)
+  pop = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), alpha=0.1, std="population")
+  np.testing.assert_allclose(np.asarray(pop)[0], _grpo_norm(np.array([1.01, -0.95, 1.2]), 0),
+                             rtol=1e-5)
+
+
+def test_cde_all_correct_group_keeps_its_bonus() -> None:
+  """All correct: r = 1 everywhere, so only the bonus min(1/3, -s) spreads the group, and
+  the less confident (lower s, higher perplexity) samples go up. All wrong likewise.
+  Degenerate only when the shaped rewards are all equal (every bonus capped at 1/3)."""
+  s = np.array([[-0.05, -0.3, -0.1, -0.2, -0.9], [-0.05, -0.3, -0.1, -0.2, -0.9],
+                [-0.5, -0.4, -1.0, -2.0, -0.7]], np.float32)
+  r = np.array([[1] * 5, [0] * 5, [1] * 5], np.float32)
+  v = np.ones_like(r, bool)
+  got = np.asarray(adv.compute_advantages("cde", adv.GroupBatch(r, s, v), total_steps=10))
+  bonus = np.array([0.05, 0.3, 0.1, 0.2, 1 / 3])
+  np.testing.assert_allclose(got[0], _grpo_norm(1 + bonus), rtol=1e-4)
+  np.testing.assert_allclose(got[1], _grpo_norm(-1 + bonus), rtol=1e-4)
+  for q in (0, 1):  # the order of the advantages is the reverse order of s
+    np.testing.assert_array_equal(np.argsort(got[q]), np.argsort(-s[q]))
+  assert (got[2] == 0).all()  # every bonus capped: all r~ equal
+  late = np.asarray(adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=5,
+                                           total_steps=10))
+  assert (late == 0).all()  # omega = 0: r~ = r, uniform groups are degenerate
+
+
+def test_cde_shaped_reward_against_numpy() -> None:
+  """reward = c + shaping (an overlong penalty): r = 2c - 1 + shaping, so a penalty of
+  -1 on a wrong sample gives r = -2, not 2 * (-1) - 1 = -3."""
+  c = np.array([[1, 1, 0, 0, 1, 0]], np.float32)
+  penalty = np.array([[0, -0.5, 0, -1, -0.25, 0]], np.float32)
+  s = np.array([[-0.2, -0.6, -0.1, -0.05, -1.5, -0.4]], np.float32)
+  v = np.ones_like(c, bool)
+  batch = adv.GroupBatch(c + penalty, s, v, correct_QG=c)
+  r = np.array([1, 0.5, -1, -2, 0.75, -1])  # by hand
+  late = np.asarray(adv.compute_advantages("cde", batch, step=1, total_steps=2))[0]
+  np.testing.assert_allclose(late, _grpo_norm(r), rtol=1e-5)
+  # First half: bonus min(|r| / 3, -s) = [0.2, 1/6, 0.1, 0.05, 0.25, 1/3].
+  bonus = np.array([0.2, 1 / 6, 0.1, 0.05, 0.25, 1 / 3])
+  np.testing.assert_allclose(np.minimum(np.abs(r) / 3, -s[0]), bonus, rtol=1e-6)
+  early = np.asarray(adv.compute_advantages("cde", batch, step=0, total_steps=2))[0]
+  np.testing.assert_allclose(early, _grpo_norm(r + bonus), rtol=1e-5)
 
 
 def test_score_transform_spread_and_adaptive_tau() -> None:

@@ -15,6 +15,8 @@ import pytest
 
 from capo_jax.rl import losses
 from capo_jax.rl.losses import LossConfig, PolicyBatch
+from capo_jax.run import spec as spec_lib
+from configs import common
 
 
 def _batch(seed: int, b: int = 6, c: int = 9, k: int = 3, spread: float = 0.3,
@@ -96,6 +98,29 @@ def test_ppo_loss_value_grad_and_aux_match_token_loop(agg: str) -> None:
   np.testing.assert_allclose(float(aux["entropy"]), np.asarray(batch.entropy_BC)[m].mean(),
                              rtol=1e-5)
   assert float(aux["zero_adv_frac"]) == pytest.approx(1 / 6)
+
+
+@pytest.mark.parametrize("agg,want", [
+    ("auto", "seq-mean-token-sum-norm"), ("seq-mean-token-mean", "seq-mean-token-mean"),
+    ("token-mean", "token-mean")])
+def test_dr_grpo_default_aggregation_is_its_own(agg: str, want: str) -> None:
+  """Dr.GRPO's loss sums each response's tokens and divides by a constant, the rollout's
+  max_new_tokens (Dr.GRPO's MAX_TOKENS), not by the response's length; an explicit
+  loss.agg overrides it. At theta = theta_old (rho = 1) the loss is, by hand,
+  -(1/rows) sum_i A_i |o_i| / max_new_tokens."""
+  c = common.shrink(common.get_base_config())
+  c.algo.name, c.loss.agg = "dr_grpo", agg
+  cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).train_config().loss
+  assert cfg.agg == want and cfg.max_len == c.rollout.max_new_tokens == 16
+  lens, adv = np.array([3, 16, 5]), np.array([1.0, -0.5, 2.0], np.float32)
+  mask = (np.arange(16)[None] < lens[:, None]).astype(np.float32)
+  logp = jnp.full(mask.shape, -0.7, jnp.float32)
+  loss, _ = losses.policy_loss("ppo", PolicyBatch(logp, logp, jnp.asarray(mask),
+                                                  jnp.asarray(adv)), cfg)
+  by_hand = {"seq-mean-token-sum-norm": -(3 * 1 - 16 * 0.5 + 5 * 2) / (16 * 3),
+             "seq-mean-token-mean": -(1 - 0.5 + 2) / 3,
+             "token-mean": -(3 * 1 - 16 * 0.5 + 5 * 2) / 24}[want]
+  assert float(loss) == pytest.approx(by_hand, rel=1e-6)
 
 
 def test_padding_garbage_does_not_leak() -> None:

@@ -213,14 +213,14 @@ V = np.ones(R.shape, bool)
 def test_grpo_reads_the_scalar_reward_capo_the_labels() -> None:
   batch = adv.GroupBatch(R, S, V, correct_QG=C)
   got = np.asarray(adv.compute_advantages("grpo", batch))
-  # Hand-computed: row 0 mean 0.65, std sqrt(((.55^2 * 2) + (.45^2 * 2)) / 4);
+  # Hand-computed: row 0 mean 0.65, unbiased std sqrt((.55^2 + .45^2 * 2 + .35^2) / 3);
   # row 1: all wrong but the rewards differ, so not degenerate; row 2: equal rewards -> 0.
   want = np.zeros(R.shape)
   for q in (0, 1):
-    want[q] = (R[q] - R[q].mean()) / (R[q].std() + adv.GRPO_EPS)
+    want[q] = (R[q] - R[q].mean()) / (R[q].std(ddof=1) + adv.GRPO_EPS)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got[0], np.array([.55, -.45, -.45, .35]) / (
-      np.sqrt((.55**2 + .45**2 * 2 + .35**2) / 4) + 1e-6), rtol=1e-5)
+      np.sqrt((.55**2 + .45**2 * 2 + .35**2) / 3) + 1e-6), rtol=1e-5)
   capo = np.asarray(adv.compute_advantages("capo", batch, tau=0.6))
   np.testing.assert_allclose(capo, np.asarray(adv.capo(C, S, V, tau=0.6)), rtol=1e-6)
   assert (capo[1] == 0).all() and (capo[2] != 0).all()  # pairs exist only where C is mixed

@@ -15,10 +15,17 @@ Two masks (design). A row of a group can be
 `split_masks` turns (validity, noise mask, mode) into these two masks; every
 estimator takes `valid_QG` and an optional `receive_QG` (default: valid).
 
-A group whose valid samples are all correct or all wrong ("degenerate") gets
-exactly 0 for every estimator, and so does every non-receiving row. Inputs on
-invalid rows are replaced by 0 before any arithmetic, so NaN / inf there (an
-empty completion's mean log-prob, say) never leaks into the others.
+A group whose estimator input is equal on every valid row ("degenerate") gets
+exactly 0, and so does every non-receiving row. For binary rewards that is a group
+all correct or all wrong; CDE's input is its shaped reward, so its all-correct
+groups stay live while the perplexity bonus differs between samples. A group with
+one valid row is degenerate. Inputs on invalid rows are replaced by 0 before any
+arithmetic, so NaN / inf there (an empty completion's mean log-prob, say) never
+leaks into the others.
+
+GRPO's normalisation (GRPO, GSPO, SimKO, CoDaPO, CDE) divides by the unbiased std of
+the group's valid rows by default (ddof = 1, as verl and TRL do); ``std="population"``
+divides by the population std (ddof = 0, the earlier default).
 
 Rewards are binary {0, 1} (correct: above 1/2), unless ``GroupBatch.correct_QG`` holds the
 labels: then rewards are any scalar (docs/rewards.md) and CAPO's pairs read the labels.
@@ -43,6 +50,7 @@ GRPO_EPS = 1e-6
 NORMS = ("group", "pairs", "none")
 SCORES = ("mean_logprob", "neg_ppl")
 MASK_MODES = ("partner", "drop")
+STDS = ("unbiased", "population")  # GRPO's std: ddof 1 (verl, TRL) or ddof 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -72,11 +80,12 @@ class GroupBatch:
 
 @dataclasses.dataclass(frozen=True)
 class CdeParams:
-  """CDE's fixed hyper-parameters: the bonus ``min(|r|/kappa, alpha * (-s))`` and
-  the ``eps`` of the GRPO normalisation that follows (its weight omega is scheduled)."""
+  """CDE's fixed hyper-parameters: the bonus ``min(|r|/kappa, alpha * (-s))`` and the
+  ``eps`` and ``std`` of the GRPO normalisation that follows (its weight omega is scheduled)."""
   kappa: float = 3.0
   alpha: float = 1.0
   eps: float = GRPO_EPS
+  std: str = "unbiased"
 
 
 # --- Per-group kernels ([G] -> [G]). ---
@@ -90,10 +99,18 @@ def _classes(r_G: Array, v_G: Array) -> tuple[Array, Array, Array]:
   return pos_G, neg_G, jnp.any(pos_G) & jnp.any(neg_G)
 
 
-def _masked_mean_std(x_G: Array, v_G: Array) -> tuple[Array, Array]:
-  """Mean and population std of x over the valid rows (0 when none)."""
+def _masked_mean_std(x_G: Array, v_G: Array, ddof: int = 0) -> tuple[Array, Array]:
+  """Mean and std of x over the valid rows: sum of squares / (n - ddof); 0 when n <= ddof
+  (one valid row has no spread: its group is degenerate, never a division by 0)."""
   mean = masked_mean(x_G, v_G)
-  return mean, jnp.sqrt(masked_mean((x_G - mean) ** 2, v_G))
+  sq = jnp.where(v_G, (x_G - mean) ** 2, 0.0).sum()
+  return mean, jnp.sqrt(sq / jnp.maximum(v_G.sum() - ddof, 1))
+
+
+def _ddof(std: str, where: str) -> int:
+  if std not in STDS:
+    raise ValueError(f"{where}: std={std!r} is not one of {STDS}")
+  return 1 if std == "unbiased" else 0
 
 
 def _finish(a_G: Array, r_G: Array, v_G: Array, u_G: Array) -> Array:
@@ -103,9 +120,9 @@ def _finish(a_G: Array, r_G: Array, v_G: Array, u_G: Array) -> Array:
   return jnp.where(live & u_G & v_G, a_G, 0.0)
 
 
-def _grpo_group(r_G: Array, v_G: Array, u_G: Array, eps: float) -> Array:
+def _grpo_group(r_G: Array, v_G: Array, u_G: Array, eps: float, ddof: int) -> Array:
   r_G = jnp.where(v_G, r_G, 0.0)
-  mean, std = _masked_mean_std(r_G, v_G)
+  mean, std = _masked_mean_std(r_G, v_G, ddof)
   return _finish((r_G - mean) / (std + eps), r_G, v_G, u_G)
 
 
@@ -134,24 +151,26 @@ def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array,
 
 
 def _codapo_group(r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array,
-                  eps: float) -> Array:
+                  eps: float, ddof: int) -> Array:
   r_G = jnp.where(v_G, r_G, 0.0)
   acc, _ = _masked_mean_std(jnp.where(v_G, c_G, 0.0), v_G)
   mean_s, _ = _masked_mean_std(s_G, v_G)
   d = 1.0 - acc
   w = 1.0 - 4.0 * (d - 0.5) ** 2
   c = jnp.exp(mean_s)
-  return _grpo_group(r_G, v_G, u_G, eps) * (c * w + 0.1)
+  return _grpo_group(r_G, v_G, u_G, eps, ddof) * (c * w + 0.1)
 
 
-def _cde_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
-               p: CdeParams) -> Array:
+def _cde_group(r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
+               p: CdeParams, ddof: int) -> Array:
   s_G = jnp.where(v_G, s_G, 0.0)
-  signed_G = 2.0 * jnp.where(v_G, r_G, 0.0) - 1.0
+  # {-1, +1} from the label, plus the plug-ins' shaping (reward - label) unscaled: an
+  # overlong penalty of -1 on a wrong sample gives -2, not 2 * (-1) - 1 = -3.
+  signed_G = jnp.where(v_G, 2.0 * c_G - 1.0 + (r_G - c_G), 0.0)
   bonus_G = jnp.minimum(jnp.abs(signed_G) / p.kappa, p.alpha * (-s_G))
-  shaped_G = jnp.where(v_G, signed_G + omega * bonus_G, 0.0)
-  mean, std = _masked_mean_std(shaped_G, v_G)
-  return _finish((shaped_G - mean) / (std + p.eps), r_G, v_G, u_G)
+  # Degenerate only when the shaped rewards are all equal (_grpo_group's _finish reads
+  # them): in an all-correct group the bonus is what spreads the samples.
+  return _grpo_group(signed_G + omega * bonus_G, v_G, u_G, p.eps, ddof)
 
 
 # --- Public [Q, G] estimators. ---
@@ -171,11 +190,12 @@ def _receive(valid_QG: Array, receive_QG: Array | None) -> tuple[Array, Array]:
 
 
 def grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None,
-         eps: float = GRPO_EPS) -> Array:
-  """GRPO: `(R - mean R) / (std R + eps)` per group, population std over valid rows."""
+         eps: float = GRPO_EPS, std: str = "unbiased") -> Array:
+  """GRPO: `(R - mean R) / (std R + eps)` per group over the valid rows; `std` is
+  "unbiased" (ddof 1, verl's torch.std) or "population" (ddof 0)."""
   v, u = _receive(valid_QG, receive_QG)
-  return jax.vmap(_grpo_group, in_axes=(0, 0, 0, None))(
-      _float(rewards_QG), v, u, eps)
+  return jax.vmap(_grpo_group, in_axes=(0, 0, 0, None, None))(
+      _float(rewards_QG), v, u, eps, _ddof(std, "grpo"))
 
 
 def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None) -> Array:
@@ -216,14 +236,14 @@ def capo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, tau: float | Array,
 
 
 def codapo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *,
-           receive_QG: Array | None = None, eps: float = GRPO_EPS,
+           receive_QG: Array | None = None, eps: float = GRPO_EPS, std: str = "unbiased",
            correct_QG: Array | None = None) -> Array:
   """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`,
   d = 1 - the group's accuracy (of ``correct_QG``; default: the binary rewards)."""
   v, u = _receive(valid_QG, receive_QG)
   c = _float(rewards_QG if correct_QG is None else correct_QG)
-  return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, 0, None))(
-      _float(rewards_QG), c, _float(s_QG), v, u, eps)
+  return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, 0, None, None))(
+      _float(rewards_QG), c, _float(s_QG), v, u, eps, _ddof(std, "codapo"))
 
 
 def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
@@ -232,18 +252,23 @@ def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
 
 
 def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array,
-        params: CdeParams = CdeParams(), receive_QG: Array | None = None) -> Array:
-  """CDE: rewards mapped to {-1, +1} plus `omega * min(|r|/kappa, alpha * (-s))`, then GRPO.
+        params: CdeParams = CdeParams(), receive_QG: Array | None = None,
+        correct_QG: Array | None = None) -> Array:
+  """CDE: `r = 2c - 1 + (reward - c)`, `r~ = r + omega * min(|r|/kappa, alpha * (-s))`,
+  then GRPO's normalisation of r~.
 
-  `-s` is the response's log-perplexity; `omega` is this step's bonus weight
-  (`cde_omega` schedules it). Degenerate groups get 0 even though the bonus
-  alone would spread them (every estimator zeroes them).
+  c is the binary label (``correct_QG``; default: the binary rewards), reward - c the
+  reward plug-ins' shaping (0 by default). `-s` is the response's log-perplexity;
+  `omega` is this step's bonus weight (`cde_omega` schedules it). A group is
+  degenerate only when its r~ are all equal: an all-correct group whose bonuses differ
+  keeps its advantages, the less confident samples up.
   """
+  ddof = _ddof(params.std, "cde")
   v, u = _receive(valid_QG, receive_QG)
-  kernel = lambda r, s, vv, uu, w: _cde_group(r, s, vv, uu, w, params)
-  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-      _float(rewards_QG), _float(s_QG), v, u,
-      jnp.asarray(omega))
+  c = _float(rewards_QG if correct_QG is None else correct_QG)
+  kernel = lambda r, cc, s, vv, uu, w: _cde_group(r, cc, s, vv, uu, w, params, ddof)
+  return jax.vmap(kernel, in_axes=(0, 0, 0, 0, 0, None))(
+      _float(rewards_QG), c, _float(s_QG), v, u, jnp.asarray(omega))
 
 
 # --- Noise mask, score scale, adaptive tau. ---
@@ -329,9 +354,10 @@ def adaptive_tau_value(s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale
 # are keyword-only and checked by name.
 
 
-def _grpo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS) -> Array:
+def _grpo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS,
+                std: str = "unbiased") -> Array:
   del step, total
-  return grpo(b.rewards_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps)
+  return grpo(b.rewards_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps, std=std)
 
 
 def _dr_grpo_entry(b: GroupBatch, step: Any, total: Any) -> Array:
@@ -349,16 +375,19 @@ def _capo_entry(b: GroupBatch, step: Any, total: Any, *, tau: float = 0.6,
   return capo(b.labels_QG, s, b.valid_QG, tau=tau, norm=norm, receive_QG=b.receive_QG)
 
 
-def _codapo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS) -> Array:
+def _codapo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS,
+                  std: str = "unbiased") -> Array:
   del step, total
-  return codapo(b.rewards_QG, b.s_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps,
+  return codapo(b.rewards_QG, b.s_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps, std=std,
                 correct_QG=b.correct_QG)
 
 
 def _cde_entry(b: GroupBatch, step: Any, total: Any, *, kappa: float = 3.0,
-               alpha: float = 1.0, omega: float = 1.0, eps: float = GRPO_EPS) -> Array:
+               alpha: float = 1.0, omega: float = 1.0, eps: float = GRPO_EPS,
+               std: str = "unbiased") -> Array:
   return cde(b.rewards_QG, b.s_QG, b.valid_QG, omega=omega * cde_omega(step, total),
-             params=CdeParams(kappa=kappa, alpha=alpha, eps=eps), receive_QG=b.receive_QG)
+             params=CdeParams(kappa=kappa, alpha=alpha, eps=eps, std=std),
+             receive_QG=b.receive_QG, correct_QG=b.correct_QG)
 
 
 ADVANTAGES: dict[str, Callable[..., Array]] = {
@@ -415,7 +444,9 @@ def compute_advantages(name: str, batch: GroupBatch, *, step: int | Array = 0,
     **hparams: the estimator's hyper-parameters (`hparam_names(name)`), e.g.
       capo: tau=0.6, norm="group", score="mean_logprob", adaptive_tau=0.0
       (> 0: tau = adaptive_tau * `score_spread` of the batch, off by default);
-      cde: kappa=3, alpha=1, omega=1 (the first half's bonus weight).
+      cde: kappa=3, alpha=1, omega=1 (the first half's bonus weight); every estimator
+      with GRPO's normalisation (grpo, gspo, simko, codapo, cde): std="unbiased" or
+      "population".
 
   Returns:
     adv_QG (float32 unless given float64), exactly 0 on non-receiving rows

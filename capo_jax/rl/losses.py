@@ -12,8 +12,10 @@ Conventions (the equations: ``docs/algorithms.md``, "Policy losses"):
       "seq-mean-token-mean" (default): mean over rows that have at least one
         token of each row's token mean;
       "token-mean": mean over all completion tokens of the batch;
-      "seq-mean-token-sum-norm" (Dr.GRPO): each row's token sum divided by the
-        constant `max_len` (default: C), averaged over rows with tokens.
+      "seq-mean-token-sum-norm" (Dr.GRPO's, and dr_grpo's default in a run): each
+        row's token sum divided by the constant `max_len`, averaged over rows with
+        tokens; a run sets `max_len` to rollout.max_new_tokens (Dr.GRPO's MAX_TOKENS),
+        a bare LossConfig leaves it None (C, the padded completion length).
   * KL(pi_theta || pi_ref) per token from r = ref_logp - logp:
     k1 = -r, k2 = r^2 / 2, k3 = exp(r) - r - 1; aggregated like the loss and
     added with weight beta (0 by default, when ref_logp may be omitted).
@@ -75,7 +77,7 @@ class LossConfig:
   agg: str = "seq-mean-token-mean"
   beta: float = 0.0
   kl_estimator: str = "k3"
-  max_len: int | None = None  # seq-mean-token-sum-norm's constant; None: C.
+  max_len: int | None = None  # seq-mean-token-sum-norm's constant; None: C
   gspo_eps_low: float = 3e-4
   gspo_eps_high: float = 4e-4
   simko_alpha: float = 0.01

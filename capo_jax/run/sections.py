@@ -87,6 +87,7 @@ class Algo:
   cde_kappa: float
   cde_alpha: float
   cde_omega: float
+  std: str  # GRPO's group std: "unbiased" (ddof 1) or "population"
 
 
 @_frozen

@@ -48,8 +48,10 @@ ALGORITHMS = ("capo", "grpo", "dr_grpo", "gspo", "codapo", "cde", "simko")
 LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "cde": "ppo",
              "gspo": "gspo", "simko": "simko"}
 # loss.agg="auto": each algorithm's published token aggregation. SimKO's paper
-# aggregates with the token mean (DAPO's); the others with GRPO's per-sequence mean.
-DEFAULT_AGG = {"simko": "token-mean"}
+# aggregates with the token mean (DAPO's); Dr.GRPO divides each response's token sum by
+# a constant, rollout.max_new_tokens (its MAX_TOKENS); the others take GRPO's
+# per-sequence mean.
+DEFAULT_AGG = {"simko": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
 
 log = logging.getLogger(__name__)
 # Estimators whose advantage reads only the binary label, never the shaped reward.
@@ -190,6 +192,8 @@ class RunSpec:
       fail("algo.score", a.score, f"expected one of {advantages.SCORES}")
     if a.mask_mode not in advantages.MASK_MODES:
       fail("algo.mask_mode", a.mask_mode, f"expected one of {advantages.MASK_MODES}")
+    if a.std not in advantages.STDS:
+      fail("algo.std", a.std, f"GRPO's group std: expected one of {advantages.STDS}")
 
   def _validate_reward(self) -> None:
     """Plug-ins are imported here (in this process), so a typo fails at the start."""
@@ -375,7 +379,7 @@ class RunSpec:
     """The chosen estimator's hyper-parameters from ``algo``."""
     a = self.algo
     available = {"tau": a.tau, "norm": a.norm, "score": a.score, "adaptive_tau": a.adaptive_tau,
-                 "kappa": a.cde_kappa, "alpha": a.cde_alpha, "omega": a.cde_omega}
+                 "kappa": a.cde_kappa, "alpha": a.cde_alpha, "omega": a.cde_omega, "std": a.std}
     return {k: available[k] for k in advantages.hparam_names(a.name) if k in available}
 
   def advantage_spec(self) -> rollout.AdvantageSpec:
