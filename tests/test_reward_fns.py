@@ -237,11 +237,12 @@ def test_plugin_checker_rejects_non_bools(plugins: str, fn: str, needle: str) ->
     bad.score(["x"], ["1"])
 
 
-def test_plugin_checker_accepts_numpy_bools(plugins: str) -> None:
-  grader = reward_fns.grader_for(f"{plugins}:check_numpy_bool_scalar", timeout_s=5.0)
+def test_plugin_checker_accepts_numpy_bools_with_one_call_per_worker(plugins: str) -> None:
+  grader = reward_fns.grader_for(f"{plugins}:check_numpy_bool_scalar", 5.0, max_calls=1)
   got, health = grader.score(["abc", "abcd", "ab"], ["3", "3", "2"])
   np.testing.assert_array_equal(got, [1, 0, 1])
   assert health.correct == 2
+  assert reward_fns.pool(5.0, max_calls=1).num_recycled == 3  # a fresh worker per call
 
 
 def test_checker_and_target_names() -> None:
@@ -264,6 +265,8 @@ def test_checker_and_target_names() -> None:
     ("weights", (1.0, 2.0), r"config.reward.weights=\(1.0, 2.0\): needs one weight"),
     ("timeout_s", 0.0, r"config.reward.timeout_s=0.0"),
     ("overlong_buffer", 17, r"config.reward.overlong_buffer=17: .*max_new_tokens=16"),
+    ("worker_max_calls", -1, r"config.reward.worker_max_calls=-1: must be an integer >= 0"),
+    ("worker_max_rss_mb", -1.0, r"config.reward.worker_max_rss_mb=-1.0: must be MiB >= 0"),
 ])
 def test_bad_reward_config_fails_at_start(field: str, value, needle: str) -> None:
   c = common.shrink(common.get_base_config())
@@ -282,6 +285,10 @@ def test_config_defaults_off_and_on() -> None:
   c.reward.overlong_buffer = 4
   fns = spec_lib.RunSpec.from_config(c, num_devices=1).reward_fns()
   assert fns.weights == (1.0, 1.0) and (fns.max_len, fns.overlong_buffer) == (16, 4)
+  assert (fns.worker_max_calls, fns.worker_max_rss_mb) == (1000, 2048.0)
+  c.reward.worker_max_calls, c.reward.worker_max_rss_mb = 0, 512
+  fns = spec_lib.RunSpec.from_config(c, num_devices=1).reward_fns()
+  assert (fns.worker_max_calls, fns.worker_max_rss_mb) == (0, 512.0)
 
 
 # -- `correct` and `reward` in the advantages ------------------------------------------------
