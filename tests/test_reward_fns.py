@@ -173,10 +173,10 @@ def test_default_grade_keeps_reward_equal_to_correct() -> None:
 
 @pytest.mark.parametrize("fn,needle", [
     ("raises", r"plug.py:raises \(reward.fns\[0\]\) raised ZeroDivisionError: .* on row 3$"),
-    ("nan_on_second", r"plug.py:nan_on_second \(reward.fns\[0\]\) on row 1: returned nan, "
-                      r"not finite in float32 .* in list \[0.0, nan\]"),
-    ("one_short", r"plug.py:one_short \(reward.fns\[0\]\) on rows 0-1: returned 1 values "
-                  r"for 2 completions: list \[0.0\]"),
+    ("nan_on_second", (r"plug.py:nan_on_second \(reward.fns\[0\]\) on row 1: returned nan, "
+                       r"not finite in float32 .* in list \[0.0, nan\]")),
+    ("one_short", (r"plug.py:one_short \(reward.fns\[0\]\) on rows 0-1: returned 1 values "
+                   r"for 2 completions: list \[0.0\]")),
     ("digits", r"on rows 0-1: returned str '77', not a list, tuple or 1-D numpy array"),
     ("as_dict", r"on rows 0-1: returned dict \{'fine': 1.0, 'ok': 1.0\}, not a list"),
     ("huge_on_second", r"on row 1: returned 1e\+39, not finite in float32 \(\|v\| <= 3.403e\+38\)"),

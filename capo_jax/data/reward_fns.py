@@ -34,7 +34,6 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import math
 import numbers
 import os
 import re
@@ -135,26 +134,24 @@ def _is_real(v: Any) -> bool:
   return isinstance(v, (numbers.Real, np.bool_))
 
 
-def _checked_rewards(out: Any, n: int) -> tuple[list[float], None] | tuple[None, tuple]:
-  """(values, None) when `out` is n real numbers finite in float32, else (None, (row or
-  None, message))."""
+def _reward_problem(out: Any, n: int) -> tuple[int | None, str] | None:
+  """None when `out` is n real numbers finite in float32, else (row or None, message)."""
   if isinstance(out, np.ndarray):
     if out.ndim != 1 or out.dtype.kind not in "biuf":
-      return None, (None, f"returned {_short(out)} (shape {out.shape}, dtype {out.dtype}), "
-                          "not a 1-D array of real numbers")
+      shape = f"shape {out.shape}, dtype {out.dtype}"
+      return None, f"returned {_short(out)} ({shape}), not a 1-D array of real numbers"
   elif not isinstance(out, (list, tuple)):
-    return None, (None, f"returned {_short(out)}, not a list, tuple or 1-D numpy array of "
-                        "numbers")
+    return None, f"returned {_short(out)}, not a list, tuple or 1-D numpy array of numbers"
   if len(out) != n:
-    return None, (None, f"returned {len(out)} values for {n} completions: {_short(out)}")
+    return None, f"returned {len(out)} values for {n} completions: {_short(out)}"
   for i, v in enumerate(out):
     if not _is_real(v):
-      return None, (i, f"returned {_short(v)}, not a real number, in {_short(out)}")
+      return i, f"returned {_short(v)}, not a real number, in {_short(out)}"
     # Compared before float(): a huge int would overflow it.
     if not abs(v) <= FLOAT32_MAX:  # False for NaN too
-      return None, (i, f"returned {_REPR.repr(v)}, not finite in float32 "
-                       f"(|v| <= {FLOAT32_MAX:.4g}), in {_short(out)}")
-  return [float(v) for v in out], None
+      limit = f"|v| <= {FLOAT32_MAX:.4g}"
+      return i, f"returned {_REPR.repr(v)}, not finite in float32 ({limit}), in {_short(out)}"
+  return None
 
 
 def _call(kind: str, target: str, *args: Any) -> tuple:
@@ -175,8 +172,8 @@ def _call(kind: str, target: str, *args: Any) -> tuple:
   except Exception as e:  # noqa: BLE001
     return ("raised", _first_failing_row(fn, completions, examples),
             f"{type(e).__name__}: {e}"[:500])
-  values, problem = _checked_rewards(out, len(completions))
-  return ("bad", *problem) if problem else ("ok", values)
+  problem = _reward_problem(out, len(completions))
+  return ("bad", *problem) if problem else ("ok", [float(v) for v in out])
 
 
 # -- the pool -------------------------------------------------------------------------------
