@@ -217,6 +217,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # Deadline of one plug-in call (a checker's completion, a reward function's question);
   # past it the worker is killed, the call counted (reward/timeout, reward/fn_timeout).
   c.reward.timeout_s = 5.0
+  # A plug-in worker is replaced after this many calls, or once its resident memory passes
+  # this many MiB (read from /proc after each call; Linux), so a leaking plug-in cannot grow
+  # it without bound. 0 = no limit.
+  c.reward.worker_max_calls = 1000
+  c.reward.worker_max_rss_mb = 2048.0
   # DAPO's overlong penalty on L generated tokens, L_max = rollout.max_new_tokens, buffer
   # L_b: 0 up to L_max - L_b, then linear down to -1 at L_max, added to the reward. 0 = off.
   # No effect on CAPO's advantage (the reward, not `correct`; a run that sets it logs so).

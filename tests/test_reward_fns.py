@@ -20,6 +20,7 @@ EXAMPLE_FILE = os.path.join(os.path.dirname(example_rewards.__file__), "example_
 
 PLUGINS = textwrap.dedent('''
     import math, time
+    import numpy as np
 
     def raises(completions, examples):
       return [1.0 / ("bad" not in c) for c in completions]  # ZeroDivisionError on "bad"
@@ -29,6 +30,38 @@ PLUGINS = textwrap.dedent('''
 
     def one_short(completions, examples):
       return [0.0] * (len(completions) - 1)
+
+    def digits(completions, examples):
+      return "7" * len(completions)
+
+    def as_dict(completions, examples):
+      return {c: 1.0 for c in completions}
+
+    def huge_on_second(completions, examples):
+      return [1e39 if i == 1 else 0.0 for i, _ in enumerate(completions)]
+
+    def huge_int(completions, examples):
+      return [10**400] * len(completions)
+
+    def nested(completions, examples):
+      return [[0.5] for _ in completions]
+
+    def column(completions, examples):
+      return np.zeros((len(completions), 1))
+
+    def complex_values(completions, examples):
+      return [1j] * len(completions)
+
+    def generator(completions, examples):
+      return (0.0 for _ in completions)
+
+    def mixed_kinds(completions, examples):
+      if examples[0].id == "q0":  # bools, numpy ints and float32, the float32 extremes
+        return (True, np.int64(-3), np.float32(0.25), -3.4028234663852886e38)
+      return np.array([2, 7], np.int32)
+
+    def float32_max(completions, examples):
+      return [3.4028234663852886e38] * len(completions)
 
     def hangs_on_slow(completions, examples):
       if any("slow" in c for c in completions):
@@ -42,6 +75,18 @@ PLUGINS = textwrap.dedent('''
 
     def check_not_bool(completion, gold):
       return 0.5
+
+    def check_float_one(completion, gold):
+      return 1.0
+
+    def check_int_one(completion, gold):
+      return 1
+
+    def check_numpy_bool(completion, gold):
+      return np.array([len(completion)]) == int(gold)  # a 1-element array is not a verdict
+
+    def check_numpy_bool_scalar(completion, gold):
+      return np.int64(len(completion)) == np.int64(gold)  # numpy.bool_
     ''')
 
 
@@ -128,15 +173,38 @@ def test_default_grade_keeps_reward_equal_to_correct() -> None:
 
 @pytest.mark.parametrize("fn,needle", [
     ("raises", r"plug.py:raises \(reward.fns\[0\]\) raised ZeroDivisionError: .* on row 3$"),
-    ("nan_on_second", r"plug.py:nan_on_second \(reward.fns\[0\]\) on row 1: returned nan"),
-    ("one_short", r"plug.py:one_short \(reward.fns\[0\]\) on rows 0-1: returned 1 values "
-                  r"for 2 completions"),
+    ("nan_on_second", (r"plug.py:nan_on_second \(reward.fns\[0\]\) on row 1: returned nan, "
+                       r"not finite in float32 .* in list \[0.0, nan\]")),
+    ("one_short", (r"plug.py:one_short \(reward.fns\[0\]\) on rows 0-1: returned 1 values "
+                   r"for 2 completions: list \[0.0\]")),
+    ("digits", r"on rows 0-1: returned str '77', not a list, tuple or 1-D numpy array"),
+    ("as_dict", r"on rows 0-1: returned dict \{'fine': 1.0, 'ok': 1.0\}, not a list"),
+    ("huge_on_second", r"on row 1: returned 1e\+39, not finite in float32 \(\|v\| <= 3.403e\+38\)"),
+    ("huge_int", r"on row 0: returned 1000.*, not finite in float32"),
+    ("nested", r"on row 0: returned list \[0.5\], not a real number, in list \[\[0.5\], \[0.5\]\]"),
+    ("column", r"on rows 0-1: returned ndarray .* \(shape \(2, 1\), dtype float64\), not a 1-D"),
+    ("complex_values", r"on row 0: returned complex 1j, not a real number"),
+    ("generator", r"on rows 0-1: returned generator .*, not a list, tuple or 1-D numpy array"),
 ])
-def test_bad_functions_name_the_function_and_row(plugins: str, fn: str, needle: str) -> None:
+def test_bad_functions_name_the_function_row_and_output(plugins: str, fn: str,
+                                                        needle: str) -> None:
   texts, examples = _batch([["ok", "fine"], ["good", "bad"]])
   fns = reward_fns.RewardFns(fns=(f"{plugins}:{fn}",), weights=(1.0,), timeout_s=10.0)
   with pytest.raises(reward_fns.RewardFnError, match=needle):
     fns(texts, examples, np.zeros(4), np.ones(4))
+
+
+def test_real_number_kinds_accepted_and_float32_overflow_of_the_sum(plugins: str) -> None:
+  texts, examples = _batch([["a", "b", "c", "d"], ["e", "f"]])
+  fns = reward_fns.RewardFns(fns=(f"{plugins}:mixed_kinds",), weights=(1.0,), timeout_s=10.0)
+  got, _ = fns(texts, examples, np.zeros(6), np.ones(6))
+  np.testing.assert_array_equal(got, np.array([1, -3, 0.25, -np.finfo(np.float32).max, 2, 7],
+                                              np.float32))
+  # Each value is float32's max, fine alone; their sum is not.
+  twice = reward_fns.RewardFns(fns=(f"{plugins}:float32_max",) * 2, weights=(1.0, 1.0),
+                               timeout_s=10.0)
+  with pytest.raises(reward_fns.RewardFnError, match=r"weighted sum .* is 6.8.*e\+38 on row 0"):
+    twice(texts, examples, np.zeros(6), np.ones(6))
 
 
 def test_hanging_function_is_cut_and_counted(plugins: str) -> None:
@@ -147,18 +215,34 @@ def test_hanging_function_is_cut_and_counted(plugins: str) -> None:
   assert health == {"fn_timeout": 2}
 
 
-def test_plugin_checker_grades_times_out_and_rejects_non_bools(plugins: str) -> None:
+def test_plugin_checker_grades_and_times_out(plugins: str) -> None:
   grader = reward_fns.grader_for(f"{plugins}:check_len", timeout_s=1.0)
   assert reward_fns.grader_for(f"{plugins}:check_len", timeout_s=1.0) is grader
   got, health = grader.score(["abc", "abcd", "slow", "ab"], ["3", "3", "4", "2"])
   np.testing.assert_array_equal(got, [1, 0, 0, 1])
   assert (health.total, health.correct, health.timeout) == (4, 2, 1)
-  bad = reward_fns.grader_for(f"{plugins}:check_not_bool", timeout_s=5.0)
-  with pytest.raises(reward_fns.RewardFnError,
-                     match=r"checker .*plug.py:check_not_bool \(reward.correct\) on row 0: "
-                           r"returned 0.5, not a bool"):
-    bad.score(["x"], ["1"])
   assert reward_fns.grader_for("math") is rewards.default_grader()
+
+
+@pytest.mark.parametrize("fn,needle", [
+    ("check_not_bool", "returned float 0.5, not a bool"),
+    ("check_float_one", "returned float 1.0, not a bool"),
+    ("check_int_one", "returned int 1, not a bool"),
+    ("check_numpy_bool", r"returned ndarray array\(\[ True\]\), not a bool"),
+])
+def test_plugin_checker_rejects_non_bools(plugins: str, fn: str, needle: str) -> None:
+  bad = reward_fns.grader_for(f"{plugins}:{fn}", timeout_s=5.0)
+  with pytest.raises(reward_fns.RewardFnError,
+                     match=rf"checker .*plug.py:{fn} \(reward.correct\) on row 0: {needle}"):
+    bad.score(["x"], ["1"])
+
+
+def test_plugin_checker_accepts_numpy_bools_with_one_call_per_worker(plugins: str) -> None:
+  grader = reward_fns.grader_for(f"{plugins}:check_numpy_bool_scalar", 5.0, max_calls=1)
+  got, health = grader.score(["abc", "abcd", "ab"], ["3", "3", "2"])
+  np.testing.assert_array_equal(got, [1, 0, 1])
+  assert health.correct == 2
+  assert reward_fns.pool(5.0, max_calls=1).num_recycled == 3  # a fresh worker per call
 
 
 def test_checker_and_target_names() -> None:
@@ -181,6 +265,8 @@ def test_checker_and_target_names() -> None:
     ("weights", (1.0, 2.0), r"config.reward.weights=\(1.0, 2.0\): needs one weight"),
     ("timeout_s", 0.0, r"config.reward.timeout_s=0.0"),
     ("overlong_buffer", 17, r"config.reward.overlong_buffer=17: .*max_new_tokens=16"),
+    ("worker_max_calls", -1, r"config.reward.worker_max_calls=-1: must be an integer >= 0"),
+    ("worker_max_rss_mb", -1.0, r"config.reward.worker_max_rss_mb=-1.0: must be MiB >= 0"),
 ])
 def test_bad_reward_config_fails_at_start(field: str, value, needle: str) -> None:
   c = common.shrink(common.get_base_config())
@@ -199,6 +285,10 @@ def test_config_defaults_off_and_on() -> None:
   c.reward.overlong_buffer = 4
   fns = spec_lib.RunSpec.from_config(c, num_devices=1).reward_fns()
   assert fns.weights == (1.0, 1.0) and (fns.max_len, fns.overlong_buffer) == (16, 4)
+  assert (fns.worker_max_calls, fns.worker_max_rss_mb) == (1000, 2048.0)
+  c.reward.worker_max_calls, c.reward.worker_max_rss_mb = 0, 512
+  fns = spec_lib.RunSpec.from_config(c, num_devices=1).reward_fns()
+  assert (fns.worker_max_calls, fns.worker_max_rss_mb) == (0, 512.0)
 
 
 # -- `correct` and `reward` in the advantages ------------------------------------------------

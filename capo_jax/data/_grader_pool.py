@@ -11,6 +11,16 @@ do not re-import the launching script's `__main__` (which, for the trainer, impo
 worker runs `module:function` on the items it is sent and reports after every item, so the
 parent knows which item is running and since when; an item past its deadline gets its worker
 killed (SIGKILL) and replaced, and the rest of that worker's chunk goes back in the queue.
+
+Each worker leads its own process group, and a kill is sent to the group: a subprocess the
+target started (a hung compiler, a sandbox) dies with its worker instead of living on as an
+orphan. A subprocess that starts its own session leaves the group and is not reached.
+
+Optional recycling (`max_calls`, `max_rss_mb`; 0: off): after each item the parent counts the
+worker's items and reads its resident memory from /proc/<pid>/statm (Linux; elsewhere the
+memory limit does nothing); a worker at either limit is replaced, the rest of its chunk
+requeued. This bounds what a target that leaks (a growing cache, a module-level list) can
+take.
 """
 
 from __future__ import annotations
@@ -21,6 +31,7 @@ import importlib
 import logging
 import math
 import os
+import signal
 import subprocess
 import sys
 import threading
@@ -49,6 +60,7 @@ class _Worker:
   ready: bool = False
   inflight: collections.deque = dataclasses.field(default_factory=collections.deque)
   last_progress: float = 0.0
+  items_done: int = 0  # items it answered, for `max_calls`
 
 
 class DeadlinePool:
@@ -56,21 +68,29 @@ class DeadlinePool:
 
   `target` and `warmup` are "module:function" names importable in a fresh interpreter; `warmup`
   (optional) runs once before a worker reports ready, so slow imports do not count against the
-  first item's deadline. Thread-safe: concurrent `map` calls run one after the other.
+  first item's deadline. A worker is replaced after `max_calls` items or once its resident
+  memory exceeds `max_rss_mb` MiB (0: no limit). Thread-safe: concurrent `map` calls run one
+  after the other.
   """
 
   def __init__(self, target: str, num_workers: int, timeout_s: float, *,
-               warmup: str | None = None, startup_timeout_s: float = 120.0) -> None:
+               warmup: str | None = None, startup_timeout_s: float = 120.0,
+               max_calls: int = 0, max_rss_mb: float = 0.0) -> None:
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if not timeout_s > 0:
       raise ValueError(f"timeout_s must be > 0, got {timeout_s}")
+    if max_calls < 0 or not max_rss_mb >= 0:
+      raise ValueError(f"max_calls={max_calls} and max_rss_mb={max_rss_mb} must be >= 0 (0: off)")
     self.target = target
     self.warmup = warmup
     self.num_workers = num_workers
     self.timeout_s = float(timeout_s)
     self.startup_timeout_s = float(startup_timeout_s)
-    self.num_restarts = 0
+    self.max_calls = int(max_calls)
+    self.max_rss_mb = float(max_rss_mb)
+    self.num_restarts = 0  # workers replaced after a timeout or a crash
+    self.num_recycled = 0  # workers replaced at max_calls or max_rss_mb
     self._workers: list[_Worker] = []
     self._failed_starts = 0
     self._lock = threading.RLock()
@@ -88,9 +108,11 @@ class DeadlinePool:
     cmd = [sys.executable, "-c", "from capo_jax.data._grader_pool import _worker_main; _worker_main()",
            self.target, self.warmup or "", str(child_r), str(child_w)]
     try:
-      # Own process group (Python >= 3.11): a Ctrl-C at the terminal reaches the parent only,
-      # which then kills the workers, instead of every worker printing a KeyboardInterrupt.
-      group = {"process_group": 0} if sys.version_info >= (3, 11) else {}
+      # Own process group: `_kill` signals the group, so the target's subprocesses die too; and
+      # a Ctrl-C at the terminal reaches the parent only, which then kills the workers,
+      # instead of every worker printing a KeyboardInterrupt.
+      group = ({"process_group": 0} if sys.version_info >= (3, 11) else
+               {"start_new_session": True})
       proc = subprocess.Popen(cmd, pass_fds=(child_r, child_w), env=env,
                               stdin=subprocess.DEVNULL, **group)
     finally:
@@ -101,8 +123,15 @@ class DeadlinePool:
 
   @staticmethod
   def _kill(w: _Worker) -> None:
+    """SIGKILLs the worker's process group, then reaps the worker. Only while the worker is
+    unreaped (alive or a zombie) is its pid certain to still name its group."""
+    if w.proc.returncode is None:
+      try:
+        os.killpg(w.proc.pid, signal.SIGKILL)
+      except (ProcessLookupError, PermissionError):
+        pass
     try:
-      w.proc.kill()
+      w.proc.kill()  # no-op once reaped; covers a worker that left its group
       w.proc.wait(timeout=10)
     except (OSError, subprocess.TimeoutExpired):
       pass
@@ -112,10 +141,22 @@ class DeadlinePool:
       except OSError:
         pass
 
-  def _replace(self, w: _Worker) -> None:
+  def _replace(self, w: _Worker, recycled: bool = False) -> None:
     self._kill(w)
     self._workers[self._workers.index(w)] = self._start_worker()
-    self.num_restarts += 1
+    if recycled:
+      self.num_recycled += 1
+    else:
+      self.num_restarts += 1
+
+  def _worn_out(self, w: _Worker) -> str | None:
+    """Why `w` is due for recycling (`max_calls` items or `max_rss_mb` resident), else None."""
+    if self.max_calls and w.items_done >= self.max_calls:
+      return f"{w.items_done} items"
+    rss = rss_mb(w.proc.pid) if self.max_rss_mb else None
+    if rss is not None and rss > self.max_rss_mb:
+      return f"{rss:.0f} MiB resident"
+    return None
 
   def _start_failed(self, w: _Worker, why: str) -> None:
     self._failed_starts += 1
@@ -210,7 +251,9 @@ class DeadlinePool:
     results[idx] = outcome
 
   def _drain(self, w: _Worker, results: list, queue: collections.deque) -> None:
-    """Reads every message `w` has sent; handles its death (EOF) by requeueing its items."""
+    """Reads every message `w` has sent; handles its death (EOF) by requeueing its items,
+    and replaces it when it answered items and reached `max_calls` or `max_rss_mb`."""
+    answered = w.items_done
     try:
       while w.from_worker.poll(0):
         msg = w.from_worker.recv()
@@ -223,12 +266,12 @@ class DeadlinePool:
           raise RuntimeError(f"grader worker answered item {idx} out of order")
         w.inflight.popleft()
         w.last_progress = time.monotonic()
+        w.items_done += 1
         self._finish(results, idx, (kind, value))
     except (EOFError, OSError):
-      try:  # the pipe closes as the process exits: reap it for its exit code
-        code = w.proc.wait(timeout=2)
-      except subprocess.TimeoutExpired:
-        code = None
+      # The pipe closes as the process exits. Its code is read without reaping it, so that
+      # `_replace` can still kill the group (and any subprocess left in it) by its pid.
+      code = _exit_code_unreaped(w.proc, timeout_s=2.0)
       if not w.ready:
         self._start_failed(w, f"exited with code {code}")
         return
@@ -238,6 +281,42 @@ class DeadlinePool:
         w.inflight.clear()
       logger.warning("grader worker died (exit code %s); starting another", code)
       self._replace(w)
+      return
+    why = self._worn_out(w) if w.items_done > answered else None
+    if why:
+      # Once per worker, so quiet unless a worker is near the limit from its first item.
+      log = logger.warning if w.items_done == 1 and self.max_calls != 1 else logger.info
+      log("grader worker for %s recycled (%s; limits: %s items, %s MiB)", self.target, why,
+          self.max_calls or "no", self.max_rss_mb or "no")
+      queue.extendleft(reversed(w.inflight))
+      w.inflight.clear()
+      self._replace(w, recycled=True)
+
+
+def rss_mb(pid: int) -> float | None:
+  """Resident memory of process `pid` in MiB, from /proc/<pid>/statm; None without /proc."""
+  try:
+    with open(f"/proc/{pid}/statm", encoding="ascii") as f:
+      pages = int(f.read().split()[1])
+  except (OSError, ValueError, IndexError):
+    return None
+  return pages * os.sysconf("SC_PAGE_SIZE") / 2**20
+
+
+def _exit_code_unreaped(proc: subprocess.Popen, timeout_s: float) -> int | None:
+  """`proc`'s exit code (negative: the signal) once it exits within `timeout_s`, else None;
+  leaves it a zombie for `Popen.wait` to reap."""
+  deadline = time.monotonic() + timeout_s
+  while True:
+    try:
+      info = os.waitid(os.P_PID, proc.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+    except ChildProcessError:  # already reaped
+      return proc.returncode
+    if info is not None:
+      return info.si_status if info.si_code == os.CLD_EXITED else -info.si_status
+    if time.monotonic() > deadline:
+      return None
+    time.sleep(0.01)
 
 
 def _resolve(name: str) -> Any:
@@ -250,6 +329,8 @@ def _exit_when_orphaned() -> None:
   while True:
     time.sleep(1.0)
     if os.getppid() != parent:
+      if os.getpgrp() == os.getpid():  # takes the target's subprocesses along
+        os.killpg(os.getpid(), signal.SIGKILL)
       os._exit(0)
 
 

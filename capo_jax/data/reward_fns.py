@@ -13,13 +13,18 @@ Every sample has two grades (docs/rewards.md):
 
 A plug-in is named ``package.module:function`` or ``path/to/file.py:function``. It runs in
 worker processes of a ``DeadlinePool`` (the math grader's pool class), so a function that
-hangs is killed at ``reward.timeout_s`` and counted (a reward function's rows score 0 for
-it and count in ``fn_timeout``; a checker's row is wrong and counts in ``timeout``). A
-function that raises, returns NaN / inf or the wrong number of values stops the run with a
-``RewardFnError`` that names the function and the row.
+hangs is killed, with its worker's process group, at ``reward.timeout_s`` and counted (a
+reward function's rows score 0 for it and count in ``fn_timeout``; a checker's row is wrong
+and counts in ``timeout``). Workers are replaced after ``reward.worker_max_calls`` calls or
+above ``reward.worker_max_rss_mb`` MiB resident, so a leaking plug-in cannot grow them
+without bound.
 
 Reward functions are called once per question with its G completions and G (equal)
-examples: ``f(completions: list[str], examples: list[Example]) -> Sequence[float]``.
+examples: ``f(completions: list[str], examples: list[Example]) -> Sequence[float]``, and
+must return a list, tuple or 1-D numpy array of G real numbers (int, float, bool or numpy
+scalars of those kinds), each finite in float32. A checker must return a bool or numpy bool
+(``1`` and ``1.0`` are not bools). Anything else, or a raise, stops the run with a
+``RewardFnError`` that names the function, the row and what it returned.
 """
 
 from __future__ import annotations
@@ -29,8 +34,10 @@ import dataclasses
 import functools
 import importlib
 import importlib.util
-import math
+import numbers
 import os
+import re
+import reprlib
 import threading
 from collections.abc import Sequence
 from typing import Any, Callable
@@ -45,8 +52,14 @@ CHECKERS = {"math": None, "countdown": "capo_jax.data.countdown:is_correct"}
 CORRECT = "correct"  # in reward.fns: the binary label itself, weighted like any f_k
 
 
+FLOAT32_MAX = float(np.finfo(np.float32).max)
+# Worker limits when the config gives none (the eval CLI's checkers): configs/common.py's.
+DEFAULT_MAX_CALLS = 1000
+DEFAULT_MAX_RSS_MB = 2048.0
+
+
 class RewardFnError(RuntimeError):
-  """A plug-in raised, returned a non-finite value or the wrong number of values."""
+  """A plug-in raised or returned something other than what docs/rewards.md asks for."""
 
 
 # -- naming and loading plug-ins ------------------------------------------------------------
@@ -105,6 +118,42 @@ def _first_failing_row(fn: Callable[..., Any], completions: list[str],
   return None
 
 
+_REPR = reprlib.Repr()
+_REPR.maxstring = _REPR.maxother = 60
+_REPR.maxlist = _REPR.maxtuple = _REPR.maxdict = _REPR.maxset = 6
+
+
+def _short(value: Any) -> str:
+  """Type and repr of a plug-in's output, truncated (it may be huge), on one line."""
+  return f"{type(value).__name__} " + re.sub(r"\s*\n\s*", " ", _REPR.repr(value))
+
+
+def _is_real(v: Any) -> bool:
+  """int, float, bool, Fraction, numpy integer / floating / bool scalars; not complex, str,
+  containers, 0-d arrays."""
+  return isinstance(v, (numbers.Real, np.bool_))
+
+
+def _reward_problem(out: Any, n: int) -> tuple[int | None, str] | None:
+  """None when `out` is n real numbers finite in float32, else (row or None, message)."""
+  if isinstance(out, np.ndarray):
+    if out.ndim != 1 or out.dtype.kind not in "biuf":
+      shape = f"shape {out.shape}, dtype {out.dtype}"
+      return None, f"returned {_short(out)} ({shape}), not a 1-D array of real numbers"
+  elif not isinstance(out, (list, tuple)):
+    return None, f"returned {_short(out)}, not a list, tuple or 1-D numpy array of numbers"
+  if len(out) != n:
+    return None, f"returned {len(out)} values for {n} completions: {_short(out)}"
+  for i, v in enumerate(out):
+    if not _is_real(v):
+      return i, f"returned {_short(v)}, not a real number, in {_short(out)}"
+    # Compared before float(): a huge int would overflow it.
+    if not abs(v) <= FLOAT32_MAX:  # False for NaN too
+      limit = f"|v| <= {FLOAT32_MAX:.4g}"
+      return i, f"returned {_REPR.repr(v)}, not finite in float32 ({limit}), in {_short(out)}"
+  return None
+
+
 def _call(kind: str, target: str, *args: Any) -> tuple:
   """Runs one plug-in call in a worker: ("ok", value) or (problem, row or None, message)."""
   fn = load(target)
@@ -114,8 +163,8 @@ def _call(kind: str, target: str, *args: Any) -> tuple:
       verdict = fn(completion, gold)
     except Exception as e:  # noqa: BLE001 -- reported with the row by the parent
       return "raised", 0, f"{type(e).__name__}: {e}"[:500]
-    if verdict not in (True, False):  # 0 / 1 / numpy bools compare equal
-      return "bad", 0, f"returned {verdict!r}, not a bool"
+    if not isinstance(verdict, (bool, np.bool_)):  # 0, 1 and 1.0 are not verdicts
+      return "bad", 0, f"returned {_short(verdict)}, not a bool"
     return "ok", bool(verdict)
   completions, examples = list(args[0]), list(args[1])
   try:
@@ -123,21 +172,13 @@ def _call(kind: str, target: str, *args: Any) -> tuple:
   except Exception as e:  # noqa: BLE001
     return ("raised", _first_failing_row(fn, completions, examples),
             f"{type(e).__name__}: {e}"[:500])
-  try:
-    values = [float(v) for v in out]
-  except (TypeError, ValueError) as e:
-    return "bad", None, f"returned {type(out).__name__}, not one number per completion ({e})"
-  if len(values) != len(completions):
-    return "bad", None, f"returned {len(values)} values for {len(completions)} completions"
-  bad = next((i for i, v in enumerate(values) if not math.isfinite(v)), None)
-  if bad is not None:
-    return "bad", bad, f"returned {values[bad]}"
-  return "ok", values
+  problem = _reward_problem(out, len(completions))
+  return ("bad", *problem) if problem else ("ok", [float(v) for v in out])
 
 
 # -- the pool -------------------------------------------------------------------------------
 
-_pools: dict[float, DeadlinePool] = {}
+_pools: dict[tuple[float, int, float], DeadlinePool] = {}
 _pools_lock = threading.Lock()
 
 
@@ -147,13 +188,17 @@ def _workers() -> int:
       else (os.cpu_count() or 1)
 
 
-def pool(timeout_s: float) -> DeadlinePool:
-  """The shared plug-in pool with this per-call deadline ($CAPO_GRADER_WORKERS workers)."""
+def pool(timeout_s: float, max_calls: int = DEFAULT_MAX_CALLS,
+         max_rss_mb: float = DEFAULT_MAX_RSS_MB) -> DeadlinePool:
+  """The shared plug-in pool with this per-call deadline and these worker limits (calls and
+  resident MiB before a worker is replaced; 0: none), of $CAPO_GRADER_WORKERS workers."""
+  key = (float(timeout_s), int(max_calls), float(max_rss_mb))
   with _pools_lock:
-    if timeout_s not in _pools:
-      _pools[timeout_s] = DeadlinePool(f"{__name__}:_call", _workers(), timeout_s)
-      atexit.register(_pools[timeout_s].close)
-    return _pools[timeout_s]
+    if key not in _pools:
+      _pools[key] = DeadlinePool(f"{__name__}:_call", _workers(), key[0], max_calls=key[1],
+                                 max_rss_mb=key[2])
+      atexit.register(_pools[key].close)
+    return _pools[key]
 
 
 def _raise(what: str, rows: range, problem: str, row: int | None, message: str) -> None:
@@ -170,18 +215,19 @@ class CheckerGrader:
   """A plug-in checker with the grader interface: ``score(completions, golds) -> (0/1
   float32 rewards, RewardHealth)``; one pool call per completion."""
 
-  def __init__(self, name: str, timeout_s: float) -> None:
+  def __init__(self, name: str, timeout_s: float, max_calls: int = DEFAULT_MAX_CALLS,
+               max_rss_mb: float = DEFAULT_MAX_RSS_MB) -> None:
     self.name = name
     self.target = target_of(CHECKERS.get(name) or name)
     load(self.target)  # a typo fails here, not in every worker
-    self.timeout_s = timeout_s
+    self.limits = (timeout_s, max_calls, max_rss_mb)  # pool()'s arguments
     self.cumulative = rewards.RewardHealth()
 
   def score(self, completions: Sequence[str],
             golds: Sequence[str]) -> tuple[np.ndarray, rewards.RewardHealth]:
     if len(completions) != len(golds):
       raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
-    out = pool(self.timeout_s).map([("check", self.target, c, g)
+    out = pool(*self.limits).map([("check", self.target, c, g)
                                     for c, g in zip(completions, golds)])
     correct = np.zeros(len(out), np.float32)
     timeouts = 0
@@ -200,17 +246,18 @@ class CheckerGrader:
     return correct, health
 
 
-_graders: dict[tuple[str, float], Any] = {}
+_graders: dict[tuple[str, float, int, float], Any] = {}
 
 
-def grader_for(checker: str, timeout_s: float = 5.0) -> Any:
+def grader_for(checker: str, timeout_s: float = 5.0, max_calls: int = DEFAULT_MAX_CALLS,
+               max_rss_mb: float = DEFAULT_MAX_RSS_MB) -> Any:
   """The grader deciding ``correct``: the shared math grader for "math", else one
-  ``CheckerGrader`` per (checker, timeout)."""
+  ``CheckerGrader`` per (checker, worker limits)."""
   if checker == "math":
     return rewards.default_grader()
-  key = (checker, float(timeout_s))
+  key = (checker, float(timeout_s), int(max_calls), float(max_rss_mb))
   if key not in _graders:
-    _graders[key] = CheckerGrader(checker, timeout_s)
+    _graders[key] = CheckerGrader(*key)
   return _graders[key]
 
 
@@ -236,12 +283,16 @@ class RewardFns:
     weights: one per fn.
     timeout_s: each call's deadline (one call per question).
     max_len, overlong_buffer: the overlong penalty's L_max and L_b (0: off).
+    worker_max_calls, worker_max_rss_mb: a worker is replaced after this many calls or
+      above this resident memory in MiB (0: no limit).
   """
   fns: tuple[str, ...] = ()
   weights: tuple[float, ...] = ()
   timeout_s: float = 5.0
   max_len: int = 0
   overlong_buffer: int = 0
+  worker_max_calls: int = DEFAULT_MAX_CALLS
+  worker_max_rss_mb: float = DEFAULT_MAX_RSS_MB
 
   def __post_init__(self) -> None:
     if len(self.weights) != len(self.fns):
@@ -265,8 +316,9 @@ class RewardFns:
         reward_B += w * np.asarray(correct_B, np.float64)
         continue
       target = target_of(name)
-      out = pool(self.timeout_s).map([("fn", target, [completions[i] for i in g],
-                                       [examples[i] for i in g]) for g in groups])
+      workers = pool(self.timeout_s, self.worker_max_calls, self.worker_max_rss_mb)
+      out = workers.map([("fn", target, [completions[i] for i in g], [examples[i] for i in g])
+                         for g in groups])
       what = f"reward function {name} (reward.fns[{k}])"
       for g, (kind, value) in zip(groups, out):
         if kind == TIMEOUT:
@@ -279,6 +331,12 @@ class RewardFns:
           reward_B[g.start:g.stop] += w * np.asarray(value[1], np.float64)
     if self.overlong_buffer:
       reward_B += overlong_penalty(lengths_B, self.max_len, self.overlong_buffer)
+    # Each value is finite in float32, but weights can push a sum past it.
+    over = np.flatnonzero(~(np.abs(reward_B) <= FLOAT32_MAX))
+    if over.size:
+      raise RewardFnError(f"the weighted sum of reward.fns={self.fns} with reward.weights="
+                          f"{self.weights} is {float(reward_B[over[0]])!r} on row {over[0]}, not "
+                          f"finite in float32: lower the weights")
     return reward_B.astype(np.float32), {"fn_timeout": timeouts}
 
 

@@ -124,7 +124,9 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   iterator = data.PromptIterator(train_examples, Q, spec.seed, process_index=jax.process_index(),
                                  process_count=jax.process_count())
   given_grader = grader  # a caller's grader (tests, the demo's noisy one) grades everything
-  grader = grader or reward_fns.grader_for(spec.checker, spec.reward.timeout_s)
+  grader = grader or reward_fns.grader_for(spec.checker, spec.reward.timeout_s,
+                                           spec.reward.worker_max_calls,
+                                           spec.reward.worker_max_rss_mb)
 
   state_sh = progs.state_shardings
   w = setup.policy_weights(spec, model_cfg, policy, tcfg, mesh, train_rules)

@@ -182,6 +182,8 @@ class Reward:
   weights: tuple[float, ...]
   timeout_s: float
   overlong_buffer: int
+  worker_max_calls: int
+  worker_max_rss_mb: float
 
 
 @_frozen

@@ -212,6 +212,11 @@ class RunSpec:
       fail("reward.weights", w.weights, "must be finite numbers")
     if not w.timeout_s > 0:
       fail("reward.timeout_s", w.timeout_s, "must be > 0")
+    calls = w.worker_max_calls
+    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
+      fail("reward.worker_max_calls", calls, "must be an integer >= 0 (0: no limit)")
+    if not (isinstance(w.worker_max_rss_mb, (int, float)) and w.worker_max_rss_mb >= 0):
+      fail("reward.worker_max_rss_mb", w.worker_max_rss_mb, "must be MiB >= 0 (0: no limit)")
     if not 0 <= w.overlong_buffer <= self.rollout.max_new_tokens:
       fail("reward.overlong_buffer", w.overlong_buffer,
            f"must be 0 (off) or in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
@@ -235,7 +240,8 @@ class RunSpec:
     return reward_lib.RewardFns(
         fns=w.fns, weights=tuple(float(x) for x in w.weights) or (1.0,) * len(w.fns),
         timeout_s=w.timeout_s, max_len=self.rollout.max_new_tokens,
-        overlong_buffer=w.overlong_buffer)
+        overlong_buffer=w.overlong_buffer, worker_max_calls=w.worker_max_calls,
+        worker_max_rss_mb=float(w.worker_max_rss_mb))
 
   def _validate_model(self, policy_given: bool) -> None:
     """A run loads weights from ``model.hf_path``, or asks for random ones with
