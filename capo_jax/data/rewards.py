@@ -309,12 +309,15 @@ class Grader:
   stop them.
   """
 
-  def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0) -> None:
+  def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0, *,
+               max_rss_mb: float = 2048.0) -> None:
     if num_workers is None:
       num_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
           os.cpu_count() or 1)
+    # sympy's caches grow with every expression a long run grades: a worker above
+    # max_rss_mb (0: no ceiling) is replaced, as the plug-ins' workers are.
     self._pool = DeadlinePool(f"{__name__}:_slow_judge", num_workers, timeout_s,
-                              warmup=f"{__name__}:_warmup")
+                              warmup=f"{__name__}:_warmup", max_rss_mb=max_rss_mb)
     self.cumulative = RewardHealth()
 
   @property
