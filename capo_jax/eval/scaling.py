@@ -51,6 +51,14 @@ class WeibullFitConfig:
   newton_steps: int = 3  # shape-equation steps per M-step (warm-started)
   k_min: float = 1e-2
   k_max: float = 1e3  # bounds the likelihood when a component collapses
+  # Each component's weight stays in [weight_min, 1 - weight_min], the bound of the official
+  # RPC code (w1 in [0.2, 0.8]): without it one component can shrink onto a single outlier.
+  weight_min: float = 0.2
+
+  def __post_init__(self) -> None:
+    if not 0.0 <= self.weight_min <= 0.5:
+      raise ValueError(f"WeibullFitConfig.weight_min must be in [0, 0.5], got "
+                       f"{self.weight_min}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -262,7 +270,10 @@ def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
         break
       sa, va, a = s3[active], v3[active], resp[active] * v3[active]
       total = a.sum(-1)
-      weight[active] = total / total.sum(-1, keepdims=True)
+      # The weights' M-step objective is concave, so clipping its maximiser is the exact
+      # M-step under the bound (and EM still never lowers the likelihood).
+      w0 = np.clip(total[:, 0] / total.sum(-1), config.weight_min, 1.0 - config.weight_min)
+      weight[active] = np.stack([w0, 1.0 - w0], axis=-1)
       k[active], log_lam[active] = _m_step(sa, a, k[active],
                                            config.newton_steps, config)
       logf = np.log(weight[active])[..., None] + _log_pdf(
