@@ -28,17 +28,22 @@ extra fields are allowed and ignored):
       "scaling": {"n": [1, 2, 4, 8, 16], "n_questions": [...], "n_subsets",
                   "seed", "pc": [...], "rpc": [...], "majority": [...],
                   "best_of_n": [...]},
-      "no_answer_rate", "mean_length", "mean_s"}}}
+      "no_answer_rate", "mean_length", "mean_s",
+      "grouping_timeouts"}}}          answer pairs counted as different because
+                                      their check timed out or the question's
+                                      grouping budget ran out
 
 Metric definitions: ``capo_jax.eval.calibration`` and ``capo_jax.eval.scaling``.
 maj@k and the scaling methods group answers with the same equivalence
-(``grouping``; default ``capo_jax.data.rewards``).
+(``grouping``; default ``capo_jax.data.rewards``), within
+``grouping_limits`` (``capo_jax.eval.grouping``: 30 s per question by default).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -47,9 +52,12 @@ from typing import Any
 import numpy as np
 
 from capo_jax.eval import calibration as cal
+from capo_jax.eval import grouping as grouping_lib
 from capo_jax.eval import paired
 from capo_jax.eval import scaling
 from capo_jax.runtime import fs
+
+log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "capo_jax.results", 1
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -135,15 +143,16 @@ def write_samples(path: str | os.PathLike[str],
 
 @dataclasses.dataclass(frozen=True)
 class ResultsConfig:
-  """What compute_results reports; ``grouping`` is passed to
-  ``scaling.resolve_same_answer`` ("rewards", "exact" or a callable)."""
+  """What compute_results reports; ``grouping`` ("rewards", "exact", a callable or a
+  ``PairCheck``) and ``grouping_limits`` make its ``capo_jax.eval.grouping.AnswerGrouper``."""
   mean_ks: tuple[int, ...] = (8, 16)
   pass_ks: tuple[int, ...] = (1, 8, 16)
   maj_ks: tuple[int, ...] = (8, 16)
   buckets: tuple[tuple[float, float], ...] = cal.DEFAULT_BUCKETS
   ece_bins: int = 10
   curve_points: int = 201  # precision-coverage points kept in results.json
-  grouping: str | Callable[[str, str], bool] = "rewards"
+  grouping: str | Callable[[str, str], bool] | grouping_lib.PairCheck = "rewards"
+  grouping_limits: grouping_lib.Limits = grouping_lib.Limits()
   scaling: scaling.ScalingConfig = scaling.ScalingConfig()
 
 
@@ -164,7 +173,7 @@ def _clean(x: Any) -> Any:
 
 def _benchmark_results(questions: list[list[SampleRecord]],
                        config: ResultsConfig,
-                       same_answer: Callable[[str, str], bool]) -> dict[str, Any]:
+                       grouper: grouping_lib.AnswerGrouper) -> dict[str, Any]:
   n_q, g_max = len(questions), max(len(q) for q in questions)
   n_min = min(len(q) for q in questions)
   s_QG, correct_QG = np.zeros((n_q, g_max)), np.zeros((n_q, g_max), bool)
@@ -178,7 +187,7 @@ def _benchmark_results(questions: list[list[SampleRecord]],
     valid_QG[i, :g] = True
     prep = scaling.prepare_question([r.answer for r in q],
                                     [r.completion for r in q], s_QG[i, :g],
-                                    correct_QG[i, :g], same_answer)
+                                    correct_QG[i, :g], grouper)
     prepared.append(prep)
     keys_QG.append([int(k) if k >= 0 else None for k in prep.group_G]
                    + [None] * (g_max - g))
@@ -210,7 +219,8 @@ def _benchmark_results(questions: list[list[SampleRecord]],
       "scaling": scaling.scaling_curves(prepared, config.scaling),
       "no_answer_rate": float(np.mean([r.answer is None for q in questions for r in q])),
       "mean_length": float(np.mean([r.length for q in questions for r in q])),
-      "mean_s": float(s_QG[valid_QG].mean())})
+      "mean_s": float(s_QG[valid_QG].mean()),
+      "grouping_timeouts": sum(q.n_unresolved for q in prepared)})
   return out
 
 
@@ -223,7 +233,6 @@ def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
   questions keep their order of first appearance, samples are ordered by
   ``sample_index``.
   """
-  same_answer = scaling.resolve_same_answer(config.grouping)
   grouped: dict[str, dict[str, dict[int, SampleRecord]]] = {}
   for i, rec in enumerate(records):
     if not isinstance(rec, SampleRecord):
@@ -235,10 +244,17 @@ def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
     per_q[rec.sample_index] = rec
   if not grouped:
     raise ValueError("compute_results: no records")
-  benchmarks = {
-      name: _clean(_benchmark_results(
-          [[q[j] for j in sorted(q)] for q in qs.values()], config, same_answer))
-      for name, qs in grouped.items()}
+  with grouping_lib.AnswerGrouper(config.grouping, config.grouping_limits) as grouper:
+    benchmarks = {
+        name: _clean(_benchmark_results(
+            [[q[j] for j in sorted(q)] for q in qs.values()], config, grouper))
+        for name, qs in grouped.items()}
+  for name, res in benchmarks.items():
+    if res["grouping_timeouts"]:
+      log.warning("%s: %d answer pairs counted as different answers unchecked (check past "
+                  "%.0f s, or past the %.0f s grouping budget of a question)", name,
+                  res["grouping_timeouts"], config.grouping_limits.pair_timeout_s,
+                  config.grouping_limits.budget_s)
   return {"format": FORMAT, "version": VERSION, "run": run,
           "benchmarks": benchmarks}
 
