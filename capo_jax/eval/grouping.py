@@ -74,8 +74,8 @@ class Grouped:
 def _rewards_fast(first: str, answer: str) -> bool | tuple:
   # Exactly rewards.is_correct("\\boxed{first}", answer), with its math-verify stage left
   # to the worker pool: the grader's cheap path here, else _slow_judge's arguments.
-  from capo_jax.data import rewards  # pylint: disable=import-outside-toplevel
-  verdict, status, pred = rewards._prepare("\\boxed{" + first + "}", answer)  # pylint: disable=protected-access
+  from capo_jax.data.rewards import _prepare  # pylint: disable=import-outside-toplevel
+  verdict, status, pred = _prepare("\\boxed{" + first + "}", answer)
   return bool(verdict) if verdict is not None else (pred, answer, int(status))
 
 
@@ -161,8 +161,8 @@ class AnswerGrouper:
     # Imported here: the pool's package (capo_jax.data) is not needed without slow checks.
     from capo_jax.data import _grader_pool as pool_lib  # pylint: disable=import-outside-toplevel
     if self._pool is None:
-      self._pool = pool_lib.DeadlinePool(self.check.slow, self._workers(), self.limits.pair_timeout_s,
-                                warmup=self.check.warmup)
+      self._pool = pool_lib.DeadlinePool(self.check.slow, self._workers(),
+                                         self.limits.pair_timeout_s, warmup=self.check.warmup)
     for pair, (kind, value) in zip(pairs, self._pool.map([args[p] for p in pairs])):
       if kind == pool_lib.OK:
         verdicts[pair] = bool(value[0] if isinstance(value, (tuple, list)) else value)

@@ -3,7 +3,8 @@
 ``samples.jsonl`` (written by the evaluate CLI, one JSON object per line;
 extra fields are allowed and ignored):
 
-  benchmark     str, non-empty     e.g. "aime25"
+  benchmark     str, non-empty     e.g. "aime25"; part of file names, so no
+                                   '/', '\\' or control characters
   question_id   str, non-empty     the benchmark file's ``id``
   sample_index  int >= 0           unique within a question; orders "first k"
   completion    str                the decoded response
@@ -53,6 +54,7 @@ import numpy as np
 
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import grouping as grouping_lib
+from capo_jax.eval import inputs
 from capo_jax.eval import paired
 from capo_jax.eval import scaling
 from capo_jax.runtime import fs
@@ -100,6 +102,7 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
   for name in ("benchmark", "question_id"):
     if not vals[name]:
       raise ValueError(f"{where}: field {name!r} is empty")
+  inputs.check_benchmark_name(vals["benchmark"], f"{where}: field 'benchmark'")
   for name in ("sample_index", "length"):
     if vals[name] < 0:
       raise ValueError(f"{where}: field {name!r} must be >= 0, got {vals[name]}")
@@ -112,7 +115,8 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
 
 
 def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
-  """Reads samples.jsonl; blank lines are skipped, bad rows raise ValueError."""
+  """Reads samples.jsonl; blank lines are skipped, bad rows and a file without rows raise
+  ValueError naming the file (and line)."""
   records, first_line = [], {}
   with fs.path(path).open("r", encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
@@ -130,6 +134,8 @@ def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
                          f"{first_line[key]})")
       first_line[key] = lineno
       records.append(rec)
+  if not records:
+    raise ValueError(f"{os.fspath(path)}: no samples (the file is empty)")
   return records
 
 
@@ -280,6 +286,10 @@ def load_results(result_dir: str | os.PathLike[str]) -> dict[str, Any]:
     raise ValueError(f"{path}: not a {FORMAT} file")
   if res.get("version") != VERSION:
     raise ValueError(f"{path}: version {res.get('version')}, expected {VERSION}")
+  if not isinstance(res.get("benchmarks"), dict):
+    raise ValueError(f"{path}: no 'benchmarks' object")
+  for name in res["benchmarks"]:
+    inputs.check_benchmark_name(name, path)
   return res
 
 
@@ -345,6 +355,7 @@ def plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
                     out_dir: str | os.PathLike[str]) -> list[str]:
   """Overlaid precision-coverage, accuracy-vs-N and AUC-histogram PNGs."""
   from capo_jax.eval import plots  # pylint: disable=import-outside-toplevel
+  inputs.check_benchmark_name(bench, "plot_benchmark")
   out = lambda kind: os.path.join(out_dir, f"{bench}_{kind}.png")  # noqa: E731
   nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
   pc = {r: (v["precision_coverage"]["coverage"], v["precision_coverage"]["precision"])
