@@ -7,14 +7,14 @@ the first that matches, else starts a class; identical strings share a class unc
 A pair is checked by ``PairCheck.fast`` in this process (string equality, a caller's
 callable, the math grader's cheap path) or, when that cannot decide, by ``PairCheck.slow``
 in the worker processes of a ``DeadlinePool`` (math-verify for the default "rewards"),
-where a hung check can be killed. A question's undecided pairs run there in parallel,
-in waves of one pair per worker, most urgent first (the pair the comparison waits on,
-then the pairs it may consult after it), each within ``Limits.pair_timeout_s``; no new
-wave starts once ``Limits.budget_s`` has passed since the question began, so a question
-takes at most about the budget plus one pair timeout and one worker restart. A pair that
-timed out or that the budget cut off counts as "different answers" and is counted
-(``Grouped.n_unresolved``). When nothing times out the classes are exactly those of the
-one-pair-at-a-time comparison.
+where a hung check can be killed. A question's undecided pairs run there in parallel, in
+waves of one pair per worker, most urgent first (the pair the comparison waits on, then
+those it may consult after it), each within ``Limits.pair_timeout_s`` (at most the
+budget). No wave starts once ``Limits.budget_s`` has passed since the question began, so
+a question takes at most about the budget plus one pair timeout and one worker restart.
+A pair that timed out or that the budget cut off counts as "different answers" and is
+counted (``Grouped.n_unresolved``). When nothing times out the classes are exactly those
+of the one-pair-at-a-time comparison.
 """
 
 from __future__ import annotations
@@ -161,8 +161,10 @@ class AnswerGrouper:
     # Imported here: the pool's package (capo_jax.data) is not needed without slow checks.
     from capo_jax.data import _grader_pool as pool_lib  # pylint: disable=import-outside-toplevel
     if self._pool is None:
-      self._pool = pool_lib.DeadlinePool(self.check.slow, self._workers(),
-                                         self.limits.pair_timeout_s, warmup=self.check.warmup)
+      # A pair can use no more than the whole budget.
+      timeout_s = min(self.limits.pair_timeout_s, self.limits.budget_s)
+      self._pool = pool_lib.DeadlinePool(self.check.slow, self._workers(), timeout_s,
+                                         warmup=self.check.warmup)
     for pair, (kind, value) in zip(pairs, self._pool.map([args[p] for p in pairs])):
       if kind == pool_lib.OK:
         verdicts[pair] = bool(value[0] if isinstance(value, (tuple, list)) else value)
