@@ -54,7 +54,9 @@ class Limits:
   """Time limits of the slow checks (see the module docstring)."""
   budget_s: float = 30.0  # per question
   pair_timeout_s: float = 5.0
-  num_workers: int = 0  # 0: one per core
+  # 0: one per core, at most 8 (a question has at most 120 pairs of 16 answers; every
+  # worker holds its own sympy, beside the reward grader's pool).
+  num_workers: int = 0
 
   def __post_init__(self) -> None:
     for name in ("budget_s", "pair_timeout_s"):
@@ -150,8 +152,9 @@ class AnswerGrouper:
   def _workers(self) -> int:
     if self.limits.num_workers:
       return self.limits.num_workers
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
         os.cpu_count() or 1)
+    return min(cores, 8)
 
   def _run(self, pairs: list[Pair], args: dict[Pair, tuple], verdicts: dict[Pair, bool],
            unresolved: set[Pair]) -> None:

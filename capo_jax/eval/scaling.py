@@ -43,8 +43,7 @@ from typing import Any
 import numpy as np
 
 # group_answers and resolve_same_answer moved to grouping; re-exported for existing callers.
-from capo_jax.eval.grouping import (AnswerGrouper, group_answers,  # noqa: F401
-                                    resolve_same_answer)
+from capo_jax.eval.grouping import AnswerGrouper, group_answers, resolve_same_answer  # noqa: F401
 
 METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "best_of_n")
 
