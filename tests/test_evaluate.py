@@ -17,11 +17,13 @@ from sklearn.metrics import roc_auc_score
 from capo_jax.data import rewards
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import evaluate
+from capo_jax.eval import grouping
 from capo_jax.eval import report
 from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
 from capo_jax.sampling import sampler as sampling
 from models import hf_weights
+from models.config import Qwen2Config
 
 # Prompts of these questions fall in one sampler length bucket: one compile.
 QUESTIONS = [("q0", "What is 1 + 2?", "3"), ("q1", "Solve 2x + 3 = 11 for x.", "4"),
@@ -290,3 +292,99 @@ def test_load_benchmarks_by_name_with_limit(shared_data):
   for name in ("aime24", "amc23"):
     lines = (shared_data / f"{name}.jsonl").read_text(encoding="utf-8").splitlines()[:2]
     assert [e.id for e in got[name]] == [json.loads(x)["id"] for x in lines]
+
+
+# --- input errors name the file; names from data stay out of paths ---------------
+
+
+def _files_under(root: pathlib.Path) -> set[pathlib.Path]:
+  return {p for p in root.rglob("*") if p.is_file()}
+
+
+@pytest.mark.parametrize("broken, message", [
+    (lambda c: c.pop("hidden_size"), "has no field 'hidden_size'"),
+    (lambda c: c.update(vocab_size="big"), "field 'vocab_size' must be a positive integer"),
+    (lambda c: c.pop("rope_theta") and c.pop("rope_parameters"), "rope_theta"),
+])
+def test_policy_with_a_bad_config_json_names_file_and_field(tmp_path, broken, message):
+  cfg = Qwen2Config.tiny().to_hf()
+  broken(cfg)
+  policy = tmp_path / "policy"
+  policy.mkdir()
+  (policy / "config.json").write_text(json.dumps(cfg), encoding="utf-8")
+  argv = [f"--policy={policy}", f"--benchmarks={_bench_file(tmp_path)}", f"--out={tmp_path / 'o'}"]
+  with pytest.raises(evaluate.InputError) as err:
+    evaluate.main(argv)
+  assert str(policy / "config.json") in str(err.value) and message in str(err.value)
+
+
+def test_policy_workdir_with_a_bad_export_config_and_the_cli_message(tmp_path, capsys):
+  workdir = tmp_path / "work"
+  (workdir / "export_hf").mkdir(parents=True)
+  (workdir / "config.json").write_text(json.dumps({"config": {}}), encoding="utf-8")  # a run's
+  (workdir / "export_hf" / "config.json").write_text("{not json", encoding="utf-8")
+  argv = [f"--policy={workdir}", f"--benchmarks={_bench_file(tmp_path)}", f"--out={tmp_path / 'o'}"]
+  with pytest.raises(SystemExit) as done:  # the command line: a message, no traceback
+    evaluate.cli(argv)
+  text = str(done.value.code)
+  assert text.startswith("python -m capo_jax.eval: error: --policy: ")
+  assert f"{workdir / 'export_hf' / 'config.json'} is not valid JSON" in text
+
+
+def test_from_samples_errors_name_the_file_and_line(tmp_path):
+  empty = tmp_path / "empty.jsonl"
+  empty.write_text("\n", encoding="utf-8")
+  with pytest.raises(evaluate.InputError, match=f"{empty}: no samples"):
+    evaluate.main(["--from-samples", str(empty), f"--out={tmp_path / 'o1'}"])
+  rows = _crafted_samples(0)[:3]
+  rows[1]["s"] = "high"
+  bad = _write_jsonl(tmp_path / "bad.jsonl", rows)
+  with pytest.raises(evaluate.InputError, match=f"{bad}:2: field 's' must be"):
+    evaluate.main(["--from-samples", str(bad), f"--out={tmp_path / 'o2'}"])
+  bad.write_text(json.dumps(rows[0]) + "\n{oops\n", encoding="utf-8")
+  with pytest.raises(evaluate.InputError, match=f"{bad}:2: invalid JSON"):
+    evaluate.main(["--from-samples", str(bad), f"--out={tmp_path / 'o3'}"])
+
+
+@pytest.mark.parametrize("name", ["../x", "/tmp/x", "ABS", "a\\b"])
+def test_benchmark_names_that_are_paths_are_rejected(tmp_path, name):
+  name = str(tmp_path / "abs" / "x") if name == "ABS" else name
+  root = tmp_path / "root"
+  (root / "in").mkdir(parents=True)
+  rows = _crafted_samples(0)[:32]
+  for r in rows[16:]:
+    r["benchmark"] = name
+  samples = _write_jsonl(root / "in" / "samples.jsonl", rows)
+  before, before_tmp = _files_under(tmp_path), set(pathlib.Path("/tmp").glob("x_*.png"))
+  with pytest.raises(evaluate.InputError, match=f"{samples}:17: field 'benchmark'"):
+    evaluate.main(["--from-samples", str(samples), f"--out={root / 'out'}"])
+  assert _files_under(tmp_path) == before
+  assert set(pathlib.Path("/tmp").glob("x_*.png")) == before_tmp  # the name "/tmp/x"
+  # A results.json naming such a benchmark is refused by --compare, before any output.
+  run = root / "run"
+  run.mkdir()
+  res = {"format": report.FORMAT, "version": report.VERSION, "run": "r",
+         "benchmarks": {name: {}}}
+  (run / "results.json").write_text(json.dumps(res), encoding="utf-8")
+  before = _files_under(tmp_path)
+  with pytest.raises(evaluate.InputError, match=f"{run / 'results.json'}: benchmark name"):
+    evaluate.main(["--compare", str(run), f"--out={root / 'cmp'}"])
+  assert _files_under(tmp_path) == before
+  with pytest.raises(ValueError, match="plot_benchmark: benchmark name"):
+    report.plot_benchmark(name, {}, str(root / "out"))
+
+
+def test_grouping_budget_flag_and_the_timeout_count(tmp_path, monkeypatch, capsys):
+  # Every pair the math grader's cheap path leaves undecided hangs in the pool.
+  hang = grouping.PairCheck(lambda a, b: (3600.0,), slow="time:sleep")
+  monkeypatch.setattr(grouping, "REWARDS_CHECK", hang)
+  rows = [r for r in _crafted_samples(0) if r["question_id"] == "alpha-0"]
+  samples = _write_jsonl(tmp_path / "s.jsonl", rows)
+  n_answers = len({r["answer"] for r in rows} - {None})
+  assert n_answers >= 2
+  out = tmp_path / "out"
+  evaluate.main(["--from-samples", str(samples), f"--out={out}", "--grouping_budget_s=1",
+                 "--no_plots"])
+  got = report.load_results(out)["benchmarks"]["alpha"]["grouping_timeouts"]
+  assert got == n_answers * (n_answers - 1) // 2  # every answer its own class
+  assert f"alpha: {got} answer pairs timed out in grouping" in capsys.readouterr().out

@@ -133,6 +133,63 @@ def test_mixture_recovers_two_separated_components():
   np.testing.assert_allclose(mix.shape_E2[0], [8.0, 40.0], rtol=0.15)
 
 
+UNBOUNDED = sc.WeibullFitConfig(weight_min=0.0)
+
+
+@pytest.mark.parametrize("low_outlier", [True, False])
+def test_rpc_weight_bound_on_a_single_outlier(low_outlier):
+  # 15 tight p values and one outlier: unbounded, one component shrinks onto the outlier
+  # with its 1/16 share of the mass; bounded, that component's weight is lifted to 0.2.
+  cluster, outlier = ((np.linspace(0.88, 0.92, 15), 0.3) if low_outlier
+                      else (np.linspace(0.30, 0.34, 15), 0.95))
+  s = np.log(np.r_[cluster, outlier])[None]
+  small = 0 if low_outlier else 1  # the outlier's component (0: the lower mean)
+  free = sc.fit_weibull_mixture(s, config=UNBOUNDED)
+  assert free.weight_E2[0, small] == pytest.approx(1 / 16)
+  bounded = sc.fit_weibull_mixture(s)
+  assert bounded.weight_E2[0, small] == pytest.approx(0.2)
+  keep = sc.rpc_keep_mask(s)[0]
+  if low_outlier:  # only the outlier is below the mean p (0.8625): it alone can go
+    assert list(keep) == [True] * 15 + [False]
+  else:  # all 15 are below the mean p (0.36) and ~0 under the spike at 0.95
+    assert list(keep) == [False] * 15 + [True]
+
+
+def test_rpc_weight_bound_changes_the_pruning():
+  stats = pytest.importorskip("scipy.stats")
+  optimize = pytest.importorskip("scipy.optimize")
+  p = np.array([0.48, 0.2, 0.85, 0.54, 0.3, 0.56, 0.37, 0.53])  # mean 0.479
+  s = np.log(p)[None]
+  free = sc.fit_weibull_mixture(s, config=UNBOUNDED)
+  assert free.weight_E2[0, 0] < 0.1  # the low component fades: nothing is pruned
+  assert sc.rpc_keep_mask(s, config=UNBOUNDED)[0].all()
+  mix = sc.fit_weibull_mixture(s)
+  w, k, lam = mix.weight_E2[0], mix.shape_E2[0], mix.scale_E2[0]
+  assert w[0] == pytest.approx(0.2)
+
+  def nll(x):
+    dens = (x[0] * stats.weibull_min.pdf(p, x[1], scale=x[2])
+            + (1 - x[0]) * stats.weibull_min.pdf(p, x[3], scale=x[4]))
+    return -np.log(dens).sum()
+
+  # The bounded EM fit is a constrained optimum: the official code's optimizer (L-BFGS-B,
+  # w in [0.2, 0.8]) started there finds nothing better.
+  x0 = [w[0], k[0], lam[0], k[1], lam[1]]
+  better = optimize.minimize(nll, x0, bounds=[(0.2, 0.8)] + [(0.01, None)] * 4)
+  assert nll(x0) - better.fun < 1e-5
+  # RPC's rule with scipy's densities: the two lowest p, both below the mean, go.
+  low = w[0] * stats.weibull_min.pdf(p, k[0], scale=lam[0])
+  high = w[1] * stats.weibull_min.pdf(p, k[1], scale=lam[1])
+  expect = ~((p < p.mean()) & (low > high))
+  assert list(expect) == [p_i not in (0.2, 0.3) for p_i in p]
+  np.testing.assert_array_equal(sc.rpc_keep_mask(s)[0], expect)
+
+
+def test_weibull_config_rejects_a_weight_bound_past_one_half():
+  with pytest.raises(ValueError, match="weight_min"):
+    sc.WeibullFitConfig(weight_min=0.6)
+
+
 def _random_questions(seed: int, n_q: int, g: int):
   rng = np.random.default_rng(seed)
   raw = []
@@ -277,7 +334,8 @@ def test_compute_results_on_samples_file_and_plots(tmp_path):
   report.write_results(results, tmp_path / "run_b")
   md = report.compare([tmp_path / "run_a", tmp_path / "run_b"], tmp_path / "cmp")
   text = open(md, encoding="utf-8").read()
-  assert "| benchmark | toy acc | toy AUC | toy2 acc | toy2 AUC |" in text
+  assert ("| benchmark | toy acc | toy AUC | toy AURC | toy2 acc | toy2 AUC | toy2 AURC |"
+          in text)
   for bench in ("aime25", "math500"):
     for kind in ("precision_coverage", "scaling", "auc_hist"):
       png = tmp_path / "cmp" / f"{bench}_{kind}.png"

@@ -3,4 +3,4 @@
 from capo_jax.eval import evaluate
 
 if __name__ == "__main__":
-  evaluate.main()
+  evaluate.cli()

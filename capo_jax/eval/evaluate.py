@@ -19,6 +19,11 @@ three PNG plots per benchmark: ``<bench>_precision_coverage.png``,
 ``<bench>_scaling.png`` (PC / RPC / majority / best-of-N against N) and
 ``<bench>_auc_hist.png`` (per-question AUC). In-process callers (trainer,
 demo) use ``evaluate_policy`` and ``write_outputs``.
+
+Answer grouping (maj@k, PC, RPC) has ``--grouping_budget_s`` per question
+(``capo_jax.eval.grouping``); the pairs it leaves unchecked are ``grouping_timeouts`` in
+results.json and noted under the printed table. Input errors name the file, and the command
+line prints them without a traceback (``capo_jax.eval.inputs``).
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ import collections
 import dataclasses
 import logging
 import os
+import sys
 import time
 from collections.abc import Mapping, Sequence
 from concurrent import futures
@@ -43,6 +49,9 @@ from capo_jax.data import reward_fns
 from capo_jax.data import prompts
 from capo_jax.data import rewards
 from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.eval import grouping as grouping_lib
+from capo_jax.eval import inputs
+from capo_jax.eval.inputs import InputError
 from capo_jax.eval import report
 from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
@@ -253,22 +262,38 @@ def write_outputs(records: Sequence[SampleRecord], out_dir: str | os.PathLike, *
   return results
 
 
-def results_config(num_samples: int, grouping: str = "rewards") -> report.ResultsConfig:
+def results_config(num_samples: int, grouping: str = "rewards",
+                   limits: grouping_lib.Limits = grouping_lib.Limits()) -> report.ResultsConfig:
   """ResultsConfig that also reports k = ``num_samples`` and N = 1, 2, 4, ... up to it."""
   ks = lambda base: tuple(sorted(set(base) | {num_samples}))  # noqa: E731
   ns = {1 << i for i in range(num_samples.bit_length()) if 1 << i <= num_samples}
   return report.ResultsConfig(
-      mean_ks=ks((8, 16)), pass_ks=ks((1, 8, 16)), maj_ks=ks((8, 16)), grouping=grouping,
+      mean_ks=ks((8, 16)), pass_ks=ks((1, 8, 16)), maj_ks=ks((8, 16)),
+      grouping=grouping, grouping_limits=limits,
       scaling=scaling.ScalingConfig(ns=tuple(sorted(ns | {num_samples}))))
 
 
 def summary_table(results: Mapping[str, Any], run: str, num_samples: int) -> str:
-  """Markdown table of the headline numbers at k = ``num_samples``."""
+  """Markdown table of the headline numbers at k = ``num_samples``, and a note per
+  benchmark whose answer grouping left pairs unchecked."""
   g = num_samples
   columns = ((f"mean@{g}", f"mean@{g}"), ("AUC", "auc_mean"), ("AURC", "aurc"),
              ("pooled AUC", "pooled_auc"), (f"PC@{g}", "scaling/pc/-1"),
              (f"maj@{g}", f"maj@k/{g}"))  # no ECE: report.ECE_NOTE
-  return report.comparison_table({run: results}, columns)
+  notes = [f"{bench}: {res['grouping_timeouts']} answer pairs timed out in grouping and "
+           "count as different answers (maj@k, PC, RPC)\n"
+           for bench, res in results["benchmarks"].items() if res.get("grouping_timeouts")]
+  return report.comparison_table({run: results}, columns) + "".join(notes)
+
+
+# --- input checks ---------------------------------------------------------------
+
+
+def _read_samples(path: str) -> list[SampleRecord]:
+  try:
+    return report.load_samples(path)
+  except (OSError, ValueError) as e:  # ValueErrors name the file and line already
+    raise InputError(f"--from-samples: {e}") from None
 
 
 # --- command line ---------------------------------------------------------------
@@ -311,6 +336,9 @@ def _parser() -> argparse.ArgumentParser:
                  "plug-in module:function / file.py:function (docs/rewards.md)")
   p.add_argument("--grouping", default="rewards", choices=("rewards", "exact"),
                  help="answer equivalence of maj@k / PC / RPC")
+  p.add_argument("--grouping_budget_s", type=float, default=grouping_lib.Limits.budget_s,
+                 help="seconds per question for the answer checks of --grouping; pairs "
+                 "left unchecked count as different (results.json: grouping_timeouts)")
   p.add_argument("--run", default="", help="run name in results.json (default: out dir name)")
   p.add_argument("--names", nargs="*", help="--compare: run names")
   prompts.add_flags(p)
@@ -332,16 +360,25 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
   args = _parser().parse_args(argv)
   if not logging.getLogger().handlers:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+  try:
+    limits = grouping_lib.Limits(budget_s=args.grouping_budget_s)
+  except ValueError as e:
+    raise InputError(f"--grouping_budget_s: {e}") from None
   if args.compare:
+    try:
+      for d in args.compare:  # read first: errors that name the file, before any output
+        report.load_results(d)
+    except (OSError, ValueError) as e:
+      raise InputError(f"--compare: {e}") from None
     path = report.compare(args.compare, args.out, args.names)
     print(path)
     return path
   run = args.run or fs.path(args.out).name
   if args.from_samples:
-    records = report.load_samples(args.from_samples)
+    records = _read_samples(args.from_samples)
     per_q = collections.Counter((r.benchmark, r.question_id) for r in records)
     num_samples = min(per_q.values(), default=1)
-    rcfg = results_config(num_samples, args.grouping)
+    rcfg = results_config(num_samples, args.grouping, limits)
     results = write_outputs(records, args.out, run=run, results_config=rcfg,
                             config={"from_samples": args.from_samples if fs.is_remote(
                                 args.from_samples) else os.path.abspath(args.from_samples)},
@@ -356,6 +393,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
                                  args.data_dir, args.limit)
     grader = None if args.checker == "auto" else reward_fns.grader_for(args.checker)
     prompts.from_flags(args, None)
+    inputs.check_policy_config(args.policy)
     policy = load_policy(args.policy, base_model=args.base_model or None,
                          dtype=jnp.dtype(args.dtype))
     tok_dir = args.tokenizer or policy.tokenizer_dir
@@ -378,11 +416,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
                   benchmarks={k: len(v) for k, v in benchmarks.items()})
     num_samples = args.num_samples
     results = write_outputs(records, args.out, run=run, config=config,
-                            results_config=results_config(num_samples, args.grouping),
+                            results_config=results_config(num_samples, args.grouping, limits),
                             plots=not args.no_plots)
   print(summary_table(results, run, num_samples))
   return results
 
 
+def cli(argv: Sequence[str] | None = None) -> None:
+  """``python -m capo_jax.eval``: ``main``, with an ``InputError`` printed, not raised."""
+  try:
+    main(argv)
+  except InputError as e:
+    sys.exit(f"python -m capo_jax.eval: error: {e}")
+
+
 if __name__ == "__main__":
-  main()
+  cli()

@@ -3,7 +3,8 @@
 ``samples.jsonl`` (written by the evaluate CLI, one JSON object per line;
 extra fields are allowed and ignored):
 
-  benchmark     str, non-empty     e.g. "aime25"
+  benchmark     str, non-empty     e.g. "aime25"; part of file names, so no
+                                   '/', '\\' or control characters
   question_id   str, non-empty     the benchmark file's ``id``
   sample_index  int >= 0           unique within a question; orders "first k"
   completion    str                the decoded response
@@ -29,17 +30,22 @@ extra fields are allowed and ignored):
       "scaling": {"n": [1, 2, 4, 8, 16], "n_questions": [...], "n_subsets",
                   "seed", "pc": [...], "rpc": [...], "majority": [...],
                   "best_of_n": [...]},
-      "no_answer_rate", "mean_length", "mean_s"}}}
+      "no_answer_rate", "mean_length", "mean_s",
+      "grouping_timeouts"}}}          answer pairs counted as different because
+                                      their check timed out or the question's
+                                      grouping budget ran out
 
 Metric definitions: ``capo_jax.eval.calibration`` and ``capo_jax.eval.scaling``.
 maj@k and the scaling methods group answers with the same equivalence
-(``grouping``; default ``capo_jax.data.rewards``).
+(``grouping``; default ``capo_jax.data.rewards``), within
+``grouping_limits`` (``capo_jax.eval.grouping``: 30 s per question by default).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import math
 import os
 from collections.abc import Callable, Iterable, Mapping, Sequence
@@ -48,9 +54,13 @@ from typing import Any
 import numpy as np
 
 from capo_jax.eval import calibration as cal
+from capo_jax.eval import grouping as grouping_lib
+from capo_jax.eval import inputs
 from capo_jax.eval import paired
 from capo_jax.eval import scaling
 from capo_jax.runtime import fs
+
+log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "capo_jax.results", 1
 _FIELDS: dict[str, tuple[type, ...]] = {
@@ -98,6 +108,7 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
   for name in ("benchmark", "question_id"):
     if not vals[name]:
       raise ValueError(f"{where}: field {name!r} is empty")
+  inputs.check_benchmark_name(vals["benchmark"], f"{where}: field 'benchmark'")
   for name in ("sample_index", "length"):
     if vals[name] < 0:
       raise ValueError(f"{where}: field {name!r} must be >= 0, got {vals[name]}")
@@ -110,7 +121,8 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
 
 
 def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
-  """Reads samples.jsonl; blank lines are skipped, bad rows raise ValueError."""
+  """Reads samples.jsonl; blank lines are skipped, bad rows and a file without rows raise
+  ValueError naming the file (and line)."""
   records, first_line = [], {}
   with fs.path(path).open("r", encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
@@ -128,6 +140,8 @@ def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
                          f"{first_line[key]})")
       first_line[key] = lineno
       records.append(rec)
+  if not records:
+    raise ValueError(f"{os.fspath(path)}: no samples (the file is empty)")
   return records
 
 
@@ -141,15 +155,16 @@ def write_samples(path: str | os.PathLike[str],
 
 @dataclasses.dataclass(frozen=True)
 class ResultsConfig:
-  """What compute_results reports; ``grouping`` is passed to
-  ``scaling.resolve_same_answer`` ("rewards", "exact" or a callable)."""
+  """What compute_results reports; ``grouping`` ("rewards", "exact", a callable or a
+  ``PairCheck``) and ``grouping_limits`` make its ``capo_jax.eval.grouping.AnswerGrouper``."""
   mean_ks: tuple[int, ...] = (8, 16)
   pass_ks: tuple[int, ...] = (1, 8, 16)
   maj_ks: tuple[int, ...] = (8, 16)
   buckets: tuple[tuple[float, float], ...] = cal.DEFAULT_BUCKETS
   ece_bins: int = 10
   curve_points: int = 201  # precision-coverage points kept in results.json
-  grouping: str | Callable[[str, str], bool] = "rewards"
+  grouping: str | Callable[[str, str], bool] | grouping_lib.PairCheck = "rewards"
+  grouping_limits: grouping_lib.Limits = grouping_lib.Limits()
   scaling: scaling.ScalingConfig = scaling.ScalingConfig()
 
 
@@ -170,7 +185,7 @@ def _clean(x: Any) -> Any:
 
 def _benchmark_results(questions: list[list[SampleRecord]],
                        config: ResultsConfig,
-                       same_answer: Callable[[str, str], bool]) -> dict[str, Any]:
+                       grouper: grouping_lib.AnswerGrouper) -> dict[str, Any]:
   n_q, g_max = len(questions), max(len(q) for q in questions)
   n_min = min(len(q) for q in questions)
   s_QG, correct_QG = np.zeros((n_q, g_max)), np.zeros((n_q, g_max), bool)
@@ -184,7 +199,7 @@ def _benchmark_results(questions: list[list[SampleRecord]],
     valid_QG[i, :g] = True
     prep = scaling.prepare_question([r.answer for r in q],
                                     [r.completion for r in q], s_QG[i, :g],
-                                    correct_QG[i, :g], same_answer)
+                                    correct_QG[i, :g], grouper)
     prepared.append(prep)
     keys_QG.append([int(k) if k >= 0 else None for k in prep.group_G]
                    + [None] * (g_max - g))
@@ -216,7 +231,8 @@ def _benchmark_results(questions: list[list[SampleRecord]],
       "scaling": scaling.scaling_curves(prepared, config.scaling),
       "no_answer_rate": float(np.mean([r.answer is None for q in questions for r in q])),
       "mean_length": float(np.mean([r.length for q in questions for r in q])),
-      "mean_s": float(s_QG[valid_QG].mean())})
+      "mean_s": float(s_QG[valid_QG].mean()),
+      "grouping_timeouts": sum(q.n_unresolved for q in prepared)})
   return out
 
 
@@ -229,7 +245,6 @@ def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
   questions keep their order of first appearance, samples are ordered by
   ``sample_index``.
   """
-  same_answer = scaling.resolve_same_answer(config.grouping)
   grouped: dict[str, dict[str, dict[int, SampleRecord]]] = {}
   for i, rec in enumerate(records):
     if not isinstance(rec, SampleRecord):
@@ -241,10 +256,17 @@ def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
     per_q[rec.sample_index] = rec
   if not grouped:
     raise ValueError("compute_results: no records")
-  benchmarks = {
-      name: _clean(_benchmark_results(
-          [[q[j] for j in sorted(q)] for q in qs.values()], config, same_answer))
-      for name, qs in grouped.items()}
+  with grouping_lib.AnswerGrouper(config.grouping, config.grouping_limits) as grouper:
+    benchmarks = {
+        name: _clean(_benchmark_results(
+            [[q[j] for j in sorted(q)] for q in qs.values()], config, grouper))
+        for name, qs in grouped.items()}
+  for name, res in benchmarks.items():
+    if res["grouping_timeouts"]:
+      log.warning("%s: %d answer pairs counted as different answers unchecked (check past "
+                  "%.0f s, or past the %.0f s grouping budget of a question)", name,
+                  res["grouping_timeouts"], config.grouping_limits.pair_timeout_s,
+                  config.grouping_limits.budget_s)
   return {"format": FORMAT, "version": VERSION, "run": run,
           "benchmarks": benchmarks}
 
@@ -270,6 +292,10 @@ def load_results(result_dir: str | os.PathLike[str]) -> dict[str, Any]:
     raise ValueError(f"{path}: not a {FORMAT} file")
   if res.get("version") != VERSION:
     raise ValueError(f"{path}: version {res.get('version')}, expected {VERSION}")
+  if not isinstance(res.get("benchmarks"), dict):
+    raise ValueError(f"{path}: no 'benchmarks' object")
+  for name in res["benchmarks"]:
+    inputs.check_benchmark_name(name, path)
   return res
 
 
@@ -335,6 +361,7 @@ def plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
                     out_dir: str | os.PathLike[str]) -> list[str]:
   """Overlaid precision-coverage, accuracy-vs-N and AUC-histogram PNGs."""
   from capo_jax.eval import plots  # pylint: disable=import-outside-toplevel
+  inputs.check_benchmark_name(bench, "plot_benchmark")
   out = lambda kind: os.path.join(out_dir, f"{bench}_{kind}.png")  # noqa: E731
   nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
   pc = {r: (v["precision_coverage"]["coverage"], v["precision_coverage"]["precision"])

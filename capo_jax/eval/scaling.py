@@ -6,7 +6,9 @@ based scaling"): majority vote; best-of-N (highest confidence s wins); PC
 completions count once, an answer scores the sum of ``p = exp(s)`` over its
 distinct completions); RPC (PC after dropping a response whose p is below the
 set's mean p and more likely under the lower-mean component of a
-two-component Weibull mixture fitted by EM to the set's p values).
+two-component Weibull mixture fitted by EM to the set's p values; each
+component's weight is kept in [0.2, 0.8], as in the official RPC code).
+Answers are grouped by ``capo_jax.eval.grouping`` (within a time budget).
 
 Conventions (choices): a response without an answer (``None``, group -1)
 abstains in every method and a set where all abstain scores 0. Ties are
@@ -40,6 +42,9 @@ from typing import Any
 
 import numpy as np
 
+# group_answers and resolve_same_answer moved to grouping; re-exported for existing callers.
+from capo_jax.eval.grouping import AnswerGrouper, group_answers, resolve_same_answer  # noqa: F401
+
 METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "best_of_n")
 
 
@@ -51,6 +56,14 @@ class WeibullFitConfig:
   newton_steps: int = 3  # shape-equation steps per M-step (warm-started)
   k_min: float = 1e-2
   k_max: float = 1e3  # bounds the likelihood when a component collapses
+  # Each component's weight stays in [weight_min, 1 - weight_min], the bound of the official
+  # RPC code (w1 in [0.2, 0.8]): without it one component can shrink onto a single outlier.
+  weight_min: float = 0.2
+
+  def __post_init__(self) -> None:
+    if not 0.0 <= self.weight_min <= 0.5:
+      raise ValueError(f"WeibullFitConfig.weight_min must be in [0, 0.5], got "
+                       f"{self.weight_min}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -82,11 +95,13 @@ class QuestionSamples:
   group_G: answer-equivalence class (0, 1, ...), -1 for no answer.
   s_G: confidence (mean token log-prob). correct_G: bool.
   completion_G: equal ids mark identical completions.
+  n_unresolved: answer pairs whose check timed out, counted as different.
   """
   group_G: np.ndarray
   s_G: np.ndarray
   correct_G: np.ndarray
   completion_G: np.ndarray
+  n_unresolved: int = 0
 
   def __post_init__(self) -> None:
     g = len(self.group_G)
@@ -96,60 +111,24 @@ class QuestionSamples:
                          f"{len(getattr(self, name))}, group_G has {g}")
 
 
-def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
-                        ) -> Callable[[str, str], bool]:
-  """Answer equivalence: a callable, ``"rewards"`` (default) or ``"exact"``.
-
-  ``"rewards"`` imports ``capo_jax.data.rewards`` lazily and grades one answer,
-  boxed, against the other with its ``is_correct``; ``"exact"`` (string
-  equality) is only used when asked for.
-  """
-  if callable(grouping):
-    return grouping
-  if grouping == "exact":
-    return lambda a, b: a == b
-  if grouping != "rewards":
-    raise ValueError(f"grouping must be 'rewards', 'exact' or a callable, "
-                     f"got {grouping!r}")
-  from capo_jax.data import rewards  # pylint: disable=import-outside-toplevel
-  # Grade answer a, boxed as a completion, against b as the gold answer: the
-  # grader's fast path, then math-verify in its deadline pool.
-  return lambda a, b: bool(rewards.is_correct("\\boxed{" + a + "}", b))
-
-
-def group_answers(answers: Sequence[str | None],
-                  same_answer: Callable[[str, str], bool]) -> np.ndarray:
-  """Equivalence-class ids of one question's answers (-1 for None).
-
-  Each answer is compared with the first member of each existing class;
-  identical strings reuse the class without calling ``same_answer``.
-  """
-  ids = np.full(len(answers), -1, dtype=np.int64)
-  reps: list[str] = []
-  seen: dict[str, int] = {}
-  for i, ans in enumerate(answers):
-    if ans is None:
-      continue
-    if ans not in seen:
-      gid = next((j for j, rep in enumerate(reps) if same_answer(rep, ans)),
-                 len(reps))
-      if gid == len(reps):
-        reps.append(ans)
-      seen[ans] = gid
-    ids[i] = seen[ans]
-  return ids
-
-
 def prepare_question(answers: Sequence[str | None], completions: Sequence[str],
                      s: Sequence[float], correct: Sequence[bool],
-                     same_answer: Callable[[str, str], bool]) -> QuestionSamples:
-  """Builds QuestionSamples from raw strings (groups answers, ids completions)."""
+                     same_answer: Callable[[str, str], bool] | AnswerGrouper
+                     ) -> QuestionSamples:
+  """Builds QuestionSamples from raw strings (groups answers, ids completions).
+
+  ``same_answer``: a callable run one pair at a time, or an ``AnswerGrouper``
+  (``capo_jax.eval.grouping``: slow checks in a pool, within a time budget).
+  """
   ids: dict[str, int] = {}
   completion_G = np.array([ids.setdefault(c, len(ids)) for c in completions],
                           dtype=np.int64)
-  return QuestionSamples(group_answers(answers, same_answer),
-                         np.asarray(s, dtype=np.float64),
-                         np.asarray(correct, dtype=bool), completion_G)
+  grouper = (same_answer if isinstance(same_answer, AnswerGrouper)
+             else AnswerGrouper(same_answer))
+  grouped = grouper.group(answers)
+  return QuestionSamples(grouped.group_G, np.asarray(s, dtype=np.float64),
+                         np.asarray(correct, dtype=bool), completion_G,
+                         grouped.n_unresolved)
 
 
 # ---------------------------------------------------------------- Weibull fit
@@ -262,7 +241,10 @@ def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
         break
       sa, va, a = s3[active], v3[active], resp[active] * v3[active]
       total = a.sum(-1)
-      weight[active] = total / total.sum(-1, keepdims=True)
+      # The weights' M-step objective is concave, so clipping its maximiser is the exact
+      # M-step under the bound (and EM still never lowers the likelihood).
+      w0 = np.clip(total[:, 0] / total.sum(-1), config.weight_min, 1.0 - config.weight_min)
+      weight[active] = np.stack([w0, 1.0 - w0], axis=-1)
       k[active], log_lam[active] = _m_step(sa, a, k[active],
                                            config.newton_steps, config)
       logf = np.log(weight[active])[..., None] + _log_pdf(

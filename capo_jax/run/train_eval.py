@@ -45,7 +45,8 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
       for k, value in r[kind].items():
         if value is not None:
           out[f"{bench}/{kind[:-1]}{k}"] = value
-    for key in ("auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "mean_length"):
+    for key in ("auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "mean_length",
+                "grouping_timeouts"):
       if r.get(key) is not None:
         out[f"{bench}/{key}"] = r[key]
     for label, b in r["auc_by_bucket"].items():
