@@ -246,22 +246,20 @@ _calls = 0  # train() calls in this process: a fresh coordinator key for each
 
 
 def share_outcome(error: str | None, timeout_s: float = 600.0) -> None:
-  """Makes every process of a multi-process run raise LeaseHeld when process 0 could
-  not take the lease (``error``, given on process 0), through the coordinator's key-value
-  store; nothing with one process."""
+  """Tells processes > 0 whether process 0 took the lease (``error``: why not, given on
+  process 0, which raises its own error) through the jax.distributed coordinator's
+  key-value store; they then raise LeaseHeld with that reason. Nothing on one process."""
   import jax  # pylint: disable=import-outside-toplevel
   global _calls
   _calls += 1
   if jax.process_count() == 1:
-    if error is not None:
-      raise LeaseHeld(error)
     return
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   client = distributed.global_state.client
   key = f"capo_jax/lease/{_calls}"
   if jax.process_index() == 0:
     client.key_value_set(key, error or "")
-  else:
-    error = client.blocking_key_value_get(key, int(timeout_s * 1000)) or None
-  if error is not None:
-    raise LeaseHeld(error)
+    return
+  error = client.blocking_key_value_get(key, int(timeout_s * 1000))
+  if error:
+    raise LeaseHeld(f"process 0 could not take the workdir's lease: {error}")
