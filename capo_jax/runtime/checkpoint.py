@@ -239,7 +239,7 @@ class Checkpointer:
       except CheckpointDamaged as e:
         failures.append(f"step {step}: {e}")
         where = self._quarantine(step)
-        log.error("checkpoint step %d in %s is damaged (%s); moved it to %s and trying the "
+        log.error("checkpoint step %d in %s is unreadable (%s); moved it to %s and trying the "
                   "one before it", step, self.directory, e, where)
         continue
       if failures:
