@@ -16,9 +16,12 @@ What the run writes to its workdir (local or ``gs://``):
   exports/step_<N>/  HF exports every ``checkpoint.export_hf_every`` steps
   export_hf/         the final HF export (each export has a model card, README.md)
 
+  lease.json         who runs here now (``runtime.lease``): one run per workdir
+
 A restart with the same workdir resumes from the newest readable checkpoint
 and drops the metrics rows logged past it. SIGTERM (a TPU preemption notice)
-makes every process save the same step and exit with status 0.
+makes every process save the same step and exit with status 0. A second
+command on a workdir that a live run holds stops at once, naming the holder.
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from capo_jax.run.setup import Policy, export_policy
 from capo_jax.run.spec import ConfigError, RunSpec
 from capo_jax.runtime import checkpoint as ckpt_lib
 from capo_jax.runtime import fs
+from capo_jax.runtime import lease as lease_lib
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.runtime import metrics
 from capo_jax.runtime import preemption
@@ -94,9 +98,36 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   ``eval_fn(step, params)`` is called every ``eval.every_steps`` and at the
   end; by default it evaluates the validation split and ``data.eval``
   (``capo_jax.eval.train_eval``). Raises ``preemption.Preempted`` (exit status 0)
-  after a preemption checkpoint.
+  after a preemption checkpoint; LeaseHeld, naming the holder, while another
+  run holds ``workdir``.
   """
   workdir = str(workdir)
+  lease = None
+  if is_main_process():  # process 0 holds the lease for every process of the run
+    error = None
+    try:
+      fs.check_writable(workdir, "the workdir")  # creates it
+      lease = lease_lib.Lease(workdir).acquire()
+    except Exception as e:  # pylint: disable=broad-except  (shared below, then re-raised)
+      error = e
+    lease_lib.share_outcome(str(error) if error else None)
+    if error is not None:
+      raise error
+  else:
+    lease_lib.share_outcome(None)
+  try:
+    return _run(spec, workdir, lease, policy=policy, tokenizer=tokenizer,
+                train_examples=train_examples, eval_fn=eval_fn, grader=grader)
+  finally:
+    if lease is not None:
+      lease.release()
+
+
+def _run(spec: RunSpec, workdir: str, lease: lease_lib.Lease | None, *,
+         policy: Policy | None, tokenizer: Tokenizer | None,
+         train_examples: Sequence[data.Example] | None, eval_fn: EvalFn | None,
+         grader: Any) -> Any:
+  """``train`` once the workdir's lease is held (``lease``: None on processes > 0)."""
   model_cfg = policy.cfg if policy is not None else spec.model_config()
   mesh = spec.make_mesh()
   progs = programs_lib.build(spec, model_cfg, mesh)
@@ -111,8 +142,11 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   fs.makedirs(workdir)
   checkpointer = ckpt_lib.Checkpointer(workdir, every_steps=spec.checkpoint.every_steps,
                                        keep=spec.checkpoint.keep)
-  # Config changes are checked before anything slow is loaded.
-  run_record.record(spec.raw, workdir, resuming=checkpointer.latest_step() is not None, write=main)
+  fs.check_writable(checkpointer.directory, "the checkpoint folder")  # not a save later
+  # Config changes are checked before anything slow is loaded; the record is written
+  # once the checkpoint restored (a failed resume leaves the previous one).
+  record = run_record.record(spec.raw, workdir, resuming=checkpointer.latest_step() is not None,
+                             write=False)
   val_examples: list[data.Example] = []
   source = "the given training questions"
   if train_examples is None:
@@ -151,7 +185,12 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   abstract_state = jax.tree.map(
       lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
       jax.eval_shape(lambda p: ts.init_train_state(p, tcfg), params0), state_sh)
-  restored = checkpointer.restore_latest(abstract_state)
+  try:
+    restored = checkpointer.restore_latest(abstract_state)
+  except ckpt_lib.TreeMismatch as e:
+    raise _config_changed(e, record, workdir) from None
+  if main:
+    run_record.write_record(record, workdir)
   if restored is not None:
     start, state, meta = restored
     iterator.restore(meta["data"])
@@ -187,6 +226,10 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
              dynamic_ncols=True)
   with preemption.PreemptionWatch() as watch:
     for step in range(start, spec.train.num_steps):
+      if lease is not None and lease.lost:
+        raise lease_lib.LeaseHeld(f"{lease.path}: another run took this workdir over at step "
+                                  f"{step}; this run stops (its last checkpoint is in "
+                                  f"{checkpointer.directory})")
       t0 = time.perf_counter()
       examples = iterator.next_batch()
       policy_args = rollout.PolicyArgs(
@@ -254,6 +297,19 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
     export(export_dir, spec.train.num_steps)
   writer.close()
   return w.full(state.params)
+
+
+def _config_changed(e: ckpt_lib.TreeMismatch, record: dict[str, Any], workdir: str
+                    ) -> run_record.ConfigChanged:
+  """The config fields that changed since the checkpoint's run, as the reason for ``e``."""
+  previous = record.get("previous") or {}
+  diff = run_record.changed_fields(previous.get("config") or record["config"], record["config"])
+  fields = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
+  why = (f"the config changed since it was saved: {fields}" if fields else
+         f"no config field changed ({run_record.CONFIG_FILE} of the checkpoint's run: git "
+         f"commit {previous.get('git_commit') or record.get('git_commit')}); did the code?")
+  return run_record.ConfigChanged(
+      f"{workdir}: {e}; {why}. Resume with the recorded values or use another --workdir.")
 
 
 def _wandb_config(spec: RunSpec) -> metrics.WandbConfig | None:

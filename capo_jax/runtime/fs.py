@@ -25,6 +25,7 @@ import logging
 import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Iterator
 
 # Recent gcsfs asks every bucket over gRPC whether it is zonal / hierarchical
@@ -96,6 +97,41 @@ def write_text(p: PathLike, text: str) -> None:
     with contextlib.suppress(OSError):
       os.unlink(tmp)
     raise
+
+
+class NotWritable(OSError):
+  """A run's output folder cannot be written (read-only, missing bucket, no permission)."""
+
+
+def check_writable(directory: PathLike, what: str) -> None:
+  """Writes and deletes a probe file in ``directory``; NotWritable naming it when that fails.
+
+  A read-only checkpoint folder would otherwise be found only when the first
+  save fails, a whole checkpoint interval later.
+  """
+  probe = epath.Path(directory) / f".capo-write-probe-{uuid.uuid4().hex[:12]}"
+  try:
+    epath.Path(directory).mkdir(parents=True, exist_ok=True)
+    probe.write_text("probe", encoding="utf-8")
+    probe.unlink()
+  except Exception as e:  # pylint: disable=broad-except  (gcsfs, PermissionError, ENOSPC ...)
+    raise NotWritable(f"{what} {os.fspath(directory)} is not writable: {type(e).__name__}: "
+                      f"{e}") from None
+
+
+def move_tree(src: PathLike, dst: PathLike) -> None:
+  """Moves the folder ``src`` to ``dst`` (absent): a rename locally, copies then deletes
+  on Cloud Storage (which has no folder rename)."""
+  if not is_remote(src):
+    os.makedirs(os.path.dirname(os.fspath(dst)), exist_ok=True)
+    os.replace(os.fspath(src), os.fspath(dst))
+    return
+  root = epath.Path(src)
+  for rel, f in _files(root):
+    target = epath.Path(dst).joinpath(*rel.split("/"))
+    with f.open("rb") as r, target.open("wb") as w:
+      shutil.copyfileobj(r, w, length=16 << 20)
+  root.rmtree()
 
 
 def upload_file(local: PathLike, remote: PathLike) -> None:

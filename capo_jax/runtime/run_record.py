@@ -114,5 +114,11 @@ def record(config: Mapping[str, Any], workdir: str, *, resuming: bool,
   if previous is not None and previous.get("config") != new:
     rec["previous"] = {k: previous.get(k) for k in ("config", "git_commit", "written_at")}
   if write:
-    fs.write_text(path, json.dumps(rec, indent=1, sort_keys=True) + "\n")
+    write_record(rec, workdir)
   return rec
+
+
+def write_record(rec: Mapping[str, Any], workdir: str) -> None:
+  """Writes a ``record(..., write=False)`` result; the trainer does so once the
+  checkpoint restored, so that a failed resume leaves the previous record."""
+  fs.write_text(fs.join(workdir, CONFIG_FILE), json.dumps(rec, indent=1, sort_keys=True) + "\n")
