@@ -16,11 +16,15 @@ import os
 
 import jax
 
+from capo_jax.runtime import peers
+
 log = logging.getLogger(__name__)
 
 
-def _env_int(name: str) -> int:
+def _env_int(name: str, default: int | None = None) -> int:
   value = os.environ.get(name, "")
+  if not value and default is not None:
+    return default
   try:
     return int(value)
   except ValueError as e:
@@ -28,7 +32,13 @@ def _env_int(name: str) -> int:
 
 
 def maybe_initialize() -> bool:
-  """Initialises jax.distributed when needed; True when it did."""
+  """Initialises jax.distributed when needed; True when it did.
+
+  ``CAPO_HEARTBEAT_TIMEOUT_S`` (default 100, JAX's) is how long JAX's coordination
+  service waits for a silent process before it aborts the others; ``CAPO_PEER_STALE_S``
+  (default 20) how long before ``peers.PeerWatch`` names the silent peer in the log.
+  """
+  timeout_s = _env_int("CAPO_HEARTBEAT_TIMEOUT_S", 100)
   coordinator = os.environ.get("JAX_COORDINATOR_ADDRESS")
   if coordinator:
     num, pid = _env_int("JAX_NUM_PROCESSES"), _env_int("JAX_PROCESS_ID")
@@ -37,16 +47,20 @@ def maybe_initialize() -> bool:
     # the backend here would initialise it too early.)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
     jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                               process_id=pid)
-  elif len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1:
-    jax.distributed.initialize()
-  elif _slurm_tasks() > 1:
-    jax.distributed.initialize()
+                               process_id=pid, heartbeat_timeout_seconds=timeout_s)
+  elif (len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
+        or _slurm_tasks() > 1):
+    jax.distributed.initialize(heartbeat_timeout_seconds=timeout_s)
   else:
     return False
   log.info("jax.distributed: process %d of %d, %d local / %d global devices",
            jax.process_index(), jax.process_count(), jax.local_device_count(),
            jax.device_count())
+  stale_s = _env_int("CAPO_PEER_STALE_S", 20)
+  from jax._src import distributed  # pylint: disable=import-outside-toplevel  (its KV store)
+  peers.PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(),
+                  interval_s=min(5.0, stale_s / 4), stale_s=stale_s,
+                  heartbeat_timeout_s=timeout_s).start()
   return True
 
 
