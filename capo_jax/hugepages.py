@@ -2,13 +2,13 @@
 
 XLA:CPU allocates each execution's temporaries as one block (1.1 GB for the
 27.7M-parameter train step of ``benchmarks/train_step.py``) and frees it at the
-end, so glibc maps fresh pages every step: about 254,000 page faults and 0.5 s of
-kernel time per 2.5 s step on the project's 2-core box. Where the kernel's
-transparent huge pages are in ``madvise`` mode (the common default), glibc >= 2.35
-asks for 2 MiB pages when ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: about 1,000
-faults per step, and the same step in 2.2 s; the demo's SFT step went from 0.30 to
-0.24 s (docs/training.md, "CPU runs: huge pages", and the train-step row of docs/benchmarks.md). The results are bit-identical: only where memory
-comes from changes.
+end, so glibc maps fresh 4 KiB pages every step: hundreds of thousands of page
+faults and a fifth of the step in kernel time. Where the kernel's transparent huge
+pages are in ``madvise`` mode (the common default), glibc >= 2.35 asks for 2 MiB
+pages when ``GLIBC_TUNABLES=glibc.malloc.hugetlb=1``: a few hundred times fewer
+faults, and a faster step (the measured figures: docs/training.md, "CPU runs: huge
+pages", and the train-step row of docs/benchmarks.md). The results are
+bit-identical: only where memory comes from changes.
 
 glibc reads the tunable once, at process start, so ``reexec_with_hugepages`` starts
 the same command again with it set (``os.execv``: same pid, same arguments) when

@@ -247,7 +247,7 @@ def wants_shrink(arg: str | None, config_file: str) -> bool:
   """Whether ``arg`` (the text after ``file.py:``) asks for the shrunk run.
 
   Raises ValueError naming the argument and the known ones for anything
-  else, so ``--config=configs/x.py:bogus`` never silently runs the full size.
+  else, so ``--config=configs/<file>.py:bogus`` never silently runs the full size.
   """
   if arg is None or arg == "":
     return False

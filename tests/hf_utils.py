@@ -1,7 +1,7 @@
 """Shared test helpers: tiny random transformers Qwen2 / Qwen3 models and an offline tokenizer.
 
 Nothing here touches the network. Test modules import it as ``import hf_utils``
-(pytest puts tests/ on sys.path, as there is no tests/__init__.py).
+(pytest puts tests/ on sys.path: the folder is not a package).
 
     hf_model, path = make_hf_model(tmp_path, tie_word_embeddings=False)
     hf_model, path = make_hf_model(tmp_path, arch="qwen3", head_dim=32)  # Qwen3ForCausalLM

@@ -19,8 +19,8 @@ TOP = ("capo_jax", "models", "configs", "benchmarks", "studies", "tools", "launc
 _PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(TOP))
 # Paths inside the package written from its root (``rl/packing.py``).
 _SUBPACKAGE = re.compile(r"(?<![\w./-])((?:rl|run|runtime|eval|data|sampling|demo)/\w+\.py)")
-_MODULE = re.compile(r"(?<![\w./-])((?:capo_jax|models|configs|benchmarks|studies|tools)"
-                     r"(?:\.[A-Za-z_]\w*)+)")
+_MODULE = re.compile(r"(?<![\w./\"'-])((?:capo_jax|models|configs|benchmarks|studies|tools)"
+                     r"(?:\.[A-Za-z_]\w*)+)(?![\w*])")
 _DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 _MACHINE = re.compile(r"\b(\d+-core|Xeon|EPYC|this (?:box|session)|the box|our box)\b", re.I)
 

@@ -1,4 +1,4 @@
-"""HF checkpoint load / save against transformers (no torch inside models/hf_weights)."""
+"""HF checkpoint load / save against transformers (no torch inside models/hf_weights.py)."""
 
 from __future__ import annotations
 

@@ -92,7 +92,7 @@ PLUGINS = textwrap.dedent('''
 
 @pytest.fixture(scope="module", autouse=True)
 def _two_workers():
-  """Plug-in pools start 2 workers here (the box's cores are shared)."""
+  """Plug-in pools start 2 workers here (the CI machine's cores are shared)."""
   old = os.environ.get("CAPO_GRADER_WORKERS")
   os.environ["CAPO_GRADER_WORKERS"] = "2"
   yield

@@ -97,7 +97,7 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
   would load (the demo passes its warm start and synthetic task).
   ``eval_fn(step, params)`` is called every ``eval.every_steps`` and at the
   end; by default it evaluates the validation split and ``data.eval``
-  (``capo_jax.eval.train_eval``). Raises ``preemption.Preempted`` (exit status 0)
+  (``capo_jax.run.train_eval``). Raises ``preemption.Preempted`` (exit status 0)
   after a preemption checkpoint; LeaseHeld, naming the holder, while another
   run holds ``workdir``.
   """
