@@ -142,7 +142,7 @@ def mean_sd(vals: list[float]) -> str:
   vals = [v for v in vals if v is not None and np.isfinite(v)]
   if not vals:
     return "-"
-  return f"{np.mean(vals):.3f}" + (f" ± {np.std(vals):.3f}" if len(vals) > 1 else "")
+  return f"{np.mean(vals):.3f}" + (f" ± {np.std(vals, ddof=1):.3f}" if len(vals) > 1 else "")
 
 
 def _interval(d: dict[str, Any] | None) -> str:
