@@ -21,6 +21,7 @@ import numpy as np
 from benchmarks.demo_study_v3 import METHODS, PRIMARY, REPO
 from capo_jax.demo import study
 from capo_jax.eval import calibration, scaling
+from capo_jax.eval.paired import t_note
 
 
 def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -148,8 +149,8 @@ def mean_sd(vals: list[float]) -> str:
 def _interval(d: dict[str, Any] | None) -> str:
   if not d:
     return "- (no matched checkpoints)"
-  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}] "
-          f"({d['pairs']} q, {d['warm_starts']} ws)")
+  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
+          f"{t_note(d, 'warm starts')} ({d['pairs']} q, {d['warm_starts']} ws)")
 
 
 def tables(res: dict[str, Any], design: dict[str, Any]) -> str:

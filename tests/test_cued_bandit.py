@@ -117,3 +117,12 @@ def test_the_command_writes_the_json_and_the_plot(tmp_path, monkeypatch):
   assert grpo["mean"]["accuracy"][-1] == pytest.approx(np.mean(acc_S), abs=1e-4)
   assert grpo["mean"]["accuracy_sd"][-1] == pytest.approx(np.std(acc_S, ddof=1), abs=1e-4)
   assert res["wall_s"] > 0
+
+
+def test_the_package_never_imports_the_studies():
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  root = pathlib.Path(__file__).resolve().parents[1] / "capo_jax"
+  bad = [str(p.relative_to(root)) for p in root.rglob("*.py")
+         if re.search(r"^\s*(from|import)\s+studies\b", p.read_text(), re.M)]
+  assert not bad, f"capo_jax imports studies/ (it must sit above the package): {bad}"

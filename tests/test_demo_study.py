@@ -175,7 +175,7 @@ def test_t_interval_beside_the_bootstrap_below_ten_warm_starts():
   assert "t_lo" not in study.hierarchical_delta(ten, n_boot=50)
   text = study.held_across_warm_starts({"paired": {"capo": {"matched": None, "final": r}},
                                         "final": {}})
-  assert f"t over warm starts [{m - half:+.3f}, {m + half:+.3f}]" in text
+  assert f"t over 3 warm starts [{m - half:+.3f}, {m + half:+.3f}]" in text
 
 
 def test_the_tau_rules_on_hand_cases():

@@ -211,10 +211,8 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
         if both:
           acc = (f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
                  f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})")
-      t_iv = (f"; t over warm starts [{sg(d['t_lo'])}, {sg(d['t_hi'])}]"
-              if np.isfinite(d.get("t_lo", np.nan)) else "")
       lines.append(f"  {name} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
-                   f"{sg(d['hi'])}]{t_iv}, {d['pairs']} question pairs on {d['warm_starts']} "
+                   f"{sg(d['hi'])}]{paired.t_note(d, 'warm starts')}, {d['pairs']} question pairs on {d['warm_starts']} "
                    f"warm starts, the same sign on {same}: {reading}")
       if reading.startswith("held"):
         held.append(f"{name} - {reference} {label}")

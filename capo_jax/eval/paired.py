@@ -80,6 +80,13 @@ def beside_bootstrap(cluster_means: Any, level: float = LEVEL) -> dict[str, floa
   return t_interval(m, level) if m.size < T_BELOW else {}
 
 
+def t_note(d: Mapping[str, Any], what: str = "seeds") -> str:
+  """", t over N <what> [lo, hi]" for a result holding a finite t-interval, else ""."""
+  if not np.isfinite(d.get("t_lo", np.nan)):
+    return ""
+  return f", t over {d['clusters']} {what} [{d['t_lo']:+.3f}, {d['t_hi']:+.3f}]"
+
+
 def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed: int = SEED,
                      level: float = LEVEL) -> dict[str, float]:
   """Mean paired AUC difference (A - B) and its bootstrap interval.
