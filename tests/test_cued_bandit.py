@@ -41,16 +41,21 @@ def test_a_train_step_moves_theta_by_lr_times_the_policy_gradient_of_its_own_sam
   task, grpo = bandit.Task(questions=4, samples=5, lr=0.3), bandit.METHODS["grpo"]
   theta_F, key = jnp.array([1.0, 0.2]), jax.random.key(3)
   new_F, acc = jax.jit(lambda th, k: bandit.train_step(th, k, task, grpo))(theta_F, key)
-  # The same questions and samples, by the step's documented key split.
-  k_q, k_a = jax.random.split(key)
-  q = bandit.make_questions(k_q, task, 4)
-  a_QG, s_QG = bandit.sample(k_a, theta_F, q, 5)
-  np.testing.assert_allclose(s_QG, np.take_along_axis(
-      np.asarray(bandit.log_policy(theta_F, q)), np.asarray(a_QG), 1), rtol=1e-6)
-  r_QG = (a_QG == 0).astype(jnp.float32)
-  grad_F = bandit.pg_grad(theta_F, q, a_QG, grpo(r_QG, s_QG, jnp.ones((4, 5), bool)))
-  np.testing.assert_allclose(new_F, theta_F + 0.3 * grad_F, rtol=1e-5)
-  assert float(acc) == pytest.approx(float(r_QG.mean()))
+
+  @jax.jit
+  def by_hand(th, k):  # the same questions and samples, by the step's documented key split
+    k_q, k_a = jax.random.split(k)
+    q = bandit.make_questions(k_q, task, 4)
+    a_QG, s_QG = bandit.sample(k_a, th, q, 5)
+    r_QG = (a_QG == 0).astype(jnp.float32)
+    grad_F = bandit.pg_grad(th, q, a_QG, grpo(r_QG, s_QG, jnp.ones((4, 5), bool)))
+    s_ref_QG = jnp.take_along_axis(bandit.log_policy(th, q), a_QG, axis=1)
+    return th + 0.3 * grad_F, r_QG.mean(), s_QG, s_ref_QG
+
+  want_F, want_acc, s_QG, s_ref_QG = by_hand(theta_F, key)
+  np.testing.assert_allclose(s_QG, s_ref_QG, rtol=1e-6)
+  np.testing.assert_allclose(new_F, want_F, rtol=1e-5)
+  assert float(acc) == pytest.approx(float(want_acc))
 
 
 def test_with_the_cue_weight_fixed_at_zero_nothing_is_learned_about_the_cue():
@@ -60,11 +65,14 @@ def test_with_the_cue_weight_fixed_at_zero_nothing_is_learned_about_the_cue():
   assert np.all(path_STF[..., 1] == 0.0)
   assert np.all(path_STF[:, -1, 0] != task.theta0[0])  # the other weight did move
   # So the policy is blind to where the cue points: moving it changes no probability.
-  q = bandit.make_questions(jax.random.key(5), task, 50, trap_share=0.5)
-  moved = bandit.Questions(q.x_QAF.at[..., 1].set(jnp.roll(q.x_QAF[..., 1], 1, axis=1)),
-                           q.cue_Q, q.trap_Q)
-  np.testing.assert_array_equal(bandit.log_policy(jnp.asarray(path_STF[0, -1]), q),
-                                bandit.log_policy(jnp.asarray(path_STF[0, -1]), moved))
+  @jax.jit
+  def both(th):
+    q = bandit.make_questions(jax.random.key(5), task, 50, trap_share=0.5)
+    moved = bandit.Questions(q.x_QAF.at[..., 1].set(jnp.roll(q.x_QAF[..., 1], 1, axis=1)),
+                             q.cue_Q, q.trap_Q)
+    return bandit.log_policy(th, q), bandit.log_policy(th, moved)
+
+  np.testing.assert_array_equal(*both(jnp.asarray(path_STF[0, -1])))
 
 
 @pytest.mark.parametrize("cue_right,sign", [(1.0, 1), (0.0, -1)])
