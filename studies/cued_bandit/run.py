@@ -129,7 +129,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
   res = study(task, list(range(args.seeds)))
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "cued_bandit.json"), "w") as f:
-    json.dump(res, f, indent=1)
+    json.dump(res, f)  # one line: the per-seed curves are long
   plot(res, os.path.join(args.out, "cued_bandit.png"))
   print(table(res))
   print(f"{len(res['seeds'])} seeds x {len(res['methods'])} methods x {task.steps} steps: "
