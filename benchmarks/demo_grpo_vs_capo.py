@@ -178,7 +178,8 @@ def analyse(workdir: str, baseline: str = "grpo") -> dict[str, Any]:
     row: dict[str, Any] = {"seeds": sorted(by_seed)}
     for k in COLUMNS + ("peak_auc",):
       vals = np.array([r[k] for r in by_seed.values()], float)
-      row[k], row[k + "_sd"] = float(np.nanmean(vals)), float(np.nanstd(vals))
+      sd = float(np.nanstd(vals, ddof=1)) if np.isfinite(vals).sum() > 1 else float("nan")
+      row[k], row[k + "_sd"] = float(np.nanmean(vals)), sd  # sample sd over seeds
     row["buckets"] = np.nanmean([r["buckets"] for r in by_seed.values()], 0).tolist()
     row["masked_correct"], row["masked_wrong"] = np.nanmean(
         [r["mask"] for r in by_seed.values()], 0).tolist()

@@ -21,6 +21,7 @@ from benchmarks import demo_ws0_study
 from benchmarks.demo_mask_study import METHODS, NOISES
 from benchmarks.demo_study_v3_report import fmt, mean_sd
 from capo_jax.demo import compare
+from capo_jax.eval.paired import t_note
 
 TAIL = 10  # training metrics are read as the mean over the first / last TAIL RL steps
 TRAIN_KEYS = ("entropy", "masked_frac_wrong", "masked_frac_correct")
@@ -102,8 +103,8 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
 
 
 def _interval(d: dict[str, Any]) -> str:
-  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}] "
-          f"({d['pairs']} cells)")
+  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
+          f"{t_note(d)} ({d['pairs']} cells)")
 
 
 def tables(res: dict[str, Any]) -> str:

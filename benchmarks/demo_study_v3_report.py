@@ -21,6 +21,7 @@ import numpy as np
 from benchmarks.demo_study_v3 import METHODS, PRIMARY, REPO
 from capo_jax.demo import study
 from capo_jax.eval import calibration, scaling
+from capo_jax.eval.paired import t_note
 
 
 def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -142,14 +143,14 @@ def mean_sd(vals: list[float]) -> str:
   vals = [v for v in vals if v is not None and np.isfinite(v)]
   if not vals:
     return "-"
-  return f"{np.mean(vals):.3f}" + (f" ± {np.std(vals):.3f}" if len(vals) > 1 else "")
+  return f"{np.mean(vals):.3f}" + (f" ± {np.std(vals, ddof=1):.3f}" if len(vals) > 1 else "")
 
 
 def _interval(d: dict[str, Any] | None) -> str:
   if not d:
     return "- (no matched checkpoints)"
-  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}] "
-          f"({d['pairs']} q, {d['warm_starts']} ws)")
+  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
+          f"{t_note(d, 'warm starts')} ({d['pairs']} q, {d['warm_starts']} ws)")
 
 
 def tables(res: dict[str, Any], design: dict[str, Any]) -> str:

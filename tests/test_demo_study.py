@@ -132,3 +132,72 @@ def test_the_main_command_reads_both_recorded_studies():
     with open(path, encoding="utf-8") as f:
       text = study.held_across_warm_starts(json.load(f))
     assert "capo - grpo at matched accuracy" in text, path
+
+
+def test_a_warm_start_drawn_twice_gets_two_independent_inner_draws():
+  # One cluster, one seed, two questions with differences 0 and 1, drawn twice in every
+  # replicate. One inner draw has mean 0, 1/2 or 1; two independent draws pooled also
+  # give 1/4 and 3/4, and their mean has half the variance of one draw (1/8 -> 1/16).
+  d_IQ, valid_IQ = np.array([[0.0, 1.0]]), np.ones((1, 2), bool)
+  rng = np.random.default_rng(0)
+  num_O, den_O = study.cluster_sums(d_IQ, valid_IQ, np.full(20000, 2.0), rng)
+  est_O = num_O / den_O
+  assert np.all(den_O == 4)
+  assert np.isin(est_O, [0.25, 0.75]).mean() == pytest.approx(0.5, abs=0.02)
+  assert est_O.var() == pytest.approx(1 / 16, rel=0.05)
+  # Drawn once: one draw, variance 1/8; not drawn: nothing.
+  num_O, den_O = study.cluster_sums(d_IQ, valid_IQ, np.array([1.0] * 20000 + [0.0]), rng)
+  assert den_O[-1] == 0 and (num_O[:-1] / den_O[:-1]).var() == pytest.approx(1 / 8, rel=0.05)
+
+
+def test_hierarchical_replicates_pool_independent_draws_of_a_repeated_warm_start():
+  """Two identical warm starts (one seed, question differences 0 and 1). Every
+  replicate pools two independent inner draws, whichever warm starts it drew: 4 drawn
+  questions, so the estimate is 0 with chance 1/16 < 10% and the 80% interval is
+  [0.25, 0.75]. One draw counted twice (a warm start drawn twice, half the replicates)
+  would make 0 a 5/32 > 10% outcome and the interval [0, 1]."""
+  pair = (np.array([[0.0, 1.0]]), np.zeros((1, 2)))
+  r = study.hierarchical_delta([pair, pair], n_boot=20000, level=0.8)
+  assert (r["delta"], r["lo"], r["hi"]) == (0.5, 0.25, 0.75)
+
+
+def test_t_interval_beside_the_bootstrap_below_ten_warm_starts():
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(3)
+  shifts = [0.02, -0.01, 0.05]
+  pairs = [(b + sh, b) for sh, b in zip(shifts, rng.random((3, 2, 30)))]
+  r = study.hierarchical_delta(pairs, n_boot=200)
+  m, sd = np.mean(shifts), np.std(shifts, ddof=1)
+  half = stats.t.ppf(0.975, 2) * sd / np.sqrt(3)
+  assert (r["t_mean"], r["clusters"]) == (pytest.approx(m), 3)
+  assert (r["t_lo"], r["t_hi"]) == (pytest.approx(m - half), pytest.approx(m + half))
+  ten = [(b, b) for b in rng.random((10, 2, 5))]
+  assert "t_lo" not in study.hierarchical_delta(ten, n_boot=50)
+  text = study.held_across_warm_starts({"paired": {"capo": {"matched": None, "final": r}},
+                                        "final": {}})
+  assert f"t over 3 warm starts [{m - half:+.3f}, {m + half:+.3f}]" in text
+
+
+def test_the_tau_rules_on_hand_cases():
+  iv = lambda d, lo, hi: {"delta": d, "lo": lo, "hi": hi}  # noqa: E731
+  same_sign_all_cross_zero = [iv(0.01, -0.03, 0.05), iv(0.02, -0.01, 0.04), iv(0.003, -0.02, 0.03)]
+  assert study.tau_verdict(same_sign_all_cross_zero, "signs") == "robust to tau"
+  assert study.tau_verdict(same_sign_all_cross_zero, "intervals") == "not robust"
+  all_above = [iv(0.05, 0.01, 0.09), iv(0.04, 0.02, 0.06), iv(0.06, 0.001, 0.1)]
+  assert study.tau_verdict(all_above, "signs") == study.tau_verdict(all_above, "intervals") == (
+      "robust to tau")
+  assert study.tau_verdict([iv(0.01, -0.03, 0.05), iv(-0.02, -0.05, 0.01)]) == "not robust"
+  assert study.tau_verdict([iv(float("nan"), 0, 0)]) == "-"
+  with pytest.raises(ValueError, match="tau_verdict"):
+    study.tau_verdict(all_above, "vote")
+
+
+def test_false_alarm_rates_of_the_tau_rules_under_a_null():
+  """The pre-registered rule calls a null "robust" about half the time: three deltas
+  against one shared GRPO reference are correlated 0.5, and three equicorrelated
+  normals share a sign with chance 2 (1/8 + 3 asin(0.5) / (4 pi)) = 1/2 (independent:
+  1/4). The stricter rule almost never does. docs/demo_v3.md quotes these rates."""
+  signs = study.null_false_alarm("signs", n_sim=100, n_boot=200, seed=0)
+  strict = study.null_false_alarm("intervals", n_sim=100, n_boot=200, seed=0)
+  assert 0.35 <= signs <= 0.65, signs
+  assert strict <= 0.03, strict

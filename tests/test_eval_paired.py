@@ -257,3 +257,33 @@ def test_old_results_without_question_ids_say_so(tmp_path):
   md = pathlib.Path(report.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
                     ).read_text(encoding="utf-8")
   assert f"| aime | new | {paired.MISSING} |" in md
+
+
+def test_t_interval_against_scipy_and_the_fallback_table(monkeypatch):
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  m = np.array([0.03, -0.01, 0.02, 0.05])
+  got = paired.t_interval(m)
+  half = stats.t.ppf(0.975, 3) * np.std(m, ddof=1) / 2
+  assert (got["t_lo"], got["t_hi"], got["clusters"]) == (
+      pytest.approx(m.mean() - half), pytest.approx(m.mean() + half), 4)
+  assert [round(float(stats.t.ppf(0.975, df)), 3) for df in range(1, 10)] == list(paired._T975)
+  monkeypatch.setitem(__import__("sys").modules, "scipy", None)  # as if not installed
+  assert paired.t_interval(m)["t_lo"] == pytest.approx(m.mean() - half, abs=1e-4)
+  with pytest.raises(ValueError, match="t_interval"):
+    paired.t_interval(m, level=0.9)
+  assert np.isnan(paired.t_interval([0.1])["t_lo"])
+
+
+def test_paired_delta_auc_gives_a_t_interval_over_seeds_below_ten():
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(4)
+  b = rng.random((3, 50))
+  a = b + np.array([[0.01], [0.04], [-0.02]]) + rng.normal(0, 0.01, b.shape)
+  a[0, :7] = np.nan
+  got = paired.paired_delta_auc(a, b, n_boot=200)
+  seed_means = [np.nanmean(a[i] - b[i]) for i in range(3)]  # brute force per seed
+  half = stats.t.ppf(0.975, 2) * np.std(seed_means, ddof=1) / np.sqrt(3)
+  assert got["t_lo"] == pytest.approx(np.mean(seed_means) - half)
+  assert got["t_hi"] == pytest.approx(np.mean(seed_means) + half)
+  assert "t_lo" not in paired.paired_delta_auc(rng.random((10, 5)), rng.random((10, 5)),
+                                               n_boot=50)

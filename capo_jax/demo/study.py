@@ -17,7 +17,12 @@ part with maths in it, tested against brute-force references:
 - ``hierarchical_delta``: the pair-weighted mean paired per-question ΔAUC over
   warm starts, their seeds and their questions, with a bootstrap interval that
   resamples warm starts, then seeds within each, then questions within each
-  (shared by that warm start's seeds, which see the same questions).
+  (shared by that warm start's seeds, which see the same questions); a warm
+  start drawn twice gets two independent inner draws. Beside it, with fewer
+  than 10 warm starts, a t-interval over the warm starts' deltas.
+- ``tau_verdict`` / ``null_false_alarm``: whether a result is robust to tau, by
+  the tau study's pre-registered rule or by a stricter one, and how often each
+  rule says "robust" when there is no effect (a simulation of the study's design).
 
 Letters: W warm starts, I seeds of one warm start, Q questions, G samples, O
 bootstrap replicates.
@@ -29,6 +34,8 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
+
+from capo_jax.eval import paired
 
 
 def select_questions(correct_QG: Any, lo: float = 0.0, hi: float = 0.6) -> np.ndarray:
@@ -88,6 +95,29 @@ def _sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, w_OI: np.ndarray, v_OQ: np.nda
           np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ))
 
 
+def _draw(n: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
+  """How often each of n units is drawn in each of n_boot resamples: [O, n] floats."""
+  return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
+
+
+def cluster_sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, times_O: np.ndarray,
+                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+  """The inner stage of the two-stage bootstrap for one warm start (cluster).
+
+  Replicate o drew this cluster ``times_O[o]`` times; each time gets its own inner
+  resample (seeds, then questions shared by them), so a cluster drawn twice adds
+  two independent draws, not one draw counted twice. Returns per replicate the sums
+  of the drawn differences and of the drawn valid cells.
+  """
+  n_i, n_q = d_IQ.shape
+  num_O, den_O = np.zeros(times_O.shape), np.zeros(times_O.shape)
+  for k in range(int(times_O.max(initial=0))):
+    num, den = _sums(d_IQ, valid_IQ, _draw(n_i, times_O.size, rng), _draw(n_q, times_O.size, rng))
+    num_O += np.where(times_O > k, num, 0.0)
+    den_O += np.where(times_O > k, den, 0.0)
+  return num_O, den_O
+
+
 def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
                        seed: int = 0, level: float = 0.95) -> dict[str, Any]:
   """Mean paired ΔAUC (A - B) pooled over warm starts, with a hierarchical bootstrap.
@@ -97,16 +127,21 @@ def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
   from the same RL seed; Q may differ between warm starts (each has its own
   selected questions). A cell counts where both are finite. The estimate is the
   mean over all counted cells. Each replicate draws W warm starts with
-  replacement, and in each drawn warm start its I seeds and its Q questions with
-  replacement (one question draw shared by its seeds); its estimate is the
-  cell-weighted mean of the drawn cells. Returns ``delta``, ``lo``, ``hi``,
-  ``pairs`` (counted cells), ``warm_starts`` and ``per_warm_start`` (each one's
-  delta and cells).
+  replacement, and for every time a warm start is drawn, its I seeds and its Q
+  questions with replacement (one question draw shared by its seeds;
+  ``cluster_sums``); its estimate is the cell-weighted mean of the drawn cells.
+  Returns ``delta``, ``lo``, ``hi``, ``pairs`` (counted cells), ``warm_starts``,
+  ``per_warm_start`` (each one's delta and cells) and, with fewer than
+  ``paired.T_BELOW`` warm starts, ``t_mean`` / ``t_lo`` / ``t_hi`` / ``clusters``:
+  the t-interval over the warm starts' deltas (``paired.t_interval``, df = W - 1),
+  since a bootstrap over 2-5 clusters has too few distinct draws to be trusted.
   """
   if not pairs:
     raise ValueError("hierarchical_delta: no warm starts")
   rng = np.random.default_rng(seed)
-  num_OW, den_OW, per = [], [], []
+  n_w = len(pairs)
+  u_OW = _draw(n_w, n_boot, rng)
+  num_O, den_O, per = np.zeros(n_boot), np.zeros(n_boot), []
   total_d = total_n = 0.0
   for w, (a, b) in enumerate(pairs):
     a_IQ = np.atleast_2d(np.asarray(a, np.float64))
@@ -116,19 +151,11 @@ def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
                        f"{a_IQ.shape} vs {b_IQ.shape}")
     valid_IQ = np.isfinite(a_IQ) & np.isfinite(b_IQ)
     d_IQ = np.where(valid_IQ, a_IQ - b_IQ, 0.0)
-    n_i, n_q = a_IQ.shape
-    w_OI = rng.multinomial(n_i, np.full(n_i, 1.0 / n_i), size=n_boot).astype(np.float64)
-    v_OQ = rng.multinomial(n_q, np.full(n_q, 1.0 / n_q), size=n_boot).astype(np.float64)
-    num_O, den_O = _sums(d_IQ, valid_IQ, w_OI, v_OQ)
-    num_OW.append(num_O)
-    den_OW.append(den_O)
+    num, den = cluster_sums(d_IQ, valid_IQ, u_OW[:, w], rng)
+    num_O, den_O = num_O + num, den_O + den
     n = float(valid_IQ.sum())
     per.append({"delta": float(d_IQ.sum() / n) if n else float("nan"), "pairs": int(n)})
     total_d, total_n = total_d + float(d_IQ.sum()), total_n + n
-  num_OW, den_OW = np.stack(num_OW, 1), np.stack(den_OW, 1)
-  n_w = len(pairs)
-  u_OW = rng.multinomial(n_w, np.full(n_w, 1.0 / n_w), size=n_boot).astype(np.float64)
-  num_O, den_O = (u_OW * num_OW).sum(1), (u_OW * den_OW).sum(1)
   est_O = num_O[den_O > 0] / den_O[den_O > 0]
   alpha = (1.0 - level) / 2
   if total_n == 0 or est_O.size == 0:
@@ -137,7 +164,8 @@ def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
     lo, hi = (float(x) for x in np.quantile(est_O, [alpha, 1.0 - alpha]))
     delta = total_d / total_n
   return {"delta": delta, "lo": lo, "hi": hi, "pairs": int(total_n),
-          "warm_starts": n_w, "per_warm_start": per}
+          "warm_starts": n_w, "per_warm_start": per,
+          **paired.beside_bootstrap([p["delta"] for p in per], level)}
 
 
 def _reading(d: Mapping[str, Any] | None) -> str:
@@ -184,10 +212,64 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
           acc = (f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
                  f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})")
       lines.append(f"  {name} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
-                   f"{sg(d['hi'])}], {d['pairs']} question pairs on {d['warm_starts']} warm "
-                   f"starts, the same sign on {same}: {reading}")
+                   f"{sg(d['hi'])}]{paired.t_note(d, 'warm starts')}, {d['pairs']} question pairs on {d['warm_starts']} "
+                   f"warm starts, the same sign on {same}: {reading}")
       if reading.startswith("held"):
         held.append(f"{name} - {reference} {label}")
   lines.append("What held: " + ("; ".join(held) if held else
                                 "nothing; no comparison's interval excludes 0") + ".")
   return "\n".join(lines)
+
+
+# --- Is a result robust to tau? Two rules, and how often each says so under a null. ---
+
+
+def tau_verdict(deltas: Sequence[Mapping[str, float]], rule: str = "signs") -> str:
+  """"robust to tau" / "not robust" from one paired ΔAUC (delta, lo, hi) per tau.
+
+  "signs" (the tau study's pre-registered rule, ``benchmarks/demo_tau_study.py``):
+  robust when the point estimates share one sign and no interval lies wholly on the
+  other side of 0. It needs no effect at all: under a null it says "robust" about
+  half the time (``null_false_alarm``). "intervals": robust when every interval
+  excludes 0 on the same side, i.e. the effect held at every tau. "-" when a delta is
+  missing or not finite.
+  """
+  if rule not in ("signs", "intervals"):
+    raise ValueError(f"tau_verdict: rule={rule!r} is not 'signs' or 'intervals'")
+  if not deltas or not all(np.isfinite(d["delta"]) for d in deltas):
+    return "-"
+  if rule == "intervals":
+    above, below = all(d["lo"] > 0 for d in deltas), all(d["hi"] < 0 for d in deltas)
+    return "robust to tau" if above or below else "not robust"
+  signs = {np.sign(d["delta"]) for d in deltas}
+  if len(signs) != 1:
+    return "not robust"
+  s = signs.pop()
+  against = any((d["hi"] < 0) if s > 0 else (d["lo"] > 0) for d in deltas)
+  return "not robust" if against else "robust to tau"
+
+
+def null_false_alarm(rule: str, *, taus: int = 3, seeds: int = 2, questions: int = 409,
+                     n_sim: int = 200, n_boot: int = 400, seed: int = 0) -> float:
+  """Share of simulated tau studies with no effect at any tau that ``rule`` calls robust.
+
+  The tau study's design: ``taus`` CAPO variants and one GRPO reference, each run on
+  the same ``seeds``, paired per question against the shared GRPO runs
+  (``paired.paired_delta_auc``). Null model, every run alike: per-question AUC
+  = clip(m_q + e, 0, 1), m_q ~ U(0.5, 1) the question's own level, e ~ N(0, 0.2) per
+  run and question, plus a run offset ~ N(0, 0.01); 30% of the cells not mixed (NaN).
+  Because every variant is compared with the same GRPO runs, the three deltas are
+  correlated (0.5): "signs" then fires with probability 1/2, not 1/4.
+  """
+  rng = np.random.default_rng(seed)
+  hits = 0
+  for _ in range(n_sim):
+    m_Q = rng.uniform(0.5, 1.0, questions)
+    runs_VIQ = np.clip(m_Q + rng.normal(0, 0.2, (taus + 1, seeds, questions))
+                       + rng.normal(0, 0.01, (taus + 1, seeds, 1)), 0.0, 1.0)
+    runs_VIQ[rng.random(runs_VIQ.shape) < 0.3] = np.nan
+    deltas = [paired.paired_delta_auc(runs_VIQ[v], runs_VIQ[0], n_boot=n_boot,
+                                      seed=int(rng.integers(1 << 30)))
+              for v in range(1, taus + 1)]
+    hits += tau_verdict(deltas, rule) == "robust to tau"
+  return hits / n_sim

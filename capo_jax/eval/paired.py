@@ -9,7 +9,11 @@ compared with itself), the interval shows the second.
 - ``paired_delta_auc``: the demo's form, seeds x questions: the mean over
   (seed, question) of AUC_A - AUC_B over the cells mixed under both, with a
   two-way bootstrap (seeds and questions resampled; one question draw shared
-  by the seeds, since the questions are).
+  by the seeds, since the questions are). With fewer than ``T_BELOW`` seeds a
+  bootstrap over them has too few distinct draws to be trusted, so a
+  t-interval over the seeds' means (``t_interval``) stands beside it.
+- ``t_interval``: the Student-t interval of a mean over a few clusters
+  (df = clusters - 1, sample sd with ddof = 1).
 - ``match_questions`` / ``delta_interval``: the evaluator's form, one run
   against another on a benchmark: questions matched by id, the mean difference
   over the pairs mixed in both, and a bootstrap over questions; pooled over
@@ -29,6 +33,9 @@ from typing import Any
 import numpy as np
 
 N_BOOT, SEED, LEVEL = 2000, 0, 0.95
+T_BELOW = 10  # fewer clusters than this: a t-interval over cluster means beside the bootstrap
+# Student-t 0.975 quantiles for df 1..9, used when scipy is not installed (level 0.95 only).
+_T975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262)
 MISSING = "not in results.json: re-run the evaluation"
 
 
@@ -36,6 +43,48 @@ def _interval(est_O: np.ndarray, level: float) -> tuple[float, float]:
   alpha = (1.0 - level) / 2
   lo, hi = np.quantile(est_O, [alpha, 1.0 - alpha])
   return float(lo), float(hi)
+
+
+def _t_quantile(q: float, df: int) -> float:
+  try:
+    from scipy import stats  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    if q != 0.975 or not 1 <= df <= len(_T975):
+      raise ValueError(f"t_interval: without scipy only level 0.95 and df 1..{len(_T975)} "
+                       f"are tabled; got quantile {q}, df {df}") from None
+    return _T975[df - 1]
+  return float(stats.t.ppf(q, df))
+
+
+def t_interval(means: Any, level: float = LEVEL) -> dict[str, float]:
+  """Student-t interval of the mean of cluster means: ``m +- t_{df} * sd / sqrt(n)``.
+
+  sd is the sample sd (ddof = 1), df = n - 1. Returns ``t_mean``, ``t_lo``, ``t_hi``
+  and ``clusters``; the bounds are NaN with fewer than 2 finite means.
+  """
+  m = np.asarray(means, np.float64).ravel()
+  m = m[np.isfinite(m)]
+  n = m.size
+  if n < 2:
+    return dict(t_mean=float(m.mean()) if n else float("nan"), t_lo=float("nan"),
+                t_hi=float("nan"), clusters=n)
+  half = _t_quantile(1.0 - (1.0 - level) / 2, n - 1) * m.std(ddof=1) / np.sqrt(n)
+  return dict(t_mean=float(m.mean()), t_lo=float(m.mean() - half), t_hi=float(m.mean() + half),
+              clusters=n)
+
+
+def beside_bootstrap(cluster_means: Any, level: float = LEVEL) -> dict[str, float]:
+  """``t_interval`` of the cluster means when there are fewer than ``T_BELOW`` of them,
+  else ``{}`` (the cluster bootstrap is then left to speak alone)."""
+  m = np.asarray(cluster_means, np.float64).ravel()
+  return t_interval(m, level) if m.size < T_BELOW else {}
+
+
+def t_note(d: Mapping[str, Any], what: str = "seeds") -> str:
+  """", t over N <what> [lo, hi]" for a result holding a finite t-interval, else ""."""
+  if not np.isfinite(d.get("t_lo", np.nan)):
+    return ""
+  return f", t over {d['clusters']} {what} [{d['t_lo']:+.3f}, {d['t_hi']:+.3f}]"
 
 
 def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed: int = SEED,
@@ -47,7 +96,10 @@ def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed
   count where both are finite. Each replicate draws I seeds and Q questions
   with replacement; its estimate is the pair-weighted mean over the drawn
   (seed, question) cells. Returns ``delta``, ``lo``, ``hi``, ``pairs`` (the
-  number of paired cells) and ``seeds``.
+  number of paired cells) and ``seeds``; with fewer than ``T_BELOW`` seeds also
+  ``t_mean``, ``t_lo``, ``t_hi``, ``clusters``: the t-interval over the seeds' own
+  mean differences (NaN bounds with one seed), since a bootstrap over 2-5 seeds
+  has only a handful of distinct seed draws.
   """
   a, b = np.atleast_2d(np.asarray(auc_a_IQ, np.float64)), np.atleast_2d(
       np.asarray(auc_b_IQ, np.float64))
@@ -67,7 +119,10 @@ def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed
   den_O = np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ)
   est_O = num_O[den_O > 0] / den_O[den_O > 0]
   lo, hi = _interval(est_O, level)
-  return dict(delta=float(d_IQ.sum() / n), lo=lo, hi=hi, pairs=n, seeds=I)
+  with np.errstate(invalid="ignore", divide="ignore"):
+    seed_means_I = d_IQ.sum(1) / valid_IQ.sum(1)  # NaN for a seed with no pair
+  return dict(delta=float(d_IQ.sum() / n), lo=lo, hi=hi, pairs=n, seeds=I,
+              **beside_bootstrap(seed_means_I, level))
 
 
 @dataclasses.dataclass(frozen=True)
