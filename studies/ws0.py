@@ -19,6 +19,7 @@ import dataclasses
 import json
 import os
 import pathlib
+import types
 import warnings
 from typing import Any, Callable
 
@@ -48,6 +49,14 @@ class Ws0Study:
   run_names: Callable[[], list[str]]
   report: Callable[[str, str], str]
   shrink: Callable[[], None]
+
+  @classmethod
+  def of(cls, name: str, design: types.ModuleType, report: types.ModuleType) -> Ws0Study:
+    """The study laid out as ``studies/<name>/``: ``design`` holds ``variant_names``,
+    ``make_design``, ``spec_for``, ``run_names`` and ``shrink``; ``report`` holds ``report``."""
+    return cls(name=name, variants=design.variant_names, make_design=design.make_design,
+               spec_for=design.spec_for, run_names=design.run_names, report=report.report,
+               shrink=design.shrink)
 
   def parse_name(self, name: str) -> tuple[str, int]:
     """``ws0/<name>/<variant>_seed<k>`` -> (variant, k)."""

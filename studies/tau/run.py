@@ -27,9 +27,7 @@ if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as
 from studies import ws0
 from studies.tau import design, report
 
-STUDY = ws0.Ws0Study(name="tau", variants=design.variant_names, make_design=design.make_design,
-                     spec_for=design.spec_for, run_names=design.run_names, report=report.report,
-                     shrink=design.shrink)
+STUDY = ws0.Ws0Study.of("tau", design, report)
 
 if __name__ == "__main__":
   STUDY.main(__doc__.split("\n")[0])
