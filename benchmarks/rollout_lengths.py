@@ -15,31 +15,23 @@ same rows and weights. Reported: the length distribution, then useful
 (generated, unpadded: up to and including the stop) tokens/s and the ratios.
 The engine's and the all-rows samples must be identical (same rng).
 
-Simulation (pure Python): the engine's scheduler at the real job's shape, Q*G
-= 1,024 rows, lengths from a model of Qwen2.5-Math under GRPO: ``--trunc``
-of the samples hit the cap (3,072), the rest lognormal (median 550, sigma
-0.7) times a per-prompt factor (sigma 0.4) shared by the G samples. Per decode
-step it counts the rows decoded and the KV positions read, as the engine
-reads them (every slot, up to the longest active row in ``--block`` columns;
-once no row waits, the active rows move to a quarter of the slots as they
-fit, at most twice, as ``engine.Plan.phases`` does) and, for the lockstep
-decode, every row over the whole cache (the old sampler) or up to the
-longest row; a bandwidth model turns them into time:
-(weight bytes x replicas + KV bytes read + refill copies) / HBM bandwidth, a
-decode step being bandwidth-bound on accelerators. ``expected_speedup`` is
-what benchmarks/memory_plan.py uses.
+Simulation: the engine's scheduler at the real job's shape, Q*G = 1,024 rows,
+lengths from a model of Qwen2.5-Math under GRPO, and a bandwidth model that
+turns the KV positions each decode reads into time (``tools/rollout_sim.py``),
+against the lockstep decode over the whole cache and up to the longest row.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
-import heapq
 import os
 import tempfile
 import time
 
 import numpy as np
+
+from tools.rollout_sim import Shape, expected_speedup, sample_lengths, seconds, simulate
 
 
 # --- the CPU measurement ----------------------------------------------------------
@@ -59,7 +51,7 @@ def describe(lengths: np.ndarray, cap: int) -> str:
 
 
 def measure(args: argparse.Namespace) -> None:
-  # Imported here: benchmarks/memory_plan.py uses the simulation below, pure NumPy.
+  # Imported here: --simulate needs none of them.
   import jax  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
@@ -146,115 +138,6 @@ def measure(args: argparse.Namespace) -> None:
 
 
 # --- the scheduler simulation -------------------------------------------------------
-
-@dataclasses.dataclass(frozen=True)
-class Shape:
-  """The real job's rollout shape and the bandwidth model's constants."""
-  rows: int = 1024  # Q*G
-  samples: int = 8  # G
-  prompt_len: int = 512  # P columns every slot holds (the step's longest prompt, padded)
-  cap: int = 3072  # max_new_tokens
-  block: int = 128  # the engine's KV_BLOCK
-  weight_bytes: float = 3.09e9  # Qwen2.5-Math-1.5B in bfloat16
-  kv_bytes: float = 28_672  # per position: 2 x 28 layers x 2 kv heads x 128 x 2 bytes
-  bandwidth: float = 819e9  # bytes/s (one v5e chip)
-  replicas: int = 1  # weight copies read per step (data-parallel sampler replicas)
-  shrink: int = 4  # engine.SHRINK: each tail loop has a quarter of the slots
-  max_loops: int = 3  # engine.MAX_PHASES (1: no tail loops)
-
-
-def sample_lengths(rng: np.random.Generator, shape: Shape, median: float = 550,
-                   sigma: float = 0.7, prompt_sigma: float = 0.4, trunc: float = 0.045
-                   ) -> np.ndarray:
-  """Lengths [B] in row order (the G samples of a prompt adjacent)."""
-  Q, G = shape.rows // shape.samples, shape.samples
-  f_Q = rng.lognormal(0.0, prompt_sigma, Q)
-  L_QG = np.ceil(median * f_Q[:, None] * rng.lognormal(0.0, sigma, (Q, G)))
-  L_QG = np.where(rng.random((Q, G)) < trunc, shape.cap, np.clip(L_QG, 1, shape.cap))
-  return L_QG.astype(np.int64).reshape(-1)
-
-
-def _blocks(cols: np.ndarray, block: int) -> np.ndarray:
-  return -(-cols // block) * block
-
-
-def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, float]:
-  """Steps, row-steps, KV positions read and prompt copies of one rollout.
-
-  ``slots`` None (or >= B): the lockstep decode (all rows until the longest
-  stops), with the full-cache read of the old sampler and the blocked read.
-  Otherwise the engine: slots take rows in order, and every step reads all
-  slots up to the longest active row (whole blocks). A row of length l holds
-  its slot for l steps. Event-driven: between two rows' ends the active set
-  is fixed, so each interval's reads are one vectorised sum.
-  """
-  P, blk, B = shape.prompt_len, shape.block, lengths.size
-  own_total = int((P * lengths + lengths * (lengths + 1) // 2).sum())  # each row its own
-  if slots is None or slots >= B:
-    steps = int(lengths.max())
-    t = np.arange(1, steps + 1)
-    return {"steps": steps, "row_steps": steps * B, "kv_read": B * int(_blocks(P + t, blk).sum()),
-            "kv_read_full": steps * B * (P + shape.cap), "kv_read_own": own_total, "copies": B,
-            "gathered": 0}
-  ends: list[tuple[int, int]] = []  # (step the row ends at, slot)
-  start: dict[int, int] = {}  # active slot -> the step its row started after
-  free, nxt, k, kv = list(range(slots)), 0, 0, 0
-  cur, loops, gathered = slots, 1, 0  # the engine's tail loops (engine.Plan.phases)
-  # Per loop of the engine: its decode steps, and the KV blocks its steps read per layer
-  # (the trip counts of the step's per-layer block loops, summed over its steps).
-  phase_steps, phase_blocks = [0] * shape.max_loops, [0] * shape.max_loops
-  while True:
-    while free and nxt < B:
-      n = free.pop()
-      start[n] = k
-      heapq.heappush(ends, (k + int(lengths[nxt]), n))
-      nxt += 1
-    if not ends:
-      break
-    while (nxt >= B and loops < shape.max_loops and cur // shape.shrink >= 1
-           and len(ends) <= cur // shape.shrink):
-      cur //= shape.shrink
-      loops += 1
-      gathered += cur * (P + shape.cap)  # the smaller cache, copied whole
-    k1 = ends[0][0]
-    ks = np.arange(k + 1, k1 + 1)
-    cols = int(_blocks(P + ks - min(start.values()), blk).sum())
-    kv += cur * cols
-    phase_steps[loops - 1] += len(ks)
-    phase_blocks[loops - 1] += cols // blk
-    k = k1
-    while ends and ends[0][0] == k:
-      n = heapq.heappop(ends)[1]
-      del start[n]
-      free.append(n)
-  return {"steps": k, "row_steps": k * slots, "kv_read": kv, "kv_read_full": kv,
-          "kv_read_own": own_total, "copies": B, "gathered": gathered,
-          "phase_steps": phase_steps[:loops], "phase_blocks": phase_blocks[:loops]}
-
-
-def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float:
-  """The bandwidth model: every byte a step reads, over the HBM bandwidth.
-
-  ``read``: "kv_read" (the engine: all slots up to the longest active row),
-  "kv_read_full" (the whole cache) or "kv_read_own" (each row its own length,
-  as a ragged paged-attention kernel would read).
-  """
-  kv = sim[read]
-  weights = sim["steps"] * shape.weight_bytes * shape.replicas
-  copies = sim["copies"] * shape.prompt_len * 2  # read the prompt cache, write the slot
-  copies += sim.get("gathered", 0) * 2  # the tail loops' caches: read and written
-  return (weights + (kv + copies) * shape.kv_bytes) / shape.bandwidth
-
-
-def expected_speedup(shape: Shape, slots: int, seeds: int = 4) -> float:
-  """Lockstep (old sampler: full cache) time over the engine's with ``slots``, mean of seeds."""
-  ratios = []
-  for s in range(seeds):
-    L = sample_lengths(np.random.default_rng(s), shape)
-    ratios.append(seconds(simulate(L, shape, None), shape, read="kv_read_full")
-                  / seconds(simulate(L, shape, slots), shape))
-  return float(np.mean(ratios))
-
 
 def simulation(shape: Shape, slot_counts: list[int]) -> None:
   L = sample_lengths(np.random.default_rng(0), shape)

@@ -99,12 +99,13 @@ def long_tailed(args: argparse.Namespace) -> None:
   The Qwen2.5-1.5B shape in bfloat16, 128 prompts x 8 samples = 1,024 rows,
   cap 3,072; random weights (a near-uniform next-token distribution) with
   V / 600 stop ids: geometric lengths of mean about 600. The bound is the
-  bandwidth model of benchmarks/rollout_lengths.py on the lengths the run
+  bandwidth model of tools/rollout_sim.py on the lengths the run
   produced, for the same W: every step reads the weights once plus each
   active row's own cache ("own"), or, as the engine reads it, every slot up to
   the longest active row ("engine reads").
   """
   from benchmarks import rollout_lengths  # pylint: disable=g-import-not-at-top
+  from tools import rollout_sim  # pylint: disable=g-import-not-at-top
   small = args.small
   cfg = (Qwen2Config.tiny(param_dtype="bfloat16", compute_dtype="bfloat16") if small else
          Qwen2Config.qwen2p5_1p5b(param_dtype="bfloat16", compute_dtype="bfloat16"))
@@ -120,7 +121,7 @@ def long_tailed(args: argparse.Namespace) -> None:
   t0 = time.perf_counter()
   np.asarray(gen(0).lengths_B)
   print(f"first call (compiles) {time.perf_counter() - t0:.1f}s", flush=True)
-  shape = rollout_lengths.Shape(
+  shape = rollout_sim.Shape(
       rows=Q * G, samples=G, prompt_len=P, cap=C,
       weight_bytes=step_bytes(cfg, Q * G, 0)["params"],
       kv_bytes=step_bytes(cfg, 1, 1)["kv"], bandwidth=args.bandwidth)
@@ -129,11 +130,11 @@ def long_tailed(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     lengths = np.asarray(gen(r + 1).lengths_B)
     dt = time.perf_counter() - t0
-    sim = rollout_lengths.simulate(lengths.astype(np.int64), shape, W)
+    sim = rollout_sim.simulate(lengths.astype(np.int64), shape, W)
     row = {"seconds": dt, "useful_tokens_per_s": lengths.sum() / dt,
-           "bound_own_tokens_per_s": lengths.sum() / rollout_lengths.seconds(
+           "bound_own_tokens_per_s": lengths.sum() / rollout_sim.seconds(
                sim, shape, "kv_read_own"),
-           "bound_engine_reads_tokens_per_s": lengths.sum() / rollout_lengths.seconds(sim, shape)}
+           "bound_engine_reads_tokens_per_s": lengths.sum() / rollout_sim.seconds(sim, shape)}
     result["rounds"].append(row)
     print(f"round {r + 1}: lengths {rollout_lengths.describe(lengths, C)}; useful "
           f"{row['useful_tokens_per_s']:.0f} tokens/s = "

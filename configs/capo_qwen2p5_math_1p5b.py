@@ -21,7 +21,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c = common.get_base_config()
   # The weights: the hub id (fetched once into HF_HOME's hub cache; HF_HUB_OFFLINE=1 reads
   # only the cache), or a local / gs:// copy with --config.model.hf_path=DIR. The preset
-  # names the same architecture for benchmarks/memory_plan.py.
+  # names the same architecture for tools/memory_plan.py.
   c.model.hf_path = "Qwen/Qwen2.5-Math-1.5B"
   c.model.preset = "qwen2p5_math_1p5b"
   c.algo.name = "capo"
@@ -30,7 +30,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
-  # The rollout engine's active rows (KV slots): what benchmarks/memory_plan.py picks
+  # The rollout engine's active rows (KV slots): what tools/memory_plan.py picks
   # for v4-32 / v5e-16.
   c.rollout.max_active_rows = 512
   return common.shrink(c) if common.wants_shrink(arg, __file__) else c

@@ -73,7 +73,7 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.rollout.old_logprobs = "trainer"  # or "sampler"
   c.rollout.prompts_per_call = 0  # > 0: sample the Q prompts in chunks (bounds the KV cache)
   # > 0: continuous batching, this many rows decode at once over a KV cache of as
-  # many slots (benchmarks/memory_plan.py picks it); 0: all rows of a call at once.
+  # many slots (tools/memory_plan.py picks it); 0: all rows of a call at once.
   # The samples are the same either way.
   c.rollout.max_active_rows = 0
   # DAPO's dynamic sampling (capo_jax/rl/dynamic_sampling.py): keep drawing batches of Q
@@ -153,13 +153,13 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.micro_batch_size = 16  # rows per gradient-accumulation micro-batch
   c.train.logprob_chunk = 512  # tokens per chunk of the vocab projection; 0 = unchunked
   # Rows per call of the old / reference log-prob pass (0: all Q*G at once). 64
-  # fits every slice of docs/tpu.md at 4k tokens (benchmarks/aot_tpu.py).
+  # fits every slice of docs/tpu.md at 4k tokens (tools/aot_tpu.py).
   c.train.logprob_rows = 64
   c.train.max_consecutive_skips = 5
   # Sequence packing of the old / reference / train passes (capo_jax/rl/packing.py):
   # rows of pack_len tokens (0: max_prompt_len + max_new_tokens, the longest possible
   # sequence), pack_rows rows per micro-batch and per log-prob call (0: micro_batch_size,
-  # the row count benchmarks/memory_plan.py fits at that length).
+  # the row count tools/memory_plan.py fits at that length).
   c.train.pack = True
   c.train.pack_len = 0
   c.train.pack_rows = 0

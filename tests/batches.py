@@ -1,5 +1,5 @@
 """A rollout mini-batch as the host holds it, its ``TrainBatch``, and the log-prob pass over
-padded arrays (tests and benchmarks)."""
+padded arrays (tests, benchmarks and tools)."""
 
 from __future__ import annotations
 

@@ -14,7 +14,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
   config.addinivalue_line("markers", "tpu_aot: compiles for TPU topologies ahead of time; needs "
-                          "libtpu (benchmarks/setup_aot_tpu.sh), skipped without it")
+                          "libtpu (tools/setup_aot_tpu.sh), skipped without it")
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -3,8 +3,8 @@
 Needs libtpu (``jax[tpu]`` at the pinned jax version), which the default venv
 does not have: these tests skip there. Run them from the TPU venv:
 
-  benchmarks/setup_aot_tpu.sh
-  benchmarks/.venv-tpu/bin/python -m pytest -q tests/test_aot_tpu.py
+  tools/setup_aot_tpu.sh
+  tools/.venv-tpu/bin/python -m pytest -q tests/test_aot_tpu.py
 
 They compile the decode loop and the train step of the shrunk 1.5B config for
 a v5e-8 topology (2x4 chips, one host) over a (1, 4, 2) mesh, and check that
@@ -35,7 +35,7 @@ pytestmark = [
     pytest.mark.tpu_aot,
     pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                        reason="libtpu is not installed (the default venv is CPU-only); run from "
-                              "benchmarks/.venv-tpu, made by benchmarks/setup_aot_tpu.sh"),
+                              "tools/.venv-tpu, made by tools/setup_aot_tpu.sh"),
 ]
 
 ACCELERATOR = "v5e-8"
@@ -140,7 +140,7 @@ def test_hlo_cost_counts_scan_bodies_per_iteration():
 def test_loop_tree_counts_each_loop_by_its_own_trips():
   """A while loop with a run-time bound holding a 5-step scan and a nested run-time
   loop: ``loop_tree`` splits them, and the estimate weights each by its own count."""
-  from benchmarks import step_estimate  # pylint: disable=import-outside-toplevel
+  from tools import step_estimate  # pylint: disable=import-outside-toplevel
   acc = aot.parse_accelerator(ACCELERATOR)
   aot.set_tpu_env(acc)
   mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))

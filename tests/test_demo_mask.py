@@ -162,7 +162,7 @@ def test_study_variants_cover_the_design():
 
 
 def test_verdict_is_the_pre_registered_rule():
-  from benchmarks.demo_mask_study_report import verdict  # pylint: disable=import-outside-toplevel
+  from studies.mask.report import verdict  # pylint: disable=import-outside-toplevel
 
   def paired(lo, hi, per_seed):
     return {"selected": {"delta": (lo + hi) / 2, "lo": lo, "hi": hi, "pairs": 9},
@@ -207,8 +207,8 @@ def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
 
 
 def test_tau_grid_is_relative_to_the_spread_and_its_verdict_the_rule():
-  from benchmarks import demo_tau_study  # pylint: disable=import-outside-toplevel
-  scales = {v: compare.VARIANTS[v]["algo.adaptive_tau"] for v in demo_tau_study.variant_names()
+  from studies.tau import design, report  # pylint: disable=import-outside-toplevel
+  scales = {v: compare.VARIANTS[v]["algo.adaptive_tau"] for v in design.variant_names()
             if v != "grpo"}
   assert scales == pytest.approx({"capo_rtau0.4": 2 / 3, "capo_rtau0.6": 1.0,
                                   "capo_rtau1": 5 / 3})
@@ -216,7 +216,7 @@ def test_tau_grid_is_relative_to_the_spread_and_its_verdict_the_rule():
 
   def d(lo, hi):
     return {"delta": (lo + hi) / 2, "lo": lo, "hi": hi}
-  verdict = demo_tau_study.verdict
+  verdict = report.verdict
   assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.02, 0.04)]) == "robust to tau"
   assert verdict([d(-0.05, 0.01), d(0.01, 0.03), d(-0.02, 0.04)]) == "not robust"  # signs
   assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.05, -0.01) | {"delta": 0.001}]
@@ -228,20 +228,22 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
   """The runner the mask and tau studies share: run names, the training rows of a resumed
   run, and a run's held-out AUC on the selected questions against scikit-learn."""
   from sklearn.metrics import roc_auc_score  # pylint: disable=import-outside-toplevel
-  from benchmarks import demo_mask_study, demo_tau_study, demo_ws0_study  # pylint: disable=import-outside-toplevel
-  for s in (demo_mask_study.STUDY, demo_tau_study.STUDY):
+  from studies import ws0  # pylint: disable=import-outside-toplevel
+  from studies.mask import run as mask_run  # pylint: disable=import-outside-toplevel
+  from studies.tau import run as tau_run  # pylint: disable=import-outside-toplevel
+  for s in (mask_run.STUDY, tau_run.STUDY):
     assert [s.parse_name(n) for n in s.run_names()][0][0] in s.variants()
-  assert demo_tau_study.STUDY.parse_name("ws0/tau/capo_rtau1_seed1") == ("capo_rtau1", 1)
+  assert tau_run.STUDY.parse_name("ws0/tau/capo_rtau1_seed1") == ("capo_rtau1", 1)
   for bad in ("ws0/mask/capo_rtau1_seed1", "ws1/tau/grpo_seed0", "ws0/tau/grpo_seedx"):
     with pytest.raises(SystemExit, match="--runs"):
-      demo_tau_study.STUDY.parse_name(bad)
+      tau_run.STUDY.parse_name(bad)
 
   # A run resumed after step 2: its steps 2-3 were written twice; the last row wins.
   rows = [{"step": 1, "entropy": 1.0}, {"step": 2, "entropy": 2.0}, {"step": 3, "entropy": 3.0},
           {"step": 2, "eval/accuracy": 0.5}, {"step": 2, "entropy": 2.5},
           {"step": 3, "entropy": 3.5}]
   (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-  got = demo_ws0_study.train_rows(tmp_path / "metrics.jsonl")
+  got = ws0.train_rows(tmp_path / "metrics.jsonl")
   assert [(r["step"], r["entropy"]) for r in got] == [(1, 1.0), (2, 2.5), (3, 3.5)]
 
   rng = np.random.default_rng(0)
@@ -250,7 +252,7 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
   (tmp_path / "heldout").mkdir()
   np.savez(tmp_path / "heldout" / "step_000150.npz", s_QG=s_QG, correct_QG=c_QG)
   keep_Q = np.array([True, True, False, True, False, True])
-  h = demo_ws0_study.heldout_at(tmp_path, 150, keep_Q)
+  h = ws0.heldout_at(tmp_path, 150, keep_Q)
   want = [roc_auc_score(c, s) if 0 < c.sum() < c.size else np.nan for s, c in zip(s_QG, c_QG)]
   np.testing.assert_allclose(h["auc_Q"], want)
   np.testing.assert_allclose(h["auc_sel_Q"], np.array(want)[keep_Q])
@@ -261,11 +263,11 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
 def test_mean_curve_averages_seeds_up_to_the_shortest_run():
   """The studies' plotted curves: the mean over seeds at each step, NaN where no seed logged
   a value, cut at the shortest run; nothing for a value no run logged."""
-  from benchmarks import demo_ws0_study  # pylint: disable=import-outside-toplevel
+  from studies import ws0  # pylint: disable=import-outside-toplevel
   a = {"train": [{"step": 1, "x": 1.0}, {"step": 2, "x": None}, {"step": 3, "x": 5.0}]}
   b = {"train": [{"step": 1, "x": 3.0}, {"step": 2, "x": None}]}  # stopped after step 2
-  steps, mean = demo_ws0_study.mean_curve([a, b], "train", "x")
+  steps, mean = ws0.mean_curve([a, b], "train", "x")
   assert steps == [1, 2]
   np.testing.assert_array_equal(mean, [2.0, np.nan])
-  assert demo_ws0_study.mean_curve([a, b], "train", "masked_frac_wrong") is None
-  assert demo_ws0_study.mean_curve([], "train", "x") is None
+  assert ws0.mean_curve([a, b], "train", "masked_frac_wrong") is None
+  assert ws0.mean_curve([], "train", "x") is None

@@ -122,18 +122,6 @@ def test_held_across_warm_starts_lists_every_comparison_and_only_what_held():
   assert study.held_across_warm_starts(result).splitlines()[-1].startswith("What held: nothing")
 
 
-def test_the_main_command_reads_both_recorded_studies():
-  """``make demo`` prints what held in each recorded v3 study; a moved or renamed
-  report would silently drop it from the printout."""
-  import json  # pylint: disable=import-outside-toplevel
-  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-  assert len(demo_run.STUDY_RESULTS) == 2
-  for path in demo_run.STUDY_RESULTS:
-    with open(path, encoding="utf-8") as f:
-      text = study.held_across_warm_starts(json.load(f))
-    assert "capo - grpo at matched accuracy" in text, path
-
-
 def test_a_warm_start_drawn_twice_gets_two_independent_inner_draws():
   # One cluster, one seed, two questions with differences 0 and 1, drawn twice in every
   # replicate. One inner draw has mean 0, 1/2 or 1; two independent draws pooled also

@@ -15,7 +15,7 @@ README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
 # Packages of this repository: `python -m <one of these>...` must name a module here.
-OWN_PACKAGES = ("capo_jax", "models", "benchmarks", "configs")
+OWN_PACKAGES = ("capo_jax", "models", "benchmarks", "configs", "studies", "tools")
 
 
 def _text(path: pathlib.Path) -> str:
@@ -85,7 +85,7 @@ def test_commands_name_existing_modules_and_files() -> None:
     for cfg in set(re.findall(r"--config=(configs/[\w/.]+?\.py)", text)):
       if not (ROOT / cfg).is_file():
         missing.append(f"{page.name}: --config={cfg}")
-    for path in set(re.findall(r"\b((?:launch|benchmarks|configs)/[\w/.-]+\.(?:sh|py|ipynb))", text)):
+    for path in set(re.findall(r"\b((?:launch|benchmarks|configs|studies|tools)/[\w/.-]+\.(?:sh|py|ipynb))", text)):
       if not (ROOT / path).is_file():
         missing.append(f"{page.name}: {path}")
   assert not missing, "commands naming what does not exist:\n" + "\n".join(sorted(missing))

@@ -236,7 +236,7 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
 
 
 def test_memory_plan_lora_terms_by_hand():
-  from benchmarks import memory_plan as mp  # pylint: disable=g-import-not-at-top
+  from tools import memory_plan as mp  # pylint: disable=g-import-not-at-top
   full = mp.load_run("7B")
   run = mp.with_lora(full, 64)
   D, F, K, H, L = 3584, 18944, 4, 128, 28

@@ -4,7 +4,7 @@ Each slice's mesh is built from the run config (plus the mesh flags the plan
 proposes) with capo_jax.runtime.mesh in a subprocess that has as many fake CPU
 devices as the slice has chips. The param shardings must keep every sharded
 axis (nothing silently replicated), divide every sharded dimension, and the
-per-chip bytes they imply must fit the chip's HBM per benchmarks/memory_plan.py.
+per-chip bytes they imply must fit the chip's HBM per tools/memory_plan.py.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ SLICE_CHIPS = {"v4-8": 4, "v4-32": 16, "v5e-16": 16, "v4-64": 32, "v5e-32": 32, 
 
 
 def _load_plan_module():
-  spec = importlib.util.spec_from_file_location("memory_plan", REPO / "benchmarks" /
+  spec = importlib.util.spec_from_file_location("memory_plan", REPO / "tools" /
                                                 "memory_plan.py")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up
@@ -86,7 +86,7 @@ def meshes() -> dict[tuple[str, str], dict]:
     env = dict(os.environ, JAX_PLATFORMS="cpu",
                XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}",
                PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO / "benchmarks" /
+    out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO / "tools" /
                                                             "memory_plan.py"), json.dumps(pairs)],
                          env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -1,6 +1,6 @@
 """Comparing RL runs on the demo task: paired per-question AUC, fixed buckets, matching.
 
-What the demo and ``benchmarks/demo_grpo_vs_capo.py`` report beside AUC-mean
+What the demo and ``studies/grpo_vs_capo/run.py`` report beside AUC-mean
 (``docs/algorithms.md``, "Evaluation metrics"), all on the same held-out
 questions and evaluation seed for every method:
 
@@ -33,7 +33,7 @@ import numpy as np
 
 from capo_jax.data import rewards as rewards_lib
 from capo_jax.eval import calibration
-# Re-exported: the demo, its study and benchmarks/demo_grpo_vs_capo.py call it from here.
+# Re-exported: the demo, its study and studies/grpo_vs_capo/run.py call it from here.
 from capo_jax.eval.paired import paired_delta_auc  # noqa: F401  pylint: disable=unused-import
 
 BUCKET_EDGES = (0.0, 0.25, 0.5, 0.75, 1.0)
@@ -60,7 +60,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
     "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
     # The tau study (docs/demo_v3.md): the paper's grid {0.4, 0.6, 1.0} relative to the
-    # measured spread of s, with its default 0.6 at tau = spread (benchmarks/demo_tau_study.py).
+    # measured spread of s, with its default 0.6 at tau = spread (studies/tau/design.py).
     **{f"capo_rtau{t:g}": {**_CAPO, "algo.adaptive_tau": t / 0.6} for t in (0.4, 0.6, 1.0)},
     # Learning-rate sweep (x the default 1e-4).
     "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},

@@ -2,7 +2,7 @@
 
 ``run(config, workdir)`` is what ``python -m capo_jax.main
 --config=configs/demo.py --workdir=DIR`` does; ``run_rl`` is the piece the
-GRPO-vs-CAPO benchmark calls once per (algorithm, seed) on a shared warm
+studies (``studies/``) call once per (algorithm, seed) on a shared warm
 start.
 """
 
@@ -32,12 +32,11 @@ from capo_jax.run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 
-# The demo study v3's recorded results (benchmarks/demo_study_v3.py --report_only writes
-# them), the first box's and the replicate's on a second box (each from its own warm
-# starts): the main command prints what held across warm starts beside its own run.
-_V3_DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs", "demo", "v3")
-STUDY_RESULTS = (os.path.join(_V3_DOCS, "study_v3.json"),
-                 os.path.join(_V3_DOCS, "xeon_box", "study_v3.json"))
+# The demo study v3's recorded results, one summary per box (the first box's study and
+# its replicate on a second box, each from its own warm starts), package data that
+# ``python -m studies.demo_v3.run --record`` writes from the study's reports: the main
+# command prints what held across warm starts beside its own run.
+STUDY_RESULTS = os.path.join(os.path.dirname(__file__), "study_v3_recorded.json")
 REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy",
                "mean_length")
 
@@ -358,6 +357,13 @@ def plot_curves(runs: dict[str, list[dict[str, float]]], path: str,
   return path
 
 
+def recorded_study() -> str:
+  """What held across warm starts in the recorded demo study v3: every box's, whatever
+  each shows (``STUDY_RESULTS``)."""
+  with open(STUDY_RESULTS, encoding="utf-8") as f:
+    return "\n\n".join(study.held_across_warm_starts(result) for result in json.load(f))
+
+
 def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
   """The README's main command: the warm start (cached), then each of
   ``demo.methods`` from it (GRPO and CAPO by default), then the side-by-side report
@@ -382,8 +388,5 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
   print(f"curves: {png}")
   print("\nThis run is one warm start and one RL seed: an illustration, not evidence "
         "(docs/demo.md says how much warm starts differ).")
-  for path in STUDY_RESULTS:  # both boxes, whatever each shows
-    if os.path.exists(path):
-      with open(path, encoding="utf-8") as f:
-        print("\n" + study.held_across_warm_starts(json.load(f)))
+  print("\n" + recorded_study())
   return runs

@@ -22,7 +22,7 @@ with its shardings:
 A program whose temporaries exceed the chip's HBM is refused by the compiler
 (RESOURCE_EXHAUSTED); it is reported, with the bytes the error names, not raised.
 
-Typical use (benchmarks/aot_tpu.py is the command line)::
+Typical use (tools/aot_tpu.py is the command line)::
 
   acc = parse_accelerator("v5e-16")
   set_tpu_env(acc)                           # before jax initialises a backend

@@ -1,7 +1,7 @@
 """The one builder of an RL step's jitted programs, from a ``RunSpec`` and a mesh.
 
 The trainer (``capo_jax.run.loop``) runs what ``build`` returns, and the
-ahead-of-time compile (``capo_jax.run.aot``, ``benchmarks/aot_tpu.py``) lowers
+ahead-of-time compile (``capo_jax.run.aot``, ``tools/aot_tpu.py``) lowers
 the same objects at the run's largest shapes, so what the compiler checks for a
 TPU slice is what the run executes: the engine's prefill and decode loop, the
 old-policy and reference log-prob passes (packed or one sequence per row, LoRA

@@ -135,7 +135,7 @@ SHRINK, MAX_PHASES = 4, 3
 def tail_phases(num_slots: int, shards: int = 1, min_slots: int = 1) -> tuple[int, ...]:
   """W, W/4, W/16 while a phase keeps whole batch shards and ``min_slots`` slots.
 
-  benchmarks/memory_plan.py sizes its tail term with it.
+  tools/memory_plan.py sizes its tail term with it.
   """
   sizes = [num_slots]
   while len(sizes) < MAX_PHASES:

@@ -5,8 +5,8 @@ chosen, every memory term in GiB per chip, the peak against the chip's HBM,
 and lower bounds of the step time from HBM bandwidth and peak FLOP/s. The
 peer of every number is the chip's HBM (the ``use`` row is the ratio).
 
-  python -m benchmarks.memory_plan                       # 1.5B and 7B, common slices
-  python -m benchmarks.memory_plan --slices v5e-16,v4-32 --sample-tok-s 900 --train-tok-s 2500
+  python -m tools.memory_plan                       # 1.5B and 7B, common slices
+  python -m tools.memory_plan --slices v5e-16,v4-32 --sample-tok-s 900 --train-tok-s 2500
 
 Assumptions (the code this mirrors, where it exists):
 * Params, AdamW moments and gradients float32 (capo_jax/rl/train_step.py); per
@@ -23,7 +23,7 @@ Assumptions (the code this mirrors, where it exists):
   rows decode at once over a cache of W slots x (P + C) (continuous batching);
   P and C rounded up as the sampler does. The plan picks W: of B, B/2, ... B/16
   the one whose cache fits with the least expected rollout time, from
-  benchmarks/rollout_lengths.py's scheduler simulation (long-tailed lengths)
+  tools/rollout_sim.py's scheduler simulation (long-tailed lengths)
   and bandwidth model per chip. The old sampler's decode loop held a second
   copy of its B-row cache (XLA memory analysis, GPU temp 1.0-1.3 x the cache);
   the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at W = 64
@@ -63,7 +63,7 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import rollout_lengths
+from tools import rollout_sim
 from capo_jax.sampling import engine
 from capo_jax.sampling.sampler import bucket_length
 from models import lora, qwen2
@@ -304,16 +304,16 @@ class Plan:
 @functools.lru_cache(maxsize=256)
 def _simulated(rows: int, samples: int, prompt_len: int, cap: int, slots: int, loops: int
                ) -> dict[str, float]:
-  shape = rollout_lengths.Shape(rows=rows, samples=samples, prompt_len=prompt_len, cap=cap,
+  shape = rollout_sim.Shape(rows=rows, samples=samples, prompt_len=prompt_len, cap=cap,
                                 max_loops=loops)
-  lengths = rollout_lengths.sample_lengths(np.random.default_rng(0), shape)
-  return rollout_lengths.simulate(lengths, shape, slots)
+  lengths = rollout_sim.sample_lengths(np.random.default_rng(0), shape)
+  return rollout_sim.simulate(lengths, shape, slots)
 
 
 def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, slots: int,
                     read: str = "kv_read") -> float:
   """Expected rollout seconds per chip: the scheduler simulation of
-  benchmarks/rollout_lengths.py (long-tailed lengths) through its bandwidth
+  tools/rollout_sim.py (long-tailed lengths) through its bandwidth
   model, with this chip's share of the weights and of the W slots' cache.
   ``read="kv_read_full"`` with W = B: the old lockstep sampler."""
   cfg, B = run.model, run.num_prompts * run.num_samples // chunks
@@ -321,12 +321,12 @@ def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, s
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
   sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, fsdp)))
   t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
-  shape = rollout_lengths.Shape(
+  shape = rollout_sim.Shape(
       rows=B, samples=run.num_samples, prompt_len=P_len, cap=C,
       weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / tensor,
       kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(W, 1, fsdp) / W,
       bandwidth=chip.hbm_gb_s * 1e9)
-  return chunks * rollout_lengths.seconds(sim, shape, read)
+  return chunks * rollout_sim.seconds(sim, shape, read)
 
 
 def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) -> Plan:

@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
-# A venv with jax[tpu] (libtpu) for benchmarks/aot_tpu.py and tests/test_aot_tpu.py.
+# A venv with jax[tpu] (libtpu) for tools/aot_tpu.py and tests/test_aot_tpu.py.
 #
 # libtpu compiles for TPU topologies without TPU hardware, so this runs on any
 # x86-64 Linux box (CPU only). It lives in its own venv: the default install
 # (.venv, requirements.txt) stays CPU-only and small.
 #
-#   benchmarks/setup_aot_tpu.sh [VENV_DIR]      # default benchmarks/.venv-tpu
-#   benchmarks/.venv-tpu/bin/python benchmarks/aot_tpu.py --config=... --accelerator=v5e-16
+#   tools/setup_aot_tpu.sh [VENV_DIR]      # default tools/.venv-tpu
+#   tools/.venv-tpu/bin/python -m tools.aot_tpu --config=... --accelerator=v5e-16
 set -euo pipefail
 cd "$(dirname "$0")/.."
-venv="${1:-benchmarks/.venv-tpu}"
+venv="${1:-tools/.venv-tpu}"
 # The jax[tpu] extra pins the libtpu that matches the jax version of requirements.txt.
 jax_version="$(sed -n 's/^jax==\(.*\)$/\1/p' requirements.txt)"
 if [[ -z "$jax_version" ]]; then

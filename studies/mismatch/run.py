@@ -1,8 +1,8 @@
 """The sampler / trainer mismatch on the demo's warm start, by sampler and trainer dtype.
 
-  python -m benchmarks.mismatch --workdir=/tmp/capo_demo          # the demo's cached warm start
-  python -m benchmarks.mismatch --workdir=/tmp/x --small          # seconds: a tiny SFT, 2 batches
-  python -m benchmarks.mismatch --workdir=/tmp/capo_demo --rl_steps=10 --correction=icepop
+  python -m studies.mismatch.run --workdir=/tmp/capo_demo          # the demo's cached warm start
+  python -m studies.mismatch.run --workdir=/tmp/x --small          # seconds: a tiny SFT, 2 batches
+  python -m studies.mismatch.run --workdir=/tmp/capo_demo --rl_steps=10 --correction=icepop
 
 Each configuration runs the run's own rollout (``rollout.collect``: the engine's
 samples, the demo's grader, the old-policy pass the trainer builds with

@@ -1,7 +1,7 @@
 """What the studies from warm start 0 of the demo study v3 share (the mask and tau studies).
 
-Each such study is a ``Ws0Study``: its variants (``capo_jax/demo/compare.py``
-``VARIANTS``), its pre-registered design (``<root>/<name>_design.json``; the warm
+Each such study is a ``Ws0Study`` (``studies/mask/run.py``, ``studies/tau/run.py``):
+its variants (``capo_jax/demo/compare.py`` ``VARIANTS``), its pre-registered design (``<root>/<name>_design.json``; the warm
 start's own, v3's, in ``<root>/design.json``), the configuration of one run and
 its report. The runs are ordinary RL workdirs under ``<root>/ws0/<name>/``,
 named ``ws0/<name>/<variant>_seed<k>``; they resume where they stopped, and
@@ -16,17 +16,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import os
 import pathlib
+import types
 import warnings
 from typing import Any, Callable
 
 import numpy as np
 
-from benchmarks import demo_study_v3 as v3
-from benchmarks import demo_study_v3_report as v3_report
+from studies import records
+from studies.demo_v3 import design as v3_design
+from studies.demo_v3 import run as v3_run
 
 
 @dataclasses.dataclass(frozen=True)
@@ -39,7 +40,7 @@ class Ws0Study:
   spec_for: ``(variant, seed) -> RunSpec``.
   run_names: every run, in the order they are run.
   report: ``(root, out) -> text``, from what has finished.
-  shrink: switches the study to its seconds-long smoke size (``v3.shrink`` included).
+  shrink: switches the study to its seconds-long smoke size (v3's ``design.shrink`` included).
   """
   name: str
   variants: Callable[[], list[str]]
@@ -48,6 +49,14 @@ class Ws0Study:
   run_names: Callable[[], list[str]]
   report: Callable[[str, str], str]
   shrink: Callable[[], None]
+
+  @classmethod
+  def of(cls, name: str, design: types.ModuleType, report: types.ModuleType) -> Ws0Study:
+    """The study laid out as ``studies/<name>/``: ``design`` holds ``variant_names``,
+    ``make_design``, ``spec_for``, ``run_names`` and ``shrink``; ``report`` holds ``report``."""
+    return cls(name=name, variants=design.variant_names, make_design=design.make_design,
+               spec_for=design.spec_for, run_names=design.run_names, report=report.report,
+               shrink=design.shrink)
 
   def parse_name(self, name: str) -> tuple[str, int]:
     """``ws0/<name>/<variant>_seed<k>`` -> (variant, k)."""
@@ -63,8 +72,8 @@ class Ws0Study:
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
     from capo_jax.runtime import compile_cache  # pylint: disable=import-outside-toplevel
     compile_cache.enable("jax_cache", root)  # shared with the v3 study's runs
-    v3.check_design(os.path.join(root, "design.json"), v3.DESIGN)
-    v3.check_design(os.path.join(root, f"{self.name}_design.json"), self.make_design())
+    records.check_design(os.path.join(root, "design.json"), v3_design.DESIGN)
+    records.check_design(os.path.join(root, f"{self.name}_design.json"), self.make_design())
     parsed = [self.parse_name(n) for n in names]  # every name checked before any run
     workdir = os.path.join(root, "ws0")
     spec = self.spec_for(*parsed[0])
@@ -73,7 +82,7 @@ class Ws0Study:
           f"({'trained' if ws.info.get('trained') else 'cached'}) -> {ws.info.get('path')}",
           flush=True)
     initial = demo_run.warm_start_eval(spec, workdir, ws)
-    v3.selected_examples(spec, workdir, ws)  # the selection the report scores on
+    v3_run.selected_examples(spec, workdir, ws)  # the selection the report scores on
     for i, (name, (variant, seed)) in enumerate(zip(names, parsed)):
       run_name = name.split("/", 1)[1]
       if os.path.exists(os.path.join(workdir, run_name, "evals.json")):
@@ -82,13 +91,13 @@ class Ws0Study:
       print(f"=== [{i + 1}/{len(names)}] {name}", flush=True)
       demo_run.run_rl(self.spec_for(variant, seed), workdir, ws, run_name=run_name,
                       initial_eval=initial)
-      v3_report.record_machine(pathlib.Path(workdir) / run_name)
+      records.record_machine(pathlib.Path(workdir) / run_name)
 
   def main(self, description: str) -> None:
     """The study's command line: every run (or ``--runs``), then the report."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--root", default="/tmp/capo_study_v3")
-    p.add_argument("--out", default=str(v3.REPO / "docs" / "demo" / self.name))
+    p.add_argument("--out", default=str(records.REPO / "docs" / "demo" / self.name))
     p.add_argument("--runs", default="",
                    help=f"comma list of ws0/{self.name}/<variant>_seed<k>")
     p.add_argument("--report_only", action="store_true")
@@ -166,12 +175,3 @@ def heldout_at(run_dir: pathlib.Path, step: int, keep_Q: np.ndarray) -> dict[str
   return {"auc_Q": auc_Q, "auc_sel_Q": sel_Q, "accuracy_sel": float(c_QG[keep_Q].mean()),
           "auc_mean_sel": float(np.nanmean(sel_Q)) if np.isfinite(sel_Q).any()
                           else float("nan")}
-
-
-def header(study: str, run_dirs: list[pathlib.Path]) -> str:
-  """The report's first words: the study, the date, the machine and the commit of the
-  report, and the machines the runs were made on."""
-  from benchmarks.demo_study_v3_report import git_commit, machine, ran_on  # pylint: disable=import-outside-toplevel
-  runs = "; ".join(f"{n} on {where}" for where, n in ran_on(run_dirs).items())
-  return (f"{study}, report of {datetime.date.today().isoformat()} on {machine()}, commit "
-          f"{git_commit()}; runs: {runs or 'none finished'}.")

@@ -1,10 +1,12 @@
 r"""The demo study v3: every method of the paper from several warm starts (docs/demo.md).
 
-  python -m benchmarks.demo_study_v3 --root=/tmp/capo_v3                 # every run, then report
-  python -m benchmarks.demo_study_v3 --root=/tmp/capo_v3 --runs=ws0/grpo_seed0,ws0/capo_seed0
-  python -m benchmarks.demo_study_v3 --root=/tmp/capo_v3 --report_only
+  python -m studies.demo_v3.run --root=/tmp/capo_v3                 # every run, then report
+  python -m studies.demo_v3.run --root=/tmp/capo_v3 --runs=ws0/grpo_seed0,ws0/capo_seed0
+  python -m studies.demo_v3.run --root=/tmp/capo_v3 --report_only
+  python -m studies.demo_v3.run \
+      --record=docs/demo/v3/study_v3.json,docs/demo/v3/xeon_box/study_v3.json
 
-The design is fixed in ``DESIGN`` below and written, before any run, in
+The design is fixed in ``DESIGN`` (``studies/demo_v3/design.py``) and written, before any run, in
 docs/demo.md ("Study v3, pre-registered"): the plain task with 3 to 6 operands,
 warm starts supervised until ~35% sampled accuracy (SFT seeds 0, 1, 2; cached),
 each RL method from each warm start, held-out evaluations every 25 steps, and
@@ -16,7 +18,10 @@ interval over warm starts and questions (``capo_jax/demo/study.py``).
 Runs are ordinary RL workdirs under ``<root>/ws<k>/`` and resume where they
 stopped; ``--runs`` splits them over processes. ``--report_only`` writes
 ``<out>/study_v3.md``, ``study_v3.json`` and ``study_v3_frontier.png`` from
-what has finished (with the machine and the date).
+what has finished (with the machine and the date; ``studies/demo_v3/report.py``).
+``--record`` writes what ``make demo`` prints of the recorded study, from each box's
+``study_v3.json`` in that order, into the package
+(``capo_jax/demo/study_v3_recorded.json``), and runs nothing.
 """
 
 from __future__ import annotations
@@ -27,91 +32,15 @@ if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
 import argparse
-import json
 import os
 import pathlib
 from typing import Any
 
 import numpy as np
 
-REPO = pathlib.Path(__file__).resolve().parent.parent
-
-# The pre-registered design (docs/demo.md, "Study v3"). Changing it is a new study.
-DESIGN: dict[str, Any] = dict(
-    warm_starts=(0, 1, 2),  # SFT seeds
-    task=dict(min_operands=3, max_operands=6, max_operand=9, operators="+-*",
-              num_train=20000, num_heldout=1000, seed=0, wrong_rule="", wrong_fraction=0.0),
-    sft=dict(max_steps=4000, eval_every=25, target_low=0.30, target_high=0.40),
-    steps=150, eval_every=25,
-    band=(0.0, 0.6), selection_seed=4321, selection_samples=16,
-    match_tol=0.005,
-    scaling_samples=64, scaling_seed=777, scaling_ks=(4, 8, 16), scaling_subsets=64,
-    # learning rates of the accuracy-AUC frontier: the demo's and twice it
-    lrs={"": 1e-4, "_lr2": 2e-4},
-)
-# --shrink: the same code at a seconds-long size (the smoke test; no result).
-SHRINK_DESIGN: dict[str, Any] = dict(
-    warm_starts=(0,), task=dict(DESIGN["task"], num_train=600, num_heldout=32),
-    sft=dict(max_steps=20, eval_every=10, eval_questions=32, eval_samples=2,
-             early_stop=False, batch_size=16),
-    steps=2, eval_every=1, band=(-1.0, 1.0), selection_samples=2, scaling_samples=4,
-    scaling_ks=(2, 4), scaling_subsets=4)
-_SHRINK = [False]
-METHODS = ("grpo", "capo", "gspo", "codapo", "cde", "simko", "dr_grpo")
-FRONTIER_METHODS = ("grpo", "capo")
-PRIMARY = ("capo", "grpo")
-
-
-def shrink() -> None:
-  """Switches this module to the smoke-run size (``--shrink``)."""
-  _SHRINK[0] = True
-  DESIGN.update(SHRINK_DESIGN)
-
-
-def base_config(warm_start: int):
-  """configs/demo.py with the study's task, SFT target and evaluation cadence."""
-  from configs import demo  # pylint: disable=import-outside-toplevel
-  c = demo.get_config("shrink" if _SHRINK[0] else None)
-  c.demo.task.update(DESIGN["task"])
-  c.demo.sft.update({**DESIGN["sft"], "seed": warm_start})
-  c.train.num_steps = DESIGN["steps"]
-  c.eval.every_steps = DESIGN["eval_every"]
-  return c
-
-
-def run_names() -> list[str]:
-  """Every run, most important first: the primary pair on each warm start, then the
-  other methods, then the frontier's second learning rate."""
-  ws = DESIGN["warm_starts"]
-  names = [f"ws{w}/{m}_seed0" for w in ws for m in PRIMARY]  # a pair per warm start, early
-  names += [f"ws{w}/{m}_seed0" for m in METHODS if m not in PRIMARY for w in ws]
-  names += [f"ws{w}/{m}{lr}_seed0" for lr in DESIGN["lrs"] if lr for m in FRONTIER_METHODS
-            for w in ws]
-  return names
-
-
-def parse_name(name: str) -> tuple[int, str, str, int]:
-  """``ws1/capo_lr2_seed0`` -> (1, "capo", "_lr2", 0)."""
-  ws, rest = name.split("/", 1)
-  variant, seed = rest.rsplit("_seed", 1)
-  lr = next((s for s in DESIGN["lrs"] if s and variant.endswith(s)), "")
-  method = variant[:len(variant) - len(lr)] if lr else variant
-  if not ws.startswith("ws") or method not in METHODS:
-    raise SystemExit(f"--runs: {name!r} is not ws<k>/<method>[_lr2]_seed<k> with method in "
-                     f"{METHODS}")
-  return int(ws[2:]), method, lr, int(seed)
-
-
-def spec_for(warm_start: int, method: str = "capo", lr: str = "", seed: int = 0):
-  from capo_jax.demo import compare  # pylint: disable=import-outside-toplevel
-  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-  c = base_config(warm_start)
-  c.seed = seed
-  for key, value in compare.VARIANTS[method].items():
-    section, leaf = key.split(".")
-    c[section][leaf] = value
-  c.optim.lr = DESIGN["lrs"][lr]
-  return demo_run.spec_of(c)
+from studies import records
+from studies.demo_v3 import report
+from studies.demo_v3.design import DESIGN, parse_name, run_names, shrink, spec_for
 
 
 def selected_examples(spec, workdir: str, ws) -> tuple[list[Any], np.ndarray]:
@@ -156,24 +85,11 @@ def prepare(root: str, warm_start: int):
   return workdir, ws, initial, examples
 
 
-def check_design(path: str, design: dict[str, Any]) -> None:
-  """Writes ``design`` to ``path``, or exits if the file there holds another one."""
-  os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-  if os.path.exists(path):
-    with open(path, encoding="utf-8") as f:
-      if json.load(f) != json.loads(json.dumps(design)):
-        raise SystemExit(f"{path}: the runs under {os.path.dirname(path)} were made with "
-                         "another DESIGN; use a new --root")
-  else:
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump(design, f, indent=1)
-
-
 def run_all(root: str, names: list[str]) -> None:
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from capo_jax.runtime import compile_cache  # pylint: disable=import-outside-toplevel
   compile_cache.enable("jax_cache", root)  # one cache for every warm start's runs
-  check_design(os.path.join(root, "design.json"), DESIGN)
+  records.check_design(os.path.join(root, "design.json"), DESIGN)
   prepared: dict[int, Any] = {}
   for i, name in enumerate(names):
     w, method, lr, seed = parse_name(name)
@@ -192,24 +108,27 @@ def run_all(root: str, names: list[str]) -> None:
 
     demo_run.run_rl(spec_for(w, method, lr, seed), workdir, ws,
                     run_name=name.split("/", 1)[1], initial_eval=initial, on_eval=on_eval)
-    from benchmarks import demo_study_v3_report  # pylint: disable=import-outside-toplevel
-    demo_study_v3_report.record_machine(pathlib.Path(run_dir))
+    records.record_machine(pathlib.Path(run_dir))
 
 
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--root", default="/tmp/capo_study_v3")
-  p.add_argument("--out", default=str(REPO / "docs" / "demo" / "v3"))
+  p.add_argument("--out", default=str(records.REPO / "docs" / "demo" / "v3"))
   p.add_argument("--runs", default="", help="comma list of ws<k>/<method>[_lr2]_seed<k>")
   p.add_argument("--report_only", action="store_true")
   p.add_argument("--shrink", action="store_true", help="a seconds-long smoke run of the code")
+  p.add_argument("--record", default="", help="comma list of study_v3.json reports (one per "
+                 "box) to write into what make demo prints; nothing is run")
   args = p.parse_args()
+  if args.record:
+    print(f"wrote {report.record(args.record.split(','))}")
+    return
   if args.shrink:
     shrink()
   if not args.report_only:
     run_all(args.root, args.runs.split(",") if args.runs else run_names())
-  from benchmarks import demo_study_v3_report  # pylint: disable=import-outside-toplevel
-  print(demo_study_v3_report.report(args.root, args.out))
+  print(report.report(args.root, args.out))
 
 
 if __name__ == "__main__":

@@ -1,19 +1,7 @@
-r"""The tau study (docs/demo_v3.md, "Tau study"): the paper's tau grid, relative to the score spread.
+"""The report of the tau study (``studies/tau/run.py``): paired ΔAUC per tau, the verdict, curves.
 
-  python -m benchmarks.demo_tau_study --root=/tmp/capo_v3        # every run, then report
-  python -m benchmarks.demo_tau_study --root=/tmp/capo_v3 --runs=ws0/tau/capo_rtau0.4_seed1
-  python -m benchmarks.demo_tau_study --root=/tmp/capo_v3 --report_only
-
-The paper's grid is tau in {0.4, 0.6, 1.0} around its default 0.6 on its own
-score scale. Here the within-group spread of s (``s_spread``, the batch's mean
-within-group std of the mean token log-prob) is ~0.1 at the v3 warm starts, and
-the demo's tau 0.1 is the paper's 0.6 on this scale. So the grid is taken
-relative to the measured spread: ``algo.adaptive_tau = t / 0.6``, i.e.
-tau = (t / 0.6) x s_spread at every step, for t in {0.4, 0.6, 1.0}. Each from
-warm start 0 of the v3 study, 2 RL seeds, beside GRPO on the same seeds; the
-design is ``make_design()`` (``<root>/tau_design.json``; v3's in
-``<root>/design.json``). Runs are ordinary RL workdirs under ``<root>/ws0/tau/``
-and resume where they stopped (``benchmarks/demo_ws0_study.py``).
+Reads what has finished under ``<root>/ws0/tau/`` and writes ``tau_study.md``,
+``tau_study.json`` and ``tau_study_curves.png``.
 
 The pre-registered reading (``verdict``): the result is CAPO minus GRPO, the
 paired per-question ΔAUC on the selected questions at the final step. It is
@@ -23,11 +11,6 @@ lies wholly on the other side of zero; "not robust" otherwise.
 
 from __future__ import annotations
 
-if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as the launcher
-  from capo_jax import hugepages
-  hugepages.reexec_with_hugepages()
-
-# pylint: disable=g-import-not-at-top,wrong-import-position
 import json
 import os
 import pathlib
@@ -35,37 +18,10 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import demo_study_v3 as v3
-from benchmarks import demo_study_v3_report as v3_report
-from benchmarks import demo_ws0_study
 from capo_jax.eval.paired import t_note
-
-GRID = (0.4, 0.6, 1.0)  # the paper's tau grid, on its own scale
-PAPER_TAU = 0.6  # the paper's default: the centre of the grid, c = 1 here
-REFERENCE = "grpo"
-SEEDS = (0, 1)
-_SETTINGS: dict[str, Any] = {"seeds": SEEDS, "n_boot": 2000}
-
-
-def variant_names() -> list[str]:
-  return [REFERENCE] + [f"capo_rtau{t:g}" for t in GRID]
-
-
-def make_design() -> dict[str, Any]:
-  from capo_jax.demo import compare  # pylint: disable=import-outside-toplevel
-  return {"warm_start": 0, "v3": {k: v3.DESIGN[k] for k in (
-      "task", "sft", "steps", "eval_every", "band", "selection_seed", "selection_samples")},
-          **_SETTINGS, "grid": GRID, "paper_tau": PAPER_TAU,
-          "variants": {v: compare.VARIANTS[v] for v in variant_names()}}
-
-
-def run_names() -> list[str]:
-  """Seed 0 of every variant first, then seed 1."""
-  return [f"ws0/tau/{v}_seed{k}" for k in _SETTINGS["seeds"] for v in variant_names()]
-
-
-def spec_for(variant: str, seed: int):
-  return v3.spec_for(0, variant, "", seed)
+from studies import ws0
+from studies.records import fmt, header, mean_sd, ran_on, write_report
+from studies.tau.design import GRID, PAPER_TAU, REFERENCE, variant_names
 
 
 def verdict(deltas: list[dict[str, Any]]) -> str:
@@ -82,12 +38,12 @@ def verdict(deltas: list[dict[str, Any]]) -> str:
 
 def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   from capo_jax.demo import compare  # pylint: disable=import-outside-toplevel
-  keep_Q = demo_ws0_study.selection(root, design["v3"]["band"])
+  keep_Q = ws0.selection(root, design["v3"]["band"])
   runs, final = {}, {}
-  for (variant, seed), run_dir in demo_ws0_study.finished_runs(root, "tau").items():
+  for (variant, seed), run_dir in ws0.finished_runs(root, "tau").items():
     evals = json.loads((run_dir / "evals.json").read_text())
-    h = demo_ws0_study.heldout_at(run_dir, evals[-1]["step"], keep_Q)
-    spread = [r.get("s_spread") for r in demo_ws0_study.train_rows(run_dir / "metrics.jsonl")]
+    h = ws0.heldout_at(run_dir, evals[-1]["step"], keep_Q)
+    spread = [r.get("s_spread") for r in ws0.train_rows(run_dir / "metrics.jsonl")]
     spread = np.array([np.nan if v is None else v for v in spread], np.float64)
     runs[(variant, seed)] = h
     final.setdefault(variant, {})[seed] = {
@@ -117,7 +73,6 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
 
 
 def tables(res: dict[str, Any]) -> str:
-  from benchmarks.demo_study_v3_report import fmt, mean_sd  # pylint: disable=import-outside-toplevel
   out = ["| variant | tau | seeds | accuracy | AUC-mean | accuracy (sel.) | AUC-mean (sel.) | "
          "median s_spread |", "|---|---|---|---|---|---|---|---|"]
   for v in variant_names():
@@ -145,7 +100,7 @@ def plot(root: pathlib.Path, path: str) -> str:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  runs = demo_ws0_study.load_runs(root, "tau")
+  runs = ws0.load_runs(root, "tau")
   panels = (("evals", "accuracy"), ("evals", "auc_mean"), ("train", "s_spread"),
             ("train", "entropy"))
   fig, axes = plt.subplots(1, len(panels), figsize=(3.3 * len(panels), 3.0))
@@ -154,7 +109,7 @@ def plot(root: pathlib.Path, path: str) -> str:
     for ax, (src, key) in zip(axes, panels):
       ax.set_title(f"{key} ({'held-out' if src == 'evals' else 'training'})", fontsize=8)
       ax.set_xlabel("RL step", fontsize=8)
-      curve = demo_ws0_study.mean_curve(seeds, src, key)
+      curve = ws0.mean_curve(seeds, src, key)
       if curve is not None:
         ax.plot(*curve, "o-" if src == "evals" else "-", ms=3, color=f"C{i}", lw=1,
                 label=f"{v} ({len(seeds)} seed{'s' * (len(seeds) != 1)})")
@@ -169,23 +124,9 @@ def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   design = json.loads((root_p / "tau_design.json").read_text())  # what the runs used
   res = analyse(root_p, design)
-  dirs = list(demo_ws0_study.finished_runs(root_p, "tau").values())
-  text = (demo_ws0_study.header("Tau study", dirs) + " Warm start 0 of the v3 study, "
+  dirs = list(ws0.finished_runs(root_p, "tau").values())
+  text = (header("Tau study", dirs) + " Warm start 0 of the v3 study, "
           f"{res['selected']} selected questions.\n\n" + tables(res))
-  v3_report.write_report(out, "tau_study", text, {
-      "design": design, "ran_on": v3_report.ran_on(dirs), **res})
+  write_report(out, "tau_study", text, {"design": design, "ran_on": ran_on(dirs), **res})
   plot(root_p, os.path.join(out, "tau_study_curves.png"))  # into the folder write_report made
   return text
-
-
-def shrink() -> None:
-  v3.shrink()
-  _SETTINGS.update({"seeds": (0,), "n_boot": 200})
-
-
-STUDY = demo_ws0_study.Ws0Study(name="tau", variants=variant_names, make_design=make_design,
-                                spec_for=spec_for, run_names=run_names, report=report,
-                                shrink=shrink)
-
-if __name__ == "__main__":
-  STUDY.main(__doc__.split("\n")[0])

@@ -1,27 +1,36 @@
-"""The report of the demo study v3 (``benchmarks/demo_study_v3.py``): tables, intervals, plots.
+"""The report of the demo study v3 (``studies/demo_v3/run.py``): tables, intervals, plots.
 
 Reads what has finished under ``--root`` and writes ``study_v3.md``, ``study_v3.json``,
 ``study_v3_curves.png`` and ``study_v3_frontier.png``. Every number is computed
 here from the runs' per-sample files (``heldout/step_*.npz``, ``scaling_final.npz``),
 and the header records the machine, the date and the commit.
+
+``record`` writes what the main command prints of the recorded study (every
+comparison against GRPO, pooled over warm starts) from each box's
+``study_v3.json`` into the package (``RECORDED``), so ``make demo`` reads
+nothing from docs/.
 """
 
 from __future__ import annotations
 
-import datetime
 import json
 import os
 import pathlib
-import platform
-import subprocess
 from typing import Any
 
 import numpy as np
 
-from benchmarks.demo_study_v3 import METHODS, PRIMARY, REPO
 from capo_jax.demo import study
 from capo_jax.eval import calibration, scaling
 from capo_jax.eval.paired import t_note
+from studies.demo_v3.design import METHODS, PRIMARY
+from studies.records import REPO, fmt, header, mean_sd, ran_on, write_report
+
+# The recorded study as the main command prints it (``capo_jax/demo/run.py``): package
+# data, one summary per box, written by ``record``.
+RECORDED = REPO / "capo_jax" / "demo" / "study_v3_recorded.json"
+# What ``study.held_across_warm_starts`` reads of a ``study_v3.json``.
+SUMMARY_KEYS = ("date", "machine", "commit", "final", "paired")
 
 
 def _load_npz(path: pathlib.Path) -> dict[str, np.ndarray]:
@@ -131,19 +140,6 @@ def _frontier(runs: dict[tuple[int, str], dict[str, Any]], keep: dict[int, np.nd
                         "above": sum(g > 0 for g in gaps),
                         "mean_gap": float(np.mean(gaps)) if gaps else None}
   return out
-
-
-def fmt(v: Any, sign: bool = False) -> str:
-  if v is None or not np.isfinite(v):
-    return "-"
-  return f"{v:+.3f}" if sign else f"{v:.3f}"
-
-
-def mean_sd(vals: list[float]) -> str:
-  vals = [v for v in vals if v is not None and np.isfinite(v)]
-  if not vals:
-    return "-"
-  return f"{np.mean(vals):.3f}" + (f" ± {np.std(vals, ddof=1):.3f}" if len(vals) > 1 else "")
 
 
 def _interval(d: dict[str, Any] | None) -> str:
@@ -259,70 +255,36 @@ def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, 
   plt.close(fig)
 
 
-def machine() -> str:
-  cpu = platform.processor() or platform.machine()
-  try:
-    for line in pathlib.Path("/proc/cpuinfo").read_text().splitlines():
-      if line.startswith("model name"):
-        cpu = line.split(":", 1)[1].strip()
-        break
-  except OSError:
-    pass
-  return f"{cpu}, {os.cpu_count()} cores"
-
-
-def git_commit() -> str:
-  return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                        capture_output=True, text=True, check=False).stdout.strip()
-
-
-def write_report(out: str, stem: str, text: str, payload: dict[str, Any]) -> None:
-  """``<out>/<stem>.md`` (``text``) and ``<out>/<stem>.json`` (``payload`` with the
-  machine, the commit and the date)."""
-  os.makedirs(out, exist_ok=True)
-  with open(os.path.join(out, f"{stem}.md"), "w", encoding="utf-8") as f:
-    f.write(text)
-  with open(os.path.join(out, f"{stem}.json"), "w", encoding="utf-8") as f:
-    json.dump({**payload, "machine": machine(), "commit": git_commit(),
-               "date": datetime.date.today().isoformat()}, f, indent=1, default=str)
-
-
-def record_machine(run_dir: pathlib.Path) -> None:
-  """``<run_dir>/ran_on.json``: the machine, JAX version and date a run finished on. A
-  study's runs may be split over machines; XLA's float rounding differs between them."""
-  import jax  # pylint: disable=import-outside-toplevel
-  (run_dir / "ran_on.json").write_text(json.dumps(
-      {"machine": machine(), "jax": jax.__version__,
-       "date": datetime.date.today().isoformat()}), encoding="utf-8")
-
-
-def ran_on(run_dirs: list[pathlib.Path]) -> dict[str, int]:
-  """How many of ``run_dirs`` finished on each machine (``record_machine``)."""
-  out: dict[str, int] = {}
-  for d in run_dirs:
-    path = d / "ran_on.json"
-    if path.exists():
-      r = json.loads(path.read_text(encoding="utf-8"))
-      where = f"{r['machine']}, jax {r['jax']}, {r['date']}"
-    else:
-      where = "not recorded"
-    out[where] = out.get(where, 0) + 1
-  return out
-
-
 def report(root: str, out: str) -> str:
   root_p = pathlib.Path(root)
   # The design the runs were made with (run_all writes it), not this file's.
   design = json.loads((root_p / "design.json").read_text())
   res = analyse(root_p, design)
   dirs = sorted(p.parent for p in root_p.glob("ws*/*_seed*/evals.json"))
-  runs = "; ".join(f"{n} on {where}" for where, n in ran_on(dirs).items())
-  header = (f"Demo study v3, {datetime.date.today().isoformat()}, {machine()}, commit "
-            f"{git_commit()}; runs: {runs or 'none finished'}. Warm starts (SFT seeds): "
-            + ", ".join(f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
-                        f"{v['selected']} selected questions"
-                        for w, v in res["warm_starts"].items()) + ".\n\n")
-  text = header + tables(res, design)
+  text = (header("Demo study v3", dirs) + " Warm starts (SFT seeds): "
+          + ", ".join(f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
+                      f"{v['selected']} selected questions"
+                      for w, v in res["warm_starts"].items()) + ".\n\n" + tables(res, design))
   write_report(out, "study_v3", text, {"design": design, "ran_on": ran_on(dirs), **res})
   _plots(root_p, res, out, design)  # into the folder write_report made
   return text
+
+
+def recorded_summary(result: dict[str, Any]) -> dict[str, Any]:
+  """The part of one box's ``study_v3.json`` that the main command prints."""
+  missing = [k for k in SUMMARY_KEYS if k not in result]
+  if missing:
+    raise ValueError(f"recorded_summary: the study_v3.json lacks {missing}")
+  return {k: result[k] for k in SUMMARY_KEYS}
+
+
+def record(reports: list[str], path: pathlib.Path = RECORDED) -> pathlib.Path:
+  """Writes ``path``: for each report (a box's ``study_v3.json``, in the order given) its
+  path in the repository and ``recorded_summary``."""
+  entries = []
+  for r in reports:
+    p = pathlib.Path(r).resolve()
+    entries.append({"report": p.relative_to(REPO).as_posix(),
+                    **recorded_summary(json.loads(p.read_text(encoding="utf-8")))})
+  path.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
+  return path

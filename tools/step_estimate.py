@@ -7,7 +7,7 @@ and, in the first, the refill copies) and the train step's micro-batch loop.
 ``hlo_cost.loop_tree`` gives the cost of one iteration of each; this module weights
 them by what the rollout would do:
 
-* decode: the scheduler simulation (``benchmarks/rollout_lengths.simulate``) of one
+* decode: the scheduler simulation (``tools/rollout_sim.simulate``) of one
   sampler call's rows at the length model (lognormal median 550, sigma 0.7,
   per-prompt sigma 0.4, ``--trunc`` of the samples at the cap) gives each phase's
   steps and KV blocks read (the block loops' trip counts, summed); each row is
@@ -27,14 +27,14 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import rollout_lengths
+from tools import rollout_sim
 from capo_jax.rl import packing
 from capo_jax.run import hlo_cost
 
 
 @dataclasses.dataclass(frozen=True)
 class Lengths:
-  """The length model (``rollout_lengths.sample_lengths``'s) and the prompts' tokens."""
+  """The length model (``rollout_sim.sample_lengths``'s) and the prompts' tokens."""
   prompt_tokens: int = 200
   trunc: float = 0.045
   seeds: int = 4
@@ -54,15 +54,15 @@ class Trips:
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
   """``sh``: ``capo_jax.run.aot.Shapes`` of the run."""
   rows_call = sh.prompts_per_call * sh.num_samples
-  shape = rollout_lengths.Shape(rows=rows_call, samples=sh.num_samples,
+  shape = rollout_sim.Shape(rows=rows_call, samples=sh.num_samples,
                                 prompt_len=sh.prompt_len, cap=sh.max_new_tokens,
                                 max_loops=phases)
   steps, blocks, calls, mbs, fill = [], [], [], [], []
   for seed in range(lengths.seeds):
     rng = np.random.default_rng(seed)
-    per_call = [rollout_lengths.sample_lengths(rng, shape, trunc=lengths.trunc)
+    per_call = [rollout_sim.sample_lengths(rng, shape, trunc=lengths.trunc)
                 for _ in range(sh.num_calls)]
-    sims = [rollout_lengths.simulate(L, shape, slots if slots < rows_call else None)
+    sims = [rollout_sim.simulate(L, shape, slots if slots < rows_call else None)
             for L in per_call]
     steps.append(np.sum([_pad(s.get("phase_steps", [s["steps"]]), phases) for s in sims], 0))
     blocks.append(np.sum([_pad(s.get("phase_blocks", [s["kv_read"] // max(rows_call, 1)

@@ -1,7 +1,7 @@
 r"""Compile every program of one RL step for a TPU slice, ahead of time, on this CPU.
 
-  benchmarks/setup_aot_tpu.sh                          # once: benchmarks/.venv-tpu with libtpu
-  benchmarks/.venv-tpu/bin/python -m benchmarks.aot_tpu \
+  tools/setup_aot_tpu.sh                               # once: tools/.venv-tpu with libtpu
+  tools/.venv-tpu/bin/python -m tools.aot_tpu \
       --config=configs/capo_qwen2p5_math_1p5b.py --accelerator=v5e-32 --config.mesh.tensor=2
 
 Builds the run's mesh over the slice's devices (``jax.experimental.topologies``;
@@ -12,9 +12,9 @@ shapes with its shardings (``capo_jax.run.aot``), and prints per program and per
 analysis, what else is resident on the chip while it runs (train state,
 reference, sampler weights), the total against the chip's HBM, and the FLOPs
 and bytes of XLA's cost analysis with loop bodies counted per iteration
-(``capo_jax.runtime.hlo_cost``). ``--check`` exits 1 when a program does not fit.
+(``capo_jax.run.hlo_cost``). ``--check`` exits 1 when a program does not fit.
 
-Then a roofline estimate of the step (``benchmarks/step_estimate.py``): per program
+Then a roofline estimate of the step (``tools/step_estimate.py``): per program
 max(FLOPs / peak bfloat16 FLOP/s, bytes / HBM bandwidth) per device with every loop
 at its own trip count: the engine's decode loops by the scheduler simulation at the
 README's length model (``--trunc`` at the cap), the log-prob calls and micro-batches
@@ -38,7 +38,7 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-from benchmarks import memory_plan, step_estimate
+from tools import memory_plan, step_estimate
 from capo_jax.run import aot
 from capo_jax.run.spec import RunSpec
 from capo_jax.sampling import engine

@@ -1,4 +1,4 @@
-"""The report of the mask study (``benchmarks/demo_mask_study.py``): tables, paired ΔAUC, curves.
+"""The report of the mask study (``studies/mask/run.py``): tables, paired ΔAUC, curves.
 
 Reads what has finished under ``<root>/ws0/mask/`` and writes ``mask_study.md``,
 ``mask_study.json`` and ``mask_study_curves.png``. Held-out numbers come from the
@@ -16,12 +16,11 @@ from typing import Any
 
 import numpy as np
 
-from benchmarks import demo_study_v3_report as v3_report
-from benchmarks import demo_ws0_study
-from benchmarks.demo_mask_study import METHODS, NOISES
-from benchmarks.demo_study_v3_report import fmt, mean_sd
 from capo_jax.demo import compare
 from capo_jax.eval.paired import t_note
+from studies import ws0
+from studies.mask.design import METHODS, NOISES
+from studies.records import fmt, header, mean_sd, ran_on, write_report
 
 TAIL = 10  # training metrics are read as the mean over the first / last TAIL RL steps
 TRAIN_KEYS = ("entropy", "masked_frac_wrong", "masked_frac_correct")
@@ -30,7 +29,7 @@ TRAIN_KEYS = ("entropy", "masked_frac_wrong", "masked_frac_correct")
 def _train_summary(rows: list[dict[str, Any]]) -> dict[str, float]:
   out = {}
   for k in TRAIN_KEYS:
-    v = np.array([demo_ws0_study.as_float(r.get(k)) for r in rows], np.float64)
+    v = np.array([ws0.as_float(r.get(k)) for r in rows], np.float64)
     out[f"{k}_first"] = float(np.nanmean(v[:TAIL])) if np.isfinite(v[:TAIL]).any() else np.nan
     out[f"{k}_last"] = float(np.nanmean(v[-TAIL:])) if np.isfinite(v[-TAIL:]).any() else np.nan
     out[f"{k}_mean"] = float(np.nanmean(v)) if np.isfinite(v).any() else float("nan")
@@ -63,9 +62,9 @@ def verdict(paired: dict[str, Any], n_seeds: int) -> dict[str, str]:
 
 
 def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
-  runs = demo_ws0_study.load_runs(root, "mask")
+  runs = ws0.load_runs(root, "mask")
   ws_dir = root / "ws0"
-  keep_Q = demo_ws0_study.selection(root, design["v3"]["band"])
+  keep_Q = ws0.selection(root, design["v3"]["band"])
   warm = json.loads((ws_dir / "warm_start_eval.json").read_text())
   res: dict[str, Any] = {
       "warm_start": {"accuracy": warm["accuracy"], "auc_mean": warm["auc_mean"],
@@ -76,7 +75,7 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   auc: dict[tuple[str, int], dict[str, Any]] = {}
   for (variant, seed), run in runs.items():
     last = run["evals"][-1]
-    auc[(variant, seed)] = h = demo_ws0_study.heldout_at(run["dir"], last["step"], keep_Q)
+    auc[(variant, seed)] = h = ws0.heldout_at(run["dir"], last["step"], keep_Q)
     res["final"].setdefault(variant, {})[seed] = {
         "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
         "auc_questions": last["auc_questions"], "entropy_heldout": last["entropy"],
@@ -157,7 +156,7 @@ def plot(root: pathlib.Path, path: str) -> str:
   import matplotlib  # pylint: disable=import-outside-toplevel
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
-  runs = demo_ws0_study.load_runs(root, "mask")
+  runs = ws0.load_runs(root, "mask")
   panels = (("evals", "accuracy"), ("evals", "auc_mean"), ("train", "entropy"),
             ("train", "masked_frac_wrong"), ("train", "masked_frac_correct"))
   fig, axes = plt.subplots(len(NOISES), len(panels), figsize=(3.3 * len(panels), 5.6),
@@ -167,7 +166,7 @@ def plot(root: pathlib.Path, path: str) -> str:
       seeds = [r for (v, _), r in runs.items() if v == f"{m}_{noise}"]
       for ax, (src, key) in zip(axes[row], panels):
         ax.set_title(f"{key} ({noise})", fontsize=8)
-        curve = demo_ws0_study.mean_curve(seeds, src, key)
+        curve = ws0.mean_curve(seeds, src, key)
         if curve is not None:
           ax.plot(*curve, "-", color=f"C{i}", lw=1, label=m)
     axes[row][0].legend(fontsize=6)
@@ -184,11 +183,10 @@ def report(root: str, out: str) -> str:
   design = json.loads((root_p / "mask_design.json").read_text())  # what the runs used
   res = analyse(root_p, design)
   w = res["warm_start"]
-  dirs = list(demo_ws0_study.finished_runs(root_p, "mask").values())
-  text = (demo_ws0_study.header("Mask study", dirs) + " Warm start 0 of the v3 study: held-out "
+  dirs = list(ws0.finished_runs(root_p, "mask").values())
+  text = (header("Mask study", dirs) + " Warm start 0 of the v3 study: held-out "
           f"accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
           f"{w['selected']} selected questions.\n\n" + tables(res))
-  v3_report.write_report(out, "mask_study", text, {
-      "design": design, "ran_on": v3_report.ran_on(dirs), **res})
+  write_report(out, "mask_study", text, {"design": design, "ran_on": ran_on(dirs), **res})
   plot(root_p, os.path.join(out, "mask_study_curves.png"))
   return text

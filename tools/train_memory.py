@@ -1,6 +1,6 @@
 """XLA's memory analysis of one compiled train micro-batch vs ``memory_plan``'s terms.
 
-    python -m benchmarks.train_memory                 # Qwen2.5-Math-1.5B shape, one 4,096-token row
+    python -m tools.train_memory                 # Qwen2.5-Math-1.5B shape, one 4,096-token row
 
 Lowers (no weights allocated) the gradient of the policy loss of one row of
 ``--tokens`` tokens (1,024 prompt + the rest completion; one packed row is the
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from benchmarks import memory_plan
+from tools import memory_plan
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from models import qwen2

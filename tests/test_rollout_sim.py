@@ -1,4 +1,4 @@
-"""The scheduler simulation of benchmarks/rollout_lengths.py, on a case counted by hand."""
+"""The scheduler simulation of tools/rollout_sim.py, on a case counted by hand."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import dataclasses
 
 import numpy as np
 
-from benchmarks import rollout_lengths as rl
+from tools import rollout_sim as rl
 from capo_jax.sampling import engine
 
 
