@@ -15,9 +15,8 @@ Timing: ``--repeats`` rounds, each a block of ``--block`` consecutive steps of
 capo_jax then of torch (the machines are shared, so the two alternate). A real
 run takes the same step back to back, so the ratio compares the steady-state
 steps, each block's first step left out; those first steps are printed beside
-it (on the 2-core box the first capo_jax step after any other computation, the
-torch block or the matmul-peak probe that ends each round, ran 0.4-0.5 s slower,
-with or without a pause between; the cause was not found). Like ``python -m capo_jax.main``, the benchmark first re-executes
+it (the first capo_jax step after any other computation, the torch block or the
+matmul-peak probe that ends each round, has run slower: docs/benchmarks.md). Like ``python -m capo_jax.main``, the benchmark first re-executes
 itself with glibc's transparent huge pages for the host heap
 (``capo_jax/hugepages.py``; both peers get them; ``CAPO_HUGEPAGES=0`` runs
 without), and it prints the page faults per step.

@@ -7,7 +7,7 @@ and, in the first, the refill copies) and the train step's micro-batch loop.
 ``hlo_cost.loop_tree`` gives the cost of one iteration of each; this module weights
 them by what the rollout would do:
 
-* decode: the scheduler simulation (``tools/rollout_sim.simulate``) of one
+* decode: the scheduler simulation (``tools.rollout_sim.simulate``) of one
   sampler call's rows at the length model (lognormal median 550, sigma 0.7,
   per-prompt sigma 0.4, ``--trunc`` of the samples at the cap) gives each phase's
   steps and KV blocks read (the block loops' trip counts, summed); each row is

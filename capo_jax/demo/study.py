@@ -1,7 +1,7 @@
 """The demo study v3's statistics: warm starts as a factor, matched checkpoints.
 
 The pre-registered design and primary metric are written in ``docs/demo.md``
-("Study v3"); ``benchmarks/demo_study_v3.py`` runs it. What lives here is the
+("Study v3"); ``studies/demo_v3/run.py`` runs it. What lives here is the
 part with maths in it, tested against brute-force references:
 
 - ``select_questions``: the held-out questions of a warm start whose accuracy
@@ -180,7 +180,7 @@ def _reading(d: Mapping[str, Any] | None) -> str:
 def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") -> str:
   """What the recorded v3 study says held across warm starts, every comparison listed.
 
-  ``result``: ``study_v3.json`` (``benchmarks/demo_study_v3_report.py``). For each
+  ``result``: ``study_v3.json`` (``studies/demo_v3/report.py``). For each
   method paired against ``reference``: the primary, paired ΔAUC at matched accuracy,
   and the final step's, each pooled over warm starts with its hierarchical interval and
   the per-warm-start signs. A comparison *held* when its interval excludes 0; nothing
@@ -227,7 +227,7 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
 def tau_verdict(deltas: Sequence[Mapping[str, float]], rule: str = "signs") -> str:
   """"robust to tau" / "not robust" from one paired ΔAUC (delta, lo, hi) per tau.
 
-  "signs" (the tau study's pre-registered rule, ``benchmarks/demo_tau_study.py``):
+  "signs" (the tau study's pre-registered rule, ``studies/tau/report.py``):
   robust when the point estimates share one sign and no interval lies wholly on the
   other side of 0. It needs no effect at all: under a null it says "robust" about
   half the time (``null_false_alarm``). "intervals": robust when every interval

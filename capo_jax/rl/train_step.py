@@ -189,7 +189,7 @@ def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
   weight to the compute dtype where it uses it (inside the layer scan), so no
   bfloat16 copy of the whole model exists, and each layer's gradient becomes
   float32 as it leaves the scan (cast up front, the backward would also hold the
-  stacked bfloat16 gradients of every layer; ``benchmarks/train_memory.py``).
+  stacked bfloat16 gradients of every layer; ``tools/train_memory.py``).
   """
   if tcfg.lora is None:
     return params

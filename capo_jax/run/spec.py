@@ -1,7 +1,7 @@
 """The run description: an ml_collections config translated once into a frozen ``RunSpec``.
 
 ``RunSpec.from_config`` is called at the run's entry point (``capo_jax.main``,
-``benchmarks/aot_tpu.py``, the demo's study); everything below takes the spec,
+``tools/aot_tpu.py``, the demo's study); everything below takes the spec,
 or the section of it it needs, never the ConfigDict. Every check of the
 configuration happens here, with a message that names the field and the value:
 nothing fails an hour into a run because of a typo in a config file.

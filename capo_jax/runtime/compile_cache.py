@@ -3,7 +3,7 @@
 The trainer builds its jitted train step and log-prob pass as closures over the
 run's config, so every run compiles them again: a rerun of the same command, a
 resumed run, and each of the study's runs in one process
-(``benchmarks/demo_grpo_vs_capo.py``). JAX's disk cache is keyed by the compiled
+(``studies/grpo_vs_capo/run.py``). JAX's disk cache is keyed by the compiled
 program, not by the Python function, so each finds the executables of the first
 (what it saves, measured: ``docs/training.md``).
 
