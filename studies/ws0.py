@@ -97,7 +97,7 @@ class Ws0Study:
     """The study's command line: every run (or ``--runs``), then the report."""
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--root", default="/tmp/capo_study_v3")
-    p.add_argument("--out", default=str(records.REPO / "docs" / "demo" / self.name))
+    p.add_argument("--out", default=str(records.REPO / "docs" / "studies" / self.name))
     p.add_argument("--runs", default="",
                    help=f"comma list of ws0/{self.name}/<variant>_seed<k>")
     p.add_argument("--report_only", action="store_true")

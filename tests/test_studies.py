@@ -17,7 +17,7 @@ from capo_jax.demo import study
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Each box's report of the demo study v3, in the order the main command prints them.
-REPORTS = ("docs/demo/v3/study_v3.json", "docs/demo/v3/xeon_box/study_v3.json")
+REPORTS = ("docs/studies/demo_v3/run1/study_v3.json", "docs/studies/demo_v3/run2/study_v3.json")
 
 
 def _recorded() -> list[dict]:

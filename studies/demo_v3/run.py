@@ -4,7 +4,7 @@ r"""The demo study v3: every method of the paper from several warm starts (docs/
   python -m studies.demo_v3.run --root=/tmp/capo_v3 --runs=ws0/grpo_seed0,ws0/capo_seed0
   python -m studies.demo_v3.run --root=/tmp/capo_v3 --report_only
   python -m studies.demo_v3.run \
-      --record=docs/demo/v3/study_v3.json,docs/demo/v3/xeon_box/study_v3.json
+      --record=docs/studies/demo_v3/run1/study_v3.json,docs/studies/demo_v3/run2/study_v3.json
 
 The design is fixed in ``DESIGN`` (``studies/demo_v3/design.py``) and written, before any run, in
 docs/demo.md ("Study v3, pre-registered"): the plain task with 3 to 6 operands,
@@ -114,7 +114,7 @@ def run_all(root: str, names: list[str]) -> None:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--root", default="/tmp/capo_study_v3")
-  p.add_argument("--out", default=str(records.REPO / "docs" / "demo" / "v3"))
+  p.add_argument("--out", default=str(records.REPO / "docs" / "studies" / "demo_v3"))
   p.add_argument("--runs", default="", help="comma list of ws<k>/<method>[_lr2]_seed<k>")
   p.add_argument("--report_only", action="store_true")
   p.add_argument("--shrink", action="store_true", help="a seconds-long smoke run of the code")

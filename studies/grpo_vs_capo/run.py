@@ -80,7 +80,7 @@ def run_all(args: argparse.Namespace) -> None:
 def main() -> None:
   p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   p.add_argument("--workdir", default="/tmp/capo_demo_bench")
-  p.add_argument("--out", default=str(records.REPO / "docs" / "demo"))
+  p.add_argument("--out", default=str(records.REPO / "docs" / "studies" / "grpo_vs_capo"))
   p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
   p.add_argument("--variants", type=lambda s: s.split(","), default=list(compare.VARIANTS))
   p.add_argument("--runs", default="", help="comma list of <variant>_seed<k> to run")
