@@ -184,7 +184,7 @@ def test_false_alarm_rates_of_the_tau_rules_under_a_null():
   """The pre-registered rule calls a null "robust" about half the time: three deltas
   against one shared GRPO reference are correlated 0.5, and three equicorrelated
   normals share a sign with chance 2 (1/8 + 3 asin(0.5) / (4 pi)) = 1/2 (independent:
-  1/4). The stricter rule almost never does. docs/demo_v3.md quotes these rates."""
+  1/4). The stricter rule almost never does. docs/studies/tau/README.md quotes these rates."""
   signs = study.null_false_alarm("signs", n_sim=100, n_boot=200, seed=0)
   strict = study.null_false_alarm("intervals", n_sim=100, n_boot=200, seed=0)
   assert 0.35 <= signs <= 0.65, signs

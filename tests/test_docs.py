@@ -1,5 +1,6 @@
 """The README and docs/ against the repository: the commands they give exist, their links
-resolve, and the README's results table quotes figures its evidence pages hold.
+resolve, the README's results table quotes figures its evidence pages hold, and the
+generated tables of docs/ are what their records in docs/results/ write.
 
 The README is the five-minute page (at most 250 lines); the measured detail lives in
 docs/*.md, so these checks read every page, not only the README.
@@ -10,10 +11,14 @@ import re
 
 import pytest
 
+from tools import results_tables
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
+# The study records (docs/studies/<study>/README.md and the index): links checked too.
+STUDY_PAGES = sorted((ROOT / "docs" / "studies").rglob("*.md"))
 # Packages of this repository: `python -m <one of these>...` must name a module here.
 OWN_PACKAGES = ("capo_jax", "models", "benchmarks", "configs", "studies", "tools")
 
@@ -91,7 +96,7 @@ def test_commands_name_existing_modules_and_files() -> None:
   assert not missing, "commands naming what does not exist:\n" + "\n".join(sorted(missing))
 
 
-@pytest.mark.parametrize("page", PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + STUDY_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: pathlib.Path) -> None:
   broken = []
   for target in _links(page):
@@ -134,3 +139,76 @@ def test_results_table_quotes_its_evidence() -> None:
       if fig not in page_text:
         problems.append(f"{fig} (row '{cells[0]}') not in {target}")
   assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize("topic", sorted(results_tables.PAGES))
+def test_generated_block_is_what_its_records_write(topic: str) -> None:
+  """A hand edit of a generated table, or a record changed without rerunning the tool,
+  fails here."""
+  path, text = results_tables.generated(topic)
+  assert _text(path) == text, (
+      f"{path.relative_to(ROOT)} differs from docs/results/{topic}.json: edit the record, "
+      "then run `python -m tools.results_tables`")
+
+
+def test_render_replaces_only_the_marked_block() -> None:
+  page = "head\n<!-- results:x -->\nold | table\n<!-- /results -->\ntail\n"
+  assert results_tables.render(page, "x", "new") == (
+      "head\n<!-- results:x -->\nnew\n<!-- /results -->\ntail\n")
+  with pytest.raises(ValueError, match="exactly one"):
+    results_tables.render("no markers", "x", "new")
+
+
+def test_every_benchmark_record_names_its_date_and_machine() -> None:
+  records = results_tables.load("benchmarks")
+  assert len(records) >= 20
+  ids = [r["id"] for r in records]
+  assert len(ids) == len(set(ids)), "docs/results/benchmarks.json: duplicate ids"
+  for r in records:  # a null says "not recorded"; a recorded date is ISO
+    assert set(r) == set(results_tables.BENCHMARK_FIELDS), r["id"]
+    assert r["date"] is None or re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]), r["id"]
+    assert r["machine"] is None or r["machine"].strip(), r["id"]
+    assert len(r["result"]) <= results_tables.MAX_RESULT_CHARS, r["id"]
+  # Every figure of a result cell is in its record's notes, when it has notes: the short
+  # cell quotes the measurement, it does not restate it.
+  number = r"\d+(?:,\d{3})*(?:\.\d+)?"
+  for r in records:
+    if r["notes"]:
+      missing = [n for n in re.findall(number, r["result"]) if n not in r["notes"]]
+      assert not missing, f"{r['id']}: result figures {missing} not in its notes"
+
+
+def test_check_records_refuses_a_long_cell_or_a_missing_field() -> None:
+  record = dict(results_tables.load("benchmarks")[0])
+  with pytest.raises(ValueError, match="too long"):
+    results_tables.check_records([{**record, "result": "x" * 201}],
+                                 results_tables.BENCHMARK_FIELDS, "benchmarks")
+  del record["machine"]
+  with pytest.raises(ValueError, match="fields"):
+    results_tables.check_records([record], results_tables.BENCHMARK_FIELDS, "benchmarks")
+
+
+def test_study_records_match_their_reports() -> None:
+  """Each run's report lies in docs/studies/<study>/run<N>/; its record's date, machine
+  and commit are the report's own where the report records them."""
+  import json  # pylint: disable=import-outside-toplevel
+  records = results_tables.load("studies")
+  for r in records:
+    report = ROOT / r["report"]
+    assert report.is_file(), r["report"]
+    assert re.fullmatch(rf"docs/studies/{r['study']}/{r['run']}/[\w.]+", r["report"]), r["report"]
+    assert re.fullmatch(r"run\d+", r["run"]), r["run"]
+    full = json.loads(report.read_text(encoding="utf-8"))
+    for key in ("date", "machine", "commit"):
+      if key in full:
+        assert r[key] == full[key], f"{r['report']}: record {key} {r[key]!r} vs {full[key]!r}"
+  run_dirs = {p.parent for p in (ROOT / "docs" / "studies").glob("*/run*/*")}
+  recorded = {(ROOT / r["report"]).parent for r in records}
+  assert run_dirs == recorded, f"run folders without a record: {sorted(run_dirs - recorded)}"
+
+
+def test_no_folder_of_docs_is_named_after_a_machine() -> None:
+  machine = re.compile(r"box|xeon|epyc|amd|intel|session|h100|h200|tpu_v", re.I)
+  named = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*")
+           if p.is_dir() and machine.search(p.name)]
+  assert not named, f"folders named after a machine (name it in the record): {named}"

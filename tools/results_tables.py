@@ -57,7 +57,9 @@ def benchmarks_block(records: list[dict[str, Any]]) -> str:
   lines = ["| claim | command | date | machine | result |", "|---|---|---|---|---|"]
   for r in records:
     claim = f"[{_cell(r['what'])}](#{r['id']})"
-    lines.append(f"| {claim} | `{_cell(r['command'])}` | {_cell(r['date'])} | "
+    # A command with its own code spans (a command, then another) is stored as written.
+    command = r["command"] if "`" in r["command"] else f"`{r['command']}`"
+    lines.append(f"| {claim} | {_cell(command)} | {_cell(r['date'])} | "
                  f"{_cell(r['machine'])} | {_cell(r['result'])} |")
   lines += ["", "### Notes", ""]
   for r in records:

@@ -59,7 +59,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
     "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
     "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
-    # The tau study (docs/demo_v3.md): the paper's grid {0.4, 0.6, 1.0} relative to the
+    # The tau study (docs/studies/tau/README.md): the paper's grid {0.4, 0.6, 1.0} relative to the
     # measured spread of s, with its default 0.6 at tau = spread (studies/tau/design.py).
     **{f"capo_rtau{t:g}": {**_CAPO, "algo.adaptive_tau": t / 0.6} for t in (0.4, 0.6, 1.0)},
     # Learning-rate sweep (x the default 1e-4).
@@ -73,7 +73,7 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
     "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
     "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
-    # The mask study (docs/demo_v3.md, "Mask study"): the mask's thresholds at the paper's
+    # The mask study (docs/studies/mask/README.md): the mask's thresholds at the paper's
     # values or at the reference's perplexity quantiles (QMASK), under the flips above and
     # under structured false negatives (a verifier rejecting half the correct negative answers).
     "capo_qmask_noise": {**_CAPO, **QMASK, "demo.reward_flip": 0.1},

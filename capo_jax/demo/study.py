@@ -1,7 +1,7 @@
 """The demo study v3's statistics: warm starts as a factor, matched checkpoints.
 
-The pre-registered design and primary metric are written in ``docs/demo.md``
-("Study v3"); ``studies/demo_v3/run.py`` runs it. What lives here is the
+The pre-registered design and primary metric are written in ``docs/studies/demo_v3/README.md``
+("Pre-registered design"); ``studies/demo_v3/run.py`` runs it. What lives here is the
 part with maths in it, tested against brute-force references:
 
 - ``select_questions``: the held-out questions of a warm start whose accuracy
@@ -188,7 +188,7 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
   """
   sg = lambda v: f"{v:+.3f}"  # noqa: E731
   lines = [f"Across warm starts (the demo study v3, {result.get('date', '?')}, "
-           f"{result.get('machine', '?')}; docs/demo_v3.md):\npaired per-question ΔAUC "
+           f"{result.get('machine', '?')}; docs/studies/demo_v3/README.md):\npaired per-question ΔAUC "
            f"against {reference} on the questions each warm start gets right in (0, 60%],\n"
            "95% hierarchical bootstrap over warm starts and questions."]
   held = []

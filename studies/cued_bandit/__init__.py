@@ -2,5 +2,5 @@
 
 ``bandit``: the task, the policy and one policy-gradient step; ``metrics``: what is
 measured on held-out questions; ``run``: the study (``python -m studies.cued_bandit.run
---out DIR``). docs/demo.md, "The mechanism in seconds: a cued bandit".
+--out DIR``). docs/studies/cued_bandit/README.md.
 """

@@ -6,7 +6,7 @@ Trains every method from the same base policy on the same seeds (``bandit.train_
 evaluates each checkpoint on one fixed set of held-out questions (half traps, G samples
 each, the same sampling key for every checkpoint), and writes ``DIR/cued_bandit.json``
 (the task, the numbers per seed and their mean and sd over seeds, the wall time) and
-``DIR/cued_bandit.png`` (the curves). docs/demo.md, "The mechanism in seconds".
+``DIR/cued_bandit.png`` (the curves). docs/studies/cued_bandit/README.md.
 """
 
 from __future__ import annotations

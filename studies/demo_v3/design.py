@@ -1,7 +1,7 @@
 """The demo study v3's design: warm starts, methods, runs and their configuration.
 
-Fixed in ``DESIGN`` and written, before any run, in docs/demo.md ("Study v3,
-pre-registered"); the runs record it in ``<root>/design.json`` and refuse another
+Fixed in ``DESIGN`` and written, before any run, in docs/studies/demo_v3/README.md
+("Pre-registered design"); the runs record it in ``<root>/design.json`` and refuse another
 (``studies/demo_v3/run.py``). The mask and tau studies start from its warm start 0
 and record the part of it that warm start depends on (``warm_start_design``).
 """
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-# The pre-registered design (docs/demo.md, "Study v3"). Changing it is a new study.
+# The pre-registered design (docs/studies/demo_v3/README.md). Changing it is a new study.
 DESIGN: dict[str, Any] = dict(
     warm_starts=(0, 1, 2),  # SFT seeds
     task=dict(min_operands=3, max_operands=6, max_operand=9, operators="+-*",

@@ -1,4 +1,4 @@
-r"""The demo study v3: every method of the paper from several warm starts (docs/demo.md).
+r"""The demo study v3: every method of the paper from several warm starts (docs/studies/demo_v3/README.md).
 
   python -m studies.demo_v3.run --root=/tmp/capo_v3                 # every run, then report
   python -m studies.demo_v3.run --root=/tmp/capo_v3 --runs=ws0/grpo_seed0,ws0/capo_seed0
@@ -7,7 +7,7 @@ r"""The demo study v3: every method of the paper from several warm starts (docs/
       --record=docs/studies/demo_v3/run1/study_v3.json,docs/studies/demo_v3/run2/study_v3.json
 
 The design is fixed in ``DESIGN`` (``studies/demo_v3/design.py``) and written, before any run, in
-docs/demo.md ("Study v3, pre-registered"): the plain task with 3 to 6 operands,
+docs/studies/demo_v3/README.md ("Pre-registered design"): the plain task with 3 to 6 operands,
 warm starts supervised until ~35% sampled accuracy (SFT seeds 0, 1, 2; cached),
 each RL method from each warm start, held-out evaluations every 25 steps, and
 the primary metric, the paired per-question ΔAUC of CAPO minus GRPO on the

@@ -1,4 +1,4 @@
-"""The mask study's design (docs/demo_v3.md, "Mask study"): variants, noises, seeds, runs.
+"""The mask study's design (docs/studies/mask/README.md): variants, noises, seeds, runs.
 
 From warm start 0 of the demo study v3: GRPO, CAPO with the mask at the paper's
 thresholds, at the reference's perplexity quantiles and without it, each under
@@ -25,7 +25,7 @@ SHRINK_SETTINGS: dict[str, Any] = {"seeds": (0,), "mask_questions": 16, "n_boot"
 
 
 def make_design() -> dict[str, Any]:
-  """The pre-registered design (docs/demo_v3.md, "Mask study"); reads v3's DESIGN, so
+  """The pre-registered design (docs/studies/mask/README.md); reads v3's DESIGN, so
   after ``--shrink`` it is the shrunk one."""
   from capo_jax.demo import compare  # pylint: disable=import-outside-toplevel
   return {"warm_start": 0, "v3": v3.warm_start_design(), **_SETTINGS,

@@ -4,7 +4,7 @@ Reads what has finished under ``<root>/ws0/mask/`` and writes ``mask_study.md``,
 ``mask_study.json`` and ``mask_study_curves.png``. Held-out numbers come from the
 runs' per-sample files (``heldout/step_*.npz``), training ones (policy entropy,
 masked fractions) from their ``metrics.jsonl``; the decision rule of
-docs/demo_v3.md ("Mask study") is ``verdict``.
+docs/studies/mask/README.md is ``verdict``.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-r"""The mask study (docs/demo_v3.md, "Mask study"): CAPO with and without the noise mask.
+r"""The mask study (docs/studies/mask/README.md): CAPO with and without the noise mask.
 
   python -m studies.mask.run --root=/tmp/capo_v3        # every run, then report
   python -m studies.mask.run --root=/tmp/capo_v3 --runs=ws0/mask/capo_fneg_seed0

@@ -1,4 +1,4 @@
-"""The tau study's design (docs/demo_v3.md, "Tau study"): the paper's tau grid, relative to
+"""The tau study's design (docs/studies/tau/README.md): the paper's tau grid, relative to
 the score spread, beside GRPO on the same seeds.
 
 ``make_design`` is what the runs record in ``<root>/tau_design.json``

@@ -28,7 +28,7 @@ def verdict(deltas: list[dict[str, Any]]) -> str:
   """"robust to tau" / "not robust" (module docstring); "-" without all three.
 
   Under a null of no effect at any tau it says "robust" about half the time
-  (``study.null_false_alarm``; docs/demo_v3.md): read it beside ``study.tau_verdict``'s
+  (``study.null_false_alarm``; docs/studies/tau/README.md): read it beside ``study.tau_verdict``'s
   "intervals" rule."""
   from capo_jax.demo import study  # pylint: disable=import-outside-toplevel
   if len(deltas) < len(GRID):
@@ -64,7 +64,7 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
                                         n_boot=design["n_boot"])
         for where, key in (("selected", "auc_sel_Q"), ("all", "auc_Q"))}}
   # Per-question AUC on the selected questions, so that a later session can pool these
-  # seeds with its own (another box gives another warm start: docs/demo_v3.md).
+  # seeds with its own (another box gives another warm start: docs/studies/demo_v3/README.md).
   per_question = {f"{v}_seed{s}": [None if np.isnan(a) else round(float(a), 4)
                                    for a in h["auc_sel_Q"]] for (v, s), h in runs.items()}
   return {"final": final, "paired": paired, "selected": int(keep_Q.sum()),

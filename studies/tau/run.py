@@ -1,4 +1,4 @@
-r"""The tau study (docs/demo_v3.md, "Tau study"): the paper's tau grid, relative to the score spread.
+r"""The tau study (docs/studies/tau/README.md): the paper's tau grid, relative to the score spread.
 
   python -m studies.tau.run --root=/tmp/capo_v3        # every run, then report
   python -m studies.tau.run --root=/tmp/capo_v3 --runs=ws0/tau/capo_rtau0.4_seed1
