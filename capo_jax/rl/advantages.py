@@ -60,7 +60,7 @@ class GroupBatch:
   Attributes:
     rewards_QG: rewards: binary, or any finite scalar when ``correct_QG`` is given.
     s_QG: the score s of each response: its mean token log-prob under the old
-      policy. CAPO converts it with its ``score`` hparam; CoDaPO and CDE use s
+      policy. CAPO converts it with its ``score`` field; CoDaPO and CDE use s
       itself, as their papers do.
     valid_QG: rows that exist and act as partners (see ``split_masks``).
     receive_QG: rows allowed a non-zero advantage (None: the valid ones).
