@@ -19,6 +19,7 @@ import pytest
 
 from capo_jax.rl import advantages as adv
 from capo_jax.rl import algorithms
+from capo_jax.rl import losses
 from capo_jax.rl.algorithms import ALGORITHMS
 
 METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
@@ -234,6 +235,38 @@ def test_run_spec_builds_each_algorithms_estimator_from_config_algo() -> None:
   c.algo.cde_kappa = 0.0  # checked by the class, named by the config section
   with pytest.raises(spec_lib.ConfigError, match=r"config\.algo: Cde\.kappa=0\.0 must be > 0"):
     spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
+
+
+def test_adding_an_estimator_as_docs_algorithms_md_shows(monkeypatch) -> None:
+  """The class and registry line of docs/algorithms.md, "Adding an estimator", run as
+  written: RLOO against a leave-one-out loop, then a run config that names it."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from configs import common  # pylint: disable=import-outside-toplevel
+  page = (pathlib.Path(__file__).parent.parent / "docs" / "algorithms.md").read_text()
+  section = page.split("## Adding an estimator\n")[1].split("\n## ")[0]
+  cls_code, line = re.findall(r"```python\n(.*?)```", section, re.S)
+  ns: dict = {}
+  exec(cls_code, ns)  # pylint: disable=exec-used
+  (name, algo), = eval("{" + line + "}",  # pylint: disable=eval-used
+                       {**ns, "Algorithm": algorithms.Algorithm}).items()
+  monkeypatch.setitem(ALGORITHMS, name, algo)
+  r, s, v = _random_batch(seed=31, p_valid=0.8)
+  want = np.zeros(r.shape)
+  for q, g in itertools.product(*map(range, r.shape)):
+    others = [r[q, j] for j in range(r.shape[1]) if v[q, j] and j != g]
+    live = v[q].sum() > 1 and len(set(r[q][v[q]])) == 2
+    want[q, g] = r[q, g] - np.mean(others) if v[q, g] and live else 0.0
+  assert name == "rloo"
+  got = ALGORITHMS["rloo"].estimator().advantages(adv.GroupBatch(r, s, v))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  c = common.shrink(common.get_base_config())
+  c.algo.name = "rloo"
+  spec = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
+  assert spec.advantage_spec().estimator == ns["Rloo"]()
+  assert spec.loss_aggregation == "seq-mean-token-mean"
+  assert spec.train_config().policy_loss == losses.Ppo()
 
 
 def test_estimators_are_hashable_values_that_check_their_fields() -> None:
