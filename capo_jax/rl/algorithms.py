@@ -34,13 +34,18 @@ class Estimator:
 
 
 @dataclasses.dataclass(frozen=True)
-class Grpo(Estimator):
-  """GRPO's group-normalised reward (GSPO and SimKO train with it too)."""
+class GrpoNormalised(Estimator):
+  """An estimator that ends in GRPO's normalisation: its ``eps`` and ``std`` (``STDS``)."""
   eps: float = adv.GRPO_EPS
   std: str = "unbiased"
 
   def __post_init__(self) -> None:
-    adv.std_ddof(self.std, "Grpo")
+    adv.std_ddof(self.std, type(self).__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Grpo(GrpoNormalised):
+  """GRPO's group-normalised reward (GSPO and SimKO train with it too)."""
 
   def advantages(self, batch: GroupBatch, step: int | Array = 0,
                  total_steps: int | Array = 1) -> Array:
@@ -93,13 +98,8 @@ class Capo(Estimator):
 
 
 @dataclasses.dataclass(frozen=True)
-class Codapo(Estimator):
+class Codapo(GrpoNormalised):
   """CoDaPO: GRPO's advantage weighted by the group's difficulty and confidence."""
-  eps: float = adv.GRPO_EPS
-  std: str = "unbiased"
-
-  def __post_init__(self) -> None:
-    adv.std_ddof(self.std, "Codapo")
 
   def advantages(self, batch: GroupBatch, step: int | Array = 0,
                  total_steps: int | Array = 1) -> Array:
@@ -109,19 +109,17 @@ class Codapo(Estimator):
 
 
 @dataclasses.dataclass(frozen=True)
-class Cde(Estimator):
+class Cde(GrpoNormalised):
   """CDE: the perplexity bonus ``min(|r|/kappa, alpha * (-s))`` with weight ``omega`` in
   the first half of training (``cde_omega``) and 0 after, then GRPO's normalisation."""
   kappa: float = 3.0
   alpha: float = 1.0
   omega: float = 1.0
-  eps: float = adv.GRPO_EPS
-  std: str = "unbiased"
 
   def __post_init__(self) -> None:
+    super().__post_init__()
     if not self.kappa > 0:
       raise ValueError(f"Cde.kappa={self.kappa} must be > 0 (the bonus divides by it)")
-    adv.std_ddof(self.std, "Cde")
 
   def advantages(self, batch: GroupBatch, step: int | Array = 0,
                  total_steps: int | Array = 1) -> Array:
