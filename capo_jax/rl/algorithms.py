@@ -11,6 +11,7 @@ both from the config. Adding one: docs/algorithms.md, "Adding an estimator".
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 
 from capo_jax.rl import advantages as adv
@@ -19,14 +20,14 @@ from capo_jax.rl.advantages import GroupBatch
 from capo_jax.types import Array
 
 
-class Estimator:
+class Estimator(abc.ABC):
   """An advantage estimator: subclasses are frozen dataclasses of its hyper-parameters."""
 
+  @abc.abstractmethod
   def advantages(self, batch: GroupBatch, step: int | Array = 0,
                  total_steps: int | Array = 1) -> Array:
     """adv_QG of ``batch`` at training ``step`` of ``total_steps`` (a schedule's inputs;
     traced or not), exactly 0 on non-receiving rows and degenerate groups."""
-    raise NotImplementedError(f"{type(self).__name__}.advantages")
 
   def confidence(self, s_QG: Array) -> Array:
     """The score this estimator ranks by (logged as its spread): s, unless converted."""

@@ -25,6 +25,7 @@ Conventions (the equations: ``docs/algorithms.md``, "Policy losses"):
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import NamedTuple
 
@@ -194,7 +195,7 @@ def _weighted(adv_BC: Array, batch: PolicyBatch) -> Array:
 # --------------------------------------------------------------------------
 
 
-class PolicyLoss:
+class PolicyLoss(abc.ABC):
   """A policy loss: subclasses are frozen dataclasses with one method, ``loss``."""
 
   @property
@@ -202,9 +203,9 @@ class PolicyLoss:
     """Candidates per position whose log-probs the loss reads (SimKO's K; 0: none)."""
     return 0
 
+  @abc.abstractmethod
   def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
     """The aggregated loss (no KL) and its logging, on padding-free inputs."""
-    raise NotImplementedError(f"{type(self).__name__}.loss")
 
 
 @dataclasses.dataclass(frozen=True)

@@ -98,8 +98,8 @@ class TrainConfig:
 
   def __post_init__(self) -> None:
     if not isinstance(self.policy_loss, losses.PolicyLoss):
-      raise ValueError(f"TrainConfig.policy_loss={self.policy_loss!r} is not a "
-                       "losses.PolicyLoss (Ppo(), Gspo(), Simko())")
+      raise TypeError(f"TrainConfig.policy_loss={self.policy_loss!r} is not a "
+                      "losses.PolicyLoss (Ppo(), Gspo(), Simko())")
     if self.logprob_chunk_size < 0:
       raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be "
                        ">= 0")
@@ -203,7 +203,7 @@ def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
 def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig
                  ) -> losses.PolicyBatch:
   """The loss inputs from the current policy's per-token outputs ([B, C]) and the sequences."""
-  top_k = tcfg.policy_loss.top_k > 0  # SimKO: its top-K candidates and the labels
+  top_k = tcfg.policy_loss.top_k > 0  # SimKO reads its top-K candidates and the labels
   return losses.PolicyBatch(
       logp_BC=lp["logp_BC"], old_logp_BC=seqs.old_logp_BC, mask_BC=seqs.completion_mask_BC,
       adv_B=seqs.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=seqs.ref_logp_BC,
