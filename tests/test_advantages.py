@@ -18,8 +18,17 @@ import numpy as np
 import pytest
 
 from capo_jax.rl import advantages as adv
+from capo_jax.rl import algorithms
+from capo_jax.rl import losses
+from capo_jax.rl.algorithms import ALGORITHMS
 
 METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
+
+
+def _adv(method: str, batch: adv.GroupBatch, step: int = 0, total_steps: int = 1,
+         **fields):
+  """Algorithm ``method``'s estimator, built with ``fields``, on ``batch``."""
+  return ALGORITHMS[method].estimator(**fields).advantages(batch, step, total_steps)
 
 
 def _capo_loop(r: np.ndarray, s: np.ndarray, v: np.ndarray, u: np.ndarray, tau: float,
@@ -107,8 +116,8 @@ def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
   # CDE in its second half (omega = 0): its bonus would spread groups 0 and 1
   # (test_cde_all_correct_group_keeps_its_bonus).
   step = 9 if method == "cde" else 0
-  a = np.asarray(adv.compute_advantages(method, adv.GroupBatch(r, s, valid, receive),
-                                        step=step, total_steps=10))
+  a = np.asarray(_adv(method, adv.GroupBatch(r, s, valid, receive), step=step,
+                     total_steps=10))
   assert np.isfinite(a).all()
   assert (a[0] == 0).all() and (a[1] == 0).all()  # all-correct / all-wrong among valid
   assert a[2, 2] == 0 and a[3, 1] == 0 and a[3, 3] == 0
@@ -181,12 +190,12 @@ def test_std_option_reaches_every_grpo_normalisation(method: str) -> None:
   r = np.array([[1, 0, 0, 1, 0, 1, 0, 0]], np.float32)
   s = np.linspace(-0.9, -0.2, 8, dtype=np.float32)[None]
   b = adv.GroupBatch(r, s, np.ones_like(r, bool))
-  unb = np.asarray(adv.compute_advantages(method, b, total_steps=10))
-  pop = np.asarray(adv.compute_advantages(method, b, total_steps=10, std="population"))
+  unb = np.asarray(_adv(method, b, total_steps=10))
+  pop = np.asarray(_adv(method, b, total_steps=10, std="population"))
   assert (unb != 0).all()
   np.testing.assert_allclose(unb, pop * math.sqrt(7 / 8), rtol=1e-5)
   with pytest.raises(ValueError, match=r"std='sample' is not one of \('unbiased', 'population'\)"):
-    adv.compute_advantages(method, b, total_steps=10, std="sample")
+    _adv(method, b, total_steps=10, std="sample")
 
 
 def test_config_algo_std_is_validated_and_reaches_the_estimators() -> None:
@@ -194,15 +203,85 @@ def test_config_algo_std_is_validated_and_reaches_the_estimators() -> None:
   from configs import common  # pylint: disable=import-outside-toplevel
   c = common.shrink(common.get_base_config())
   spec = lambda: spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
-  assert c.algo.std == "unbiased" and "std" not in spec().advantage_hparams()  # capo
+  assert c.algo.std == "unbiased" and not hasattr(spec().estimator(), "std")  # capo
   for name in ("grpo", "gspo", "simko", "codapo", "cde"):
     c.algo.name = name
-    assert spec().advantage_hparams()["std"] == "unbiased"
+    assert spec().estimator().std == "unbiased"
   c.algo.std = "population"
-  assert spec().advantage_hparams()["std"] == "population"
+  assert spec().estimator().std == "population"
   c.algo.std = "sample"
   with pytest.raises(ValueError, match=r"config\.algo\.std='sample': GRPO's group std"):
     spec()
+
+
+def test_run_spec_builds_each_algorithms_estimator_from_config_algo() -> None:
+  """Every config.algo field reaches its estimator's field (the config keeps its names)."""
+  from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from configs import common  # pylint: disable=import-outside-toplevel
+  c = common.shrink(common.get_base_config())
+  c.algo.tau, c.algo.norm, c.algo.score, c.algo.adaptive_tau = 0.3, "pairs", "neg_ppl", 0.5
+  c.algo.cde_kappa, c.algo.cde_alpha, c.algo.cde_omega = 2.0, 0.4, 0.7
+  c.algo.std = "population"
+  want = {"capo": algorithms.Capo(tau=0.3, norm="pairs", score="neg_ppl", adaptive_tau=0.5),
+          "grpo": algorithms.Grpo(std="population"), "dr_grpo": algorithms.DrGrpo(),
+          "gspo": algorithms.Grpo(std="population"), "simko": algorithms.Grpo(std="population"),
+          "codapo": algorithms.Codapo(std="population"),
+          "cde": algorithms.Cde(kappa=2.0, alpha=0.4, omega=0.7, std="population")}
+  assert set(want) == set(ALGORITHMS)
+  for name, est in want.items():
+    c.algo.name = name
+    got = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).advantage_spec()
+    assert got.estimator == est and type(got.estimator) is type(est), name
+  c.algo.cde_kappa = 0.0  # checked by the class, named by the config section
+  with pytest.raises(spec_lib.ConfigError, match=r"config\.algo: Cde\.kappa=0\.0 must be > 0"):
+    spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
+
+
+def test_adding_an_estimator_as_docs_algorithms_md_shows(monkeypatch) -> None:
+  """The class and registry line of docs/algorithms.md, "Adding an estimator", run as
+  written: RLOO against a leave-one-out loop, then a run config that names it."""
+  import pathlib  # pylint: disable=import-outside-toplevel
+  import re  # pylint: disable=import-outside-toplevel
+  from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
+  from configs import common  # pylint: disable=import-outside-toplevel
+  page = (pathlib.Path(__file__).parent.parent / "docs" / "algorithms.md").read_text()
+  section = page.split("## Adding an estimator\n")[1].split("\n## ")[0]
+  cls_code, line = re.findall(r"```python\n(.*?)```", section, re.S)
+  ns: dict = {}
+  exec(cls_code, ns)  # pylint: disable=exec-used
+  (name, algo), = eval("{" + line + "}",  # pylint: disable=eval-used
+                       {**ns, "Algorithm": algorithms.Algorithm}).items()
+  monkeypatch.setitem(ALGORITHMS, name, algo)
+  r, s, v = _random_batch(seed=31, p_valid=0.8)
+  want = np.zeros(r.shape)
+  for q, g in itertools.product(*map(range, r.shape)):
+    others = [r[q, j] for j in range(r.shape[1]) if v[q, j] and j != g]
+    live = v[q].sum() > 1 and len(set(r[q][v[q]])) == 2
+    want[q, g] = r[q, g] - np.mean(others) if v[q, g] and live else 0.0
+  assert name == "rloo"
+  got = ALGORITHMS["rloo"].estimator().advantages(adv.GroupBatch(r, s, v))
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
+  c = common.shrink(common.get_base_config())
+  c.algo.name = "rloo"
+  spec = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
+  assert spec.advantage_spec().estimator == ns["Rloo"]()
+  assert spec.loss_aggregation == "seq-mean-token-mean"
+  assert spec.train_config().policy_loss == losses.Ppo()
+
+
+def test_estimators_are_hashable_values_that_check_their_fields() -> None:
+  """Equal fields: equal and equally hashed (one compiled program per configuration)."""
+  assert algorithms.Capo(tau=0.5) == algorithms.Capo(tau=0.5) != algorithms.Capo(tau=0.6)
+  assert hash(algorithms.Cde(omega=0.5)) == hash(algorithms.Cde(omega=0.5))
+  assert algorithms.Grpo() != algorithms.Codapo()  # same fields, other estimator
+  for bad, needle in ((lambda: algorithms.Capo(tau=0.0), "Capo.tau=0.0 must be > 0"),
+                      (lambda: algorithms.Capo(norm="mean"), "Capo.norm='mean'"),
+                      (lambda: algorithms.Capo(score="ppl"), "Capo.score='ppl'"),
+                      (lambda: algorithms.Capo(adaptive_tau=-1.0), "Capo.adaptive_tau=-1.0"),
+                      (lambda: algorithms.Cde(kappa=-1.0), "Cde.kappa=-1.0"),
+                      (lambda: algorithms.Codapo(std="sample"), "Codapo: std='sample'")):
+    with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
+      bad()
 
 
 def test_group_with_one_valid_row_is_degenerate_under_both_stds() -> None:
@@ -211,7 +290,7 @@ def test_group_with_one_valid_row_is_degenerate_under_both_stds() -> None:
   v = np.array([[1, 0, 0, 0], [1, 1, 0, 0]], bool)
   for std in adv.STDS:
     for method in ("grpo", "codapo", "cde"):
-      a = np.asarray(adv.compute_advantages(method, adv.GroupBatch(r, r - 1, v), std=std))
+      a = np.asarray(_adv(method, adv.GroupBatch(r, r - 1, v), std=std))
       assert np.isfinite(a).all() and (a[0] == 0).all(), (method, std)
   # Two valid rows, one right: (1 - 1/2) / std; unbiased std = sqrt(1/2), population 1/2.
   np.testing.assert_allclose(np.asarray(adv.grpo(r, v))[1],
@@ -293,8 +372,8 @@ def test_lone_correct_sample_masked_as_lucky_guess(mode: str) -> None:
   mask = adv.noise_mask(r, ppl)
   np.testing.assert_array_equal(np.asarray(mask), [[True] + [False] * 7])
   valid, receive = adv.split_masks(np.ones_like(r, bool), mask, mode=mode)
-  got = np.asarray(adv.compute_advantages("capo", adv.GroupBatch(r, s, valid, receive),
-                                          tau=tau))[0]
+  got = np.asarray(algorithms.Capo(tau=tau).advantages(
+      adv.GroupBatch(r, s, valid, receive)))[0]
   if mode == "drop":
     assert (got == 0).all()
     return
@@ -312,7 +391,7 @@ def test_codapo_hand_computed() -> None:
   # sqrt((0.75^2 + 3 * 0.25^2) / 3) = 1/2.
   scale = math.exp(-0.5) * 0.75 + 0.1
   base = np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6)
-  got = adv.compute_advantages("codapo", adv.GroupBatch(r, s, np.ones_like(r, bool)))
+  got = algorithms.Codapo().advantages(adv.GroupBatch(r, s, np.ones_like(r, bool)))
   np.testing.assert_allclose(np.asarray(got)[0], base * scale, rtol=1e-5)
 
 
@@ -327,19 +406,19 @@ def test_cde_hand_computed_and_omega_schedule() -> None:
   v = np.ones_like(r, bool)
   # rewards -> [1, -1, 1]; bonus min(1/3, -s) = [0.1, 1/3, 1/3].
   shaped = np.array([1.1, -1 + 1 / 3, 1 + 1 / 3])
-  early = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=4, total_steps=10)
+  early = algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=4, total_steps=10)
   np.testing.assert_allclose(np.asarray(early)[0], _grpo_norm(shaped), rtol=1e-5)
-  late = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=5, total_steps=10)
+  late = algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=5, total_steps=10)
   np.testing.assert_allclose(np.asarray(late)[0], _grpo_norm(np.array([1, -1, 1.0])), rtol=1e-5)
   # omega scales the first half's bonus.
-  half = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), omega=0.5)
+  half = algorithms.Cde(omega=0.5).advantages(adv.GroupBatch(r, s, v))
   shaped = np.array([1.05, -1 + 1 / 6, 1 + 1 / 6])
   np.testing.assert_allclose(np.asarray(half)[0], _grpo_norm(shaped), rtol=1e-5)
   # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
-  got = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), alpha=0.1)
+  got = algorithms.Cde(alpha=0.1).advantages(adv.GroupBatch(r, s, v))
   np.testing.assert_allclose(np.asarray(got)[0], _grpo_norm(np.array([1.01, -0.95, 1.2])),
                              rtol=1e-5)
-  pop = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), alpha=0.1, std="population")
+  pop = algorithms.Cde(alpha=0.1, std="population").advantages(adv.GroupBatch(r, s, v))
   np.testing.assert_allclose(np.asarray(pop)[0], _grpo_norm(np.array([1.01, -0.95, 1.2]), 0),
                              rtol=1e-5)
 
@@ -352,15 +431,15 @@ def test_cde_all_correct_group_keeps_its_bonus() -> None:
                 [-0.5, -0.4, -1.0, -2.0, -0.7]], np.float32)
   r = np.array([[1] * 5, [0] * 5, [1] * 5], np.float32)
   v = np.ones_like(r, bool)
-  got = np.asarray(adv.compute_advantages("cde", adv.GroupBatch(r, s, v), total_steps=10))
+  got = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), total_steps=10))
   bonus = np.array([0.05, 0.3, 0.1, 0.2, 1 / 3])
   np.testing.assert_allclose(got[0], _grpo_norm(1 + bonus), rtol=1e-4)
   np.testing.assert_allclose(got[1], _grpo_norm(-1 + bonus), rtol=1e-4)
   for q in (0, 1):  # the order of the advantages is the reverse order of s
     np.testing.assert_array_equal(np.argsort(got[q]), np.argsort(-s[q]))
   assert (got[2] == 0).all()  # every bonus capped: all r~ equal
-  late = np.asarray(adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=5,
-                                           total_steps=10))
+  late = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=5,
+                                                total_steps=10))
   assert (late == 0).all()  # omega = 0: r~ = r, uniform groups are degenerate
 
 
@@ -373,12 +452,12 @@ def test_cde_shaped_reward_against_numpy() -> None:
   v = np.ones_like(c, bool)
   batch = adv.GroupBatch(c + penalty, s, v, correct_QG=c)
   r = np.array([1, 0.5, -1, -2, 0.75, -1])  # by hand
-  late = np.asarray(adv.compute_advantages("cde", batch, step=1, total_steps=2))[0]
+  late = np.asarray(algorithms.Cde().advantages(batch, step=1, total_steps=2))[0]
   np.testing.assert_allclose(late, _grpo_norm(r), rtol=1e-5)
   # First half: bonus min(|r| / 3, -s) = [0.2, 1/6, 0.1, 0.05, 0.25, 1/3].
   bonus = np.array([0.2, 1 / 6, 0.1, 0.05, 0.25, 1 / 3])
   np.testing.assert_allclose(np.minimum(np.abs(r) / 3, -s[0]), bonus, rtol=1e-6)
-  early = np.asarray(adv.compute_advantages("cde", batch, step=0, total_steps=2))[0]
+  early = np.asarray(algorithms.Cde().advantages(batch, step=0, total_steps=2))[0]
   np.testing.assert_allclose(early, _grpo_norm(r + bonus), rtol=1e-5)
 
 
@@ -394,8 +473,7 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
   for score, conv in (("mean_logprob", lambda x: x), ("neg_ppl", lambda x: -np.exp(-x))):
     z = conv(s)
     tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
-    got = adv.compute_advantages("capo", adv.GroupBatch(r, s, v), score=score,
-                                 adaptive_tau=0.5)
+    got = algorithms.Capo(score=score, adaptive_tau=0.5).advantages(adv.GroupBatch(r, s, v))
     np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5,
                                atol=1e-6)
   # No spread anywhere: adaptive tau falls back to the fixed tau.
@@ -405,9 +483,9 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
 
 def test_entry_point_is_jittable_with_traced_step() -> None:
   r, s, v = _random_batch(seed=21, p_valid=1.0)
-  fn = jax.jit(lambda r, s, v, step: adv.compute_advantages(
-      "cde", adv.GroupBatch(r, s, v), step=step, total_steps=100))
-  eager0 = adv.compute_advantages("cde", adv.GroupBatch(r, s, v), step=0, total_steps=100)
+  fn = jax.jit(lambda r, s, v, step: algorithms.Cde().advantages(
+      adv.GroupBatch(r, s, v), step=step, total_steps=100))
+  eager0 = algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=0, total_steps=100)
   np.testing.assert_allclose(np.asarray(fn(r, s, v, 0)), np.asarray(eager0), rtol=1e-6)
   late = np.asarray(fn(r, s, v, 60))
   np.testing.assert_allclose(late, np.asarray(adv.grpo(2 * r - 1, v)), rtol=1e-5, atol=1e-6)
@@ -418,13 +496,13 @@ def test_bad_inputs_raise_clear_errors() -> None:
   s = np.zeros((1, 2), np.float32)
   v = np.ones((1, 2), bool)
   with pytest.raises(ValueError, match=r"rewards_QG\[0, 1\] = 0.5"):
-    adv.compute_advantages("grpo", adv.GroupBatch(r, s, v))
-  with pytest.raises(ValueError, match="unknown advantage estimator 'ppo'"):
-    adv.compute_advantages("ppo", adv.GroupBatch(r, s, v))
-  with pytest.raises(ValueError, match=r"unknown hyper-parameter\(s\) \['temperature'\]"):
-    adv.compute_advantages("capo", adv.GroupBatch(np.ones((1, 2)), s, v), temperature=0.5)
+    algorithms.Grpo().advantages(adv.GroupBatch(r, s, v))
+  with pytest.raises(ValueError, match="unknown algorithm 'ppo'"):
+    algorithms.algorithm("ppo")
+  with pytest.raises(TypeError, match="unexpected keyword argument 'temperature'"):
+    algorithms.Capo(temperature=0.5)  # pylint: disable=unexpected-keyword-arg
   with pytest.raises(ValueError, match="one shape"):
-    adv.compute_advantages("grpo", adv.GroupBatch(np.ones((1, 3)), s, v))
+    algorithms.Grpo().advantages(adv.GroupBatch(np.ones((1, 3)), s, v))
   with pytest.raises(ValueError, match="norm='mean'"):
     adv.capo(np.ones((1, 2)), s, v, tau=0.6, norm="mean")
   with pytest.raises(ValueError, match="tau must be > 0"):
@@ -447,7 +525,7 @@ def test_score_rollout_is_one_program_matching_numpy(mode: str) -> None:
   assert noisy.any() and (~noisy).any()
   ones = np.ones(r.shape, bool)
   v, u = (ones, ~noisy) if mode == "partner" else (~noisy, ~noisy)
-  spec = rollout.AdvantageSpec(algo="capo", hparams=(("norm", "group"), ("tau", 0.6)),
+  spec = rollout.AdvantageSpec(estimator=algorithms.Capo(tau=0.6, norm="group"),
                                noise_mask=True, mask_mode=mode, num_steps=10)
   got, met = rollout.score_rollout(r.astype(np.float32), s, ref_s, 3, spec=spec)
   want = _capo_loop(r, s, v, u, 0.6)

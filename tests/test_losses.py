@@ -81,9 +81,9 @@ def _ppo_reference(batch: PolicyBatch, cfg: LossConfig):
 def test_ppo_loss_value_grad_and_aux_match_token_loop(agg: str) -> None:
   batch = _batch(seed=1, spread=0.4)
   cfg = LossConfig(agg=agg, max_len=12 if agg == "seq-mean-token-sum-norm" else None)
-  loss, aux = losses.policy_loss("ppo", batch, cfg)
-  grad = jax.jit(jax.grad(
-      lambda lp: losses.policy_loss("ppo", batch._replace(logp_BC=lp), cfg)[0]))(batch.logp_BC)
+  loss, aux = losses.policy_loss(losses.Ppo(), batch, cfg)
+  grad = jax.jit(jax.grad(lambda lp: losses.policy_loss(
+      losses.Ppo(), batch._replace(logp_BC=lp), cfg)[0]))(batch.logp_BC)
   want_loss, want_grad, low, high = _ppo_reference(batch, cfg)
   assert 0 < low and 0 < high  # the case exercises both clip sides
   np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
@@ -115,8 +115,8 @@ def test_dr_grpo_default_aggregation_is_its_own(agg: str, want: str) -> None:
   lens, adv = np.array([3, 16, 5]), np.array([1.0, -0.5, 2.0], np.float32)
   mask = (np.arange(16)[None] < lens[:, None]).astype(np.float32)
   logp = jnp.full(mask.shape, -0.7, jnp.float32)
-  loss, _ = losses.policy_loss("ppo", PolicyBatch(logp, logp, jnp.asarray(mask),
-                                                  jnp.asarray(adv)), cfg)
+  loss, _ = losses.policy_loss(losses.Ppo(), PolicyBatch(logp, logp, jnp.asarray(mask),
+                                                          jnp.asarray(adv)), cfg)
   by_hand = {"seq-mean-token-sum-norm": -(3 * 1 - 16 * 0.5 + 5 * 2) / (16 * 3),
              "seq-mean-token-mean": -(1 - 0.5 + 2) / 3,
              "token-mean": -(3 * 1 - 16 * 0.5 + 5 * 2) / 24}[want]
@@ -132,7 +132,7 @@ def test_padding_garbage_does_not_leak() -> None:
       old_logp_BC=jnp.where(pad, -jnp.inf, batch.old_logp_BC),
       ref_logp_BC=jnp.where(pad, jnp.inf, batch.ref_logp_BC))
   cfg = LossConfig(beta=0.1)
-  for kind in losses.KINDS:
+  for kind in (cls() for cls in losses.LOSSES.values()):
     f = lambda lp, b: losses.policy_loss(kind, b._replace(logp_BC=lp), cfg)[0]
     g_clean = jax.grad(f)(batch.logp_BC, batch)
     g_dirty = jax.grad(f)(dirty.logp_BC, dirty)
@@ -190,8 +190,8 @@ def test_kl_estimators_expected_gradients() -> None:
 @pytest.mark.parametrize("est", losses.KL_ESTIMATORS)
 def test_kl_term_in_policy_loss(est: str) -> None:
   batch = _batch(seed=3)
-  base, _ = losses.policy_loss("ppo", batch, LossConfig(kl_estimator=est))
-  loss, aux = losses.policy_loss("ppo", batch, LossConfig(beta=0.5, kl_estimator=est))
+  base, _ = losses.policy_loss(losses.Ppo(), batch, LossConfig(kl_estimator=est))
+  loss, aux = losses.policy_loss(losses.Ppo(), batch, LossConfig(beta=0.5, kl_estimator=est))
   m = np.asarray(batch.mask_BC) > 0
   r = (np.asarray(batch.ref_logp_BC, np.float64) - np.asarray(batch.logp_BC, np.float64))
   k = {"k1": -r, "k2": 0.5 * r**2, "k3": np.exp(r) - r - 1}[est]
@@ -203,7 +203,7 @@ def test_kl_term_in_policy_loss(est: str) -> None:
 def test_gspo_value_against_numpy() -> None:
   batch = _batch(seed=4, spread=2e-3)
   cfg = LossConfig()
-  loss, aux = losses.policy_loss("gspo", batch, cfg)
+  loss, aux = losses.policy_loss(losses.Gspo(), batch, cfg)
   m = np.asarray(batch.mask_BC) > 0
   d = np.asarray(batch.logp_BC, np.float64) - np.asarray(batch.old_logp_BC, np.float64)
   adv = np.asarray(batch.adv_B, np.float64)
@@ -220,21 +220,22 @@ def test_gspo_value_against_numpy() -> None:
 
 def test_gspo_and_simko_reduce_to_grpo() -> None:
   """GSPO with a very wide clip at theta = theta_old, SimKO with alpha = 0, lambda = 1."""
-  wide = LossConfig(eps_low=0.99, eps_high=1e6, gspo_eps_low=0.99, gspo_eps_high=1e6)
+  wide = LossConfig(eps_low=0.99, eps_high=1e6)
+  wide_gspo = losses.Gspo(eps_low=0.99, eps_high=1e6)
   onpolicy = _batch(seed=6)
   onpolicy = onpolicy._replace(logp_BC=onpolicy.old_logp_BC)
   grad = lambda kind, b, cfg: np.asarray(jax.grad(
       lambda lp: losses.policy_loss(kind, b._replace(logp_BC=lp), cfg)[0])(b.logp_BC))
-  np.testing.assert_allclose(grad("gspo", onpolicy, wide), grad("ppo", onpolicy, wide),
-                             rtol=1e-5, atol=1e-8)
-  np.testing.assert_allclose(float(losses.policy_loss("gspo", onpolicy, wide)[0]),
-                             float(losses.policy_loss("ppo", onpolicy, wide)[0]), rtol=1e-6)
+  np.testing.assert_allclose(grad(wide_gspo, onpolicy, wide),
+                             grad(losses.Ppo(), onpolicy, wide), rtol=1e-5, atol=1e-8)
+  np.testing.assert_allclose(float(losses.policy_loss(wide_gspo, onpolicy, wide)[0]),
+                             float(losses.policy_loss(losses.Ppo(), onpolicy, wide)[0]), rtol=1e-6)
   off = _batch(seed=6, spread=0.4)
-  plain = LossConfig(simko_alpha=0.0, simko_lambda=1.0)
-  for cfg in (plain, LossConfig(agg="token-mean", simko_alpha=0.0, simko_lambda=1.0)):
-    np.testing.assert_allclose(grad("simko", off, cfg), grad("ppo", off, cfg), rtol=1e-6)
-    np.testing.assert_allclose(float(losses.policy_loss("simko", off, cfg)[0]),
-                               float(losses.policy_loss("ppo", off, cfg)[0]), rtol=1e-6)
+  plain = losses.Simko(alpha=0.0, lam=1.0)
+  for cfg in (LossConfig(), LossConfig(agg="token-mean")):
+    np.testing.assert_allclose(grad(plain, off, cfg), grad(losses.Ppo(), off, cfg), rtol=1e-6)
+    np.testing.assert_allclose(float(losses.policy_loss(plain, off, cfg)[0]),
+                               float(losses.policy_loss(losses.Ppo(), off, cfg)[0]), rtol=1e-6)
 
 
 def test_forked_tokens_match_numpy_quantile() -> None:
@@ -254,8 +255,9 @@ def test_simko_gradient_split_by_hand() -> None:
   responses, g = aggregation weight. The loss value equals PPO's.
   """
   batch = _batch(seed=9, c=12, spread=0.05)
-  cfg = LossConfig(agg="token-mean", simko_alpha=0.3, simko_lambda=1.5)
-  f = lambda lp, tk: losses.policy_loss("simko", batch._replace(logp_BC=lp, topk_logp_BCJ=tk),
+  cfg = LossConfig(agg="token-mean")
+  simko = losses.Simko(alpha=0.3, lam=1.5)
+  f = lambda lp, tk: losses.policy_loss(simko, batch._replace(logp_BC=lp, topk_logp_BCJ=tk),
                                         cfg)[0]
   g_lp, g_tk = jax.jit(jax.grad(f, argnums=(0, 1)))(batch.logp_BC, batch.topk_logp_BCJ)
   m = np.asarray(batch.mask_BC) > 0
@@ -280,9 +282,9 @@ def test_simko_gradient_split_by_hand() -> None:
   np.testing.assert_allclose(np.asarray(g_tk), want_tk, rtol=1e-5, atol=1e-8)
   # SimKO changes the gradient of correct responses, not the loss value
   # (lambda does change the wrong ones' value, so compare with lambda = 1).
-  no_boost = LossConfig(agg="token-mean", simko_alpha=0.3, simko_lambda=1.0)
-  np.testing.assert_allclose(float(losses.policy_loss("simko", batch, no_boost)[0]),
-                             float(losses.policy_loss("ppo", batch, no_boost)[0]), rtol=1e-6)
+  no_boost = losses.Simko(alpha=0.3, lam=1.0)
+  np.testing.assert_allclose(float(losses.policy_loss(no_boost, batch, cfg)[0]),
+                             float(losses.policy_loss(losses.Ppo(), batch, cfg)[0]), rtol=1e-6)
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
@@ -293,16 +295,48 @@ def test_bad_inputs_raise_clear_errors() -> None:
     LossConfig(kl_estimator="k4")
   with pytest.raises(ValueError, match="eps_low"):
     LossConfig(eps_low=1.0)
-  with pytest.raises(ValueError, match="unknown policy loss kind 'grpo'"):
+  with pytest.raises(TypeError, match="loss must be a PolicyLoss.*got 'grpo'"):
     losses.policy_loss("grpo", batch)
   with pytest.raises(ValueError, match="needs PolicyBatch.ref_logp_BC"):
-    losses.policy_loss("ppo", batch._replace(ref_logp_BC=None), LossConfig(beta=0.1))
+    losses.policy_loss(losses.Ppo(), batch._replace(ref_logp_BC=None), LossConfig(beta=0.1))
   with pytest.raises(ValueError, match="PolicyBatch.correct_B is required"):
-    losses.policy_loss("simko", batch._replace(correct_B=None))
-  with pytest.raises(ValueError, match="simko_k=4"):
-    losses.policy_loss("simko", batch, LossConfig(simko_k=4))
+    losses.policy_loss(losses.Simko(), batch._replace(correct_B=None))
+  with pytest.raises(ValueError, match="Simko.k=4"):
+    losses.policy_loss(losses.Simko(k=4), batch)
   with pytest.raises(ValueError, match=r"adv_B has shape \(5,\)"):
-    losses.policy_loss("ppo", batch._replace(adv_B=batch.adv_B[:5]))
+    losses.policy_loss(losses.Ppo(), batch._replace(adv_B=batch.adv_B[:5]))
+  # Each loss checks its own fields, once, when it is built.
+  for bad, needle in ((lambda: losses.Gspo(eps_low=1.0), "Gspo.eps_low=1.0 must be < 1"),
+                      (lambda: losses.Gspo(eps_high=-1.0), "Gspo.eps_high=-1.0 must be >= 0"),
+                      (lambda: losses.Simko(alpha=-0.1), "Simko.alpha=-0.1 must be >= 0"),
+                      (lambda: losses.Simko(k=0), "Simko.k=0 must be >= 1"),
+                      (lambda: losses.Simko(quantile=1.5), r"Simko.quantile=1.5 must lie")):
+    with pytest.raises(ValueError, match=needle):
+      bad()
+
+
+def test_run_spec_builds_each_algorithms_loss_from_config_loss() -> None:
+  """config.loss's per-loss fields (gspo_*, simko_*) reach the loss classes' own fields,
+  the shared ones LossConfig; SimKO's K is also the old pass's top-K."""
+  c = common.shrink(common.get_base_config())
+  c.loss.eps_low, c.loss.eps_high, c.loss.beta = 0.1, 0.3, 0.01
+  c.loss.gspo_eps_low, c.loss.gspo_eps_high = 1e-4, 2e-4
+  c.loss.simko_alpha, c.loss.simko_k, c.loss.simko_lambda, c.loss.simko_quantile = \
+      0.02, 4, 1.3, 0.7
+  want = {"capo": losses.Ppo(), "grpo": losses.Ppo(), "dr_grpo": losses.Ppo(),
+          "codapo": losses.Ppo(), "cde": losses.Ppo(),
+          "gspo": losses.Gspo(eps_low=1e-4, eps_high=2e-4),
+          "simko": losses.Simko(alpha=0.02, k=4, lam=1.3, quantile=0.7)}
+  for name, loss in want.items():
+    c.algo.name = name
+    spec = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
+    tcfg = spec.train_config()
+    assert tcfg.policy_loss == loss and type(tcfg.policy_loss) is type(loss), name
+    assert (tcfg.loss.eps_low, tcfg.loss.eps_high, tcfg.loss.beta) == (0.1, 0.3, 0.01)
+    assert spec.simko_k == (4 if name == "simko" else 0)
+  c.loss.simko_k = 0  # checked by the class even when unused, named by the config section
+  with pytest.raises(spec_lib.ConfigError, match=r"config\.loss: Simko\.k=0 must be >= 1"):
+    spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
 
 
 # --------------------------------------------------------------------------
@@ -360,8 +394,8 @@ def test_policy_gradient_identity_on_tiny_qwen2() -> None:
 
   lens = np.asarray(mask_BC.sum(-1))
   row_w = {"seq-mean-token-mean": np.full(b, 1.0 / b), "token-mean": lens / lens.sum()}
-  cases = (("ppo", "seq-mean-token-mean"), ("gspo", "seq-mean-token-mean"),
-           ("ppo", "token-mean"))
+  cases = ((losses.Ppo(), "seq-mean-token-mean"), (losses.Gspo(), "seq-mean-token-mean"),
+           (losses.Ppo(), "token-mean"))
 
   @jax.jit
   def all_grads(prm):  # one compilation for every case keeps the test fast

@@ -35,6 +35,7 @@ from models.config import Qwen2Config
 RHO_BC = np.array([[0.25, 1.0, 3.0, 27.0], [0.4, 1.5, 100.0, 100.0]])
 MASK_BC = np.array([[1, 1, 1, 1], [1, 1, 0, 0]], np.int32)
 ADV_B = np.array([2.0, -1.0], np.float32)
+PPO = losses.Ppo()  # the clipped surrogate the corrected weights enter
 SEQ1, GEO1 = 0.6, math.sqrt(0.6)  # row 1's sequence (product) and geometric rho
 ONE_SIDED = "/one-sided"  # a _HAND key suffix: the MIS correction with mis_two_sided=False
 
@@ -202,7 +203,7 @@ def _corrected_batch(correction: str, mask_truncated: bool = False, truncated=(F
 @pytest.mark.parametrize("correction,agg", [(c, a) for c in _LOSS for a in _LOSS[c]])
 def test_corrected_loss_matches_hand_computation(correction, agg):
   batch = _corrected_batch(correction)
-  loss, aux = losses.policy_loss("ppo", batch, LossConfig(agg=agg, max_len=4))
+  loss, aux = losses.policy_loss(PPO, batch, LossConfig(agg=agg, max_len=4))
   assert float(loss) == pytest.approx(_LOSS[correction][agg], rel=1e-5)
   assert float(aux["clip_frac"]) == 0.0
 
@@ -212,12 +213,12 @@ def test_rejected_tokens_leave_the_gradient_and_the_weight_is_detached():
   kept tokens (ratio 1), 0 on rejected ones; no gradient reaches w."""
   batch = _corrected_batch("icepop")
   cfg = LossConfig()
-  grad = jax.grad(lambda lp: losses.policy_loss("ppo", batch._replace(logp_BC=lp), cfg)[0])(
+  grad = jax.grad(lambda lp: losses.policy_loss(PPO, batch._replace(logp_BC=lp), cfg)[0])(
       batch.logp_BC)
   want = [[0, -(1 / 2) * (1 / 2) * 2 * 1, -(1 / 2) * (1 / 2) * 2 * 3, 0],
           [0, -(1 / 2) * (1 / 1) * -1 * 1.5, 0, 0]]
   np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
-  g_w = jax.grad(lambda w: losses.policy_loss("ppo", batch._replace(is_weight_BC=w), cfg)[0])(
+  g_w = jax.grad(lambda w: losses.policy_loss(PPO, batch._replace(is_weight_BC=w), cfg)[0])(
       batch.is_weight_BC)
   assert not np.asarray(g_w).any()
 
@@ -228,10 +229,10 @@ def test_rejected_tokens_leave_the_gradient_and_the_weight_is_detached():
     ("token-mean", -(-1.0 * 2) / 2)])
 def test_mask_truncated_drops_the_row_from_numerator_and_denominator(agg, want):
   batch = _corrected_batch("none", mask_truncated=True, truncated=(True, False))
-  assert float(losses.policy_loss("ppo", batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
+  assert float(losses.policy_loss(PPO, batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
   # Without the flag, the same batch is the "none" row of the table.
   plain = _corrected_batch("none", mask_truncated=False, truncated=(True, False))
-  assert float(losses.policy_loss("ppo", plain, LossConfig(agg=agg))[0]) == pytest.approx(
+  assert float(losses.policy_loss(PPO, plain, LossConfig(agg=agg))[0]) == pytest.approx(
       _LOSS["none"][agg])
 
 
@@ -249,7 +250,7 @@ def test_mask_truncated_three_rows_by_hand():
   batch = PolicyBatch(logp, logp, seqs.completion_mask_BC, seqs.adv_B)
   for agg, want in (("seq-mean-token-mean", -(-1.0 + 0.5) / 2),
                     ("token-mean", -(-1.0 * 2 + 0.5 * 3) / 5)):
-    assert float(losses.policy_loss("ppo", batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
+    assert float(losses.policy_loss(PPO, batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
 
 
 def test_metrics_match_numpy():

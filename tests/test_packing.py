@@ -113,9 +113,9 @@ def test_every_loss_and_gradient_packed_equals_unpacked(setup):
   vjps = {packed: jax.vjp(jax.jit(lambda p, packed=packed: _stats(p, b, packed)), params)
           for packed in (False, True)}
   apply = jax.jit(lambda vjp, cot: vjp(cot)[0])  # one backward compile per layout
-  for agg, kind in itertools.product(losses.AGGS, losses.KINDS):
-    tcfg = ts.TrainConfig(loss_kind=kind, loss=losses.LossConfig(agg=agg, beta=0.05,
-                                                                 simko_k=J))
+  kinds = (losses.Ppo(), losses.Gspo(), losses.Simko(k=J))
+  for agg, kind in itertools.product(losses.AGGS, kinds):
+    tcfg = ts.TrainConfig(policy_loss=kind, loss=losses.LossConfig(agg=agg, beta=0.05))
     loss_of = lambda lp: losses.policy_loss(kind, ts.policy_batch(lp, b.seqs(), tcfg), tcfg.loss)[0]
     results = []
     for packed in (False, True):
@@ -151,8 +151,7 @@ def _two_steps(params, batch, tcfg, mesh, pack: bool, rows_per_microbatch: int,
 def test_two_training_steps_packed_equal_unpacked(setup):
   params, batch = setup
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  base = ts.TrainConfig(loss_kind="simko", loss=losses.LossConfig(agg="token-mean",
-                                                                  simko_k=J),
+  base = ts.TrainConfig(policy_loss=losses.Simko(k=J), loss=losses.LossConfig(agg="token-mean"),
                         # eps 1e-4: Adam's 1 / sqrt(v) would blow float noise in
                         # near-zero gradients up to a full step of lr.
                         optim=OptimConfig(learning_rate=1e-3, eps=1e-4))
@@ -210,7 +209,7 @@ def test_two_lora_capo_steps_packed_equal_unpacked(setup):
   params, batch = setup
   lcfg, adapters = _lora(params)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  tcfg = ts.TrainConfig(loss_kind="ppo", lora=lcfg,
+  tcfg = ts.TrainConfig(policy_loss=losses.Ppo(), lora=lcfg,
                         optim=OptimConfig(learning_rate=1e-3, eps=1e-4))
   p0, m0 = _two_steps(params, batch, tcfg, mesh, pack=False, rows_per_microbatch=B // 2,
                       base=adapters, cfg=CFG)

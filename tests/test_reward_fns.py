@@ -13,6 +13,7 @@ import pytest
 from capo_jax.data import example_rewards, reward_fns, rewards
 from capo_jax.data.datasets import Example
 from capo_jax.rl import advantages as adv
+from capo_jax.rl import algorithms
 from capo_jax.run import spec as spec_lib
 from configs import common
 
@@ -302,7 +303,7 @@ V = np.ones(R.shape, bool)
 
 def test_grpo_reads_the_scalar_reward_capo_the_labels() -> None:
   batch = adv.GroupBatch(R, S, V, correct_QG=C)
-  got = np.asarray(adv.compute_advantages("grpo", batch))
+  got = np.asarray(algorithms.Grpo().advantages(batch))
   # Hand-computed: row 0 mean 0.65, unbiased std sqrt((.55^2 + .45^2 * 2 + .35^2) / 3);
   # row 1: all wrong but the rewards differ, so not degenerate; row 2: equal rewards -> 0.
   want = np.zeros(R.shape)
@@ -311,26 +312,26 @@ def test_grpo_reads_the_scalar_reward_capo_the_labels() -> None:
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got[0], np.array([.55, -.45, -.45, .35]) / (
       np.sqrt((.55**2 + .45**2 * 2 + .35**2) / 3) + 1e-6), rtol=1e-5)
-  capo = np.asarray(adv.compute_advantages("capo", batch, tau=0.6))
+  capo = np.asarray(algorithms.Capo(tau=0.6).advantages(batch))
   np.testing.assert_allclose(capo, np.asarray(adv.capo(C, S, V, tau=0.6)), rtol=1e-6)
   assert (capo[1] == 0).all() and (capo[2] != 0).all()  # pairs exist only where C is mixed
   # CoDaPO's accuracy reads the labels: d = 1/2 on row 0 (w = 1).
-  codapo = np.asarray(adv.compute_advantages("codapo", batch))
+  codapo = np.asarray(algorithms.Codapo().advantages(batch))
   np.testing.assert_allclose(codapo[0], want[0] * (np.exp(S[0].mean()) + 0.1), rtol=1e-5)
 
 
 @pytest.mark.parametrize("method", ["grpo", "dr_grpo", "capo", "codapo", "cde", "gspo"])
 def test_labels_equal_to_binary_rewards_change_nothing(method: str) -> None:
-  hp = {"capo": {"tau": 0.6}}.get(method, {})
-  plain = adv.compute_advantages(method, adv.GroupBatch(C, S, V), **hp)
-  split = adv.compute_advantages(method, adv.GroupBatch(C, S, V, correct_QG=C), **hp)
+  est = algorithms.ALGORITHMS[method].estimator(**{"capo": {"tau": 0.6}}.get(method, {}))
+  plain = est.advantages(adv.GroupBatch(C, S, V))
+  split = est.advantages(adv.GroupBatch(C, S, V, correct_QG=C))
   np.testing.assert_array_equal(np.asarray(plain), np.asarray(split))
 
 
 def test_score_rollout_masks_and_pairs_on_the_labels() -> None:
   from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
   ref_s = np.log(np.array([[1 / 3.0, 1.0, 1.0, 1.0], [1.0] * 4, [1.0] * 4], np.float32))
-  spec = rollout.AdvantageSpec(algo="capo", hparams=(("tau", 0.6),), noise_mask=True)
+  spec = rollout.AdvantageSpec(estimator=algorithms.Capo(tau=0.6), noise_mask=True)
   got, met = rollout.score_rollout(R, S, ref_s, 0, spec=spec, correct_QG=C)
   # Row 0, sample 0: correct with reference perplexity 3 > 2.5 -> masked (partner mode);
   # wrong samples all have perplexity 1 < 1.05 -> masked too.
@@ -339,4 +340,4 @@ def test_score_rollout_masks_and_pairs_on_the_labels() -> None:
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-6)
   np.testing.assert_allclose(float(met["masked_frac"]), noisy.mean(), rtol=1e-6)
   with pytest.raises(ValueError, match=r"correct_QG must be 0 or 1"):
-    adv.compute_advantages("grpo", adv.GroupBatch(R, S, V, correct_QG=R))
+    algorithms.Grpo().advantages(adv.GroupBatch(R, S, V, correct_QG=R))

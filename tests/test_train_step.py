@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from batches import HostBatch, padded_pass, run_pass
+from capo_jax.rl import losses
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.rl.losses import LossConfig
@@ -240,7 +241,7 @@ def test_bfloat16_gradient_equals_the_cast_up_front_gradient(data):
 
 def test_simko_needs_old_topk_and_runs(data):
   params, batch, _ = data
-  tcfg = ts.TrainConfig(loss_kind="simko")
+  tcfg = ts.TrainConfig(policy_loss=losses.Simko())
   with pytest.raises(ValueError, match="old_topk_ids_BCJ|correct_B"):
     ts.loss_and_grads(params, batch.train_batch(B), CFG, tcfg)
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])

@@ -3,6 +3,8 @@
 Every estimator is written for one group (one question's G samples, [G] -> [G])
 and lifted over questions with `jax.vmap`; the public functions take and return
 [Q, G] arrays. Equations: ``docs/algorithms.md``, "Advantages" and "Noise mask".
+``capo_jax.rl.algorithms`` wraps each in a typed estimator (``Capo(tau=0.6)``) and
+names the algorithms.
 
 Two masks (design). A row of a group can be
   * valid: it exists and takes part in the group: it is a pair partner for
@@ -36,8 +38,6 @@ The score ``s_QG`` is each response's mean token log-prob under the old policy
 from __future__ import annotations
 
 import dataclasses
-import inspect
-from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -60,7 +60,7 @@ class GroupBatch:
   Attributes:
     rewards_QG: rewards: binary, or any finite scalar when ``correct_QG`` is given.
     s_QG: the score s of each response: its mean token log-prob under the old
-      policy. CAPO converts it with its ``score`` hparam; CoDaPO and CDE use s
+      policy. CAPO converts it with its ``score`` field; CoDaPO and CDE use s
       itself, as their papers do.
     valid_QG: rows that exist and act as partners (see ``split_masks``).
     receive_QG: rows allowed a non-zero advantage (None: the valid ones).
@@ -71,6 +71,26 @@ class GroupBatch:
   valid_QG: Array
   receive_QG: Array | None = None
   correct_QG: Array | None = None
+
+  def __post_init__(self) -> None:
+    """One [Q, G] shape; concrete inputs (not traced) also need binary labels and finite
+    rewards on the valid rows."""
+    arrays = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+    shapes = {k: np.shape(a) for k, a in arrays.items() if a is not None}
+    if len(set(shapes.values())) != 1 or len(shapes["rewards_QG"]) != 2:
+      raise ValueError(f"GroupBatch: inputs must all have one shape [Q, G]; got {shapes}")
+    r, v = self.labels_QG, self.valid_QG
+    label = "rewards_QG" if self.correct_QG is None else "correct_QG"
+    if any(isinstance(a, jax.core.Tracer) for a in (r, v, self.rewards_QG)):
+      return
+    v = np.asarray(v).astype(bool)
+    for what, arr, bad in (
+        (f"{label} must be 0 or 1", r, ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
+        ("rewards_QG must be finite", self.rewards_QG, ~np.isfinite(self.rewards_QG) & v)):
+      if bad.any():
+        q, g = np.argwhere(bad)[0]
+        raise ValueError(f"GroupBatch: {what}; {what.split()[0]}[{q}, {g}] = "
+                         f"{np.asarray(arr)[q, g]}")
 
   @property
   def labels_QG(self) -> Array:
@@ -107,7 +127,8 @@ def _masked_mean_std(x_G: Array, v_G: Array, ddof: int = 0) -> tuple[Array, Arra
   return mean, jnp.sqrt(sq / jnp.maximum(v_G.sum() - ddof, 1))
 
 
-def _ddof(std: str, where: str) -> int:
+def std_ddof(std: str, where: str) -> int:
+  """The ddof of GRPO's std ``std`` (``STDS``); an error naming ``where`` otherwise."""
   if std not in STDS:
     raise ValueError(f"{where}: std={std!r} is not one of {STDS}")
   return 1 if std == "unbiased" else 0
@@ -195,7 +216,7 @@ def grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None,
   "unbiased" (ddof 1, verl's torch.std) or "population" (ddof 0)."""
   v, u = _receive(valid_QG, receive_QG)
   return jax.vmap(_grpo_group, in_axes=(0, 0, 0, None, None))(
-      _float(rewards_QG), v, u, eps, _ddof(std, "grpo"))
+      _float(rewards_QG), v, u, eps, std_ddof(std, "grpo"))
 
 
 def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None) -> Array:
@@ -243,7 +264,7 @@ def codapo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *,
   v, u = _receive(valid_QG, receive_QG)
   c = _float(rewards_QG if correct_QG is None else correct_QG)
   return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, 0, None, None))(
-      _float(rewards_QG), c, _float(s_QG), v, u, eps, _ddof(std, "codapo"))
+      _float(rewards_QG), c, _float(s_QG), v, u, eps, std_ddof(std, "codapo"))
 
 
 def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
@@ -263,7 +284,7 @@ def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array
   degenerate only when its r~ are all equal: an all-correct group whose bonuses differ
   keeps its advantages, the less confident samples up.
   """
-  ddof = _ddof(params.std, "cde")
+  ddof = std_ddof(params.std, "cde")
   v, u = _receive(valid_QG, receive_QG)
   c = _float(rewards_QG if correct_QG is None else correct_QG)
   kernel = lambda r, cc, s, vv, uu, w: _cde_group(r, cc, s, vv, uu, w, params, ddof)
@@ -347,115 +368,3 @@ def adaptive_tau_value(s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale
   """`scale * score_spread(...)`; `fallback` when the batch has no spread (all degenerate)."""
   spread = score_spread(s_QG, rewards_QG, valid_QG)
   return jnp.where(spread > 0, scale * spread, fallback)
-
-
-# --- Registry and the trainer's entry point. ---
-# Entries share one signature: (batch, step, total_steps, **hparams); hparams
-# are keyword-only and checked by name.
-
-
-def _grpo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS,
-                std: str = "unbiased") -> Array:
-  del step, total
-  return grpo(b.rewards_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps, std=std)
-
-
-def _dr_grpo_entry(b: GroupBatch, step: Any, total: Any) -> Array:
-  del step, total
-  return dr_grpo(b.rewards_QG, b.valid_QG, receive_QG=b.receive_QG)
-
-
-def _capo_entry(b: GroupBatch, step: Any, total: Any, *, tau: float = 0.6,
-                norm: str = "group", score: str = "mean_logprob",
-                adaptive_tau: float = 0.0) -> Array:
-  del step, total
-  s = to_score(b.s_QG, score)
-  if adaptive_tau > 0:  # tau = c * the batch's within-group spread of the score
-    tau = adaptive_tau_value(s, b.labels_QG, b.valid_QG, scale=adaptive_tau, fallback=tau)
-  return capo(b.labels_QG, s, b.valid_QG, tau=tau, norm=norm, receive_QG=b.receive_QG)
-
-
-def _codapo_entry(b: GroupBatch, step: Any, total: Any, *, eps: float = GRPO_EPS,
-                  std: str = "unbiased") -> Array:
-  del step, total
-  return codapo(b.rewards_QG, b.s_QG, b.valid_QG, receive_QG=b.receive_QG, eps=eps, std=std,
-                correct_QG=b.correct_QG)
-
-
-def _cde_entry(b: GroupBatch, step: Any, total: Any, *, kappa: float = 3.0,
-               alpha: float = 1.0, omega: float = 1.0, eps: float = GRPO_EPS,
-               std: str = "unbiased") -> Array:
-  return cde(b.rewards_QG, b.s_QG, b.valid_QG, omega=omega * cde_omega(step, total),
-             params=CdeParams(kappa=kappa, alpha=alpha, eps=eps, std=std),
-             receive_QG=b.receive_QG, correct_QG=b.correct_QG)
-
-
-ADVANTAGES: dict[str, Callable[..., Array]] = {
-    "grpo": _grpo_entry,
-    "dr_grpo": _dr_grpo_entry,
-    "capo": _capo_entry,
-    "codapo": _codapo_entry,
-    "cde": _cde_entry,
-    # GSPO and SimKO differ from GRPO in the loss only.
-    "gspo": _grpo_entry,
-    "simko": _grpo_entry,
-}
-
-
-def hparam_names(name: str) -> tuple[str, ...]:
-  """The hyper-parameters estimator `name` accepts."""
-  params = inspect.signature(_lookup(name)).parameters.values()
-  return tuple(p.name for p in params if p.kind is inspect.Parameter.KEYWORD_ONLY)
-
-
-def _lookup(name: str) -> Callable[..., Array]:
-  if name not in ADVANTAGES:
-    raise ValueError(f"unknown advantage estimator {name!r}; known: {sorted(ADVANTAGES)}")
-  return ADVANTAGES[name]
-
-
-def _check_inputs(name: str, batch: GroupBatch) -> None:
-  arrays = {f.name: getattr(batch, f.name) for f in dataclasses.fields(batch)}
-  shapes = {k: np.shape(a) for k, a in arrays.items() if a is not None}
-  if len(set(shapes.values())) != 1 or len(shapes["rewards_QG"]) != 2:
-    raise ValueError(f"{name}: inputs must all have one shape [Q, G]; got {shapes}")
-  r, v = batch.labels_QG, batch.valid_QG
-  label = "rewards_QG" if batch.correct_QG is None else "correct_QG"
-  if not any(isinstance(a, jax.core.Tracer) for a in (r, v, batch.rewards_QG)):
-    v = np.asarray(v).astype(bool)
-    for what, bad in ((f"{label} must be 0 or 1", ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
-                      ("rewards_QG must be finite", ~np.isfinite(batch.rewards_QG) & v)):
-      if bad.any():
-        q, g = np.argwhere(bad)[0]
-        arr = np.asarray(r if "0 or 1" in what else batch.rewards_QG)
-        raise ValueError(f"{name}: {what}; {what.split()[0]}[{q}, {g}] = {arr[q, g]}")
-
-
-def compute_advantages(name: str, batch: GroupBatch, *, step: int | Array = 0,
-                       total_steps: int | Array = 1, **hparams: Any) -> Array:
-  """The trainer's entry point: advantages of estimator `name` ([Q, G] -> [Q, G]).
-
-  Args:
-    name: a key of `ADVANTAGES` ("grpo", "dr_grpo", "capo", "codapo", "cde",
-      "gspo", "simko").
-    batch: the groups' rewards, scores and masks.
-    step: training step (CDE's omega schedule).
-    total_steps: planned number of training steps (CDE).
-    **hparams: the estimator's hyper-parameters (`hparam_names(name)`), e.g.
-      capo: tau=0.6, norm="group", score="mean_logprob", adaptive_tau=0.0
-      (> 0: tau = adaptive_tau * `score_spread` of the batch, off by default);
-      cde: kappa=3, alpha=1, omega=1 (the first half's bonus weight); every estimator
-      with GRPO's normalisation (grpo, gspo, simko, codapo, cde): std="unbiased" or
-      "population".
-
-  Returns:
-    adv_QG (float32 unless given float64), exactly 0 on non-receiving rows
-    and degenerate groups.
-  """
-  fn = _lookup(name)
-  unknown = set(hparams) - set(hparam_names(name))
-  if unknown:
-    raise ValueError(f"advantage {name!r}: unknown hyper-parameter(s) {sorted(unknown)}; "
-                     f"accepted: {list(hparam_names(name))}")
-  _check_inputs(name, batch)
-  return fn(batch, step, total_steps, **hparams)

@@ -1,9 +1,11 @@
 """Policy losses: the PPO-style clipped surrogate, GSPO and SimKO, plus KL.
 
 Inputs are per-token arrays over the completion (axis C), rows B = Q * G.
-`policy_loss(kind, batch, cfg)` is the one entry point; `kind` is "ppo"
-(used by grpo, dr_grpo, capo, codapo and cde), "gspo" or "simko". Every loss
-returns `(loss, aux)` with aux a flat dict of scalars for logging.
+Each loss is a frozen dataclass of its own hyper-parameters (``Ppo()``,
+``Gspo(eps_low=3e-4, eps_high=4e-4)``, ``Simko(alpha, k, lam, quantile)``); the
+settings they share (PPO's clip, aggregation, KL) are one ``LossConfig``.
+`policy_loss(loss, batch, cfg)` is the one entry point; it returns `(loss, aux)`
+with aux a flat dict of scalars for logging.
 
 Conventions (the equations: ``docs/algorithms.md``, "Policy losses"):
   * rho = exp(logp - old_logp); token objective
@@ -23,6 +25,7 @@ Conventions (the equations: ``docs/algorithms.md``, "Policy losses"):
 
 from __future__ import annotations
 
+import abc
 import dataclasses
 from typing import NamedTuple
 
@@ -34,7 +37,6 @@ from capo_jax.types import Array
 
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
 KL_ESTIMATORS = ("k1", "k2", "k3")
-KINDS = ("ppo", "gspo", "simko")
 
 
 class PolicyBatch(NamedTuple):
@@ -68,22 +70,25 @@ class PolicyBatch(NamedTuple):
   is_weight_BC: Array | None = None
 
 
+def _check_clip(where: str, eps_low: float, eps_high: float) -> None:
+  for name, eps in (("eps_low", eps_low), ("eps_high", eps_high)):
+    if eps < 0:
+      raise ValueError(f"{where}.{name}={eps} must be >= 0")
+  if eps_low >= 1:
+    raise ValueError(f"{where}.eps_low={eps_low} must be < 1 (the ratio's lower clip bound "
+                     "1 - eps must stay positive)")
+
+
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Hyper-parameters of the policy losses; the defaults are the papers' (eps 0.2 for
-  PPO; GSPO's 3e-4 / 4e-4; SimKO's alpha 0.01, K 3, lambda 1.1, 0.8 entropy quantile)."""
+  """The settings every policy loss shares: PPO's clip (eps 0.2; GSPO clips with its
+  own), the token aggregation and the KL term."""
   eps_low: float = 0.2
   eps_high: float = 0.2
   agg: str = "seq-mean-token-mean"
   beta: float = 0.0
   kl_estimator: str = "k3"
   max_len: int | None = None  # seq-mean-token-sum-norm's constant; None: C
-  gspo_eps_low: float = 3e-4
-  gspo_eps_high: float = 4e-4
-  simko_alpha: float = 0.01
-  simko_k: int = 3
-  simko_lambda: float = 1.1
-  simko_quantile: float = 0.8
 
   def __post_init__(self) -> None:
     if self.agg not in AGGS:
@@ -91,21 +96,11 @@ class LossConfig:
     if self.kl_estimator not in KL_ESTIMATORS:
       raise ValueError(f"LossConfig.kl_estimator={self.kl_estimator!r} is not one of "
                        f"{KL_ESTIMATORS}")
-    for name in ("eps_low", "eps_high", "gspo_eps_low", "gspo_eps_high", "beta",
-                 "simko_alpha"):
-      if getattr(self, name) < 0:
-        raise ValueError(f"LossConfig.{name}={getattr(self, name)} must be >= 0")
-    if self.eps_low >= 1 or self.gspo_eps_low >= 1:
-      raise ValueError("LossConfig.eps_low / gspo_eps_low must be < 1 (the ratio's lower "
-                       f"clip bound 1 - eps must stay positive), got {self.eps_low}, "
-                       f"{self.gspo_eps_low}")
+    _check_clip("LossConfig", self.eps_low, self.eps_high)
+    if self.beta < 0:
+      raise ValueError(f"LossConfig.beta={self.beta} must be >= 0")
     if self.max_len is not None and self.max_len <= 0:
       raise ValueError(f"LossConfig.max_len={self.max_len} must be positive")
-    if self.simko_k < 1:
-      raise ValueError(f"LossConfig.simko_k={self.simko_k} must be >= 1")
-    if not 0.0 <= self.simko_quantile <= 1.0:
-      raise ValueError("LossConfig.simko_quantile="
-                       f"{self.simko_quantile} must lie in [0, 1]")
 
 
 # --------------------------------------------------------------------------
@@ -164,7 +159,7 @@ def _clipped(ratio_BC: Array, adv_BC: Array, mask_BC: Array, eps_low: float,
 
 
 def _common_aux(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
-  """KL penalty term and the logging shared by every kind."""
+  """KL penalty term and the logging shared by every loss."""
   mask = batch.mask_BC
   has_tokens_B = mask.sum(-1) > 0
   aux = {
@@ -195,23 +190,49 @@ def _weighted(adv_BC: Array, batch: PolicyBatch) -> Array:
 
 
 # --------------------------------------------------------------------------
-# The three kinds.
+# The three losses, each a frozen dataclass (hashable: part of the train step's static
+# configuration) of its own hyper-parameters, validated once here.
 # --------------------------------------------------------------------------
 
 
-def ppo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+class PolicyLoss(abc.ABC):
+  """A policy loss: subclasses are frozen dataclasses with one method, ``loss``."""
+
+  @property
+  def top_k(self) -> int:
+    """Candidates per position whose log-probs the loss reads (SimKO's K; 0: none)."""
+    return 0
+
+  @abc.abstractmethod
+  def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+    """The aggregated loss (no KL) and its logging, on padding-free inputs."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Ppo(PolicyLoss):
   """Token-level clipped surrogate (GRPO, Dr.GRPO, CAPO, CoDaPO, CDE)."""
-  ratio_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
-  adv_BC = _weighted(jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape), batch)
-  return _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
+
+  def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+    ratio_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
+    adv_BC = _weighted(jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape), batch)
+    return _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
 
 
-def gspo_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
-  """GSPO: one ratio per response, `exp(mean_t(logp - old_logp))`, clipped per response."""
-  log_ratio_B = masked_mean(batch.logp_BC - batch.old_logp_BC, batch.mask_BC, axis=-1)
-  ratio_BC = jnp.broadcast_to(jnp.exp(log_ratio_B)[:, None], batch.mask_BC.shape)
-  adv_BC = _weighted(jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape), batch)
-  return _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.gspo_eps_low, cfg.gspo_eps_high, cfg)
+@dataclasses.dataclass(frozen=True)
+class Gspo(PolicyLoss):
+  """GSPO: one ratio per response, `exp(mean_t(logp - old_logp))`, clipped per response
+  with its paper's eps (``LossConfig``'s PPO eps do not apply)."""
+  eps_low: float = 3e-4
+  eps_high: float = 4e-4
+
+  def __post_init__(self) -> None:
+    _check_clip("Gspo", self.eps_low, self.eps_high)
+
+  def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+    log_ratio_B = masked_mean(batch.logp_BC - batch.old_logp_BC, batch.mask_BC, axis=-1)
+    ratio_BC = jnp.broadcast_to(jnp.exp(log_ratio_B)[:, None], batch.mask_BC.shape)
+    adv_BC = _weighted(jnp.broadcast_to(batch.adv_B[:, None], ratio_BC.shape), batch)
+    return _clipped(ratio_BC, adv_BC, batch.mask_BC, self.eps_low, self.eps_high, cfg)
 
 
 def forked_tokens(entropy_BC: Array, mask_BC: Array, quantile: float) -> Array:
@@ -225,40 +246,64 @@ def forked_tokens(entropy_BC: Array, mask_BC: Array, quantile: float) -> Array:
   return m & (ent_BC > q_B[:, None])  # NaN threshold (empty row) -> False
 
 
-def simko_loss(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+@dataclasses.dataclass(frozen=True)
+class Simko(PolicyLoss):
   """SimKO: top-K lifted ratio on forked tokens of correct responses, lambda on the wrong ones.
 
-  For a correct response and a forked token the ratio becomes
-  `(1 - alpha) rho + (alpha / K) sum_k rho_k sg(rho / rho_k)`: its value is rho
-  but part of the gradient goes to the K most likely candidates. For a wrong
-  response, forked tokens whose sampled token is the argmax get their
-  advantage multiplied by lambda. Then the usual clipped loss.
+  For a correct response and a forked token (entropy above the response's ``quantile``)
+  the ratio becomes `(1 - alpha) rho + (alpha / K) sum_k rho_k sg(rho / rho_k)`: its
+  value is rho but part of the gradient goes to the K most likely candidates. For a
+  wrong response, forked tokens whose sampled token is the argmax get their advantage
+  multiplied by ``lam``. Then the usual clipped loss (``LossConfig``'s eps).
   """
-  for field in ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC",
-                "correct_B"):
-    if getattr(batch, field) is None:
-      raise ValueError(f"simko loss: PolicyBatch.{field} is required, got None")
-  k = batch.topk_logp_BCJ.shape[-1]
-  if k != cfg.simko_k or batch.old_topk_logp_BCJ.shape != batch.topk_logp_BCJ.shape:
-    raise ValueError(f"simko loss: topk_logp_BCJ {batch.topk_logp_BCJ.shape} and "
-                     f"old_topk_logp_BCJ {batch.old_topk_logp_BCJ.shape} must end in "
-                     f"LossConfig.simko_k={cfg.simko_k}")
-  rho_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
-  rho_BCJ = jnp.exp(batch.topk_logp_BCJ - batch.old_topk_logp_BCJ)
-  lifted_BC = (rho_BCJ * jax.lax.stop_gradient(rho_BC[..., None] / rho_BCJ)).mean(-1)
-  fork_BC = forked_tokens(batch.entropy_BC, batch.mask_BC, cfg.simko_quantile)
-  correct_B1 = batch.correct_B.astype(bool)[:, None]
-  alpha_BC = jnp.where(fork_BC & correct_B1, cfg.simko_alpha, 0.0)
-  ratio_BC = (1.0 - alpha_BC) * rho_BC + alpha_BC * lifted_BC
-  boost_BC = fork_BC & ~correct_B1 & batch.is_argmax_BC.astype(bool)
-  adv_BC = _weighted(batch.adv_B[:, None] * jnp.where(boost_BC, cfg.simko_lambda, 1.0), batch)
-  loss, aux = _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
-  aux["forked_frac"] = masked_mean(fork_BC.astype(rho_BC.dtype), batch.mask_BC)
-  aux["boosted_frac"] = masked_mean(boost_BC.astype(rho_BC.dtype), batch.mask_BC)
-  return loss, aux
+  alpha: float = 0.01
+  k: int = 3
+  lam: float = 1.1
+  quantile: float = 0.8
+
+  def __post_init__(self) -> None:
+    if self.alpha < 0:
+      raise ValueError(f"Simko.alpha={self.alpha} must be >= 0")
+    if self.k < 1:
+      raise ValueError(f"Simko.k={self.k} must be >= 1")
+    if not 0.0 <= self.quantile <= 1.0:
+      raise ValueError(f"Simko.quantile={self.quantile} must lie in [0, 1]")
+
+  @property
+  def top_k(self) -> int:
+    return self.k
+
+  def _check(self, batch: PolicyBatch) -> None:
+    for field in ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC",
+                  "correct_B"):
+      if getattr(batch, field) is None:
+        raise ValueError(f"Simko: PolicyBatch.{field} is required, got None (a train step "
+                         "fills it from Sequences.correct_B, old_topk_ids_BCJ and "
+                         "old_topk_logp_BCJ: the old pass's make_logprob_fn(top_k=Simko.k))")
+    if (batch.topk_logp_BCJ.shape[-1] != self.k
+        or batch.old_topk_logp_BCJ.shape != batch.topk_logp_BCJ.shape):
+      raise ValueError(f"Simko: topk_logp_BCJ {batch.topk_logp_BCJ.shape} and "
+                       f"old_topk_logp_BCJ {batch.old_topk_logp_BCJ.shape} must end in "
+                       f"Simko.k={self.k}")
+
+  def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+    self._check(batch)
+    rho_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
+    rho_BCJ = jnp.exp(batch.topk_logp_BCJ - batch.old_topk_logp_BCJ)
+    lifted_BC = (rho_BCJ * jax.lax.stop_gradient(rho_BC[..., None] / rho_BCJ)).mean(-1)
+    fork_BC = forked_tokens(batch.entropy_BC, batch.mask_BC, self.quantile)
+    correct_B1 = batch.correct_B.astype(bool)[:, None]
+    alpha_BC = jnp.where(fork_BC & correct_B1, self.alpha, 0.0)
+    ratio_BC = (1.0 - alpha_BC) * rho_BC + alpha_BC * lifted_BC
+    boost_BC = fork_BC & ~correct_B1 & batch.is_argmax_BC.astype(bool)
+    adv_BC = _weighted(batch.adv_B[:, None] * jnp.where(boost_BC, self.lam, 1.0), batch)
+    loss, aux = _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
+    aux["forked_frac"] = masked_mean(fork_BC.astype(rho_BC.dtype), batch.mask_BC)
+    aux["boosted_frac"] = masked_mean(boost_BC.astype(rho_BC.dtype), batch.mask_BC)
+    return loss, aux
 
 
-LOSSES = {"ppo": ppo_loss, "gspo": gspo_loss, "simko": simko_loss}
+LOSSES: dict[str, type[PolicyLoss]] = {"ppo": Ppo, "gspo": Gspo, "simko": Simko}
 
 
 def _check_batch(batch: PolicyBatch) -> None:
@@ -292,9 +337,9 @@ def _zero_padding(batch: PolicyBatch) -> PolicyBatch:
       old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ), is_weight_BC=fix(batch.is_weight_BC))
 
 
-def policy_loss(kind: str, batch: PolicyBatch,
+def policy_loss(loss: PolicyLoss, batch: PolicyBatch,
                 cfg: LossConfig = LossConfig()) -> tuple[Array, dict[str, Array]]:
-  """The policy loss of `kind` ("ppo", "gspo", "simko") plus beta * KL.
+  """The policy loss ``loss`` (``Ppo()``, ``Gspo()``, ``Simko()``) plus beta * KL.
 
   Returns:
     (loss, aux): loss is a scalar to minimise; aux holds clip fractions
@@ -304,11 +349,12 @@ def policy_loss(kind: str, batch: PolicyBatch,
     groups, noise-masked or invalid samples), token_frac, and for SimKO
     forked_frac and boosted_frac.
   """
-  if kind not in LOSSES:
-    raise ValueError(f"unknown policy loss kind {kind!r}; known: {KINDS}")
+  if not isinstance(loss, PolicyLoss):
+    raise TypeError(f"policy_loss: loss must be a PolicyLoss (one of "
+                    f"{[c.__name__ for c in LOSSES.values()]}), got {loss!r}")
   _check_batch(batch)
   batch = _zero_padding(batch)
-  loss, aux = LOSSES[kind](batch, cfg)
+  value, aux = loss.loss(batch, cfg)
   penalty, common = _common_aux(batch, cfg)
   aux.update(common)
-  return loss + penalty, aux
+  return value + penalty, aux

@@ -38,6 +38,7 @@ from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
 from capo_jax.masked import mean_logprob
 from capo_jax.rl import advantages
+from capo_jax.rl import algorithms
 from capo_jax.rl import dynamic_sampling
 from capo_jax.rl import mismatch
 from capo_jax.rl import packing
@@ -64,15 +65,13 @@ class AdvantageSpec:
   """The static half of ``score_rollout`` (hashable: a jit static argument).
 
   Attributes:
-    algo: the estimator (a key of ``advantages.ADVANTAGES``).
-    hparams: its hyper-parameters as sorted ``(name, value)`` pairs.
+    estimator: the advantage estimator with its hyper-parameters (``algorithms.Capo()``, ...).
     noise_mask: apply CAPO's noise mask (needs the reference's scores).
     mask_high, mask_low: reference-perplexity thresholds of the mask.
     mask_mode: "partner" or "drop" (``advantages.split_masks``).
     num_steps: the run's planned steps (CDE's bonus schedule).
   """
-  algo: str
-  hparams: tuple[tuple[str, Any], ...] = ()
+  estimator: algorithms.Estimator
   noise_mask: bool = False
   mask_high: float = 2.5
   mask_low: float = 1.05
@@ -96,7 +95,6 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
     (adv_QG, metrics): float32 advantages and scalar metrics ``s_spread``,
     ``adv_abs_mean`` and, with the mask, ``masked_frac{,_correct,_wrong}``.
   """
-  hparams = dict(spec.hparams)
   labels_QG = rewards_QG if correct_QG is None else correct_QG
   valid_QG = jnp.ones(rewards_QG.shape, bool)
   receive_QG = None
@@ -106,10 +104,10 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
                                      high=spec.mask_high, low=spec.mask_low)
     metrics.update(advantages.masked_fraction(noisy_QG, labels_QG, valid_QG))
     valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
-  adv_QG = advantages.compute_advantages(
-      spec.algo, advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG, correct_QG),
-      step=step, total_steps=spec.num_steps, **hparams)
-  score_QG = advantages.to_score(s_QG, hparams.get("score", "mean_logprob"))
+  adv_QG = spec.estimator.advantages(
+      advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG, correct_QG), step,
+      spec.num_steps)
+  score_QG = spec.estimator.confidence(s_QG)
   metrics["s_spread"] = advantages.score_spread(score_QG, labels_QG, valid_QG)
   metrics["adv_abs_mean"] = jnp.abs(adv_QG).mean()
   return adv_QG, metrics

@@ -9,7 +9,7 @@ Typical use::
 
   mesh = capo_jax.runtime.mesh.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   rules = capo_jax.runtime.mesh.TRAIN_RULES
-  tcfg = TrainConfig(loss_kind="ppo", optim=OptimConfig(learning_rate=1e-6))
+  tcfg = TrainConfig(policy_loss=losses.Ppo(), optim=OptimConfig(learning_rate=1e-6))
   state = create_train_state(model_cfg, tcfg, rng, mesh, rules)   # or from params
   layout = packing.plan_update(prompt, pmask, comp, cmask, packing.RowLayout(T, Y))
   step_fn = make_train_step(model_cfg, tcfg, mesh, rules, rows_per_microbatch=Y)
@@ -81,14 +81,15 @@ class TrainConfig:
   """What the step does; hashable (a static argument of the jitted step).
 
   Attributes:
-    loss_kind: "ppo" (GRPO, Dr.GRPO, CAPO, ...), "gspo" or "simko".
-    loss: the policy loss hyper-parameters (aggregation, clipping, KL).
+    policy_loss: ``losses.Ppo()`` (GRPO, Dr.GRPO, CAPO, ...), ``Gspo()`` or ``Simko()``,
+      with its own hyper-parameters.
+    loss: the settings every policy loss shares (aggregation, PPO's clip, KL).
     optim: optimizer and learning-rate schedule.
     logprob_chunk_size: completion positions per unembedding chunk (0: all).
     skip_nonfinite: keep the state when the loss or gradients are not finite.
     lora: train low-rank adapters on a frozen base (``models.lora``); None: all params.
   """
-  loss_kind: str = "ppo"
+  policy_loss: losses.PolicyLoss = losses.Ppo()
   loss: losses.LossConfig = losses.LossConfig()
   optim: OptimConfig = OptimConfig()
   logprob_chunk_size: int = 0
@@ -96,9 +97,9 @@ class TrainConfig:
   lora: lora_lib.LoraConfig | None = None
 
   def __post_init__(self) -> None:
-    if self.loss_kind not in losses.KINDS:
-      raise ValueError(f"TrainConfig.loss_kind={self.loss_kind!r} is not one of "
-                       f"{losses.KINDS}")
+    if not isinstance(self.policy_loss, losses.PolicyLoss):
+      raise TypeError(f"TrainConfig.policy_loss={self.policy_loss!r} is not a "
+                      "losses.PolicyLoss (Ppo(), Gspo(), Simko())")
     if self.logprob_chunk_size < 0:
       raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be "
                        ">= 0")
@@ -199,39 +200,30 @@ def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
                                 compute_params(params, model_cfg), tcfg.lora)
 
 
-def check_simko_inputs(seqs: Sequences, tcfg: TrainConfig) -> None:
-  if tcfg.loss_kind == "simko":
-    for field in ("correct_B", "old_topk_ids_BCJ", "old_topk_logp_BCJ"):
-      if getattr(seqs, field) is None:
-        raise ValueError(f"loss_kind='simko' needs Sequences.{field}; compute the old "
-                         "top-k with make_logprob_fn(top_k=LossConfig.simko_k)")
-
-
 def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig
                  ) -> losses.PolicyBatch:
   """The loss inputs from the current policy's per-token outputs ([B, C]) and the sequences."""
-  simko = tcfg.loss_kind == "simko"
+  top_k = tcfg.policy_loss.top_k > 0  # SimKO reads its top-K candidates and the labels
   return losses.PolicyBatch(
       logp_BC=lp["logp_BC"], old_logp_BC=seqs.old_logp_BC, mask_BC=seqs.completion_mask_BC,
       adv_B=seqs.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=seqs.ref_logp_BC,
-      topk_logp_BCJ=lp.get("topk_logp_BCJ") if simko else None,
-      old_topk_logp_BCJ=seqs.old_topk_logp_BCJ if simko else None,
-      is_argmax_BC=lp.get("is_argmax_BC") if simko else None,
-      correct_B=seqs.correct_B if simko else None, is_weight_BC=seqs.is_weight_BC)
+      topk_logp_BCJ=lp.get("topk_logp_BCJ") if top_k else None,
+      old_topk_logp_BCJ=seqs.old_topk_logp_BCJ if top_k else None,
+      is_argmax_BC=lp.get("is_argmax_BC") if top_k else None,
+      correct_B=seqs.correct_B if top_k else None, is_weight_BC=seqs.is_weight_BC)
 
 
 def microbatch_loss(params: Params, rows: ModelRows, index_BC: Array, seqs: Sequences,
                     model_cfg: Qwen2Config, tcfg: TrainConfig, base: Params | None = None
                     ) -> tuple[Array, dict[str, Array]]:
   """The policy loss of one micro-batch under ``params`` (one forward, no accumulation)."""
-  check_simko_inputs(seqs, tcfg)
-  if tcfg.loss_kind != "simko":
+  if not tcfg.policy_loss.top_k:
     rows = dataclasses.replace(rows, topk_ids_YZJ=None)
   lp = packed_token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg, rows,
                              chunk_size=tcfg.logprob_chunk_size)
   mask_BC = seqs.completion_mask_BC
   lp = {k.replace("_YZ", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
-  return losses.policy_loss(tcfg.loss_kind, policy_batch(lp, seqs, tcfg), tcfg.loss)
+  return losses.policy_loss(tcfg.policy_loss, policy_batch(lp, seqs, tcfg), tcfg.loss)
 
 
 def denominator_B(mask_BC: Array, agg: str) -> Array:

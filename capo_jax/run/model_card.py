@@ -12,6 +12,7 @@ the step-0 evaluation of the base policy beside it. A checkpoint uploaded with
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 import logging
@@ -86,7 +87,8 @@ def _front_matter(spec: RunSpec) -> str:
 
 
 def _run_rows(spec: RunSpec, workdir: str, step: int) -> list[tuple[str, str]]:
-  hp = ", ".join(f"{k}={v}" for k, v in sorted(spec.advantage_hparams().items()))
+  est = spec.estimator()
+  hp = ", ".join(f"{f.name}={getattr(est, f.name)}" for f in dataclasses.fields(est))
   method = f"{METHODS.get(spec.algo.name, spec.algo.name)}: `algo.name={spec.algo.name}`" + (
       f", {hp}" if hp else "") + (", noise mask on" if spec.uses_noise_mask else "")
   base = spec.model.hf_path or (f"random weights of preset `{spec.model.preset}`"

@@ -29,9 +29,11 @@ import ml_collections
 from capo_jax.data import reward_fns as reward_lib
 from capo_jax.data.prompts import PromptError, PromptFormat
 from capo_jax.rl import advantages
+from capo_jax.rl import algorithms
 from capo_jax.rl import losses
 from capo_jax.rl import mismatch
 from capo_jax.rl import rollout
+from capo_jax.rl.algorithms import ALGORITHMS
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
 from capo_jax.run.sections import (SECTIONS, TOP_LEVEL, Algo, Checkpoint, ConfigError, Data,
@@ -43,19 +45,36 @@ from capo_jax.runtime import model_files
 from models import hub, lora
 from models.config import PRESETS, Qwen2Config
 
-ALGORITHMS = ("capo", "grpo", "dr_grpo", "gspo", "codapo", "cde", "simko")
-# Which policy loss each algorithm trains with (advantages.py gives its advantage).
-LOSS_KIND = {"capo": "ppo", "grpo": "ppo", "dr_grpo": "ppo", "codapo": "ppo", "cde": "ppo",
-             "gspo": "gspo", "simko": "simko"}
-# loss.agg="auto": each algorithm's published token aggregation. SimKO's paper
-# aggregates with the token mean (DAPO's); Dr.GRPO divides each response's token sum by
-# a constant, rollout.max_new_tokens (its MAX_TOKENS); the others take GRPO's
-# per-sequence mean.
-DEFAULT_AGG = {"simko": "token-mean", "dr_grpo": "seq-mean-token-sum-norm"}
-
 log = logging.getLogger(__name__)
 # Estimators whose advantage reads only the binary label, never the shaped reward.
 PAIRS_ON_CORRECT = ("capo",)
+
+
+# The typed algorithms' fields from the config, whose names stay as they are (run files
+# and recorded config.json files use them). A class not listed takes its defaults.
+def _estimator_fields(a: Algo) -> dict[type[algorithms.Estimator], dict[str, Any]]:
+  return {
+      algorithms.Grpo: dict(std=a.std),
+      algorithms.Codapo: dict(std=a.std),
+      algorithms.Capo: dict(tau=a.tau, norm=a.norm, score=a.score, adaptive_tau=a.adaptive_tau),
+      algorithms.Cde: dict(kappa=a.cde_kappa, alpha=a.cde_alpha, omega=a.cde_omega, std=a.std),
+  }
+
+
+def _loss_fields(l: Loss) -> dict[type[losses.PolicyLoss], dict[str, Any]]:
+  return {
+      losses.Gspo: dict(eps_low=l.gspo_eps_low, eps_high=l.gspo_eps_high),
+      losses.Simko: dict(alpha=l.simko_alpha, k=l.simko_k, lam=l.simko_lambda,
+                         quantile=l.simko_quantile),
+  }
+
+
+def _build(cls: type, fields: Mapping[str, Any], section: str) -> Any:
+  """``cls(**fields)``; a bad value is a ConfigError naming ``config.<section>``."""
+  try:
+    return cls(**fields)
+  except ValueError as e:
+    raise ConfigError(f"config.{section}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -121,7 +140,8 @@ class RunSpec:
   def validate(self, *, num_devices: int | None = None, policy_given: bool = False) -> None:
     """Raises ConfigError naming the first bad field."""
     if self.algo.name not in ALGORITHMS:
-      fail("algo.name", self.algo.name, f"unknown algorithm; expected one of {ALGORITHMS}")
+      fail("algo.name", self.algo.name,
+           f"unknown algorithm; expected one of {tuple(ALGORITHMS)}")
     r, t = self.rollout, self.train
     if r.num_samples < 2:
       fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
@@ -178,6 +198,11 @@ class RunSpec:
       fail("checkpoint.export_hf_every", self.checkpoint.export_hf_every, "must be >= 0")
     self._validate_mesh(jax.device_count() if num_devices is None else num_devices)
     self.packing_shape()
+    # The typed algorithms check their fields: every one the config sets, used or not.
+    for section, fields in (("algo", _estimator_fields(self.algo)),
+                            ("loss", _loss_fields(self.loss))):
+      for cls, kwargs in fields.items():
+        _build(cls, kwargs, section)
     self.train_config()  # dataclass checks (loss, optimizer) with field names
 
   def _validate_algo(self) -> None:
@@ -301,13 +326,23 @@ class RunSpec:
   @property
   def loss_aggregation(self) -> str:
     """``loss.agg``, with "auto" resolved for ``algo.name``."""
-    return (DEFAULT_AGG.get(self.algo.name, "seq-mean-token-mean") if self.loss.agg == "auto"
-            else self.loss.agg)
+    return ALGORITHMS[self.algo.name].agg if self.loss.agg == "auto" else self.loss.agg
 
   @property
   def simko_k(self) -> int:
-    """SimKO's top-K (the old pass returns the top-K log-probs); 0 for other algorithms."""
-    return self.loss.simko_k if self.algo.name == "simko" else 0
+    """The policy loss's top-K (SimKO's K: the old pass returns the top-K log-probs); 0 for
+    the other losses."""
+    return self.policy_loss().top_k
+
+  def estimator(self) -> algorithms.Estimator:
+    """``algo.name``'s advantage estimator, its fields from ``config.algo``."""
+    cls = ALGORITHMS[self.algo.name].estimator
+    return _build(cls, _estimator_fields(self.algo).get(cls, {}), "algo")
+
+  def policy_loss(self) -> losses.PolicyLoss:
+    """``algo.name``'s policy loss, its fields from ``config.loss``."""
+    cls = ALGORITHMS[self.algo.name].loss
+    return _build(cls, _loss_fields(self.loss).get(cls, {}), "loss")
 
   @property
   def num_updates(self) -> int:
@@ -369,32 +404,21 @@ class RunSpec:
     try:
       loss_cfg = losses.LossConfig(
           eps_low=l.eps_low, eps_high=l.eps_high, agg=self.loss_aggregation, beta=l.beta,
-          kl_estimator=l.kl_estimator, max_len=self.rollout.max_new_tokens,
-          gspo_eps_low=l.gspo_eps_low, gspo_eps_high=l.gspo_eps_high,
-          simko_alpha=l.simko_alpha, simko_k=l.simko_k, simko_lambda=l.simko_lambda,
-          simko_quantile=l.simko_quantile)
+          kl_estimator=l.kl_estimator, max_len=self.rollout.max_new_tokens)
       optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup_steps, schedule=o.schedule,
                           total_steps=self.num_updates, weight_decay=o.weight_decay, b1=o.b1,
                           b2=o.b2, grad_clip=o.grad_clip)
     except ValueError as e:
       raise ConfigError(f"config.loss / config.optim: {e}") from e
-    return TrainConfig(loss_kind=LOSS_KIND[self.algo.name], loss=loss_cfg, optim=optim,
+    return TrainConfig(policy_loss=self.policy_loss(), loss=loss_cfg, optim=optim,
                        logprob_chunk_size=self.train.logprob_chunk, lora=self.lora_config())
-
-  def advantage_hparams(self) -> dict[str, Any]:
-    """The chosen estimator's hyper-parameters from ``algo``."""
-    a = self.algo
-    available = {"tau": a.tau, "norm": a.norm, "score": a.score, "adaptive_tau": a.adaptive_tau,
-                 "kappa": a.cde_kappa, "alpha": a.cde_alpha, "omega": a.cde_omega, "std": a.std}
-    return {k: available[k] for k in advantages.hparam_names(a.name) if k in available}
 
   def advantage_spec(self) -> rollout.AdvantageSpec:
     """The static configuration of ``rollout.score_rollout``."""
     a = self.algo
     return rollout.AdvantageSpec(
-        algo=a.name, hparams=tuple(sorted(self.advantage_hparams().items())),
-        noise_mask=self.uses_noise_mask, mask_high=a.mask_high, mask_low=a.mask_low,
-        mask_mode=a.mask_mode, num_steps=self.train.num_steps)
+        estimator=self.estimator(), noise_mask=self.uses_noise_mask, mask_high=a.mask_high,
+        mask_low=a.mask_low, mask_mode=a.mask_mode, num_steps=self.train.num_steps)
 
   def rollout_spec(self) -> rollout.RolloutSpec:
     """What ``rollout.collect`` needs besides the programs: advantages, log-probs, draws."""
