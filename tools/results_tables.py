@@ -166,12 +166,18 @@ TABLES: tuple[tuple[str, str, Callable[[list[Record]], str]], ...] = (
 
 
 def render(text: str, marker: str, block: str) -> str:
-  """``text`` with the block between ``marker``'s start line and the end replaced by ``block``."""
+  """``text`` with the block between ``marker``'s start and the end replaced by ``block``,
+  indented as the line holding the start is (so a figure stays inside its list item)."""
   start = f"<!-- results:{marker} -->"
-  pattern = re.compile(re.escape(start) + r"\n.*?" + re.escape(END), re.S)
+  pattern = re.compile(r"^([ \t]*)([^\n]*?)" + re.escape(start) + r"\n.*?" + re.escape(END), re.S | re.M)
   if len(pattern.findall(text)) != 1:
     raise ValueError(f"render: the page needs exactly one '{start}' ... '{END}' block")
-  return pattern.sub(lambda _: f"{start}\n{block}\n{END}", text)
+
+  def write(m: re.Match[str]) -> str:
+    indent = m.group(1)
+    body = "\n".join(indent + line if line else line for line in block.split("\n"))
+    return f"{indent}{m.group(2)}{start}\n{body}\n{indent}{END}"
+  return pattern.sub(write, text)
 
 
 def pages() -> list[str]:
