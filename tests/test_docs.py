@@ -17,8 +17,21 @@ ROOT = pathlib.Path(__file__).resolve().parent.parent
 README = ROOT / "README.md"
 DOCS = sorted((ROOT / "docs").glob("*.md"))
 PAGES = [README, *DOCS]
-# The study records (docs/studies/<study>/README.md and the index): links checked too.
+# The study records (docs/studies/<study>/README.md and the index) and the pages written
+# from docs/results/*.json: links checked too.
 STUDY_PAGES = sorted((ROOT / "docs" / "studies").rglob("*.md"))
+RESULT_PAGES = sorted((ROOT / "docs" / "results").glob("*.md"))
+# The manual pages say how things work and quote their figures from the records; the dates,
+# machines and work sessions of those figures are the records'. benchmarks.md is a page of
+# records; the pages in PENDING are being converted elsewhere (drop a name once it is).
+RECORD_PAGES = {"benchmarks.md"}
+PENDING = {"training.md", "algorithms.md", "demo.md"}
+MANUAL_PAGES = [p for p in DOCS if p.name not in RECORD_PAGES | PENDING]
+# A date, the machine as "box", a work session ("this session", "session's"); `\boxed{}`
+# and an OS session ("its own session") are not matched.
+LAB_NOTE_WORDS = re.compile(
+    r"\d{4}-\d{2}-\d{2}|\bbox(es)?\b|\bsession's\b|\b(this|that|same|one|earlier|previous|"
+    r"another|a) (work )?sessions?\b", re.I)
 # Packages of this repository: `python -m <one of these>...` must name a module here.
 OWN_PACKAGES = ("capo_jax", "models", "benchmarks", "configs", "studies", "tools")
 
@@ -79,7 +92,7 @@ def test_two_commands_are_the_makefile_targets() -> None:
 
 def test_commands_name_existing_modules_and_files() -> None:
   missing = []
-  for page in PAGES:
+  for page in PAGES + RESULT_PAGES:
     text = _text(page)
     for mod in set(re.findall(r"python -m ([A-Za-z_][\w.]*)", text)):
       if mod.split(".")[0] not in OWN_PACKAGES:
@@ -96,7 +109,8 @@ def test_commands_name_existing_modules_and_files() -> None:
   assert not missing, "commands naming what does not exist:\n" + "\n".join(sorted(missing))
 
 
-@pytest.mark.parametrize("page", PAGES + STUDY_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize("page", PAGES + STUDY_PAGES + RESULT_PAGES,
+                         ids=lambda p: str(p.relative_to(ROOT)))
 def test_relative_links_resolve(page: pathlib.Path) -> None:
   broken = []
   for target in _links(page):
@@ -141,14 +155,38 @@ def test_results_table_quotes_its_evidence() -> None:
   assert not problems, "\n".join(problems)
 
 
-@pytest.mark.parametrize("topic", sorted(results_tables.PAGES))
-def test_generated_block_is_what_its_records_write(topic: str) -> None:
-  """A hand edit of a generated table, or a record changed without rerunning the tool,
-  fails here."""
-  path, text = results_tables.generated(topic)
+@pytest.mark.parametrize("page", results_tables.pages())
+def test_generated_block_is_what_its_records_write(page: str) -> None:
+  """A hand edit of a generated table or figure, or a record changed without rerunning the
+  tool, fails here."""
+  path, text = results_tables.generated(page)
   assert _text(path) == text, (
-      f"{path.relative_to(ROOT)} differs from docs/results/{topic}.json: edit the record, "
+      f"{page} differs from its records in docs/results/: edit the record, "
       "then run `python -m tools.results_tables`")
+
+
+def test_every_table_and_manual_figure_is_generated() -> None:
+  """The pages with generated blocks include the TPU page's current figures and the
+  figures the manual pages quote."""
+  pages = set(results_tables.pages())
+  assert {"docs/tpu.md", "docs/results/tpu.md", "docs/benchmarks.md", "docs/packing.md",
+          "docs/lora.md", "docs/mismatch.md"} <= pages
+
+
+@pytest.mark.parametrize("page", MANUAL_PAGES, ids=lambda p: p.name)
+def test_manual_page_has_no_dates_or_lab_note_words(page: pathlib.Path) -> None:
+  found = [f"line {i}: {m.group(0)!r}" for i, line in enumerate(_text(page).splitlines(), 1)
+           for m in LAB_NOTE_WORDS.finditer(line)]
+  assert not found, (f"{page.name} carries a dated lab note (move it to a record in "
+                     "docs/results/*.json and quote it with a figure block):\n" + "\n".join(found))
+
+
+def test_lab_note_words_spare_boxed_answers_and_os_sessions() -> None:
+  spared = ["a correct `\\boxed{}` answer", "starts its own session (`setsid`)", "boxed_format"]
+  caught = ["2026-12-03", "this 2-core box", "the box's noise", "this session's box",
+            "in that session", "on the same box"]
+  assert not [s for s in spared if LAB_NOTE_WORDS.search(s)]
+  assert all(LAB_NOTE_WORDS.search(s) for s in caught)
 
 
 def test_render_replaces_only_the_marked_block() -> None:
@@ -157,15 +195,32 @@ def test_render_replaces_only_the_marked_block() -> None:
       "head\n<!-- results:x -->\nnew\n<!-- /results -->\ntail\n")
   with pytest.raises(ValueError, match="exactly one"):
     results_tables.render("no markers", "x", "new")
+  # A figure inside a list item keeps the item's indent; the next block is left alone.
+  item = "- a\n  speed: <!-- results:t#i -->\n  old\n  <!-- /results -->\n- <!-- results:y -->\nz\n<!-- /results -->\n"
+  assert results_tables.render(item, "t#i", "1.5x") == (
+      "- a\n  speed: <!-- results:t#i -->\n  1.5x\n  <!-- /results -->\n"
+      "- <!-- results:y -->\nz\n<!-- /results -->\n")
 
 
-def test_every_benchmark_record_names_its_date_and_machine() -> None:
-  records = results_tables.load("benchmarks")
-  assert len(records) >= 20
+def test_figure_line_quotes_the_record_and_links_it() -> None:
+  record = results_tables.load("tpu")[0]
+  line = results_tables.figure_line("tpu", record["id"], "docs/tpu.md")
+  assert line == (f"{record['what']} ({record['kind']}): {record['result']} "
+                  f"([record](results/tpu.md#{record['id']})).")
+  line = results_tables.figure_line("benchmarks", "train_lengths", "docs/results/x.md")
+  assert line.endswith("([record](../benchmarks.md#train_lengths)).")
+  with pytest.raises(ValueError, match="names no record"):
+    results_tables.figure_line("tpu", "no_such_id", "docs/tpu.md")
+
+
+@pytest.mark.parametrize("topic", ["benchmarks", "tpu"])
+def test_every_record_names_its_date_and_machine(topic: str) -> None:
+  records = results_tables.load(topic)
+  assert len(records) >= 10
   ids = [r["id"] for r in records]
-  assert len(ids) == len(set(ids)), "docs/results/benchmarks.json: duplicate ids"
+  assert len(ids) == len(set(ids)), f"docs/results/{topic}.json: duplicate ids"
   for r in records:  # a null says "not recorded"; a recorded date is ISO
-    assert set(r) == set(results_tables.BENCHMARK_FIELDS), r["id"]
+    assert set(r) == set(results_tables.FIELDS[topic]), r["id"]
     assert r["date"] is None or re.fullmatch(r"\d{4}-\d{2}-\d{2}", r["date"]), r["id"]
     assert r["machine"] is None or r["machine"].strip(), r["id"]
     assert len(r["result"]) <= results_tables.MAX_RESULT_CHARS, r["id"]
@@ -176,6 +231,28 @@ def test_every_benchmark_record_names_its_date_and_machine() -> None:
     if r["notes"]:
       missing = [n for n in re.findall(number, r["result"]) if n not in r["notes"]]
       assert not missing, f"{r['id']}: result figures {missing} not in its notes"
+
+
+def test_tpu_records_say_their_kind_and_what_replaced_them() -> None:
+  """No TPU ran these figures: each is labelled a compiler analysis, an estimate or a plan,
+  and tpu.md's table of current figures lists exactly the records nothing superseded."""
+  records = results_tables.load("tpu")
+  ids = {r["id"] for r in records}
+  for r in records:
+    assert r["kind"] in results_tables.TPU_KINDS, r["id"]
+    assert r["superseded_by"] in ids | {None}, r["id"]
+    assert r["superseded_by"] != r["id"], r["id"]
+  # Every step time is an estimate.
+  assert all(r["kind"] == "roofline estimate" for r in records if "seconds per RL step" in r["what"])
+  current = {r["id"] for r in records if r["superseded_by"] is None}
+  table = _text(ROOT / "docs" / "tpu.md").split("<!-- results:tpu -->")[1].split("<!-- /results -->")[0]
+  assert set(re.findall(r"\]\(results/tpu\.md#(\w+)\)", table)) == current
+  with pytest.raises(ValueError, match="names no record"):
+    results_tables.check_records([{**records[0], "superseded_by": "nothing"}],
+                                 results_tables.TPU_FIELDS, "tpu")
+  with pytest.raises(ValueError, match="kind"):
+    results_tables.check_records([{**records[0], "kind": "measured"}],
+                                 results_tables.TPU_FIELDS, "tpu")
 
 
 def test_check_records_refuses_a_long_cell_or_a_missing_field() -> None:
