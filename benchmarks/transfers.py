@@ -11,7 +11,8 @@ explicit ``device_put`` and the NumPy arguments of jitted calls alike). Device -
 host: every array the package reads back (``models.sharding.to_host`` and
 ``jax.device_get``, the two ways it reads device arrays; XLA:CPU does not log
 those, and ``np.asarray`` reads a CPU buffer in place), and every scalar read
-with ``float`` / ``int``. Scalars (0-d) are counted apart.
+with ``float`` / ``int`` outside them. Scalars (0-d) are counted apart, and
+``reads`` counts the blocking reads themselves (one ``device_get`` of a tree is one).
 """
 
 from __future__ import annotations
@@ -31,32 +32,40 @@ import numpy as np
 import jax
 from jax._src import array as _array
 import models.sharding
-d2h = []
+d2h, reads, inside = [], [0], [0]
 def _note(x):
   if isinstance(x, jax.Array):
     d2h.append((list(x.shape), int(np.dtype(x.dtype).itemsize)))
+def _reading(fn, leaves):
+  # One blocking read; the scalars inside it are counted once, as its leaves.
+  reads[0] += 1
+  for x in leaves:
+    _note(x)
+  inside[0] += 1
+  try:
+    return fn()
+  finally:
+    inside[0] -= 1
 # Every read-back of the package goes through models.sharding.to_host or
 # jax.device_get (on CPU np.asarray reads a device buffer in place, unseen).
 _to_host = models.sharding.to_host
 def to_host(x):
-  _note(x)
-  return _to_host(x)
+  return _reading(lambda: _to_host(x), [x])
 models.sharding.to_host = to_host
 _device_get = jax.device_get
 def device_get(tree):
-  for x in jax.tree.leaves(tree):
-    _note(x)
-  return _device_get(tree)
+  return _reading(lambda: _device_get(tree), jax.tree.leaves(tree))
 jax.device_get = device_get
 # Scalars read with float() / int() / bool().
 _value = _array.ArrayImpl._value
 def _counted(self):
-  if self._npy_value is None and not self.shape:
+  if self._npy_value is None and not self.shape and not inside[0]:
+    reads[0] += 1
     d2h.append(([], 0))
   return _value.fget(self)
 _array.ArrayImpl._value = property(_counted)
 out_path = sys.argv[1]
-atexit.register(lambda: json.dump(d2h, open(out_path, "w")))
+atexit.register(lambda: json.dump({"d2h": d2h, "reads": reads[0]}, open(out_path, "w")))
 jax.config.update("jax_transfer_guard", "log")
 sys.argv = ["capo_jax.main"] + sys.argv[2:]
 import runpy
@@ -93,9 +102,10 @@ def run(checkout: str, warm_start_dir: str, steps: int) -> dict[str, dict[str, f
   h2d = [([int(x) for x in dims.split(",") if x], _SIZES.get(dt, 4))
          for dt, dims in _H2D.findall(proc.stderr)]
   with open(d2h_file, encoding="utf-8") as f:
-    d2h = [tuple(x) for x in json.load(f)]
+    got = json.load(f)
   shutil.rmtree(work, ignore_errors=True)
-  return {"host_to_device": _tally(h2d), "device_to_host": _tally(d2h)}
+  return {"host_to_device": _tally(h2d),
+          "device_to_host": {**_tally([tuple(x) for x in got["d2h"]]), "reads": got["reads"]}}
 
 
 def per_step(checkout: str, warm_start_dir: str) -> dict[str, dict[str, float]]:
@@ -113,8 +123,9 @@ def main() -> None:
   for checkout in args.checkout or ["."]:
     out[checkout] = per_step(checkout, args.warm_start_dir)
     for d, t in out[checkout].items():
+      reads = f", {t['reads']:5.1f} blocking reads" if "reads" in t else ""
       print(f"{checkout}: {d:<15} {t['count']:7.1f} arrays, {t['bytes'] / 1e6:8.3f} MB, "
-            f"{t['scalars']:6.1f} scalars per step", flush=True)
+            f"{t['scalars']:6.1f} scalars per step{reads}", flush=True)
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(out, f, indent=1)

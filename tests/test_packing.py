@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 
 import jax
@@ -10,9 +11,9 @@ import numpy as np
 import pytest
 
 from batches import HostBatch, padded_pass, run_pass
-from capo_jax.rl import losses, packing
+from capo_jax.rl import logprob_pass, losses, packing
 from capo_jax.rl import train_step as ts
-from capo_jax.rl.batch import unpack
+from capo_jax.rl.batch import ModelRows, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs, token_logprobs
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
@@ -221,3 +222,115 @@ def test_two_lora_capo_steps_packed_equal_unpacked(setup):
                                                           jax.tree.leaves(p1)))
   assert moved > 1e-4 and diff < 1e-6, (moved, diff)
   assert float(m1[0]["loss"]) == pytest.approx(float(m0[0]["loss"]), rel=1e-5, abs=1e-7)
+
+
+@pytest.mark.parametrize("pack,per_call", [(True, 2), (False, 3)])
+def test_step_pass_over_the_updates_rows_equals_unpacked(setup, pack, per_call):
+  """The log-prob pass over a step's planned updates (two updates of micro-batches of 2
+  rows; calls of the micro-batch rows, or of 3 rows regrouped on the devices) gives
+  every token the log-prob of the unpacked reference forward."""
+  params, b = setup
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
+  rules, Y = mesh_lib.TRAIN_RULES, 2
+  xs = (b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC)
+  plans = packing.plan_step(*xs, packing.RowLayout(ROW if pack else 0, Y, pack), B // 2)
+  # Each update holds its own sequences, in slots of the step's [B] arrays.
+  for u, p in enumerate(plans):
+    assert sorted(p.take_MB[p.take_MB >= 0].tolist()) == list(range(u * B // 2,
+                                                                    (u + 1) * B // 2))
+  if pack:  # the updates' target slots differ: the calls pad them to the widest
+    assert plans[0].rows.targets_YZ.shape[-1] != plans[1].rows.targets_YZ.shape[-1]
+  lp = padded_pass(PACKED_CFG, mesh, rules, per_call,
+                   layout=packing.RowLayout(ROW if pack else 0, per_call, pack))
+  updates = logprob_pass.upload(plans, ts.batch_sharding(mesh, rules, Y))
+  got = lp.run(params, updates, jnp.asarray(b.completion_mask_BC), ("logp_BC",))["logp_BC"]
+  want = token_logprobs(params, CFG, *xs)["logp_BC"]
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
+
+
+def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monkeypatch):
+  """One CAPO step (old and reference passes, two updates) in the loop: the updates' token
+  rows cross to the devices in one transfer, both passes and both updates use them, and
+  no metric is read before the one ``jax.device_get`` that follows the last update."""
+  import rl_driver  # pylint: disable=import-outside-toplevel
+  from configs import common  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import mismatch, rollout  # pylint: disable=import-outside-toplevel
+  from capo_jax.run import programs  # pylint: disable=import-outside-toplevel
+  from jax._src import array as array_lib  # pylint: disable=import-outside-toplevel
+
+  assets = rl_driver.write_assets(tmp_path / "assets")
+  c = common.shrink(common.get_base_config())
+  c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
+  c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8
+  c.train.num_steps, c.checkpoint.export_hf, c.log.samples_every_steps = 1, False, 0
+  events: list[tuple] = []
+  in_read = []
+
+  def spy(name, fn, note=lambda *a: ()):
+    def wrapped(*args, **kwargs):
+      events.append((name, *note(*args)))
+      return fn(*args, **kwargs)
+    return wrapped
+
+  make = jax.make_array_from_callback
+  monkeypatch.setattr(jax, "make_array_from_callback",
+                      spy("array", make, lambda shape, *_: (tuple(shape),)))
+  has_rows = lambda tree, *_: (any(isinstance(x, ModelRows) for x in jax.tree.leaves(  # noqa: E731
+      tree, is_leaf=lambda x: isinstance(x, ModelRows))),)
+  for mod in (rollout, logprob_pass, mismatch):
+    monkeypatch.setattr(mod, "put_global", spy("put", mod.put_global, has_rows))
+  monkeypatch.setattr(rollout, "collect", spy("collect", rollout.collect))
+  build = programs.build
+
+  def build_spied(*args, **kwargs):
+    progs = build(*args, **kwargs)
+    step = spy("update", progs.train_step, lambda st, mb, *_: (mb.rows.tokens_YT.shape,))
+    return dataclasses.replace(progs, train_step=step)
+
+  monkeypatch.setattr(programs, "build", build_spied)
+  def reader(fn):
+    def read_tree(tree):
+      keys = {str(k.key) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+              for k in path if isinstance(k, jax.tree_util.DictKey)}
+      scalars = sum(isinstance(x, jax.Array) and x.ndim == 0 for x in jax.tree.leaves(tree))
+      events.append(("get", frozenset(keys), scalars))
+      in_read.append(1)
+      try:
+        return fn(tree)
+      finally:
+        in_read.pop()
+    return read_tree
+
+  monkeypatch.setattr(jax, "device_get", reader(jax.device_get))
+  # The rollout's other read: np.asarray inside, which ``_value`` does not see on CPU.
+  monkeypatch.setattr(rollout, "to_host", reader(rollout.to_host))
+  value = array_lib.ArrayImpl._value
+
+  def read(self):
+    if not in_read and self._npy_value is None and not self.shape:
+      events.append(("scalar",))
+    return value.fget(self)
+
+  monkeypatch.setattr(array_lib.ArrayImpl, "_value", property(read))
+  rl_driver.train(c, str(tmp_path / "run"), grader=rl_driver.HashGrader())
+
+  step = events[next(i for i, e in enumerate(events) if e[0] == "collect"):]
+  updates = [e for e in step if e[0] == "update"]
+  assert len(updates) == 2
+  puts = [i for i, e in enumerate(step) if e[0] == "put"]
+  rows_puts = [i for i in puts if step[i][1]]
+  assert len(rows_puts) == 1
+  # Every array shaped like an update's token rows came in that one put_global.
+  end = next((i for i in puts if i > rows_puts[0]), len(step))
+  shapes = {e[1] for e in updates}
+  token_arrays = [i for i, e in enumerate(step) if e[0] == "array" and e[1] in shapes]
+  assert token_arrays and all(rows_puts[0] < i < end for i in token_arrays)
+  last_update = max(i for i, e in enumerate(step) if e[0] == "update")
+  metric_gets = [i for i, e in enumerate(step)
+                 if e[0] == "get" and {"auc_mean", "s_spread", "loss"} <= e[1]]
+  assert len(metric_gets) == 1 and metric_gets[0] > last_update
+  assert "mismatch/abs_log_ratio" in step[metric_gets[0]][1]
+  # Before it: no scalar read back, and no read of a metric.
+  before = step[:metric_gets[0]]
+  assert ("scalar",) not in before
+  assert all(e[2] == 0 for e in before if e[0] == "get")

@@ -207,9 +207,10 @@ def _correct(seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *,
 
 def correct(seqs: Sequences, sampler_logp_BC: Array, truncated_B: np.ndarray,
             spec: MismatchSpec, sharding: jax.sharding.Sharding
-            ) -> tuple[Sequences, dict[str, float]]:
+            ) -> tuple[Sequences, dict[str, Array]]:
   """The rollout's sequences with the correction and ``mask_truncated`` folded in, and the
-  logged metrics (``mismatch/...``; scalars to the host, the arrays stay on the devices).
+  logged metrics (``mismatch/...``: device scalars, left for the caller to read with the
+  step's other metrics after the updates are dispatched; nothing here waits on them).
 
   ``truncated_B``: host flags of the rows that hit ``max_new_tokens``; ``sharding``:
   where a [B] array goes (the log-prob pass's index sharding).
@@ -218,8 +219,8 @@ def correct(seqs: Sequences, sampler_logp_BC: Array, truncated_B: np.ndarray,
     return seqs, {}
   if spec.correction == "none" and not spec.mask_truncated:  # measured only (the default)
     metrics = _measure(seqs.old_logp_BC, sampler_logp_BC, seqs.completion_mask_BC)
-    return seqs, {f"mismatch/{k}": float(v) for k, v in jax.device_get(metrics).items()}
-  keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated \
-      else None
-  seqs, metrics = _correct(seqs, sampler_logp_BC, keep_B, spec=spec)
-  return seqs, {f"mismatch/{k}": float(v) for k, v in jax.device_get(metrics).items()}
+  else:
+    keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated \
+        else None
+    seqs, metrics = _correct(seqs, sampler_logp_BC, keep_B, spec=spec)
+  return seqs, {f"mismatch/{k}": v for k, v in metrics.items()}

@@ -10,8 +10,9 @@ compact targets, and ``index_BC``, the packed position (row * T + column) that
 predicts completion token c of sequence b.
 
 ``plan_update`` groups an update's rows into micro-batches of ``Y`` rows, each
-with its own sequences (B slots, empty ones all-zero); ``plan_calls`` groups a
-step's rows into the calls of a log-prob pass. Shapes are bucketed
+with its own sequences (B slots, empty ones all-zero); ``plan_step`` plans each
+of a step's updates so, once: the log-prob passes run over the same rows
+(``capo_jax.rl.logprob_pass``). Shapes are bucketed
 (micro-batches and sequence slots to powers of two, target slots by
 ``bucket``) to bound recompiles; the step loops over the micro-batches that
 hold tokens only.
@@ -187,11 +188,13 @@ class MicroBatches:
 
   rows: ``ModelRows`` [M, Y, T] / [M, Y, Z]; index_MBC: each slot's ``index_BC``
   into its micro-batch's flat Y * Z targets; take_MB: the sequence (row of the update's
-  [B, ...] arrays) in each slot, -1 where empty.
+  [B, ...] arrays) in each slot, -1 where empty; filled: how many micro-batches (the
+  first ones) hold tokens.
   """
   rows: ModelRows
   index_MBC: np.ndarray
   take_MB: np.ndarray
+  filled: int
 
   def batch(self, seqs: Sequences) -> TrainBatch:
     """The ``TrainBatch`` of an update's sequences ``seqs`` [B, ...] in this layout."""
@@ -251,8 +254,8 @@ def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
             layout.width(prompt_tokens_BP, completion_tokens_BC), topk_ids_BCJ,
             pack=layout.pack)
   Y = layout.rows
-  num_rows = pl.rows.tokens_YT.shape[0]
-  M = pow2(-(-num_rows // Y))
+  filled = -(-pl.rows.tokens_YT.shape[0] // Y)
+  M = pow2(filled)
   pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, M * Y))
   # One Z for the update (the micro-batches stack), from its fullest row.
   Z = bucket(pl.rows.target_mask_YT.sum(-1).max(initial=0))
@@ -269,35 +272,20 @@ def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
       pl.index_BC
   index_MBC = np.where((take_MB >= 0)[..., None], slot_BC[np.maximum(take_MB, 0)], 0
                        ).astype(np.int32)
-  return MicroBatches(rows=rows, index_MBC=index_MBC, take_MB=take_MB)
+  return MicroBatches(rows=rows, index_MBC=index_MBC, take_MB=take_MB, filled=filled)
 
 
-@dataclasses.dataclass(frozen=True)
-class CallPlan:
-  """A step's rows split into the calls of a log-prob pass (host arrays).
-
-  calls: each call's ``ModelRows`` [Y, T] / [Y, Z_i]; index_BC: each completion
-  token's flat slot in the calls' targets laid end to end (call i's Y * Z_i slots after
-  those of calls 0..i-1), so the passes' outputs, flattened and concatenated, unpack
-  with one gather.
-  """
-  calls: list[ModelRows]
-  index_BC: np.ndarray
-
-
-def plan_calls(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
-               completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray,
-               layout: RowLayout) -> CallPlan:
-  """Lays a step's sequences into calls of ``layout.rows`` rows (each call's targets
-  bucketed on their own, as the pass has always run them)."""
-  pl = plan(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-            layout.width(prompt_tokens_BP, completion_tokens_BC), pack=layout.pack)
-  Y = layout.rows
-  n = -(-pl.rows.tokens_YT.shape[0] // Y)
-  pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, n * Y))
-  groups = [pl.group(i * Y, (i + 1) * Y) for i in range(n)]
-  offsets = np.cumsum([0] + [g[0].targets_YZ.size for g in groups])
-  call_B = pl.row_B // Y
-  index_BC = np.stack([groups[i][1][b] + offsets[i] for b, i in enumerate(call_B)])
-  index_BC = np.where(np.asarray(completion_mask_BC) > 0, index_BC, 0).astype(np.int32)
-  return CallPlan([g[0] for g in groups], index_BC)
+def plan_step(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
+              completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray,
+              layout: RowLayout, rows_per_update: int) -> list[MicroBatches]:
+  """A step's consecutive updates of ``rows_per_update`` sequences, each laid into
+  micro-batches (``plan_update``); ``take_MB`` indexes the step's [B, ...] arrays."""
+  plans = []
+  for start in range(0, prompt_tokens_BP.shape[0], rows_per_update):
+    sl = slice(start, start + rows_per_update)
+    # Slices of the step's [B, P] / [B, C]: every update's rows are as wide (unpacked too).
+    mbs = plan_update(prompt_tokens_BP[sl], prompt_mask_BP[sl], completion_tokens_BC[sl],
+                      completion_mask_BC[sl], layout)
+    plans.append(dataclasses.replace(
+        mbs, take_MB=np.where(mbs.take_MB >= 0, mbs.take_MB + start, -1)))
+  return plans

@@ -9,10 +9,13 @@ question), ``collect`` orchestrates:
 
 What crosses between host and device: the completion tokens, their lengths
 and truncation flags come to the host (to decode, grade and plan the rows);
-the rewards, the model rows the host lays out (``capo_jax.rl.packing``) and
-their index arrays go to the devices; the logged metrics come back as scalars.
-The log-probs, masks, scores, advantages and every mini-batch's per-sequence
-arrays stay on the devices.
+the rewards and the updates' model rows, planned once per step
+(``packing.plan_step``) with their index arrays, go to the devices in one
+transfer; the log-prob passes and the train batches both read those rows. The
+log-probs, masks, scores, advantages, every mini-batch's per-sequence arrays and
+the logged metrics stay on the devices: ``Rollout.metrics`` holds device scalars
+for the caller to read with the updates' own, in one ``jax.device_get`` once the
+updates are dispatched.
 
 Multi-host: each process reads and grades only its own questions; prompt
 tokens and rewards are all-gathered (small arrays), so every process holds the
@@ -40,10 +43,11 @@ from capo_jax.masked import mean_logprob
 from capo_jax.rl import advantages
 from capo_jax.rl import algorithms
 from capo_jax.rl import dynamic_sampling
+from capo_jax.rl import logprob_pass
 from capo_jax.rl import mismatch
 from capo_jax.rl import packing
 from capo_jax.rl.batch import Sequences, TrainBatch
-from capo_jax.rl.logprob_pass import LogprobPass
+from capo_jax.rl.logprob_pass import LogprobPass, UpdateRows
 from capo_jax.runtime.host import gather_rows, put_global
 from capo_jax.sampling import sampler as sampling
 from capo_jax.types import Array
@@ -139,28 +143,18 @@ class Rollout:
   s_QG: Array  # device
   seqs: Sequences  # device arrays, B rows
   adv_QG: Array  # device
-  metrics: dict[str, float]
+  updates: list[UpdateRows]  # device: each update's micro-batch rows (``Rollout.minibatches``)
+  batch_sharding: jax.sharding.Sharding  # the train batches'
+  metrics: dict[str, Any]  # host floats, and device scalars not yet read
   # The example of each group when this process drew it, else None (multi-host).
   examples_Q: list[Example | None]
   correct_QG: np.ndarray | None = None  # the binary labels (rewards_QG: the scalar reward)
 
-  def minibatches(self, mini_batch_prompts: int, layout: BatchLayout) -> list[TrainBatch]:
+  def minibatches(self) -> list[TrainBatch]:
     """Consecutive groups of questions, each one update's ``TrainBatch`` on the devices:
-    rows planned on the host and uploaded, per-sequence arrays gathered on the devices."""
-    G = self.rewards_QG.shape[1]
-    rows = mini_batch_prompts * G
-    out = []
-    for start in range(0, self.prompt_tokens_BP.shape[0], rows):
-      sl = slice(start, start + rows)
-      mbs = packing.plan_update(
-          self.prompt_tokens_BP[sl], self.prompt_mask_BP[sl], self.completion_tokens_BC[sl],
-          self.completion_mask_BC[sl], layout.rows)
-      take_MB = np.where(mbs.take_MB >= 0, mbs.take_MB + start, -1)
-      rows_dev, index_dev, take_dev = put_global((mbs.rows, mbs.index_MBC, take_MB),
-                                                 layout.sharding)
-      out.append(_device_batch(rows_dev, index_dev, take_dev, self.seqs,
-                               sharding=layout.sharding))
-    return out
+    the rows the rollout uploaded, per-sequence arrays gathered on the devices."""
+    return [_device_batch(u.rows, u.index_MBC, u.take_MB, self.seqs,
+                          sharding=self.batch_sharding) for u in self.updates]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -170,9 +164,11 @@ class BatchLayout:
   Attributes:
     rows: the micro-batches' rows (``packing.RowLayout``).
     sharding: the train batch's sharding ([M, rows or slots, ...] on axis 1).
+    prompts: questions per update (the PPO mini-batch).
   """
   rows: packing.RowLayout
   sharding: jax.sharding.Sharding
+  prompts: int
 
 
 @functools.partial(jax.jit, static_argnames="sharding")
@@ -196,6 +192,7 @@ class RolloutContext:
   sampling: sampling.SamplingSpec  # the sampler's calls, stop and pad ids the tokenizer's
   sampling_layout: Layout  # the mesh and the sampling rules
   logprobs: LogprobPass  # the old / reference pass
+  batches: BatchLayout  # the updates' micro-batches: planned and uploaded by ``collect``
   reward_fns: Any = None  # data.reward_fns.RewardFns: the scalar reward; None: reward = correct
 
 
@@ -343,15 +340,17 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
   pmask_BP = np.repeat(sel.mask_QP, G, axis=0)
   old_keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
       ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ())
-  rows = None
-  if old_keys or policy.reference is not None:
-    rows = ctx.logprobs.upload(prompt_BP, pmask_BP, comp_BC, cmask_BC)
-  old = ctx.logprobs.run(policy.train, rows, cmask_dev, old_keys, policy.adapters) \
+  # One plan and one upload of the step's rows: the passes and the updates read them.
+  updates = logprob_pass.upload(
+      packing.plan_step(prompt_BP, pmask_BP, comp_BC, cmask_BC, ctx.batches.rows,
+                        ctx.batches.prompts * G), ctx.batches.sharding)
+  old = ctx.logprobs.run(policy.train, updates, cmask_dev, old_keys, policy.adapters) \
       if old_keys else {}
   old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
   ref_logp_BC = None
   if policy.reference is not None:
-    ref_logp_BC = ctx.logprobs.run(policy.reference, rows, cmask_dev, ("logp_BC",))["logp_BC"]
+    ref_logp_BC = ctx.logprobs.run(policy.reference, updates, cmask_dev,
+                                   ("logp_BC",))["logp_BC"]
 
   s_QG = _scores(old_logp_BC, cmask_dev).reshape(Q, G)
   ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
@@ -363,8 +362,8 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
     rewards_QG, rewards_dev = sel.reward_QG, put_global(sel.reward_QG, replicated)
   adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv,
                                       correct_QG=labels_dev)
-  # The logs read scalars only: the scores and advantages stay on the devices.
-  adv_metrics = jax.tree.map(to_host, {**adv_metrics, **_score_metrics(s_QG, correct_dev)})
+  # Device scalars: the caller reads them with the updates' (no sync here).
+  adv_metrics = {**adv_metrics, **_score_metrics(s_QG, correct_dev)}
   t_logp = time.perf_counter() - t2
 
   seqs = Sequences(
@@ -378,13 +377,13 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
   n_gen = int(sum(int(p.lengths_B.sum()) for p in parts))
   metrics = {
       "accuracy": float(correct_QG.mean()),
-      "auc_mean": float(adv_metrics.pop("auc_mean")),
-      "auc_questions": int(adv_metrics.pop("auc_questions")),
+      "auc_mean": adv_metrics.pop("auc_mean"),
+      "auc_questions": adv_metrics.pop("auc_questions"),
       "frac_all_correct": float(correct_QG.all(1).mean()),
       "frac_all_wrong": float((~correct_QG).all(1).mean()),
       "response_len": float(lengths_B.mean()),
       "truncation_rate": float(sel.truncated_B.mean()),
-      **{k: float(v) for k, v in adv_metrics.items()}, **mismatch_metrics,
+      **adv_metrics, **mismatch_metrics,
       "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
       "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
       **{f"reward/{k}": float(v) for k, v in sel.health.items()},
@@ -396,7 +395,7 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
                    groups_degenerate=float(Q - n_mixed),
                    accuracy_drawn=float(np.mean([p.rewards_QG.mean() for p in parts])))
   return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, rewards_QG, s_QG, seqs, adv_QG,
-                 metrics, examples_Q, correct_QG)
+                 updates, ctx.batches.sharding, metrics, examples_Q, correct_QG)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -172,7 +172,7 @@ def _run(spec: RunSpec, workdir: str, lease: lease_lib.Lease | None, *,
       sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tokenizer.stop_ids),
                                    pad_id=tokenizer.pad_id),
       sampling_layout=progs.sampling_layout, logprobs=progs.logprobs,
-      reward_fns=spec.reward_fns())
+      batches=progs.batch_layout, reward_fns=spec.reward_fns())
   if eval_fn is None and spec.eval.every_steps > 0:
     eval_fn = train_eval.make_eval_fn(
         train_eval.EvalSetup(spec=spec.eval, model_cfg=model_cfg, tokenizer=tokenizer,
@@ -242,22 +242,22 @@ def _run(spec: RunSpec, workdir: str, lease: lease_lib.Lease | None, *,
       del policy_args
       t1 = time.perf_counter()
       update_metrics = []
-      batches = ro.minibatches(spec.train.mini_batch_prompts, progs.batch_layout)
+      batches = ro.minibatches()
       for _ in range(spec.train.ppo_epochs):
         for mb in batches:
           state, m = step_fn(state, mb, *w.frozen)
           update_metrics.append(m)
       del batches
       # One host sync per step, once every update is dispatched: reading each
-      # update's metrics back at once would stall the dispatch of the next.
-      update_metrics = jax.device_get(update_metrics)
+      # update's (or the rollout's) metrics back at once would stall the dispatch.
+      update_metrics, ro_metrics = jax.device_get((update_metrics, ro.metrics))
       t_train = time.perf_counter() - t1
       m = _mean_metrics(update_metrics)
       skipped = int(sum(float(u["skipped"]) for u in update_metrics))
       consecutive_skips = consecutive_skips + 1 if skipped == len(update_metrics) else 0
       n_train_tokens = (int(ro.prompt_mask_BP.sum()) + int(ro.completion_mask_BC.sum())) * \
           spec.train.ppo_epochs
-      row = {**ro.metrics, **m, "skipped_updates": skipped,
+      row = {**ro_metrics, **m, "skipped_updates": skipped,
              "time_train": t_train, "time_step": time.perf_counter() - t0,
              "train_tokens_per_s": n_train_tokens / max(t_train, 1e-9)}
       done = step + 1

@@ -71,7 +71,8 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
       rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
       index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
   batch_layout = BatchLayout(rows=RowLayout(row_len, rows_per_mb, pack),
-                             sharding=ts.batch_sharding(mesh, rules, rows_per_mb))
+                             sharding=ts.batch_sharding(mesh, rules, rows_per_mb),
+                             prompts=spec.train.mini_batch_prompts)
   return StepPrograms(
       model_cfg=model_cfg, tcfg=tcfg, sampling=sampling_spec(spec),
       sampling_layout=Layout.of(mesh, mesh_lib.SAMPLING_RULES), logprobs=logprobs,

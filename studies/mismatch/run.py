@@ -64,7 +64,8 @@ def measure(spec, ws, examples, sampler_dtype: str, trainer_dtype: str, batches:
       grader=rewards.default_grader(),
       sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tok.stop_ids),
                                    pad_id=tok.pad_id),
-      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs)
+      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs,
+      batches=progs.batch_layout)
   cast = lambda dt: jax.tree.map(lambda x: x.astype(dt), ws.params)  # noqa: E731
   policy = rollout.PolicyArgs(sampling=cast(sampler_cfg.dtype), train=cast("float32"),
                               reference=cast(trainer_cfg.dtype) if spec.needs_reference else None)
@@ -73,8 +74,9 @@ def measure(spec, ws, examples, sampler_dtype: str, trainer_dtype: str, batches:
   for i in range(batches):
     ro = rollout.collect(examples[i * Q:(i + 1) * Q], ctx, policy, step=0,
                          rng=jax.random.key(seed + i))
-    rows.append({k: ro.metrics[f"mismatch/{k}"] for k in KEYS} |
-                {"accuracy": ro.metrics["accuracy"], "response_len": ro.metrics["response_len"]})
+    m = jax.device_get(ro.metrics)
+    rows.append({k: float(m[f"mismatch/{k}"]) for k in KEYS} |
+                {"accuracy": m["accuracy"], "response_len": m["response_len"]})
   out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
   out["ratio_min"] = min(r["ratio_min"] for r in rows)
   out["ratio_max"] = max(r["ratio_max"] for r in rows)
