@@ -36,7 +36,7 @@ from models.sharding import to_host
 
 log = logging.getLogger(__name__)
 
-PROFILE_DIR = "profile"
+PROFILE_DIR, FINAL_EXPORT = "profile", "export_hf"
 
 
 class TrainingDiverged(RuntimeError):
@@ -120,7 +120,7 @@ class Hooks:
         t.stop = preemption.Preempted(t.done, run.checkpointer.directory)
 
     def export_step(t: Tick) -> None:
-      path = (fs.join(run.workdir, "export_hf") if t.done == run.num_steps else
+      path = (fs.join(run.workdir, FINAL_EXPORT) if t.done == run.num_steps else
               fs.join(run.workdir, "exports", f"step_{t.done:06d}"))
       export(run, t.state, path, t.done)
 
@@ -156,10 +156,16 @@ class Hooks:
     return tuple(phase_key(h.name) for h in self.hooks if h.timed)
 
   def before(self, state: Any) -> None:
-    """Before the run's first step here: the step-0 evaluation of a new run, the profile."""
-    if self.run.eval_fn is not None and self.run.start == 0:
-      evaluate(self.run, state, 0)
-    self.profile.start_before(self.run.start + 1)
+    """Before the run's first step here: the step-0 evaluation of a new run, the profile;
+    for a run resumed at its end, the final HF export if it is missing."""
+    run = self.run
+    if run.eval_fn is not None and run.start == 0:
+      evaluate(run, state, 0)
+    final_export = fs.join(run.workdir, FINAL_EXPORT)
+    if run.start >= run.num_steps and run.spec.checkpoint.export_hf and \
+        not fs.exists(fs.join(final_export, "config.json")):
+      export(run, state, final_export, run.num_steps)
+    self.profile.start_before(run.start + 1)
 
   def after(self, tick: Tick) -> None:
     """Runs the hooks due after ``tick.done`` in order, timing each into the row."""

@@ -90,16 +90,9 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
 def finish(run: Run, hooks: hooks_lib.Hooks, state: Any,
            stop: BaseException | None = None) -> Any:
   """The end of every run, whole or stopped: closes what it opened; returns the final
-  params, or raises ``stop`` (a preemption, a divergence).
-
-  A run resumed at its last step has no step to export from: the final HF export is
-  written here if it is missing.
-  """
+  params, or raises ``stop`` (a preemption, a divergence)."""
   hooks.close()
   run.checkpointer.close()
-  if stop is None and run.spec.checkpoint.export_hf and \
-      not fs.exists(fs.join(run.workdir, "export_hf", "config.json")):
-    hooks_lib.export(run, state, fs.join(run.workdir, "export_hf"), run.num_steps)
   run.writer.close()
   if isinstance(stop, preemption.Preempted):
     log.warning(stop.message)
