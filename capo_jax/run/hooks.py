@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import os
 import tempfile
 import time
 from collections.abc import Callable
@@ -88,10 +87,6 @@ class Hook:
     return self.every > 0 and done % self.every == 0
 
 
-def phase_key(name: str) -> str:
-  return f"time/{name}_s"
-
-
 class Hooks:
   """The hooks of one run (``with`` its preemption watch); ``close`` ends their work."""
 
@@ -151,10 +146,6 @@ class Hooks:
         Hook("progress", 1, progress, timed=False, after_stop=True),
     ]
 
-  def phases(self) -> tuple[str, ...]:
-    """The ``time/<phase>_s`` keys the hooks add to every row."""
-    return tuple(phase_key(h.name) for h in self.hooks if h.timed)
-
   def before(self, state: Any) -> None:
     """Before the run's first step here: the step-0 evaluation of a new run, the profile;
     for a run resumed at its end, the final HF export if it is missing."""
@@ -174,7 +165,7 @@ class Hooks:
       if (tick.stop is None or h.after_stop) and h.due(tick.done, self.run.num_steps):
         h.fn(tick)
       if h.timed:
-        tick.out.row[phase_key(h.name)] = time.perf_counter() - t0
+        tick.out.row[f"time/{h.name}_s"] = time.perf_counter() - t0
 
   def close(self) -> None:
     self.bar.close()

@@ -44,8 +44,6 @@ EvalFn = Callable[[int, Any], dict[str, float]]
 # of ``collect`` (drawing prompts, the sampler's weights, sampling) is ``time/rollout_s``.
 _ROLLOUT_PHASES = {"time_reward": "time/grading_s", "time_logprobs": "time/logprobs_s"}
 _ROLLOUT_SAMPLE_TIME = "time_sample"  # sampling alone: inside time/rollout_s
-STEP_PHASES = ("time/rollout_s", *_ROLLOUT_PHASES.values(), "time/update_dispatch_s",
-               "time/update_wait_s")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -220,7 +218,7 @@ def rl_step(run: Run, state: ts.TrainState, step: int) -> tuple[ts.TrainState, S
   row = {k: v for k, v in ro.metrics.items()
          if k not in _ROLLOUT_PHASES and k != _ROLLOUT_SAMPLE_TIME}
   phases = {new: float(ro.metrics[old]) for old, new in _ROLLOUT_PHASES.items()}
-  phases = {"time/rollout_s": max(t1 - t0 - sum(phases.values()), 0.0), **phases,
+  phases = {"time/rollout_s": t1 - t0 - sum(phases.values()), **phases,
             "time/update_dispatch_s": t2 - t1, "time/update_wait_s": t3 - t2}
   skipped = int(sum(float(u["skipped"]) for u in updates))
   n_train_tokens = (int(ro.prompt_mask_BP.sum()) + int(ro.completion_mask_BC.sum())) * \
