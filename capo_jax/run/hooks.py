@@ -138,6 +138,8 @@ class Hooks:
         Hook("divergence", 1, diverged, timed=False),
         Hook("preemption", 1, preempt, timed=False),
         *evaluation,
+        # Exports before the checkpoint, so nothing slow stands between a checkpoint and
+        # its step's row (a run killed there would resume past a row never written).
         Hook("export", spec.checkpoint.export_hf_every, export_step,
              last=spec.checkpoint.export_hf),
         Hook("checkpoint", 1, checkpoint),
