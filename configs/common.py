@@ -183,6 +183,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.log.wandb_project = ""  # set to mirror metrics and config to W&B (pip install wandb)
   c.log.wandb_entity = ""
   c.log.wandb_name = ""  # default: the workdir's name
+  # (first, last): a jax.profiler trace of steps first..last (as logged, from 1) into
+  # <workdir>/profile, for TensorBoard / xprof (docs/training.md); (): none.
+  c.log.profile_steps = ()
 
   # Evaluation during training: the validation split and data.eval, with the
   # evaluator's metrics, logged as eval/<benchmark>/<metric>. Every 50 steps, as the

@@ -108,8 +108,8 @@ def test_resume_after_process_exit_is_bit_exact(assets, tmp_path):
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
   for key in ("accuracy", "auc_mean", "frac_all_correct", "frac_all_wrong", "masked_frac",
               "response_len", "truncation_rate", "clip_frac", "entropy", "kl", "grad_norm",
-              "lr", "time_step", "sample_tokens_per_s", "train_tokens_per_s",
-              "reward/timeout", "s_spread"):
+              "lr", "time_step", "time/rollout_s", "time/update_wait_s", "time/checkpoint_s",
+              "sample_tokens_per_s", "train_tokens_per_s", "reward/timeout", "s_spread"):
     assert key in rows[-1], key
   assert any(r["grad_norm"] > 0 for r in rows)
   assert os.path.isfile(os.path.join(resumed, "export_hf", "config.json"))

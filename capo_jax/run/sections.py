@@ -156,6 +156,7 @@ class Log:
   wandb_project: str
   wandb_entity: str
   wandb_name: str
+  profile_steps: tuple[int, ...]  # (first, last) step traced by jax.profiler, or ()
 
 
 @_frozen
@@ -216,6 +217,8 @@ def section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
           "configs/common.get_base_config())")
   if name == "data":
     values = {**values, "eval": tuple(values["eval"])}
+  if name == "log":
+    values = {**values, "profile_steps": tuple(values["profile_steps"])}
   if name == "reward":  # lists from JSON, or one name given as a plain string
     as_tuple = lambda v: ((v,) if v else ()) if isinstance(v, str) else tuple(v)  # noqa: E731
     values = {**values, "fns": as_tuple(values["fns"]), "weights": as_tuple(values["weights"])}

@@ -79,13 +79,11 @@ def initial_params(spec: RunSpec, model_cfg: Qwen2Config,
   return jax.jit(init, out_shardings=shardings)(jax.random.key(spec.seed))
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(frozen=True)
 class PolicyWeights:
   """What a run keeps of the policy besides its train state, and how it reads it.
 
   Attributes:
-    trainable0: the initial trainable params: every param, or fresh LoRA
-      adapters; the trainer drops it once the train state exists.
     base: LoRA's frozen base (the param dtype, train shardings); None without LoRA.
     reference: the frozen reference policy: LoRA's base itself (no second copy),
       else a compute-dtype copy of the initial params when the noise mask or
@@ -96,7 +94,6 @@ class PolicyWeights:
       for the HF exports.
     lora: the LoRA config, or None.
   """
-  trainable0: Any
   base: Any
   reference: Any
   to_sampling: Callable[[Any], Any]
@@ -116,8 +113,13 @@ class PolicyWeights:
 
 
 def policy_weights(spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None,
-                   tcfg: ts.TrainConfig, mesh: jax.sharding.Mesh, rules: Any) -> PolicyWeights:
-  """The run's initial policy (``initial_params``) split into what trains and what is frozen."""
+                   tcfg: ts.TrainConfig, mesh: jax.sharding.Mesh, rules: Any
+                   ) -> tuple[Any, PolicyWeights]:
+  """The run's initial policy (``initial_params``) split into what trains and what is frozen.
+
+  Returns the initial trainable params (every param, or fresh LoRA adapters: the
+  train state's start, which the caller drops once the state exists) and the rest.
+  """
   p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
   sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
   cast = lambda p, dt: jax.tree.map(lambda x: x.astype(dt), p)  # noqa: E731
@@ -127,9 +129,9 @@ def policy_weights(spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None,
     # The reference is frozen at the initial params, kept in the compute dtype.
     ref = jax.jit(lambda p: cast(p, model_cfg.dtype), out_shardings=p_sh)(params0) \
         if spec.needs_reference else None
-    return PolicyWeights(params0, None, ref, jax.jit(lambda p: cast(p, model_cfg.dtype),
+    return params0, PolicyWeights(None, ref, jax.jit(lambda p: cast(p, model_cfg.dtype),
                                                      out_shardings=sampling_sh),
-                         lambda p: p, None)
+                                  lambda p: p, None)
   shapes = qwen2.param_shapes(model_cfg)
   adapters0 = jax.jit(lambda key: lora.init_adapters(shapes, lcfg, key),
                       out_shardings=ts.trainable_shardings(model_cfg, tcfg, mesh, rules))(
@@ -137,8 +139,8 @@ def policy_weights(spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None,
   merge_sampling = jax.jit(lambda a, b: lora.merge(b, a, lcfg, model_cfg.dtype),
                            out_shardings=sampling_sh)
   merge_full = jax.jit(lambda a, b: lora.merge(b, a, lcfg, jnp.float32), out_shardings=p_sh)
-  return PolicyWeights(adapters0, params0, params0, lambda a: merge_sampling(a, params0),
-                       lambda a: merge_full(a, params0), lcfg)
+  return adapters0, PolicyWeights(params0, params0, lambda a: merge_sampling(a, params0),
+                                  lambda a: merge_full(a, params0), lcfg)
 
 
 def drop_long_prompts(examples: Sequence[data.Example], tokenizer: Tokenizer, max_len: int,

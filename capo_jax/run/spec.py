@@ -194,6 +194,10 @@ class RunSpec:
     for field in ("every_steps", "samples_every_steps"):
       if getattr(self.log, field) < 0:
         fail(f"log.{field}", getattr(self.log, field), "must be >= 0")
+    steps = self.log.profile_steps
+    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
+      fail("log.profile_steps", steps, "expected () or (first, last) with 1 <= first <= last "
+           "(steps as logged)")
     if self.checkpoint.export_hf_every < 0:
       fail("checkpoint.export_hf_every", self.checkpoint.export_hf_every, "must be >= 0")
     self._validate_mesh(jax.device_count() if num_devices is None else num_devices)
