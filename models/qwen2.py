@@ -168,7 +168,6 @@ class DecoderLayer(nn.Module):
 
   def attention_output(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     """The residual stream after the output projection and the MLP."""
-    dt = self.cfg.dtype
     attn_BTNH = _c(attn_BTNH, ACT_BTNH)
     B, T, N, H = attn_BTNH.shape
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the

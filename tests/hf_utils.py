@@ -217,6 +217,7 @@ def stub_snapshot_of_preset(hub_cache: str | os.PathLike, repo_id: str,
   """A cached snapshot of ``repo_id`` whose config.json is ``preset``'s and whose weight and
   tokenizer files exist but are empty: enough for a run config to validate, not to load."""
   import json  # pylint: disable=g-import-not-at-top
+
   from models.config import PRESETS  # pylint: disable=g-import-not-at-top
   stubs = {n: "" for n in ("model.safetensors", "tokenizer.json", "tokenizer_config.json")}
   return write_hub_snapshot(hub_cache, repo_id, files={

@@ -39,6 +39,7 @@ QUESTIONS = [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("Compute 6 * 7."
 def write_assets(root) -> dict[str, str]:
   """A tiny HF tokenizer directory and a JSONL of ``QUESTIONS`` under ``root``."""
   import json  # pylint: disable=import-outside-toplevel
+
   import hf_utils  # pylint: disable=import-outside-toplevel
   tok = hf_utils.make_tokenizer_dir(root / "tok")
   data = root / "train.jsonl"

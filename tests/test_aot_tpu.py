@@ -23,10 +23,9 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from capo_jax.run import spec as spec_lib
 from capo_jax.rl import train_step as ts
-from capo_jax.run import aot
-from capo_jax.run import hlo_cost
+from capo_jax.run import aot, hlo_cost
+from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
 from configs import capo_qwen2p5_math_1p5b
 from models import sharding
@@ -175,8 +174,9 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
 def test_splash_attention_kernel_compiles_for_tpu():
   # The trainer has no splash-attention path yet; this shows Pallas TPU
   # kernels (Mosaic custom calls) compile here, forward and backward.
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
-      splash_attention_kernel as splash, splash_attention_mask as masks)
+  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
   acc = aot.parse_accelerator(ACCELERATOR)
   aot.set_tpu_env(acc)
   mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))

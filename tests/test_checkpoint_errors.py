@@ -9,7 +9,6 @@ naming the path; an unwritable workdir stops the run before any work.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import pathlib
 
@@ -22,8 +21,7 @@ import pytest
 import gcs_emulator
 import rl_driver
 from capo_jax.runtime import checkpoint as ckpt_lib
-from capo_jax.runtime import fs
-from capo_jax.runtime import run_record
+from capo_jax.runtime import fs, run_record
 
 QUARANTINE = "quarantine"  # checkpoint.QUARANTINE (a literal: the probe runs on old code too)
 

@@ -101,9 +101,9 @@ def test_checker_grader_runs_in_the_pool(monkeypatch) -> None:
 @pytest.mark.slow  # ~1 min on 2 cores: a 2-step GRPO run, then the evaluator
 def test_shrink_run_then_calibration_report(tmp_path) -> None:
   import hf_utils  # pylint: disable=import-outside-toplevel
+  import rl_driver  # pylint: disable=import-outside-toplevel
   from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
   from configs import countdown as run_file  # pylint: disable=import-outside-toplevel
-  import rl_driver  # pylint: disable=import-outside-toplevel
   c = run_file.get_config("shrink")
   c.tokenizer_path = str(hf_utils.make_tokenizer_dir(tmp_path / "tok"))
   c.algo.name = "grpo"  # the scalar reward feeds its advantage

@@ -10,9 +10,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from studies.cued_bandit import bandit
-from studies.cued_bandit import metrics
-from studies.cued_bandit import run
+from studies.cued_bandit import bandit, metrics, run
 
 
 def _two_questions() -> bandit.Questions:

@@ -1,4 +1,4 @@
-"""Tests of capo_jax.data.datasets: loaders, registry, bad rows and the resumable prompt iterator."""
+"""Tests of capo_jax.data.datasets: loaders, registry, bad rows, the resumable prompt iterator."""
 
 from __future__ import annotations
 

@@ -153,6 +153,7 @@ def test_rule_share_counts_wrong_samples_that_follow_the_rule():
 
 def test_dynamic_sampling_is_compared_at_the_shorter_runs_wall_time(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
+
   from benchmarks import demo_grpo_vs_capo as study  # pylint: disable=import-outside-toplevel
   # capo: 4 steps of 1 s; capo_dyn: 4 steps of 2 s. Evals at steps 0, 2, 4.
   for name, dt, accs, aucs in (("capo_seed0", 1.0, (0.4, 0.6, 0.7), (0.7, 0.8, 0.85)),

@@ -9,9 +9,9 @@ import pytest
 
 from capo_jax.data import rewards
 from capo_jax.demo import compare
-from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo import mask as mask_lib
 from capo_jax.demo import run as demo_run
+from capo_jax.demo.char_tokenizer import CharTokenizer
 
 
 class _SerialGrader:
@@ -73,9 +73,9 @@ def test_training_grader_composes_and_names_the_bad_field():
 def test_evaluation_never_sees_the_faulty_verifier(monkeypatch, tmp_path):
   """run_rl hands the faulty verifier to the training loop; its held-out evaluation of
   always-correct answers (a third of them negative) still scores 100%."""
-  from configs import demo  # pylint: disable=import-outside-toplevel
   from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
   from capo_jax.eval.report import SampleRecord  # pylint: disable=import-outside-toplevel
+  from configs import demo  # pylint: disable=import-outside-toplevel
   seen = {}
 
   def fake_evaluate(policy, examples, eval_cfg, rng, benchmark, grader=None):
@@ -228,6 +228,7 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
   """The runner the mask and tau studies share: run names, the training rows of a resumed
   run, and a run's held-out AUC on the selected questions against scikit-learn."""
   from sklearn.metrics import roc_auc_score  # pylint: disable=import-outside-toplevel
+
   from benchmarks import demo_mask_study, demo_tau_study, demo_ws0_study  # pylint: disable=import-outside-toplevel
   for s in (demo_mask_study.STUDY, demo_tau_study.STUDY):
     assert [s.parse_name(n) for n in s.run_names()][0][0] in s.variants()

@@ -132,6 +132,7 @@ def test_resumed_run_keeps_every_evaluation(tmp_path: pathlib.Path) -> None:
   """A run stopped after its step-1 checkpoint and resumed writes the evaluations of
   steps 0, 1 and 2 to evals.json, not only those made after the resume."""
   import shutil  # pylint: disable=import-outside-toplevel
+
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from configs import demo  # pylint: disable=import-outside-toplevel
   c = demo.get_config("shrink")

@@ -126,6 +126,7 @@ def test_the_main_command_reads_both_recorded_studies():
   """``make demo`` prints what held in each recorded v3 study; a moved or renamed
   report would silently drop it from the printout."""
   import json  # pylint: disable=import-outside-toplevel
+
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   assert len(demo_run.STUDY_RESULTS) == 2
   for path in demo_run.STUDY_RESULTS:

@@ -85,7 +85,8 @@ def test_commands_name_existing_modules_and_files() -> None:
     for cfg in set(re.findall(r"--config=(configs/[\w/.]+?\.py)", text)):
       if not (ROOT / cfg).is_file():
         missing.append(f"{page.name}: --config={cfg}")
-    for path in set(re.findall(r"\b((?:launch|benchmarks|configs)/[\w/.-]+\.(?:sh|py|ipynb))", text)):
+    paths = re.findall(r"\b((?:launch|benchmarks|configs)/[\w/.-]+\.(?:sh|py|ipynb))", text)
+    for path in set(paths):
       if not (ROOT / path).is_file():
         missing.append(f"{page.name}: {path}")
   assert not missing, "commands naming what does not exist:\n" + "\n".join(sorted(missing))

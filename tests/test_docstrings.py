@@ -7,7 +7,6 @@ figures carry their date and machine in docs/, never in a docstring.
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import re
 

@@ -15,6 +15,7 @@ from capo_jax.rl import dynamic_sampling as ds
 from capo_jax.run import spec as spec_lib
 from configs import common
 
+
 def _brute_force_choice(rewards_QG: np.ndarray, q: int) -> list[int]:
   """Walk the groups in draw order: mixed ones first, then degenerate ones to fill."""
   mixed, degenerate = [], []

@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax.sampling import decode, engine
+import hf_utils
+from capo_jax.sampling import decode, engine, strategies
 from capo_jax.sampling import sampler as sampling
-from capo_jax.sampling import strategies
 from models import qwen2
 from models.config import Qwen2Config
-import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 Q, G, C = 4, 5, 28  # B = 20: W = 5 is a quarter, W = 3 does not divide it

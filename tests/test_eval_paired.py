@@ -15,9 +15,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from capo_jax.demo import compare as demo_compare
-from capo_jax.eval import evaluate
-from capo_jax.eval import paired
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, paired, report
 from capo_jax.eval import scaling as sc
 from capo_jax.eval.report import SampleRecord
 

@@ -7,18 +7,16 @@ import pathlib
 from collections import Counter
 from typing import Any
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
+import hf_utils
 from capo_jax.data import rewards
 from capo_jax.eval import calibration as cal
-from capo_jax.eval import evaluate
-from capo_jax.eval import grouping
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, grouping, report
 from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
 from capo_jax.sampling import sampler as sampling

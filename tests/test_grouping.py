@@ -14,8 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from capo_jax.eval import grouping
-from capo_jax.eval import report
+from capo_jax.eval import grouping, report
 
 HANG = grouping.PairCheck(lambda a, b: (3600.0,), slow="time:sleep")
 

@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+import hf_utils
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 

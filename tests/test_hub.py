@@ -16,12 +16,12 @@ import subprocess
 import sys
 import textwrap
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_utils
 from capo_jax.eval import evaluate
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib

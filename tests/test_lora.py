@@ -14,11 +14,11 @@ import pytest
 
 import hf_utils
 import rl_driver
-from capo_jax.run import spec as spec_lib
 from batches import HostBatch
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import TrainBatch
 from capo_jax.rl.optim import OptimConfig
+from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
@@ -192,7 +192,8 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   c.model.hf_path = str(base_dir)  # a HF base, so a checkpoint alone can be evaluated
   c.model.lora_rank, c.model.lora_alpha, c.model.lora_targets = 4, 8.0, "q,v,o,up,down"
   c.data.val_size = 0
-  assert c.algo.name == "capo" and spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).needs_reference
+  assert c.algo.name == "capo"
+  assert spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).needs_reference
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   want = rl_driver.train(c, str(straight), grader=rl_driver.HashGrader())
 

@@ -10,7 +10,8 @@ import textwrap
 
 import jax
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2

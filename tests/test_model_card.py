@@ -12,8 +12,7 @@ import yaml
 
 import rl_driver
 from capo_jax.data import prompts
-from capo_jax.eval import evaluate
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, report
 from capo_jax.eval.report import SampleRecord
 from capo_jax.run import model_card
 from capo_jax.run import spec as spec_lib

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from capo_jax.run import train_eval
 from capo_jax.run import spec as spec_lib
+from capo_jax.run import train_eval
 from configs import common
 
 PAPER_RUN_FILES = ("capo_qwen2p5_math_1p5b", "capo_qwen2p5_math_7b",

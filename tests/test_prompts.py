@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 
-import hf_utils
 import pytest
 import transformers
 
+import hf_utils
 from capo_jax.data import prompts
 from capo_jax.data import tokenizer as tk
 from capo_jax.eval import evaluate

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 import flax.linen as nn
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_utils
 from models import hf_weights, qwen2
 from models.config import PRESETS, Qwen2Config
 from models.kv_cache import KVCache, init_cache
@@ -106,6 +106,7 @@ def test_repeat_rows_shares_one_prefill():
 
 def test_bfloat16_compute_stays_close_to_float32():
   import copy  # pylint: disable=g-import-not-at-top
+
   import torch  # pylint: disable=g-import-not-at-top
   hf_model, _ = hf_utils.make_hf_model(None, seed=5, tie_word_embeddings=False)
   cfg, params = _port(hf_model)

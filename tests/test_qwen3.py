@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import json
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_utils
 from batches import HostBatch
-
 from capo_jax.rl import train_step as ts
 from capo_jax.sampling import sampler as sampling
 from capo_jax.sampling import strategies
@@ -171,6 +170,7 @@ def test_qwen3_train_step_matches_torch_gradient():
   known function of its gradient.
   """
   import torch  # pylint: disable=g-import-not-at-top
+
   from capo_jax.rl.optim import OptimConfig  # pylint: disable=g-import-not-at-top
   hf_model, _ = hf_utils.make_hf_model(None, seed=7, arch="qwen3", head_dim=32, std=0.05,
                                        tie_word_embeddings=False)

@@ -1,4 +1,4 @@
-"""Tests of capo_jax.data.rewards: extraction, equivalence, health counters and the deadline pool."""
+"""Tests of capo_jax.data.rewards: extraction, equivalence, health counters, the deadline pool."""
 
 from __future__ import annotations
 
@@ -67,7 +67,8 @@ def test_unclosed_or_empty_box_and_no_answer() -> None:
 EQUAL = [
     ("025", "25"), ("25", "025"), ("7", "007"), ("-12", "-12"), ("\\frac{1}{2}", "0.5"),
     ("\\frac{1}{2}", "\\dfrac12"), ("\\dfrac{17}{50}", "\\frac{17}{50}"), ("\\frac43", "4/3"),
-    ("\\frac 59", "\\tfrac{5}{9}"), ("$2n$", "2n"), ("$2n-2$", "2n - 2"), ("$2^{1009}$", "2^{1009}"),
+    ("\\frac 59", "\\tfrac{5}{9}"), ("$2n$", "2n"), ("$2n-2$", "2n - 2"),
+    ("$2^{1009}$", "2^{1009}"),
     ("$\\frac{9}{32}$", "\\frac{9}{32}"), ("90^\\circ", "90"), ("90^\\circ", "90^{\\circ}"),
     ("$90^{\\circ}$,$60^{\\circ}$", "90^\\circ, 60^\\circ"), ("25\\%", "25"), ("25\\%", "0.25"),
     ("10,\\!080", "10080"), ("11,\\! 111,\\! 111,\\! 100", "11111111100"), ("58,500", "58500"),
@@ -98,7 +99,8 @@ UNEQUAL = [
     ("(0,9) \\cup (9,36)", "(0,36)"), ("$(1,8,19), (2,7,13), (4,5,7)$", "(1,8,19),(2,7,13)"),
     ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\pi)"), ("p - q", "q-p"), ("6 - 5i", "6+5i"),
     ("-\\frac{24}{25}", "\\frac{24}{25}"), ("1.70e4", "1.8 \\times 10^4"), ("x=5", "x=-5"),
-    ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}", "\\begin{pmatrix} 1/3 \\\\ 2/3 \\end{pmatrix}"),
+    ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}",
+     "\\begin{pmatrix} 1/3 \\\\ 2/3 \\end{pmatrix}"),
 ]
 
 

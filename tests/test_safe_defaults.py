@@ -18,12 +18,12 @@ import subprocess
 import sys
 import textwrap
 
-import hf_utils
 import jax
 import numpy as np
 import pytest
 import transformers
 
+import hf_utils
 from capo_jax.data import tokenizer as tk
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib

@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax.sampling import engine
+import hf_utils
+from capo_jax.sampling import engine, strategies
 from capo_jax.sampling import sampler as sampling
-from capo_jax.sampling import strategies
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
-import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAD = 0
@@ -64,7 +63,8 @@ def test_greedy_matches_transformers_and_stops(tiny):
   expected = _hf_greedy(model, tokens, mask, 12, stops)
   ours = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD))
+          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops,
+          pad_id=PAD))
   np.testing.assert_array_equal(np.asarray(sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
           num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), pad_id=PAD)).tokens_BC),
@@ -72,8 +72,8 @@ def test_greedy_matches_transformers_and_stops(tiny):
   # The engine with 2 slots for 3 rows (a refill mid-run) gives the same tokens.
   two = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD,
-          max_active_rows=2))
+          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops,
+          pad_id=PAD, max_active_rows=2))
   np.testing.assert_array_equal(np.asarray(two.tokens_BC), np.asarray(ours.tokens_BC))
   np.testing.assert_array_equal(np.asarray(two.mask_BC), np.asarray(ours.mask_BC))
   for b in range(tokens.shape[0]):
@@ -90,7 +90,8 @@ def test_greedy_matches_transformers_and_stops(tiny):
   n0 = int(ours.lengths_B[0])
   short = sampling.generate(
       params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=n0, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD))
+          num_samples=1, max_new_tokens=n0, strategy=strategies.Greedy(), stop_ids=stops,
+          pad_id=PAD))
   stopped = np.isin(free[:, :n0], stops).any(1)
   np.testing.assert_array_equal(np.asarray(short.truncated_B), ~stopped)
   assert stopped[0] and int(short.lengths_B[0]) == n0
@@ -324,7 +325,8 @@ _SHARDED = textwrap.dedent("""
     assert eight.tokens_BC.sharding.spec[0] == ("data", "fsdp"), eight.tokens_BC.sharding
     np.testing.assert_array_equal(np.asarray(one.tokens_BC), np.asarray(eight.tokens_BC))
     np.testing.assert_array_equal(np.asarray(one.mask_BC), np.asarray(eight.mask_BC))
-    np.testing.assert_allclose(np.asarray(one.logprobs_BC), np.asarray(eight.logprobs_BC), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(one.logprobs_BC), np.asarray(eight.logprobs_BC),
+                               atol=1e-5)
     assert len(set(np.asarray(one.lengths_B).tolist())) > 1, one.lengths_B  # the stops took effect
     print("OK")
 """)

@@ -15,8 +15,7 @@ from sklearn.metrics import roc_auc_score
 
 import capo_jax.data
 from capo_jax.eval import calibration as cal
-from capo_jax.eval import plots
-from capo_jax.eval import report
+from capo_jax.eval import plots, report
 from capo_jax.eval import scaling as sc
 
 EXACT = sc.resolve_same_answer("exact")

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import hf_utils
 import numpy as np
 import pytest
 
+import hf_utils
 from capo_jax.data import tokenizer as tk
 
 # The Qwen2.5-Math chain-of-thought prompt (docs/algorithms.md), verbatim.

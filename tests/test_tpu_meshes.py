@@ -58,10 +58,10 @@ for model, slice_name in json.loads(sys.argv[2]):
   leaves = {}
   for rules_name in ("train", "sampling"):
     rules = mesh_lib.RULES[rules_name]
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)
     got = jax.tree_util.tree_leaves_with_path(qwen2.param_specs(run.model, rules, mesh),
-                                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    wanted = jax.tree_util.tree_leaves(qwen2.param_specs(run.model, rules),
-                                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+                                              is_leaf=is_spec)
+    wanted = jax.tree_util.tree_leaves(qwen2.param_specs(run.model, rules), is_leaf=is_spec)
     leaves[rules_name] = [
         dict(path=jax.tree_util.keystr(path), shape=list(s.shape), spec=[
             None if a is None else [a] if isinstance(a, str) else list(a) for a in sp],

@@ -105,8 +105,8 @@ class DeadlinePool:
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(
         p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-c", "from capo_jax.data._grader_pool import _worker_main; _worker_main()",
-           self.target, self.warmup or "", str(child_r), str(child_w)]
+    main = "from capo_jax.data._grader_pool import _worker_main; _worker_main()"
+    cmd = [sys.executable, "-c", main, self.target, self.warmup or "", str(child_r), str(child_w)]
     try:
       # Own process group: `_kill` signals the group, so the target's subprocesses die too; and
       # a Ctrl-C at the terminal reaches the parent only, which then kills the workers,

@@ -31,9 +31,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from capo_jax.data._grader_pool import DeadlinePool
 from capo_jax.data._grader_pool import OK as _POOL_OK
 from capo_jax.data._grader_pool import TIMEOUT as _POOL_TIMEOUT
+from capo_jax.data._grader_pool import DeadlinePool
 
 logger = logging.getLogger(__name__)
 
@@ -305,8 +305,8 @@ class Grader:
   """Scores completions with math-verify in `num_workers` processes, `timeout_s` per item.
 
   Safe to call from any thread. Workers start on first use (a one-time cost; the benchmark
-  table of docs/benchmarks.md has it) and are reused; call `close()` (or use as a context manager) to
-  stop them.
+  table of docs/benchmarks.md has it) and are reused; call `close()` (or use as a context
+  manager) to stop them.
   """
 
   def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0, *,

@@ -184,6 +184,7 @@ class HFTokenizer(PromptCodec):
   def from_pretrained(cls, path: str | os.PathLike, **kw: Any) -> HFTokenizer:
     """Loads ``AutoTokenizer`` from a local directory (``local_files_only``: no hub)."""
     import transformers  # pylint: disable=g-import-not-at-top  (heavy; only HF users pay)
+
     from capo_jax.runtime import model_files  # pylint: disable=import-outside-toplevel
     path = os.fspath(path)
     if not os.path.isdir(path):

@@ -33,6 +33,7 @@ import numpy as np
 
 from capo_jax.data import rewards as rewards_lib
 from capo_jax.eval import calibration
+
 # Re-exported: the demo, its study and benchmarks/demo_grpo_vs_capo.py call it from here.
 from capo_jax.eval.paired import paired_delta_auc  # noqa: F401  pylint: disable=unused-import
 

@@ -212,8 +212,8 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
           acc = (f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
                  f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})")
       lines.append(f"  {name} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
-                   f"{sg(d['hi'])}]{paired.t_note(d, 'warm starts')}, {d['pairs']} question pairs on {d['warm_starts']} "
-                   f"warm starts, the same sign on {same}: {reading}")
+                   f"{sg(d['hi'])}]{paired.t_note(d, 'warm starts')}, {d['pairs']} question "
+                   f"pairs on {d['warm_starts']} warm starts, the same sign on {same}: {reading}")
       if reading.startswith("held"):
         held.append(f"{name} - {reference} {label}")
   lines.append("What held: " + ("; ".join(held) if held else

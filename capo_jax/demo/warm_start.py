@@ -33,8 +33,7 @@ from tqdm.auto import tqdm
 
 from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo.task import Example, TaskConfig, make_splits
-from capo_jax.eval import calibration
-from capo_jax.eval import evaluate
+from capo_jax.eval import calibration, evaluate
 from capo_jax.rl.optim import OptimConfig, make_optimizer
 from models import hf_weights, qwen2
 from models.config import Qwen2Config

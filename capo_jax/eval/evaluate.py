@@ -45,15 +45,11 @@ import numpy as np
 from tqdm import auto as tqdm
 
 from capo_jax.data import datasets as data
-from capo_jax.data import reward_fns
-from capo_jax.data import prompts
-from capo_jax.data import rewards
+from capo_jax.data import prompts, reward_fns, rewards
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import grouping as grouping_lib
-from capo_jax.eval import inputs
+from capo_jax.eval import inputs, report, scaling
 from capo_jax.eval.inputs import InputError
-from capo_jax.eval import report
-from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
 from capo_jax.masked import mean_logprob
 from capo_jax.runtime import fs

@@ -55,9 +55,7 @@ import numpy as np
 
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import grouping as grouping_lib
-from capo_jax.eval import inputs
-from capo_jax.eval import paired
-from capo_jax.eval import scaling
+from capo_jax.eval import inputs, paired, scaling
 from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)

@@ -384,7 +384,8 @@ class Compiled:
     ca = self.compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     out = hlo_cost.hlo_cost(self.compiled.as_text())
-    out.update(xla_flops=float(ca.get("flops", 0.0)), xla_bytes=float(ca.get("bytes accessed", 0.0)))
+    out.update(xla_flops=float(ca.get("flops", 0.0)),
+               xla_bytes=float(ca.get("bytes accessed", 0.0)))
     return out
 
 

@@ -23,8 +23,7 @@ from typing import Any
 from capo_jax.data.prompts import PROMPT_FILE, PromptFormat
 from capo_jax.eval import report
 from capo_jax.run.spec import RunSpec
-from capo_jax.runtime import fs
-from capo_jax.runtime import run_record
+from capo_jax.runtime import fs, run_record
 from models import hub
 
 log = logging.getLogger(__name__)

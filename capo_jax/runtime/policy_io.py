@@ -58,6 +58,7 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
                     ) -> tuple[Qwen2Config, Params, int]:
   """Config and params of the latest Orbax checkpoint of a trainer workdir."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   from capo_jax.runtime.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
   ckpt = Checkpointer(workdir, every_steps=0)
   try:
