@@ -177,9 +177,9 @@ class Qwen2Config:
   @classmethod
   def tiny(cls, **kw: Any) -> Qwen2Config:
     """A few-hundred-thousand-parameter model for tests and CPU demos."""
-    defaults = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
-                    max_position_embeddings=2048)
+    defaults: dict[str, Any] = dict(
+        vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
+        num_kv_heads=2, rope_theta=10000.0, tie_word_embeddings=True, max_position_embeddings=2048)
     defaults.update(kw)
     return cls(**defaults)
 

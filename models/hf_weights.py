@@ -102,7 +102,7 @@ def _hf_shape(m: _Map, cfg: Qwen2Config) -> tuple[int, ...]:
 def _leaves(cfg: Qwen2Config) -> list[tuple[tuple[str, ...], _Map]]:
   """(tree path, map) of every param, in canonical order."""
   maps = _maps(cfg)
-  out = [(("embed",), maps["embed"])]
+  out: list[tuple[tuple[str, ...], _Map]] = [(("embed",), maps["embed"])]
   out += [(("layers", k), m) for k, m in maps["layers"].items()]
   out.append((("final_norm",), maps["final_norm"]))
   if "lm_head" in maps:
@@ -202,7 +202,8 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
     shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
   elif callable(shardings):
     shardings = shardings(cfg)
-  if jax.tree.structure(shardings) != jax.tree.structure(shapes):
+  # jax's types leave PyTreeDef unresolved (a jaxlib extension class), so mypy sees no __ne__.
+  if jax.tree.structure(shardings) != jax.tree.structure(shapes):  # type: ignore[operator]
     raise ValueError(f"shardings tree {jax.tree.structure(shardings)} does not match the params "
                      f"tree {jax.tree.structure(shapes)}")
   dtype = np.dtype(cfg.weight_dtype)
@@ -273,9 +274,9 @@ def open_checkpoint(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
   with contextlib.ExitStack() as stack:
     tensors: dict[str, Any] = {}
     for name in files:
-      f = stack.enter_context(safe_open(os.path.join(path, name), framework="numpy"))
-      for key in f.keys():
-        tensors[key] = f.get_slice(key)
+      shard = stack.enter_context(safe_open(os.path.join(path, name), framework="numpy"))
+      for key in shard.keys():
+        tensors[key] = shard.get_slice(key)
     if weight_map is not None:
       for key, fname in weight_map.items():
         if key not in tensors:

@@ -138,9 +138,9 @@ def delta(module: nn.Module, kernel: str, x: jax.Array, n_in: int) -> jax.Array 
   if not module.has_variable("params", f"{kernel}_lora_a"):
     return None
   dt = module.cfg.dtype
-  a = module.get_variable("params", f"{kernel}_lora_a").astype(dt)
-  b = module.get_variable("params", f"{kernel}_lora_b").astype(dt)
-  scale = module.get_variable("params", SCALE).astype(dt)
+  a: jax.Array = module.get_variable("params", f"{kernel}_lora_a").astype(dt)
+  b: jax.Array = module.get_variable("params", f"{kernel}_lora_b").astype(dt)
+  scale: jax.Array = module.get_variable("params", SCALE).astype(dt)
   xa = jnp.tensordot(x.astype(dt), a, axes=n_in)  # [B, T, rank]
   return jnp.tensordot(xa * scale, b, axes=1)
 

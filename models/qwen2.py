@@ -70,8 +70,15 @@ _normal = nn.initializers.normal(stddev=0.02)
 def _param(module: nn.Module, name: str, init: Callable[..., jax.Array],
            shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
   """A param of the module's weight dtype whose dimensions carry logical ``axes``."""
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                      module.cfg.weight_dtype)
+  boxed = nn.with_logical_partitioning(init, axes)
+  # Flax types the result as the init's LogicallyPartitioned box; param() unboxes it.
+  return module.param(name, boxed, shape, module.cfg.weight_dtype)  # type: ignore[return-value]
+
+
+def _apply(module: nn.Module, params: Params, *args: Any, **kw: Any) -> Any:
+  """``module.apply({"params": params}, ...)``: the output alone, no collection being
+  mutable (flax types every apply's result as output | (output, mutated state))."""
+  return module.apply({"params": params}, *args, **kw)
 
 
 def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -148,7 +155,8 @@ class DecoderLayer(nn.Module):
            ACT_BTKH)
     v = _c(self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("v_kernel"))),
            ACT_BTKH)
-    if c.qkv_bias:
+    if c.qkv_bias:  # setup() made the three biases exactly when qkv_bias
+      assert self.q_bias is not None and self.k_bias is not None and self.v_bias is not None
       q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt),
                  v + self.v_bias.astype(dt))
     if c.qk_norm:  # over the head dim of each head, before RoPE (as transformers' Qwen3)
@@ -340,19 +348,19 @@ def hidden_states(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_B
     positions_BT = positions_from_mask(mask_BT)
   if segment_ids_BT is None:
     segment_ids_BT = mask_BT.astype(jnp.int32)
-  h_BTD, _ = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, None,
-                              segment_ids_BT=segment_ids_BT)
+  h_BTD, _ = _apply(Qwen2(cfg), params, tokens_BT, positions_BT, None,
+                    segment_ids_BT=segment_ids_BT)
   return h_BTD
 
 
 def unembed_matrix(params: Params, cfg: Qwen2Config) -> jax.Array:
   """The [D, V] output projection (the embedding, transposed, when tied)."""
-  return Qwen2(cfg).apply({"params": params}, method=Qwen2.unembed_matrix)
+  return _apply(Qwen2(cfg), params, method=Qwen2.unembed_matrix)
 
 
 def logits_from_hidden(params: Params, cfg: Qwen2Config, h_BTD: jax.Array) -> jax.Array:
   """Float32 logits [B, T, V] of final-norm hidden states."""
-  return Qwen2(cfg).apply({"params": params}, h_BTD, method=Qwen2.logits)
+  return _apply(Qwen2(cfg), params, h_BTD, method=Qwen2.logits)
 
 
 def forward(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
@@ -393,8 +401,8 @@ def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Ar
   kv_mask_BS = jax.lax.dynamic_update_slice_in_dim(cache.mask_BS, mask_BT, index, axis=1)
   causal_TS = jnp.arange(cache.max_len)[None, :] <= (index + jnp.arange(T))[:, None]
   mask_BTS = causal_TS[None] & kv_mask_BS[:, None, :]
-  h_BTD, (k, v) = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, mask_BTS,
-                                   (cache.k_LBSKH, cache.v_LBSKH), index)
+  h_BTD, (k, v) = _apply(Qwen2(cfg), params, tokens_BT, positions_BT, mask_BTS,
+                         (cache.k_LBSKH, cache.v_LBSKH), index)
   return h_BTD, KVCache(k_LBSKH=k, v_LBSKH=v, mask_BS=kv_mask_BS,
                         positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
                         index=index + T)
@@ -413,7 +421,7 @@ def layer(cfg: Qwen2Config, x_BTD: jax.Array, layer_params: Params,
   For callers that run the layers themselves (the sampler's unrolled decode
   step); attention is ``attend``'s.
   """
-  mod, variables = DecoderLayer(cfg), {"params": layer_params}
-  q, k, v = mod.apply(variables, x_BTD, rope_BT, method=DecoderLayer.attention_inputs)
+  mod = DecoderLayer(cfg)
+  q, k, v = _apply(mod, layer_params, x_BTD, rope_BT, method=DecoderLayer.attention_inputs)
   attn, aux = attend(q, k, v)
-  return mod.apply(variables, x_BTD, attn, method=DecoderLayer.attention_output), aux
+  return _apply(mod, layer_params, x_BTD, attn, method=DecoderLayer.attention_output), aux

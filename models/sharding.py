@@ -74,6 +74,7 @@ def logical_to_spec(axes: Sequence[str | None], rules: Rules,
                     name: str = "") -> PartitionSpec:
   """The mesh PartitionSpec of one array whose dimensions carry logical ``axes``."""
   spec = nn.logical_to_mesh_axes(tuple(axes), list(rules))
+  assert spec is not None  # flax returns None only when the axes themselves are None
   if mesh is None:
     return spec
   return _fit(spec, tuple(axes), shape, mesh, name)

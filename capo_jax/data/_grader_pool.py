@@ -229,9 +229,9 @@ class DeadlinePool:
                    for w in self._workers if w.inflight or not w.ready]
       wait_s = max(0.0, min(deadlines) - now) if deadlines else 1.0
       for conn in wait([w.from_worker for w in self._workers], timeout=wait_s):
-        w = next((w for w in self._workers if w.from_worker is conn), None)
-        if w is not None:
-          self._drain(w, results, queue)
+        sender = next((w for w in self._workers if w.from_worker is conn), None)
+        if sender is not None:
+          self._drain(sender, results, queue)
       now = time.monotonic()
       for w in list(self._workers):
         if w.inflight and now > w.last_progress + self.timeout_s:

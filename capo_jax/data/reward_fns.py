@@ -83,8 +83,10 @@ def load(target: str) -> Callable[..., Any]:
     if not os.path.isfile(where):
       raise FileNotFoundError(f"{target}: no such file {where}")
     spec = importlib.util.spec_from_file_location(f"capo_reward_plugin_{abs(hash(where))}", where)
+    if spec is None or spec.loader is None:
+      raise ImportError(f"{target}: {where} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    spec.loader.exec_module(module)
   else:
     module = importlib.import_module(where)
   fn = getattr(module, attr, None)

@@ -290,6 +290,7 @@ def score_serial(completions: Sequence[str],
   rewards = np.zeros(len(completions), np.float32)
   statuses = np.zeros(len(completions), np.int8)
   for i, (c, g) in enumerate(zip(completions, golds)):
+    status: int  # a Status; _slow_judge gives its int (grader workers send it through a pipe)
     try:
       verdict, status, pred = _prepare(c, g)
       if verdict is None:

@@ -101,7 +101,7 @@ def completion_length(ids: Sequence[int], stop_ids: Sequence[int]) -> int:
   return len(ids)
 
 
-def decode_completions(tokenizer: Tokenizer, tokens_BC: np.ndarray,
+def decode_completions(tokenizer: PromptCodec, tokens_BC: np.ndarray,
                        mask_BC: np.ndarray | None = None) -> list[str]:
   """Texts of right-padded completions (real tokens where ``mask_BC`` is 1), each cut
   before its first stop token; shared by every ``Tokenizer`` implementation."""
@@ -120,8 +120,13 @@ class PromptCodec:
   """What every ``Tokenizer`` derives from ``encode_prompt`` / ``encode`` / ``decode``:
   batched left-padded prompts, completion lengths and completion texts."""
 
-  stop_ids: tuple[int, ...]
-  pad_id: int
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    raise NotImplementedError
+
+  @property
+  def pad_id(self) -> int:
+    raise NotImplementedError
 
   def encode_prompt(self, question: str) -> list[int]:
     raise NotImplementedError

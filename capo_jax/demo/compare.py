@@ -130,10 +130,10 @@ def value_at_accuracy(evals: Sequence[dict[str, float]], target: float, key: str
 
 def value_at(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
   """``ys`` linear in ``xs`` (increasing) at ``x``; NaN outside their range."""
-  xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-  if not len(xs) or x < xs[0] or x > xs[-1]:
+  x_N, y_N = np.asarray(xs, float), np.asarray(ys, float)
+  if not len(x_N) or x < x_N[0] or x > x_N[-1]:
     return float("nan")
-  return float(np.interp(x, xs, ys))
+  return float(np.interp(x, x_N, y_N))
 
 
 def summary(s_QG: np.ndarray, correct_QG: np.ndarray, bucket_Q: np.ndarray,

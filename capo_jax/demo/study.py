@@ -58,7 +58,7 @@ def matched_checkpoints(evals_a: Sequence[Mapping[str, float]],
     for eb in evals_b:
       if ea["step"] == 0 or eb["step"] == 0 or abs(ea[key] - eb[key]) > tol:
         continue
-      cand = (-(ea[key] + eb[key]) / 2, ea["step"], eb["step"])
+      cand = (-(ea[key] + eb[key]) / 2, int(ea["step"]), int(eb["step"]))
       if best is None or cand < best:
         best = cand
   if best is None:

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo.task import Example, TaskConfig, make_splits
 from capo_jax.eval import calibration, evaluate
@@ -218,7 +219,7 @@ def evaluate_policy(policy: evaluate.EvalPolicy, examples: list[Example],
               completions=[r.completion for r in records])
 
 
-def completion_budget(tokenizer: CharTokenizer, examples: list[Example], slack: int = 8) -> int:
+def completion_budget(tokenizer: Tokenizer, examples: list[Example], slack: int = 8) -> int:
   """max_new_tokens: the longest gold solution plus EOS, plus ``slack``."""
   return max(len(tokenizer.encode(ex.meta["solution"])) for ex in examples) + 1 + slack
 
@@ -329,7 +330,7 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
   step_fn = make_sft_step(model_cfg, optimizer)
   order = np.random.default_rng(sft_cfg.seed)
   perm, cursor = order.permutation(len(train)), 0
-  history: list[dict[str, float]] = []
+  history: list[dict[str, float | None]] = []  # val_auc_mean None: no mixed group
   losses: list[jax.Array] = []  # read back only when logged, so dispatch stays async
   stopped = "max_steps"
   bar = tqdm(range(1, sft_cfg.max_steps + 1), desc="warm start (SFT)", disable=not progress)

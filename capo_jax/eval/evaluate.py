@@ -122,7 +122,7 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
   bs = min(eval_cfg.batch_size, len(examples))
   G = eval_cfg.num_samples
   per_question: list[list[SampleRecord]] = [[] for _ in examples]
-  stats = collections.Counter()
+  stats: collections.Counter[str] = collections.Counter()
 
   def dispatch(b: int, idx: list[int]) -> Any:
     # A short last batch repeats its last question: one batch shape, one compile.
@@ -138,8 +138,9 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
 
   def finish(idx: list[int], out: sampling.Samples, bar: Any) -> None:
     n = len(idx) * G  # rows past n belong to the padding repeats
-    tokens, mask = out.tokens_BC[:n], out.mask_BC[:n].astype(np.float64)
-    logprobs = out.logprobs_BC[:n].astype(np.float64)
+    # The rows are host numpy arrays already (to_host); asarray says so to the type checker.
+    tokens, mask = np.asarray(out.tokens_BC[:n]), np.asarray(out.mask_BC[:n], np.float64)
+    logprobs = np.asarray(out.logprobs_BC[:n], np.float64)
     length_B = mask.sum(1)
     s_B = mean_logprob(logprobs, mask)  # the stop token counts in s
     texts = tokenizer.decode_completions(tokens, mask)
@@ -163,14 +164,15 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
   # Batch b+1 samples on the device while a host thread decodes and grades batch
   # b. device_get waits for batch b first, so one KV cache is live at a time.
   with futures.ThreadPoolExecutor(1) as host:
-    prev = None
+    prev: futures.Future[None] | None = None
     for b, idx in enumerate(_batches(lengths, bs)):
       # to_host gathers the rows of every process when the mesh spans several.
       out = jax.tree.map(to_host, dispatch(b, idx))
       if prev is not None:
         prev.result()  # re-raises a grading error; keeps the host one batch behind at most
       prev = host.submit(finish, idx, out, bar)
-    prev.result()
+    if prev is not None:
+      prev.result()
   bar.close()
   secs = time.perf_counter() - start
   n_rows = len(examples) * G

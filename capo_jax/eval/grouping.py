@@ -219,7 +219,12 @@ class AnswerGrouper:
           break
       self._run(wave, args, verdicts, unresolved)
     consulted: set[Pair] = set()
-    _replay(len(uniq), lambda i, j: consulted.add((i, j)) or verdicts[i, j])
+
+    def consult(i: int, j: int) -> bool:
+      consulted.add((i, j))
+      return verdicts[i, j]
+
+    _replay(len(uniq), consult)
     index = {a: u for u, a in enumerate(uniq)}
     group_G = np.array([-1 if a is None else cls[index[a]] for a in answers], dtype=np.int64)
     return Grouped(group_G, len(consulted & unresolved))

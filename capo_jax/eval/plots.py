@@ -105,7 +105,7 @@ def plot_auc_histogram(aucs: Mapping[str, Sequence[float]],
   for label, values in aucs.items():
     vals = np.asarray(values, dtype=float)
     vals = vals[~np.isnan(vals)]
-    ax.hist(vals, bins=edges, alpha=0.45,
+    ax.hist(vals, bins=edges.tolist(), alpha=0.45,
             label=f"{label} (n={vals.size}, mean={np.mean(vals):.3f})"
             if vals.size else f"{label} (n=0)")
   ax.set(xlabel="AUC of s within a question", ylabel="questions", title=title)

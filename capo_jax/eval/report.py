@@ -93,7 +93,7 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
   """Checks one samples.jsonl row; errors name ``where`` (file:line)."""
   if not isinstance(row, Mapping):
     raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-  vals = {}
+  vals: dict[str, Any] = {}  # each field's type is checked here, before SampleRecord
   for name, types in _FIELDS.items():
     if name not in row:
       raise ValueError(f"{where}: missing field {name!r}")
@@ -121,7 +121,8 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
 def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
   """Reads samples.jsonl; blank lines are skipped, bad rows and a file without rows raise
   ValueError naming the file (and line)."""
-  records, first_line = [], {}
+  records: list[SampleRecord] = []
+  first_line: dict[tuple[str, str, int], int] = {}
   with fs.path(path).open("r", encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():

@@ -112,7 +112,7 @@ class QuestionSamples:
 
 
 def prepare_question(answers: Sequence[str | None], completions: Sequence[str],
-                     s: Sequence[float], correct: Sequence[bool],
+                     s: Sequence[float] | np.ndarray, correct: Sequence[bool] | np.ndarray,
                      same_answer: Callable[[str, str], bool] | AnswerGrouper
                      ) -> QuestionSamples:
   """Builds QuestionSamples from raw strings (groups answers, ids completions).
@@ -362,7 +362,7 @@ def scaling_curves(questions: Sequence[QuestionSamples],
     used = [(i, q) for i, q in enumerate(questions) if len(q.group_G) >= n]
     out["n_questions"].append(len(used))
     idx = [_subsets(len(q.group_G), n, config, i) for i, q in used]
-    keep = [None] * len(used)
+    keep: Sequence[np.ndarray | None] = [None] * len(used)
     if "rpc" in config.methods and used:
       s_all = np.concatenate([q.s_G[ix] for (_, q), ix in zip(used, idx)])
       keep_all = rpc_keep_mask(s_all, None, config.weibull)

@@ -27,7 +27,8 @@ import numpy as np
 def mixed_groups(rewards_QG: np.ndarray) -> np.ndarray:
   """bool[Q]: the groups with at least one right and one wrong sample."""
   correct_QG = np.asarray(rewards_QG) > 0.5
-  return correct_QG.any(1) & ~correct_QG.all(1)
+  # numpy types any(1) as scalar-or-array; with axis=1 of a [Q, G] array it is an array.
+  return np.asarray(correct_QG.any(1) & ~correct_QG.all(1))
 
 
 def select_groups(rewards_QG: np.ndarray, num_groups: int) -> tuple[np.ndarray, int]:

@@ -105,7 +105,9 @@ def set_tpu_env(acc: Accelerator) -> None:
   """What libtpu reads at load; without them it queries the GCE metadata server
   (absent off Cloud) and logs errors. JAX itself stays on the CPU backend: the
   TPU devices come from the topology description, not from a TPU client."""
-  if not jax.config.jax_platforms:  # jax read $JAX_PLATFORMS when it was imported
+  # jax read $JAX_PLATFORMS when it was imported. Config sets its options as attributes at
+  # run time, so its type has none of them.
+  if not jax.config.jax_platforms:  # type: ignore[attr-defined]
     jax.config.update("jax_platforms", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", acc.gcloud_type)
@@ -158,7 +160,9 @@ def topology_mesh(spec: RunSpec, acc: Accelerator) -> Mesh:
 # --------------------------------------------------------------------------
 
 
-def _sds(shape: tuple[int, ...], dtype: Any, sh: NamedSharding) -> jax.ShapeDtypeStruct:
+def _sds(shape: tuple[int, ...], dtype: Any, sh: jax.sharding.Sharding) -> Any:
+  """An abstract array to lower with. Typed Any: it fills the ``jax.Array`` fields of the
+  containers the programs take (ModelRows, TrainBatch, engine.Ends)."""
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
 
@@ -168,7 +172,7 @@ def _abstract_params(model_cfg: Any, mesh: Mesh, rules: Any, dtype: Any) -> Any:
                       shardings)
 
 
-def _rows(mesh: Mesh, rules: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+def _rows(mesh: Mesh, rules: Any, shape: tuple[int, ...], dtype: Any) -> Any:
   """A batch array: leading axis over the batch mesh axes, the rest whole."""
   spec = sharding.logical_to_spec(("batch",) + (None,) * (len(shape) - 1), rules, shape, mesh)
   return _sds(shape, dtype, NamedSharding(mesh, spec))

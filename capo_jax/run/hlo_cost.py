@@ -61,6 +61,20 @@ class _Instr:
   rest: str
 
 
+def _group(pattern: str, ins: _Instr) -> str:
+  """Group 1 of ``pattern`` in the instruction's operands and attributes; an HLO
+  instruction without it (a new XLA text format) fails here, naming both."""
+  m = re.search(pattern, ins.rest)
+  if m is None:
+    raise ValueError(f"hlo_cost: {ins.op} %{ins.name} has no {pattern!r} in {ins.rest!r}")
+  return m[1]
+
+
+def _called(ins: _Instr, attr: str = "calls") -> str:
+  """The computation an instruction's ``calls=`` / ``condition=`` / ``body=`` names."""
+  return _group(rf"{attr}=%([\w.\-]+)", ins)
+
+
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
   return [(dt, tuple(int(d) for d in dims.split(",") if d))
           for dt, dims, _ in _ARRAY.findall(shape)]
@@ -172,7 +186,7 @@ def _users(fused: list[_Instr]) -> dict[str, list[_Instr]]:
 
 
 def _params(fused: list[_Instr]) -> dict[str, int]:
-  return {i.name: int(re.match(r"(\d+)\)", i.rest)[1]) for i in fused if i.op == "parameter"}
+  return {i.name: int(_group(r"^(\d+)\)", i)) for i in fused if i.op == "parameter"}
 
 
 def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]],
@@ -187,7 +201,7 @@ def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Inst
                                               and _operands(u.rest)[0] == pname):
       total += _bytes(u.shape, where, space_of=pshape)
     elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
-      inner = comps.get(re.search(r"calls=%([\w.\-]+)", u.rest)[1], [])
+      inner = comps.get(_called(u), [])
       idx = _operands(u.rest).index(pname)
       names = [n for n, i in _params(inner).items() if i == idx]
       got = _read_by_slices(names[0], inner, comps, where) if names else None
@@ -252,8 +266,7 @@ def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]],
     update = shapes.get(ops[1], "")
     return _bytes(update, where) + _bytes(update, where, space_of=shapes.get(ops[0]))
   if ins.op == "fusion":
-    return _fusion_bytes(ins, shapes, comps[re.search(r"calls=%([\w.\-]+)", ins.rest)[1]],
-                         comps, where)
+    return _fusion_bytes(ins, shapes, comps[_called(ins)], comps, where)
   return _bytes(ins.shape, where) + sum(_bytes(shapes.get(o, ""), where)
                                         for o in _operands(ins.rest))
 
@@ -278,14 +291,14 @@ def _walk(comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_un
       walk.fused.add(name)
     for ins in comps.get(name, []):
       if ins.op == "while":
-        cond, body = (re.search(rf"{k}=%([\w.\-]+)", ins.rest)[1] for k in ("condition", "body"))
+        cond, body = _called(ins, "condition"), _called(ins, "body")
         n = _trip_count(comps.get(cond, []))
         if n is None and not enter_unbounded:
           walk.unbounded.append((body, in_cond))
           continue
         visit(body, w * (n if n and trip_counts else 1), in_fusion, looped or n is None, in_cond)
       elif ins.op == "fusion":
-        visit(re.search(r"calls=%([\w.\-]+)", ins.rest)[1], w, True, looped, in_cond)
+        visit(_called(ins), w, True, looped, in_cond)
       elif ins.op == "call" or ins.op.endswith("-start"):
         for callee in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.rest):
           visit(callee, w, in_fusion, looped, in_cond)
@@ -331,7 +344,7 @@ def hlo_cost(text: str, trip_counts: bool = True) -> dict[str, float]:
   out = _sum(comps, walk)
   out["unbounded_loops"] = float(sum(
       1 for name in walk.weight for ins in comps[name] if ins.op == "while"
-      and _trip_count(comps.get(re.search(r"condition=%([\w.\-]+)", ins.rest)[1], [])) is None))
+      and _trip_count(comps.get(_called(ins, "condition"), [])) is None))
   return out
 
 

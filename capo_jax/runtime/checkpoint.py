@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -103,9 +104,9 @@ def _short(e: BaseException) -> str:
 
 def _cause(e: BaseException) -> str:
   """The root OSError of ``e`` as 'ENOSPC: No space left on device', else ``e`` itself."""
-  seen = e
+  seen: BaseException | None = e
   while seen is not None:
-    if isinstance(seen, OSError) and seen.errno in errno.errorcode:
+    if isinstance(seen, OSError) and seen.errno is not None and seen.errno in errno.errorcode:
       return f"{errno.errorcode[seen.errno]}: {seen.strerror or seen}"
     seen = seen.__cause__ or seen.__context__
   return _short(e)
@@ -272,6 +273,6 @@ def key_to_json(key: jax.Array) -> list[int]:
 
 def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
   shape = jax.random.key_data(like).shape
-  return jax.random.wrap_key_data(np.asarray(data, np.uint32).reshape(shape),
+  return jax.random.wrap_key_data(jnp.asarray(np.asarray(data, np.uint32).reshape(shape)),
                                   impl=jax.random.key_impl(like))
 

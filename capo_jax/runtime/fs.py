@@ -148,11 +148,12 @@ def upload_tree(local_dir: PathLike, remote_dir: PathLike, last: tuple[str, ...]
   Readers that test for a marker file (a HF directory's ``config.json``) then
   never see a directory whose marker is there but whose weights are not.
   """
-  files = sorted(os.path.relpath(os.path.join(d, f), local_dir)
-                 for d, _, names in os.walk(local_dir) for f in names)
+  local: str = os.fspath(local_dir)
+  files = sorted(os.path.relpath(os.path.join(d, f), local)
+                 for d, _, names in os.walk(local) for f in names)
   files.sort(key=lambda rel: rel in last)
   for rel in files:
-    upload_file(os.path.join(local_dir, rel), join(remote_dir, *rel.split(os.sep)))
+    upload_file(os.path.join(local, rel), join(remote_dir, *rel.split(os.sep)))
 
 
 def _cache_root() -> str:

@@ -256,6 +256,8 @@ def share_outcome(error: str | None, timeout_s: float = 600.0) -> None:
     return
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
   client = distributed.global_state.client
+  if client is None:  # more than one process, yet jax.distributed.initialize was not called
+    raise RuntimeError("lease: jax.distributed has no coordinator client on a multi-process run")
   key = f"capo_jax/lease/{_calls}"
   if jax.process_index() == 0:
     client.key_value_set(key, error or "")

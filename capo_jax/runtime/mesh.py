@@ -76,7 +76,7 @@ RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES}
 
 
 def _axis_items(axes: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-  items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(a) for a in axes]
+  items = list(axes.items()) if isinstance(axes, Mapping) else [(n, s) for n, s in axes]
   if not items:
     raise ValueError("mesh axes: at least one axis is needed, got none")
   names = [name for name, _ in items]

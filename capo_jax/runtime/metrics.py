@@ -83,7 +83,7 @@ class _JsonlFile:
     self._file = None if self.remote else open(path, "a", encoding="utf-8")
 
   def append(self, lines: list[str]) -> None:
-    if self.remote:
+    if self._file is None:  # remote: the whole file is rewritten from the buffer
       self._buffer.extend(lines)
       fs.write_text(self.path, "".join(self._buffer))
     else:
@@ -111,7 +111,8 @@ class MetricsWriter:
                tensorboard: bool = True, wandb: WandbConfig | None = None) -> None:
     self.enabled = enabled
     self.workdir = os.fspath(workdir)
-    self._tb = self._tb_local = None
+    self._tb: Any = None  # a tensorboardX SummaryWriter while TensorBoard logging is on
+    self._tb_local: str | None = None  # the events' local directory for a remote workdir
     self._wandb = None
     if not enabled:
       return

@@ -44,7 +44,9 @@ class Policy:
 
 
 def _has_tokenizer(path: str | os.PathLike | None) -> bool:
-  return bool(path) and any(fs.is_file(fs.join(path, f)) for f in _TOKENIZER_FILES)
+  if not path:
+    return False
+  return any(fs.is_file(fs.join(path, f)) for f in _TOKENIZER_FILES)
 
 
 def _is_hf_dir(path: str) -> bool:
@@ -70,13 +72,16 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
     ckpt.close()
   meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
       fs.join(step_dir, "meta"), args=ocp.args.JsonRestore())
-  hf_cfg = meta.get(_META_CONFIG_KEY) if isinstance(meta.get(_META_CONFIG_KEY), dict) else None
-  if hf_cfg is None and not (base_model and _is_hf_dir(base_model)):
-    raise ValueError(f"{step_dir}: its record has no model config (key {_META_CONFIG_KEY!r}); "
-                     "pass --base_model=<HF dir of the model the run started from>")
+  # The HF config.json: a dict in the record, else the base model's directory.
+  hf_cfg: dict[str, Any] | str | None = (
+      meta.get(_META_CONFIG_KEY) if isinstance(meta.get(_META_CONFIG_KEY), dict) else None)
+  if hf_cfg is None:
+    if not (base_model and _is_hf_dir(base_model)):
+      raise ValueError(f"{step_dir}: its record has no model config (key {_META_CONFIG_KEY!r}); "
+                       "pass --base_model=<HF dir of the model the run started from>")
+    hf_cfg = fs.local_copy(base_model)
   name = jnp.dtype(dtype).name
-  cfg = Qwen2Config.from_hf(hf_cfg if hf_cfg is not None else fs.local_copy(base_model),
-                            param_dtype=name, compute_dtype=name)
+  cfg = Qwen2Config.from_hf(hf_cfg, param_dtype=name, compute_dtype=name)
   state_dir = fs.join(step_dir, "state")
   tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
   # The trainer's state keeps params under "params"; a bare params tree also works.

@@ -198,7 +198,8 @@ def step(w: DecodeWeights, cfg: Qwen2Config, tokens_W: jax.Array, cache: SlotCac
   W, S = cache.mask_WS.shape
   slot_W = jnp.arange(W)
   mask_WS = cache.mask_WS.at[slot_W, where.col_W].set(True)
-  rope_W1 = tuple(t[where.pos_W][:, None] for t in w.rope_Sh)
+  cos_S, sin_S = w.rope_Sh
+  rope_W1 = (cos_S[where.pos_W][:, None], sin_S[where.pos_W][:, None])
   x_WD = w.embed_VD.astype(cfg.dtype)[tokens_W]
   ks, vs = list(cache.k), list(cache.v)
   blocked = S > where.block

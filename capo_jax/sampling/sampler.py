@@ -184,10 +184,12 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
                      f"max_position_embeddings={cfg.max_position_embeddings}")
   P_pad = bucket_length(P, PROMPT_BUCKET_MIN) - P
   gen_len = bucket_length(max_new_tokens, GEN_BUCKET_MIN)
-  tokens = np.pad(tokens.astype(np.int32), ((0, 0), (P_pad, 0)), constant_values=pad_id)
-  mask = np.pad(mask.astype(np.bool_), ((0, 0), (P_pad, 0)))
+  tokens_QP: np.ndarray | jax.Array = np.pad(tokens.astype(np.int32), ((0, 0), (P_pad, 0)),
+                                             constant_values=pad_id)
+  mask_QP: np.ndarray | jax.Array = np.pad(mask.astype(np.bool_), ((0, 0), (P_pad, 0)))
   if layout is not None:
-    tokens, mask = layout.put(tokens, ("batch", None)), layout.put(mask, ("batch", None))
+    rows = ("batch", None)
+    tokens_QP, mask_QP = layout.put(tokens_QP, rows), layout.put(mask_QP, rows)
     params = jax.device_put(params, qwen2.param_shardings(cfg, layout))
   # -1 never matches a token; padding the stop list to 8 ids keeps its shape
   # (a jit argument) fixed across stop sets.
@@ -196,7 +198,7 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   ends = engine.Ends(stop_ids=jnp.asarray(stops), pad_id=jnp.asarray(pad_id, jnp.int32),
                      max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32))
   plan = engine_plan(cfg, spec, layout, Q)
-  prompts, first = engine.prefill(params, tokens, mask, rng, plan=plan.prefill_plan)
+  prompts, first = engine.prefill(params, tokens_QP, mask_QP, rng, plan=plan.prefill_plan)
   tokens_BC, logprobs_BC, mask_BC, stopped_B = engine.decode_loop(
       params, prompts, first, rng, ends, plan=plan)
   if gen_len != max_new_tokens:
