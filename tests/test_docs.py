@@ -117,13 +117,15 @@ def test_docs_page_opens_with_title_and_summary(page: pathlib.Path) -> None:
   assert lines[0].startswith("# "), f"{page.name} does not start with a '# ' title"
   body = [line for line in lines[1:] if line.strip()]
   assert body and not body[0].startswith(("#", "|", "```", "    ")), (
-      f"{page.name}: the title is not followed by a summary paragraph")
+    f"{page.name}: the title is not followed by a summary paragraph"
+  )
 
 
 def test_results_table_quotes_its_evidence() -> None:
   """Every figure and date in a results row appears on the page that row links to."""
-  rows = [r for r in _section(_text(README), "Results").splitlines()
-          if r.startswith("| ") and "](" in r]
+  rows = [
+    r for r in _section(_text(README), "Results").splitlines() if r.startswith("| ") and "](" in r
+  ]
   assert len(rows) >= 3
   number = r"\d+(?:\.\d+)?e-\d+|\d+\.\d+|\d{4}-\d{2}-\d{2}"
   problems = []

@@ -6,5 +6,13 @@ from capo_jax.rl.losses import LossConfig, policy_loss
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig, TrainState, make_train_step
 
-__all__ = ["LossConfig", "OptimConfig", "TrainBatch", "TrainConfig", "TrainState",
-           "compute_advantages", "make_train_step", "policy_loss"]
+__all__ = [
+  "LossConfig",
+  "OptimConfig",
+  "TrainBatch",
+  "TrainConfig",
+  "TrainState",
+  "compute_advantages",
+  "make_train_step",
+  "policy_loss",
+]

@@ -40,11 +40,12 @@ def select_groups(rewards_QG: np.ndarray, num_groups: int) -> tuple[np.ndarray, 
   """
   n = rewards_QG.shape[0]
   if n < num_groups:
-    raise ValueError(f"select_groups: {n} groups drawn, fewer than the {num_groups} a step "
-                     "trains on")
+    raise ValueError(
+      f"select_groups: {n} groups drawn, fewer than the {num_groups} a step trains on"
+    )
   mixed_Q = mixed_groups(rewards_QG)
   chosen = np.flatnonzero(mixed_Q)[:num_groups]
-  fill = np.flatnonzero(~mixed_Q)[:num_groups - chosen.size]
+  fill = np.flatnonzero(~mixed_Q)[: num_groups - chosen.size]
   return np.sort(np.concatenate([chosen, fill])).astype(np.int64), int(chosen.size)
 
 
