@@ -38,7 +38,7 @@ def thp_mode(path: str = _THP_MODE) -> str | None:
   except OSError:
     return None
   start, end = text.find("["), text.find("]")
-  return text[start + 1:end] if 0 <= start < end else None
+  return text[start + 1 : end] if 0 <= start < end else None
 
 
 def glibc_version() -> tuple[int, int] | None:
@@ -52,15 +52,17 @@ def glibc_version() -> tuple[int, int] | None:
     return None
 
 
-def should_reexec(environ: Any = os.environ, *, mode: str | None = _DETECT,
-                  glibc: tuple[int, int] | None = _DETECT) -> bool:
+def should_reexec(
+  environ: Any = os.environ, *, mode: str | None = _DETECT, glibc: tuple[int, int] | None = _DETECT
+) -> bool:
   """Whether a re-exec with ``TUNABLE`` would give this process huge pages it lacks.
 
   ``mode`` (``thp_mode``) and ``glibc`` (``glibc_version``; None: not glibc) default
   to this machine's; tests pass their own.
   """
   if environ.get(OPT_OUT, "1") == "0" or "glibc.malloc.hugetlb" in environ.get(
-      "GLIBC_TUNABLES", ""):
+    "GLIBC_TUNABLES", ""
+  ):
     return False
   if not sys.platform.startswith("linux"):
     return False

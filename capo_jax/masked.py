@@ -7,11 +7,14 @@ so this module sits below ``capo_jax.rl`` and ``capo_jax.eval``.
 
 from __future__ import annotations
 
+from typing import TypeVar
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-Array = jax.Array
+# NumPy in, NumPy out; jax in, jax out.
+Array = TypeVar("Array", jax.Array, np.ndarray)
 
 
 def masked_mean(x: Array, mask: Array, axis: int | None = None) -> Array:

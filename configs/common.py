@@ -256,8 +256,10 @@ def wants_shrink(arg: str | None, config_file: str) -> bool:
     return False
   if arg not in ARGS:
     name = os.path.basename(config_file)
-    raise ValueError(f"unknown config argument {arg!r} in --config=configs/{name}:{arg}; "
-                     f"known: {', '.join(ARGS)} (or none)")
+    raise ValueError(
+      f"unknown config argument {arg!r} in --config=configs/{name}:{arg}; "
+      f"known: {', '.join(ARGS)} (or none)"
+    )
   return True
 
 

@@ -41,14 +41,35 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # 90% of the SFT solutions follow a fluent wrong rule (left to right, no precedence):
   # the warm start is then confidently wrong on the questions where the rule's answer
   # differs (capo_jax/demo/task.py). Why 0.9 and what it gave: docs/demo.md.
-  c.demo.task = ml_collections.ConfigDict(dict(
-      min_operands=4, max_operands=4, max_operand=9, operators="+-*", num_train=20000,
-      num_heldout=1000, seed=0, wrong_rule="left_to_right", wrong_fraction=0.9))
+  c.demo.task = ml_collections.ConfigDict(
+    dict(
+      min_operands=4,
+      max_operands=4,
+      max_operand=9,
+      operators="+-*",
+      num_train=20000,
+      num_heldout=1000,
+      seed=0,
+      wrong_rule="left_to_right",
+      wrong_fraction=0.9,
+    )
+  )
   c.demo.model = ml_collections.ConfigDict()  # overrides of warm_start.default_model_config
-  c.demo.sft = ml_collections.ConfigDict(dict(
-      max_steps=1500, batch_size=64, lr=2e-3, warmup_steps=50, eval_every=50,
-      eval_questions=128, eval_samples=8, early_stop=True, target_low=0.40, target_high=0.55,
-      seed=0))
+  c.demo.sft = ml_collections.ConfigDict(
+    dict(
+      max_steps=1500,
+      batch_size=64,
+      lr=2e-3,
+      warmup_steps=50,
+      eval_every=50,
+      eval_questions=128,
+      eval_samples=8,
+      early_stop=True,
+      target_low=0.40,
+      target_high=0.55,
+      seed=0,
+    )
+  )
   c.demo.eval_questions = 1000
   c.demo.eval_samples = 16
   c.demo.eval_seed = 1234
@@ -101,10 +122,17 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.eval.every_steps = 50  # held-out evals for the curves (1,000 x 16 samples: ~1 min each)
   if common.wants_shrink(arg, __file__):
     c.demo.task.num_train, c.demo.task.num_heldout = 600, 32
-    c.demo.model = ml_collections.ConfigDict(dict(num_layers=1, hidden_size=32,
-                                                  intermediate_size=64))
-    c.demo.sft.update(max_steps=20, eval_every=10, eval_questions=32, eval_samples=2,
-                      early_stop=False, batch_size=16)
+    c.demo.model = ml_collections.ConfigDict(
+      dict(num_layers=1, hidden_size=32, intermediate_size=64)
+    )
+    c.demo.sft.update(
+      max_steps=20,
+      eval_every=10,
+      eval_questions=32,
+      eval_samples=2,
+      early_stop=False,
+      batch_size=16,
+    )
     c.demo.eval_questions, c.demo.eval_samples = 16, 2
     c.demo.mask_questions = 16
     c.rollout.num_prompts, c.rollout.num_samples = 4, 4

@@ -53,14 +53,16 @@ def segment_mask(segment_ids_BT: jax.Array) -> jax.Array:
   return causal_TS[None] & (segment_ids_BT[:, :, None] == segment_ids_BT[:, None, :])
 
 
-def reference(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-              mask_BTS: jax.Array) -> jax.Array:
+def reference(
+  q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, mask_BTS: jax.Array
+) -> jax.Array:
   """Grouped-query attention under any boolean mask; scores and softmax in float32."""
   B, T, N, H = q_BTNH.shape
   K = k_BSKH.shape[2]
   q_BTKRH = q_BTNH.reshape(B, T, K, N // K, H)
-  scores = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH,
-                      preferred_element_type=jnp.float32) * (H ** -0.5)
+  scores = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=jnp.float32) * (
+    H**-0.5
+  )
   # A finite minimum keeps fully-masked (padding) query rows free of NaNs.
   scores = jnp.where(mask_BTS[:, None, None], scores, jnp.finfo(jnp.float32).min)
   probs = jax.nn.softmax(scores, axis=-1).astype(v_BSKH.dtype)
@@ -68,8 +70,9 @@ def reference(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
   return out.reshape(B, T, N, H)
 
 
-def xla(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
-        ) -> jax.Array:
+def xla(
+  q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array
+) -> jax.Array:
   """``jax.nn.dot_product_attention`` (GQA native) under the segment mask."""
   mask_B1TS = segment_mask(segment_ids_BT)[:, None]
   return jax.nn.dot_product_attention(q_BTNH, k_BSKH, v_BSKH, mask=mask_B1TS)
@@ -77,13 +80,14 @@ def xla(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT:
 
 # --- blocked (flash-style) attention -----------------------------------------
 
+
 def _block_scores(q_BTKRH, k_BSKH, seg_q_BT, seg_k_BS, i, j, width):
   """Masked float32 scores [B, K, R, T, S] of query block i against key block j."""
   H = q_BTKRH.shape[-1]
-  s = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH,
-                 preferred_element_type=jnp.float32) * (H ** -0.5)
-  causal_TS = ((i * width + jnp.arange(width))[:, None]
-               >= (j * width + jnp.arange(width))[None, :])
+  s = jnp.einsum("btkrh,bskh->bkrts", q_BTKRH, k_BSKH, preferred_element_type=jnp.float32) * (
+    H**-0.5
+  )
+  causal_TS = (i * width + jnp.arange(width))[:, None] >= (j * width + jnp.arange(width))[None, :]
   mask_BTS = causal_TS[None] & (seg_q_BT[:, :, None] == seg_k_BS[:, None, :])
   return jnp.where(mask_BTS[:, None, None], s, _NEG), mask_BTS
 
@@ -125,14 +129,21 @@ def _flash_forward(q, k, v, seg, width):
       m_new = jnp.maximum(m, s.max(-1))
       p = jnp.exp(s - m_new[..., None])
       corr = jnp.exp(m - m_new)
-      pv = jnp.einsum("bkrts,bskh->bkrth", p.astype(v.dtype), _blk(v, j, width),
-                      preferred_element_type=jnp.float32)
+      pv = jnp.einsum(
+        "bkrts,bskh->bkrth",
+        p.astype(v.dtype),
+        _blk(v, j, width),
+        preferred_element_type=jnp.float32,
+      )
       return m_new, l * corr + p.sum(-1), acc * corr[..., None] + pv
 
     key_block = lambda j, carry: _skip_unless(overlap(i, j), lambda c: update(j, c), carry)
 
-    init = (jnp.full((B, K, R, width), _NEG, jnp.float32),
-            jnp.zeros((B, K, R, width), jnp.float32), jnp.zeros((B, K, R, width, H), jnp.float32))
+    init = (
+      jnp.full((B, K, R, width), _NEG, jnp.float32),
+      jnp.zeros((B, K, R, width), jnp.float32),
+      jnp.zeros((B, K, R, width, H), jnp.float32),
+    )
     # Key blocks past the diagonal are fully masked: the loop stops at i.
     m, l, acc = jax.lax.fori_loop(0, i + 1, key_block, init)
     out = jnp.einsum("bkrth->btkrh", acc / l[..., None]).astype(q.dtype)
@@ -157,11 +168,10 @@ def _flash_bwd(width, res, d_out):
   q, k, v, seg, out, lse_XBKRT = res
   B, T, K, R, H = q.shape
   X = T // width
-  scale = H ** -0.5
+  scale = H**-0.5
   overlap = _block_overlap(seg, width)
   # D = rowsum(dO * O), the softmax-Jacobian term; [B, K, R, T].
-  delta_BKRT = jnp.einsum("btkrh,btkrh->bkrt", d_out.astype(jnp.float32),
-                          out.astype(jnp.float32))
+  delta_BKRT = jnp.einsum("btkrh,btkrh->bkrt", d_out.astype(jnp.float32), out.astype(jnp.float32))
 
   def probs_and_ds(i, j):
     q_i, k_j, v_j = _blk(q, i, width), _blk(k, j, width), _blk(v, j, width)
@@ -176,6 +186,7 @@ def _flash_bwd(width, res, d_out):
     def update(j, dq):
       _, ds, _ = probs_and_ds(i, j)
       return dq + jnp.einsum("bkrts,bskh->btkrh", ds, _blk(k, j, width).astype(jnp.float32))
+
     body = lambda j, dq: _skip_unless(overlap(i, j), lambda c: update(j, c), dq)
     return jax.lax.fori_loop(0, i + 1, body, jnp.zeros((B, width, K, R, H), jnp.float32))
 
@@ -186,6 +197,7 @@ def _flash_bwd(width, res, d_out):
       dv = dv + jnp.einsum("bkrts,btkrh->bskh", p, do_i)
       dk = dk + jnp.einsum("bkrts,btkrh->bskh", ds, _blk(q, i, width).astype(jnp.float32))
       return dk, dv
+
     body = lambda i, c: _skip_unless(overlap(i, j), lambda c_: update(i, c_), c)
     zeros = jnp.zeros((B, width, K, H), jnp.float32)
     return jax.lax.fori_loop(j, X, body, (zeros, zeros))
@@ -193,8 +205,12 @@ def _flash_bwd(width, res, d_out):
   unblock = lambda x_X: jnp.moveaxis(x_X, 0, 1).reshape((B, T) + x_X.shape[3:])
   dq = unblock(jax.lax.map(dq_block, jnp.arange(X)))
   dk_X, dv_X = jax.lax.map(dkv_block, jnp.arange(X))
-  return (dq.astype(q.dtype), unblock(dk_X).astype(k.dtype), unblock(dv_X).astype(v.dtype),
-          np.zeros(seg.shape, jax.dtypes.float0))
+  return (
+    dq.astype(q.dtype),
+    unblock(dk_X).astype(k.dtype),
+    unblock(dv_X).astype(v.dtype),
+    np.zeros(seg.shape, jax.dtypes.float0),
+  )
 
 
 _flash.defvjp(_flash_fwd, _flash_bwd)
@@ -205,8 +221,13 @@ def _pad_rows(x: jax.Array, T_pad: int, value: int | float = 0) -> jax.Array:
   return jnp.pad(x, pad, constant_values=value)
 
 
-def flash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
-          block: int = DEFAULT_BLOCK) -> jax.Array:
+def flash(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  segment_ids_BT: jax.Array,
+  block: int = DEFAULT_BLOCK,
+) -> jax.Array:
   """Blocked attention in X = ceil(T / ``block``) blocks of ``width`` <= ``block`` columns
   (a multiple of 8 where that stays under ``block``); T is padded to X * width.
 
@@ -226,20 +247,36 @@ def flash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_B
 
 # --- splash (Pallas, TPU) ------------------------------------------------------
 
+
 def _splash_kernel(N: int, T: int, block: int, interpret: bool):
   # Built inside each trace (not cached): the kernel holds the mask's block tables as
   # arrays, which a cached kernel would leak from one trace into the next.
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
   mask = sa.MultiHeadMask([sa.CausalMask((T, T)) for _ in range(N)])
-  sizes = sa.BlockSizes(block_q=block, block_kv=block, block_kv_compute=block,
-                        block_q_dkv=block, block_kv_dkv=block, block_kv_dkv_compute=block,
-                        block_q_dq=block, block_kv_dq=block)
-  return sa.make_splash_mha(mask, block_sizes=sizes, head_shards=1, q_seq_shards=1,
-                            interpret=interpret)
+  sizes = sa.BlockSizes(
+    block_q=block,
+    block_kv=block,
+    block_kv_compute=block,
+    block_q_dkv=block,
+    block_kv_dkv=block,
+    block_kv_dkv_compute=block,
+    block_q_dq=block,
+    block_kv_dq=block,
+  )
+  return sa.make_splash_mha(
+    mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+  )
 
 
-def splash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array,
-           block: int = SPLASH_BLOCK, interpret: bool | None = None) -> jax.Array:
+def splash(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  segment_ids_BT: jax.Array,
+  block: int = SPLASH_BLOCK,
+  interpret: bool | None = None,
+) -> jax.Array:
   """The splash kernel (a causal ``MultiHeadMask`` plus ``SegmentIds``), vmapped over rows.
 
   Its blocks must be multiples of 128 columns: width is ``block`` or T rounded up
@@ -262,35 +299,47 @@ def splash(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_
     q_spec = PartitionSpec(*q_spec[:2], None, None)
     kv_spec = PartitionSpec(*kv_spec[:2], None, None)
   seg_spec = PartitionSpec(*q_spec[:2])
-  return jax.shard_map(local, mesh=layout.mesh, in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
-                       out_specs=q_spec, check_vma=False)(q_BTNH, k_BSKH, v_BSKH,
-                                                          segment_ids_BT)
+  return jax.shard_map(
+    local,
+    mesh=layout.mesh,
+    in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+    out_specs=q_spec,
+    check_vma=False,
+  )(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
 
 
-def _splash_local(q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-                  segment_ids_BT: jax.Array, block: int, interpret: bool) -> jax.Array:
+def _splash_local(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  segment_ids_BT: jax.Array,
+  block: int,
+  interpret: bool,
+) -> jax.Array:
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
+
   B, T, N, H = q_BTNH.shape
   width = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
   T_pad = -(-T // width) * width
   kernel = _splash_kernel(N, T_pad, width, interpret)
-  q = jnp.swapaxes(_pad_rows(q_BTNH * jnp.asarray(H ** -0.5, q_BTNH.dtype), T_pad), 1, 2)
+  q = jnp.swapaxes(_pad_rows(q_BTNH * jnp.asarray(H**-0.5, q_BTNH.dtype), T_pad), 1, 2)
   k = jnp.swapaxes(_pad_rows(k_BSKH, T_pad), 1, 2)
   v = jnp.swapaxes(_pad_rows(v_BSKH, T_pad), 1, 2)
   seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
-  one = lambda q_NTH, k_KSH, v_KSH, seg_T: kernel(q_NTH, k_KSH, v_KSH,
-                                                   segment_ids=sa.SegmentIds(q=seg_T, kv=seg_T))
+  one = lambda q_NTH, k_KSH, v_KSH, seg_T: kernel(
+    q_NTH, k_KSH, v_KSH, segment_ids=sa.SegmentIds(q=seg_T, kv=seg_T)
+  )
   out_BNTH = jax.vmap(one)(q, k, v, seg)
   return jnp.swapaxes(out_BNTH, 1, 2)[:, :T]
 
 
 # --- dispatch -------------------------------------------------------------------
 
+
 def resolve(implementation: str, T: int, block: int = DEFAULT_BLOCK) -> str:
   """The concrete implementation "auto" stands for at row length T on this backend."""
   if implementation not in IMPLEMENTATIONS:
-    raise ValueError(f"attention implementation {implementation!r} is not one of "
-                     f"{IMPLEMENTATIONS}")
+    raise ValueError(f"attention implementation {implementation!r} is not one of {IMPLEMENTATIONS}")
   if implementation != "auto":
     return implementation
   if sharding.platform() == "tpu":
@@ -298,8 +347,14 @@ def resolve(implementation: str, T: int, block: int = DEFAULT_BLOCK) -> str:
   return "flash" if T > block else "reference"
 
 
-def attend(implementation: str, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array,
-           segment_ids_BT: jax.Array, block: int = DEFAULT_BLOCK) -> jax.Array:
+def attend(
+  implementation: str,
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  segment_ids_BT: jax.Array,
+  block: int = DEFAULT_BLOCK,
+) -> jax.Array:
   """Causal same-segment attention [B, T, N, H] with the named implementation."""
   impl = resolve(implementation, q_BTNH.shape[1], block)
   if impl == "reference":

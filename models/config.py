@@ -53,30 +53,44 @@ class Qwen2Config:
 
   def __post_init__(self) -> None:
     if self.model_type not in MODEL_TYPES:
-      raise ValueError(f"Qwen2Config.model_type={self.model_type!r}; expected one of "
-                       f"{list(MODEL_TYPES)}")
+      raise ValueError(
+        f"Qwen2Config.model_type={self.model_type!r}; expected one of {list(MODEL_TYPES)}"
+      )
     if self.head_dim == 0:
       if self.hidden_size % self.num_heads:
         raise ValueError(
-            f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
-            "set head_dim explicitly")
+          f"hidden_size={self.hidden_size} is not divisible by num_heads={self.num_heads}; "
+          "set head_dim explicitly"
+        )
       object.__setattr__(self, "head_dim", self.hidden_size // self.num_heads)
-    for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads",
-                 "num_kv_heads", "head_dim"):
+    for name in (
+      "vocab_size",
+      "hidden_size",
+      "intermediate_size",
+      "num_layers",
+      "num_heads",
+      "num_kv_heads",
+      "head_dim",
+    ):
       if getattr(self, name) <= 0:
         raise ValueError(f"Qwen2Config.{name} must be positive, got {getattr(self, name)}")
     if self.num_heads % self.num_kv_heads:
-      raise ValueError(f"num_heads={self.num_heads} must be a multiple of "
-                       f"num_kv_heads={self.num_kv_heads} (grouped-query attention)")
+      raise ValueError(
+        f"num_heads={self.num_heads} must be a multiple of "
+        f"num_kv_heads={self.num_kv_heads} (grouped-query attention)"
+      )
     if self.head_dim % 2:
       raise ValueError(f"head_dim={self.head_dim} must be even for rotary embeddings")
     if self.attention not in _ATTENTIONS or self.attention_block < 1:
-      raise ValueError(f"Qwen2Config.attention={self.attention!r} / attention_block="
-                       f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1")
+      raise ValueError(
+        f"Qwen2Config.attention={self.attention!r} / attention_block="
+        f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1"
+      )
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in _DTYPES:
-        raise ValueError(f"Qwen2Config.{name}={getattr(self, name)!r}; expected one of "
-                         f"{sorted(_DTYPES)}")
+        raise ValueError(
+          f"Qwen2Config.{name}={getattr(self, name)!r}; expected one of {sorted(_DTYPES)}"
+        )
 
   @property
   def dtype(self) -> Any:
@@ -103,83 +117,183 @@ class Qwen2Config:
 
   @classmethod
   def qwen2p5_0p5b(cls, **kw: Any) -> Qwen2Config:
-    return cls(vocab_size=151936, hidden_size=896, intermediate_size=4864, num_layers=24,
-               num_heads=14, num_kv_heads=2, tie_word_embeddings=True, **kw)
+    return cls(
+      vocab_size=151936,
+      hidden_size=896,
+      intermediate_size=4864,
+      num_layers=24,
+      num_heads=14,
+      num_kv_heads=2,
+      tie_word_embeddings=True,
+      **kw,
+    )
 
   @classmethod
   def qwen2p5_1p5b(cls, **kw: Any) -> Qwen2Config:
-    return cls(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-               num_heads=12, num_kv_heads=2, tie_word_embeddings=True,
-               max_position_embeddings=131072, **kw)
+    return cls(
+      vocab_size=151936,
+      hidden_size=1536,
+      intermediate_size=8960,
+      num_layers=28,
+      num_heads=12,
+      num_kv_heads=2,
+      tie_word_embeddings=True,
+      max_position_embeddings=131072,
+      **kw,
+    )
 
   @classmethod
   def qwen2p5_3b(cls, **kw: Any) -> Qwen2Config:
-    return cls(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_layers=36,
-               num_heads=16, num_kv_heads=2, tie_word_embeddings=True, **kw)
+    return cls(
+      vocab_size=151936,
+      hidden_size=2048,
+      intermediate_size=11008,
+      num_layers=36,
+      num_heads=16,
+      num_kv_heads=2,
+      tie_word_embeddings=True,
+      **kw,
+    )
 
   @classmethod
   def qwen2p5_7b(cls, **kw: Any) -> Qwen2Config:
-    return cls(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-               num_heads=28, num_kv_heads=4, tie_word_embeddings=False,
-               max_position_embeddings=131072, **kw)
+    return cls(
+      vocab_size=152064,
+      hidden_size=3584,
+      intermediate_size=18944,
+      num_layers=28,
+      num_heads=28,
+      num_kv_heads=4,
+      tie_word_embeddings=False,
+      max_position_embeddings=131072,
+      **kw,
+    )
 
   @classmethod
   def qwen2p5_math_1p5b(cls, **kw: Any) -> Qwen2Config:
-    return cls(vocab_size=151936, hidden_size=1536, intermediate_size=8960, num_layers=28,
-               num_heads=12, num_kv_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
-               max_position_embeddings=4096, **kw)
+    return cls(
+      vocab_size=151936,
+      hidden_size=1536,
+      intermediate_size=8960,
+      num_layers=28,
+      num_heads=12,
+      num_kv_heads=2,
+      rope_theta=10000.0,
+      tie_word_embeddings=True,
+      max_position_embeddings=4096,
+      **kw,
+    )
 
   @classmethod
   def qwen2p5_math_7b(cls, **kw: Any) -> Qwen2Config:
-    return cls(vocab_size=152064, hidden_size=3584, intermediate_size=18944, num_layers=28,
-               num_heads=28, num_kv_heads=4, rope_theta=10000.0, tie_word_embeddings=False,
-               max_position_embeddings=4096, **kw)
+    return cls(
+      vocab_size=152064,
+      hidden_size=3584,
+      intermediate_size=18944,
+      num_layers=28,
+      num_heads=28,
+      num_kv_heads=4,
+      rope_theta=10000.0,
+      tie_word_embeddings=False,
+      max_position_embeddings=4096,
+      **kw,
+    )
 
   # Qwen3 dense (Qwen/Qwen3-*): head_dim 128 throughout, 8 kv heads, rope base 1e6,
   # 40960 positions; tied embeddings up to 4B.
 
   @classmethod
   def _qwen3(cls, **kw: Any) -> Qwen2Config:
-    defaults = dict(vocab_size=151936, num_kv_heads=8, head_dim=128, rope_theta=1_000_000.0,
-                    max_position_embeddings=40960, model_type="qwen3")
+    defaults = dict(
+      vocab_size=151936,
+      num_kv_heads=8,
+      head_dim=128,
+      rope_theta=1_000_000.0,
+      max_position_embeddings=40960,
+      model_type="qwen3",
+    )
     return cls(**{**defaults, **kw})
 
   @classmethod
   def qwen3_0p6b(cls, **kw: Any) -> Qwen2Config:
-    return cls._qwen3(hidden_size=1024, intermediate_size=3072, num_layers=28, num_heads=16,
-                      tie_word_embeddings=True, **kw)
+    return cls._qwen3(
+      hidden_size=1024,
+      intermediate_size=3072,
+      num_layers=28,
+      num_heads=16,
+      tie_word_embeddings=True,
+      **kw,
+    )
 
   @classmethod
   def qwen3_1p7b(cls, **kw: Any) -> Qwen2Config:
-    return cls._qwen3(hidden_size=2048, intermediate_size=6144, num_layers=28, num_heads=16,
-                      tie_word_embeddings=True, **kw)
+    return cls._qwen3(
+      hidden_size=2048,
+      intermediate_size=6144,
+      num_layers=28,
+      num_heads=16,
+      tie_word_embeddings=True,
+      **kw,
+    )
 
   @classmethod
   def qwen3_4b(cls, **kw: Any) -> Qwen2Config:
-    return cls._qwen3(hidden_size=2560, intermediate_size=9728, num_layers=36, num_heads=32,
-                      tie_word_embeddings=True, **kw)
+    return cls._qwen3(
+      hidden_size=2560,
+      intermediate_size=9728,
+      num_layers=36,
+      num_heads=32,
+      tie_word_embeddings=True,
+      **kw,
+    )
 
   @classmethod
   def qwen3_8b(cls, **kw: Any) -> Qwen2Config:
-    return cls._qwen3(hidden_size=4096, intermediate_size=12288, num_layers=36, num_heads=32,
-                      tie_word_embeddings=False, **kw)
+    return cls._qwen3(
+      hidden_size=4096,
+      intermediate_size=12288,
+      num_layers=36,
+      num_heads=32,
+      tie_word_embeddings=False,
+      **kw,
+    )
 
   @classmethod
   def qwen3_14b(cls, **kw: Any) -> Qwen2Config:
-    return cls._qwen3(hidden_size=5120, intermediate_size=17408, num_layers=40, num_heads=40,
-                      tie_word_embeddings=False, **kw)
+    return cls._qwen3(
+      hidden_size=5120,
+      intermediate_size=17408,
+      num_layers=40,
+      num_heads=40,
+      tie_word_embeddings=False,
+      **kw,
+    )
 
   @classmethod
   def qwen3_32b(cls, **kw: Any) -> Qwen2Config:
-    return cls._qwen3(hidden_size=5120, intermediate_size=25600, num_layers=64, num_heads=64,
-                      tie_word_embeddings=False, **kw)
+    return cls._qwen3(
+      hidden_size=5120,
+      intermediate_size=25600,
+      num_layers=64,
+      num_heads=64,
+      tie_word_embeddings=False,
+      **kw,
+    )
 
   @classmethod
   def tiny(cls, **kw: Any) -> Qwen2Config:
     """A few-hundred-thousand-parameter model for tests and CPU demos."""
-    defaults = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_layers=2,
-                    num_heads=4, num_kv_heads=2, rope_theta=10000.0, tie_word_embeddings=True,
-                    max_position_embeddings=2048)
+    defaults: dict[str, Any] = dict(
+      vocab_size=256,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      rope_theta=10000.0,
+      tie_word_embeddings=True,
+      max_position_embeddings=2048,
+    )
     defaults.update(kw)
     return cls(**defaults)
 
@@ -216,38 +330,40 @@ class Qwen2Config:
 
     model_type = hf.get("model_type", "qwen2")
     if model_type not in MODEL_TYPES:
-      raise ValueError(f"{source}: model_type={model_type!r}, expected one of "
-                       f"{list(MODEL_TYPES)}")
+      raise ValueError(f"{source}: model_type={model_type!r}, expected one of {list(MODEL_TYPES)}")
     if model_type == "qwen3" and hf.get("attention_bias", False):
       # transformers' Qwen3 then biases o_proj too, which this decoder does not have.
       raise NotImplementedError(f"{source}: attention_bias=true is not supported for qwen3")
     rope = hf.get("rope_parameters") or hf.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-      raise NotImplementedError(f"{source}: rope_type={rope_type!r} is not supported "
-                                "(only the default RoPE)")
+      raise NotImplementedError(
+        f"{source}: rope_type={rope_type!r} is not supported (only the default RoPE)"
+      )
     theta = rope.get("rope_theta", hf.get("rope_theta"))
     if theta is None:
       raise KeyError(f"{source}: neither 'rope_theta' nor 'rope_parameters.rope_theta' is set")
     if hf.get("use_sliding_window", False) or "sliding_attention" in (hf.get("layer_types") or ()):
-      raise NotImplementedError(f"{source}: sliding-window attention (use_sliding_window, "
-                                "layer_types 'sliding_attention') is not supported")
+      raise NotImplementedError(
+        f"{source}: sliding-window attention (use_sliding_window, "
+        "layer_types 'sliding_attention') is not supported"
+      )
     num_heads = need("num_attention_heads")
     # transformers' Qwen3Config defaults head_dim to 128; Qwen2's derives it.
     head_dim = hf.get("head_dim") or (128 if model_type == "qwen3" else 0)
     args = dict(
-        vocab_size=need("vocab_size"),
-        hidden_size=need("hidden_size"),
-        intermediate_size=need("intermediate_size"),
-        num_layers=need("num_hidden_layers"),
-        num_heads=num_heads,
-        num_kv_heads=hf.get("num_key_value_heads", num_heads),
-        head_dim=head_dim,
-        rope_theta=float(theta),
-        rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-        max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
-        model_type=model_type,
+      vocab_size=need("vocab_size"),
+      hidden_size=need("hidden_size"),
+      intermediate_size=need("intermediate_size"),
+      num_layers=need("num_hidden_layers"),
+      num_heads=num_heads,
+      num_kv_heads=hf.get("num_key_value_heads", num_heads),
+      head_dim=head_dim,
+      rope_theta=float(theta),
+      rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+      tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+      max_position_embeddings=int(hf.get("max_position_embeddings", 32768)),
+      model_type=model_type,
     )
     args.update(kw)
     return cls(**args)
@@ -256,40 +372,40 @@ class Qwen2Config:
     """The ``config.json`` dict that ``transformers`` reads as a Qwen2 / Qwen3 model."""
     extra = {"attention_bias": False} if self.model_type == "qwen3" else {}
     return {
-        "architectures": [_ARCHITECTURES[self.model_type]],
-        "model_type": self.model_type,
-        **extra,
-        "vocab_size": self.vocab_size,
-        "hidden_size": self.hidden_size,
-        "intermediate_size": self.intermediate_size,
-        "num_hidden_layers": self.num_layers,
-        "num_attention_heads": self.num_heads,
-        "num_key_value_heads": self.num_kv_heads,
-        "head_dim": self.head_dim,
-        "hidden_act": "silu",
-        "max_position_embeddings": self.max_position_embeddings,
-        "rms_norm_eps": self.rms_norm_eps,
-        "rope_theta": self.rope_theta,  # old spelling, read by transformers < 5
-        "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
-        "tie_word_embeddings": self.tie_word_embeddings,
-        "use_sliding_window": False,
-        "attention_dropout": 0.0,
-        "torch_dtype": self.param_dtype,
+      "architectures": [_ARCHITECTURES[self.model_type]],
+      "model_type": self.model_type,
+      **extra,
+      "vocab_size": self.vocab_size,
+      "hidden_size": self.hidden_size,
+      "intermediate_size": self.intermediate_size,
+      "num_hidden_layers": self.num_layers,
+      "num_attention_heads": self.num_heads,
+      "num_key_value_heads": self.num_kv_heads,
+      "head_dim": self.head_dim,
+      "hidden_act": "silu",
+      "max_position_embeddings": self.max_position_embeddings,
+      "rms_norm_eps": self.rms_norm_eps,
+      "rope_theta": self.rope_theta,  # old spelling, read by transformers < 5
+      "rope_parameters": {"rope_type": "default", "rope_theta": self.rope_theta},
+      "tie_word_embeddings": self.tie_word_embeddings,
+      "use_sliding_window": False,
+      "attention_dropout": 0.0,
+      "torch_dtype": self.param_dtype,
     }
 
 
 PRESETS = {
-    "qwen2p5_0p5b": Qwen2Config.qwen2p5_0p5b,
-    "qwen2p5_1p5b": Qwen2Config.qwen2p5_1p5b,
-    "qwen2p5_3b": Qwen2Config.qwen2p5_3b,
-    "qwen2p5_7b": Qwen2Config.qwen2p5_7b,
-    "qwen2p5_math_1p5b": Qwen2Config.qwen2p5_math_1p5b,
-    "qwen2p5_math_7b": Qwen2Config.qwen2p5_math_7b,
-    "qwen3_0p6b": Qwen2Config.qwen3_0p6b,
-    "qwen3_1p7b": Qwen2Config.qwen3_1p7b,
-    "qwen3_4b": Qwen2Config.qwen3_4b,
-    "qwen3_8b": Qwen2Config.qwen3_8b,
-    "qwen3_14b": Qwen2Config.qwen3_14b,
-    "qwen3_32b": Qwen2Config.qwen3_32b,
-    "tiny": Qwen2Config.tiny,
+  "qwen2p5_0p5b": Qwen2Config.qwen2p5_0p5b,
+  "qwen2p5_1p5b": Qwen2Config.qwen2p5_1p5b,
+  "qwen2p5_3b": Qwen2Config.qwen2p5_3b,
+  "qwen2p5_7b": Qwen2Config.qwen2p5_7b,
+  "qwen2p5_math_1p5b": Qwen2Config.qwen2p5_math_1p5b,
+  "qwen2p5_math_7b": Qwen2Config.qwen2p5_math_7b,
+  "qwen3_0p6b": Qwen2Config.qwen3_0p6b,
+  "qwen3_1p7b": Qwen2Config.qwen3_1p7b,
+  "qwen3_4b": Qwen2Config.qwen3_4b,
+  "qwen3_8b": Qwen2Config.qwen3_8b,
+  "qwen3_14b": Qwen2Config.qwen3_14b,
+  "qwen3_32b": Qwen2Config.qwen3_32b,
+  "tiny": Qwen2Config.tiny,
 }

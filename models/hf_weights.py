@@ -50,6 +50,7 @@ class _Map:
   The HF tensor, with each dim split into ``groups[i]`` factors, is the "view";
   our array is ``view.transpose(perm)``.
   """
+
   hf_name: str  # "{l}" is the layer index
   view: Callable[[Qwen2Config], tuple[int, ...]]
   groups: tuple[int, ...]
@@ -60,19 +61,26 @@ def _maps(cfg: Qwen2Config) -> dict[str, Any]:
   """Our param tree with a ``_Map`` at each leaf."""
   attn = "model.layers.{l}.self_attn."
   mlp = "model.layers.{l}.mlp."
-  D, F, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads,
-                      cfg.head_dim, cfg.vocab_size)
+  D, F, N, K, H, V = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.vocab_size,
+  )
   layers = {
-      "attn_norm": _Map("model.layers.{l}.input_layernorm.weight", lambda c: (D,), (1,), (0,)),
-      "mlp_norm": _Map("model.layers.{l}.post_attention_layernorm.weight", lambda c: (D,), (1,),
-                       (0,)),
-      "q_kernel": _Map(attn + "q_proj.weight", lambda c: (N, H, D), (2, 1), (2, 0, 1)),
-      "k_kernel": _Map(attn + "k_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
-      "v_kernel": _Map(attn + "v_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
-      "o_kernel": _Map(attn + "o_proj.weight", lambda c: (D, N, H), (1, 2), (1, 2, 0)),
-      "gate_kernel": _Map(mlp + "gate_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
-      "up_kernel": _Map(mlp + "up_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
-      "down_kernel": _Map(mlp + "down_proj.weight", lambda c: (D, F), (1, 1), (1, 0)),
+    "attn_norm": _Map("model.layers.{l}.input_layernorm.weight", lambda c: (D,), (1,), (0,)),
+    "mlp_norm": _Map(
+      "model.layers.{l}.post_attention_layernorm.weight", lambda c: (D,), (1,), (0,)
+    ),
+    "q_kernel": _Map(attn + "q_proj.weight", lambda c: (N, H, D), (2, 1), (2, 0, 1)),
+    "k_kernel": _Map(attn + "k_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
+    "v_kernel": _Map(attn + "v_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
+    "o_kernel": _Map(attn + "o_proj.weight", lambda c: (D, N, H), (1, 2), (1, 2, 0)),
+    "gate_kernel": _Map(mlp + "gate_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
+    "up_kernel": _Map(mlp + "up_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
+    "down_kernel": _Map(mlp + "down_proj.weight", lambda c: (D, F), (1, 1), (1, 0)),
   }
   if cfg.qkv_bias:  # Qwen2
     layers["q_bias"] = _Map(attn + "q_proj.bias", lambda c: (N, H), (2,), (0, 1))
@@ -82,9 +90,9 @@ def _maps(cfg: Qwen2Config) -> dict[str, Any]:
     layers["q_norm"] = _Map(attn + "q_norm.weight", lambda c: (H,), (1,), (0,))
     layers["k_norm"] = _Map(attn + "k_norm.weight", lambda c: (H,), (1,), (0,))
   maps: dict[str, Any] = {
-      "embed": _Map("model.embed_tokens.weight", lambda c: (V, D), (1, 1), (0, 1)),
-      "layers": layers,
-      "final_norm": _Map("model.norm.weight", lambda c: (D,), (1,), (0,)),
+    "embed": _Map("model.embed_tokens.weight", lambda c: (V, D), (1, 1), (0, 1)),
+    "layers": layers,
+    "final_norm": _Map("model.norm.weight", lambda c: (D,), (1,), (0,)),
   }
   if not cfg.tie_word_embeddings:
     maps["lm_head"] = _Map("lm_head.weight", lambda c: (V, D), (1, 1), (1, 0))
@@ -94,7 +102,7 @@ def _maps(cfg: Qwen2Config) -> dict[str, Any]:
 def _hf_shape(m: _Map, cfg: Qwen2Config) -> tuple[int, ...]:
   view, shape, i = m.view(cfg), [], 0
   for g in m.groups:
-    shape.append(int(np.prod(view[i:i + g])))
+    shape.append(int(np.prod(view[i : i + g])))
     i += g
   return tuple(shape)
 
@@ -102,7 +110,7 @@ def _hf_shape(m: _Map, cfg: Qwen2Config) -> tuple[int, ...]:
 def _leaves(cfg: Qwen2Config) -> list[tuple[tuple[str, ...], _Map]]:
   """(tree path, map) of every param, in canonical order."""
   maps = _maps(cfg)
-  out = [(("embed",), maps["embed"])]
+  out: list[tuple[tuple[str, ...], _Map]] = [(("embed",), maps["embed"])]
   out += [(("layers", k), m) for k, m in maps["layers"].items()]
   out.append((("final_norm",), maps["final_norm"]))
   if "lm_head" in maps:
@@ -144,8 +152,9 @@ def _check_tensors(cfg: Qwen2Config, tensors: Mapping[str, Any], source: str) ->
     if name not in tensors:
       problems.append(f"missing tensor {name} (expected shape {list(shape)})")
     elif tuple(tensors[name].get_shape()) != shape:
-      problems.append(f"tensor {name} has shape {list(tensors[name].get_shape())}, expected "
-                      f"{list(shape)}")
+      problems.append(
+        f"tensor {name} has shape {list(tensors[name].get_shape())}, expected {list(shape)}"
+      )
   for name in tensors:
     if name in expected or _IGNORED.fullmatch(name):
       continue
@@ -153,8 +162,9 @@ def _check_tensors(cfg: Qwen2Config, tensors: Mapping[str, Any], source: str) ->
       continue  # checked against the embedding in _check_tied
     problems.append(f"unexpected tensor {name} (shape {list(tensors[name].get_shape())})")
   if problems:
-    raise ValueError(f"{source} does not match the config ({len(problems)} problems):\n  "
-                     + "\n  ".join(problems))
+    raise ValueError(
+      f"{source} does not match the config ({len(problems)} problems):\n  " + "\n  ".join(problems)
+    )
 
 
 def _check_tied(cfg: Qwen2Config, tensors: Mapping[str, Any], source: str) -> None:
@@ -163,15 +173,19 @@ def _check_tied(cfg: Qwen2Config, tensors: Mapping[str, Any], source: str) -> No
     return
   head, embed = tensors["lm_head.weight"], tensors["model.embed_tokens.weight"]
   if tuple(head.get_shape()) != tuple(embed.get_shape()):
-    raise ValueError(f"{source}: tied checkpoint has lm_head.weight of shape "
-                     f"{list(head.get_shape())}, embedding {list(embed.get_shape())}")
+    raise ValueError(
+      f"{source}: tied checkpoint has lm_head.weight of shape "
+      f"{list(head.get_shape())}, embedding {list(embed.get_shape())}"
+    )
   rows = embed.get_shape()[0]
   for start in range(0, rows, 8192):  # chunked, to bound host memory on big vocabularies
     sl = slice(start, min(start + 8192, rows))
     if not np.array_equal(np.asarray(head[sl, :]), np.asarray(embed[sl, :])):
-      raise ValueError(f"{source}: tie_word_embeddings=true but lm_head.weight differs from "
-                       f"model.embed_tokens.weight (rows {sl.start}:{sl.stop}); set "
-                       "tie_word_embeddings=false in config.json")
+      raise ValueError(
+        f"{source}: tie_word_embeddings=true but lm_head.weight differs from "
+        f"model.embed_tokens.weight (rows {sl.start}:{sl.stop}); set "
+        "tie_word_embeddings=false in config.json"
+      )
 
 
 def _read_view(src: Any, m: _Map, cfg: Qwen2Config, our_idx: tuple[slice, ...]) -> np.ndarray:
@@ -183,12 +197,12 @@ def _read_view(src: Any, m: _Map, cfg: Qwen2Config, our_idx: tuple[slice, ...]) 
   bounds = [s.indices(n) for s, n in zip(view_idx, view)]
   hf_idx, post, shape, j = [], [], [], 0
   for g in m.groups:
-    (a0, a1, step), *rest = bounds[j:j + g]
+    (a0, a1, step), *rest = bounds[j : j + g]
     if step != 1 or any(r[2] != 1 for r in rest):
       raise ValueError(f"{m.hf_name}: strided shard index {view_idx} is not supported")
-    inner = int(np.prod(view[j + 1:j + g]))  # elements of the trailing factors
+    inner = int(np.prod(view[j + 1 : j + g]))  # elements of the trailing factors
     hf_idx.append(slice(a0 * inner, a1 * inner))
-    shape += [a1 - a0, *view[j + 1:j + g]]
+    shape += [a1 - a0, *view[j + 1 : j + g]]
     post += [slice(None)] + [slice(r[0], r[1]) for r in rest]
     j += g
   block = np.asarray(src[tuple(hf_idx)]).reshape(shape)[tuple(post)]
@@ -202,16 +216,22 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
     shardings = jax.tree.map(lambda _: jax.sharding.SingleDeviceSharding(device), shapes)
   elif callable(shardings):
     shardings = shardings(cfg)
-  if jax.tree.structure(shardings) != jax.tree.structure(shapes):
-    raise ValueError(f"shardings tree {jax.tree.structure(shardings)} does not match the params "
-                     f"tree {jax.tree.structure(shapes)}")
+  # jax's types leave PyTreeDef unresolved (a jaxlib extension class), so mypy sees no __ne__.
+  if jax.tree.structure(shardings) != jax.tree.structure(shapes):  # type: ignore[operator]
+    raise ValueError(
+      f"shardings tree {jax.tree.structure(shardings)} does not match the params "
+      f"tree {jax.tree.structure(shapes)}"
+    )
   dtype = np.dtype(cfg.weight_dtype)
   leaves = _leaves(cfg)
-  total = sum(np.prod(_hf_shape(m, cfg)) * (cfg.num_layers if p[0] == "layers" else 1)
-              for p, m in leaves) * dtype.itemsize
+  total = (
+    sum(np.prod(_hf_shape(m, cfg)) * (cfg.num_layers if p[0] == "layers" else 1) for p, m in leaves)
+    * dtype.itemsize
+  )
   level = logging.INFO if total >= _LOG_BYTES else logging.DEBUG
-  log.log(level, "loading %d params (%.2f GB as %s) from %s", len(leaves), total / 1e9, dtype,
-          source)
+  log.log(
+    level, "loading %d params (%.2f GB as %s) from %s", len(leaves), total / 1e9, dtype, source
+  )
   t0 = time.perf_counter()
   out: Params = {"layers": {}}
   for i, (path, m) in enumerate(leaves):
@@ -224,8 +244,9 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
       if key not in memo:  # replicated shards ask for the same slice once per device
         if path[0] == "layers":
           lo, hi, _ = idx[0].indices(cfg.num_layers)
-          block = np.stack([_read_view(tensors[m.hf_name.format(l=l)], m, cfg, idx[1:])
-                            for l in range(lo, hi)])
+          block = np.stack(
+            [_read_view(tensors[m.hf_name.format(l=l)], m, cfg, idx[1:]) for l in range(lo, hi)]
+          )
         else:
           block = _read_view(tensors[m.hf_name], m, cfg, idx)
         memo[key] = np.ascontiguousarray(block.astype(dtype))
@@ -236,13 +257,21 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
       out[path[0]] = arr
     else:
       out["layers"][path[1]] = arr
-    log.log(level, "loaded %s %s (%d/%d, %.1fs)", "/".join(path), list(arr.shape), i + 1,
-            len(leaves), time.perf_counter() - t0)
+    log.log(
+      level,
+      "loaded %s %s (%d/%d, %.1fs)",
+      "/".join(path),
+      list(arr.shape),
+      i + 1,
+      len(leaves),
+      time.perf_counter() - t0,
+    )
   return out
 
 
-def params_from_state_dict(cfg: Qwen2Config, state_dict: Mapping[str, Any],
-                           shardings: Any = None) -> Params:
+def params_from_state_dict(
+  cfg: Qwen2Config, state_dict: Mapping[str, Any], shardings: Any = None
+) -> Params:
   """Params (in ``cfg.param_dtype``) from HF-named arrays, e.g. ``{k: v.numpy()}``.
 
   Raises ``ValueError`` naming each missing, unexpected or mis-shaped tensor.
@@ -268,14 +297,15 @@ def open_checkpoint(path: str | os.PathLike) -> Iterator[dict[str, Any]]:
   elif os.path.exists(os.path.join(path, SINGLE_FILE)):
     weight_map, files = None, [SINGLE_FILE]
   else:
-    raise FileNotFoundError(f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors "
-                            "checkpoints are supported)")
+    raise FileNotFoundError(
+      f"{path}: no {SINGLE_FILE} or {INDEX_FILE} (only safetensors checkpoints are supported)"
+    )
   with contextlib.ExitStack() as stack:
     tensors: dict[str, Any] = {}
     for name in files:
-      f = stack.enter_context(safe_open(os.path.join(path, name), framework="numpy"))
-      for key in f.keys():
-        tensors[key] = f.get_slice(key)
+      shard = stack.enter_context(safe_open(os.path.join(path, name), framework="numpy"))
+      for key in shard.keys():
+        tensors[key] = shard.get_slice(key)
     if weight_map is not None:
       for key, fname in weight_map.items():
         if key not in tensors:
@@ -296,9 +326,14 @@ def load_params(cfg: Qwen2Config, path: str | os.PathLike, shardings: Any = None
     return _build(cfg, tensors, shardings, source)
 
 
-def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings: Any = None,
-                    *, compute_dtype: Any = None, **cfg_overrides: Any
-                    ) -> tuple[Qwen2Config, Params]:
+def load_pretrained(
+  path: str | os.PathLike,
+  dtype: Any = jnp.float32,
+  shardings: Any = None,
+  *,
+  compute_dtype: Any = None,
+  **cfg_overrides: Any,
+) -> tuple[Qwen2Config, Params]:
   """Config and params of a HF Qwen2 / Qwen3 checkpoint: a local directory or a hub id
   ("Qwen/Qwen2.5-Math-1.5B", fetched into the hub cache by ``models.hub.resolve``).
 
@@ -309,16 +344,18 @@ def load_pretrained(path: str | os.PathLike, dtype: Any = jnp.float32, shardings
   if "://" in path:  # safetensors reads local files; the gs:// layer lives in capo_jax
     raise ValueError(f"load_pretrained({path!r}): copy a URL first (capo_jax.runtime.fs.model_dir)")
   name = lambda d: jnp.dtype(d).name
-  cfg = Qwen2Config.from_hf(path, param_dtype=name(dtype),
-                            compute_dtype=name(compute_dtype or dtype), **cfg_overrides)
+  cfg = Qwen2Config.from_hf(
+    path, param_dtype=name(dtype), compute_dtype=name(compute_dtype or dtype), **cfg_overrides
+  )
   return cfg, load_params(cfg, path, shardings)
 
 
 # --- writing -----------------------------------------------------------------
 
 
-def state_dict_from_params(cfg: Qwen2Config, params: Params, dtype: Any = None
-                           ) -> dict[str, np.ndarray]:
+def state_dict_from_params(
+  cfg: Qwen2Config, params: Params, dtype: Any = None
+) -> dict[str, np.ndarray]:
   """HF-named numpy arrays (in ``dtype``, default ``cfg.param_dtype``) of params."""
   np_dtype = np.dtype(dtype or cfg.weight_dtype)
   out = {}
@@ -342,15 +379,22 @@ def _parse_size(size: int | str) -> int:
   if not match:
     raise ValueError(f"max_shard_size={size!r}: expected bytes or e.g. '500MB', '2GiB'")
   unit = (match.group(2) or "B").upper()
-  scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20,
-           "GIB": 2**30}[unit]
+  scale = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}[
+    unit
+  ]
   return int(float(match.group(1)) * scale)
 
 
-def save_pretrained(cfg: Qwen2Config, params: Params, path: str | os.PathLike, *,
-                    max_shard_size: int | str = "5GB", dtype: Any = None,
-                    generation_config: Mapping[str, Any] | None = None,
-                    extra_config: Mapping[str, Any] | None = None) -> None:
+def save_pretrained(
+  cfg: Qwen2Config,
+  params: Params,
+  path: str | os.PathLike,
+  *,
+  max_shard_size: int | str = "5GB",
+  dtype: Any = None,
+  generation_config: Mapping[str, Any] | None = None,
+  extra_config: Mapping[str, Any] | None = None,
+) -> None:
   """Writes a HF directory (config.json + safetensors) that transformers loads.
 
   Tensors are written in ``dtype`` (default ``cfg.param_dtype``), split into
@@ -390,10 +434,12 @@ def save_pretrained(cfg: Qwen2Config, params: Params, path: str | os.PathLike, *
     save_file({n: state[n] for n in names}, os.path.join(path, fname), metadata=meta)
     weight_map.update({n: fname for n in names})
   total = sum(x.nbytes for x in state.values())
-  _write_json(os.path.join(path, INDEX_FILE),
-              {"metadata": {"total_size": total}, "weight_map": weight_map})
-  log.info("wrote %d tensors (%.2f GB) in %d files to %s", len(state), total / 1e9, len(shards),
-           path)
+  _write_json(
+    os.path.join(path, INDEX_FILE), {"metadata": {"total_size": total}, "weight_map": weight_map}
+  )
+  log.info(
+    "wrote %d tensors (%.2f GB) in %d files to %s", len(state), total / 1e9, len(shards), path
+  )
 
 
 def _write_json(path: str, obj: Any) -> None:

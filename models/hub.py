@@ -23,9 +23,18 @@ log = logging.getLogger(__name__)
 
 # What a snapshot brings: weights, configs, tokenizer (no *.bin / *.pt / *.gguf / images).
 ALLOW_PATTERNS = (
-    "*.safetensors", "*.safetensors.index.json", "config.json", "generation_config.json",
-    "tokenizer.json", "tokenizer_config.json", "vocab.json", "merges.txt",
-    "special_tokens_map.json", "added_tokens.json", "chat_template.jinja", "chat_template.json",
+  "*.safetensors",
+  "*.safetensors.index.json",
+  "config.json",
+  "generation_config.json",
+  "tokenizer.json",
+  "tokenizer_config.json",
+  "vocab.json",
+  "merges.txt",
+  "special_tokens_map.json",
+  "added_tokens.json",
+  "chat_template.jinja",
+  "chat_template.json",
 )
 # A hub model id: "owner/name" (letters, digits, '-', '_', '.'), as huggingface_hub checks it.
 _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]{0,95}/[\w.-]{1,96}")
@@ -45,13 +54,15 @@ def offline() -> bool:
   process that sets it later is still kept off the network.
   """
   from huggingface_hub import constants  # pylint: disable=import-outside-toplevel
-  env = (os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or "")
+
+  env = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
   return env.upper() in _TRUE or bool(constants.HF_HUB_OFFLINE)
 
 
 def _download(repo_id: str, **kw: Any) -> str:
   """``huggingface_hub.snapshot_download``; tests replace this with a local stand-in."""
   from huggingface_hub import snapshot_download  # pylint: disable=import-outside-toplevel
+
   return snapshot_download(repo_id, **kw)
 
 
@@ -66,16 +77,18 @@ def resolve(path: str | os.PathLike) -> str:
     return s
   local = f"{os.path.abspath(s)} does not exist"
   if not is_hub_id(s):
-    raise FileNotFoundError(f"{s!r}: {local}, and it is not a Hugging Face hub id "
-                            "(owner/name) either")
+    raise FileNotFoundError(
+      f"{s!r}: {local}, and it is not a Hugging Face hub id (owner/name) either"
+    )
   mode = "the local hub cache (HF_HUB_OFFLINE is set)" if offline() else "the Hugging Face hub"
   log.info("%s is not a local path: fetching it from %s", s, mode)
   try:
     snapshot = _download(s, allow_patterns=list(ALLOW_PATTERNS), local_files_only=offline())
   except Exception as e:  # pylint: disable=broad-except  (hub errors have no common base)
     raise FileNotFoundError(
-        f"{s!r} is neither a local directory ({local}) nor a model fetched from {mode} "
-        f"(hub id {s!r}: {type(e).__name__}: {e})") from e
+      f"{s!r} is neither a local directory ({local}) nor a model fetched from {mode} "
+      f"(hub id {s!r}: {type(e).__name__}: {e})"
+    ) from e
   return os.fspath(snapshot)
 
 
@@ -91,7 +104,8 @@ def resolve_file(path: str | os.PathLike, filename: str) -> str:
   try:
     snapshot = _download(s, allow_patterns=[filename], local_files_only=offline())
   except Exception as e:  # pylint: disable=broad-except  (hub errors have no common base)
-    raise FileNotFoundError(f"{s!r}: {filename} not found locally ({os.path.abspath(s)} does "
-                            f"not exist) nor fetched from {mode} ({type(e).__name__}: {e})"
-                            ) from e
+    raise FileNotFoundError(
+      f"{s!r}: {filename} not found locally ({os.path.abspath(s)} does "
+      f"not exist) nor fetched from {mode} ({type(e).__name__}: {e})"
+    ) from e
   return os.path.join(os.fspath(snapshot), filename)

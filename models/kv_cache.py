@@ -39,10 +39,9 @@ def init_cache(cfg: Qwen2Config, batch_size: int, max_len: int) -> KVCache:
   """An empty cache of ``max_len`` columns in the compute dtype."""
   shape = (cfg.num_layers, batch_size, max_len, cfg.num_kv_heads, cfg.head_dim)
   return KVCache(
-      k_LBSKH=jnp.zeros(shape, cfg.dtype),
-      v_LBSKH=jnp.zeros(shape, cfg.dtype),
-      mask_BS=jnp.zeros((batch_size, max_len), jnp.bool_),
-      positions_B=jnp.zeros((batch_size,), jnp.int32),
-      index=jnp.zeros((), jnp.int32),
+    k_LBSKH=jnp.zeros(shape, cfg.dtype),
+    v_LBSKH=jnp.zeros(shape, cfg.dtype),
+    mask_BS=jnp.zeros((batch_size, max_len), jnp.bool_),
+    positions_B=jnp.zeros((batch_size,), jnp.int32),
+    index=jnp.zeros((), jnp.int32),
   )
-

@@ -34,9 +34,15 @@ from jax.sharding import PartitionSpec
 Params = dict[str, Any]
 
 # Target name -> (kernel in params["layers"], input dims it contracts).
-TARGETS = {"q": ("q_kernel", 1), "k": ("k_kernel", 1), "v": ("v_kernel", 1),
-           "o": ("o_kernel", 2), "gate": ("gate_kernel", 1), "up": ("up_kernel", 1),
-           "down": ("down_kernel", 1)}
+TARGETS = {
+  "q": ("q_kernel", 1),
+  "k": ("k_kernel", 1),
+  "v": ("v_kernel", 1),
+  "o": ("o_kernel", 2),
+  "gate": ("gate_kernel", 1),
+  "up": ("up_kernel", 1),
+  "down": ("down_kernel", 1),
+}
 ALL_TARGETS = ",".join(TARGETS)
 SCALE = "lora_scale"  # the per-layer alpha / rank that ``with_adapters`` adds for the layers
 RANK_AXIS = "lora_rank"  # logical axis of the rank: no rule names it, so it is never sharded
@@ -45,6 +51,7 @@ RANK_AXIS = "lora_rank"  # logical axis of the rank: no rule names it, so it is 
 @dataclasses.dataclass(frozen=True)
 class LoraConfig:
   """Rank, alpha (the delta is scaled by alpha / rank) and the targeted projections."""
+
   rank: int
   alpha: float
   targets: tuple[str, ...] = tuple(TARGETS)
@@ -56,8 +63,10 @@ class LoraConfig:
       raise ValueError(f"LoraConfig.alpha={self.alpha} must be > 0")
     bad = [t for t in self.targets if t not in TARGETS]
     if bad or not self.targets:
-      raise ValueError(f"LoraConfig.targets={','.join(self.targets)!r}: unknown target(s) "
-                       f"{bad}; expected a non-empty subset of {ALL_TARGETS}")
+      raise ValueError(
+        f"LoraConfig.targets={','.join(self.targets)!r}: unknown target(s) "
+        f"{bad}; expected a non-empty subset of {ALL_TARGETS}"
+      )
 
   @classmethod
   def parse(cls, rank: int, alpha: float, targets: str) -> LoraConfig:
@@ -87,8 +96,9 @@ def adapter_shapes(base_shapes: Params, lcfg: LoraConfig) -> Params:
     w = base_shapes["layers"][kernel]  # [L, *in, *out]
     n = 1 + _n_in(kernel)
     out[f"{kernel}_lora_a"] = jax.ShapeDtypeStruct(w.shape[:n] + (lcfg.rank,), jnp.float32)
-    out[f"{kernel}_lora_b"] = jax.ShapeDtypeStruct((w.shape[0], lcfg.rank) + w.shape[n:],
-                                                   jnp.float32)
+    out[f"{kernel}_lora_b"] = jax.ShapeDtypeStruct(
+      (w.shape[0], lcfg.rank) + w.shape[n:], jnp.float32
+    )
   return {"layers": out}
 
 
@@ -111,8 +121,9 @@ def init_adapters(base_shapes: Params, lcfg: LoraConfig, rng: jax.Array) -> Para
     a = shapes[f"{kernel}_lora_a"]
     fan_in = math.prod(a.shape[1:-1])
     bound = 1.0 / math.sqrt(fan_in)
-    out[f"{kernel}_lora_a"] = jax.random.uniform(jax.random.fold_in(rng, i), a.shape,
-                                                 jnp.float32, -bound, bound)
+    out[f"{kernel}_lora_a"] = jax.random.uniform(
+      jax.random.fold_in(rng, i), a.shape, jnp.float32, -bound, bound
+    )
     out[f"{kernel}_lora_b"] = jnp.zeros(shapes[f"{kernel}_lora_b"].shape, jnp.float32)
   return {"layers": out}
 
@@ -125,8 +136,10 @@ def with_adapters(base: Params, adapters: Params, lcfg: LoraConfig) -> Params:
   """
   layers = base["layers"]
   L = layers[lcfg.kernels[0]].shape[0]
-  return {**base, "layers": {**layers, **adapters["layers"],
-                             SCALE: jnp.full((L,), lcfg.scale, jnp.float32)}}
+  return {
+    **base,
+    "layers": {**layers, **adapters["layers"], SCALE: jnp.full((L,), lcfg.scale, jnp.float32)},
+  }
 
 
 def delta(module: nn.Module, kernel: str, x: jax.Array, n_in: int) -> jax.Array | None:
@@ -138,9 +151,9 @@ def delta(module: nn.Module, kernel: str, x: jax.Array, n_in: int) -> jax.Array 
   if not module.has_variable("params", f"{kernel}_lora_a"):
     return None
   dt = module.cfg.dtype
-  a = module.get_variable("params", f"{kernel}_lora_a").astype(dt)
-  b = module.get_variable("params", f"{kernel}_lora_b").astype(dt)
-  scale = module.get_variable("params", SCALE).astype(dt)
+  a: jax.Array = module.get_variable("params", f"{kernel}_lora_a").astype(dt)
+  b: jax.Array = module.get_variable("params", f"{kernel}_lora_b").astype(dt)
+  scale: jax.Array = module.get_variable("params", SCALE).astype(dt)
   xa = jnp.tensordot(x.astype(dt), a, axes=n_in)  # [B, T, rank]
   return jnp.tensordot(xa * scale, b, axes=1)
 
@@ -150,6 +163,7 @@ def merge(base: Params, adapters: Params, lcfg: LoraConfig, dtype: Any = None) -
 
   ``dtype``: of every merged param (default: each base param's own).
   """
+
   def one_layer(w_a_b: tuple[jax.Array, jax.Array, jax.Array]) -> jax.Array:
     w, a, b = w_a_b
     ab = jnp.tensordot(a.astype(jnp.float32), b.astype(jnp.float32), axes=1)
@@ -158,8 +172,13 @@ def merge(base: Params, adapters: Params, lcfg: LoraConfig, dtype: Any = None) -
   layers = dict(base["layers"])
   for kernel in lcfg.kernels:
     # One layer at a time: the float32 product of all layers would outweigh the weights.
-    layers[kernel] = jax.lax.map(one_layer, (layers[kernel],
-                                             adapters["layers"][f"{kernel}_lora_a"],
-                                             adapters["layers"][f"{kernel}_lora_b"]))
+    layers[kernel] = jax.lax.map(
+      one_layer,
+      (
+        layers[kernel],
+        adapters["layers"][f"{kernel}_lora_a"],
+        adapters["layers"][f"{kernel}_lora_b"],
+      ),
+    )
   out = {**base, "layers": layers}
   return out if dtype is None else jax.tree.map(lambda p: p.astype(dtype), out)

@@ -43,18 +43,25 @@ from models.kv_cache import KVCache
 
 Params = dict[str, Any]
 
-ACT_BTD, ACT_BTNH, ACT_BTKH, ACT_BTF, ACT_BTV = (sharding.ACT_BTD, sharding.ACT_BTNH,
-                                                 sharding.ACT_BTKH, sharding.ACT_BTF,
-                                                 sharding.ACT_BTV)
+ACT_BTD, ACT_BTNH, ACT_BTKH, ACT_BTF, ACT_BTV = (
+  sharding.ACT_BTD,
+  sharding.ACT_BTNH,
+  sharding.ACT_BTKH,
+  sharding.ACT_BTF,
+  sharding.ACT_BTV,
+)
 _c = sharding.constrain
 
 # Logical axes of a layer's kernels.
-_AXES = {"q_kernel": ("embed", "q_heads", "head_dim"),
-         "k_kernel": ("embed", "kv_heads", "head_dim"),
-         "v_kernel": ("embed", "kv_heads", "head_dim"),
-         "o_kernel": ("q_heads", "head_dim", "embed"),
-         "gate_kernel": ("embed", "mlp"), "up_kernel": ("embed", "mlp"),
-         "down_kernel": ("mlp", "embed")}
+_AXES = {
+  "q_kernel": ("embed", "q_heads", "head_dim"),
+  "k_kernel": ("embed", "kv_heads", "head_dim"),
+  "v_kernel": ("embed", "kv_heads", "head_dim"),
+  "o_kernel": ("q_heads", "head_dim", "embed"),
+  "gate_kernel": ("embed", "mlp"),
+  "up_kernel": ("embed", "mlp"),
+  "down_kernel": ("mlp", "embed"),
+}
 
 
 def _gathered(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
@@ -64,14 +71,27 @@ def _gathered(w: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   re-reads and re-writes the [rows, T, F] accumulator at every step of the ring)."""
   return _c(w, tuple(None if a == "embed" else a for a in axes))
 
+
 _normal = nn.initializers.normal(stddev=0.02)
 
 
-def _param(module: nn.Module, name: str, init: Callable[..., jax.Array],
-           shape: tuple[int, ...], axes: tuple[str, ...]) -> jax.Array:
+def _param(
+  module: nn.Module,
+  name: str,
+  init: Callable[..., jax.Array],
+  shape: tuple[int, ...],
+  axes: tuple[str, ...],
+) -> jax.Array:
   """A param of the module's weight dtype whose dimensions carry logical ``axes``."""
-  return module.param(name, nn.with_logical_partitioning(init, axes), shape,
-                      module.cfg.weight_dtype)
+  boxed = nn.with_logical_partitioning(init, axes)
+  # Flax types the result as the init's LogicallyPartitioned box; param() unboxes it.
+  return module.param(name, boxed, shape, module.cfg.weight_dtype)  # type: ignore[return-value]
+
+
+def _apply(module: nn.Module, params: Params, *args: Any, **kw: Any) -> Any:
+  """``module.apply({"params": params}, ...)``: the output alone, no collection being
+  mutable (flax types every apply's result as output | (output, mutated state))."""
+  return module.apply({"params": params}, *args, **kw)
 
 
 def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
@@ -81,8 +101,9 @@ def rms_norm(x_BTD: jax.Array, scale_D: jax.Array, eps: float) -> jax.Array:
   return scale_D.astype(x_BTD.dtype) * x.astype(x_BTD.dtype)
 
 
-def rope_tables(positions_BT: jax.Array, head_dim: int, theta: float
-                ) -> tuple[jax.Array, jax.Array]:
+def rope_tables(
+  positions_BT: jax.Array, head_dim: int, theta: float
+) -> tuple[jax.Array, jax.Array]:
   """cos and sin [B, T, H/2] of the rotary angles, for ``apply_rope``."""
   inv_freq = 1.0 / (theta ** (jnp.arange(0, head_dim, 2, dtype=jnp.float32) / head_dim))
   angles_BTh = positions_BT[..., None].astype(jnp.float32) * inv_freq
@@ -111,12 +132,12 @@ class DecoderLayer(nn.Module):
   stacked-cache path and the sampler's per-layer decode step each attend in
   their own way between the two.
   """
+
   cfg: Qwen2Config
 
   def setup(self) -> None:
     c = self.cfg
-    D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads,
-                     c.head_dim)
+    D, F, N, K, H = (c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim)
     p = functools.partial(_param, self)
     ones, zeros = nn.initializers.ones, nn.initializers.zeros
     self.attn_norm = p("attn_norm", ones, (D,), ("norm",))
@@ -137,20 +158,18 @@ class DecoderLayer(nn.Module):
     self.up_kernel = p("up_kernel", _normal, (D, F), _AXES["up_kernel"])
     self.down_kernel = p("down_kernel", _normal, (F, D), _AXES["down_kernel"])
 
-  def attention_inputs(self, x_BTD: jax.Array, rope_BT: tuple[jax.Array, jax.Array]
-                       ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def attention_inputs(
+    self, x_BTD: jax.Array, rope_BT: tuple[jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     """q [B, T, N, H] and k, v [B, T, K, H] of this call's tokens, RoPE applied."""
     c, dt = self.cfg, self.cfg.dtype
     h = rms_norm(x_BTD, self.attn_norm, c.rms_norm_eps)
-    q = _c(self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self._w("q_kernel"))),
-           ACT_BTNH)
-    k = _c(self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("k_kernel"))),
-           ACT_BTKH)
-    v = _c(self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("v_kernel"))),
-           ACT_BTKH)
-    if c.qkv_bias:
-      q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt),
-                 v + self.v_bias.astype(dt))
+    q = _c(self._lora("q_kernel", h, jnp.einsum("btd,dnh->btnh", h, self._w("q_kernel"))), ACT_BTNH)
+    k = _c(self._lora("k_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("k_kernel"))), ACT_BTKH)
+    v = _c(self._lora("v_kernel", h, jnp.einsum("btd,dkh->btkh", h, self._w("v_kernel"))), ACT_BTKH)
+    if c.qkv_bias:  # setup() made the three biases exactly when qkv_bias
+      assert self.q_bias is not None and self.k_bias is not None and self.v_bias is not None
+      q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt), v + self.v_bias.astype(dt))
     if c.qk_norm:  # over the head dim of each head, before RoPE (as transformers' Qwen3)
       q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
     return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
@@ -168,27 +187,36 @@ class DecoderLayer(nn.Module):
 
   def attention_output(self, x_BTD: jax.Array, attn_BTNH: jax.Array) -> jax.Array:
     """The residual stream after the output projection and the MLP."""
-    dt = self.cfg.dtype
     attn_BTNH = _c(attn_BTNH, ACT_BTNH)
     B, T, N, H = attn_BTNH.shape
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
     # kernel on every call of the sampler's decode loop.
-    x_BTD = x_BTD + self._lora("o_kernel", attn_BTNH, jax.lax.dot_general(
-        attn_BTNH.reshape(B, T, N * H), self._w("o_kernel").reshape(N * H, -1),
-        (((2,), (0,)), ((), ()))), n_in=2)
+    x_BTD = x_BTD + self._lora(
+      "o_kernel",
+      attn_BTNH,
+      jax.lax.dot_general(
+        attn_BTNH.reshape(B, T, N * H),
+        self._w("o_kernel").reshape(N * H, -1),
+        (((2,), (0,)), ((), ())),
+      ),
+      n_in=2,
+    )
     x_BTD = _c(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
-    gate = _c(self._lora("gate_kernel", h,
-                         jnp.einsum("btd,df->btf", h, self._w("gate_kernel"))), ACT_BTF)
-    up = _c(self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self._w("up_kernel"))),
-            ACT_BTF)
+    gate = _c(
+      self._lora("gate_kernel", h, jnp.einsum("btd,df->btf", h, self._w("gate_kernel"))), ACT_BTF
+    )
+    up = _c(self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self._w("up_kernel"))), ACT_BTF)
     act = jax.nn.silu(gate) * up
-    return _c(x_BTD + self._lora("down_kernel", act,
-                                 jnp.einsum("btf,fd->btd", act, self._w("down_kernel"))),
-              ACT_BTD)
+    return _c(
+      x_BTD
+      + self._lora("down_kernel", act, jnp.einsum("btf,fd->btd", act, self._w("down_kernel"))),
+      ACT_BTD,
+    )
 
-  def __call__(self, carry: tuple[jax.Array, Any], l: jax.Array, ctx: dict[str, Any]
-               ) -> tuple[tuple[jax.Array, Any], None]:
+  def __call__(
+    self, carry: tuple[jax.Array, Any], l: jax.Array, ctx: dict[str, Any]
+  ) -> tuple[tuple[jax.Array, Any], None]:
     """The scan body: layer ``l`` on the carried residual stream (and stacked cache).
 
     ``carry`` is ``(x_BTD, None)`` for a full forward, where attention covers
@@ -205,13 +233,16 @@ class DecoderLayer(nn.Module):
       k_all, v_all = kv
       k = jax.lax.dynamic_update_slice_in_dim(k_all[l], k, ctx["index"], axis=1)
       v = jax.lax.dynamic_update_slice_in_dim(v_all[l], v, ctx["index"], axis=1)
-      kv = (jax.lax.dynamic_update_index_in_dim(k_all, k, l, axis=0),
-            jax.lax.dynamic_update_index_in_dim(v_all, v, l, axis=0))
+      kv = (
+        jax.lax.dynamic_update_index_in_dim(k_all, k, l, axis=0),
+        jax.lax.dynamic_update_index_in_dim(v_all, v, l, axis=0),
+      )
     if ctx["segment_ids_BT"] is None:
       attn = attention(q, k, v, ctx["mask_BTS"])
     else:  # the full forward: causal within segments, by model.attention
-      attn = attention_lib.attend(self.cfg.attention, q, k, v, ctx["segment_ids_BT"],
-                                  self.cfg.attention_block)
+      attn = attention_lib.attend(
+        self.cfg.attention, q, k, v, ctx["segment_ids_BT"], self.cfg.attention_block
+      )
     x_BTD = self.attention_output(x_BTD, attn)
     return (x_BTD, kv), None
 
@@ -223,6 +254,7 @@ class Qwen2(nn.Module):
   ``logits`` unembeds hidden states. Splitting the two lets callers unembed
   only the positions they need.
   """
+
   cfg: Qwen2Config
 
   def setup(self) -> None:
@@ -233,16 +265,26 @@ class Qwen2(nn.Module):
     if c.remat:
       layer = nn.remat(layer, policy=jax.checkpoint_policies.nothing_saveable)
     self.layers = nn.scan(
-        layer, length=c.num_layers, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(0, nn.broadcast), metadata_params={nn.PARTITION_NAME: "layers"})(c)
+      layer,
+      length=c.num_layers,
+      variable_axes={"params": 0},
+      split_rngs={"params": True},
+      in_axes=(0, nn.broadcast),
+      metadata_params={nn.PARTITION_NAME: "layers"},
+    )(c)
     self.final_norm = _param(self, "final_norm", nn.initializers.ones, (D,), ("norm",))
     if not c.tie_word_embeddings:
       self.lm_head = _param(self, "lm_head", _normal, (D, V), ("embed", "vocab"))
 
-  def __call__(self, tokens_BT: jax.Array, positions_BT: jax.Array, mask_BTS: jax.Array | None,
-               kv: tuple[jax.Array, jax.Array] | None = None, index: jax.Array | None = None,
-               segment_ids_BT: jax.Array | None = None
-               ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+  def __call__(
+    self,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    mask_BTS: jax.Array | None,
+    kv: tuple[jax.Array, jax.Array] | None = None,
+    index: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
     """Hidden states [B, T, D]; with a stacked cache ``kv`` (k_LBSKH, v_LBSKH), writes
     this call's keys / values at column ``index`` and returns the updated pair.
 
@@ -252,8 +294,12 @@ class Qwen2(nn.Module):
     x_BTD = _c(self.embed.astype(c.dtype)[tokens_BT], ACT_BTD)
     # RoPE tables once for all layers: left to each layer, XLA fused the cos /
     # sin into the rotation and evaluated them once per head and element.
-    ctx = {"rope": rope_tables(positions_BT, c.head_dim, c.rope_theta), "mask_BTS": mask_BTS,
-           "index": index, "segment_ids_BT": segment_ids_BT}
+    ctx = {
+      "rope": rope_tables(positions_BT, c.head_dim, c.rope_theta),
+      "mask_BTS": mask_BTS,
+      "index": index,
+      "segment_ids_BT": segment_ids_BT,
+    }
     (x_BTD, kv), _ = self.layers((x_BTD, kv), jnp.arange(c.num_layers), ctx)
     return _c(rms_norm(x_BTD, self.final_norm, c.rms_norm_eps), ACT_BTD), kv
 
@@ -265,11 +311,13 @@ class Qwen2(nn.Module):
     """Float32 logits; the matmul accumulates in float32 on the bfloat16 path."""
     dt = self.cfg.dtype
     w_DV = _gathered(self.unembed_matrix().astype(dt), ("embed", "vocab"))
-    return _c(jnp.einsum("btd,dv->btv", h_BTD.astype(dt), w_DV,
-                         preferred_element_type=jnp.float32), ACT_BTV)
+    return _c(
+      jnp.einsum("btd,dv->btv", h_BTD.astype(dt), w_DV, preferred_element_type=jnp.float32), ACT_BTV
+    )
 
 
 # --- params: creation, shapes, logical axes, shardings ------------------------
+
 
 def _init_boxed(cfg: Qwen2Config, rng: jax.Array) -> Params:
   """Params with their ``nn.LogicallyPartitioned`` boxes (logical axis names)."""
@@ -305,16 +353,17 @@ def param_specs(cfg: Qwen2Config, rules: sharding.Rules, mesh: Mesh | None = Non
 
 
 @functools.lru_cache(maxsize=64)
-def _param_specs(cfg: Qwen2Config, rules: tuple[tuple[str, Any], ...], mesh: Mesh | None
-                 ) -> Params:
+def _param_specs(cfg: Qwen2Config, rules: tuple[tuple[str, Any], ...], mesh: Mesh | None) -> Params:
   return sharding.tree_specs(param_axes(cfg), rules, param_shapes(cfg), mesh)
 
 
 def param_shardings(cfg: Qwen2Config, layout: sharding.Layout) -> Params:
   """NamedShardings of the params on the layout's mesh."""
-  return jax.tree.map(lambda s: NamedSharding(layout.mesh, s),
-                      param_specs(cfg, layout.rules, layout.mesh),
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(
+    lambda s: NamedSharding(layout.mesh, s),
+    param_specs(cfg, layout.rules, layout.mesh),
+    is_leaf=lambda x: isinstance(x, PartitionSpec),
+  )
 
 
 def num_params(params_or_shapes: Params) -> int:
@@ -323,14 +372,20 @@ def num_params(params_or_shapes: Params) -> int:
 
 # --- pure functions over (params, cfg) -----------------------------------------
 
+
 def positions_from_mask(mask_BT: jax.Array) -> jax.Array:
   """RoPE positions of a left-padded batch: 0 at each row's first real token."""
   return jnp.maximum(jnp.cumsum(mask_BT.astype(jnp.int32), axis=-1) - 1, 0)
 
 
-def hidden_states(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
-                  positions_BT: jax.Array | None = None,
-                  segment_ids_BT: jax.Array | None = None) -> jax.Array:
+def hidden_states(
+  params: Params,
+  cfg: Qwen2Config,
+  tokens_BT: jax.Array,
+  mask_BT: jax.Array,
+  positions_BT: jax.Array | None = None,
+  segment_ids_BT: jax.Array | None = None,
+) -> jax.Array:
   """Final-norm hidden states [B, T, D] of a full (uncached) forward pass.
 
   ``segment_ids_BT`` (packed rows: 1, 2, ... per sequence, 0 on padding) keeps
@@ -341,23 +396,29 @@ def hidden_states(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_B
     positions_BT = positions_from_mask(mask_BT)
   if segment_ids_BT is None:
     segment_ids_BT = mask_BT.astype(jnp.int32)
-  h_BTD, _ = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, None,
-                              segment_ids_BT=segment_ids_BT)
+  h_BTD, _ = _apply(
+    Qwen2(cfg), params, tokens_BT, positions_BT, None, segment_ids_BT=segment_ids_BT
+  )
   return h_BTD
 
 
 def unembed_matrix(params: Params, cfg: Qwen2Config) -> jax.Array:
   """The [D, V] output projection (the embedding, transposed, when tied)."""
-  return Qwen2(cfg).apply({"params": params}, method=Qwen2.unembed_matrix)
+  return _apply(Qwen2(cfg), params, method=Qwen2.unembed_matrix)
 
 
 def logits_from_hidden(params: Params, cfg: Qwen2Config, h_BTD: jax.Array) -> jax.Array:
   """Float32 logits [B, T, V] of final-norm hidden states."""
-  return Qwen2(cfg).apply({"params": params}, h_BTD, method=Qwen2.logits)
+  return _apply(Qwen2(cfg), params, h_BTD, method=Qwen2.logits)
 
 
-def forward(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
-            positions_BT: jax.Array | None = None) -> jax.Array:
+def forward(
+  params: Params,
+  cfg: Qwen2Config,
+  tokens_BT: jax.Array,
+  mask_BT: jax.Array,
+  positions_BT: jax.Array | None = None,
+) -> jax.Array:
   """Float32 logits [B, T, V]. ``mask_BT`` is 1 on real tokens, 0 on padding.
 
   Positions are derived from the mask unless given, so left-padded rows get
@@ -367,8 +428,9 @@ def forward(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax
   return logits_from_hidden(params, cfg, h)
 
 
-def forward_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
-                       mask_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+def forward_with_cache(
+  params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
   """Prefill (T > 1) or decode (T = 1) against an explicit cache.
 
   Writes the T new tokens at columns ``[cache.index, cache.index + T)`` and
@@ -380,8 +442,9 @@ def forward_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
   return logits_from_hidden(params, cfg, h_BTD), cache
 
 
-def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array,
-                             mask_BT: jax.Array, cache: KVCache) -> tuple[jax.Array, KVCache]:
+def hidden_states_with_cache(
+  params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array, cache: KVCache
+) -> tuple[jax.Array, KVCache]:
   """``forward_with_cache`` stopping at the final-norm hidden states [B, T, D].
 
   A prefill that needs only the last position's logits unembeds just that
@@ -394,11 +457,16 @@ def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Ar
   kv_mask_BS = jax.lax.dynamic_update_slice_in_dim(cache.mask_BS, mask_BT, index, axis=1)
   causal_TS = jnp.arange(cache.max_len)[None, :] <= (index + jnp.arange(T))[:, None]
   mask_BTS = causal_TS[None] & kv_mask_BS[:, None, :]
-  h_BTD, (k, v) = Qwen2(cfg).apply({"params": params}, tokens_BT, positions_BT, mask_BTS,
-                                   (cache.k_LBSKH, cache.v_LBSKH), index)
-  return h_BTD, KVCache(k_LBSKH=k, v_LBSKH=v, mask_BS=kv_mask_BS,
-                        positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
-                        index=index + T)
+  h_BTD, (k, v) = _apply(
+    Qwen2(cfg), params, tokens_BT, positions_BT, mask_BTS, (cache.k_LBSKH, cache.v_LBSKH), index
+  )
+  return h_BTD, KVCache(
+    k_LBSKH=k,
+    v_LBSKH=v,
+    mask_BS=kv_mask_BS,
+    positions_B=cache.positions_B + mask_BT.sum(-1, dtype=jnp.int32),
+    index=index + T,
+  )
 
 
 # attend(q_BTNH, k_BTKH, v_BTKH) -> (attn_BTNH, aux): the layer's attention over
@@ -407,14 +475,19 @@ def hidden_states_with_cache(params: Params, cfg: Qwen2Config, tokens_BT: jax.Ar
 Attend = Callable[[jax.Array, jax.Array, jax.Array], tuple[jax.Array, Any]]
 
 
-def layer(cfg: Qwen2Config, x_BTD: jax.Array, layer_params: Params,
-          rope_BT: tuple[jax.Array, jax.Array], attend: Attend) -> tuple[jax.Array, Any]:
+def layer(
+  cfg: Qwen2Config,
+  x_BTD: jax.Array,
+  layer_params: Params,
+  rope_BT: tuple[jax.Array, jax.Array],
+  attend: Attend,
+) -> tuple[jax.Array, Any]:
   """One decoder layer with unstacked params (``params["layers"]`` sliced at l).
 
   For callers that run the layers themselves (the sampler's unrolled decode
   step); attention is ``attend``'s.
   """
-  mod, variables = DecoderLayer(cfg), {"params": layer_params}
-  q, k, v = mod.apply(variables, x_BTD, rope_BT, method=DecoderLayer.attention_inputs)
+  mod = DecoderLayer(cfg)
+  q, k, v = _apply(mod, layer_params, x_BTD, rope_BT, method=DecoderLayer.attention_inputs)
   attn, aux = attend(q, k, v)
-  return mod.apply(variables, x_BTD, attn, method=DecoderLayer.attention_output), aux
+  return _apply(mod, layer_params, x_BTD, attn, method=DecoderLayer.attention_output), aux

@@ -44,8 +44,13 @@ Rules = Sequence[tuple[str, str | tuple[str, ...] | None]]
 log = logging.getLogger(__name__)
 
 
-def _fit(spec: PartitionSpec, axes: Sequence[str | None], shape: Sequence[int] | None,
-         mesh: Mesh | AbstractMesh, name: str) -> PartitionSpec:
+def _fit(
+  spec: PartitionSpec,
+  axes: Sequence[str | None],
+  shape: Sequence[int] | None,
+  mesh: Mesh | AbstractMesh,
+  name: str,
+) -> PartitionSpec:
   """``spec`` without the mesh axes that do not divide their dimension.
 
   Within a tuple entry, axes are kept left to right while their product
@@ -57,44 +62,61 @@ def _fit(spec: PartitionSpec, axes: Sequence[str | None], shape: Sequence[int] |
     kept: list[str] = []
     for ax in mesh_axes:
       if ax not in mesh.shape:
-        raise ValueError(f"sharding rule {logical!r} -> {ax!r}: mesh has no axis {ax!r} "
-                         f"(axes {tuple(mesh.shape)})")
+        raise ValueError(
+          f"sharding rule {logical!r} -> {ax!r}: mesh has no axis {ax!r} (axes {tuple(mesh.shape)})"
+        )
       size = math.prod(mesh.shape[a] for a in kept + [ax])
       if shape is not None and shape[dim] % size:
-        log.info("%s dim %d (%s) of size %d is not divisible by mesh axis %r (%d); "
-                 "replicating over it", name, dim, logical, shape[dim], ax, mesh.shape[ax])
+        log.info(
+          "%s dim %d (%s) of size %d is not divisible by mesh axis %r (%d); replicating over it",
+          name,
+          dim,
+          logical,
+          shape[dim],
+          ax,
+          mesh.shape[ax],
+        )
         continue
       kept.append(ax)
     out.append(None if not kept else kept[0] if len(kept) == 1 else tuple(kept))
   return PartitionSpec(*out)
 
 
-def logical_to_spec(axes: Sequence[str | None], rules: Rules,
-                    shape: Sequence[int] | None = None, mesh: Mesh | AbstractMesh | None = None,
-                    name: str = "") -> PartitionSpec:
+def logical_to_spec(
+  axes: Sequence[str | None],
+  rules: Rules,
+  shape: Sequence[int] | None = None,
+  mesh: Mesh | AbstractMesh | None = None,
+  name: str = "",
+) -> PartitionSpec:
   """The mesh PartitionSpec of one array whose dimensions carry logical ``axes``."""
   spec = nn.logical_to_mesh_axes(tuple(axes), list(rules))
+  assert spec is not None  # flax returns None only when the axes themselves are None
   if mesh is None:
     return spec
   return _fit(spec, tuple(axes), shape, mesh, name)
 
 
-def tree_specs(logical_tree: Any, rules: Rules, shapes_tree: Any = None,
-               mesh: Mesh | AbstractMesh | None = None) -> Any:
+def tree_specs(
+  logical_tree: Any, rules: Rules, shapes_tree: Any = None, mesh: Mesh | AbstractMesh | None = None
+) -> Any:
   """Mesh PartitionSpecs of a tree of logical PartitionSpecs (``nn.get_partition_spec``)."""
   is_spec = lambda x: isinstance(x, PartitionSpec)
   leaves, treedef = jax.tree_util.tree_flatten_with_path(logical_tree, is_leaf=is_spec)
-  shapes = ([None] * len(leaves) if shapes_tree is None
-            else [tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes_tree)])
+  shapes = (
+    [None] * len(leaves)
+    if shapes_tree is None
+    else [tuple(s.shape) for s in jax.tree_util.tree_leaves(shapes_tree)]
+  )
   if len(shapes) != len(leaves):
     raise ValueError(f"logical tree has {len(leaves)} leaves, shapes tree {len(shapes)}")
   specs = []
   for (path, axes), shape in zip(leaves, shapes):
     if shape is not None and len(shape) != len(axes):
-      raise ValueError(f"{jax.tree_util.keystr(path)}: {len(axes)} axis names {tuple(axes)} "
-                       f"for shape {shape}")
-    specs.append(logical_to_spec(tuple(axes), rules, shape, mesh,
-                                 name=jax.tree_util.keystr(path)))
+      raise ValueError(
+        f"{jax.tree_util.keystr(path)}: {len(axes)} axis names {tuple(axes)} for shape {shape}"
+      )
+    specs.append(logical_to_spec(tuple(axes), rules, shape, mesh, name=jax.tree_util.keystr(path)))
   return jax.tree_util.tree_unflatten(treedef, specs)
 
 
@@ -120,6 +142,7 @@ class Layout:
   Frozen and hashable, so it can be a static argument of ``jax.jit``.
   ``Layout.of(mesh, rules)`` normalises a rule list (lists become tuples).
   """
+
   mesh: Mesh
   rules: tuple[tuple[str, Any], ...]
 
@@ -127,12 +150,14 @@ class Layout:
   def of(cls, mesh: Mesh, rules: Rules) -> Layout:
     return cls(mesh, hashable_rules(rules))
 
-  def spec(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
-           name: str = "") -> PartitionSpec:
+  def spec(
+    self, axes: Sequence[str | None], shape: Sequence[int] | None = None, name: str = ""
+  ) -> PartitionSpec:
     return logical_to_spec(axes, self.rules, shape, self.mesh, name)
 
-  def sharding(self, axes: Sequence[str | None], shape: Sequence[int] | None = None,
-               name: str = "") -> NamedSharding:
+  def sharding(
+    self, axes: Sequence[str | None], shape: Sequence[int] | None = None, name: str = ""
+  ) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(axes, shape, name))
 
   def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
@@ -152,8 +177,9 @@ ACT_BTKH = ("batch", "length", "act_kv_heads", None)
 ACT_BTF = ("batch", "length", "act_mlp")
 ACT_BTV = ("batch", "length", "act_vocab")
 
-_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar("activation_layout",
-                                                                       default=None)
+_ACTIVE: contextvars.ContextVar[Layout | None] = contextvars.ContextVar(
+  "activation_layout", default=None
+)
 
 
 @contextlib.contextmanager

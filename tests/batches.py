@@ -20,6 +20,7 @@ from capo_jax.runtime import mesh as mesh_lib
 @dataclasses.dataclass(frozen=True)
 class HostBatch:
   """Padded sequences [B, ...]: left-padded prompts, right-padded completions."""
+
   prompt_tokens_BP: Any
   prompt_mask_BP: Any
   completion_tokens_BC: Any
@@ -32,38 +33,59 @@ class HostBatch:
   old_topk_logp_BCJ: Any = None
 
   def seqs(self) -> Sequences:
-    return Sequences(completion_mask_BC=self.completion_mask_BC, old_logp_BC=self.old_logp_BC,
-                     adv_B=self.adv_B, ref_logp_BC=self.ref_logp_BC, correct_B=self.correct_B,
-                     old_topk_ids_BCJ=self.old_topk_ids_BCJ,
-                     old_topk_logp_BCJ=self.old_topk_logp_BCJ)
+    return Sequences(
+      completion_mask_BC=self.completion_mask_BC,
+      old_logp_BC=self.old_logp_BC,
+      adv_B=self.adv_B,
+      ref_logp_BC=self.ref_logp_BC,
+      correct_B=self.correct_B,
+      old_topk_ids_BCJ=self.old_topk_ids_BCJ,
+      old_topk_logp_BCJ=self.old_topk_logp_BCJ,
+    )
 
-  def train_batch(self, rows_per_microbatch: int, *, pack: bool = False, row_len: int = 0
-                  ) -> TrainBatch:
+  def train_batch(
+    self, rows_per_microbatch: int, *, pack: bool = False, row_len: int = 0
+  ) -> TrainBatch:
     """The batch the train step takes: packed rows of ``row_len`` tokens, or one
     sequence per row; micro-batches of ``rows_per_microbatch`` rows."""
     host = lambda x: None if x is None else np.asarray(x)  # noqa: E731
     width = self.prompt_tokens_BP.shape[1] + self.completion_tokens_BC.shape[1]
     mbs = packing.plan_update(
-        host(self.prompt_tokens_BP), host(self.prompt_mask_BP), host(self.completion_tokens_BC),
-        host(self.completion_mask_BC), packing.RowLayout(row_len or width, rows_per_microbatch,
-                                                         pack),
-        topk_ids_BCJ=host(self.old_topk_ids_BCJ))
+      host(self.prompt_tokens_BP),
+      host(self.prompt_mask_BP),
+      host(self.completion_tokens_BC),
+      host(self.completion_mask_BC),
+      packing.RowLayout(row_len or width, rows_per_microbatch, pack),
+      topk_ids_BCJ=host(self.old_topk_ids_BCJ),
+    )
     return mbs.batch(jax.tree.map(host, self.seqs()))
 
 
-def padded_pass(cfg: Any, mesh: Any, rules: Any, rows: int, *, chunk_size: int = 0,
-                top_k: int = 0, lora: Any = None, layout: Any = None) -> LogprobPass:
+def padded_pass(
+  cfg: Any,
+  mesh: Any,
+  rules: Any,
+  rows: int,
+  *,
+  chunk_size: int = 0,
+  top_k: int = 0,
+  lora: Any = None,
+  layout: Any = None,
+) -> LogprobPass:
   """The old / reference log-prob pass, by default one sequence per row, ``rows`` rows per
   call: ``lp.run(params, lp.upload(prompt, pmask, comp, cmask), cmask, keys)`` -> [B, C]."""
   sh = mesh_lib.batch_sharding(mesh, rules, rows)
-  return LogprobPass(ts.make_logprob_fn(cfg, mesh, rules, rows, chunk_size=chunk_size,
-                                        top_k=top_k, lora=lora),
-                     layout=layout or packing.RowLayout(0, rows, pack=False), rows_sharding=sh,
-                     index_sharding=sh)
+  return LogprobPass(
+    ts.make_logprob_fn(cfg, mesh, rules, rows, chunk_size=chunk_size, top_k=top_k, lora=lora),
+    layout=layout or packing.RowLayout(0, rows, pack=False),
+    rows_sharding=sh,
+    index_sharding=sh,
+  )
 
 
-def run_pass(lp: LogprobPass, params: Any, xs: Any, keys: tuple[str, ...] = ("logp_BC",),
-             adapters: Any = None) -> dict[str, np.ndarray]:
+def run_pass(
+  lp: LogprobPass, params: Any, xs: Any, keys: tuple[str, ...] = ("logp_BC",), adapters: Any = None
+) -> dict[str, np.ndarray]:
   """``lp`` over the padded arrays ``xs`` (prompt, prompt mask, completion, its mask)."""
   xs = [np.asarray(x) for x in xs]
   out = lp.run(params, lp.upload(*xs), jax.numpy.asarray(xs[3]), keys, adapters=adapters)

@@ -51,9 +51,19 @@ class GcsEmulator:
 
   def __enter__(self) -> GcsEmulator:
     server = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gcs_emulator_server.py")
-    cmd = [sys.executable, server, "start", "--host",
-           "127.0.0.1", "--port", str(self.port), "--default-bucket", self.bucket,
-           "--in-memory", "-q"]
+    cmd = [
+      sys.executable,
+      server,
+      "start",
+      "--host",
+      "127.0.0.1",
+      "--port",
+      str(self.port),
+      "--default-bucket",
+      self.bucket,
+      "--in-memory",
+      "-q",
+    ]
     # Its log goes to a file, never a pipe: the server is single-threaded and prints a
     # traceback for every dropped connection; a full pipe would stall it mid-request.
     self._log = tempfile.TemporaryFile()
@@ -72,8 +82,12 @@ class GcsEmulator:
     raise RuntimeError("gcp-storage-emulator did not start within 30 s")
 
   def env(self) -> dict[str, str]:
-    return {"STORAGE_EMULATOR_HOST": self.url, "TENSORSTORE_GCS_HTTP_URL": self.url,
-            "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false", "NO_GCE_CHECK": "true"}
+    return {
+      "STORAGE_EMULATOR_HOST": self.url,
+      "TENSORSTORE_GCS_HTTP_URL": self.url,
+      "GCSFS_EXPERIMENTAL_ZB_HNS_SUPPORT": "false",
+      "NO_GCE_CHECK": "true",
+    }
 
   def apply(self, monkeypatch: Any) -> None:
     for k, v in self.env().items():

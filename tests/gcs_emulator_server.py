@@ -34,6 +34,7 @@ def _with_generation(download):
       response["x-goog-generation"] = str(obj.get("generation", "1"))
       response["x-goog-metageneration"] = str(obj.get("metageneration", "1"))
     return download(request, response, storage, *args, **kwargs)
+
   return wrapped
 
 
@@ -57,10 +58,17 @@ def _with_precondition(handler, name_of):
         have = "0"
       if have != want[0]:
         response.status = HTTPStatus.PRECONDITION_FAILED
-        response.json({"error": {"code": 412, "message": "conditionNotMet: generation "
-                                 f"{have}, wanted {want[0]}"}})
+        response.json(
+          {
+            "error": {
+              "code": 412,
+              "message": f"conditionNotMet: generation {have}, wanted {want[0]}",
+            }
+          }
+        )
         return None
     return handler(request, response, storage, *args, **kwargs)
+
   return wrapped
 
 

@@ -35,8 +35,7 @@ def shard_batch(batch: Any, mesh: Mesh, rules: Any) -> Any:
   sh = mesh_lib.batch_sharding(mesh, rules, rows)
   if jax.process_count() == 1:
     return jax.device_put(batch, sh)
-  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sh, np.asarray(x)),
-                      batch)
+  return jax.tree.map(lambda x: jax.make_array_from_process_local_data(sh, np.asarray(x)), batch)
 
 
 def read_jsonl(path: str) -> list[dict[str, Any]]:

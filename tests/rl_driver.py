@@ -31,24 +31,38 @@ class HashGrader:
     return r, RewardHealth(total=len(r), correct=int(r.sum()))
 
 
-QUESTIONS = [("What is 2 + 3?", "5"), ("What is 7 - 4?", "3"), ("Compute 6 * 7.", "42"),
-             ("What is 10 / 2?", "5"), ("What is 9 + 9?", "18"), ("What is 3 * 3?", "9"),
-             ("What is 8 - 1?", "7"), ("What is 1 + 1?", "2")]
+QUESTIONS = [
+  ("What is 2 + 3?", "5"),
+  ("What is 7 - 4?", "3"),
+  ("Compute 6 * 7.", "42"),
+  ("What is 10 / 2?", "5"),
+  ("What is 9 + 9?", "18"),
+  ("What is 3 * 3?", "9"),
+  ("What is 8 - 1?", "7"),
+  ("What is 1 + 1?", "2"),
+]
 
 
 def write_assets(root) -> dict[str, str]:
   """A tiny HF tokenizer directory and a JSONL of ``QUESTIONS`` under ``root``."""
   import json  # pylint: disable=import-outside-toplevel
+
   import hf_utils  # pylint: disable=import-outside-toplevel
+
   tok = hf_utils.make_tokenizer_dir(root / "tok")
   data = root / "train.jsonl"
-  data.write_text("".join(json.dumps({"id": str(i), "problem": q, "answer": a}) + "\n"
-                          for i, (q, a) in enumerate(QUESTIONS)))
+  data.write_text(
+    "".join(
+      json.dumps({"id": str(i), "problem": q, "answer": a}) + "\n"
+      for i, (q, a) in enumerate(QUESTIONS)
+    )
+  )
   return {"tok": str(tok), "data": str(data), "root": str(root)}
 
 
 def tiny_config(tokenizer_dir: str, data_file: str, num_steps: int):
   from configs import capo_qwen2p5_math_1p5b  # pylint: disable=import-outside-toplevel
+
   c = capo_qwen2p5_math_1p5b.get_config("shrink")
   c.tokenizer_path = tokenizer_dir
   c.data.train = data_file
@@ -70,6 +84,7 @@ def train(c, workdir: str, **kwargs):
   """``capo_jax.run.loop.train`` of config ``c``, translated as the entry point does."""
   from capo_jax.run import loop  # pylint: disable=import-outside-toplevel
   from capo_jax.run.spec import RunSpec  # pylint: disable=import-outside-toplevel
+
   spec = RunSpec.from_config(c, policy_given=kwargs.get("policy") is not None)
   return loop.train(spec, str(workdir), **kwargs)
 
@@ -78,6 +93,7 @@ def main(argv: list[str]) -> None:
   workdir, tok, data_file, steps = argv[1], argv[2], argv[3], int(argv[4])
   distributed.maybe_initialize()
   from models.sharding import to_host  # pylint: disable=import-outside-toplevel
+
   c = tiny_config(tok, data_file, steps)
   for kv in argv[5:]:
     key, value = kv.split("=", 1)

@@ -1,4 +1,5 @@
 """The ahead-of-time compile needs no weights, only the architecture (issue 46, item 9)."""
+
 import importlib
 
 import pytest

@@ -48,9 +48,9 @@ def _brute_force(q, k, v, seg):
 
 
 IMPLS = {
-    "xla": attention.xla,
-    "flash": functools.partial(attention.flash, block=32),  # 5 blocks of 32 (T padded to 160)
-    "splash": functools.partial(attention.splash, block=128, interpret=True),  # 2 blocks
+  "xla": attention.xla,
+  "flash": functools.partial(attention.flash, block=32),  # 5 blocks of 32 (T padded to 160)
+  "splash": functools.partial(attention.splash, block=128, interpret=True),  # 2 blocks
 }
 
 
@@ -73,11 +73,13 @@ def test_implementation_matches_reference(inputs, name):
   # Every position, padding included: padding is a segment of its own on every path.
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=1e-5, rtol=1e-5)
   grad = lambda fn: jax.jit(jax.grad(functools.partial(_objective, fn), argnums=(0, 1, 2)))
-  for g_got, g_want, what in zip(grad(IMPLS[name])(q, k, v, seg, w),
-                                 grad(ref)(q, k, v, seg, w), "qkv"):
+  for g_got, g_want, what in zip(
+    grad(IMPLS[name])(q, k, v, seg, w), grad(ref)(q, k, v, seg, w), "qkv"
+  ):
     scale = float(jnp.abs(g_want).max())
-    np.testing.assert_allclose(np.asarray(g_got) / scale, np.asarray(g_want) / scale,
-                               atol=1e-5, err_msg=f"d{what}")
+    np.testing.assert_allclose(
+      np.asarray(g_got) / scale, np.asarray(g_want) / scale, atol=1e-5, err_msg=f"d{what}"
+    )
 
 
 @pytest.mark.slow  # 10-21 s on 2 cores; .ci/run runs it
@@ -96,7 +98,8 @@ def test_model_forward_with_each_attention():
 
 def test_auto_and_bad_names():
   assert attention.resolve("auto", 512, 512) == (
-      "splash" if jax.default_backend() == "tpu" else "reference")
+    "splash" if jax.default_backend() == "tpu" else "reference"
+  )
   assert attention.resolve("auto", 513, 512) in ("splash", "flash")
   with pytest.raises(ValueError, match="attention"):
     attention.resolve("cudnn", 8)
@@ -109,8 +112,12 @@ def test_flash_backward_holds_no_full_score_matrix():
   temporaries stay far below one float32 [N, T, T] score matrix; the reference's do not."""
   T_long, W = 2048, 256
   shape = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  args = (shape(1, T_long, 2, 16), shape(1, T_long, 1, 16), shape(1, T_long, 1, 16),
-          jax.ShapeDtypeStruct((1, T_long), jnp.int32))
+  args = (
+    shape(1, T_long, 2, 16),
+    shape(1, T_long, 1, 16),
+    shape(1, T_long, 1, 16),
+    jax.ShapeDtypeStruct((1, T_long), jnp.int32),
+  )
   scores_bytes = 2 * T_long * T_long * 4
 
   def temp_bytes(fn):

@@ -54,9 +54,11 @@ def test_auc_per_question_matches_sklearn_and_pair_count():
 
 def test_auc_mean_skips_degenerate_questions_and_counts_used():
   scores, correct, valid = _ragged_batch(1)
-  per_q = [roc_auc_score(correct[q][valid[q]], scores[q][valid[q]])
-           for q in range(scores.shape[0])
-           if 0 < correct[q][valid[q]].sum() < valid[q].sum()]
+  per_q = [
+    roc_auc_score(correct[q][valid[q]], scores[q][valid[q]])
+    for q in range(scores.shape[0])
+    if 0 < correct[q][valid[q]].sum() < valid[q].sum()
+  ]
   mean, n = cal.auc_mean(scores, correct, valid)
   assert n == len(per_q)
   assert mean == pytest.approx(np.mean(per_q), abs=1e-12)
@@ -120,8 +122,7 @@ def test_ece_and_brier_hand_computed():
   correct = np.array([1, 0, 0, 1, 1], bool)
   s = np.log(conf)
   # Bins of width 0.1: {0.95}, {0.85}, {0.15, 0.12}, {0.55}.
-  expected_ece = (abs(1 - 0.95) + abs(0 - 0.85) + 2 * abs(0.5 - 0.135)
-                  + abs(1 - 0.55)) / 5
+  expected_ece = (abs(1 - 0.95) + abs(0 - 0.85) + 2 * abs(0.5 - 0.135) + abs(1 - 0.55)) / 5
   assert cal.ece(s, correct, n_bins=10) == pytest.approx(expected_ece)
   expected_brier = np.mean([0.05**2, 0.85**2, 0.15**2, 0.88**2, 0.45**2])
   assert cal.brier(s, correct) == pytest.approx(expected_brier)
@@ -156,9 +157,11 @@ def test_pass_at_k_matches_subset_brute_force():
 
 
 def test_maj_at_k_ties_split_and_first():
-  answers = [["B", "A", "A", "B", "C", "A"],
-             [None, None, "x", "y", None, None],
-             [None, None, None, None, None, None]]
+  answers = [
+    ["B", "A", "A", "B", "C", "A"],
+    [None, None, "x", "y", None, None],
+    [None, None, None, None, None, None],
+  ]
   correct = [[0, 1, 1, 0, 0, 1], [0, 0, 1, 0, 0, 0], [0] * 6]
   # k=4: q0 tie A/B (A right) -> split 0.5, first = B (index 0) -> 0.
   # q1: x/y tie among two voters -> split 0.5, first = x -> 1. q2 abstains -> 0.
@@ -180,14 +183,23 @@ def test_bad_inputs_raise_clear_errors():
 
 
 def _row(**over):
-  row = {"benchmark": "aime25", "question_id": "q1", "sample_index": 0,
-         "completion": "so \\boxed{3}", "answer": "3", "correct": True,
-         "s": -0.25, "length": 12}
+  row = {
+    "benchmark": "aime25",
+    "question_id": "q1",
+    "sample_index": 0,
+    "completion": "so \\boxed{3}",
+    "answer": "3",
+    "correct": True,
+    "s": -0.25,
+    "length": 12,
+  }
   row.update(over)
   return json.dumps(row)
 
 
-@pytest.mark.parametrize("line, message", [
+@pytest.mark.parametrize(
+  "line, message",
+  [
     ("{not json", "invalid JSON"),
     ("[1, 2]", "expected a JSON object"),
     (_row(s=None).replace('"s": null, ', ""), "missing field 's'"),
@@ -197,7 +209,8 @@ def _row(**over):
     (_row(s=0.5), "must be finite and <= 0"),
     (_row(length=-1), "must be >= 0"),
     (_row(), "duplicate sample"),
-])
+  ],
+)
 def test_load_samples_errors_name_file_and_line(tmp_path, line, message):
   path = tmp_path / "samples.jsonl"
   path.write_text(_row() + "\n\n" + line + "\n", encoding="utf-8")
@@ -209,14 +222,16 @@ def test_load_samples_errors_name_file_and_line(tmp_path, line, message):
 def test_comparison_table_layout():
   def bench(acc, auc, aurc):
     return {"mean@16": acc, "auc_mean": auc, "aurc": aurc, "ece": 0.5}
+
   runs = {
-      "grpo": {"benchmarks": {"math500": bench(0.70, 0.80, 0.2), "aime25": bench(0.10, None, 0.8)}},
-      "capo": {"benchmarks": {"math500": bench(0.72, 0.85, 0.1)}},
+    "grpo": {"benchmarks": {"math500": bench(0.70, 0.80, 0.2), "aime25": bench(0.10, None, 0.8)}},
+    "capo": {"benchmarks": {"math500": bench(0.72, 0.85, 0.1)}},
   }
   lines = report.comparison_table(runs).strip().split("\n")
   # The paper's metrics lead; ECE of exp(s) is in no table (report.ECE_NOTE).
-  assert lines[0] == ("| benchmark | grpo acc | grpo AUC | grpo AURC | capo acc | capo AUC "
-                      "| capo AURC |")
+  assert lines[0] == (
+    "| benchmark | grpo acc | grpo AUC | grpo AURC | capo acc | capo AUC | capo AURC |"
+  )
   assert lines[1] == "|---|---:|---:|---:|---:|---:|---:|"
   assert lines[2] == "| math500 | 70.0 | 0.800 | 0.200 | 72.0 | 0.850 | 0.100 |"
   assert lines[3] == "| aime25 | 10.0 | - | 0.800 | - | - | - |"
@@ -230,6 +245,7 @@ def test_traced_auc_mean_equals_the_numpy_one():
   """The rollout's on-device AUC-mean (ties, invalid samples, degenerate questions)
   against the NumPy metric the evaluator reports."""
   import jax  # pylint: disable=import-outside-toplevel
+
   rng = np.random.default_rng(0)
   s = rng.integers(0, 4, (40, 8)).astype(np.float32) / 4  # many ties
   correct = rng.random((40, 8)) < 0.5

@@ -9,7 +9,6 @@ naming the path; an unwritable workdir stops the run before any work.
 from __future__ import annotations
 
 import errno
-import json
 import logging
 import pathlib
 
@@ -22,8 +21,7 @@ import pytest
 import gcs_emulator
 import rl_driver
 from capo_jax.runtime import checkpoint as ckpt_lib
-from capo_jax.runtime import fs
-from capo_jax.runtime import run_record
+from capo_jax.runtime import fs, run_record
 
 QUARANTINE = "quarantine"  # checkpoint.QUARANTINE (a literal: the probe runs on old code too)
 
@@ -53,7 +51,8 @@ def _steps(workdir: pathlib.Path) -> list[str]:
 
 
 def test_a_transient_read_error_is_retried_and_then_stops_the_run_deleting_nothing(
-    saved, monkeypatch, caplog):
+  saved, monkeypatch, caplog
+):
   real = ocp.CheckpointManager.restore
   calls = []
 
@@ -76,9 +75,11 @@ def test_a_transient_read_error_is_retried_and_then_stops_the_run_deleting_nothi
 
   monkeypatch.setattr(ocp.CheckpointManager, "restore", down)
   ck = ckpt_lib.Checkpointer(str(saved), every_steps=1, keep=5)
-  with pytest.raises(ckpt_lib.CheckpointUnavailable,
-                     match=r"step 3 .* could not be read after 3 tries .*Input/output error.*"
-                     "nothing was moved or deleted"):
+  with pytest.raises(
+    ckpt_lib.CheckpointUnavailable,
+    match=r"step 3 .* could not be read after 3 tries .*Input/output error.*"
+    "nothing was moved or deleted",
+  ):
     ck.restore_latest(_abstract(_state(0.0)))
   assert _steps(saved) == ["1", "2", "3"]
   assert not (saved / "checkpoints" / QUARANTINE).exists()
@@ -142,9 +143,11 @@ def test_a_changed_optimizer_tree_is_config_changed_naming_the_field(assets, tmp
   before = (workdir / "config.json").read_text()
   c = _config(assets, 2)
   c.optim.grad_clip = 0.0  # no clipping: one optimizer state fewer
-  with pytest.raises(run_record.ConfigChanged,
-                     match=r"checkpoint step 1 .* holds other arrays .*"
-                     r"optim\.grad_clip: 1\.0 -> 0\.0"):
+  with pytest.raises(
+    run_record.ConfigChanged,
+    match=r"checkpoint step 1 .* holds other arrays .*"
+    r"optim\.grad_clip: 1\.0 -> 0\.0",
+  ):
     rl_driver.train(c, str(workdir), grader=rl_driver.HashGrader())
   assert (workdir / "config.json").read_text() == before  # the next run compares with 1.0
   assert _steps(workdir) == ["1"]

@@ -34,13 +34,17 @@ def _code_cells(nb: Any) -> list[Any]:
 
 
 def _stdout(cell: Any) -> str:
-  return "".join(o.get("text", "") for o in cell.outputs
-                 if o.output_type == "stream" and o.name == "stdout")
+  return "".join(
+    o.get("text", "") for o in cell.outputs if o.output_type == "stream" and o.name == "stdout"
+  )
 
 
 def _png_outputs(cell: Any) -> list[Any]:
-  return [o for o in cell.outputs
-          if o.output_type in ("display_data", "execute_result") and "image/png" in o.data]
+  return [
+    o
+    for o in cell.outputs
+    if o.output_type in ("display_data", "execute_result") and "image/png" in o.data
+  ]
 
 
 def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -58,23 +62,32 @@ def test_notebook_is_stored_without_outputs() -> None:
   assert 'REPO_URL = "https://github.com/capo-jax/capo-jax.git"' in install
   # The clone and pip lines sit under the "not importable" branch only.
   guarded = install.split('find_spec("capo_jax") is None', 1)[1].split("\nelse:", 1)[0]
-  for needle in ("!git clone", "pip install -q -r requirements.txt",
-                 "pip install -q -e . --no-deps"):
+  for needle in (
+    "!git clone",
+    "pip install -q -r requirements.txt",
+    "pip install -q -e . --no-deps",
+  ):
     assert needle in guarded, needle
 
 
 @pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
-def test_notebook_runs_with_tiny_settings(tmp_path: pathlib.Path,
-                                          monkeypatch: pytest.MonkeyPatch) -> None:
+def test_notebook_runs_with_tiny_settings(
+  tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
   workdir = tmp_path / "work"
   monkeypatch.setenv("CAPO_NOTEBOOK_TINY", "1")
   monkeypatch.setenv("CAPO_NOTEBOOK_WORKDIR", str(workdir))
-  monkeypatch.setenv("PYTHONPATH", os.pathsep.join(
-      [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  monkeypatch.setenv(
+    "PYTHONPATH",
+    os.pathsep.join(
+      [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ),
+  )
   monkeypatch.delenv("MPLBACKEND", raising=False)  # keep the kernel's inline backend
   nb = nbformat.read(NOTEBOOK, as_version=4)
-  client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300,
-                                   resources={"metadata": {"path": str(tmp_path)}})
+  client = nbclient.NotebookClient(
+    nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(tmp_path)}}
+  )
   client.execute()  # raises CellExecutionError, with the traceback, if any cell fails
 
   cells = _code_cells(nb)

@@ -30,9 +30,14 @@ _CHILD = textwrap.dedent("""
 
 
 def _run(workdir: str, setting: str, env: dict[str, str] | None = None) -> int:
-  out = subprocess.run([sys.executable, "-c", _CHILD, workdir, setting], cwd=ROOT,
-                       capture_output=True, text=True, check=True,
-                       env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})}).stdout
+  out = subprocess.run(
+    [sys.executable, "-c", _CHILD, workdir, setting],
+    cwd=ROOT,
+    capture_output=True,
+    text=True,
+    check=True,
+    env={**os.environ, "JAX_PLATFORMS": "cpu", **(env or {})},
+  ).stdout
   return int(out.split("hits")[-1])
 
 
@@ -65,6 +70,7 @@ def test_a_gs_workdir_keeps_the_cache_in_cloud_storage():
   """The real job's workdir is on Cloud Storage: the cache goes there (JAX through
   etils / gcsfs) and a second process, another VM in effect, hits it."""
   from tests import gcs_emulator  # pylint: disable=import-outside-toplevel
+
   why = gcs_emulator.available()
   if why:
     pytest.skip(why)

@@ -4,6 +4,7 @@ CAPO pairs on the binary ``correct``; reward plug-ins and DAPO's overlong penalt
 scalar reward, which the baselines read. A CAPO run that sets them logs one line saying so, so a
 comparison with shaping on does not silently treat CAPO and the baselines differently.
 """
+
 import logging
 
 import pytest
@@ -11,8 +12,10 @@ import pytest
 from capo_jax.run import spec as spec_lib
 from configs import common
 
-SHAPING = {"overlong": ("reward.overlong_buffer", 4),
-           "plug-in": ("reward.fns", ("correct", "capo_jax.data.example_rewards:boxed_format"))}
+SHAPING = {
+  "overlong": ("reward.overlong_buffer", 4),
+  "plug-in": ("reward.fns", ("correct", "capo_jax.data.example_rewards:boxed_format")),
+}
 
 
 def _spec(algo: str, field: str | None = None, value=None) -> spec_lib.RunSpec:
@@ -27,8 +30,11 @@ def _spec(algo: str, field: str | None = None, value=None) -> spec_lib.RunSpec:
 
 
 def _notes(caplog) -> list[str]:
-  return [r.getMessage() for r in caplog.records
-          if r.name == spec_lib.__name__ and "change no advantage" in r.getMessage()]
+  return [
+    r.getMessage()
+    for r in caplog.records
+    if r.name == spec_lib.__name__ and "change no advantage" in r.getMessage()
+  ]
 
 
 @pytest.mark.parametrize("kind", sorted(SHAPING))
@@ -41,8 +47,7 @@ def test_a_capo_run_with_reward_shaping_logs_one_line(kind, caplog):
   assert "algo.name='capo'" in notes[0] and "pairs on `correct`" in notes[0]
 
 
-@pytest.mark.parametrize("algo, kind", [("grpo", "overlong"), ("cde", "plug-in"),
-                                        ("capo", None)])
+@pytest.mark.parametrize("algo, kind", [("grpo", "overlong"), ("cde", "plug-in"), ("capo", None)])
 def test_no_line_where_the_fields_act_or_are_unset(algo, kind, caplog):
   field, value = SHAPING[kind] if kind else (None, None)
   with caplog.at_level(logging.WARNING, logger=spec_lib.__name__):

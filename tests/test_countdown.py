@@ -15,28 +15,31 @@ from capo_jax.data import countdown, datasets, reward_fns
 GOLD = "3 5 7 1 -> 24"
 
 
-@pytest.mark.parametrize("completion,expected", [
-    (r"\boxed{(7 - 3) * (5 + 1)}", True),           # 4 * 6
-    (r"\boxed{3 * (7 + 1)}", True),                  # a subset of the numbers
+@pytest.mark.parametrize(
+  "completion,expected",
+  [
+    (r"\boxed{(7 - 3) * (5 + 1)}", True),  # 4 * 6
+    (r"\boxed{3 * (7 + 1)}", True),  # a subset of the numbers
     (r"\boxed{(7 + 5) * (3 - 1)}", True),
-    (r"$\boxed{3 \times (7 + 1)}$", True),           # LaTeX times
+    (r"$\boxed{3 \times (7 + 1)}$", True),  # LaTeX times
     (r"\boxed{\left(7+1\right) \cdot 3}", True),
-    (r"\boxed{3 * (7 + 1) = 24}", True),             # "= target" after the expression
-    (r"The answer is 3*(7+1).", True),               # the math grader's fallback phrase
-    (r"\boxed{3 * 8}", False),                       # 8 is not given
-    (r"\boxed{(7 + 5) * (3 - 1) + 1 - 1}", False),   # 1 used twice
-    (r"\boxed{3 * (7 + 1) + 0}", False),             # 0 is not given
+    (r"\boxed{3 * (7 + 1) = 24}", True),  # "= target" after the expression
+    (r"The answer is 3*(7+1).", True),  # the math grader's fallback phrase
+    (r"\boxed{3 * 8}", False),  # 8 is not given
+    (r"\boxed{(7 + 5) * (3 - 1) + 1 - 1}", False),  # 1 used twice
+    (r"\boxed{3 * (7 + 1) + 0}", False),  # 0 is not given
     (r"\boxed{24}", False),
-    (r"\boxed{3 * (7 + 1) - 1}", False),             # 23
-    (r"\boxed{(7 + 5) * -(1 - 3)}", False),          # unary minus is not an operation here
+    (r"\boxed{3 * (7 + 1) - 1}", False),  # 23
+    (r"\boxed{(7 + 5) * -(1 - 3)}", False),  # unary minus is not an operation here
     (r"\boxed{3 ** 7}", False),
     (r"\boxed{__import__('os').getcwd()}", False),
-    (r"\boxed{3(7 + 1)}", False),                    # implicit product: a call node
-    (r"\boxed{5 / (1 - 1) + 24}", False),            # division by zero
-    (r"\boxed{3 * (7 + 1}", False),                  # unclosed box -> no answer
+    (r"\boxed{3(7 + 1)}", False),  # implicit product: a call node
+    (r"\boxed{5 / (1 - 1) + 24}", False),  # division by zero
+    (r"\boxed{3 * (7 + 1}", False),  # unclosed box -> no answer
     ("no answer at all", False),
     (r"\boxed{" + "+".join(["1"] * 150) + "}", False),  # over MAX_EXPR_LEN
-])
+  ],
+)
 def test_checker_hand_cases(completion: str, expected: bool) -> None:
   assert countdown.is_correct(completion, GOLD) is expected
 
@@ -58,6 +61,7 @@ def test_exact_fractions_and_repeated_numbers() -> None:
 def _solvable(numbers: list[int], target: int) -> bool:
   """Brute force, independent of the generator: combine any two of the remaining values
   with + - * / (any order) until one value equals the target (subsets included)."""
+
   def search(vals: tuple[Fraction, ...]) -> bool:
     if target in vals:
       return True
@@ -68,6 +72,7 @@ def _solvable(numbers: list[int], target: int) -> bool:
       if any(search(rest + (o,)) for o in outs):
         return True
     return False
+
   return search(tuple(Fraction(n) for n in numbers))
 
 
@@ -101,9 +106,10 @@ def test_checker_grader_runs_in_the_pool(monkeypatch) -> None:
 @pytest.mark.slow  # ~1 min on 2 cores: a 2-step GRPO run, then the evaluator
 def test_shrink_run_then_calibration_report(tmp_path) -> None:
   import hf_utils  # pylint: disable=import-outside-toplevel
+  import rl_driver  # pylint: disable=import-outside-toplevel
   from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
   from configs import countdown as run_file  # pylint: disable=import-outside-toplevel
-  import rl_driver  # pylint: disable=import-outside-toplevel
+
   c = run_file.get_config("shrink")
   c.tokenizer_path = str(hf_utils.make_tokenizer_dir(tmp_path / "tok"))
   c.algo.name = "grpo"  # the scalar reward feeds its advantage
@@ -119,9 +125,20 @@ def test_shrink_run_then_calibration_report(tmp_path) -> None:
   # correct + 0.1 * format + overlong penalty, never above 1.1 or below -1.
   assert -1.0 <= rows[-1]["reward_mean"] <= 1.1
   out = tmp_path / "eval"
-  results = evaluate.main([f"--policy={workdir}", "--benchmarks=countdown", "--limit=2",
-                           "--num_samples=4", "--max_new_tokens=8", "--batch_size=2",
-                           f"--out={out}", "--no_plots", "--no_progress", "--dtype=float32"])
+  results = evaluate.main(
+    [
+      f"--policy={workdir}",
+      "--benchmarks=countdown",
+      "--limit=2",
+      "--num_samples=4",
+      "--max_new_tokens=8",
+      "--batch_size=2",
+      f"--out={out}",
+      "--no_plots",
+      "--no_progress",
+      "--dtype=float32",
+    ]
+  )
   r = results["benchmarks"]["countdown"]
   assert r["n_questions"] == 2 and r["n_samples"] == 8
   for key in ("mean@4", "auc_mean", "aurc", "ece"):

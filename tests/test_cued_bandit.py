@@ -10,14 +10,16 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from studies.cued_bandit import bandit
-from studies.cued_bandit import metrics
-from studies.cued_bandit import run
+from studies.cued_bandit import bandit, metrics, run
 
 
 def _two_questions() -> bandit.Questions:
-  x_QAF = jnp.array([[[1.5, 1.0], [0.2, 0.0], [-0.4, 0.0]],    # cued: the cue is answer 0
-                     [[0.3, 0.0], [0.9, 1.0], [0.1, 0.0]]])    # trap: the cue is answer 1
+  x_QAF = jnp.array(
+    [
+      [[1.5, 1.0], [0.2, 0.0], [-0.4, 0.0]],  # cued: the cue is answer 0
+      [[0.3, 0.0], [0.9, 1.0], [0.1, 0.0]],
+    ]
+  )  # trap: the cue is answer 1
   return bandit.Questions(x_QAF, jnp.array([0, 1]), jnp.array([False, True]))
 
 
@@ -60,16 +62,19 @@ def test_a_train_step_moves_theta_by_lr_times_the_policy_gradient_of_its_own_sam
 
 def test_with_the_cue_weight_fixed_at_zero_nothing_is_learned_about_the_cue():
   task = bandit.Task(steps=20)
-  path_STF = np.asarray(bandit.train_seeds([0, 1], task, bandit.METHODS["grpo"],
-                                           fixed_F=jnp.array([False, True])))
+  path_STF = np.asarray(
+    bandit.train_seeds([0, 1], task, bandit.METHODS["grpo"], fixed_F=jnp.array([False, True]))
+  )
   assert np.all(path_STF[..., 1] == 0.0)
   assert np.all(path_STF[:, -1, 0] != task.theta0[0])  # the other weight did move
+
   # So the policy is blind to where the cue points: moving it changes no probability.
   @jax.jit
   def both(th):
     q = bandit.make_questions(jax.random.key(5), task, 50, trap_share=0.5)
-    moved = bandit.Questions(q.x_QAF.at[..., 1].set(jnp.roll(q.x_QAF[..., 1], 1, axis=1)),
-                             q.cue_Q, q.trap_Q)
+    moved = bandit.Questions(
+      q.x_QAF.at[..., 1].set(jnp.roll(q.x_QAF[..., 1], 1, axis=1)), q.cue_Q, q.trap_Q
+    )
     return bandit.log_policy(th, q), bandit.log_policy(th, moved)
 
   np.testing.assert_array_equal(*both(jnp.asarray(path_STF[0, -1])))
@@ -85,8 +90,7 @@ def test_grpo_trusts_a_cue_that_is_always_right_and_distrusts_one_always_wrong(c
 def test_heldout_metrics_against_loops_and_sklearn():
   # 4 questions x 3 samples; answer 0 is the true one. q2 and q3 are traps (cues 2, 1).
   a_QG = np.array([[0, 1, 0], [2, 2, 3], [2, 0, 2], [1, 1, 1]])
-  s_QG = np.array([[-0.2, -1.5, -0.2], [-0.9, -0.9, -2.0], [-0.3, -1.2, -0.3],
-                   [-0.1, -0.1, -0.1]])
+  s_QG = np.array([[-0.2, -1.5, -0.2], [-0.9, -0.9, -2.0], [-0.3, -1.2, -0.3], [-0.1, -0.1, -0.1]])
   cue_Q, trap_Q = np.array([0, 0, 2, 1]), np.array([False, False, True, True])
   got = metrics.heldout_metrics(a_QG, s_QG, cue_Q, trap_Q)
   c_QG = a_QG == 0
@@ -130,7 +134,11 @@ def test_the_command_writes_the_json_and_the_plot(tmp_path, monkeypatch):
 def test_the_package_never_imports_the_studies():
   import pathlib  # pylint: disable=import-outside-toplevel
   import re  # pylint: disable=import-outside-toplevel
+
   root = pathlib.Path(__file__).resolve().parents[1] / "capo_jax"
-  bad = [str(p.relative_to(root)) for p in root.rglob("*.py")
-         if re.search(r"^\s*(from|import)\s+studies\b", p.read_text(), re.M)]
+  bad = [
+    str(p.relative_to(root))
+    for p in root.rglob("*.py")
+    if re.search(r"^\s*(from|import)\s+studies\b", p.read_text(), re.M)
+  ]
   assert not bad, f"capo_jax imports studies/ (it must sit above the package): {bad}"

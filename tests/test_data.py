@@ -1,4 +1,4 @@
-"""Tests of capo_jax.data.datasets: loaders, registry, bad rows and the resumable prompt iterator."""
+"""Tests of capo_jax.data.datasets: loaders, registry, bad rows, the resumable prompt iterator."""
 
 from __future__ import annotations
 
@@ -14,8 +14,10 @@ from capo_jax.data import datasets as data
 def _readme_counts(shared_data) -> dict[str, int]:
   """Row counts from the data README's table (the independent reference)."""
   text = (shared_data / "README.md").read_text(encoding="utf-8")
-  return {m.group(1): int(m.group(2))
-          for m in re.finditer(r"^\| (\w+)\.jsonl \| (\d+) \|", text, re.MULTILINE)}
+  return {
+    m.group(1): int(m.group(2))
+    for m in re.finditer(r"^\| (\w+)\.jsonl \| (\d+) \|", text, re.MULTILINE)
+  }
 
 
 def test_every_file_loads_with_readme_row_count(shared_data) -> None:
@@ -25,9 +27,16 @@ def test_every_file_loads_with_readme_row_count(shared_data) -> None:
     ds = data.load_examples(shared_data / f"{stem}.jsonl")
     assert len(ds) == want and ds.num_skipped == 0, stem
     assert len({e.id for e in ds}) == want, f"{stem}: ids not unique"
-  by_name = {"math500": 500, "aime24": 30, "aime25": 30, "amc23": 40, "minerva_math": 272,
-             "olympiadbench": 675, "deepscaler": counts["deepscaler_sample"],
-             "math_train": counts["math_train_sample"]}
+  by_name = {
+    "math500": 500,
+    "aime24": 30,
+    "aime25": 30,
+    "amc23": 40,
+    "minerva_math": 272,
+    "olympiadbench": 675,
+    "deepscaler": counts["deepscaler_sample"],
+    "math_train": counts["math_train_sample"],
+  }
   for name, want in by_name.items():
     assert len(data.load_examples(name, data_dir=shared_data)) == want, name
 
@@ -38,8 +47,11 @@ def test_fields_match_the_raw_rows(shared_data, monkeypatch) -> None:
   with open(shared_data / "olympiadbench.jsonl", encoding="utf-8") as f:
     raw = [json.loads(line) for line in f]
   for ex, row in zip(ds, raw):
-    assert (ex.id, ex.problem, ex.answer) == (row["id"], row["problem"].strip(),
-                                              row["answer"].strip())
+    assert (ex.id, ex.problem, ex.answer) == (
+      row["id"],
+      row["problem"].strip(),
+      row["answer"].strip(),
+    )
     assert ex.meta["answer_type"] == row["answer_type"] and "problem" not in ex.meta
 
 
@@ -50,13 +62,16 @@ def _write(path, lines: list[str]) -> None:
 GOOD = json.dumps({"id": "a", "problem": "1+1?", "answer": "2"})
 
 
-@pytest.mark.parametrize("bad,reason", [
+@pytest.mark.parametrize(
+  "bad,reason",
+  [
     ('{"id": "b", "problem": "x", "answer": ', "invalid JSON"),
     (json.dumps({"id": "b", "problem": "x"}), "missing field 'answer'"),
     (json.dumps({"id": "b", "problem": "x", "answer": "  "}), "empty 'answer'"),
     (json.dumps({"id": "b", "answer": "3"}), "missing field 'problem'"),
     (json.dumps(["not", "an", "object"]), "expected a JSON object"),
-])
+  ],
+)
 def test_bad_row_error_names_file_and_line(tmp_path, bad: str, reason: str) -> None:
   path = tmp_path / "train.jsonl"
   _write(path, [GOOD, "", bad, GOOD.replace('"a"', '"c"')])  # the bad row is line 3
@@ -77,8 +92,13 @@ def test_skip_mode_counts_every_bad_row(tmp_path) -> None:
 
 def test_field_map_and_alternative_keys(tmp_path) -> None:
   path = tmp_path / "q.jsonl"
-  _write(path, [json.dumps({"question": "Q1", "final_answer": ["$x$"], "n": 1}),
-                json.dumps({"question": "Q2", "final_answer": 27.0})])
+  _write(
+    path,
+    [
+      json.dumps({"question": "Q1", "final_answer": ["$x$"], "n": 1}),
+      json.dumps({"question": "Q2", "final_answer": 27.0}),
+    ],
+  )
   ds = data.load_examples(path)
   assert [(e.id, e.problem, e.answer) for e in ds] == [("q/0", "Q1", "$x$"), ("q/1", "Q2", "27")]
   assert ds[0].meta == {"n": 1}
@@ -108,13 +128,22 @@ def test_parquet(tmp_path) -> None:
     pytest.skip("pyarrow not installed: checked the error only")
   import pyarrow as pa
   import pyarrow.parquet as pq
+
   pq.write_table(pa.table({"problem": ["p1", "p2"], "answer": ["1", "2"]}), path)
   assert [e.answer for e in data.load_examples(path)] == ["1", "2"]
 
 
 def test_registry_names_and_hub_fallback_errors(tmp_path, monkeypatch) -> None:
-  assert {"math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench", "deepscaler",
-          "math_train"} <= set(data.REGISTRY)
+  assert {
+    "math500",
+    "aime24",
+    "aime25",
+    "amc23",
+    "minerva_math",
+    "olympiadbench",
+    "deepscaler",
+    "math_train",
+  } <= set(data.REGISTRY)
   monkeypatch.delenv("CAPO_DATA_DIR", raising=False)
   assert data.resolve("aime24") is data.REGISTRY["aime24"]
   _write(tmp_path / "aime24.jsonl", [GOOD])
@@ -128,6 +157,7 @@ def test_registry_names_and_hub_fallback_errors(tmp_path, monkeypatch) -> None:
 
 # -- PromptIterator ---------------------------------------------------------------------------
 
+
 def _examples(n: int) -> list[data.Example]:
   return [data.Example(id=str(i), problem=f"p{i}", answer=str(i)) for i in range(n)]
 
@@ -140,7 +170,7 @@ def test_each_epoch_is_a_fresh_permutation() -> None:
   n, bs = 10, 4  # batches straddle epoch ends
   it = data.PromptIterator(_examples(n), bs, seed=3)
   stream = [i for _ in range(15) for i in _ids(it.next_batch())]  # 60 items = 6 epochs
-  epochs = [stream[k * n:(k + 1) * n] for k in range(6)]
+  epochs = [stream[k * n : (k + 1) * n] for k in range(6)]
   for ep in epochs:
     assert sorted(ep) == list(range(n))
   assert len({tuple(ep) for ep in epochs}) > 1
@@ -165,8 +195,9 @@ def test_state_restore_is_exact_across_epochs() -> None:
 def test_multi_host_shares_form_the_global_batch() -> None:
   exs, bs, procs = _examples(37), 8, 4
   single = data.PromptIterator(exs, bs, seed=5)
-  hosts = [data.PromptIterator(exs, bs, seed=5, process_index=p, process_count=procs)
-           for p in range(procs)]
+  hosts = [
+    data.PromptIterator(exs, bs, seed=5, process_index=p, process_count=procs) for p in range(procs)
+  ]
   for _ in range(12):
     shares = [_ids(h.next_batch()) for h in hosts]
     assert all(len(s) == bs // procs for s in shares)

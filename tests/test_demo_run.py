@@ -32,7 +32,7 @@ def _jsonl(path: pathlib.Path) -> list[dict[str, Any]]:
 def _report_rows(text: str) -> dict[str, list[str]]:
   """``metric -> [warm start, grpo, capo]`` cells of the printed side-by-side table."""
   rows = {}
-  block = text[text.index("held-out metric"):].split("\n\n")[0]
+  block = text[text.index("held-out metric") :].split("\n\n")[0]
   for line in block.splitlines()[1:]:
     parts = line.rsplit(maxsplit=3)
     rows[parts[0].strip()] = parts[1:]
@@ -48,21 +48,40 @@ def _brute_auc(s_G: Any, c_G: Any) -> float:
 
 
 def _cache_files(workdir: pathlib.Path) -> dict[str, int]:
-  return {str(p.relative_to(workdir)): p.stat().st_mtime_ns
-          for p in (workdir / "warm_start").rglob("*") if p.is_file()}
+  return {
+    str(p.relative_to(workdir)): p.stat().st_mtime_ns
+    for p in (workdir / "warm_start").rglob("*")
+    if p.is_file()
+  }
 
 
 @pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
-def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
-                                            monkeypatch: pytest.MonkeyPatch,
-                                            capsys: pytest.CaptureFixture[str]) -> None:
+def test_demo_cli_trains_caches_and_reports(
+  tmp_path: pathlib.Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
   workdir = tmp_path / "demo"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-      [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]))
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join(
+      [str(REPO)] + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p]
+    ),
+  )
   proc = subprocess.run(
-      [sys.executable, "-m", "capo_jax.main", "--config=configs/demo.py:shrink",
-       f"--workdir={workdir}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=600,
-      check=False)
+    [
+      sys.executable,
+      "-m",
+      "capo_jax.main",
+      "--config=configs/demo.py:shrink",
+      f"--workdir={workdir}",
+    ],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+    check=False,
+  )
   assert proc.returncode == 0, proc.stderr[-4000:]
   out = proc.stdout
   assert re.search(r"warm start: trained \(20 SFT steps", out), out
@@ -76,6 +95,7 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
   # Each method's metrics.jsonl: training rows for every step, held-out evals before
   # and after; per-sample held-out scores for the paired comparison.
   import numpy as np  # pylint: disable=import-outside-toplevel
+
   report = _report_rows(out)
   evals = {}
   for col, method in enumerate(("grpo", "capo"), start=1):
@@ -86,11 +106,13 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
     for ev in evals[method].values():
       # mean@G over 16 x 2 samples: a whole number of right samples.
       assert ev["eval/accuracy"] * TINY_SAMPLES == pytest.approx(
-          round(ev["eval/accuracy"] * TINY_SAMPLES), abs=1e-9)
+        round(ev["eval/accuracy"] * TINY_SAMPLES), abs=1e-9
+      )
     assert report["accuracy"][col] == f"{evals[method][TINY_STEPS]['eval/accuracy']:.3f}"
     assert report["accuracy"][0] == f"{evals[method][0]['eval/accuracy']:.3f}"
-  assert re.search(rf"held-out metric\s+warm start\s+grpo @{TINY_STEPS}\s+capo @{TINY_STEPS}",
-                   out), out
+  assert re.search(
+    rf"held-out metric\s+warm start\s+grpo @{TINY_STEPS}\s+capo @{TINY_STEPS}", out
+  ), out
   assert (workdir / "demo_curves.png").stat().st_size > 1000
 
   # The paired ΔAUC line, recomputed from the saved samples with a brute-force AUC.
@@ -99,13 +121,17 @@ def test_demo_cli_trains_caches_and_reports(tmp_path: pathlib.Path,
     with np.load(workdir / method / "heldout" / f"step_{TINY_STEPS:06d}.npz") as z:
       aucs[method] = np.array([_brute_auc(s, c) for s, c in zip(z["s_QG"], z["correct_QG"])])
   both = np.isfinite(aucs["grpo"]) & np.isfinite(aucs["capo"])
-  m = re.search(r"paired ΔAUC \(capo - grpo\) over the (\d+) questions mixed under both: "
-                r"([+-]?[\d.]+|nan),", out)
+  m = re.search(
+    r"paired ΔAUC \(capo - grpo\) over the (\d+) questions mixed under both: "
+    r"([+-]?[\d.]+|nan),",
+    out,
+  )
   assert m, out
   assert int(m.group(1)) == int(both.sum())
   if both.any():
-    assert float(m.group(2)) == pytest.approx(float((aucs["capo"] - aucs["grpo"])[both].mean()),
-                                              abs=5e-4)
+    assert float(m.group(2)) == pytest.approx(
+      float((aucs["capo"] - aucs["grpo"])[both].mean()), abs=5e-4
+    )
 
   # Second call, in process: the cache is loaded (SFT would raise), nothing rewritten.
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
@@ -132,8 +158,10 @@ def test_resumed_run_keeps_every_evaluation(tmp_path: pathlib.Path) -> None:
   """A run stopped after its step-1 checkpoint and resumed writes the evaluations of
   steps 0, 1 and 2 to evals.json, not only those made after the resume."""
   import shutil  # pylint: disable=import-outside-toplevel
+
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from configs import demo  # pylint: disable=import-outside-toplevel
+
   c = demo.get_config("shrink")
   c.eval.every_steps, c.checkpoint.every_steps = 1, 1
   spec = demo_run.method_spec(demo_run.spec_of(c), "grpo")

@@ -100,9 +100,10 @@ def test_task_config_validation():
     task.TaskConfig(min_operands=1)
   with pytest.raises(ValueError, match="distinct"):
     task.TaskConfig(min_operands=2, max_operands=2, max_operand=2, num_train=20)
-  small = task.TaskConfig(min_operands=2, max_operands=3, max_operand=2, operators="+",
-                          num_train=12, num_heldout=6)
-  assert small.num_distinct_questions() == 3 ** 2 + 3 ** 3
+  small = task.TaskConfig(
+    min_operands=2, max_operands=3, max_operand=2, operators="+", num_train=12, num_heldout=6
+  )
+  assert small.num_distinct_questions() == 3**2 + 3**3
   train, heldout = task.make_splits(small)
   assert len({e.problem for e in train + heldout}) == 18
 
@@ -148,8 +149,9 @@ def test_encode_prompts_left_pads():
 def test_decode_completions_cuts_at_stop():
   tok = CharTokenizer()
   e = tok.eos_id
-  rows = np.array([tok.encode("12\n") + [e] + tok.encode("34"),
-                   tok.encode("\\boxed{7}") + [tok.pad_id] * 3])
+  rows = np.array(
+    [tok.encode("12\n") + [e] + tok.encode("34"), tok.encode("\\boxed{7}") + [tok.pad_id] * 3]
+  )
   assert tok.decode_completions(rows) == ["12\n", "\\boxed{7}"]
 
 
@@ -177,8 +179,9 @@ def _reference_logps(params, cfg, prompt: list[int], ids: list[int]) -> list[flo
 @pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_sft_loss_matches_per_row_reference():
   tok = CharTokenizer()
-  cfg = warm_start.default_model_config(tok, hidden_size=32, intermediate_size=64,
-                                        num_layers=1, num_heads=2, num_kv_heads=1)
+  cfg = warm_start.default_model_config(
+    tok, hidden_size=32, intermediate_size=64, num_layers=1, num_heads=2, num_kv_heads=1
+  )
   params = qwen2.init_params(cfg, jax.random.key(1))
   train, _ = task.make_splits(_MIXED)
   batch = train[:4]
@@ -208,11 +211,19 @@ def tiny_run(tmp_path_factory):
   workdir = str(tmp_path_factory.mktemp("demo"))
   task_cfg = task.TaskConfig(num_train=600, num_heldout=40)
   tok = CharTokenizer()
-  model_cfg = warm_start.default_model_config(tok, hidden_size=32, intermediate_size=64,
-                                              num_layers=2, num_heads=2, num_kv_heads=1)
-  sft_cfg = warm_start.SFTConfig(max_steps=20, batch_size=16, lr=1e-2, warmup_steps=1,
-                                 eval_every=20, eval_questions=8, eval_samples=2,
-                                 early_stop=False)
+  model_cfg = warm_start.default_model_config(
+    tok, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1
+  )
+  sft_cfg = warm_start.SFTConfig(
+    max_steps=20,
+    batch_size=16,
+    lr=1e-2,
+    warmup_steps=1,
+    eval_every=20,
+    eval_questions=8,
+    eval_samples=2,
+    early_stop=False,
+  )
   first = warm_start.get_or_train(workdir, task_cfg, model_cfg, sft_cfg, progress=False)
   second = warm_start.get_or_train(workdir, task_cfg, model_cfg, sft_cfg, progress=False)
   return first, second, task_cfg

@@ -4,10 +4,10 @@ Every path (``capo_jax/rl/packing.py``, ``docs/tpu.md``) and every dotted module
 project (``capo_jax.eval.report``) a docstring mentions must exist in the checkout; measured
 figures carry their date and machine in docs/, never in a docstring.
 """
+
 from __future__ import annotations
 
 import ast
-import importlib.util
 import pathlib
 import re
 
@@ -19,8 +19,10 @@ TOP = ("capo_jax", "models", "configs", "benchmarks", "studies", "tools", "launc
 _PATH = re.compile(r"(?<![\w./-])((?:%s)/[\w./-]*[\w/])" % "|".join(TOP))
 # Paths inside the package written from its root (``rl/packing.py``).
 _SUBPACKAGE = re.compile(r"(?<![\w./-])((?:rl|run|runtime|eval|data|sampling|demo)/\w+\.py)")
-_MODULE = re.compile(r"(?<![\w./\"'-])((?:capo_jax|models|configs|benchmarks|studies|tools)"
-                     r"(?:\.[A-Za-z_]\w*)+)(?![\w*])")
+_MODULE = re.compile(
+  r"(?<![\w./\"'-])((?:capo_jax|models|configs|benchmarks|studies|tools)"
+  r"(?:\.[A-Za-z_]\w*)+)(?![\w*])"
+)
 _DATE = re.compile(r"\b20\d\d-\d\d-\d\d\b")
 _MACHINE = re.compile(r"\b(\d+-core|Xeon|EPYC|this (?:box|session)|the box|our box)\b", re.I)
 
@@ -75,9 +77,13 @@ def test_the_scan_sees_the_package():
 
 @pytest.mark.parametrize("where, doc", DOCSTRINGS, ids=[w for w, _ in DOCSTRINGS])
 def test_every_named_path_and_module_exists(where, doc):
-  missing = [p for p in _PATH.findall(doc)  # venvs are made by the scripts, not checked in
-             if not any(ch in p for ch in "*<{") and "/.venv" not in p
-             and not (REPO / p.rstrip("/.")).exists()]
+  missing = [
+    p
+    for p in _PATH.findall(doc)  # venvs are made by the scripts, not checked in
+    if not any(ch in p for ch in "*<{")
+    and "/.venv" not in p
+    and not (REPO / p.rstrip("/.")).exists()
+  ]
   missing += [p for p in _SUBPACKAGE.findall(doc) if not (REPO / "capo_jax" / p).exists()]
   missing += [m for m in _MODULE.findall(doc)  # ``benchmarks.NAME``: a placeholder
                if not m.rsplit(".", 1)[-1].isupper() and not _module_exists(m.rstrip("."))]

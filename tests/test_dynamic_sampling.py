@@ -15,13 +15,14 @@ from capo_jax.rl import dynamic_sampling as ds
 from capo_jax.run import spec as spec_lib
 from configs import common
 
+
 def _brute_force_choice(rewards_QG: np.ndarray, q: int) -> list[int]:
   """Walk the groups in draw order: mixed ones first, then degenerate ones to fill."""
   mixed, degenerate = [], []
   for i, row in enumerate(rewards_QG):
     (mixed if 0 < row.sum() < len(row) else degenerate).append(i)
   chosen = mixed[:q]
-  return sorted(chosen + degenerate[:q - len(chosen)])
+  return sorted(chosen + degenerate[: q - len(chosen)])
 
 
 @pytest.mark.parametrize("p_correct", [0.02, 0.3, 0.5, 0.9, 1.0])
@@ -111,8 +112,7 @@ def test_the_step_trains_on_mixed_groups_and_the_stream_covers_every_draw(assets
     # all-right / all-wrong fractions are of the batch actually trained on.
     if r["prompts_drawn"] < 3 * Q:
       assert r["groups_degenerate"] == 0
-    assert r["frac_all_correct"] + r["frac_all_wrong"] == pytest.approx(
-        r["groups_degenerate"] / Q)
+    assert r["frac_all_correct"] + r["frac_all_wrong"] == pytest.approx(r["groups_degenerate"] / Q)
   assert _data_position(tmp_path, 3) == sum(drawn)
 
 

@@ -23,12 +23,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax.sampling import decode, engine
+import hf_utils
+from capo_jax.sampling import decode, engine, strategies
 from capo_jax.sampling import sampler as sampling
-from capo_jax.sampling import strategies
 from models import qwen2
 from models.config import Qwen2Config
-import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 Q, G, C = 4, 5, 28  # B = 20: W = 5 is a quarter, W = 3 does not divide it
@@ -40,9 +39,11 @@ def tiny_policy():
   params = qwen2.init_params(cfg, jax.random.key(0))
   # Weights of std 0.15 (not 0.02), so the model is far from uniform.
   params = jax.tree_util.tree_map_with_path(
-      lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params)
-  tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(0), [5, 13, 2, 9],
-                                            cfg.vocab_size, low=3)
+    lambda p, x: x if "norm" in jax.tree_util.keystr(p) else 7.5 * x, params
+  )
+  tokens, mask = hf_utils.left_padded_batch(
+    np.random.default_rng(0), [5, 13, 2, 9], cfg.vocab_size, low=3
+  )
   return cfg, params, tokens, mask
 
 
@@ -56,13 +57,21 @@ def small_blocks():
     engine.KV_BLOCK = old
 
 
-def run(cfg, params, tokens, mask, n: int, stops=(), layout=None, max_new: int = C,
-        key: int = 2) -> sampling.Samples:
+def run(
+  cfg, params, tokens, mask, n: int, stops=(), layout=None, max_new: int = C, key: int = 2
+) -> sampling.Samples:
   with small_blocks():
     return sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(key), sampling.SamplingSpec(
-            num_samples=G, max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops,
-            max_active_rows=n), layout=layout)
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(key),
+      sampling.SamplingSpec(
+        num_samples=G, max_new_tokens=max_new, strategy=STRATEGY, stop_ids=stops, max_active_rows=n
+      ),
+      layout=layout,
+    )
 
 
 def stop_ids_for(cfg, params, tokens, mask) -> list[int]:
@@ -72,8 +81,9 @@ def stop_ids_for(cfg, params, tokens, mask) -> list[int]:
   return [int(t) for t in np.argsort(-counts)[:6]]
 
 
-def schedules(cfg, params, tokens, mask, stops, layout=None, slots=(Q * G, Q * G // 4, 3)
-              ) -> dict[int, sampling.Samples]:
+def schedules(
+  cfg, params, tokens, mask, stops, layout=None, slots=(Q * G, Q * G // 4, 3)
+) -> dict[int, sampling.Samples]:
   """The same rollout at W = B, B / 4 and 3 slots."""
   return {n: run(cfg, params, tokens, mask, n, stops, layout) for n in slots}
 
@@ -150,14 +160,15 @@ def test_engine_equals_brute_force_sampler(rollouts):
   seq = np.concatenate([np.repeat(tokens, G, 0), ref], 1)
   seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(outs[3].mask_BC)], 1)
   logp = jax.nn.log_softmax(qwen2.forward(params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask)))
-  want = np.take_along_axis(np.asarray(logp)[:, P - 1:-1], ref[..., None], -1)[..., 0]
+  want = np.take_along_axis(np.asarray(logp)[:, P - 1 : -1], ref[..., None], -1)[..., 0]
   m = np.asarray(outs[3].mask_BC).astype(bool)
   np.testing.assert_allclose(np.asarray(outs[3].logprobs_BC)[m], want[m], atol=1e-4)
 
 
 def test_tail_phases_schedule():
-  plan = lambda n, **kw: engine.Plan(cfg=None, strategy=None, num_samples=1, num_slots=n,
-                                     gen_len=8, **kw)
+  plan = lambda n, **kw: engine.Plan(
+    cfg=None, strategy=None, num_samples=1, num_slots=n, gen_len=8, **kw
+  )
   assert plan(128, shrink=True).phases == (128, 32, 8)  # at most three loops
   assert plan(32, shrink=True, min_slots=8).phases == (32, 8)
   assert plan(20, shrink=True, min_slots=8).phases == (20,)  # 5 < 8 slots
@@ -185,8 +196,12 @@ def test_one_token_and_compile_count(rollouts):
   # The fixture compiled W = 3 at these shapes. Prompt lengths within the 16
   # bucket, max_new_tokens and stop sets within the 32 bucket reuse its
   # programs; another W compiles the decode loop once, not the prefill.
-  for n, lengths, max_new, stop in [(3, [7, 7, 16, 1], 17, []), (3, [3, 4, 5, 6], 30, stops[:2]),
-                                    (7, [5, 13, 2, 9], 20, stops), (7, [1, 2, 3, 4], 32, [])]:
+  for n, lengths, max_new, stop in [
+    (3, [7, 7, 16, 1], 17, []),
+    (3, [3, 4, 5, 6], 30, stops[:2]),
+    (7, [5, 13, 2, 9], 20, stops),
+    (7, [1, 2, 3, 4], 32, []),
+  ]:
     t, m = hf_utils.left_padded_batch(rng, lengths, cfg.vocab_size, low=3)
     out = run(cfg, params, t, m, n, stop, max_new=max_new)
     assert out.tokens_BC.shape == (Q * G, max_new)
@@ -204,8 +219,13 @@ def test_bad_max_active_rows_is_named(rollouts):
   cfg, params, tokens, mask, *_ = rollouts
   with pytest.raises(ValueError, match="max_active_rows"):
     sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-            num_samples=1, max_new_tokens=4, max_active_rows=0))
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(0),
+      sampling.SamplingSpec(num_samples=1, max_new_tokens=4, max_active_rows=0),
+    )
 
 
 _SHARDED = textwrap.dedent("""
@@ -244,12 +264,23 @@ _SHARDED = textwrap.dedent("""
 def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
   *_, stops, outs = rollouts
   ref = tmp_path / "one_device.npz"
-  np.savez(ref, tokens=np.asarray(outs[Q * G].tokens_BC), mask=np.asarray(outs[Q * G].mask_BC),
-           logprobs=np.asarray(outs[Q * G].logprobs_BC), stops=np.asarray(stops),
-           lengths=np.asarray(outs[Q * G].lengths_B))
+  np.savez(
+    ref,
+    tokens=np.asarray(outs[Q * G].tokens_BC),
+    mask=np.asarray(outs[Q * G].mask_BC),
+    logprobs=np.asarray(outs[Q * G].logprobs_BC),
+    stops=np.asarray(stops),
+    lengths=np.asarray(outs[Q * G].lengths_B),
+  )
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  proc = subprocess.run([sys.executable, "-c", _SHARDED, str(ref)], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=600)
+  proc = subprocess.run(
+    [sys.executable, "-c", _SHARDED, str(ref)],
+    cwd=REPO,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]
 
 
@@ -265,18 +296,33 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
   benchmark model such ~3e-6 logit differences flipped draws within a
   hundred tokens; here the log-probs, compared exactly, show them at once.
   """
-  cfg = Qwen2Config(vocab_size=8192, hidden_size=512, intermediate_size=1024,
-                          num_layers=1, num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
+  cfg = Qwen2Config(
+    vocab_size=8192,
+    hidden_size=512,
+    intermediate_size=1024,
+    num_layers=1,
+    num_heads=8,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+  )
   params = qwen2.init_params(cfg, jax.random.key(0))
-  tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(1), [9, 16, 4, 12, 7, 1, 14, 3],
-                                            cfg.vocab_size, low=3)
+  tokens, mask = hf_utils.left_padded_batch(
+    np.random.default_rng(1), [9, 16, 4, 12, 7, 1, 14, 3], cfg.vocab_size, low=3
+  )
   B = tokens.shape[0] * G
   stops = np.random.default_rng(2).choice(np.arange(3, cfg.vocab_size), 82, replace=False)
 
   def rollout(n: int | None) -> sampling.Samples:
     return sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(5), sampling.SamplingSpec(
-            num_samples=G, max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n))
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(5),
+      sampling.SamplingSpec(
+        num_samples=G, max_new_tokens=48, stop_ids=stops.tolist(), max_active_rows=n
+      ),
+    )
 
   ref = rollout(None)
   assert np.asarray(ref.lengths_B).min() < 24 < np.asarray(ref.lengths_B).max()  # refills happen

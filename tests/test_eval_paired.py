@@ -15,9 +15,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from capo_jax.demo import compare as demo_compare
-from capo_jax.eval import evaluate
-from capo_jax.eval import paired
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, paired, report
 from capo_jax.eval import scaling as sc
 from capo_jax.eval.report import SampleRecord
 
@@ -74,29 +72,39 @@ def _rows(md: str, section: str) -> dict[tuple[str, str], list[str]]:
 
 # Run A and run B of two benchmarks: B lists the questions in another order, lacks "a5",
 # has "a6" that A lacks, and "a2" is all-right (no AUC) in A.
-A = {"aime": dict(a1=0.70, a2=None, a3=0.50, a4=0.90, a5=0.60),
-     "math": dict(m1=0.55, m2=0.80, m3=None, m4=0.65)}
-B = {"aime": dict(a4=0.75, a3=0.80, a1=0.60, a6=0.40, a2=0.90),
-     "math": dict(m4=0.95, m2=0.70, m1=0.30, m3=0.50)}
+A = {
+  "aime": dict(a1=0.70, a2=None, a3=0.50, a4=0.90, a5=0.60),
+  "math": dict(m1=0.55, m2=0.80, m3=None, m4=0.65),
+}
+B = {
+  "aime": dict(a4=0.75, a3=0.80, a1=0.60, a6=0.40, a2=0.90),
+  "math": dict(m4=0.95, m2=0.70, m1=0.30, m3=0.50),
+}
 
 
 def _results(runs):
-  return {name: {"benchmarks": {b: _bench(q.keys(), q.values()) for b, q in r.items()}}
-          for name, r in runs.items()}
+  return {
+    name: {"benchmarks": {b: _bench(q.keys(), q.values()) for b, q in r.items()}}
+    for name, r in runs.items()
+  }
 
 
 def test_matching_and_table_equal_brute_force_loops():
-  m = paired.match_questions(list(B["aime"]), list(B["aime"].values()),
-                             list(A["aime"]), list(A["aime"].values()))
+  m = paired.match_questions(
+    list(B["aime"]), list(B["aime"].values()), list(A["aime"]), list(A["aime"].values())
+  )
   want = _brute_pairs(A["aime"], B["aime"])
   assert sorted(m.d_Q.tolist()) == pytest.approx(sorted(want)) and len(want) == 3
   assert (m.not_mixed, m.only_a, m.only_b) == (1, 1, 1)  # a2 / a6 only in B / a5 only in A
-  rows = _rows("## Paired ΔAUC\n" + paired.paired_table(_results({"A": A, "B": B}), n_boot=4000),
-               "Paired ΔAUC")
+  rows = _rows(
+    "## Paired ΔAUC\n" + paired.paired_table(_results({"A": A, "B": B}), n_boot=4000), "Paired ΔAUC"
+  )
   strata = [_brute_pairs(A[b], B[b]) for b in ("aime", "math")]
-  for label, ds, not_mixed, only in (("aime", strata[0], 1, "1 / 1"),
-                                      ("math", strata[1], 1, "0 / 0"),
-                                      ("pooled", strata[0] + strata[1], 2, "1 / 1")):
+  for label, ds, not_mixed, only in (
+    ("aime", strata[0], 1, "1 / 1"),
+    ("math", strata[1], 1, "0 / 0"),
+    ("pooled", strata[0] + strata[1], 2, "1 / 1"),
+  ):
     delta, interval, pairs, nm, only_cells = rows[(label, "B")]
     assert float(delta) == pytest.approx(np.mean(ds), abs=5e-4)
     assert (int(pairs), int(nm), only_cells) == (len(ds), not_mixed, only)
@@ -162,9 +170,18 @@ def _run_records(rng, ids, rates, shift: float) -> list[SampleRecord]:
       ok = bool(rng.uniform() < rate)
       s = np.log(rng.uniform(0.5, 1.0)) + (shift if ok else 0.0)
       ans = "7" if ok else str(rng.integers(1, 4))
-      recs.append(SampleRecord(benchmark="aime" if qid[0] == "a" else "math", question_id=qid,
-                               sample_index=g, completion=f"{ans} {g}", answer=ans,
-                               correct=ok, s=float(min(s, 0.0)), length=5))
+      recs.append(
+        SampleRecord(
+          benchmark="aime" if qid[0] == "a" else "math",
+          question_id=qid,
+          sample_index=g,
+          completion=f"{ans} {g}",
+          answer=ans,
+          correct=ok,
+          s=float(min(s, 0.0)),
+          length=5,
+        )
+      )
   return recs
 
 
@@ -173,28 +190,41 @@ def test_compare_end_to_end_against_an_independent_computation(tmp_path):
   ids = [f"a{i}" for i in range(6)] + [f"m{i}" for i in range(10)]
   rates = rng.uniform(0.2, 0.8, len(ids))
   rates[1] = 1.0  # all right in both runs: no AUC, not paired
-  runs = {"base": _run_records(rng, ids, rates, 0.0),
-          # The other run: questions in reverse order, without a3 and m0.
-          "tuned": _run_records(rng, [q for q in ids[::-1] if q not in ("a3", "m0")],
-                                [r for q, r in zip(ids[::-1], rates[::-1])
-                                 if q not in ("a3", "m0")], -0.05)}
-  config = report.ResultsConfig(grouping="exact", scaling=sc.ScalingConfig(
-      ns=(1, 4, 8, 16), methods=("pc", "majority"), n_subsets=8))
+  runs = {
+    "base": _run_records(rng, ids, rates, 0.0),
+    # The other run: questions in reverse order, without a3 and m0.
+    "tuned": _run_records(
+      rng,
+      [q for q in ids[::-1] if q not in ("a3", "m0")],
+      [r for q, r in zip(ids[::-1], rates[::-1]) if q not in ("a3", "m0")],
+      -0.05,
+    ),
+  }
+  config = report.ResultsConfig(
+    grouping="exact",
+    scaling=sc.ScalingConfig(ns=(1, 4, 8, 16), methods=("pc", "majority"), n_subsets=8),
+  )
   dirs = []
   for name, recs in runs.items():
     report.write_results(report.compute_results(recs, config, run=name), tmp_path / name)
     dirs.append(str(tmp_path / name))
-  md = pathlib.Path(evaluate.main(["--compare", *dirs, f"--out={tmp_path / 'cmp'}"])
-                    ).read_text(encoding="utf-8")
+  md = pathlib.Path(evaluate.main(["--compare", *dirs, f"--out={tmp_path / 'cmp'}"])).read_text(
+    encoding="utf-8"
+  )
 
   def aucs(recs, bench):
     by_q: dict[str, list[SampleRecord]] = {}
     for r in recs:
       if r.benchmark == bench:
         by_q.setdefault(r.question_id, []).append(r)
-    return {q: (roc_auc_score([r.correct for r in rs], [r.s for r in rs])
-                if 0 < sum(r.correct for r in rs) < len(rs) else None)
-            for q, rs in by_q.items()}, by_q
+    return {
+      q: (
+        roc_auc_score([r.correct for r in rs], [r.s for r in rs])
+        if 0 < sum(r.correct for r in rs) < len(rs)
+        else None
+      )
+      for q, rs in by_q.items()
+    }, by_q
 
   rows, strata = _rows(md, "Paired ΔAUC"), []
   for bench in ("aime", "math"):
@@ -205,8 +235,9 @@ def test_compare_end_to_end_against_an_independent_computation(tmp_path):
     delta, _, pairs, not_mixed, only = rows[(bench, "tuned")]
     assert float(delta) == pytest.approx(np.mean(ds), abs=5e-4)
     assert int(pairs) == len(ds) and only == "1 / 0"
-    assert int(not_mixed) == sum(q in auc_tuned and None in (a, auc_tuned[q])
-                                 for q, a in auc_base.items())
+    assert int(not_mixed) == sum(
+      q in auc_tuned and None in (a, auc_tuned[q]) for q, a in auc_base.items()
+    )
   delta, interval, pairs, _, only = rows[("pooled", "tuned")]
   assert float(delta) == pytest.approx(np.mean(strata[0] + strata[1]), abs=5e-4)
   assert int(pairs) == len(strata[0] + strata[1]) and only == "2 / 0"
@@ -246,7 +277,8 @@ def test_old_results_without_question_ids_say_so(tmp_path):
   res = report.compute_results(recs, config, run="new")
   assert res["benchmarks"]["aime"]["question_ids"] == ["a0", "a1", "a2"]
   assert res["benchmarks"]["aime"]["acc_per_question"] == pytest.approx(
-      [np.mean([r.correct for r in recs if r.question_id == q]) for q in ("a0", "a1", "a2")])
+    [np.mean([r.correct for r in recs if r.question_id == q]) for q in ("a0", "a1", "a2")]
+  )
   report.write_results(res, tmp_path / "new")
   old = json.loads(json.dumps(res))
   for key in ("question_ids", "acc_per_question"):
@@ -254,18 +286,23 @@ def test_old_results_without_question_ids_say_so(tmp_path):
   old["run"] = "old"
   report.write_results(old, tmp_path / "old")
   assert "question_ids" not in report.load_results(tmp_path / "old")["benchmarks"]["aime"]
-  md = pathlib.Path(report.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
-                    ).read_text(encoding="utf-8")
+  md = pathlib.Path(
+    report.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
+  ).read_text(encoding="utf-8")
   assert f"| aime | new | {paired.MISSING} |" in md
 
 
 def test_t_interval_against_scipy_and_the_fallback_table(monkeypatch):
   from scipy import stats  # pylint: disable=import-outside-toplevel
+
   m = np.array([0.03, -0.01, 0.02, 0.05])
   got = paired.t_interval(m)
   half = stats.t.ppf(0.975, 3) * np.std(m, ddof=1) / 2
   assert (got["t_lo"], got["t_hi"], got["clusters"]) == (
-      pytest.approx(m.mean() - half), pytest.approx(m.mean() + half), 4)
+    pytest.approx(m.mean() - half),
+    pytest.approx(m.mean() + half),
+    4,
+  )
   assert [round(float(stats.t.ppf(0.975, df)), 3) for df in range(1, 10)] == list(paired._T975)
   monkeypatch.setitem(__import__("sys").modules, "scipy", None)  # as if not installed
   assert paired.t_interval(m)["t_lo"] == pytest.approx(m.mean() - half, abs=1e-4)
@@ -276,6 +313,7 @@ def test_t_interval_against_scipy_and_the_fallback_table(monkeypatch):
 
 def test_paired_delta_auc_gives_a_t_interval_over_seeds_below_ten():
   from scipy import stats  # pylint: disable=import-outside-toplevel
+
   rng = np.random.default_rng(4)
   b = rng.random((3, 50))
   a = b + np.array([[0.01], [0.04], [-0.02]]) + rng.normal(0, 0.01, b.shape)
@@ -285,5 +323,4 @@ def test_paired_delta_auc_gives_a_t_interval_over_seeds_below_ten():
   half = stats.t.ppf(0.975, 2) * np.std(seed_means, ddof=1) / np.sqrt(3)
   assert got["t_lo"] == pytest.approx(np.mean(seed_means) - half)
   assert got["t_hi"] == pytest.approx(np.mean(seed_means) + half)
-  assert "t_lo" not in paired.paired_delta_auc(rng.random((10, 5)), rng.random((10, 5)),
-                                               n_boot=50)
+  assert "t_lo" not in paired.paired_delta_auc(rng.random((10, 5)), rng.random((10, 5)), n_boot=50)

@@ -7,18 +7,16 @@ import pathlib
 from collections import Counter
 from typing import Any
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
+import hf_utils
 from capo_jax.data import rewards
 from capo_jax.eval import calibration as cal
-from capo_jax.eval import evaluate
-from capo_jax.eval import grouping
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, grouping, report
 from capo_jax.runtime import policy_io
 from capo_jax.runtime.checkpoint import Checkpointer
 from capo_jax.sampling import sampler as sampling
@@ -26,8 +24,12 @@ from models import hf_weights
 from models.config import Qwen2Config
 
 # Prompts of these questions fall in one sampler length bucket: one compile.
-QUESTIONS = [("q0", "What is 1 + 2?", "3"), ("q1", "Solve 2x + 3 = 11 for x.", "4"),
-             ("q2", "Compute 7 times 6.", "42"), ("q3", "Find the value of 48 / 2.", "24")]
+QUESTIONS = [
+  ("q0", "What is 1 + 2?", "3"),
+  ("q1", "Solve 2x + 3 = 11 for x.", "4"),
+  ("q2", "Compute 7 times 6.", "42"),
+  ("q3", "Find the value of 48 / 2.", "24"),
+]
 G, C = 4, 8  # samples per question, max new tokens
 
 
@@ -35,6 +37,7 @@ G, C = 4, 8  # samples per question, max new tokens
 def policy(tmp_path_factory: pytest.TempPathFactory) -> tuple[Any, pathlib.Path]:
   """(transformers model, HF dir holding it and the tiny tokenizer)."""
   import torch  # pylint: disable=import-outside-toplevel
+
   path = tmp_path_factory.mktemp("policy")
   model, _ = hf_utils.make_hf_model(None, vocab_size=400)
   with torch.no_grad():  # <|im_end|> (id 2) gets likely: completions of varied lengths
@@ -50,8 +53,9 @@ def _write_jsonl(path: pathlib.Path, rows: list[dict[str, Any]]) -> pathlib.Path
 
 
 def _bench_file(tmp_path: pathlib.Path) -> pathlib.Path:
-  return _write_jsonl(tmp_path / "tiny.jsonl",
-                      [{"id": i, "problem": p, "answer": a} for i, p, a in QUESTIONS])
+  return _write_jsonl(
+    tmp_path / "tiny.jsonl", [{"id": i, "problem": p, "answer": a} for i, p, a in QUESTIONS]
+  )
 
 
 def _read_samples(path: pathlib.Path) -> list[dict[str, Any]]:
@@ -61,8 +65,13 @@ def _read_samples(path: pathlib.Path) -> list[dict[str, Any]]:
 def _arrays(rows: list[dict[str, Any]], bench: str) -> tuple[list[str], np.ndarray, np.ndarray]:
   """Question ids in file order, s_QG and correct_QG, built by hand from samples rows."""
   qids = list(dict.fromkeys(r["question_id"] for r in rows if r["benchmark"] == bench))
-  by_q = {q: sorted((r for r in rows if r["benchmark"] == bench and r["question_id"] == q),
-                    key=lambda r: r["sample_index"]) for q in qids}
+  by_q = {
+    q: sorted(
+      (r for r in rows if r["benchmark"] == bench and r["question_id"] == q),
+      key=lambda r: r["sample_index"],
+    )
+    for q in qids
+  }
   s = np.array([[r["s"] for r in by_q[q]] for q in qids])
   correct = np.array([[r["correct"] for r in by_q[q]] for q in qids])
   return qids, s, correct
@@ -111,14 +120,26 @@ def test_cli_samples_and_metrics(policy, tmp_path, monkeypatch):
   monkeypatch.setattr(rewards, "default_grader", _ParityGrader)
   out = tmp_path / "out"
   # 3 questions, 2 per batch: the second batch is padded with a repeated question.
-  evaluate.main([f"--policy={path}", f"--benchmarks={_bench_file(tmp_path)}", "--limit=3",
-                 f"--num_samples={G}", f"--max_new_tokens={C}", "--batch_size=2",
-                 "--dtype=float32", "--no_progress", f"--out={out}", f"--seed={SEED}"])
+  evaluate.main(
+    [
+      f"--policy={path}",
+      f"--benchmarks={_bench_file(tmp_path)}",
+      "--limit=3",
+      f"--num_samples={G}",
+      f"--max_new_tokens={C}",
+      "--batch_size=2",
+      "--dtype=float32",
+      "--no_progress",
+      f"--out={out}",
+      f"--seed={SEED}",
+    ]
+  )
   assert len(calls) == 2
   rows = _read_samples(out / "samples.jsonl")
   assert len(rows) == 3 * G
   assert [(r["question_id"], r["sample_index"]) for r in rows] == [
-      (q, g) for q, _, _ in QUESTIONS[:3] for g in range(G)]
+    (q, g) for q, _, _ in QUESTIONS[:3] for g in range(G)
+  ]
 
   # Reference: every sampled row re-scored by the transformers model.
   tok = hf_utils.make_tokenizer()
@@ -170,14 +191,23 @@ def test_evaluate_policy_uses_the_reward_grader(policy, tmp_path):
   _, path = policy
   pol = policy_io.load_policy(path, dtype=jnp.float32)
   from capo_jax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+
   tokenizer = load_tokenizer(pol.tokenizer_dir)
   exs = evaluate.load_benchmarks([str(_bench_file(tmp_path))])["tiny"][:2]
   cfg = evaluate.EvalConfig(num_samples=G, max_new_tokens=C, batch_size=2, progress=False)
   # Same batch shape as the CLI test (compiled once); "b" lists the questions reversed.
-  recs = evaluate.evaluate_policy(evaluate.EvalPolicy(pol.params, pol.cfg, tokenizer),
-                                  {"a": exs, "b": exs[::-1]}, cfg, jax.random.key(1))
-  assert [(r.benchmark, r.question_id) for r in recs[::G]] == [("a", "q0"), ("a", "q1"),
-                                                               ("b", "q1"), ("b", "q0")]
+  recs = evaluate.evaluate_policy(
+    evaluate.EvalPolicy(pol.params, pol.cfg, tokenizer),
+    {"a": exs, "b": exs[::-1]},
+    cfg,
+    jax.random.key(1),
+  )
+  assert [(r.benchmark, r.question_id) for r in recs[::G]] == [
+    ("a", "q0"),
+    ("a", "q1"),
+    ("b", "q1"),
+    ("b", "q0"),
+  ]
   golds = [e.answer for e in exs + exs[::-1] for _ in range(G)]
   want, _ = rewards.score_serial([r.completion for r in recs], golds)
   assert [r.correct for r in recs] == (want > 0).tolist()
@@ -194,11 +224,18 @@ def _crafted_samples(seed: int) -> list[dict[str, Any]]:
       for g in range(16):
         ans = "1" if rng.random() < p_right else str(rng.integers(2, 4))
         ans = None if rng.random() < 0.1 else ans
-        rows.append({"benchmark": bench, "question_id": f"{bench}-{q}", "sample_index": g,
-                     "completion": f"work {rng.integers(3)} \\boxed{{{ans}}}",
-                     "answer": ans, "correct": ans == "1",
-                     "s": -float(rng.gamma(2.0, 0.2)) - 0.3 * (ans == "1"),
-                     "length": int(rng.integers(1, 100))})
+        rows.append(
+          {
+            "benchmark": bench,
+            "question_id": f"{bench}-{q}",
+            "sample_index": g,
+            "completion": f"work {rng.integers(3)} \\boxed{{{ans}}}",
+            "answer": ans,
+            "correct": ans == "1",
+            "s": -float(rng.gamma(2.0, 0.2)) - 0.3 * (ans == "1"),
+            "length": int(rng.integers(1, 100)),
+          }
+        )
   return rows
 
 
@@ -252,8 +289,11 @@ def test_load_policy_prefers_export_then_checkpoint(policy, tmp_path):
   cfg, hf_params = hf_weights.load_pretrained(path)
   workdir = tmp_path / "work"
   shifted = jax.tree.map(lambda x: x + 1.0, hf_params)
-  state = {"step": jnp.array(7), "params": shifted,
-           "opt_state": {"mu": jax.tree.map(jnp.zeros_like, shifted)}}
+  state = {
+    "step": jnp.array(7),
+    "params": shifted,
+    "opt_state": {"mu": jax.tree.map(jnp.zeros_like, shifted)},
+  }
   ckpt = Checkpointer(str(workdir), every_steps=1)
   ckpt.save(7, state, {"hf_config": cfg.to_hf()}, force=True)
   ckpt.close()
@@ -279,8 +319,13 @@ def test_bad_inputs_raise_clear_errors(tmp_path):
   dup = _write_jsonl(tmp_path / "dup.jsonl", [{"id": "a", "problem": "x", "answer": "1"}] * 2)
   exs = evaluate.load_benchmarks([str(dup)])["dup"]
   with pytest.raises(ValueError, match="'a' appears more than once"):
-    evaluate.evaluate_policy(evaluate.EvalPolicy({}, None, None), exs, evaluate.EvalConfig(),
-                             jax.random.key(0), grader=_ParityGrader())
+    evaluate.evaluate_policy(
+      evaluate.EvalPolicy({}, None, None),
+      exs,
+      evaluate.EvalConfig(),
+      jax.random.key(0),
+      grader=_ParityGrader(),
+    )
   with pytest.raises(ValueError, match="given twice"):
     evaluate.load_benchmarks([str(dup), str(dup)])
   with pytest.raises(ValueError, match="num_samples"):
@@ -301,11 +346,14 @@ def _files_under(root: pathlib.Path) -> set[pathlib.Path]:
   return {p for p in root.rglob("*") if p.is_file()}
 
 
-@pytest.mark.parametrize("broken, message", [
+@pytest.mark.parametrize(
+  "broken, message",
+  [
     (lambda c: c.pop("hidden_size"), "has no field 'hidden_size'"),
     (lambda c: c.update(vocab_size="big"), "field 'vocab_size' must be a positive integer"),
     (lambda c: c.pop("rope_theta") and c.pop("rope_parameters"), "rope_theta"),
-])
+  ],
+)
 def test_policy_with_a_bad_config_json_names_file_and_field(tmp_path, broken, message):
   cfg = Qwen2Config.tiny().to_hf()
   broken(cfg)
@@ -363,8 +411,7 @@ def test_benchmark_names_that_are_paths_are_rejected(tmp_path, name):
   # A results.json naming such a benchmark is refused by --compare, before any output.
   run = root / "run"
   run.mkdir()
-  res = {"format": report.FORMAT, "version": report.VERSION, "run": "r",
-         "benchmarks": {name: {}}}
+  res = {"format": report.FORMAT, "version": report.VERSION, "run": "r", "benchmarks": {name: {}}}
   (run / "results.json").write_text(json.dumps(res), encoding="utf-8")
   before = _files_under(tmp_path)
   with pytest.raises(evaluate.InputError, match=f"{run / 'results.json'}: benchmark name"):
@@ -383,8 +430,9 @@ def test_grouping_budget_flag_and_the_timeout_count(tmp_path, monkeypatch, capsy
   n_answers = len({r["answer"] for r in rows} - {None})
   assert n_answers >= 2
   out = tmp_path / "out"
-  evaluate.main(["--from-samples", str(samples), f"--out={out}", "--grouping_budget_s=1",
-                 "--no_plots"])
+  evaluate.main(
+    ["--from-samples", str(samples), f"--out={out}", "--grouping_budget_s=1", "--no_plots"]
+  )
   got = report.load_results(out)["benchmarks"]["alpha"]["grouping_timeouts"]
   assert got == n_answers * (n_answers - 1) // 2  # every answer its own class
   assert f"alpha: {got} answer pairs timed out in grouping" in capsys.readouterr().out

@@ -24,8 +24,9 @@ REPO = pathlib.Path(__file__).resolve().parent.parent
 BUCKET = "capo-test"
 QUESTIONS = [(f"What is {a} + {b}?", str(a + b)) for a in range(3) for b in range(4)]
 
-pytestmark = pytest.mark.skipif(gcs_emulator.available() is not None,
-                                reason=str(gcs_emulator.available()))
+pytestmark = pytest.mark.skipif(
+  gcs_emulator.available() is not None, reason=str(gcs_emulator.available())
+)
 
 
 @pytest.fixture(scope="module")
@@ -35,15 +36,22 @@ def gcs():
 
 
 def _env(gcs, tmp_path) -> dict[str, str]:
-  env = dict(os.environ, PYTHONPATH=str(REPO), CAPO_GRADER_WORKERS="1", JAX_PLATFORMS="cpu",
-             CAPO_CACHE_DIR=str(tmp_path / "cache"), **gcs.env())
+  env = dict(
+    os.environ,
+    PYTHONPATH=str(REPO),
+    CAPO_GRADER_WORKERS="1",
+    JAX_PLATFORMS="cpu",
+    CAPO_CACHE_DIR=str(tmp_path / "cache"),
+    **gcs.env(),
+  )
   env.pop("XLA_FLAGS", None)
   return env
 
 
 def _run(args: list[str], env: dict[str, str], cwd: pathlib.Path) -> subprocess.CompletedProcess:
-  proc = subprocess.run([sys.executable, *args], env=env, cwd=cwd, capture_output=True,
-                        text=True, timeout=900)
+  proc = subprocess.run(
+    [sys.executable, *args], env=env, cwd=cwd, capture_output=True, text=True, timeout=900
+  )
   assert proc.returncode == 0, proc.stderr[-5000:]
   return proc
 
@@ -57,12 +65,14 @@ def _no_gs_dirs(*roots: pathlib.Path) -> list[str]:
 def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch):
   gcs.apply(monkeypatch)
   from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
+
   assets = tmp_path / "assets"
   hf_utils.make_hf_model(assets / "model", vocab_size=512)
   hf_utils.make_tokenizer_dir(assets / "model")
   (assets / "data").mkdir()
-  rows = [json.dumps({"id": f"q{i}", "problem": q, "answer": a})
-          for i, (q, a) in enumerate(QUESTIONS)]
+  rows = [
+    json.dumps({"id": f"q{i}", "problem": q, "answer": a}) for i, (q, a) in enumerate(QUESTIONS)
+  ]
   (assets / "data" / "train.jsonl").write_text("\n".join(rows) + "\n")
   (assets / "data" / "bench.jsonl").write_text("\n".join(rows[:3]) + "\n")
   base = f"gs://{BUCKET}"
@@ -73,20 +83,36 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   cwd.mkdir()
   # configs/ is named by absolute path: the run starts in a scratch cwd, to catch stray
   # local folders there.
-  cmd = ["-m", "capo_jax.main", f"--config={REPO}/configs/capo_qwen2p5_math_1p5b.py:shrink",
-         f"--workdir={run}", f"--config.model.hf_path={base}/assets/model",
-         f"--config.data.train={base}/assets/data/train.jsonl",
-         f"--config.data.eval=('{base}/assets/data/bench.jsonl',)",
-         "--config.rollout.max_prompt_len=256", "--config.rollout.max_new_tokens=8",
-         "--config.eval.every_steps=2", "--config.log.samples_every_steps=1",
-         "--config.checkpoint.export_hf_every=1"]
+  cmd = [
+    "-m",
+    "capo_jax.main",
+    f"--config={REPO}/configs/capo_qwen2p5_math_1p5b.py:shrink",
+    f"--workdir={run}",
+    f"--config.model.hf_path={base}/assets/model",
+    f"--config.data.train={base}/assets/data/train.jsonl",
+    f"--config.data.eval=('{base}/assets/data/bench.jsonl',)",
+    "--config.rollout.max_prompt_len=256",
+    "--config.rollout.max_new_tokens=8",
+    "--config.eval.every_steps=2",
+    "--config.log.samples_every_steps=1",
+    "--config.checkpoint.export_hf_every=1",
+  ]
   _run([*cmd, "--config.train.num_steps=2"], env, cwd)
 
-  for name in ("metrics.jsonl", "samples.jsonl", "config.json", "data_split.json",
-               "checkpoints/2/_CHECKPOINT_METADATA", "export_hf/config.json",
-               "export_hf/model.safetensors", "export_hf/tokenizer.json",
-               "exports/step_000001/config.json", "eval/step_000002/results.json",
-               "export_hf/README.md", "exports/step_000001/prompt.json"):
+  for name in (
+    "metrics.jsonl",
+    "samples.jsonl",
+    "config.json",
+    "data_split.json",
+    "checkpoints/2/_CHECKPOINT_METADATA",
+    "export_hf/config.json",
+    "export_hf/model.safetensors",
+    "export_hf/tokenizer.json",
+    "exports/step_000001/config.json",
+    "eval/step_000002/results.json",
+    "export_hf/README.md",
+    "exports/step_000001/prompt.json",
+  ):
     assert fs.exists(f"{run}/{name}"), name
   assert any(p.name.startswith("events.out.tfevents") for p in fs.path(f"{run}/tb").iterdir())
   record = json.loads(fs.read_text(f"{run}/config.json"))
@@ -106,13 +132,25 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   rows2 = host_utils.read_jsonl(f"{run}/metrics.jsonl")
   train_steps = [r["step"] for r in rows2 if "loss" in r]
   assert train_steps == [1, 2, 3]
-  assert rows2[:len(rows1)] == rows1
+  assert rows2[: len(rows1)] == rows1
   assert fs.exists(f"{run}/checkpoints/3/_CHECKPOINT_METADATA")
 
   out = f"{base}/eval"
-  _run(["-m", "capo_jax.eval.evaluate", f"--policy={run}", f"--out={out}",
-        f"--benchmarks={base}/assets/data/bench.jsonl", "--num_samples=2",
-        "--max_new_tokens=8", "--no_progress", "--dtype=float32"], env, cwd)
+  _run(
+    [
+      "-m",
+      "capo_jax.eval.evaluate",
+      f"--policy={run}",
+      f"--out={out}",
+      f"--benchmarks={base}/assets/data/bench.jsonl",
+      "--num_samples=2",
+      "--max_new_tokens=8",
+      "--no_progress",
+      "--dtype=float32",
+    ],
+    env,
+    cwd,
+  )
   results = json.loads(fs.read_text(f"{out}/results.json"))
   assert results["benchmarks"]["bench"]["n_questions"] == 3
   assert fs.exists(f"{out}/samples.jsonl") and fs.exists(f"{out}/bench_scaling.png")
@@ -124,6 +162,7 @@ def test_local_copy_of_a_bucket_folder_follows_remote_changes(gcs, tmp_path, mon
   gcs.apply(monkeypatch)
   monkeypatch.setenv("CAPO_CACHE_DIR", str(tmp_path / "cache"))
   from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
+
   src = tmp_path / "src"
   (src / "sub").mkdir(parents=True)
   (src / "config.json").write_text('{"a": 1}')

@@ -14,8 +14,7 @@ import time
 import numpy as np
 import pytest
 
-from capo_jax.eval import grouping
-from capo_jax.eval import report
+from capo_jax.eval import grouping, report
 
 HANG = grouping.PairCheck(lambda a, b: (3600.0,), slow="time:sleep")
 
@@ -44,21 +43,35 @@ def test_question_whose_answers_all_hang_finishes_within_the_budget():
 
 
 def _record(q: str, i: int, answer: str | None) -> dict:
-  return {"benchmark": "b", "question_id": q, "sample_index": i, "completion": f"c{i}",
-          "answer": answer, "correct": answer in ("1", "1.0"), "s": -0.5, "length": 3}
+  return {
+    "benchmark": "b",
+    "question_id": q,
+    "sample_index": i,
+    "completion": f"c{i}",
+    "answer": answer,
+    "correct": answer in ("1", "1.0"),
+    "s": -0.5,
+    "length": 3,
+  }
 
 
 def test_timed_out_pairs_count_as_different_and_are_reported(caplog):
   # Numbers are compared here; a pair with an "x" answer hangs in the pool.
   check = grouping.PairCheck(
-      lambda a, b: (3600.0,) if "x" in a + b else float(a) == float(b), slow="time:sleep")
+    lambda a, b: (3600.0,) if "x" in a + b else float(a) == float(b), slow="time:sleep"
+  )
   answers = ["1", "1.0", "2", "x1", "x2", "1", None]
   config = report.ResultsConfig(
-      grouping=check, mean_ks=(), pass_ks=(), maj_ks=(7,),
-      grouping_limits=grouping.Limits(budget_s=3.0, pair_timeout_s=1.0, num_workers=2))
+    grouping=check,
+    mean_ks=(),
+    pass_ks=(),
+    maj_ks=(7,),
+    grouping_limits=grouping.Limits(budget_s=3.0, pair_timeout_s=1.0, num_workers=2),
+  )
   with caplog.at_level(logging.WARNING, logger="capo_jax.eval.report"):
-    res = report.compute_results([_record("q", i, a) for i, a in enumerate(answers)],
-                                 config)["benchmarks"]["b"]
+    res = report.compute_results([_record("q", i, a) for i, a in enumerate(answers)], config)[
+      "benchmarks"
+    ]["b"]
   # x1 against the classes of 1 and 2, then x2 against 1, 2 and x1: 5 pairs unchecked.
   assert res["grouping_timeouts"] == 5
   assert "b: 5 answer pairs counted as different" in caplog.text

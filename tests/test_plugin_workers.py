@@ -96,8 +96,9 @@ def _gone_within(pid: int, seconds: float) -> bool:
 
 
 def test_worker_replaced_every_max_calls(plugins: str) -> None:
-  fns = reward_fns.RewardFns(fns=(f"{plugins}:pid",), weights=(1.0,), timeout_s=30.0,
-                             worker_max_calls=2, worker_max_rss_mb=0)
+  fns = reward_fns.RewardFns(
+    fns=(f"{plugins}:pid",), weights=(1.0,), timeout_s=30.0, worker_max_calls=2, worker_max_rss_mb=0
+  )
   pids = [_call(fns)[0] for _ in range(5)]
   # Calls 1-2 in one worker, 3-4 in the next, 5 in a third.
   assert pids[0] == pids[1] != pids[2] == pids[3] != pids[4] != pids[0], pids
@@ -108,8 +109,9 @@ def test_worker_replaced_every_max_calls(plugins: str) -> None:
 def test_leaking_plugin_kept_under_the_memory_ceiling(plugins: str) -> None:
   name = f"{plugins}:leak"
   # Without a ceiling the worker grows by LEAK_MB per call (the measurement sees the leak).
-  free = reward_fns.RewardFns(fns=(name,), weights=(1.0,), timeout_s=30.0,
-                              worker_max_calls=0, worker_max_rss_mb=0)
+  free = reward_fns.RewardFns(
+    fns=(name,), weights=(1.0,), timeout_s=30.0, worker_max_calls=0, worker_max_rss_mb=0
+  )
   assert _call(free)[0] == 1
   (worker,) = reward_fns.pool(30.0, 0, 0).worker_pids()
   rss1 = _vm_rss_mb(worker)
@@ -118,8 +120,9 @@ def test_leaking_plugin_kept_under_the_memory_ceiling(plugins: str) -> None:
   reward_fns._pools.pop((30.0, 0, 0.0)).close()  # pylint: disable=protected-access
   # A ceiling half a leak above a worker holding one leak: a second leak passes it.
   ceiling = rss1 + LEAK_MB / 2
-  capped = reward_fns.RewardFns(fns=(name,), weights=(1.0,), timeout_s=30.0,
-                                worker_max_calls=0, worker_max_rss_mb=ceiling)
+  capped = reward_fns.RewardFns(
+    fns=(name,), weights=(1.0,), timeout_s=30.0, worker_max_calls=0, worker_max_rss_mb=ceiling
+  )
   held = []
   for _ in range(5):
     held.append(_call(capped)[0])
@@ -131,8 +134,7 @@ def test_leaking_plugin_kept_under_the_memory_ceiling(plugins: str) -> None:
 
 def test_timeout_kills_the_plugins_subprocess(plugins: str, tmp_path) -> None:
   pid_file = tmp_path / "child.pid"
-  fns = reward_fns.RewardFns(fns=(f"{plugins}:spawn_and_hang",), weights=(1.0,),
-                             timeout_s=2.0)
+  fns = reward_fns.RewardFns(fns=(f"{plugins}:spawn_and_hang",), weights=(1.0,), timeout_s=2.0)
   reward, health = _call(fns, str(pid_file))
   assert (reward, health) == (0.0, {"fn_timeout": 1})
   child = int(pid_file.read_text())
@@ -145,8 +147,7 @@ def test_timeout_kills_the_plugins_subprocess(plugins: str, tmp_path) -> None:
 
 def test_crash_kills_the_plugins_subprocess(plugins: str, tmp_path) -> None:
   pid_file = tmp_path / "child.pid"
-  fns = reward_fns.RewardFns(fns=(f"{plugins}:spawn_and_crash",), weights=(1.0,),
-                             timeout_s=30.0)
+  fns = reward_fns.RewardFns(fns=(f"{plugins}:spawn_and_crash",), weights=(1.0,), timeout_s=30.0)
   with pytest.raises(reward_fns.RewardFnError, match=r"raised worker died \(exit code 3\)"):
     _call(fns, str(pid_file))
   child = int(pid_file.read_text())

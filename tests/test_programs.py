@@ -24,8 +24,12 @@ from capo_jax.sampling import engine
 
 
 def _abstract(tree):
-  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-                      if hasattr(x, "sharding") else x, tree)
+  return jax.tree.map(
+    lambda x: (
+      jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding) if hasattr(x, "sharding") else x
+    ),
+    tree,
+  )
 
 
 class _Recorded:
@@ -56,9 +60,12 @@ def _run_one_step(tmp_path, monkeypatch, **overrides):
   def build(spec, model_cfg, mesh):
     progs = real_build(spec, model_cfg, mesh)
     progs = dataclasses.replace(
-        progs, train_step=_Recorded(progs.train_step, seen["train"]),
-        logprobs=dataclasses.replace(progs.logprobs,
-                                     fn=_Recorded(progs.logprobs.fn, seen["logprobs"])))
+      progs,
+      train_step=_Recorded(progs.train_step, seen["train"]),
+      logprobs=dataclasses.replace(
+        progs.logprobs, fn=_Recorded(progs.logprobs.fn, seen["logprobs"])
+      ),
+    )
     built.append(progs)
     return progs
 
@@ -68,11 +75,15 @@ def _run_one_step(tmp_path, monkeypatch, **overrides):
   return RunSpec.from_config(c, num_devices=1), built[0], seen
 
 
-@pytest.mark.parametrize("overrides", [
+@pytest.mark.parametrize(
+  "overrides",
+  [
     {},  # packed, full fine-tuning, the noise mask's reference pass
     # LoRA adapters through the packed passes (slow: the default suite keeps to 10 min)
     pytest.param({"model__lora_rank": 2}, marks=pytest.mark.slow),
-], ids=["packed", "lora"])
+  ],
+  ids=["packed", "lora"],
+)
 def test_aot_lowers_the_programs_the_trainer_ran(tmp_path, monkeypatch, overrides):
   spec, progs, seen = _run_one_step(tmp_path, monkeypatch, **overrides)
   assert spec.train.pack and spec.needs_reference
@@ -81,11 +92,16 @@ def test_aot_lowers_the_programs_the_trainer_ran(tmp_path, monkeypatch, override
   lowerables = {p.name: p for p in aot.trainer_programs(spec, mesh)}
   # The old-policy pass runs first (with LoRA's adapters when set), then the reference's.
   old = seen["logprobs"][0]
-  ref = next(call for call in seen["logprobs"][1:] if "adapters" not in call[1]
-             or call[1]["adapters"] is None)
-  for name, (args, kwargs), fn in (("train", seen["train"][0], progs.train_step),
-                                   ("logprobs", old, progs.logprobs.fn),
-                                   ("logprobs_ref", ref, progs.logprobs.fn)):
+  ref = next(
+    call
+    for call in seen["logprobs"][1:]
+    if "adapters" not in call[1] or call[1]["adapters"] is None
+  )
+  for name, (args, kwargs), fn in (
+    ("train", seen["train"][0], progs.train_step),
+    ("logprobs", old, progs.logprobs.fn),
+    ("logprobs_ref", ref, progs.logprobs.fn),
+  ):
     lw = lowerables[name]
     kwargs = {k: v for k, v in kwargs.items() if v is not None}
     lw_kwargs = {k: v for k, v in lw.kwargs.items() if v is not None}
@@ -97,8 +113,7 @@ def test_aot_lowers_the_programs_the_trainer_ran(tmp_path, monkeypatch, override
       assert all(x >= y for x, y in zip(a.shape, b.shape)), (name, a.shape, b.shape)
     # ... and its program, lowered on the trainer's arguments, is the trainer's.
     real = _abstract((args, kwargs))
-    assert lw.fn.lower(*real[0], **real[1]).as_text() == fn.lower(*args, **kwargs).as_text(), \
-        name
+    assert lw.fn.lower(*real[0], **real[1]).as_text() == fn.lower(*args, **kwargs).as_text(), name
 
   # The engine: the AOT compiles the plan the sampler ran (slots, tail loops, strategy).
   aot_prefill, _ = aot.sampler_programs(spec, progs.model_cfg, mesh)

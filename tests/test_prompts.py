@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import json
 
-import hf_utils
 import pytest
 import transformers
 
+import hf_utils
 from capo_jax.data import prompts
 from capo_jax.data import tokenizer as tk
 from capo_jax.eval import evaluate
@@ -21,15 +21,18 @@ from capo_jax.runtime import run_record
 from configs import common
 
 # SPEC section 1, verbatim.
-PAPER = ("<|im_start|>system\nPlease reason step by step, and put your final answer within "
-         "\\boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n")
+PAPER = (
+  "<|im_start|>system\nPlease reason step by step, and put your final answer within "
+  "\\boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n<|im_start|>assistant\n"
+)
 # Qwen3's generation prompt, cut down: enable_thinking=False writes an empty think block.
 QWEN3_TEMPLATE = hf_utils.CHAT_TEMPLATE.replace(
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
-    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
-    "{% if enable_thinking is defined and enable_thinking is false %}"
-    "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
-    "{% if style is defined %}{{ '[' + style + ']' }}{% endif %}{% endif %}")
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}",
+  "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}"
+  "{% if enable_thinking is defined and enable_thinking is false %}"
+  "{{ '<think>\n\n</think>\n\n' }}{% endif %}"
+  "{% if style is defined %}{{ '[' + style + ']' }}{% endif %}{% endif %}",
+)
 QUESTION = "What is $\\frac{1}{2} + x$ if {x} = 1?"  # braces of its own
 
 
@@ -39,9 +42,11 @@ def tok_dirs(tmp_path_factory):
   qwen3 = hf_utils.make_tokenizer()
   qwen3.chat_template = QWEN3_TEMPLATE
   qwen3.save_pretrained(root / "qwen3")
-  return {"qwen2": str(hf_utils.make_tokenizer_dir(root / "qwen2")),
-          "qwen3": str(root / "qwen3"),
-          "none": str(hf_utils.make_tokenizer_dir(root / "none", chat_template=False))}
+  return {
+    "qwen2": str(hf_utils.make_tokenizer_dir(root / "qwen2")),
+    "qwen3": str(root / "qwen3"),
+    "none": str(hf_utils.make_tokenizer_dir(root / "none", chat_template=False)),
+  }
 
 
 def _spec(tok_dir: str, **prompt) -> spec_lib.RunSpec:
@@ -62,20 +67,31 @@ def test_the_default_is_the_papers_prompt(tok_dirs):
     assert tok.render_prompt(QUESTION) == PAPER.replace("{question}", QUESTION)
 
 
-@pytest.mark.parametrize("fields,kwargs", [
-    (dict(system="You are a careful solver.", template="Problem: {question}\nThink, then "
-          "answer in \\boxed{}."), {}),
+@pytest.mark.parametrize(
+  "fields,kwargs",
+  [
+    (
+      dict(
+        system="You are a careful solver.",
+        template="Problem: {question}\nThink, then answer in \\boxed{}.",
+      ),
+      {},
+    ),
     (dict(enable_thinking="off"), dict(enable_thinking=False)),
     (dict(enable_thinking="on", system=""), dict(enable_thinking=True)),
-    (dict(chat_template_kwargs={"style": "terse"}, template="Q: {question} ({question})"),
-     dict(style="terse")),
-])
+    (
+      dict(chat_template_kwargs={"style": "terse"}, template="Q: {question} ({question})"),
+      dict(style="terse"),
+    ),
+  ],
+)
 def test_rendered_prompt_is_transformers_apply_chat_template(tok_dirs, fields, kwargs):
   tok = setup.tokenizer_for(_spec(tok_dirs["qwen3"], **fields))
   system = fields.get("system", prompts.SYSTEM_PROMPT)
   user = fields.get("template", "{question}").replace("{question}", QUESTION)
   messages = ([{"role": "system", "content": system}] if system else []) + [
-      {"role": "user", "content": user}]
+    {"role": "user", "content": user}
+  ]
   hf = transformers.AutoTokenizer.from_pretrained(tok_dirs["qwen3"], local_files_only=True)
   want = hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True, **kwargs)
   assert tok.render_prompt(QUESTION) == want
@@ -84,30 +100,42 @@ def test_rendered_prompt_is_transformers_apply_chat_template(tok_dirs, fields, k
 
 def test_enable_thinking_off_writes_the_empty_think_block(tok_dirs):
   """A hand-written expectation, independent of transformers."""
-  tok = setup.tokenizer_for(_spec(tok_dirs["qwen3"], system="S", template="Q: {question}",
-                                  enable_thinking="off"))
-  assert tok.render_prompt("1+1?") == ("<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
-                                       "Q: 1+1?<|im_end|>\n<|im_start|>assistant\n"
-                                       "<think>\n\n</think>\n\n")
+  tok = setup.tokenizer_for(
+    _spec(tok_dirs["qwen3"], system="S", template="Q: {question}", enable_thinking="off")
+  )
+  assert tok.render_prompt("1+1?") == (
+    "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n"
+    "Q: 1+1?<|im_end|>\n<|im_start|>assistant\n"
+    "<think>\n\n</think>\n\n"
+  )
 
 
 def test_written_out_format_without_a_template(tok_dirs):
-  tok = setup.tokenizer_for(_spec(tok_dirs["qwen2"], chat_template="off", system="",
-                                  template="{question} Answer in \\boxed{}."))
+  tok = setup.tokenizer_for(
+    _spec(
+      tok_dirs["qwen2"], chat_template="off", system="", template="{question} Answer in \\boxed{}."
+    )
+  )
   assert not tok.use_chat_template
-  assert tok.render_prompt("2+2?") == ("<|im_start|>user\n2+2? Answer in \\boxed{}.<|im_end|>\n"
-                                       "<|im_start|>assistant\n")
+  assert tok.render_prompt("2+2?") == (
+    "<|im_start|>user\n2+2? Answer in \\boxed{}.<|im_end|>\n<|im_start|>assistant\n"
+  )
 
 
-@pytest.mark.parametrize("fields,needle", [
+@pytest.mark.parametrize(
+  "fields,needle",
+  [
     (dict(template="Solve this."), r"config\.prompt\.template='Solve this\.': .*\{question\}"),
     (dict(chat_template="maybe"), r"config\.prompt\.chat_template='maybe'"),
     (dict(enable_thinking="yes"), r"config\.prompt\.enable_thinking='yes'"),
     (dict(chat_template="off", enable_thinking="off"), r"config\.prompt\.chat_template='off'"),
-    (dict(enable_thinking="on", chat_template_kwargs={"enable_thinking": False}),
-     r"config\.prompt\.chat_template_kwargs=.*set it in one place"),
+    (
+      dict(enable_thinking="on", chat_template_kwargs={"enable_thinking": False}),
+      r"config\.prompt\.chat_template_kwargs=.*set it in one place",
+    ),
     (dict(chat_template_kwargs={"tokenize": True}), r"config\.prompt\.chat_template_kwargs="),
-])
+  ],
+)
 def test_bad_prompt_fields_fail_at_start_naming_the_field(tok_dirs, fields, needle):
   with pytest.raises(spec_lib.ConfigError, match=needle):
     _spec(tok_dirs["qwen2"], **fields)
@@ -115,14 +143,21 @@ def test_bad_prompt_fields_fail_at_start_naming_the_field(tok_dirs, fields, need
 
 def test_template_options_need_a_chat_template(tok_dirs):
   for fields in (dict(enable_thinking="off"), dict(chat_template="on")):
-    with pytest.raises(spec_lib.ConfigError, match=r"config\.prompt / config\.tokenizer_path="
-                       r".*no chat template"):
+    with pytest.raises(
+      spec_lib.ConfigError,
+      match=r"config\.prompt / config\.tokenizer_path="
+      r".*no chat template",
+    ):
       setup.tokenizer_for(_spec(tok_dirs["none"], **fields))
 
 
 def test_config_json_records_the_prompt(tok_dirs, tmp_path):
-  fields = dict(system="S", template="Q: {question}", enable_thinking="off",
-                chat_template_kwargs={"style": "terse"})
+  fields = dict(
+    system="S",
+    template="Q: {question}",
+    enable_thinking="off",
+    chat_template_kwargs={"style": "terse"},
+  )
   spec = _spec(tok_dirs["qwen3"], **fields)
   run_record.record(spec.raw, str(tmp_path), resuming=False)
   recorded = json.loads((tmp_path / "config.json").read_text())["config"]["prompt"]
@@ -140,14 +175,23 @@ def test_evaluator_uses_the_recorded_prompt_unless_flags_say_otherwise(tok_dirs,
   (model_dir / prompts.PROMPT_FILE).write_text(json.dumps(recorded.to_json()))
   bench = tmp_path / "one.jsonl"
   bench.write_text(json.dumps({"id": "q", "problem": "What is 1 + 2?", "answer": "3"}) + "\n")
-  flags = [f"--policy={model_dir}", f"--benchmarks={bench}", "--num_samples=1",
-           "--max_new_tokens=2", "--batch_size=1", "--dtype=float32", "--no_progress",
-           "--no_plots"]
+  flags = [
+    f"--policy={model_dir}",
+    f"--benchmarks={bench}",
+    "--num_samples=1",
+    "--max_new_tokens=2",
+    "--batch_size=1",
+    "--dtype=float32",
+    "--no_progress",
+    "--no_plots",
+  ]
   got = evaluate.main(flags + [f"--out={tmp_path / 'a'}"])["config"]["prompt"]
   assert prompts.PromptFormat.from_json(got) == recorded
-  got = evaluate.main(flags + [f"--out={tmp_path / 'b'}", "--system_prompt=",
-                               "--enable_thinking=auto"])["config"]["prompt"]
-  assert prompts.PromptFormat.from_json(got) == prompts.PromptFormat(system="",
-                                                                     template="Q: {question}")
+  got = evaluate.main(
+    flags + [f"--out={tmp_path / 'b'}", "--system_prompt=", "--enable_thinking=auto"]
+  )["config"]["prompt"]
+  assert prompts.PromptFormat.from_json(got) == prompts.PromptFormat(
+    system="", template="Q: {question}"
+  )
   with pytest.raises(ValueError, match=r"--prompt_template: .*\{question\}"):
     evaluate.main(flags + [f"--out={tmp_path / 'c'}", "--prompt_template=Solve."])

@@ -5,12 +5,12 @@ from __future__ import annotations
 import logging
 
 import flax.linen as nn
-import hf_utils
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import hf_utils
 from models import hf_weights, qwen2
 from models.config import PRESETS, Qwen2Config
 from models.kv_cache import KVCache, init_cache
@@ -26,13 +26,29 @@ def _port(hf_model, **cfg_kw) -> tuple[Qwen2Config, dict]:
 
 
 PARITY_CASES = {
-    "tied_theta1e4_gqa2": dict(tie_word_embeddings=True, rope_theta=1e4),
-    "untied_theta1e6_gqa4": dict(tie_word_embeddings=False, rope_theta=1e6, num_attention_heads=8,
-                                 num_key_value_heads=2, hidden_size=64),
-    "untied_theta1e4_mqa3": dict(tie_word_embeddings=False, rope_theta=1e4, num_attention_heads=6,
-                                 num_key_value_heads=1, hidden_size=48, num_hidden_layers=3),
-    "tied_theta1e6_mha": dict(tie_word_embeddings=True, rope_theta=1e6, num_attention_heads=4,
-                              num_key_value_heads=4, rms_norm_eps=1e-5),
+  "tied_theta1e4_gqa2": dict(tie_word_embeddings=True, rope_theta=1e4),
+  "untied_theta1e6_gqa4": dict(
+    tie_word_embeddings=False,
+    rope_theta=1e6,
+    num_attention_heads=8,
+    num_key_value_heads=2,
+    hidden_size=64,
+  ),
+  "untied_theta1e4_mqa3": dict(
+    tie_word_embeddings=False,
+    rope_theta=1e4,
+    num_attention_heads=6,
+    num_key_value_heads=1,
+    hidden_size=48,
+    num_hidden_layers=3,
+  ),
+  "tied_theta1e6_mha": dict(
+    tie_word_embeddings=True,
+    rope_theta=1e6,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    rms_norm_eps=1e-5,
+  ),
 }
 
 
@@ -60,7 +76,7 @@ def _cached_logits(params, cfg, tokens, mask, prefill_chunks, max_len):
     logits, cache = forward_with_cache(params, cfg, tokens[:, lo:hi], mask[:, lo:hi], cache)
     out.append(logits)
   for t in range(prefill_chunks[-1][1], T):
-    logits, cache = forward_with_cache(params, cfg, tokens[:, t:t + 1], mask[:, t:t + 1], cache)
+    logits, cache = forward_with_cache(params, cfg, tokens[:, t : t + 1], mask[:, t : t + 1], cache)
     out.append(logits)
   return np.concatenate([np.asarray(x) for x in out], axis=1), cache
 
@@ -85,9 +101,13 @@ def test_cached_decode_equals_full_forward(chunks):
 def repeat_rows(cache: KVCache, times: int) -> KVCache:
   """Each row repeated ``times`` times in place (row b -> rows b*times..)."""
   rep = lambda x, axis: jnp.repeat(x, times, axis=axis)
-  return KVCache(k_LBSKH=rep(cache.k_LBSKH, 1), v_LBSKH=rep(cache.v_LBSKH, 1),
-                 mask_BS=rep(cache.mask_BS, 0), positions_B=rep(cache.positions_B, 0),
-                 index=cache.index)
+  return KVCache(
+    k_LBSKH=rep(cache.k_LBSKH, 1),
+    v_LBSKH=rep(cache.v_LBSKH, 1),
+    mask_BS=rep(cache.mask_BS, 0),
+    positions_B=rep(cache.positions_B, 0),
+    index=cache.index,
+  )
 
 
 def test_repeat_rows_shares_one_prefill():
@@ -106,7 +126,9 @@ def test_repeat_rows_shares_one_prefill():
 
 def test_bfloat16_compute_stays_close_to_float32():
   import copy  # pylint: disable=g-import-not-at-top
+
   import torch  # pylint: disable=g-import-not-at-top
+
   hf_model, _ = hf_utils.make_hf_model(None, seed=5, tie_word_embeddings=False)
   cfg, params = _port(hf_model)
   tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(4), [12, 7], 256)
@@ -120,8 +142,10 @@ def test_bfloat16_compute_stays_close_to_float32():
   # Stated tolerance, relative to the float32 logit spread: mean error <= 2%, max <= 12%
   # (bf16 keeps 8 mantissa bits; measured ~1.1% / ~6-9% here), and no worse than 1.5x the
   # error of transformers' own bfloat16 model on the same weights.
-  hf_err = np.abs(hf_utils.hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), tokens, mask)
-                  - ref)[real] / ref[real].std()
+  hf_err = (
+    np.abs(hf_utils.hf_logits(copy.deepcopy(hf_model).to(torch.bfloat16), tokens, mask) - ref)[real]
+    / ref[real].std()
+  )
   assert err.mean() <= 0.02 and err.max() <= 0.12
   assert err.mean() <= 1.5 * hf_err.mean()
   assert err.max() > 0  # it really ran in lower precision
@@ -130,6 +154,7 @@ def test_bfloat16_compute_stays_close_to_float32():
 @pytest.mark.parametrize("name", sorted(PRESETS))
 def test_preset_param_count_and_hf_config_roundtrip(name):
   import transformers  # pylint: disable=g-import-not-at-top
+
   cfg = PRESETS[name]()
   assert qwen2.num_params(qwen2.param_shapes(cfg)) == hf_utils.hf_num_params(cfg.to_hf())
   hf_dict = transformers.AutoConfig.for_model(**cfg.to_hf()).to_dict()  # Qwen2 or Qwen3
@@ -145,27 +170,38 @@ def test_preset_numbers_of_released_checkpoints():
   assert Qwen2Config.qwen2p5_7b().head_dim == 128
 
 
-BASE_HF = dict(vocab_size=32, hidden_size=16, intermediate_size=24, num_hidden_layers=1,
-               num_attention_heads=4, num_key_value_heads=2)
+BASE_HF = dict(
+  vocab_size=32,
+  hidden_size=16,
+  intermediate_size=24,
+  num_hidden_layers=1,
+  num_attention_heads=4,
+  num_key_value_heads=2,
+)
 
 
 def test_from_hf_reads_both_rope_spellings(tmp_path):
   old = Qwen2Config.from_hf(dict(BASE_HF, rope_theta=12345.0, rope_scaling=None))
-  new = Qwen2Config.from_hf(dict(BASE_HF, rope_parameters={"rope_type": "default",
-                                                           "rope_theta": 54321.0}))
+  new = Qwen2Config.from_hf(
+    dict(BASE_HF, rope_parameters={"rope_type": "default", "rope_theta": 54321.0})
+  )
   assert old.rope_theta == 12345.0 and new.rope_theta == 54321.0
   (tmp_path / "config.json").write_text(
-      '{"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,'
-      ' "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,'
-      ' "rope_theta": 777.0, "tie_word_embeddings": true}')
+    '{"model_type": "qwen2", "vocab_size": 32, "hidden_size": 16, "intermediate_size": 24,'
+    ' "num_hidden_layers": 1, "num_attention_heads": 4, "num_key_value_heads": 2,'
+    ' "rope_theta": 777.0, "tie_word_embeddings": true}'
+  )
   from_dir = Qwen2Config.from_hf(tmp_path)
   assert from_dir.rope_theta == 777.0 and from_dir.tie_word_embeddings and from_dir.head_dim == 4
 
 
-@pytest.mark.parametrize("rope", [
+@pytest.mark.parametrize(
+  "rope",
+  [
     {"rope_scaling": {"type": "yarn", "factor": 4.0}},
     {"rope_parameters": {"rope_type": "linear", "rope_theta": 1e4, "factor": 2.0}},
-])
+  ],
+)
 def test_from_hf_rejects_unsupported_rope(rope):
   kind = "yarn" if "rope_scaling" in rope else "linear"
   with pytest.raises(NotImplementedError, match=f"rope_type='{kind}'"):
@@ -176,8 +212,9 @@ def test_from_hf_errors_name_the_field(tmp_path):
   with pytest.raises(KeyError, match="rope_theta"):
     Qwen2Config.from_hf(dict(BASE_HF))
   with pytest.raises(KeyError, match="intermediate_size"):
-    Qwen2Config.from_hf({k: v for k, v in BASE_HF.items() if k != "intermediate_size"}
-                        | {"rope_theta": 1e4})
+    Qwen2Config.from_hf(
+      {k: v for k, v in BASE_HF.items() if k != "intermediate_size"} | {"rope_theta": 1e4}
+    )
   with pytest.raises(ValueError, match="model_type='llama'"):
     Qwen2Config.from_hf(dict(BASE_HF, rope_theta=1e4, model_type="llama"))
   with pytest.raises(FileNotFoundError, match="no HF config"):
@@ -187,20 +224,29 @@ def test_from_hf_errors_name_the_field(tmp_path):
     Qwen2Config.from_hf(tmp_path)
 
 
-@pytest.mark.parametrize("kw,match", [
+@pytest.mark.parametrize(
+  "kw,match",
+  [
     (dict(num_heads=8, num_kv_heads=3), "num_kv_heads=3"),
     (dict(hidden_size=66, num_heads=4), "set head_dim"),
     (dict(head_dim=7), "head_dim=7 must be even"),
     (dict(num_layers=0), "num_layers must be positive"),
     (dict(compute_dtype="float16"), "compute_dtype='float16'"),
-])
+  ],
+)
 def test_config_invariants(kw, match):
   with pytest.raises(ValueError, match=match):
     Qwen2Config.tiny(**kw)
 
 
-RULES = [("embed", "fsdp"), ("mlp", "tp"), ("q_heads", "tp"), ("kv_heads", "tp"),
-         ("vocab", "tp"), ("layers", None)]
+RULES = [
+  ("embed", "fsdp"),
+  ("mlp", "tp"),
+  ("q_heads", "tp"),
+  ("kv_heads", "tp"),
+  ("vocab", "tp"),
+  ("layers", None),
+]
 
 
 def test_param_specs_replicate_non_dividing_axes(caplog):
@@ -220,8 +266,9 @@ def test_param_specs_replicate_non_dividing_axes(caplog):
   assert "not divisible" in caplog.text and "kv_heads" in caplog.text
   # Every spec divides its dimension, whatever the rules: checked leaf by leaf.
   shapes = qwen2.param_shapes(cfg)
-  for spec, shape in zip(jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)),
-                         jax.tree.leaves(shapes)):
+  for spec, shape in zip(
+    jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)), jax.tree.leaves(shapes)
+  ):
     assert len(spec) == len(shape.shape)
     for dim, ax in zip(shape.shape, spec):
       axes = () if ax is None else (ax,) if isinstance(ax, str) else ax
@@ -235,7 +282,8 @@ def test_param_specs_use_each_mesh_axis_once_and_check_names():
   assert specs["layers"]["gate_kernel"] == jax.sharding.PartitionSpec(None, "model", None)
   without_mesh = qwen2.param_specs(cfg, [("mlp", ("data", "model"))])
   assert without_mesh["layers"]["up_kernel"] == jax.sharding.PartitionSpec(
-      None, None, ("data", "model"))
+    None, None, ("data", "model")
+  )
   with pytest.raises(ValueError, match="mesh has no axis 'tp'"):
     qwen2.param_specs(cfg, [("mlp", "tp")], mesh)
 

@@ -1,4 +1,4 @@
-"""Tests of capo_jax.data.rewards: extraction, equivalence, health counters and the deadline pool."""
+"""Tests of capo_jax.data.rewards: extraction, equivalence, health counters, the deadline pool."""
 
 from __future__ import annotations
 
@@ -29,7 +29,10 @@ def _boxed(s: str) -> str:
 
 # -- extraction -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("text,expected", [
+
+@pytest.mark.parametrize(
+  "text,expected",
+  [
     (r"so \boxed{\frac{1}{2}}.", r"\frac{1}{2}"),
     (r"\boxed{\left(\frac{a}{b}, \sqrt{2}\right)}", r"\left(\frac{a}{b}, \sqrt{2}\right)"),
     (r"\boxed{\{1, 2\}}", r"\{1, 2\}"),  # escaped braces do not close the box
@@ -38,17 +41,21 @@ def _boxed(s: str) -> str:
     (r"\boxed 7 apples", "7"),
     (r"first \boxed{1}, then \fbox{2}, finally \boxed{3}", "3"),
     (r"\boxed{\boxed{5}}", "5"),
-])
+  ],
+)
 def test_extract_last_box_with_nested_braces(text: str, expected: str) -> None:
   assert rewards.extract_answer(text) == (expected, True)
 
 
-@pytest.mark.parametrize("text,expected", [
+@pytest.mark.parametrize(
+  "text,expected",
+  [
     ("We get 12 apples. The answer is 12.", "12"),
     ("Thus the final answer is $\\frac{1}{2}$. Done", r"\frac{1}{2}"),
     ("**Answer:** 3", "3"),
     ("The answer is 4. Wait, the answer is 5.", "5"),
-])
+  ],
+)
 def test_fallback_used_only_without_a_box(text: str, expected: str) -> None:
   assert rewards.extract_answer(text) == (expected, False)
   # With a box anywhere, the box wins over any phrase after it.
@@ -65,40 +72,92 @@ def test_unclosed_or_empty_box_and_no_answer() -> None:
 
 # (gold, model answer) pairs in the formats of ../shared/data golds and of typical outputs.
 EQUAL = [
-    ("025", "25"), ("25", "025"), ("7", "007"), ("-12", "-12"), ("\\frac{1}{2}", "0.5"),
-    ("\\frac{1}{2}", "\\dfrac12"), ("\\dfrac{17}{50}", "\\frac{17}{50}"), ("\\frac43", "4/3"),
-    ("\\frac 59", "\\tfrac{5}{9}"), ("$2n$", "2n"), ("$2n-2$", "2n - 2"), ("$2^{1009}$", "2^{1009}"),
-    ("$\\frac{9}{32}$", "\\frac{9}{32}"), ("90^\\circ", "90"), ("90^\\circ", "90^{\\circ}"),
-    ("$90^{\\circ}$,$60^{\\circ}$", "90^\\circ, 60^\\circ"), ("25\\%", "25"), ("25\\%", "0.25"),
-    ("10,\\!080", "10080"), ("11,\\! 111,\\! 111,\\! 100", "11111111100"), ("58,500", "58500"),
-    ("\\$32,\\!348", "32348"), ("\\$18.90", "18.9"), ("5.4 \\text{ cents}", "5.4"),
-    ("864 \\mbox{ inches}^2", "864"), ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
-    ("\\text{Evelyn}", "Evelyn"), ("\\text{(C)}", "C"), ("\\text{(C)}", "\\textbf{(C)}"),
-    ("(3,4]", "(3, 4]"), ("(-\\infty, 0]", "(-\\infty,0]"), ("(2,\\infty)", "x > 2"),
-    ("x \\in [-2,7]", "[-2,7]"), ("$[\\frac{1}{2}, 8]$", "[0.5, 8]"),
-    ("(0,9) \\cup (9,36)", "(0,9)\\cup(9,36)"), ("\\left( 3, \\frac{\\pi}{2} \\right)",
-                                                  "(3,\\frac{\\pi}{2})"),
-    ("$(1,8,19), (2,7,13), (4,5,7)$", "(4,5,7),(1,8,19),(2,7,13)"), ("1,-2", "-2, 1"),
-    ("\\{1\\pm\\sqrt{5},-2\\}", "1+\\sqrt5,1-\\sqrt5,-2"), ("3 \\pm 2 \\sqrt{2}",
-                                                         "3+2\\sqrt2, 3-2\\sqrt2"),
-    ("p - q", "-q+p"), ("6 - 5i", "6-5i"), ("1\\frac{4}{5}", "1.8"), ("137 \\frac{1}{2}", "137.5"),
-    ("x=5", "5"), ("y = 2x + 3", "y=3+2x"), ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}",
-                                            "\\begin{pmatrix} -\\dfrac13 \\\\ \\frac{2}{3} "
-                                            "\\end{pmatrix}"),
-    ("1.70e4", "1.7 \\times 10^4"), ("4.5e33", "4.5 \\times 10^{33}"), ("-1./3", "-\\frac13"),
-    ("np.arcsin(10/13)", "\\arcsin(10/13)"), ("\\cot x", "\\frac{\\cos x}{\\sin x}"),
+  ("025", "25"),
+  ("25", "025"),
+  ("7", "007"),
+  ("-12", "-12"),
+  ("\\frac{1}{2}", "0.5"),
+  ("\\frac{1}{2}", "\\dfrac12"),
+  ("\\dfrac{17}{50}", "\\frac{17}{50}"),
+  ("\\frac43", "4/3"),
+  ("\\frac 59", "\\tfrac{5}{9}"),
+  ("$2n$", "2n"),
+  ("$2n-2$", "2n - 2"),
+  ("$2^{1009}$", "2^{1009}"),
+  ("$\\frac{9}{32}$", "\\frac{9}{32}"),
+  ("90^\\circ", "90"),
+  ("90^\\circ", "90^{\\circ}"),
+  ("$90^{\\circ}$,$60^{\\circ}$", "90^\\circ, 60^\\circ"),
+  ("25\\%", "25"),
+  ("25\\%", "0.25"),
+  ("10,\\!080", "10080"),
+  ("11,\\! 111,\\! 111,\\! 100", "11111111100"),
+  ("58,500", "58500"),
+  ("\\$32,\\!348", "32348"),
+  ("\\$18.90", "18.9"),
+  ("5.4 \\text{ cents}", "5.4"),
+  ("864 \\mbox{ inches}^2", "864"),
+  ("\\frac{270}7\\text{ degrees}", "\\frac{270}{7}"),
+  ("\\text{Evelyn}", "Evelyn"),
+  ("\\text{(C)}", "C"),
+  ("\\text{(C)}", "\\textbf{(C)}"),
+  ("(3,4]", "(3, 4]"),
+  ("(-\\infty, 0]", "(-\\infty,0]"),
+  ("(2,\\infty)", "x > 2"),
+  ("x \\in [-2,7]", "[-2,7]"),
+  ("$[\\frac{1}{2}, 8]$", "[0.5, 8]"),
+  ("(0,9) \\cup (9,36)", "(0,9)\\cup(9,36)"),
+  ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\frac{\\pi}{2})"),
+  ("$(1,8,19), (2,7,13), (4,5,7)$", "(4,5,7),(1,8,19),(2,7,13)"),
+  ("1,-2", "-2, 1"),
+  ("\\{1\\pm\\sqrt{5},-2\\}", "1+\\sqrt5,1-\\sqrt5,-2"),
+  ("3 \\pm 2 \\sqrt{2}", "3+2\\sqrt2, 3-2\\sqrt2"),
+  ("p - q", "-q+p"),
+  ("6 - 5i", "6-5i"),
+  ("1\\frac{4}{5}", "1.8"),
+  ("137 \\frac{1}{2}", "137.5"),
+  ("x=5", "5"),
+  ("y = 2x + 3", "y=3+2x"),
+  (
+    "\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}",
+    "\\begin{pmatrix} -\\dfrac13 \\\\ \\frac{2}{3} \\end{pmatrix}",
+  ),
+  ("1.70e4", "1.7 \\times 10^4"),
+  ("4.5e33", "4.5 \\times 10^{33}"),
+  ("-1./3", "-\\frac13"),
+  ("np.arcsin(10/13)", "\\arcsin(10/13)"),
+  ("\\cot x", "\\frac{\\cos x}{\\sin x}"),
 ]
 # Perturbed answers: changed number, interval endpoint or sign, other choice or word.
 UNEQUAL = [
-    ("025", "26"), ("7", "-7"), ("-12", "12"), ("\\frac{1}{2}", "-0.5"), ("\\frac{1}{2}", "0.51"),
-    ("\\frac43", "\\frac34"), ("$2n-2$", "2n+2"), ("$2^{1009}$", "2^{1008}"), ("90^\\circ", "91"),
-    ("25\\%", "26"), ("10,\\!080", "10081"), ("\\$18.90", "18.91"), ("\\text{Evelyn}", "Navin"),
-    ("\\text{(C)}", "D"), ("(3,4]", "(3,4)"), ("(3,4]", "(3,5]"), ("(-\\infty, 0]", "(-\\infty,0)"),
-    ("$[\\frac{1}{2}, 8]$", "[0.5, 9]"), ("$[\\frac{1}{2}, 8]$", "(0.5, 8]"),
-    ("(0,9) \\cup (9,36)", "(0,36)"), ("$(1,8,19), (2,7,13), (4,5,7)$", "(1,8,19),(2,7,13)"),
-    ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\pi)"), ("p - q", "q-p"), ("6 - 5i", "6+5i"),
-    ("-\\frac{24}{25}", "\\frac{24}{25}"), ("1.70e4", "1.8 \\times 10^4"), ("x=5", "x=-5"),
-    ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}", "\\begin{pmatrix} 1/3 \\\\ 2/3 \\end{pmatrix}"),
+  ("025", "26"),
+  ("7", "-7"),
+  ("-12", "12"),
+  ("\\frac{1}{2}", "-0.5"),
+  ("\\frac{1}{2}", "0.51"),
+  ("\\frac43", "\\frac34"),
+  ("$2n-2$", "2n+2"),
+  ("$2^{1009}$", "2^{1008}"),
+  ("90^\\circ", "91"),
+  ("25\\%", "26"),
+  ("10,\\!080", "10081"),
+  ("\\$18.90", "18.91"),
+  ("\\text{Evelyn}", "Navin"),
+  ("\\text{(C)}", "D"),
+  ("(3,4]", "(3,4)"),
+  ("(3,4]", "(3,5]"),
+  ("(-\\infty, 0]", "(-\\infty,0)"),
+  ("$[\\frac{1}{2}, 8]$", "[0.5, 9]"),
+  ("$[\\frac{1}{2}, 8]$", "(0.5, 8]"),
+  ("(0,9) \\cup (9,36)", "(0,36)"),
+  ("$(1,8,19), (2,7,13), (4,5,7)$", "(1,8,19),(2,7,13)"),
+  ("\\left( 3, \\frac{\\pi}{2} \\right)", "(3,\\pi)"),
+  ("p - q", "q-p"),
+  ("6 - 5i", "6+5i"),
+  ("-\\frac{24}{25}", "\\frac{24}{25}"),
+  ("1.70e4", "1.8 \\times 10^4"),
+  ("x=5", "x=-5"),
+  ("\\begin{pmatrix} -1/3 \\\\ 2/3 \\end{pmatrix}", "\\begin{pmatrix} 1/3 \\\\ 2/3 \\end{pmatrix}"),
 ]
 
 
@@ -131,12 +190,25 @@ def test_integer_fast_path_matches_int_compare() -> None:
 
 
 def test_health_counters_and_is_correct(grader: rewards.Grader, monkeypatch) -> None:
-  comps = [_boxed("5"), _boxed("6"), "The answer is 5.", "no answer at all",
-           r"\boxed{5", r"\boxed{}", _boxed(r"\frac{10}{2}")]
+  comps = [
+    _boxed("5"),
+    _boxed("6"),
+    "The answer is 5.",
+    "no answer at all",
+    r"\boxed{5",
+    r"\boxed{}",
+    _boxed(r"\frac{10}{2}"),
+  ]
   rew, health = grader.score(comps, ["5"] * len(comps))
   np.testing.assert_array_equal(rew, [1, 0, 1, 0, 0, 0, 1])
-  assert health.as_dict() == {"total": 7, "correct": 3, "no_box": 2, "parse_failure": 2,
-                              "timeout": 0, "exception": 0}
+  assert health.as_dict() == {
+    "total": 7,
+    "correct": 3,
+    "no_box": 2,
+    "parse_failure": 2,
+    "timeout": 0,
+    "exception": 0,
+  }
   total = health + health
   assert total.total == 14 and total.parse_failure == 4
   monkeypatch.setattr(rewards, "_default", grader)  # reuse the module's pool
@@ -149,6 +221,7 @@ def test_health_counters_and_is_correct(grader: rewards.Grader, monkeypatch) -> 
 
 # -- data-driven checks on ../shared/data -----------------------------------------------------
 
+
 def _rows(shared_data, name: str) -> list[dict]:
   with open(shared_data / f"{name}.jsonl", encoding="utf-8") as f:
     return [json.loads(line) for line in f]
@@ -157,8 +230,9 @@ def _rows(shared_data, name: str) -> list[dict]:
 def test_math500_reference_solutions_match_gold(shared_data, grader: rewards.Grader) -> None:
   rows = _rows(shared_data, "math500")
   rew, health = grader.score([r["solution"] for r in rows], [r["answer"] for r in rows])
-  bad = [(r["id"], r["answer"], rewards.extract_boxed(r["solution"]))
-         for r, x in zip(rows, rew) if not x]
+  bad = [
+    (r["id"], r["answer"], rewards.extract_boxed(r["solution"])) for r, x in zip(rows, rew) if not x
+  ]
   for row in bad:
     print("MATH500 disagreement (id, gold, boxed):", row)
   assert len(bad) <= 0.01 * len(rows), bad
@@ -189,8 +263,9 @@ def _forms_and_perturbations(gold: str) -> tuple[list[str], list[str]]:
   return same, diff
 
 
-def test_gold_answers_equal_their_forms_and_not_perturbations(shared_data,
-                                                             grader: rewards.Grader) -> None:
+def test_gold_answers_equal_their_forms_and_not_perturbations(
+  shared_data, grader: rewards.Grader
+) -> None:
   comps, golds, want = [], [], []
   for name in BENCHMARKS:
     for r in _rows(shared_data, name):
@@ -201,13 +276,15 @@ def test_gold_answers_equal_their_forms_and_not_perturbations(shared_data,
         want.append(label)
   got, health = grader.score(comps, golds)
   want_arr = np.array(want, np.float32)
-  wrong = [(golds[i], rewards.extract_boxed(comps[i]), want[i])
-           for i in np.flatnonzero(got != want_arr)]
+  wrong = [
+    (golds[i], rewards.extract_boxed(comps[i]), want[i]) for i in np.flatnonzero(got != want_arr)
+  ]
   assert not wrong, f"{len(wrong)} misjudged (gold, form, expected): {wrong[:20]}"
   assert health.timeout == 0 and len(comps) > 3000
 
 
 # -- the time limit ---------------------------------------------------------------------------
+
 
 def test_pathological_item_times_out_off_the_main_thread(grader: rewards.Grader) -> None:
   # 9^(9^9) has ~370 million digits: sympy grinds on it far past the 2 s limit.
@@ -238,6 +315,7 @@ def test_pathological_item_times_out_off_the_main_thread(grader: rewards.Grader)
 
 def test_deadline_pool_timeout_error_crash_and_close() -> None:
   from capo_jax.data._grader_pool import ERROR, OK, TIMEOUT, DeadlinePool
+
   pool = DeadlinePool("time:sleep", num_workers=2, timeout_s=0.5)
   items = [(0.0,), (30.0,), (0.01,), (-1.0,), (0.0,)]  # sleep(-1) raises ValueError
   t0 = time.perf_counter()

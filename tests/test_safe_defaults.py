@@ -18,12 +18,12 @@ import subprocess
 import sys
 import textwrap
 
-import hf_utils
 import jax
 import numpy as np
 import pytest
 import transformers
 
+import hf_utils
 from capo_jax.data import tokenizer as tk
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib
@@ -31,10 +31,12 @@ from configs import common
 from models import hf_weights
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
-HUB_IDS = {"capo_qwen2p5_math_1p5b": "Qwen/Qwen2.5-Math-1.5B",
-           "grpo_qwen2p5_math_1p5b": "Qwen/Qwen2.5-Math-1.5B",
-           "capo_qwen2p5_math_7b": "Qwen/Qwen2.5-Math-7B",
-           "grpo_qwen2p5_math_7b": "Qwen/Qwen2.5-Math-7B"}
+HUB_IDS = {
+  "capo_qwen2p5_math_1p5b": "Qwen/Qwen2.5-Math-1.5B",
+  "grpo_qwen2p5_math_1p5b": "Qwen/Qwen2.5-Math-1.5B",
+  "capo_qwen2p5_math_7b": "Qwen/Qwen2.5-Math-7B",
+  "grpo_qwen2p5_math_7b": "Qwen/Qwen2.5-Math-7B",
+}
 
 
 @pytest.fixture(scope="module")
@@ -61,12 +63,16 @@ def test_no_weights_and_no_random_init_is_an_error_naming_model_hf_path(name, tm
   c = importlib.import_module(f"configs.{name}").get_config()
   c.model.hf_path = ""
   c.tokenizer_path = str(hf_utils.make_tokenizer_dir(tmp_path / "tok"))
-  with pytest.raises(spec_lib.ConfigError, match=r"config\.model\.hf_path='': no weights to "
-                     r"start from.*model\.random_init=True"):
+  with pytest.raises(
+    spec_lib.ConfigError,
+    match=r"config\.model\.hf_path='': no weights to "
+    r"start from.*model\.random_init=True",
+  ):
     spec_lib.RunSpec.from_config(c, num_devices=1)
   c.model.random_init = True  # asked for: random weights of the preset
   assert spec_lib.RunSpec.from_config(c, num_devices=8).model_config().hidden_size == (
-      1536 if "1p5b" in name else 3584)
+    1536 if "1p5b" in name else 3584
+  )
 
 
 def test_random_init_needs_a_preset_and_initial_params_never_guesses():
@@ -114,10 +120,10 @@ def test_run_file_resolves_its_hub_id_from_a_prepared_hf_home_offline(tiny_repo,
       print("RESULT" + json.dumps(out))
   """)
   env = {k: v for k, v in os.environ.items() if not k.startswith(("HF_", "TRANSFORMERS_"))}
-  env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO),
-             JAX_PLATFORMS="cpu")
-  run = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True,
-                       text=True, timeout=300)
+  env.update(HF_HOME=str(hf_home), HF_HUB_OFFLINE="1", PYTHONPATH=str(REPO), JAX_PLATFORMS="cpu")
+  run = subprocess.run(
+    [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+  )
   assert run.returncode == 0, run.stderr[-3000:]
   out = json.loads(run.stdout.split("RESULT")[-1])
   cfg, params = hf_weights.load_pretrained(snapshot)
@@ -125,8 +131,13 @@ def test_run_file_resolves_its_hub_id_from_a_prepared_hf_home_offline(tiny_repo,
   assert out["digest"] == _digest(params)
   hf_tok = transformers.AutoTokenizer.from_pretrained(snapshot, local_files_only=True)
   want = hf_tok.apply_chat_template(
-      [{"role": "system", "content": tk.SYSTEM_PROMPT},
-       {"role": "user", "content": "What is 1 + 2?"}], tokenize=False, add_generation_prompt=True)
+    [
+      {"role": "system", "content": tk.SYSTEM_PROMPT},
+      {"role": "user", "content": "What is 1 + 2?"},
+    ],
+    tokenize=False,
+    add_generation_prompt=True,
+  )
   assert out["prompt"] == hf_tok.encode(want, add_special_tokens=False)
   # The 7B id is not in the cache: the error names the field, the id and offline mode.
   assert "config.model.hf_path='Qwen/Qwen2.5-Math-7B'" in out["miss"]
@@ -137,13 +148,20 @@ def test_the_architecture_alone_fetches_only_config_json(monkeypatch, tmp_path):
   """The AOT compile's path (``policy_given``): a snapshot with config.json and nothing else."""
   hf_utils.offline_hub(monkeypatch, tmp_path / "hub")
   from models.config import PRESETS  # pylint: disable=import-outside-toplevel
-  hf_utils.write_hub_snapshot(tmp_path / "hub", "Qwen/Qwen2.5-Math-7B", files={
-      "config.json": json.dumps(PRESETS["qwen2p5_math_7b"]().to_hf())})
+
+  hf_utils.write_hub_snapshot(
+    tmp_path / "hub",
+    "Qwen/Qwen2.5-Math-7B",
+    files={"config.json": json.dumps(PRESETS["qwen2p5_math_7b"]().to_hf())},
+  )
   c = importlib.import_module("configs.capo_qwen2p5_math_7b").get_config()
   spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
   assert spec.model_config().hidden_size == 3584
-  with pytest.raises(spec_lib.ConfigError, match=r"config\.model\.hf_path='Qwen/Qwen2\.5-Math-"
-                     r"7B': model directory .* lacks model\.safetensors"):
+  with pytest.raises(
+    spec_lib.ConfigError,
+    match=r"config\.model\.hf_path='Qwen/Qwen2\.5-Math-"
+    r"7B': model directory .* lacks model\.safetensors",
+  ):
     spec_lib.RunSpec.from_config(c, num_devices=8)  # a run needs the weights too
 
 
@@ -152,19 +170,26 @@ def _copy_without(src: pathlib.Path, dest: pathlib.Path, *drop: str) -> pathlib.
   return dest
 
 
-@pytest.mark.parametrize("drop,lacks", [
+@pytest.mark.parametrize(
+  "drop,lacks",
+  [
     (("config.json",), r"lacks config\.json"),
     (("*.safetensors",), r"lacks model\.safetensors \(or model\.safetensors\.index\.json"),
     (("tokenizer.json",), r"lacks tokenizer file tokenizer\.json or vocab\.json \+ merges\.txt"),
-])
-def test_model_directory_without_its_files_is_named_with_what_it_lacks(tiny_repo, tmp_path,
-                                                                        drop, lacks):
+  ],
+)
+def test_model_directory_without_its_files_is_named_with_what_it_lacks(
+  tiny_repo, tmp_path, drop, lacks
+):
   model_dir = _copy_without(tiny_repo, tmp_path / "model", *drop)
   c = common.shrink(common.get_base_config())
   c.model.hf_path = str(model_dir)
   d = re.escape(str(model_dir))
-  with pytest.raises(spec_lib.ConfigError, match=rf"config\.model\.hf_path='{d}': "
-                     rf"model directory {d} {lacks}.*\(it holds "):
+  with pytest.raises(
+    spec_lib.ConfigError,
+    match=rf"config\.model\.hf_path='{d}': "
+    rf"model directory {d} {lacks}.*\(it holds ",
+  ):
     spec_lib.RunSpec.from_config(c, num_devices=1)
 
 
@@ -179,8 +204,11 @@ def test_sharded_checkpoint_missing_a_shard_names_it(tmp_path):
     spec_lib.RunSpec.from_config(c, num_devices=1)
   # The same check guards the weights' load when validation was skipped (a given policy).
   spec = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
-  with pytest.raises(spec_lib.ConfigError, match=rf"model directory {re.escape(str(path))} "
-                     rf"lacks {shard}"):
+  with pytest.raises(
+    spec_lib.ConfigError,
+    match=rf"model directory {re.escape(str(path))} "
+    rf"lacks {shard}",
+  ):
     setup.initial_params(spec, spec.model_config(), None, None)
 
 
@@ -190,18 +218,27 @@ def test_tokenizer_directory_without_its_files_is_named_not_sentencepiece(tmp_pa
   with pytest.raises(FileNotFoundError) as e:
     tk.load_tokenizer(empty)
   msg = str(e.value)
-  assert f"tokenizer directory {empty} lacks tokenizer_config.json; tokenizer.json or " \
-         "vocab.json + merges.txt or tokenizer.model (it is empty)" == msg
+  assert (
+    f"tokenizer directory {empty} lacks tokenizer_config.json; tokenizer.json or "
+    "vocab.json + merges.txt or tokenizer.model (it is empty)" == msg
+  )
   assert "sentencepiece" not in msg.replace("tokenizer.model", "")
-  only_config = _copy_without(hf_utils.make_tokenizer_dir(tmp_path / "tok"), tmp_path / "half",
-                              "tokenizer.json")
-  with pytest.raises(FileNotFoundError, match=r"lacks tokenizer\.json or vocab\.json \+ merges"
-                     r"\.txt or tokenizer\.model \(it holds .*tokenizer_config\.json"):
+  only_config = _copy_without(
+    hf_utils.make_tokenizer_dir(tmp_path / "tok"), tmp_path / "half", "tokenizer.json"
+  )
+  with pytest.raises(
+    FileNotFoundError,
+    match=r"lacks tokenizer\.json or vocab\.json \+ merges"
+    r"\.txt or tokenizer\.model \(it holds .*tokenizer_config\.json",
+  ):
     tk.load_tokenizer(only_config)
   c = common.shrink(common.get_base_config())
   c.tokenizer_path = str(empty)
   spec = spec_lib.RunSpec.from_config(c, num_devices=1)
   d = re.escape(str(empty))
-  with pytest.raises(spec_lib.ConfigError, match=rf"config\.tokenizer_path='{d}': "
-                     rf"tokenizer directory {d} lacks"):
+  with pytest.raises(
+    spec_lib.ConfigError,
+    match=rf"config\.tokenizer_path='{d}': "
+    rf"tokenizer directory {d} lacks",
+  ):
     setup.tokenizer_for(spec)

@@ -22,12 +22,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from capo_jax.sampling import engine
+import hf_utils
+from capo_jax.sampling import engine, strategies
 from capo_jax.sampling import sampler as sampling
-from capo_jax.sampling import strategies
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
-import hf_utils
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 PAD = 0
@@ -47,12 +46,17 @@ def _prompts(vocab: int) -> tuple[np.ndarray, np.ndarray]:
 
 def _hf_greedy(model, tokens, mask, max_new: int, stop: list[int] | None) -> np.ndarray:
   import torch  # pylint: disable=g-import-not-at-top
+
   with torch.no_grad():
     out = model.generate(
-        input_ids=torch.as_tensor(tokens, dtype=torch.long),
-        attention_mask=torch.as_tensor(mask, dtype=torch.long), max_new_tokens=max_new,
-        do_sample=False, eos_token_id=stop, pad_token_id=PAD)
-  return out[:, tokens.shape[1]:].numpy()
+      input_ids=torch.as_tensor(tokens, dtype=torch.long),
+      attention_mask=torch.as_tensor(mask, dtype=torch.long),
+      max_new_tokens=max_new,
+      do_sample=False,
+      eos_token_id=stop,
+      pad_token_id=PAD,
+    )
+  return out[:, tokens.shape[1] :].numpy()
 
 
 def test_greedy_matches_transformers_and_stops(tiny):
@@ -63,17 +67,46 @@ def test_greedy_matches_transformers_and_stops(tiny):
   stops = sorted({int(free[0, 3]), int(free[1, 6])})
   expected = _hf_greedy(model, tokens, mask, 12, stops)
   ours = sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD))
-  np.testing.assert_array_equal(np.asarray(sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), pad_id=PAD)).tokens_BC),
-          free)
+    params,
+    cfg,
+    tokens,
+    mask,
+    jax.random.key(0),
+    sampling.SamplingSpec(
+      num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD
+    ),
+  )
+  np.testing.assert_array_equal(
+    np.asarray(
+      sampling.generate(
+        params,
+        cfg,
+        tokens,
+        mask,
+        jax.random.key(0),
+        sampling.SamplingSpec(
+          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), pad_id=PAD
+        ),
+      ).tokens_BC
+    ),
+    free,
+  )
   # The engine with 2 slots for 3 rows (a refill mid-run) gives the same tokens.
   two = sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=12, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD,
-          max_active_rows=2))
+    params,
+    cfg,
+    tokens,
+    mask,
+    jax.random.key(0),
+    sampling.SamplingSpec(
+      num_samples=1,
+      max_new_tokens=12,
+      strategy=strategies.Greedy(),
+      stop_ids=stops,
+      pad_id=PAD,
+      max_active_rows=2,
+    ),
+  )
   np.testing.assert_array_equal(np.asarray(two.tokens_BC), np.asarray(ours.tokens_BC))
   np.testing.assert_array_equal(np.asarray(two.mask_BC), np.asarray(ours.mask_BC))
   for b in range(tokens.shape[0]):
@@ -89,8 +122,15 @@ def test_greedy_matches_transformers_and_stops(tiny):
   # A stop on the very last allowed token is a stop, not a truncation.
   n0 = int(ours.lengths_B[0])
   short = sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(0), sampling.SamplingSpec(
-          num_samples=1, max_new_tokens=n0, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD))
+    params,
+    cfg,
+    tokens,
+    mask,
+    jax.random.key(0),
+    sampling.SamplingSpec(
+      num_samples=1, max_new_tokens=n0, strategy=strategies.Greedy(), stop_ids=stops, pad_id=PAD
+    ),
+  )
   stopped = np.isin(free[:, :n0], stops).any(1)
   np.testing.assert_array_equal(np.asarray(short.truncated_B), ~stopped)
   assert stopped[0] and int(short.lengths_B[0]) == n0
@@ -103,7 +143,7 @@ def _teacher_forced(params, cfg, tokens, mask, out, G: int) -> tuple[np.ndarray,
   seq_mask = np.concatenate([np.repeat(mask, G, 0), np.asarray(out.mask_BC)], axis=1)
   logits = np.asarray(qwen2.forward(params, cfg, jnp.asarray(seq), jnp.asarray(seq_mask)))
   P = tokens.shape[1]
-  logp = jax.nn.log_softmax(logits[:, P - 1:-1], axis=-1)
+  logp = jax.nn.log_softmax(logits[:, P - 1 : -1], axis=-1)
   ref = np.take_along_axis(np.asarray(logp), seq[:, P:, None], axis=-1)[..., 0]
   return ref, np.asarray(out.mask_BC).astype(bool)
 
@@ -113,9 +153,18 @@ def test_logprobs_equal_teacher_forcing(tiny):
   tokens, mask = _prompts(cfg.vocab_size)
   G, C = 2, 10
   out = sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(3), sampling.SamplingSpec(
-          num_samples=G, max_new_tokens=C, strategy=strategies.TopK(temperature=0.7, k=20),
-          stop_ids=[5, 17]))
+    params,
+    cfg,
+    tokens,
+    mask,
+    jax.random.key(3),
+    sampling.SamplingSpec(
+      num_samples=G,
+      max_new_tokens=C,
+      strategy=strategies.TopK(temperature=0.7, k=20),
+      stop_ids=[5, 17],
+    ),
+  )
   ref, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   assert m.sum() > G * 3 * 3
   np.testing.assert_allclose(np.asarray(out.logprobs_BC)[m], ref[m], atol=1e-4)
@@ -135,8 +184,15 @@ def test_bfloat16_sampler_logprobs(tiny):
   tokens, mask = _prompts(cfg.vocab_size)
   G = 2
   out = sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(5), sampling.SamplingSpec(
-          num_samples=G, max_new_tokens=12, strategy=strategies.Temperature(1.0), stop_ids=[5, 17]))
+    params,
+    cfg,
+    tokens,
+    mask,
+    jax.random.key(5),
+    sampling.SamplingSpec(
+      num_samples=G, max_new_tokens=12, strategy=strategies.Temperature(1.0), stop_ids=[5, 17]
+    ),
+  )
   assert out.logprobs_BC.dtype == jnp.float32
   ref16, m = _teacher_forced(params, cfg, tokens, mask, out, G)
   ref32, _ = _teacher_forced(params32, cfg32, tokens, mask, out, G)
@@ -149,10 +205,21 @@ def test_bfloat16_sampler_logprobs(tiny):
 def test_same_rng_same_samples(tiny):
   _, cfg, params = tiny
   tokens, mask = _prompts(cfg.vocab_size)
-  run = lambda key: np.asarray(sampling.generate(
-      params, cfg, tokens, mask, jax.random.key(key), sampling.SamplingSpec(
-          num_samples=2, max_new_tokens=10, strategy=strategies.TopK(temperature=0.7, k=20),
-          stop_ids=[5, 17])).tokens_BC)
+  run = lambda key: np.asarray(
+    sampling.generate(
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(key),
+      sampling.SamplingSpec(
+        num_samples=2,
+        max_new_tokens=10,
+        strategy=strategies.TopK(temperature=0.7, k=20),
+        stop_ids=[5, 17],
+      ),
+    ).tokens_BC
+  )
   np.testing.assert_array_equal(run(3), run(3))
   assert (run(3) != run(4)).any()
 
@@ -164,16 +231,24 @@ def test_inverse_cdf_is_exact_and_skips_zero_weights():
   w = rng.integers(0, 4, 300).astype(np.float32)
   w[:130] = 0  # the whole first block and more carry no weight
   u = np.arange(1024, dtype=np.float32) / 1024  # includes u = 0
-  got = np.asarray(strategies.inverse_cdf(jnp.broadcast_to(jnp.asarray(w), (1024, 300)),
-                                        jnp.asarray(u)))
+  got = np.asarray(
+    strategies.inverse_cdf(jnp.broadcast_to(jnp.asarray(w), (1024, 300)), jnp.asarray(u))
+  )
   want = np.searchsorted(np.cumsum(w), u * w.sum(), side="right")
   np.testing.assert_array_equal(got, want)
   assert (w[got] > 0).all()
 
 
-@pytest.mark.parametrize("strategy", [
-    strategies.Greedy(), strategies.Temperature(1.0), strategies.Temperature(0.6),
-    strategies.TopK(temperature=1.0, k=5), strategies.TopP(temperature=1.2, p=0.5, k=30)])
+@pytest.mark.parametrize(
+  "strategy",
+  [
+    strategies.Greedy(),
+    strategies.Temperature(1.0),
+    strategies.Temperature(0.6),
+    strategies.TopK(temperature=1.0, k=5),
+    strategies.TopP(temperature=1.2, p=0.5, k=30),
+  ],
+)
 def test_choose_returns_the_untempered_logprob(strategy):
   # Vocab-major logits (the decode loop's layout); V = 300 spans a partial block.
   logits_VB = jax.random.normal(jax.random.key(0), (300, 16)) * 3.0
@@ -183,8 +258,7 @@ def test_choose_returns_the_untempered_logprob(strategy):
   ref_BV = x_BV - x_BV.max(-1, keepdims=True)
   ref_BV -= np.log(np.exp(ref_BV).sum(-1, keepdims=True))  # log_softmax in float64
   rows = np.arange(16)
-  np.testing.assert_allclose(np.asarray(logprobs_B), ref_BV[rows, np.asarray(tokens_B)],
-                             atol=1e-5)
+  np.testing.assert_allclose(np.asarray(logprobs_B), ref_BV[rows, np.asarray(tokens_B)], atol=1e-5)
   if isinstance(strategy, strategies.Greedy):
     np.testing.assert_array_equal(np.asarray(tokens_B), ref_BV.argmax(-1))
 
@@ -197,8 +271,9 @@ def _freq_bound(p: np.ndarray, n: int) -> np.ndarray:
 def _draw(strategy, logits_V: np.ndarray, n: int, seed: int) -> np.ndarray:
   logits = jnp.broadcast_to(jnp.asarray(logits_V, jnp.float32), (n, logits_V.size))
   keys = jax.random.split(jax.random.key(seed), n)
-  counts = np.bincount(np.asarray(jax.jit(strategy.next_token)(logits, keys)),
-                       minlength=logits_V.size)
+  counts = np.bincount(
+    np.asarray(jax.jit(strategy.next_token)(logits, keys)), minlength=logits_V.size
+  )
   return counts / n
 
 
@@ -207,9 +282,15 @@ def _softmax(x: np.ndarray) -> np.ndarray:
   return e / e.sum()
 
 
-@pytest.mark.parametrize("strategy", [
-    strategies.Temperature(0.7), strategies.TopK(temperature=1.3, k=7),
-    strategies.TopP(temperature=1.0, p=0.6), strategies.TopP(temperature=0.8, p=0.9, k=40)])
+@pytest.mark.parametrize(
+  "strategy",
+  [
+    strategies.Temperature(0.7),
+    strategies.TopK(temperature=1.3, k=7),
+    strategies.TopP(temperature=1.0, p=0.6),
+    strategies.TopP(temperature=0.8, p=0.9, k=40),
+  ],
+)
 def test_token_frequencies_match_the_distribution(strategy):
   # V = 300 is not a multiple of the 128-token block of the inverse-CDF draw.
   logits = np.random.default_rng(1).normal(0, 2.0, 300)
@@ -219,7 +300,7 @@ def test_token_frequencies_match_the_distribution(strategy):
   order = np.argsort(-p)
   keep = np.zeros(300, bool)
   if isinstance(strategy, strategies.TopK) or getattr(strategy, "k", 0):
-    keep[order[:strategy.k]] = True
+    keep[order[: strategy.k]] = True
   else:
     keep[:] = True
   p = np.where(keep, p, 0) / p[keep].sum()
@@ -246,8 +327,13 @@ def test_first_token_frequencies_through_generate():
   counts = np.zeros(12)
   for r in range(rounds):
     out = sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(r), sampling.SamplingSpec(
-            num_samples=n, max_new_tokens=1, strategy=strategies.Temperature(1.5)))
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(r),
+      sampling.SamplingSpec(num_samples=n, max_new_tokens=1, strategy=strategies.Temperature(1.5)),
+    )
     counts += np.bincount(np.asarray(out.tokens_BC[:, 0]), minlength=12)
   freq = counts / (n * rounds)
   assert (np.abs(freq - p) <= _freq_bound(p, n * rounds)).all(), np.abs(freq - p).max()
@@ -265,9 +351,18 @@ def test_length_buckets_bound_compilations(tiny):
   for P, C, stops in [(4, 9, [5]), (9, 16, [5, 17]), (16, 11, []), (17, 9, [5]), (30, 14, [9])]:
     tokens, mask = hf_utils.left_padded_batch(rng, [P, P - 2, 3], cfg.vocab_size)
     out = sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(P), sampling.SamplingSpec(
-            num_samples=2, max_new_tokens=C, strategy=strategies.TopK(temperature=0.7, k=20),
-            stop_ids=stops))
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(P),
+      sampling.SamplingSpec(
+        num_samples=2,
+        max_new_tokens=C,
+        strategy=strategies.TopK(temperature=0.7, k=20),
+        stop_ids=stops,
+      ),
+    )
     assert out.tokens_BC.shape == (6, C)
   new = {k: engine.TRACE_COUNTS[k] - before.get(k, 0) for k in ("prefill", "decode")}
   assert new == {"prefill": 2, "decode": 2}, new
@@ -275,8 +370,9 @@ def test_length_buckets_bound_compilations(tiny):
 
 def test_bad_input_is_named(tiny):
   _, cfg, params = tiny
-  gen = lambda t, m, **kw: sampling.generate(params, cfg, t, m, jax.random.key(0),
-                                             sampling.SamplingSpec(1, 4, **kw))
+  gen = lambda t, m, **kw: sampling.generate(
+    params, cfg, t, m, jax.random.key(0), sampling.SamplingSpec(1, 4, **kw)
+  )
   with pytest.raises(ValueError, match="left-padded"):
     gen(np.ones((1, 4), int), np.array([[1, 1, 0, 0]]))
   with pytest.raises(ValueError, match="stop_ids"):
@@ -324,7 +420,8 @@ _SHARDED = textwrap.dedent("""
     assert eight.tokens_BC.sharding.spec[0] == ("data", "fsdp"), eight.tokens_BC.sharding
     np.testing.assert_array_equal(np.asarray(one.tokens_BC), np.asarray(eight.tokens_BC))
     np.testing.assert_array_equal(np.asarray(one.mask_BC), np.asarray(eight.mask_BC))
-    np.testing.assert_allclose(np.asarray(one.logprobs_BC), np.asarray(eight.logprobs_BC), atol=1e-5)
+    np.testing.assert_allclose(np.asarray(one.logprobs_BC), np.asarray(eight.logprobs_BC),
+                               atol=1e-5)
     assert len(set(np.asarray(one.lengths_B).tolist())) > 1, one.lengths_B  # the stops took effect
     print("OK")
 """)
@@ -333,6 +430,7 @@ _SHARDED = textwrap.dedent("""
 @pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_sharded_greedy_equals_one_device():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-  proc = subprocess.run([sys.executable, "-c", _SHARDED], cwd=REPO, env=env,
-                        capture_output=True, text=True, timeout=300)
+  proc = subprocess.run(
+    [sys.executable, "-c", _SHARDED], cwd=REPO, env=env, capture_output=True, text=True, timeout=300
+  )
   assert proc.returncode == 0 and "OK" in proc.stdout, proc.stdout + proc.stderr[-3000:]

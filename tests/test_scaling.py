@@ -15,8 +15,7 @@ from sklearn.metrics import roc_auc_score
 
 import capo_jax.data
 from capo_jax.eval import calibration as cal
-from capo_jax.eval import plots
-from capo_jax.eval import report
+from capo_jax.eval import plots, report
 from capo_jax.eval import scaling as sc
 
 EXACT = sc.resolve_same_answer("exact")
@@ -29,8 +28,7 @@ def _question(answers, completions, p, correct, same=EXACT):
 def _select_accuracy(question, method, config=sc.ScalingConfig()):
   """Expected accuracy of ``method`` using all of the question's samples."""
   idx = np.arange(len(question.group_G))[None]
-  keep = (sc.rpc_keep_mask(question.s_G[None], None, config.weibull)
-          if method == "rpc" else None)
+  keep = sc.rpc_keep_mask(question.s_G[None], None, config.weibull) if method == "rpc" else None
   return float(sc.subset_accuracy(question, idx, method, keep, config.tie_rtol)[0])
 
 
@@ -41,8 +39,7 @@ def _naive_select(method, answers, completions, p, correct, keep=None):
     if a is not None:
       members.setdefault(a, []).append(bool(c))
   group_acc = {a: np.mean(cs) for a, cs in members.items()}
-  idx = [i for i, a in enumerate(answers)
-         if a is not None and (keep is None or keep[i])]
+  idx = [i for i, a in enumerate(answers) if a is not None and (keep is None or keep[i])]
   if not idx:
     return 0.0
   if method == "best_of_n":
@@ -64,8 +61,12 @@ def _naive_select(method, answers, completions, p, correct, keep=None):
 def test_pc_hand_case_duplicates_once_and_ties_split():
   # A: distinct completions c1 (0.5; its duplicate is not counted) + c4 (0.25)
   # = 0.75, tied with B = 0.75 -> half right. The None sample abstains.
-  q = _question(["A", "A", "B", "A", None], ["c1", "c1", "c3", "c4", "c5"],
-                [0.5, 0.5, 0.75, 0.25, 0.99], [1, 1, 0, 1, 0])
+  q = _question(
+    ["A", "A", "B", "A", None],
+    ["c1", "c1", "c3", "c4", "c5"],
+    [0.5, 0.5, 0.75, 0.25, 0.99],
+    [1, 1, 0, 1, 0],
+  )
   assert _select_accuracy(q, "pc") == pytest.approx(0.5)
   assert _select_accuracy(q, "majority") == 1.0  # A has 3 votes
   assert _select_accuracy(q, "best_of_n") == 0.0  # B has the top answered p
@@ -74,8 +75,7 @@ def test_pc_hand_case_duplicates_once_and_ties_split():
 def test_pc_groups_equivalent_answers_with_callable():
   canon = {"1/2": 0.5, "0.5": 0.5, "2": 2.0}
   same = lambda a, b: canon[a] == canon[b]  # noqa: E731
-  q = _question(["1/2", "2", "0.5"], ["x", "y", "z"], [0.4, 0.6, 0.3],
-                [1, 0, 1], same)
+  q = _question(["1/2", "2", "0.5"], ["x", "y", "z"], [0.4, 0.6, 0.3], [1, 0, 1], same)
   assert list(q.group_G) == [0, 1, 0]
   assert _select_accuracy(q, "pc") == 1.0  # 0.7 for 1/2 = 0.5 beats 0.6
   q_exact = _question(["1/2", "2", "0.5"], ["x", "y", "z"], [0.4, 0.6, 0.3], [1, 0, 1])
@@ -83,8 +83,7 @@ def test_pc_groups_equivalent_answers_with_callable():
 
 
 def test_best_of_n_and_majority_split_ties():
-  q = _question(["a", "b", "c", "d"], ["1", "2", "3", "4"],
-                [0.5, 0.5, 0.25, 0.5], [1, 0, 0, 0])
+  q = _question(["a", "b", "c", "d"], ["1", "2", "3", "4"], [0.5, 0.5, 0.25, 0.5], [1, 0, 0, 0])
   assert _select_accuracy(q, "best_of_n") == pytest.approx(1 / 3)
   assert _select_accuracy(q, "majority") == pytest.approx(1 / 4)
 
@@ -125,8 +124,9 @@ def test_mixture_recovers_two_separated_components():
   rng = np.random.default_rng(0)
   low = 0.3 * rng.weibull(8.0, 600)
   high = 0.9 * rng.weibull(40.0, 900)
-  mix = sc.fit_weibull_mixture(np.log(np.concatenate([low, high]))[None],
-                               config=sc.WeibullFitConfig(n_iter=500))
+  mix = sc.fit_weibull_mixture(
+    np.log(np.concatenate([low, high]))[None], config=sc.WeibullFitConfig(n_iter=500)
+  )
   assert mix.fitted_E[0]
   np.testing.assert_allclose(mix.weight_E2[0], [0.4, 0.6], atol=0.03)
   np.testing.assert_allclose(mix.scale_E2[0], [0.3, 0.9], rtol=0.03)
@@ -140,8 +140,9 @@ UNBOUNDED = sc.WeibullFitConfig(weight_min=0.0)
 def test_rpc_weight_bound_on_a_single_outlier(low_outlier):
   # 15 tight p values and one outlier: unbounded, one component shrinks onto the outlier
   # with its 1/16 share of the mass; bounded, that component's weight is lifted to 0.2.
-  cluster, outlier = ((np.linspace(0.88, 0.92, 15), 0.3) if low_outlier
-                      else (np.linspace(0.30, 0.34, 15), 0.95))
+  cluster, outlier = (
+    (np.linspace(0.88, 0.92, 15), 0.3) if low_outlier else (np.linspace(0.30, 0.34, 15), 0.95)
+  )
   s = np.log(np.r_[cluster, outlier])[None]
   small = 0 if low_outlier else 1  # the outlier's component (0: the lower mean)
   free = sc.fit_weibull_mixture(s, config=UNBOUNDED)
@@ -168,8 +169,9 @@ def test_rpc_weight_bound_changes_the_pruning():
   assert w[0] == pytest.approx(0.2)
 
   def nll(x):
-    dens = (x[0] * stats.weibull_min.pdf(p, x[1], scale=x[2])
-            + (1 - x[0]) * stats.weibull_min.pdf(p, x[3], scale=x[4]))
+    dens = x[0] * stats.weibull_min.pdf(p, x[1], scale=x[2]) + (1 - x[0]) * stats.weibull_min.pdf(
+      p, x[3], scale=x[4]
+    )
     return -np.log(dens).sum()
 
   # The bounded EM fit is a constrained optimum: the official code's optimizer (L-BFGS-B,
@@ -216,13 +218,18 @@ def test_scaling_curves_match_brute_force_over_all_subsets():
       per = {m: [] for m in sc.METHODS}
       for sub in itertools.combinations(range(g), n):
         sub = list(sub)
-        args = ([answers[i] for i in sub], [completions[i] for i in sub],
-                p[sub], [correct[i] for i in sub])
+        args = (
+          [answers[i] for i in sub],
+          [completions[i] for i in sub],
+          p[sub],
+          [correct[i] for i in sub],
+        )
         keep = sc.rpc_keep_mask(np.log(p[sub])[None])[0]
         for m in sc.METHODS:
           # group correctness is over the whole question: pass it via members
-          per[m].append(_naive_with_question(m, args, (answers, correct),
-                                             keep if m == "rpc" else None))
+          per[m].append(
+            _naive_with_question(m, args, (answers, correct), keep if m == "rpc" else None)
+          )
       for m in sc.METHODS:
         expect[m].append(np.mean(per[m]))
     for m in sc.METHODS:
@@ -244,8 +251,9 @@ def test_random_subsets_are_seeded_and_unbiased():
   config = sc.ScalingConfig(ns=(4,), n_subsets=64, methods=("pc", "majority"))
   a = sc.scaling_curves(questions, config)
   assert a == sc.scaling_curves(questions, config)
-  exact = sc.scaling_curves(questions, sc.ScalingConfig(
-      ns=(4,), n_subsets=math.comb(16, 4), methods=("pc", "majority")))
+  exact = sc.scaling_curves(
+    questions, sc.ScalingConfig(ns=(4,), n_subsets=math.comb(16, 4), methods=("pc", "majority"))
+  )
   for m in ("pc", "majority"):
     assert a[m][0] == pytest.approx(exact[m][0], abs=0.04)
 
@@ -253,18 +261,20 @@ def test_random_subsets_are_seeded_and_unbiased():
 def test_scaling_skips_questions_with_too_few_samples():
   raw = _random_questions(3, 3, 4)
   short = _question(*[x[:2] for x in raw[0]])
-  curves = sc.scaling_curves([_question(*r) for r in raw] + [short],
-                             sc.ScalingConfig(ns=(1, 2, 4, 8)))
+  curves = sc.scaling_curves(
+    [_question(*r) for r in raw] + [short], sc.ScalingConfig(ns=(1, 2, 4, 8))
+  )
   assert curves["n_questions"] == [4, 4, 3, 0]
   assert math.isnan(curves["pc"][3])
 
 
 def test_default_grouping_uses_rewards_lazily(monkeypatch):
-  """"rewards" grades answer a, boxed, against b with capo_jax.data.rewards.is_correct."""
+  """ "rewards" grades answer a, boxed, against b with capo_jax.data.rewards.is_correct."""
   calls = []
   fake = types.ModuleType("capo_jax.data.rewards")
-  fake.is_correct = lambda completion, gold: calls.append((completion, gold)) or \
-      completion == "\\boxed{" + gold + "}"
+  fake.is_correct = lambda completion, gold: (
+    calls.append((completion, gold)) or completion == "\\boxed{" + gold + "}"
+  )
   monkeypatch.setitem(sys.modules, "capo_jax.data.rewards", fake)
   monkeypatch.setattr(capo_jax.data, "rewards", fake, raising=False)
   same = sc.resolve_same_answer()
@@ -290,10 +300,18 @@ def _synthetic_rows(seed: int):
         ok = bool(rng.uniform() < rate)
         ans = "42" if ok else str(rng.integers(0, 5))
         ans = None if (not ok and rng.uniform() < 0.2) else ans
-        rows.append({"benchmark": bench, "question_id": f"{bench}-{q}",
-                     "sample_index": 15 - i, "completion": f"... {ans} {i % 3}",
-                     "answer": ans, "correct": ok, "length": int(rng.integers(5, 50)),
-                     "s": float(np.log(rng.uniform(0.6, 1.0) if ok else rng.uniform(0.2, 0.9)))})
+        rows.append(
+          {
+            "benchmark": bench,
+            "question_id": f"{bench}-{q}",
+            "sample_index": 15 - i,
+            "completion": f"... {ans} {i % 3}",
+            "answer": ans,
+            "correct": ok,
+            "length": int(rng.integers(5, 50)),
+            "s": float(np.log(rng.uniform(0.6, 1.0) if ok else rng.uniform(0.2, 0.9))),
+          }
+        )
   return rows
 
 
@@ -301,13 +319,16 @@ def test_compute_results_on_samples_file_and_plots(tmp_path):
   rows = _synthetic_rows(0)
   path = tmp_path / "samples.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows), encoding="utf-8")
-  config = report.ResultsConfig(grouping="exact",
-                                scaling=sc.ScalingConfig(n_subsets=16))  # N=1 exact
+  config = report.ResultsConfig(
+    grouping="exact", scaling=sc.ScalingConfig(n_subsets=16)
+  )  # N=1 exact
   results = report.compute_results(report.load_samples(path), config, run="toy")
   assert list(results["benchmarks"]) == ["aime25", "math500"]
   for bench, res in results["benchmarks"].items():
-    mine = sorted((r for r in rows if r["benchmark"] == bench),
-                  key=lambda r: (r["question_id"], r["sample_index"]))
+    mine = sorted(
+      (r for r in rows if r["benchmark"] == bench),
+      key=lambda r: (r["question_id"], r["sample_index"]),
+    )
     by_q: dict[str, list[dict]] = {}
     for r in mine:
       by_q.setdefault(r["question_id"], []).append(r)
@@ -322,10 +343,18 @@ def test_compute_results_on_samples_file_and_plots(tmp_path):
     assert res["pooled_auc"] == pytest.approx(roc_auc_score(c.ravel(), s.ravel()))
     assert res["pass@k"]["1"] == pytest.approx(c.mean())
     assert res["scaling"]["best_of_n"][0] == pytest.approx(c.mean())
-    pc16 = np.mean([_naive_select("pc", [r["answer"] for r in q],
-                                  [r["completion"] for r in q],
-                                  np.exp([r["s"] for r in q]),
-                                  [r["correct"] for r in q]) for q in qs])
+    pc16 = np.mean(
+      [
+        _naive_select(
+          "pc",
+          [r["answer"] for r in q],
+          [r["completion"] for r in q],
+          np.exp([r["s"] for r in q]),
+          [r["correct"] for r in q],
+        )
+        for q in qs
+      ]
+    )
     assert res["scaling"]["pc"][-1] == pytest.approx(pc16)
     assert res["auc_per_question"].count(None) == len(qs) - len(aucs)
   run_a = report.write_results(results, tmp_path / "run_a")
@@ -334,8 +363,7 @@ def test_compute_results_on_samples_file_and_plots(tmp_path):
   report.write_results(results, tmp_path / "run_b")
   md = report.compare([tmp_path / "run_a", tmp_path / "run_b"], tmp_path / "cmp")
   text = open(md, encoding="utf-8").read()
-  assert ("| benchmark | toy acc | toy AUC | toy AURC | toy2 acc | toy2 AUC | toy2 AURC |"
-          in text)
+  assert "| benchmark | toy acc | toy AUC | toy AURC | toy2 acc | toy2 AUC | toy2 AURC |" in text
   for bench in ("aime25", "math500"):
     for kind in ("precision_coverage", "scaling", "auc_hist"):
       png = tmp_path / "cmp" / f"{bench}_{kind}.png"
@@ -346,11 +374,14 @@ def test_compute_results_on_samples_file_and_plots(tmp_path):
 def test_plot_functions_write_png(tmp_path):
   cov, prec, _ = cal.precision_coverage([-0.1, -0.5, -0.2, -0.9], [1, 0, 1, 0])
   files = [
-      plots.plot_precision_coverage({"a": (cov, prec), "b": (cov, prec[::-1])},
-                                    tmp_path / "pc.png"),
-      plots.plot_scaling({"run": {"pc": [0.1, 0.2, 0.3], "majority": [0.1, 0.15, 0.2]}},
-                         [1, 2, 4], tmp_path / "sub" / "scaling.png"),
-      plots.plot_auc_histogram({"a": [0.5, 0.7, np.nan], "b": []}, tmp_path / "h.png")]
+    plots.plot_precision_coverage({"a": (cov, prec), "b": (cov, prec[::-1])}, tmp_path / "pc.png"),
+    plots.plot_scaling(
+      {"run": {"pc": [0.1, 0.2, 0.3], "majority": [0.1, 0.15, 0.2]}},
+      [1, 2, 4],
+      tmp_path / "sub" / "scaling.png",
+    ),
+    plots.plot_auc_histogram({"a": [0.5, 0.7, np.nan], "b": []}, tmp_path / "h.png"),
+  ]
   for f in files:
     with open(f, "rb") as fh:
       assert fh.read(8) == b"\x89PNG\r\n\x1a\n"

@@ -36,8 +36,9 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
   cfg = Qwen2Config.tiny()  # D 64, N 4, K 2, F 128, V 256: every axis divides by 2
   B, P, C, Y = 8, 6, 10, 4
   lcfg = lora_lib.LoraConfig(rank=4, alpha=8.0) if use_lora else None
-  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-3, eps=1e-2), lora=lcfg,
-                        logprob_chunk_size=4)
+  tcfg = ts.TrainConfig(
+    optim=OptimConfig(learning_rate=1e-3, eps=1e-2), lora=lcfg, logprob_chunk_size=4
+  )
   rules = mesh_lib.TRAIN_RULES
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, 256, (B, P)).astype(np.int32)
@@ -49,13 +50,16 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
   adapters = None
   if lcfg is not None:  # B != 0, so the adapters change the pass
     adapters = lora_lib.init_adapters(qwen2.param_shapes(cfg), lcfg, jax.random.key(2))
-    adapters = jax.tree.map(lambda x: np.asarray(x) + 0.05 * rng.normal(size=x.shape).astype(
-        np.float32), adapters)
+    adapters = jax.tree.map(
+      lambda x: np.asarray(x) + 0.05 * rng.normal(size=x.shape).astype(np.float32), adapters
+    )
   row_len = 2 * (P + C) if pack else 0
   layout = packing.RowLayout(row_len, Y, pack)
   out = {}
-  for name, axes, devs in (("one", {"data": 1}, jax.devices()[:1]),
-                           ("eight", {"data": 2, "fsdp": 2, "tensor": 2}, None)):
+  for name, axes, devs in (
+    ("one", {"data": 1}, jax.devices()[:1]),
+    ("eight", {"data": 2, "fsdp": 2, "tensor": 2}, None),
+  ):
     mesh = mesh_lib.make_mesh(axes, devices=devs)
     trained = adapters if lcfg is not None else base
     state = ts.train_state_from_params(trained, cfg, tcfg, mesh, rules)
@@ -69,16 +73,25 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
     step = ts.make_train_step(cfg, tcfg, mesh, rules, Y)
     extra = (base_dev,) if lcfg else ()
     state, met = step(state, batch.train_batch(Y, pack=pack, row_len=row_len), *extra)
-    out[name] = dict(pass_=got, params=jax.tree.map(np.asarray, state.params),
-                     loss=float(met["loss"]), grad_norm=float(met["grad_norm"]))
+    out[name] = dict(
+      pass_=got,
+      params=jax.tree.map(np.asarray, state.params),
+      loss=float(met["loss"]),
+      grad_norm=float(met["grad_norm"]),
+    )
   one, eight = out["one"], out["eight"]
-  diff = lambda a, b: max(float(np.abs(np.asarray(x) - np.asarray(y)).max())  # noqa: E731
-                          for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+  diff = lambda a, b: max(
+    float(np.abs(np.asarray(x) - np.asarray(y)).max())  # noqa: E731
+    for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  )
   moved = diff(one["params"], adapters if lcfg else base)
-  return {"pass": diff(one["pass_"], eight["pass_"]), "params": diff(one["params"],
-                                                                      eight["params"]),
-          "loss": abs(one["loss"] - eight["loss"]),
-          "grad_norm_rel": abs(one["grad_norm"] / eight["grad_norm"] - 1), "moved": moved}
+  return {
+    "pass": diff(one["pass_"], eight["pass_"]),
+    "params": diff(one["params"], eight["params"]),
+    "loss": abs(one["loss"] - eight["loss"]),
+    "grad_norm_rel": abs(one["grad_norm"] / eight["grad_norm"] - 1),
+    "moved": moved,
+  }
 
 
 def _child() -> None:
@@ -88,14 +101,23 @@ def _child() -> None:
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: eight small compiles; .ci/run runs it
 def test_sharded_pass_and_step_equal_one_device():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
-      [REPO, os.path.join(REPO, "tests")]), XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"))
-  res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=900)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+    XLA_FLAGS=("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
+  )
+  res = subprocess.run(
+    [sys.executable, os.path.abspath(__file__)],
+    env=env,
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=900,
+  )
   lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
   assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
-  results = json.loads(lines[0][len("RESULTS "):])
+  results = json.loads(lines[0][len("RESULTS ") :])
   assert len(results) == 4
   for case, r in results.items():
     assert r["moved"] > 1e-5, (case, r)  # the step did something to compare

@@ -2,16 +2,18 @@
 
 from __future__ import annotations
 
-import hf_utils
 import numpy as np
 import pytest
 
+import hf_utils
 from capo_jax.data import tokenizer as tk
 
 # The Qwen2.5-Math chain-of-thought prompt (docs/algorithms.md), verbatim.
-QWEN_MATH_PROMPT = ("<|im_start|>system\nPlease reason step by step, and put your final answer "
-                    "within \\boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
-                    "<|im_start|>assistant\n")
+QWEN_MATH_PROMPT = (
+  "<|im_start|>system\nPlease reason step by step, and put your final answer "
+  "within \\boxed{}.<|im_end|>\n<|im_start|>user\n{question}<|im_end|>\n"
+  "<|im_start|>assistant\n"
+)
 QUESTIONS = ["What is 1 + 2?", "Let x be a real number such that 2x + 3 = 11. Find x.", "Hi"]
 
 
@@ -79,8 +81,8 @@ def test_decode_completions_cut_at_stop_tokens(tok):
   tokens = np.full((3, width), tok.pad_id, np.int32)
   mask = np.zeros((3, width), np.int32)
   for b, r in enumerate(rows):
-    tokens[b, :len(r)] = r
-    mask[b, :len(r)] = 1
+    tokens[b, : len(r)] = r
+    mask[b, : len(r)] = 1
   texts = tok.decode_completions(tokens, mask)
   assert texts == [answer, answer, answer + " never shown"]
   assert tok.completion_length(rows[0]) == len(ids) + 1

@@ -73,9 +73,17 @@ class DeadlinePool:
   after the other.
   """
 
-  def __init__(self, target: str, num_workers: int, timeout_s: float, *,
-               warmup: str | None = None, startup_timeout_s: float = 120.0,
-               max_calls: int = 0, max_rss_mb: float = 0.0) -> None:
+  def __init__(
+    self,
+    target: str,
+    num_workers: int,
+    timeout_s: float,
+    *,
+    warmup: str | None = None,
+    startup_timeout_s: float = 120.0,
+    max_calls: int = 0,
+    max_rss_mb: float = 0.0,
+  ) -> None:
     if num_workers < 1:
       raise ValueError(f"num_workers must be >= 1, got {num_workers}")
     if not timeout_s > 0:
@@ -103,23 +111,26 @@ class DeadlinePool:
     parent_r, child_w = os.pipe()
     child_r, parent_w = os.pipe()
     env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-c", "from capo_jax.data._grader_pool import _worker_main; _worker_main()",
-           self.target, self.warmup or "", str(child_r), str(child_w)]
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_ROOT, env.get("PYTHONPATH", "")) if p)
+    main = "from capo_jax.data._grader_pool import _worker_main; _worker_main()"
+    cmd = [sys.executable, "-c", main, self.target, self.warmup or "", str(child_r), str(child_w)]
     try:
       # Own process group: `_kill` signals the group, so the target's subprocesses die too; and
       # a Ctrl-C at the terminal reaches the parent only, which then kills the workers,
       # instead of every worker printing a KeyboardInterrupt.
-      group = ({"process_group": 0} if sys.version_info >= (3, 11) else
-               {"start_new_session": True})
-      proc = subprocess.Popen(cmd, pass_fds=(child_r, child_w), env=env,
-                              stdin=subprocess.DEVNULL, **group)
+      group = {"process_group": 0} if sys.version_info >= (3, 11) else {"start_new_session": True}
+      proc = subprocess.Popen(
+        cmd, pass_fds=(child_r, child_w), env=env, stdin=subprocess.DEVNULL, **group
+      )
     finally:
       os.close(child_r)
       os.close(child_w)
-    return _Worker(proc=proc, to_worker=Connection(parent_w, readable=False),
-                   from_worker=Connection(parent_r, writable=False), started=time.monotonic())
+    return _Worker(
+      proc=proc,
+      to_worker=Connection(parent_w, readable=False),
+      from_worker=Connection(parent_r, writable=False),
+      started=time.monotonic(),
+    )
 
   @staticmethod
   def _kill(w: _Worker) -> None:
@@ -162,8 +173,10 @@ class DeadlinePool:
     self._failed_starts += 1
     if self._failed_starts >= max(3, 2 * self.num_workers):
       self.close()
-      raise RuntimeError(f"grader workers for {self.target} keep failing to start ({why}); "
-                         "see the worker's stderr above")
+      raise RuntimeError(
+        f"grader workers for {self.target} keep failing to start ({why}); "
+        "see the worker's stderr above"
+      )
     logger.warning("grader worker failed to start (%s); starting another", why)
     self._replace(w)
 
@@ -224,20 +237,25 @@ class DeadlinePool:
           except OSError:
             pass  # it died; the EOF on its pipe is handled below
       now = time.monotonic()
-      deadlines = [w.last_progress + self.timeout_s if w.ready else
-                   w.started + self.startup_timeout_s
-                   for w in self._workers if w.inflight or not w.ready]
+      deadlines = [
+        w.last_progress + self.timeout_s if w.ready else w.started + self.startup_timeout_s
+        for w in self._workers
+        if w.inflight or not w.ready
+      ]
       wait_s = max(0.0, min(deadlines) - now) if deadlines else 1.0
       for conn in wait([w.from_worker for w in self._workers], timeout=wait_s):
-        w = next((w for w in self._workers if w.from_worker is conn), None)
-        if w is not None:
-          self._drain(w, results, queue)
+        sender = next((w for w in self._workers if w.from_worker is conn), None)
+        if sender is not None:
+          self._drain(sender, results, queue)
       now = time.monotonic()
       for w in list(self._workers):
         if w.inflight and now > w.last_progress + self.timeout_s:
           self._drain(w, results, queue)  # results it sent just before the deadline count
-          if w in self._workers and w.inflight and time.monotonic() > (
-              w.last_progress + self.timeout_s):
+          if (
+            w in self._workers
+            and w.inflight
+            and time.monotonic() > (w.last_progress + self.timeout_s)
+          ):
             self._finish(results, w.inflight.popleft(), (TIMEOUT, None))
             queue.extendleft(reversed(w.inflight))
             w.inflight.clear()
@@ -286,8 +304,13 @@ class DeadlinePool:
     if why:
       # Once per worker, so quiet unless a worker is near the limit from its first item.
       log = logger.warning if w.items_done == 1 and self.max_calls != 1 else logger.info
-      log("grader worker for %s recycled (%s; limits: %s items, %s MiB)", self.target, why,
-          self.max_calls or "no", self.max_rss_mb or "no")
+      log(
+        "grader worker for %s recycled (%s; limits: %s items, %s MiB)",
+        self.target,
+        why,
+        self.max_calls or "no",
+        self.max_rss_mb or "no",
+      )
       queue.extendleft(reversed(w.inflight))
       w.inflight.clear()
       self._replace(w, recycled=True)

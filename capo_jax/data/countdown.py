@@ -35,12 +35,30 @@ from capo_jax.data.rewards import extract_answer
 
 MAX_EXPR_LEN = 200  # longer answers are wrong without being parsed
 _OPS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {
-    ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul,
-    ast.Div: operator.truediv}
+  ast.Add: operator.add,
+  ast.Sub: operator.sub,
+  ast.Mult: operator.mul,
+  ast.Div: operator.truediv,
+}
 # LaTeX and typographic spellings models write inside a box -> Python's.
-_REPLACE = (("\\left", ""), ("\\right", ""), ("\\times", "*"), ("\\cdot", "*"), ("×", "*"),
-            ("·", "*"), ("\\div", "/"), ("÷", "/"), ("−", "-"), ("\\{", "("), ("\\}", ")"),
-            ("{", "("), ("}", ")"), ("[", "("), ("]", ")"), ("$", ""))
+_REPLACE = (
+  ("\\left", ""),
+  ("\\right", ""),
+  ("\\times", "*"),
+  ("\\cdot", "*"),
+  ("×", "*"),
+  ("·", "*"),
+  ("\\div", "/"),
+  ("÷", "/"),
+  ("−", "-"),
+  ("\\{", "("),
+  ("\\}", ")"),
+  ("{", "("),
+  ("}", ")"),
+  ("[", "("),
+  ("]", ")"),
+  ("$", ""),
+)
 
 
 def format_gold(numbers: list[int], target: int) -> str:
@@ -108,8 +126,9 @@ def is_correct(completion: str, gold: str) -> bool:
   return expr is not None and check_expression(expr, numbers, target)
 
 
-def _question(rng: random.Random, min_numbers: int, max_numbers: int,
-              max_number: int, max_target: int) -> tuple[list[int], int]:
+def _question(
+  rng: random.Random, min_numbers: int, max_numbers: int, max_number: int, max_target: int
+) -> tuple[list[int], int]:
   """Numbers and a target that combining all of them in a random order reaches."""
   while True:
     numbers = [rng.randint(1, max_number) for _ in range(rng.randint(min_numbers, max_numbers))]
@@ -127,24 +146,36 @@ def _question(rng: random.Random, min_numbers: int, max_numbers: int,
       return numbers, int(target)
 
 
-PROMPT = ("Using the numbers {numbers}, write an arithmetic expression that equals {target}. "
-          "You may use +, -, *, / and parentheses, and each number at most once. "
-          "Put the final expression in \\boxed{{}}.")
+PROMPT = (
+  "Using the numbers {numbers}, write an arithmetic expression that equals {target}. "
+  "You may use +, -, *, / and parentheses, and each number at most once. "
+  "Put the final expression in \\boxed{{}}."
+)
 
 
-def examples(n: int = 5000, seed: int = 0, *, min_numbers: int = 3, max_numbers: int = 4,
-             max_number: int = 25, max_target: int = 200) -> list[Example]:
+def examples(
+  n: int = 5000,
+  seed: int = 0,
+  *,
+  min_numbers: int = 3,
+  max_numbers: int = 4,
+  max_number: int = 25,
+  max_target: int = 200,
+) -> list[Example]:
   """``n`` generated questions; question i depends only on (seed, i), so a longer list
   starts with the shorter one."""
   out = []
   for i in range(n):
     rng = random.Random(f"countdown:{seed}:{i}")  # str seeds hash with SHA-512: stable
     numbers, target = _question(rng, min_numbers, max_numbers, max_number, max_target)
-    out.append(Example(id=f"countdown/{i}",
-                       problem=PROMPT.format(numbers=", ".join(map(str, numbers)),
-                                             target=target),
-                       answer=format_gold(numbers, target),
-                       meta={"numbers": numbers, "target": target}))
+    out.append(
+      Example(
+        id=f"countdown/{i}",
+        problem=PROMPT.format(numbers=", ".join(map(str, numbers)), target=target),
+        answer=format_gold(numbers, target),
+        meta={"numbers": numbers, "target": target},
+      )
+    )
   return out
 
 

@@ -25,15 +25,16 @@ log = logging.getLogger(__name__)
 
 # Our field -> the source keys tried in order, unless a field map says otherwise.
 DEFAULT_FIELDS: dict[str, tuple[str, ...]] = {
-    "id": ("id", "unique_id", "idx"),
-    "problem": ("problem", "question"),
-    "answer": ("answer", "final_answer"),
+  "id": ("id", "unique_id", "idx"),
+  "problem": ("problem", "question"),
+  "answer": ("answer", "final_answer"),
 }
 
 
 @dataclasses.dataclass(frozen=True)
 class Example:
   """One question: `meta` holds every other field of the source row (solution, level...)."""
+
   id: str
   problem: str
   answer: str
@@ -43,6 +44,7 @@ class Example:
 @dataclasses.dataclass(frozen=True)
 class DatasetSpec:
   """Where a named dataset lives: file names tried in the data dir, then the hub."""
+
   name: str
   filenames: tuple[str, ...]
   hub_id: str
@@ -57,22 +59,45 @@ class DatasetSpec:
   generator: str | None = None
 
 
-REGISTRY: dict[str, DatasetSpec] = {s.name: s for s in (
+REGISTRY: dict[str, DatasetSpec] = {
+  s.name: s
+  for s in (
     DatasetSpec("math500", ("math500.jsonl",), "HuggingFaceH4/MATH-500", "test"),
     DatasetSpec("aime24", ("aime24.jsonl",), "HuggingFaceH4/aime_2024", "train"),
     DatasetSpec("aime25", ("aime25.jsonl",), "math-ai/aime25", "test"),
     DatasetSpec("amc23", ("amc23.jsonl",), "math-ai/amc23", "test"),
     DatasetSpec("minerva_math", ("minerva_math.jsonl",), "math-ai/minervamath", "test"),
-    DatasetSpec("olympiadbench", ("olympiadbench.jsonl",), "Hothan/OlympiadBench", "train",
-                hub_config="OE_TO_maths_en_COMP"),
-    DatasetSpec("deepscaler", ("deepscaler.jsonl", "deepscaler_sample.jsonl"),
-                "agentica-org/DeepScaleR-Preview-Dataset", "train"),
-    DatasetSpec("math_train", ("math_train.jsonl", "math_train_sample.jsonl"),
-                "DigitalLearningGmbH/MATH-lighteval", "train", answer_from="solution"),
+    DatasetSpec(
+      "olympiadbench",
+      ("olympiadbench.jsonl",),
+      "Hothan/OlympiadBench",
+      "train",
+      hub_config="OE_TO_maths_en_COMP",
+    ),
+    DatasetSpec(
+      "deepscaler",
+      ("deepscaler.jsonl", "deepscaler_sample.jsonl"),
+      "agentica-org/DeepScaleR-Preview-Dataset",
+      "train",
+    ),
+    DatasetSpec(
+      "math_train",
+      ("math_train.jsonl", "math_train_sample.jsonl"),
+      "DigitalLearningGmbH/MATH-lighteval",
+      "train",
+      answer_from="solution",
+    ),
     # Generated (capo_jax/data/countdown.py): answers are expressions, checked by value.
-    DatasetSpec("countdown", ("countdown.jsonl",), "", "", checker="countdown",
-                generator="capo_jax.data.countdown:examples"),
-)}
+    DatasetSpec(
+      "countdown",
+      ("countdown.jsonl",),
+      "",
+      "",
+      checker="countdown",
+      generator="capo_jax.data.countdown:examples",
+    ),
+  )
+}
 
 
 class DataError(ValueError):
@@ -82,6 +107,7 @@ class DataError(ValueError):
 @dataclasses.dataclass
 class Dataset:
   """Loaded examples plus what was skipped (only with ``skip_bad=True``)."""
+
   source: str
   examples: list[Example]
   num_skipped: int = 0
@@ -102,16 +128,19 @@ def _data_dir(data_dir: str | os.PathLike | None) -> fs.Path | None:
   return fs.path(d) if d else None
 
 
-def resolve(name_or_path: str | os.PathLike,
-            data_dir: str | os.PathLike | None = None) -> fs.Path | DatasetSpec:
+def resolve(
+  name_or_path: str | os.PathLike, data_dir: str | os.PathLike | None = None
+) -> fs.Path | DatasetSpec:
   """An existing file path, a registry name's file in the data dir, or its spec (hub)."""
   path = fs.path(name_or_path)
   if path.is_file():
     return path
   spec = REGISTRY.get(str(name_or_path))
   if spec is None:
-    raise FileNotFoundError(f"{name_or_path!s}: no such file, and not a dataset name "
-                            f"(known: {', '.join(sorted(REGISTRY))})")
+    raise FileNotFoundError(
+      f"{name_or_path!s}: no such file, and not a dataset name "
+      f"(known: {', '.join(sorted(REGISTRY))})"
+    )
   d = _data_dir(data_dir)
   if d is not None:
     for fname in spec.filenames:
@@ -131,8 +160,13 @@ def _text(value: Any) -> str:
   return value.strip() if isinstance(value, str) else str(value)
 
 
-def _to_example(row: Any, where: str, default_id: str, field_map: dict[str, str] | None,
-                answer_from: str | None = None) -> Example:
+def _to_example(
+  row: Any,
+  where: str,
+  default_id: str,
+  field_map: dict[str, str] | None,
+  answer_from: str | None = None,
+) -> Example:
   if not isinstance(row, dict):
     raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
   used, values = set(), {}
@@ -141,6 +175,7 @@ def _to_example(row: Any, where: str, default_id: str, field_map: dict[str, str]
     key = next((k for k in keys if k in row and row[k] is not None), None)
     if key is None and field == "answer" and answer_from and answer_from in row:
       from capo_jax.data.rewards import extract_boxed  # noqa: PLC0415
+
       key, value = answer_from, extract_boxed(_text(row[answer_from])) or ""
     elif key is None:
       if field == "id":
@@ -189,8 +224,10 @@ def _read_rows(path: fs.Path) -> Iterator[tuple[str, Any]]:
     try:
       import pyarrow.parquet as pq  # noqa: PLC0415 -- optional dependency
     except ImportError as e:
-      raise ImportError(f"reading {path} needs the package 'pyarrow' (pip install pyarrow), "
-                        "which is not installed; or convert the file to JSONL") from e
+      raise ImportError(
+        f"reading {path} needs the package 'pyarrow' (pip install pyarrow), "
+        "which is not installed; or convert the file to JSONL"
+      ) from e
     with path.open("rb") as f:
       rows = pq.read_table(f).to_pylist()
     for i, row in enumerate(rows):
@@ -204,20 +241,28 @@ def _hub_rows(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
     import datasets  # noqa: PLC0415 -- optional dependency, needs the network
   except ImportError as e:
     raise ImportError(
-        f"dataset {spec.name!r} is not in the data dir (tried {', '.join(spec.filenames)}; "
-        "set CAPO_DATA_DIR or pass data_dir), and loading it from the hub "
-        f"({spec.hub_id}) needs the package 'datasets', which is not installed") from e
+      f"dataset {spec.name!r} is not in the data dir (tried {', '.join(spec.filenames)}; "
+      "set CAPO_DATA_DIR or pass data_dir), and loading it from the hub "
+      f"({spec.hub_id}) needs the package 'datasets', which is not installed"
+    ) from e
   try:
     ds = datasets.load_dataset(spec.hub_id, spec.hub_config, split=spec.split)
   except Exception as e:  # offline, unknown id, ...: say which dataset and what to do
-    raise RuntimeError(f"could not load {spec.hub_id} (split {spec.split}) from the hub: {e}. "
-                       f"Offline? Put {spec.filenames[0]} in CAPO_DATA_DIR instead.") from e
+    raise RuntimeError(
+      f"could not load {spec.hub_id} (split {spec.split}) from the hub: {e}. "
+      f"Offline? Put {spec.filenames[0]} in CAPO_DATA_DIR instead."
+    ) from e
   for i, row in enumerate(ds):
     yield f"{spec.hub_id}[{spec.split}]: row {i}", row
 
 
-def load_examples(path_or_name: str | os.PathLike, *, data_dir: str | os.PathLike | None = None,
-                  field_map: dict[str, str] | None = None, skip_bad: bool = False) -> Dataset:
+def load_examples(
+  path_or_name: str | os.PathLike,
+  *,
+  data_dir: str | os.PathLike | None = None,
+  field_map: dict[str, str] | None = None,
+  skip_bad: bool = False,
+) -> Dataset:
   """Loads a dataset file or a registry name (see `resolve`).
 
   Args:
@@ -231,8 +276,10 @@ def load_examples(path_or_name: str | os.PathLike, *, data_dir: str | os.PathLik
   target = resolve(path_or_name, data_dir)
   if isinstance(target, DatasetSpec) and target.generator:
     module, _, fn = target.generator.partition(":")
-    return Dataset(source=f"{target.name} (generated by {target.generator})",
-                   examples=list(getattr(importlib.import_module(module), fn)()))
+    return Dataset(
+      source=f"{target.name} (generated by {target.generator})",
+      examples=list(getattr(importlib.import_module(module), fn)()),
+    )
   if isinstance(target, DatasetSpec):
     rows, stem, source = _hub_rows(target), target.name, target.hub_id
     field_map = field_map or target.field_map
@@ -257,6 +304,7 @@ def load_examples(path_or_name: str | os.PathLike, *, data_dir: str | os.PathLik
 @dataclasses.dataclass(frozen=True)
 class Split:
   """A training set and the held-out validation set drawn from the same file."""
+
   train: list[Example]
   val: list[Example]
 
@@ -264,8 +312,13 @@ class Split:
     return {"train_ids": [e.id for e in self.train], "val_ids": [e.id for e in self.val]}
 
 
-def split_train_val(examples: Sequence[Example], train_size: int, val_size: int, seed: int,
-                    source: str = "the training data") -> Split:
+def split_train_val(
+  examples: Sequence[Example],
+  train_size: int,
+  val_size: int,
+  seed: int,
+  source: str = "the training data",
+) -> Split:
   """A fixed-seed split: ``val_size`` held-out questions, then ``train_size`` for training.
 
   The paper trains on 20,000 DeepScaleR problems and validates on 240 others.
@@ -278,18 +331,26 @@ def split_train_val(examples: Sequence[Example], train_size: int, val_size: int,
   counts = collections.Counter(e.id for e in examples)
   dup = next((i for i, n in counts.items() if n > 1), None)
   if dup is not None:
-    raise DataError(f"{source}: question id {dup!r} appears more than once; the split "
-                    "needs unique ids")
+    raise DataError(
+      f"{source}: question id {dup!r} appears more than once; the split needs unique ids"
+    )
   if val_size >= len(examples):
-    raise DataError(f"{source}: {len(examples)} questions, not enough for a validation set "
-                    f"of {val_size} plus training questions (config.data.val_size)")
+    raise DataError(
+      f"{source}: {len(examples)} questions, not enough for a validation set "
+      f"of {val_size} plus training questions (config.data.val_size)"
+    )
   order = np.random.default_rng(seed).permutation(len(examples))
   val = [examples[i] for i in order[:val_size]]
   rest = order[val_size:]
   if train_size and train_size > len(rest):
-    log.warning("%s: %d questions left after the %d held out, fewer than "
-                "config.data.train_size=%d; training on all of them", source, len(rest),
-                val_size, train_size)
+    log.warning(
+      "%s: %d questions left after the %d held out, fewer than "
+      "config.data.train_size=%d; training on all of them",
+      source,
+      len(rest),
+      val_size,
+      train_size,
+    )
   train = [examples[i] for i in (rest[:train_size] if train_size else rest)]
   return Split(train=train, val=val)
 
@@ -304,13 +365,21 @@ class PromptIterator:
   process_count.
   """
 
-  def __init__(self, examples: Sequence[Example], batch_size: int, seed: int, *,
-               process_index: int = 0, process_count: int = 1) -> None:
+  def __init__(
+    self,
+    examples: Sequence[Example],
+    batch_size: int,
+    seed: int,
+    *,
+    process_index: int = 0,
+    process_count: int = 1,
+  ) -> None:
     if not examples:
       raise ValueError("PromptIterator needs at least one example")
     if batch_size < 1 or process_count < 1 or batch_size % process_count:
-      raise ValueError(f"batch_size {batch_size} must be a positive multiple of "
-                       f"process_count {process_count}")
+      raise ValueError(
+        f"batch_size {batch_size} must be a positive multiple of process_count {process_count}"
+      )
     if not 0 <= process_index < process_count:
       raise ValueError(f"process_index {process_index} not in [0, {process_count})")
     self.examples = list(examples)
@@ -334,7 +403,7 @@ class PromptIterator:
     while len(out) < self.batch_size:
       order = self._order(self.epoch)
       take = min(self.batch_size - len(out), len(order) - self.position)
-      out.extend(int(i) for i in order[self.position:self.position + take])
+      out.extend(int(i) for i in order[self.position : self.position + take])
       self.position += take
       if self.position == len(order):
         self.epoch, self.position = self.epoch + 1, 0
@@ -343,7 +412,7 @@ class PromptIterator:
   def next_batch(self) -> list[Example]:
     """This process's share of the next global batch."""
     share = self.batch_size // self.process_count
-    idx = self.next_global_indices()[self.process_index * share:(self.process_index + 1) * share]
+    idx = self.next_global_indices()[self.process_index * share : (self.process_index + 1) * share]
     return [self.examples[i] for i in idx]
 
   def __iter__(self) -> Iterator[list[Example]]:
@@ -352,15 +421,18 @@ class PromptIterator:
 
   def state(self) -> dict[str, int]:
     """JSON-friendly state for checkpoints."""
-    return {"epoch": self.epoch, "position": self.position, "seed": self.seed,
-            "num_examples": len(self.examples)}
+    return {
+      "epoch": self.epoch,
+      "position": self.position,
+      "seed": self.seed,
+      "num_examples": len(self.examples),
+    }
 
   def restore(self, state: dict[str, Any]) -> None:
     """Continues exactly where `state()` was taken (same dataset required)."""
     n = int(state.get("num_examples", len(self.examples)))
     if n != len(self.examples):
-      raise ValueError(f"iterator state is for {n} examples, this dataset has "
-                       f"{len(self.examples)}")
+      raise ValueError(f"iterator state is for {n} examples, this dataset has {len(self.examples)}")
     epoch, position = int(state["epoch"]), int(state["position"])
     if epoch < 0 or not 0 <= position < n:
       raise ValueError(f"bad iterator state: epoch {epoch}, position {position} (n={n})")

@@ -55,6 +55,7 @@ class PromptFormat:
     chat_template_kwargs: further keyword arguments of ``apply_chat_template``,
       as sorted ``(name, value)`` pairs (JSON values).
   """
+
   system: str = SYSTEM_PROMPT
   template: str = QUESTION
   chat_template: str = "auto"
@@ -63,21 +64,27 @@ class PromptFormat:
 
   def __post_init__(self) -> None:
     if QUESTION not in self.template:
-      raise PromptError("template", f"{self.template!r} has no {QUESTION} placeholder (where "
-                        "the question goes)")
+      raise PromptError(
+        "template", f"{self.template!r} has no {QUESTION} placeholder (where the question goes)"
+      )
     for field in ("chat_template", "enable_thinking"):
       if getattr(self, field) not in MODES:
         raise PromptError(field, f"expected one of {MODES}")
     names = [k for k, _ in self.chat_template_kwargs]
     if "enable_thinking" in names and self.enable_thinking != "auto":
-      raise PromptError("chat_template_kwargs", "sets enable_thinking, and so does "
-                        "enable_thinking; set it in one place")
+      raise PromptError(
+        "chat_template_kwargs",
+        "sets enable_thinking, and so does enable_thinking; set it in one place",
+      )
     for reserved in ("tokenize", "add_generation_prompt", "conversation"):
       if reserved in names:
         raise PromptError("chat_template_kwargs", f"{reserved!r} is the prompt renderer's")
     if self.chat_template == "off" and self.template_kwargs():
-      raise PromptError("chat_template", "'off' renders PROMPT_FORMAT, which takes no "
-                        f"chat-template options, but {sorted(self.template_kwargs())} are set")
+      raise PromptError(
+        "chat_template",
+        "'off' renders PROMPT_FORMAT, which takes no "
+        f"chat-template options, but {sorted(self.template_kwargs())} are set",
+      )
 
   @classmethod
   def from_json(cls, d: Mapping[str, Any]) -> PromptFormat:
@@ -117,8 +124,11 @@ class PromptFormat:
     if self.chat_template == "off":
       return False
     if not has and (self.chat_template == "on" or self.template_kwargs()):
-      why = ("chat_template='on'" if self.chat_template == "on" else
-             f"chat-template options {sorted(self.template_kwargs())}")
+      why = (
+        "chat_template='on'"
+        if self.chat_template == "on"
+        else f"chat-template options {sorted(self.template_kwargs())}"
+      )
       raise ValueError(f"{name}: {why} but the tokenizer has no chat template")
     return has
 
@@ -132,17 +142,24 @@ def read_prompt_file(text: str, source: str) -> PromptFormat:
 
 
 # Command-line flags of ``python -m capo_jax.eval`` -> PromptFormat fields.
-FLAGS = {"system_prompt": "system", "prompt_template": "template",
-         "chat_template": "chat_template", "enable_thinking": "enable_thinking"}
+FLAGS = {
+  "system_prompt": "system",
+  "prompt_template": "template",
+  "chat_template": "chat_template",
+  "enable_thinking": "enable_thinking",
+}
 
 
 def add_flags(parser: Any) -> None:
   """The prompt flags of an argparse parser; each defaults to the policy's recorded prompt."""
-  g = parser.add_argument_group("prompt (default: the policy's recorded prompt, "
-                                f"{PROMPT_FILE} or its run's config.json, else the paper's)")
+  g = parser.add_argument_group(
+    "prompt (default: the policy's recorded prompt, "
+    f"{PROMPT_FILE} or its run's config.json, else the paper's)"
+  )
   g.add_argument("--system_prompt", default=None, help="system message ('' sends none)")
-  g.add_argument("--prompt_template", default=None,
-                 help=f"user message; {QUESTION} is replaced by the question")
+  g.add_argument(
+    "--prompt_template", default=None, help=f"user message; {QUESTION} is replaced by the question"
+  )
   g.add_argument("--chat_template", default=None, choices=MODES)
   g.add_argument("--enable_thinking", default=None, choices=MODES, help="Qwen3's switch")
 
@@ -150,8 +167,11 @@ def add_flags(parser: Any) -> None:
 def from_flags(args: Any, recorded: Mapping[str, Any] | None) -> PromptFormat:
   """``recorded`` (a prompt.json dict, or None: the paper's) with the flags given on top."""
   base = PromptFormat.from_json(recorded) if recorded else PromptFormat()
-  given = {field: getattr(args, flag) for flag, field in FLAGS.items()
-           if getattr(args, flag, None) is not None}
+  given = {
+    field: getattr(args, flag)
+    for flag, field in FLAGS.items()
+    if getattr(args, flag, None) is not None
+  }
   try:
     return dataclasses.replace(base, **given)
   except PromptError as e:

@@ -64,6 +64,7 @@ class RewardFnError(RuntimeError):
 
 # -- naming and loading plug-ins ------------------------------------------------------------
 
+
 def target_of(name: str) -> str:
   """``module:fn`` as given; ``file.py:fn`` with the file made absolute (workers and the
   parent agree whatever their working directory). ValueError when malformed."""
@@ -83,8 +84,10 @@ def load(target: str) -> Callable[..., Any]:
     if not os.path.isfile(where):
       raise FileNotFoundError(f"{target}: no such file {where}")
     spec = importlib.util.spec_from_file_location(f"capo_reward_plugin_{abs(hash(where))}", where)
+    if spec is None or spec.loader is None:
+      raise ImportError(f"{target}: {where} cannot be loaded as a Python module")
     module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)  # type: ignore[union-attr]
+    spec.loader.exec_module(module)
   else:
     module = importlib.import_module(where)
   fn = getattr(module, attr, None)
@@ -108,8 +111,10 @@ def benchmark_checker(name: str) -> str:
 
 # -- the worker side ------------------------------------------------------------------------
 
-def _first_failing_row(fn: Callable[..., Any], completions: list[str],
-                       examples: list[Example]) -> int | None:
+
+def _first_failing_row(
+  fn: Callable[..., Any], completions: list[str], examples: list[Example]
+) -> int | None:
   for i, (c, e) in enumerate(zip(completions, examples)):
     try:
       fn([c], [e])
@@ -170,8 +175,11 @@ def _call(kind: str, target: str, *args: Any) -> tuple:
   try:
     out = fn(completions, examples)
   except Exception as e:  # noqa: BLE001
-    return ("raised", _first_failing_row(fn, completions, examples),
-            f"{type(e).__name__}: {e}"[:500])
+    return (
+      "raised",
+      _first_failing_row(fn, completions, examples),
+      f"{type(e).__name__}: {e}"[:500],
+    )
   problem = _reward_problem(out, len(completions))
   return ("bad", *problem) if problem else ("ok", [float(v) for v in out])
 
@@ -184,51 +192,70 @@ _pools_lock = threading.Lock()
 
 def _workers() -> int:
   n = os.environ.get("CAPO_GRADER_WORKERS")
-  return int(n) if n else len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") \
-      else (os.cpu_count() or 1)
+  return (
+    int(n)
+    if n
+    else len(os.sched_getaffinity(0))
+    if hasattr(os, "sched_getaffinity")
+    else (os.cpu_count() or 1)
+  )
 
 
-def pool(timeout_s: float, max_calls: int = DEFAULT_MAX_CALLS,
-         max_rss_mb: float = DEFAULT_MAX_RSS_MB) -> DeadlinePool:
+def pool(
+  timeout_s: float, max_calls: int = DEFAULT_MAX_CALLS, max_rss_mb: float = DEFAULT_MAX_RSS_MB
+) -> DeadlinePool:
   """The shared plug-in pool with this per-call deadline and these worker limits (calls and
   resident MiB before a worker is replaced; 0: none), of $CAPO_GRADER_WORKERS workers."""
   key = (float(timeout_s), int(max_calls), float(max_rss_mb))
   with _pools_lock:
     if key not in _pools:
-      _pools[key] = DeadlinePool(f"{__name__}:_call", _workers(), key[0], max_calls=key[1],
-                                 max_rss_mb=key[2])
+      _pools[key] = DeadlinePool(
+        f"{__name__}:_call", _workers(), key[0], max_calls=key[1], max_rss_mb=key[2]
+      )
       atexit.register(_pools[key].close)
     return _pools[key]
 
 
 def _raise(what: str, rows: range, problem: str, row: int | None, message: str) -> None:
-  where = (f"row {rows[row]}" if row is not None else
-           f"rows {rows.start}-{rows.stop - 1}" if len(rows) > 1 else f"row {rows.start}")
+  where = (
+    f"row {rows[row]}"
+    if row is not None
+    else f"rows {rows.start}-{rows.stop - 1}"
+    if len(rows) > 1
+    else f"row {rows.start}"
+  )
   verb = "raised" if problem == "raised" else "returned a bad value:"
-  raise RewardFnError(f"{what} on {where}: {message}" if problem == "bad"
-                      else f"{what} {verb} {message} on {where}")
+  raise RewardFnError(
+    f"{what} on {where}: {message}" if problem == "bad" else f"{what} {verb} {message} on {where}"
+  )
 
 
 # -- checkers of `correct` ------------------------------------------------------------------
+
 
 class CheckerGrader:
   """A plug-in checker with the grader interface: ``score(completions, golds) -> (0/1
   float32 rewards, RewardHealth)``; one pool call per completion."""
 
-  def __init__(self, name: str, timeout_s: float, max_calls: int = DEFAULT_MAX_CALLS,
-               max_rss_mb: float = DEFAULT_MAX_RSS_MB) -> None:
+  def __init__(
+    self,
+    name: str,
+    timeout_s: float,
+    max_calls: int = DEFAULT_MAX_CALLS,
+    max_rss_mb: float = DEFAULT_MAX_RSS_MB,
+  ) -> None:
     self.name = name
     self.target = target_of(CHECKERS.get(name) or name)
     load(self.target)  # a typo fails here, not in every worker
     self.limits = (timeout_s, max_calls, max_rss_mb)  # pool()'s arguments
     self.cumulative = rewards.RewardHealth()
 
-  def score(self, completions: Sequence[str],
-            golds: Sequence[str]) -> tuple[np.ndarray, rewards.RewardHealth]:
+  def score(
+    self, completions: Sequence[str], golds: Sequence[str]
+  ) -> tuple[np.ndarray, rewards.RewardHealth]:
     if len(completions) != len(golds):
       raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
-    out = pool(*self.limits).map([("check", self.target, c, g)
-                                    for c, g in zip(completions, golds)])
+    out = pool(*self.limits).map([("check", self.target, c, g) for c, g in zip(completions, golds)])
     correct = np.zeros(len(out), np.float32)
     timeouts = 0
     for i, (kind, value) in enumerate(out):
@@ -249,8 +276,12 @@ class CheckerGrader:
 _graders: dict[tuple[str, float, int, float], Any] = {}
 
 
-def grader_for(checker: str, timeout_s: float = 5.0, max_calls: int = DEFAULT_MAX_CALLS,
-               max_rss_mb: float = DEFAULT_MAX_RSS_MB) -> Any:
+def grader_for(
+  checker: str,
+  timeout_s: float = 5.0,
+  max_calls: int = DEFAULT_MAX_CALLS,
+  max_rss_mb: float = DEFAULT_MAX_RSS_MB,
+) -> Any:
   """The grader deciding ``correct``: the shared math grader for "math", else one
   ``CheckerGrader`` per (checker, worker limits)."""
   if checker == "math":
@@ -263,6 +294,7 @@ def grader_for(checker: str, timeout_s: float = 5.0, max_calls: int = DEFAULT_MA
 
 # -- the scalar reward ----------------------------------------------------------------------
 
+
 def overlong_penalty(lengths_B: np.ndarray, max_len: int, buffer: int) -> np.ndarray:
   """DAPO's soft overlong penalty on L generated tokens: 0 for L <= max_len - buffer,
   (max_len - buffer - L) / buffer up to max_len, -1 beyond (float32)."""
@@ -270,8 +302,7 @@ def overlong_penalty(lengths_B: np.ndarray, max_len: int, buffer: int) -> np.nda
     raise ValueError(f"overlong_penalty: buffer={buffer} must be in [1, max_len={max_len}]")
   L = np.asarray(lengths_B, np.float64)
   soft = (max_len - buffer - L) / buffer
-  return np.where(L <= max_len - buffer, 0.0, np.where(L <= max_len, soft, -1.0)
-                  ).astype(np.float32)
+  return np.where(L <= max_len - buffer, 0.0, np.where(L <= max_len, soft, -1.0)).astype(np.float32)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -286,6 +317,7 @@ class RewardFns:
     worker_max_calls, worker_max_rss_mb: a worker is replaced after this many calls or
       above this resident memory in MiB (0: no limit).
   """
+
   fns: tuple[str, ...] = ()
   weights: tuple[float, ...] = ()
   timeout_s: float = 5.0
@@ -298,14 +330,20 @@ class RewardFns:
     if len(self.weights) != len(self.fns):
       raise ValueError(f"{len(self.fns)} reward fns but {len(self.weights)} weights")
 
-  def __call__(self, completions: Sequence[str], examples: Sequence[Example],
-               correct_B: np.ndarray, lengths_B: np.ndarray
-               ) -> tuple[np.ndarray, dict[str, int]]:
+  def __call__(
+    self,
+    completions: Sequence[str],
+    examples: Sequence[Example],
+    correct_B: np.ndarray,
+    lengths_B: np.ndarray,
+  ) -> tuple[np.ndarray, dict[str, int]]:
     """(reward float32 [B], {"fn_timeout": rows whose call timed out, summed over fns})."""
     n = len(completions)
     if not len(examples) == len(correct_B) == len(lengths_B) == n:
-      raise ValueError(f"{n} completions, {len(examples)} examples, {len(correct_B)} labels, "
-                       f"{len(lengths_B)} lengths")
+      raise ValueError(
+        f"{n} completions, {len(examples)} examples, {len(correct_B)} labels, "
+        f"{len(lengths_B)} lengths"
+      )
     # One call per question: runs of rows that share their example.
     starts = [i for i in range(n) if i == 0 or examples[i] is not examples[i - 1]] + [n]
     groups = [range(a, b) for a, b in zip(starts, starts[1:])]
@@ -317,8 +355,9 @@ class RewardFns:
         continue
       target = target_of(name)
       workers = pool(self.timeout_s, self.worker_max_calls, self.worker_max_rss_mb)
-      out = workers.map([("fn", target, [completions[i] for i in g], [examples[i] for i in g])
-                         for g in groups])
+      out = workers.map(
+        [("fn", target, [completions[i] for i in g], [examples[i] for i in g]) for g in groups]
+      )
       what = f"reward function {name} (reward.fns[{k}])"
       for g, (kind, value) in zip(groups, out):
         if kind == TIMEOUT:
@@ -328,21 +367,27 @@ class RewardFns:
         elif value[0] != OK:
           _raise(what, g, *value)
         else:
-          reward_B[g.start:g.stop] += w * np.asarray(value[1], np.float64)
+          reward_B[g.start : g.stop] += w * np.asarray(value[1], np.float64)
     if self.overlong_buffer:
       reward_B += overlong_penalty(lengths_B, self.max_len, self.overlong_buffer)
     # Each value is finite in float32, but weights can push a sum past it.
     over = np.flatnonzero(~(np.abs(reward_B) <= FLOAT32_MAX))
     if over.size:
-      raise RewardFnError(f"the weighted sum of reward.fns={self.fns} with reward.weights="
-                          f"{self.weights} is {float(reward_B[over[0]])!r} on row {over[0]}, not "
-                          f"finite in float32: lower the weights")
+      raise RewardFnError(
+        f"the weighted sum of reward.fns={self.fns} with reward.weights="
+        f"{self.weights} is {float(reward_B[over[0]])!r} on row {over[0]}, not "
+        f"finite in float32: lower the weights"
+      )
     return reward_B.astype(np.float32), {"fn_timeout": timeouts}
 
 
-def grade(grader: Any, reward_fns: RewardFns | None, completions: Sequence[str],
-          examples: Sequence[Example], lengths_B: np.ndarray
-          ) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
+def grade(
+  grader: Any,
+  reward_fns: RewardFns | None,
+  completions: Sequence[str],
+  examples: Sequence[Example],
+  lengths_B: np.ndarray,
+) -> tuple[np.ndarray, np.ndarray, dict[str, int]]:
   """(correct, reward, health counts) of a batch: the grader decides ``correct``; the
   reward is ``correct`` itself (the same array) unless ``reward_fns`` is given."""
   correct_B, health = grader.score(completions, [e.answer for e in examples])

@@ -31,9 +31,9 @@ from typing import Any, Sequence
 
 import numpy as np
 
-from capo_jax.data._grader_pool import DeadlinePool
 from capo_jax.data._grader_pool import OK as _POOL_OK
 from capo_jax.data._grader_pool import TIMEOUT as _POOL_TIMEOUT
+from capo_jax.data._grader_pool import DeadlinePool
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +44,7 @@ _FALLBACK_TAIL = 2000
 
 class Status(enum.IntEnum):
   """Why an item scored as it did (one per item; a correct item is OK or NO_BOX)."""
+
   OK = 0
   NO_BOX = 1  # no closed box: a fallback phrase was graded, or nothing was found
   PARSE_FAILURE = 2  # empty/unclosed box, or math-verify could not read the answer
@@ -54,6 +55,7 @@ class Status(enum.IntEnum):
 @dataclasses.dataclass
 class RewardHealth:
   """Counts over scored items; add them up across batches with ``+``."""
+
   total: int = 0
   correct: int = 0
   no_box: int = 0
@@ -64,13 +66,19 @@ class RewardHealth:
   @classmethod
   def from_arrays(cls, rewards: np.ndarray, statuses: np.ndarray) -> RewardHealth:
     counts = np.bincount(statuses.astype(np.int64), minlength=len(Status))
-    return cls(total=int(rewards.size), correct=int((rewards > 0).sum()),
-               no_box=int(counts[Status.NO_BOX]), parse_failure=int(counts[Status.PARSE_FAILURE]),
-               timeout=int(counts[Status.TIMEOUT]), exception=int(counts[Status.EXCEPTION]))
+    return cls(
+      total=int(rewards.size),
+      correct=int((rewards > 0).sum()),
+      no_box=int(counts[Status.NO_BOX]),
+      parse_failure=int(counts[Status.PARSE_FAILURE]),
+      timeout=int(counts[Status.TIMEOUT]),
+      exception=int(counts[Status.EXCEPTION]),
+    )
 
   def __add__(self, other: RewardHealth) -> RewardHealth:
-    return RewardHealth(**{f.name: getattr(self, f.name) + getattr(other, f.name)
-                           for f in dataclasses.fields(self)})
+    return RewardHealth(
+      **{f.name: getattr(self, f.name) + getattr(other, f.name) for f in dataclasses.fields(self)}
+    )
 
   def as_dict(self) -> dict[str, int]:
     return dataclasses.asdict(self)
@@ -102,7 +110,7 @@ def _read_group(text: str, start: int) -> str | None:
     elif tok == "}":
       depth -= 1
       if depth == 0:
-        return text[i + 1:m.start()]
+        return text[i + 1 : m.start()]
   return None
 
 
@@ -111,7 +119,7 @@ def _fallback_answer(text: str) -> str | None:
   matches = list(_FALLBACK_RE.finditer(tail))
   if not matches:
     return None
-  rest = tail[matches[-1].end():].replace("**", "")
+  rest = tail[matches[-1].end() :].replace("**", "")
   m = _INLINE_MATH_RE.match(rest)
   if m:
     return m.group(1).strip()
@@ -145,8 +153,7 @@ def extract_boxed(text: str) -> str | None:
 # -- normalisation and the fast path ----------------------------------------------------------
 
 _SCI_RE = re.compile(r"([+-]?\d+(?:\.\d*)?)[eE]([+-]?\d+)")
-_TRAILING_UNIT_RE = re.compile(
-    r"(?<=\S)\\(?:text|mbox|mathrm)\{[^{}]*\}(?:\^\{?\d\}?)?$")
+_TRAILING_UNIT_RE = re.compile(r"(?<=\S)\\(?:text|mbox|mathrm)\{[^{}]*\}(?:\^\{?\d\}?)?$")
 _WRAPPED_TEXT_RE = re.compile(r"^\\(?:text|textbf|mbox|mathrm)\{([^{}]*)\}$")
 _INT_RE = re.compile(r"[+-]?\d+")
 _DEC_RE = re.compile(r"[+-]?(?:\d+\.\d*|\.\d+)")
@@ -194,8 +201,11 @@ def _as_number(key: str) -> tuple[Fraction, bool] | None:
   m = _FRAC_RE.fullmatch(key) or _SLASH_RE.fullmatch(key)
   if m:
     parts = [g.strip("{}") for g in m.groups()]
-    num, den = (int(parts[0] + parts[1]), int(parts[2])) if len(parts) == 3 else (
-        int(parts[0]), int(parts[1]))
+    num, den = (
+      (int(parts[0] + parts[1]), int(parts[2]))
+      if len(parts) == 3
+      else (int(parts[0]), int(parts[1]))
+    )
     return (Fraction(num, den), True) if den else None
   return None
 
@@ -228,13 +238,17 @@ def _prepare(completion: str, gold: str) -> tuple[bool | None, Status, str]:
 
 # -- math-verify stage (runs in worker processes) ---------------------------------------------
 
+
 @functools.lru_cache(maxsize=1)
 def _mv() -> tuple[Any, list]:
   import math_verify  # noqa: PLC0415 -- heavy (sympy, antlr); only workers need it
+
   # Its timeouts are disabled on purpose (the pool enforces deadlines); silence the warning.
   logging.getLogger("math_verify").setLevel(logging.ERROR)
-  cfg = [math_verify.LatexExtractionConfig(boxed_match_priority=0),
-         math_verify.ExprExtractionConfig()]
+  cfg = [
+    math_verify.LatexExtractionConfig(boxed_match_priority=0),
+    math_verify.ExprExtractionConfig(),
+  ]
   return math_verify, cfg
 
 
@@ -260,8 +274,7 @@ def _slow_judge(pred: str, gold: str, status: int) -> tuple[bool, int]:
   for g in gold_p:  # verify() would stop at the first pair that raises; try every pair
     for t in pred_p:
       try:
-        if mv.verify(g, t, timeout_seconds=None, allow_set_relation_comp=True,
-                     raise_on_error=True):
+        if mv.verify(g, t, timeout_seconds=None, allow_set_relation_comp=True, raise_on_error=True):
           return True, status
       except Exception:  # noqa: BLE001 -- a sympy failure on one pair; counted below
         failed = True
@@ -274,6 +287,7 @@ def _slow_judge(pred: str, gold: str, status: int) -> tuple[bool, int]:
 
 # -- public API -------------------------------------------------------------------------------
 
+
 def _check(completions: Sequence[str], golds: Sequence[str]) -> None:
   if len(completions) != len(golds):
     raise ValueError(f"{len(completions)} completions but {len(golds)} gold answers")
@@ -283,13 +297,15 @@ def _check(completions: Sequence[str], golds: Sequence[str]) -> None:
         raise TypeError(f"{name}[{i}] is {type(s).__name__}, expected str")
 
 
-def score_serial(completions: Sequence[str],
-                 golds: Sequence[str]) -> tuple[np.ndarray, RewardHealth]:
+def score_serial(
+  completions: Sequence[str], golds: Sequence[str]
+) -> tuple[np.ndarray, RewardHealth]:
   """Scores in this process, with NO time limit; for tests, benchmarks and trusted input."""
   _check(completions, golds)
   rewards = np.zeros(len(completions), np.float32)
   statuses = np.zeros(len(completions), np.int8)
   for i, (c, g) in enumerate(zip(completions, golds)):
+    status: int  # a Status; _slow_judge gives its int (grader workers send it through a pipe)
     try:
       verdict, status, pred = _prepare(c, g)
       if verdict is None:
@@ -305,19 +321,26 @@ class Grader:
   """Scores completions with math-verify in `num_workers` processes, `timeout_s` per item.
 
   Safe to call from any thread. Workers start on first use (a one-time cost; the benchmark
-  table of docs/benchmarks.md has it) and are reused; call `close()` (or use as a context manager) to
-  stop them.
+  table of docs/benchmarks.md has it) and are reused; call `close()` (or use as a context
+  manager) to stop them.
   """
 
-  def __init__(self, num_workers: int | None = None, timeout_s: float = 5.0, *,
-               max_rss_mb: float = 2048.0) -> None:
+  def __init__(
+    self, num_workers: int | None = None, timeout_s: float = 5.0, *, max_rss_mb: float = 2048.0
+  ) -> None:
     if num_workers is None:
-      num_workers = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-          os.cpu_count() or 1)
+      num_workers = (
+        len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+      )
     # sympy's caches grow with every expression a long run grades: a worker above
     # max_rss_mb (0: no ceiling) is replaced, as the plug-ins' workers are.
-    self._pool = DeadlinePool(f"{__name__}:_slow_judge", num_workers, timeout_s,
-                              warmup=f"{__name__}:_warmup", max_rss_mb=max_rss_mb)
+    self._pool = DeadlinePool(
+      f"{__name__}:_slow_judge",
+      num_workers,
+      timeout_s,
+      warmup=f"{__name__}:_warmup",
+      max_rss_mb=max_rss_mb,
+    )
     self.cumulative = RewardHealth()
 
   @property
@@ -325,8 +348,9 @@ class Grader:
     """Workers killed and replaced so far (hung past the deadline, or crashed)."""
     return self._pool.num_restarts
 
-  def score(self, completions: Sequence[str],
-            golds: Sequence[str]) -> tuple[np.ndarray, RewardHealth]:
+  def score(
+    self, completions: Sequence[str], golds: Sequence[str]
+  ) -> tuple[np.ndarray, RewardHealth]:
     """Returns (rewards float32 [n] of 0/1, health counters of this batch)."""
     _check(completions, golds)
     rewards = np.zeros(len(completions), np.float32)
@@ -352,8 +376,12 @@ class Grader:
           logger.warning("reward: item %d raised in a grader worker: %s", i, value)
     health = RewardHealth.from_arrays(rewards, statuses)
     if health.timeout:
-      logger.warning("reward: %d of %d items timed out (%.1f s each) and scored 0",
-                     health.timeout, health.total, self._pool.timeout_s)
+      logger.warning(
+        "reward: %d of %d items timed out (%.1f s each) and scored 0",
+        health.timeout,
+        health.total,
+        self._pool.timeout_s,
+      )
     self.cumulative = self.cumulative + health
     return rewards, health
 
@@ -378,8 +406,9 @@ def default_grader() -> Grader:
   with _default_lock:
     if _default is None:
       workers = os.environ.get("CAPO_GRADER_WORKERS")
-      _default = Grader(int(workers) if workers else None,
-                        float(os.environ.get("CAPO_GRADER_TIMEOUT_S", "5")))
+      _default = Grader(
+        int(workers) if workers else None, float(os.environ.get("CAPO_GRADER_TIMEOUT_S", "5"))
+      )
       atexit.register(_default.close)
     return _default
 

@@ -45,16 +45,22 @@ class Tokenizer(Protocol):
 
   def render_prompt(self, question: str) -> str: ...
 
-  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None
-                     ) -> tuple[np.ndarray, np.ndarray]: ...
+  def encode_prompts(
+    self, questions: Sequence[str], max_len: int | None = None
+  ) -> tuple[np.ndarray, np.ndarray]: ...
 
-  def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
-                         ) -> list[str]: ...
+  def decode_completions(
+    self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
+  ) -> list[str]: ...
 
 
-def left_pad(rows: Sequence[Sequence[int]], pad_id: int, max_len: int | None = None,
-             pad_to_multiple: int | None = None, truncate: bool = False
-             ) -> tuple[np.ndarray, np.ndarray]:
+def left_pad(
+  rows: Sequence[Sequence[int]],
+  pad_id: int,
+  max_len: int | None = None,
+  pad_to_multiple: int | None = None,
+  truncate: bool = False,
+) -> tuple[np.ndarray, np.ndarray]:
   """Right-aligns token rows into int32 ``(tokens_BP, mask_BP)``; mask 1 on real tokens.
 
   Width P: ``max_len`` when ``pad_to_multiple`` is None (one shape, one jit
@@ -73,9 +79,11 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, max_len: int | None = N
   if max_len is not None and longest > max_len:
     if not truncate:
       i = int(np.argmax(lengths))
-      raise ValueError(f"prompt {i} has {longest} tokens, more than max_len={max_len} "
-                       "(raise max_len or pass truncate=True to drop tokens from the left)")
-    rows = [r[len(r) - max_len:] if len(r) > max_len else r for r in rows]
+      raise ValueError(
+        f"prompt {i} has {longest} tokens, more than max_len={max_len} "
+        "(raise max_len or pass truncate=True to drop tokens from the left)"
+      )
+    rows = [r[len(r) - max_len :] if len(r) > max_len else r for r in rows]
     longest = max_len
   if pad_to_multiple is None:
     P = longest if max_len is None else max_len
@@ -87,8 +95,8 @@ def left_pad(rows: Sequence[Sequence[int]], pad_id: int, max_len: int | None = N
   mask = np.zeros((len(rows), P), np.int32)
   for b, r in enumerate(rows):
     if len(r):
-      tokens[b, P - len(r):] = np.asarray(r, np.int32)
-      mask[b, P - len(r):] = 1
+      tokens[b, P - len(r) :] = np.asarray(r, np.int32)
+      mask[b, P - len(r) :] = 1
   return tokens, mask
 
 
@@ -101,8 +109,9 @@ def completion_length(ids: Sequence[int], stop_ids: Sequence[int]) -> int:
   return len(ids)
 
 
-def decode_completions(tokenizer: Tokenizer, tokens_BC: np.ndarray,
-                       mask_BC: np.ndarray | None = None) -> list[str]:
+def decode_completions(
+  tokenizer: PromptCodec, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
+) -> list[str]:
   """Texts of right-padded completions (real tokens where ``mask_BC`` is 1), each cut
   before its first stop token; shared by every ``Tokenizer`` implementation."""
   tokens_BC = np.asarray(tokens_BC)
@@ -120,8 +129,13 @@ class PromptCodec:
   """What every ``Tokenizer`` derives from ``encode_prompt`` / ``encode`` / ``decode``:
   batched left-padded prompts, completion lengths and completion texts."""
 
-  stop_ids: tuple[int, ...]
-  pad_id: int
+  @property
+  def stop_ids(self) -> tuple[int, ...]:
+    raise NotImplementedError
+
+  @property
+  def pad_id(self) -> int:
+    raise NotImplementedError
 
   def encode_prompt(self, question: str) -> list[int]:
     raise NotImplementedError
@@ -129,9 +143,13 @@ class PromptCodec:
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:
     raise NotImplementedError
 
-  def encode_prompts(self, questions: Sequence[str], max_len: int | None = None,
-                     pad_to_multiple: int | None = None, truncate: bool = False
-                     ) -> tuple[np.ndarray, np.ndarray]:
+  def encode_prompts(
+    self,
+    questions: Sequence[str],
+    max_len: int | None = None,
+    pad_to_multiple: int | None = None,
+    truncate: bool = False,
+  ) -> tuple[np.ndarray, np.ndarray]:
     """Left-padded int32 ``(tokens_BP, mask_BP)`` of ``encode_prompt`` of each question.
 
     Width and overflow as in ``left_pad``: ``P = max_len`` when given (one
@@ -148,8 +166,9 @@ class PromptCodec:
     """Tokens up to and including the first stop token (all of them when none)."""
     return completion_length(ids, self.stop_ids)
 
-  def decode_completions(self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
-                         ) -> list[str]:
+  def decode_completions(
+    self, tokens_BC: np.ndarray, mask_BC: np.ndarray | None = None
+  ) -> list[str]:
     """Texts of right-padded completions, cut before the first stop token."""
     return decode_completions(self, tokens_BC, mask_BC)
 
@@ -163,8 +182,9 @@ class HFTokenizer(PromptCodec):
   included; a model's embedding may be larger (Qwen2.5 pads it to 151936).
   """
 
-  def __init__(self, hf_tokenizer: Any, prompt: PromptFormat = PromptFormat(),
-               name: str = "tokenizer") -> None:
+  def __init__(
+    self, hf_tokenizer: Any, prompt: PromptFormat = PromptFormat(), name: str = "tokenizer"
+  ) -> None:
     self.hf = hf_tokenizer
     self.prompt = prompt
     self.use_chat_template = prompt.uses_template(hf_tokenizer, name)  # raises when it can't
@@ -173,8 +193,10 @@ class HFTokenizer(PromptCodec):
     if hf_tokenizer.eos_token_id is not None:
       stops.append(int(hf_tokenizer.eos_token_id))
     if not stops:
-      raise ValueError(f"{name}: no stop token: neither {EOS_TOKEN!r}, {IM_END_TOKEN!r} nor an "
-                       "eos_token is defined")
+      raise ValueError(
+        f"{name}: no stop token: neither {EOS_TOKEN!r}, {IM_END_TOKEN!r} nor an "
+        "eos_token is defined"
+      )
     self._stop_ids = tuple(dict.fromkeys(stops))
     pad = hf_tokenizer.pad_token_id
     self._pad_id = int(pad) if pad is not None else vocab.get(EOS_TOKEN, self._stop_ids[0])
@@ -184,7 +206,9 @@ class HFTokenizer(PromptCodec):
   def from_pretrained(cls, path: str | os.PathLike, **kw: Any) -> HFTokenizer:
     """Loads ``AutoTokenizer`` from a local directory (``local_files_only``: no hub)."""
     import transformers  # pylint: disable=g-import-not-at-top  (heavy; only HF users pay)
+
     from capo_jax.runtime import model_files  # pylint: disable=import-outside-toplevel
+
     path = os.fspath(path)
     if not os.path.isdir(path):
       raise FileNotFoundError(f"tokenizer directory {path} does not exist")
@@ -217,9 +241,12 @@ class HFTokenizer(PromptCodec):
     """The chat prompt of ``self.prompt`` (the paper's by default), through the chat
     template when ``use_chat_template``."""
     if self.use_chat_template:
-      return self.hf.apply_chat_template(self.prompt.messages(question), tokenize=False,
-                                         add_generation_prompt=True,
-                                         **self.prompt.template_kwargs())
+      return self.hf.apply_chat_template(
+        self.prompt.messages(question),
+        tokenize=False,
+        add_generation_prompt=True,
+        **self.prompt.template_kwargs(),
+      )
     return self.prompt.render_plain(question)
 
   def encode_prompt(self, question: str) -> list[int]:
@@ -231,4 +258,5 @@ def load_tokenizer(path: str | os.PathLike, **kw: Any) -> HFTokenizer:
   (copied to the local cache first: HF tokenizers read local files), or of a
   hub id ("Qwen/Qwen2.5-Math-1.5B", fetched by ``fs.model_dir``)."""
   from capo_jax.runtime import fs  # pylint: disable=import-outside-toplevel
+
   return HFTokenizer.from_pretrained(fs.model_dir(path), **kw)

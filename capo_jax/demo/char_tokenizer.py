@@ -32,8 +32,9 @@ class CharTokenizer(PromptCodec):
     self._ids = {p: i for i, p in enumerate(self.pieces)}
     self._special_ids = frozenset(self._ids[p] for p in (PAD, EOS, BOS))
     # Longest match first, so "\boxed{" wins over any one-character prefix.
-    self._text_pieces = sorted((p for p in self.pieces if p not in (PAD, EOS, BOS)),
-                               key=len, reverse=True)
+    self._text_pieces = sorted(
+      (p for p in self.pieces if p not in (PAD, EOS, BOS)), key=len, reverse=True
+    )
 
   @property
   def vocab_size(self) -> int:
@@ -65,8 +66,10 @@ class CharTokenizer(PromptCodec):
           i += len(piece)
           break
       else:
-        raise ValueError(f"CharTokenizer.encode: character {text[i]!r} at position {i} of "
-                         f"{text!r} is not in the vocabulary")
+        raise ValueError(
+          f"CharTokenizer.encode: character {text[i]!r} at position {i} of "
+          f"{text!r} is not in the vocabulary"
+        )
     return ids
 
   def decode(self, ids: Sequence[int], skip_special: bool = True) -> str:

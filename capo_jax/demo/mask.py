@@ -32,8 +32,9 @@ from capo_jax.demo import warm_start
 from capo_jax.eval import evaluate
 
 
-def quantile_thresholds(ppl_QG: Any, correct_QG: Any, q_wrong: float, q_right: float
-                        ) -> tuple[float, float]:
+def quantile_thresholds(
+  ppl_QG: Any, correct_QG: Any, q_wrong: float, q_right: float
+) -> tuple[float, float]:
   """(low, high): the ``q_wrong`` quantile of the wrong samples' reference perplexity and
   the ``q_right`` quantile of the correct samples' (numpy's linear interpolation).
 
@@ -59,9 +60,16 @@ def masked_fractions(ppl_QG: Any, correct_QG: Any, low: float, high: float) -> d
   return {"wrong": frac(ppl < low, ~correct), "right": frac(ppl > high, correct)}
 
 
-def calibrate(ws: Any, examples: list[Example], *, num_samples: int, seed: int,
-              quantiles: tuple[float, float], paper: tuple[float, float], path: str
-              ) -> dict[str, Any]:
+def calibrate(
+  ws: Any,
+  examples: list[Example],
+  *,
+  num_samples: int,
+  seed: int,
+  quantiles: tuple[float, float],
+  paper: tuple[float, float],
+  path: str,
+) -> dict[str, Any]:
   """Mask thresholds at ``quantiles`` = (q_wrong, q_right) from the warm start's samples of
   ``examples`` (the warm start is the reference), cached at ``path`` (JSON).
 
@@ -71,23 +79,36 @@ def calibrate(ws: Any, examples: list[Example], *, num_samples: int, seed: int,
   (low, high). The per-sample arrays go beside it (``<path>.npz``: ``ref_ppl_QG``,
   ``correct_QG``).
   """
-  key = {"warm_start": warm_start.cache_id(ws), "quantiles": list(quantiles),
-         "questions": len(examples), "samples": num_samples, "seed": seed}
+  key = {
+    "warm_start": warm_start.cache_id(ws),
+    "quantiles": list(quantiles),
+    "questions": len(examples),
+    "samples": num_samples,
+    "seed": seed,
+  }
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
     if warm_start.same_cache_key(cached.get("key", {}), key):
       return cached
-  ev = warm_start.evaluate_policy(evaluate.EvalPolicy(ws.params, ws.cfg, ws.tokenizer),
-                                  examples, warm_start.DemoSampling(num_samples=num_samples),
-                                  jax.random.key(seed))
+  ev = warm_start.evaluate_policy(
+    evaluate.EvalPolicy(ws.params, ws.cfg, ws.tokenizer),
+    examples,
+    warm_start.DemoSampling(num_samples=num_samples),
+    jax.random.key(seed),
+  )
   # s is the mean token log-prob of the sample (EOS included), as the trainer's: ppl = e^-s.
   ppl_QG, correct_QG = np.exp(-ev["s"]), ev["correct"]
   low, high = quantile_thresholds(ppl_QG, correct_QG, *quantiles)
-  out = {"low": low, "high": high, "key": key, "samples": int(correct_QG.size),
-         "accuracy": float(correct_QG.mean()),
-         "masked": masked_fractions(ppl_QG, correct_QG, low, high),
-         "paper_masked": masked_fractions(ppl_QG, correct_QG, *paper)}
+  out = {
+    "low": low,
+    "high": high,
+    "key": key,
+    "samples": int(correct_QG.size),
+    "accuracy": float(correct_QG.mean()),
+    "masked": masked_fractions(ppl_QG, correct_QG, low, high),
+    "paper_masked": masked_fractions(ppl_QG, correct_QG, *paper),
+  }
   os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
   tmp = f"{path}.{os.getpid()}.tmp"  # runs in parallel processes may calibrate at once
   np.savez_compressed(tmp + ".npz", ref_ppl_QG=ppl_QG, correct_QG=correct_QG)

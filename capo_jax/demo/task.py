@@ -71,35 +71,45 @@ class TaskConfig:
 
   def __post_init__(self) -> None:
     if self.wrong_rule not in WRONG_RULES:
-      raise ValueError(f"TaskConfig.wrong_rule={self.wrong_rule!r}: expected one of "
-                       f"{WRONG_RULES}")
+      raise ValueError(f"TaskConfig.wrong_rule={self.wrong_rule!r}: expected one of {WRONG_RULES}")
     if not 0.0 <= self.wrong_fraction <= 1.0:
       raise ValueError(f"TaskConfig.wrong_fraction={self.wrong_fraction} must be in [0, 1]")
     if self.wrong_fraction > 0 and not self.wrong_rule:
-      raise ValueError(f"TaskConfig.wrong_fraction={self.wrong_fraction} needs a wrong_rule "
-                       f"(one of {WRONG_RULES[1:]})")
+      raise ValueError(
+        f"TaskConfig.wrong_fraction={self.wrong_fraction} needs a wrong_rule "
+        f"(one of {WRONG_RULES[1:]})"
+      )
     if self.min_operands < 2 or self.max_operands < self.min_operands:
-      raise ValueError(f"TaskConfig: need 2 <= min_operands <= max_operands, got "
-                       f"{self.min_operands}, {self.max_operands}")
+      raise ValueError(
+        f"TaskConfig: need 2 <= min_operands <= max_operands, got "
+        f"{self.min_operands}, {self.max_operands}"
+      )
     if self.max_operand < 1:
       raise ValueError(f"TaskConfig.max_operand must be >= 1, got {self.max_operand}")
-    if not self.operators or set(self.operators) - set(_OPS) or \
-        len(set(self.operators)) != len(self.operators):
-      raise ValueError(f"TaskConfig.operators={self.operators!r}: expected distinct "
-                       f"characters from {''.join(_OPS)!r}")
+    if (
+      not self.operators
+      or set(self.operators) - set(_OPS)
+      or len(set(self.operators)) != len(self.operators)
+    ):
+      raise ValueError(
+        f"TaskConfig.operators={self.operators!r}: expected distinct "
+        f"characters from {''.join(_OPS)!r}"
+      )
     if self.num_train < 0 or self.num_heldout < 0:
-      raise ValueError(f"TaskConfig: num_train={self.num_train} and "
-                       f"num_heldout={self.num_heldout} must be >= 0")
+      raise ValueError(
+        f"TaskConfig: num_train={self.num_train} and num_heldout={self.num_heldout} must be >= 0"
+      )
     need = self.num_train + self.num_heldout
     if need > self.num_distinct_questions() // 2:
-      raise ValueError(f"TaskConfig: {need} questions requested but only "
-                       f"{self.num_distinct_questions()} distinct ones exist; rejection "
-                       "sampling needs at most half of them (raise max_operand or operands)")
+      raise ValueError(
+        f"TaskConfig: {need} questions requested but only "
+        f"{self.num_distinct_questions()} distinct ones exist; rejection "
+        "sampling needs at most half of them (raise max_operand or operands)"
+      )
 
   def num_distinct_questions(self) -> int:
     digits, ops = self.max_operand + 1, len(self.operators)
-    return sum(digits ** n * ops ** (n - 1)
-               for n in range(self.min_operands, self.max_operands + 1))
+    return sum(digits**n * ops ** (n - 1) for n in range(self.min_operands, self.max_operands + 1))
 
 
 def solve_steps(operands: list[int], ops: list[str], rule: str = "") -> list[str]:
@@ -115,13 +125,12 @@ def solve_steps(operands: list[int], ops: list[str], rule: str = "") -> list[str
   if rule not in WRONG_RULES:
     raise ValueError(f"solve_steps: rule={rule!r}, expected one of {WRONG_RULES}")
   if len(operands) != len(ops) + 1:
-    raise ValueError(f"{len(operands)} operands need {len(operands) - 1} operators, "
-                     f"got {len(ops)}")
+    raise ValueError(f"{len(operands)} operands need {len(operands) - 1} operators, got {len(ops)}")
   vals, ops = list(operands), list(ops)
   lines = []
   while ops:
     i = ops.index("*") if "*" in ops and not rule else 0
-    vals[i:i + 2] = [_OPS[ops[i]](vals[i], vals[i + 1])]
+    vals[i : i + 2] = [_OPS[ops[i]](vals[i], vals[i + 1])]
     del ops[i]
     lines.append(format_expression(vals, ops))
   return lines
@@ -144,21 +153,34 @@ def make_example(operands: list[int], ops: list[str], ex_id: str) -> Example:
   """One ``Example``; ``meta`` carries the operands and the reference solution."""
   steps = solve_steps(operands, ops)
   return Example(
-      id=ex_id, problem=format_expression(operands, ops) + "=", answer=steps[-1],
-      meta={"operands": list(operands), "ops": list(ops),
-            "solution": solution_text(operands, ops), "num_steps": len(steps),
-            "rule_answer": solve_steps(operands, ops, "left_to_right")[-1], "rule": ""})
+    id=ex_id,
+    problem=format_expression(operands, ops) + "=",
+    answer=steps[-1],
+    meta={
+      "operands": list(operands),
+      "ops": list(ops),
+      "solution": solution_text(operands, ops),
+      "num_steps": len(steps),
+      "rule_answer": solve_steps(operands, ops, "left_to_right")[-1],
+      "rule": "",
+    },
+  )
 
 
 def rewrite_with_rule(ex: Example, rule: str) -> Example:
   """``ex`` with its written solution following ``rule`` (the gold answer unchanged)."""
   ops, operands = ex.meta["ops"], ex.meta["operands"]
-  return Example(id=ex.id, problem=ex.problem, answer=ex.answer,
-                 meta={**ex.meta, "solution": solution_text(operands, ops, rule), "rule": rule})
+  return Example(
+    id=ex.id,
+    problem=ex.problem,
+    answer=ex.answer,
+    meta={**ex.meta, "solution": solution_text(operands, ops, rule), "rule": rule},
+  )
 
 
-def _draw(cfg: TaskConfig, rng: np.random.Generator, count: int, exclude: set[str],
-          prefix: str) -> list[Example]:
+def _draw(
+  cfg: TaskConfig, rng: np.random.Generator, count: int, exclude: set[str], prefix: str
+) -> list[Example]:
   """``count`` distinct questions not in ``exclude`` (which is extended).
 
   Duplicates are redrawn, operand count included, so when the questions of a
@@ -169,8 +191,10 @@ def _draw(cfg: TaskConfig, rng: np.random.Generator, count: int, exclude: set[st
   while len(out) < count:
     attempts += 1
     if attempts > max_attempts:
-      raise RuntimeError(f"could not draw {count} distinct questions for {prefix!r} "
-                         f"after {max_attempts} attempts (space too small for {cfg})")
+      raise RuntimeError(
+        f"could not draw {count} distinct questions for {prefix!r} "
+        f"after {max_attempts} attempts (space too small for {cfg})"
+      )
     n = int(rng.integers(cfg.min_operands, cfg.max_operands + 1))
     operands = [int(x) for x in rng.integers(0, cfg.max_operand + 1, size=n)]
     ops = [cfg.operators[int(j)] for j in rng.integers(0, len(cfg.operators), size=n - 1)]
@@ -189,8 +213,8 @@ def make_splits(cfg: TaskConfig) -> tuple[list[Example], list[Example]]:
   train = _draw(cfg, np.random.default_rng([cfg.seed, 0]), cfg.num_train, seen, "train")
   if cfg.wrong_fraction > 0:
     pick = np.random.default_rng([cfg.seed, 2]).permutation(len(train))
-    wrong = set(pick[:round(cfg.wrong_fraction * len(train))].tolist())
-    train = [rewrite_with_rule(ex, cfg.wrong_rule) if i in wrong else ex
-             for i, ex in enumerate(train)]
+    wrong = set(pick[: round(cfg.wrong_fraction * len(train))].tolist())
+    train = [
+      rewrite_with_rule(ex, cfg.wrong_rule) if i in wrong else ex for i, ex in enumerate(train)
+    ]
   return train, heldout
-

@@ -31,10 +31,10 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
+from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo.task import Example, TaskConfig, make_splits
-from capo_jax.eval import calibration
-from capo_jax.eval import evaluate
+from capo_jax.eval import calibration, evaluate
 from capo_jax.rl.optim import OptimConfig, make_optimizer
 from models import hf_weights, qwen2
 from models.config import Qwen2Config
@@ -77,8 +77,10 @@ class SFTConfig:
       if getattr(self, name) <= 0:
         raise ValueError(f"SFTConfig.{name} must be positive, got {getattr(self, name)}")
     if not 0 <= self.target_low <= self.target_high <= 1:
-      raise ValueError(f"SFTConfig: need 0 <= target_low <= target_high <= 1, got "
-                       f"{self.target_low}, {self.target_high}")
+      raise ValueError(
+        f"SFTConfig: need 0 <= target_low <= target_high <= 1, got "
+        f"{self.target_low}, {self.target_high}"
+      )
 
 
 class WarmStart(NamedTuple):
@@ -90,9 +92,17 @@ class WarmStart(NamedTuple):
 
 def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Config:
   """The demo's model: 4 layers, hidden 128, 4 heads (2 kv), MLP 512, float32 (~0.8M params)."""
-  kw = dict(vocab_size=tokenizer.vocab_size, hidden_size=128, intermediate_size=512,
-            num_layers=4, num_heads=4, num_kv_heads=2, rope_theta=10000.0,
-            tie_word_embeddings=True, max_position_embeddings=256)
+  kw = dict(
+    vocab_size=tokenizer.vocab_size,
+    hidden_size=128,
+    intermediate_size=512,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    rope_theta=10000.0,
+    tie_word_embeddings=True,
+    max_position_embeddings=256,
+  )
   kw.update(overrides)
   return Qwen2Config.tiny(**kw)
 
@@ -100,8 +110,9 @@ def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Con
 # --- data --------------------------------------------------------------------
 
 
-def encode_sft(tokenizer: CharTokenizer, examples: list[Example], seq_len: int | None = None
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def encode_sft(
+  tokenizer: CharTokenizer, examples: list[Example], seq_len: int | None = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Right-padded ``(tokens_BT, mask_BT, loss_mask_BT)`` of ``<bos> question solution <eos>``.
 
   ``loss_mask`` is 1 on the solution and ``<eos>``: the tokens the policy writes.
@@ -118,14 +129,19 @@ def encode_sft(tokenizer: CharTokenizer, examples: list[Example], seq_len: int |
   mask = np.zeros((len(rows), T), np.int32)
   loss_mask = np.zeros((len(rows), T), np.int32)
   for b, (p, c) in enumerate(rows):
-    tokens[b, :len(p) + len(c)] = p + c
-    mask[b, :len(p) + len(c)] = 1
-    loss_mask[b, len(p):len(p) + len(c)] = 1
+    tokens[b, : len(p) + len(c)] = p + c
+    mask[b, : len(p) + len(c)] = 1
+    loss_mask[b, len(p) : len(p) + len(c)] = 1
   return tokens, mask, loss_mask
 
 
-def sft_loss(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: jax.Array,
-             loss_mask_BT: jax.Array) -> jax.Array:
+def sft_loss(
+  params: Params,
+  cfg: Qwen2Config,
+  tokens_BT: jax.Array,
+  mask_BT: jax.Array,
+  loss_mask_BT: jax.Array,
+) -> jax.Array:
   """Mean next-token cross-entropy over the completion tokens of the batch."""
   logits_BTV = qwen2.forward(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])
   logp_BTV = jax.nn.log_softmax(logits_BTV, axis=-1)
@@ -136,8 +152,14 @@ def sft_loss(params: Params, cfg: Qwen2Config, tokens_BT: jax.Array, mask_BT: ja
 
 def optim_config(sft: SFTConfig) -> OptimConfig:
   """The trainer's AdamW (``capo_jax.rl.optim``) with the warm start's settings."""
-  return OptimConfig(learning_rate=sft.lr, warmup_steps=sft.warmup_steps, b1=0.9, b2=0.99,
-                     weight_decay=sft.weight_decay, grad_clip=sft.grad_clip)
+  return OptimConfig(
+    learning_rate=sft.lr,
+    warmup_steps=sft.warmup_steps,
+    b1=0.9,
+    b2=0.99,
+    weight_decay=sft.weight_decay,
+    grad_clip=sft.grad_clip,
+  )
 
 
 def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation):
@@ -169,6 +191,7 @@ class DemoSampling:
       the questions are split into equal batches.
     progress: show a progress bar.
   """
+
   num_samples: int = 16
   max_new_tokens: int | None = None
   temperature: float = 1.0
@@ -176,9 +199,12 @@ class DemoSampling:
   progress: bool = False
 
 
-def evaluate_policy(policy: evaluate.EvalPolicy, examples: list[Example],
-                    sampling: DemoSampling = DemoSampling(), rng: jax.Array | None = None
-                    ) -> dict[str, Any]:
+def evaluate_policy(
+  policy: evaluate.EvalPolicy,
+  examples: list[Example],
+  sampling: DemoSampling = DemoSampling(),
+  rng: jax.Array | None = None,
+) -> dict[str, Any]:
   """Samples ``sampling.num_samples`` answers per question with the project's evaluator
   and sums up.
 
@@ -200,26 +226,34 @@ def evaluate_policy(policy: evaluate.EvalPolicy, examples: list[Example],
     max_new_tokens = completion_budget(policy.tokenizer, examples)
   # Equal batches (200 questions -> 2 x 100, not 128 + 72 padded to 128).
   n_batches = -(-len(examples) // sampling.batch_questions)
-  eval_cfg = evaluate.EvalConfig(num_samples=sampling.num_samples,
-                                 max_new_tokens=max_new_tokens,
-                                 temperature=sampling.temperature,
-                                 batch_size=-(-len(examples) // n_batches),
-                                 progress=sampling.progress)
+  eval_cfg = evaluate.EvalConfig(
+    num_samples=sampling.num_samples,
+    max_new_tokens=max_new_tokens,
+    temperature=sampling.temperature,
+    batch_size=-(-len(examples) // n_batches),
+    progress=sampling.progress,
+  )
   records = evaluate.evaluate_policy(policy, examples, eval_cfg, rng, benchmark="demo")
   Q, G = len(examples), sampling.num_samples
   s_QG = np.array([r.s for r in records], np.float64).reshape(Q, G)
   correct_QG = np.array([r.correct for r in records], bool).reshape(Q, G)
   lengths_QG = np.array([r.length for r in records], np.int64).reshape(Q, G)
   auc, n_used = calibration.auc_mean(s_QG, correct_QG)
-  return dict(accuracy=float(correct_QG.mean()), auc_mean=auc, auc_n_used=n_used,
-              entropy=float(-(s_QG * lengths_QG).sum() / max(lengths_QG.sum(), 1)),
-              mean_length=float(lengths_QG.mean()),
-              truncated=float((lengths_QG >= max_new_tokens).mean()),
-              s=s_QG, correct=correct_QG, lengths=lengths_QG,
-              completions=[r.completion for r in records])
+  return dict(
+    accuracy=float(correct_QG.mean()),
+    auc_mean=auc,
+    auc_n_used=n_used,
+    entropy=float(-(s_QG * lengths_QG).sum() / max(lengths_QG.sum(), 1)),
+    mean_length=float(lengths_QG.mean()),
+    truncated=float((lengths_QG >= max_new_tokens).mean()),
+    s=s_QG,
+    correct=correct_QG,
+    lengths=lengths_QG,
+    completions=[r.completion for r in records],
+  )
 
 
-def completion_budget(tokenizer: CharTokenizer, examples: list[Example], slack: int = 8) -> int:
+def completion_budget(tokenizer: Tokenizer, examples: list[Example], slack: int = 8) -> int:
   """max_new_tokens: the longest gold solution plus EOS, plus ``slack``."""
   return max(len(tokenizer.encode(ex.meta["solution"])) for ex in examples) + 1 + slack
 
@@ -233,12 +267,17 @@ _RECIPE = 2
 
 
 def _settings(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
-  return {"recipe": _RECIPE, "task": dataclasses.asdict(task_cfg),
-          "model": dataclasses.asdict(model_cfg), "sft": dataclasses.asdict(sft_cfg)}
+  return {
+    "recipe": _RECIPE,
+    "task": dataclasses.asdict(task_cfg),
+    "model": dataclasses.asdict(model_cfg),
+    "sft": dataclasses.asdict(sft_cfg),
+  }
 
 
-def cache_dir(workdir: str, task_cfg: TaskConfig, model_cfg: Qwen2Config,
-              sft_cfg: SFTConfig) -> str:
+def cache_dir(
+  workdir: str, task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig
+) -> str:
   """``<workdir>/warm_start/<hash of every setting>``: new settings train anew."""
   blob = json.dumps(_settings(task_cfg, model_cfg, sft_cfg), sort_keys=True)
   return os.path.join(workdir, "warm_start", hashlib.sha1(blob.encode()).hexdigest()[:12])
@@ -286,9 +325,14 @@ def _save(path: str, model_cfg: Qwen2Config, params: Params, info: dict[str, Any
       raise
 
 
-def get_or_train(workdir: str, task_cfg: TaskConfig | None = None,
-                 model_cfg: Qwen2Config | None = None, sft_cfg: SFTConfig | None = None,
-                 *, progress: bool = True) -> WarmStart:
+def get_or_train(
+  workdir: str,
+  task_cfg: TaskConfig | None = None,
+  model_cfg: Qwen2Config | None = None,
+  sft_cfg: SFTConfig | None = None,
+  *,
+  progress: bool = True,
+) -> WarmStart:
   """The warm-start policy: loaded from the cache, else trained and cached.
 
   ``model_cfg`` defaults to ``default_model_config``; its vocabulary must
@@ -299,8 +343,10 @@ def get_or_train(workdir: str, task_cfg: TaskConfig | None = None,
   tokenizer = CharTokenizer()
   model_cfg = model_cfg or default_model_config(tokenizer)
   if model_cfg.vocab_size != tokenizer.vocab_size:
-    raise ValueError(f"model_cfg.vocab_size={model_cfg.vocab_size} but the char tokenizer "
-                     f"has {tokenizer.vocab_size} tokens")
+    raise ValueError(
+      f"model_cfg.vocab_size={model_cfg.vocab_size} but the char tokenizer "
+      f"has {tokenizer.vocab_size} tokens"
+    )
   path = cache_dir(workdir, task_cfg, model_cfg, sft_cfg)
   if os.path.isdir(path):
     params, info = _load(path, model_cfg)
@@ -311,16 +357,23 @@ def get_or_train(workdir: str, task_cfg: TaskConfig | None = None,
   return WarmStart(model_cfg, params, tokenizer, dict(info, trained=True, path=path))
 
 
-def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
-              tokenizer: CharTokenizer, *, progress: bool = True
-              ) -> tuple[Params, dict[str, Any]]:
+def train_sft(
+  task_cfg: TaskConfig,
+  model_cfg: Qwen2Config,
+  sft_cfg: SFTConfig,
+  tokenizer: CharTokenizer,
+  *,
+  progress: bool = True,
+) -> tuple[Params, dict[str, Any]]:
   """Runs SFT from random init; returns params and a JSON-able history."""
   t0 = time.perf_counter()
   train, _ = make_splits(task_cfg)
   if len(train) <= sft_cfg.eval_questions:
-    raise ValueError(f"TaskConfig.num_train={len(train)} must exceed "
-                     f"SFTConfig.eval_questions={sft_cfg.eval_questions}")
-  val, train = train[:sft_cfg.eval_questions], train[sft_cfg.eval_questions:]
+    raise ValueError(
+      f"TaskConfig.num_train={len(train)} must exceed "
+      f"SFTConfig.eval_questions={sft_cfg.eval_questions}"
+    )
+  val, train = train[: sft_cfg.eval_questions], train[sft_cfg.eval_questions :]
   tokens, mask, loss_mask = encode_sft(tokenizer, train)
   max_new = completion_budget(tokenizer, train + val)
   rng = jax.random.key(sft_cfg.seed)
@@ -330,40 +383,60 @@ def train_sft(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig,
   step_fn = make_sft_step(model_cfg, optimizer)
   order = np.random.default_rng(sft_cfg.seed)
   perm, cursor = order.permutation(len(train)), 0
-  history: list[dict[str, float]] = []
+  history: list[dict[str, float | None]] = []  # val_auc_mean None: no mixed group
   losses: list[jax.Array] = []  # read back only when logged, so dispatch stays async
   stopped = "max_steps"
   bar = tqdm(range(1, sft_cfg.max_steps + 1), desc="warm start (SFT)", disable=not progress)
   for step in bar:
     if cursor + sft_cfg.batch_size > len(perm):
       perm, cursor = order.permutation(len(train)), 0
-    idx = perm[cursor:cursor + sft_cfg.batch_size]
+    idx = perm[cursor : cursor + sft_cfg.batch_size]
     cursor += sft_cfg.batch_size
     params, opt_state, loss = step_fn(params, opt_state, tokens[idx], mask[idx], loss_mask[idx])
     losses.append(loss)
     if step % sft_cfg.eval_every == 0 or step == sft_cfg.max_steps:
-      ev = evaluate_policy(evaluate.EvalPolicy(params, model_cfg, tokenizer), val,
-                           DemoSampling(num_samples=sft_cfg.eval_samples,
-                                        max_new_tokens=max_new),
-                           jax.random.fold_in(rng, step))
-      history.append(dict(step=step, loss=float(np.mean(losses[-sft_cfg.eval_every:])),
-                          val_accuracy=ev["accuracy"],
-                          val_auc_mean=None if np.isnan(ev["auc_mean"]) else ev["auc_mean"],
-                          elapsed_s=time.perf_counter() - t0))
-      bar.set_postfix(loss=f"{history[-1]['loss']:.3f}", val_acc=f"{ev['accuracy']:.3f}",
-                      elapsed=f"{history[-1]['elapsed_s']:.0f}s")
+      ev = evaluate_policy(
+        evaluate.EvalPolicy(params, model_cfg, tokenizer),
+        val,
+        DemoSampling(num_samples=sft_cfg.eval_samples, max_new_tokens=max_new),
+        jax.random.fold_in(rng, step),
+      )
+      history.append(
+        dict(
+          step=step,
+          loss=float(np.mean(losses[-sft_cfg.eval_every :])),
+          val_accuracy=ev["accuracy"],
+          val_auc_mean=None if np.isnan(ev["auc_mean"]) else ev["auc_mean"],
+          elapsed_s=time.perf_counter() - t0,
+        )
+      )
+      bar.set_postfix(
+        loss=f"{history[-1]['loss']:.3f}",
+        val_acc=f"{ev['accuracy']:.3f}",
+        elapsed=f"{history[-1]['elapsed_s']:.0f}s",
+      )
       if sft_cfg.early_stop and ev["accuracy"] >= sft_cfg.target_low:
         stopped = "in_band" if ev["accuracy"] <= sft_cfg.target_high else "overshot"
         if stopped == "overshot":
-          log.warning("warm start overshot the target band: validation accuracy %.3f > %.3f "
-                      "at step %d (evaluate more often: SFTConfig.eval_every)",
-                      ev["accuracy"], sft_cfg.target_high, step)
+          log.warning(
+            "warm start overshot the target band: validation accuracy %.3f > %.3f "
+            "at step %d (evaluate more often: SFTConfig.eval_every)",
+            ev["accuracy"],
+            sft_cfg.target_high,
+            step,
+          )
         break
     elif step % 10 == 0:
       bar.set_postfix(loss=f"{np.mean(losses[-10:]):.3f}")
   bar.close()
-  info = dict(steps=len(losses), stopped=stopped, wall_s=time.perf_counter() - t0,
-              first_loss=float(losses[0]), final_loss=float(np.mean(losses[-10:])),
-              history=history,
-              num_params=qwen2.num_params(params), max_new_tokens=max_new)
+  info = dict(
+    steps=len(losses),
+    stopped=stopped,
+    wall_s=time.perf_counter() - t0,
+    first_loss=float(losses[0]),
+    final_loss=float(np.mean(losses[-10:])),
+    history=history,
+    num_params=qwen2.num_params(params),
+    max_new_tokens=max_new,
+  )
   return params, info

@@ -6,5 +6,11 @@
 from capo_jax.eval.evaluate import EvalConfig, EvalPolicy, evaluate_policy
 from capo_jax.eval.report import compare, compute_results, load_results
 
-__all__ = ["EvalConfig", "EvalPolicy", "compare", "compute_results", "evaluate_policy",
-           "load_results"]
+__all__ = [
+  "EvalConfig",
+  "EvalPolicy",
+  "compare",
+  "compute_results",
+  "evaluate_policy",
+  "load_results",
+]

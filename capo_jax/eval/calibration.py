@@ -47,7 +47,11 @@ import numpy as np
 # (lo, hi]: questions whose fraction of correct samples lies in it. The last
 # bucket is open at 1 in effect, since all-correct questions have no AUC.
 DEFAULT_BUCKETS: tuple[tuple[float, float], ...] = (
-    (0.0, 0.25), (0.25, 0.5), (0.5, 0.75), (0.75, 1.0))
+  (0.0, 0.25),
+  (0.25, 0.5),
+  (0.5, 0.75),
+  (0.75, 1.0),
+)
 
 # Bound on the elements of the [chunk, G, G] pair tensor of auc_per_question.
 _PAIR_CHUNK_ELEMENTS = 1 << 22
@@ -77,8 +81,9 @@ def _valid(valid_QG: Any, shape: tuple[int, ...]) -> np.ndarray:
   return valid
 
 
-def _inputs_qg(s_QG: Any, correct_QG: Any, valid_QG: Any
-               ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _inputs_qg(
+  s_QG: Any, correct_QG: Any, valid_QG: Any
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Checks shapes / values and returns float s, bool correct, bool valid."""
   correct = _as_bool("correct_QG", _check_2d("correct_QG", correct_QG))
   valid = _valid(valid_QG, correct.shape)
@@ -86,15 +91,13 @@ def _inputs_qg(s_QG: Any, correct_QG: Any, valid_QG: Any
     return np.zeros(correct.shape), correct, valid
   s = _check_2d("s_QG", s_QG).astype(np.float64)
   if s.shape != correct.shape:
-    raise ValueError(
-        f"s_QG has shape {s.shape} but correct_QG has {correct.shape}")
+    raise ValueError(f"s_QG has shape {s.shape} but correct_QG has {correct.shape}")
   if not np.isfinite(s[valid]).all():
     raise ValueError("s_QG has NaN or inf at valid positions")
   return s, correct, valid
 
 
-def _inputs_flat(s: Any, correct: Any, valid: Any
-                 ) -> tuple[np.ndarray, np.ndarray]:
+def _inputs_flat(s: Any, correct: Any, valid: Any) -> tuple[np.ndarray, np.ndarray]:
   """Pools valid samples of any shape into 1-D float s and bool correct."""
   s = np.asarray(s, dtype=np.float64)
   c = _as_bool("correct", np.asarray(correct))
@@ -116,13 +119,14 @@ def _first_k(valid: np.ndarray, k: int | None, what: str) -> np.ndarray:
   n = valid.sum(axis=1)
   short = np.flatnonzero(n < k)
   if short.size:
-    raise ValueError(f"{what}: k={k} but {short.size} question(s) have fewer "
-                     f"valid samples (first: row {short[0]} has {n[short[0]]})")
+    raise ValueError(
+      f"{what}: k={k} but {short.size} question(s) have fewer "
+      f"valid samples (first: row {short[0]} has {n[short[0]]})"
+    )
   return valid & (np.cumsum(valid, axis=1) <= k)
 
 
-def mean_at_k(correct_QG: Any, k: int | None = None,
-              valid_QG: Any = None) -> float:
+def mean_at_k(correct_QG: Any, k: int | None = None, valid_QG: Any = None) -> float:
   """Mean correctness of the first k valid samples, averaged over questions."""
   _, correct, valid = _inputs_qg(None, correct_QG, valid_QG)
   take = _first_k(valid, k, "mean_at_k")
@@ -145,8 +149,7 @@ def pass_at_k(correct_QG: Any, k: int, valid_QG: Any = None) -> float:
   return float(np.mean(1.0 - np.prod(factor, axis=1)))
 
 
-def _vote(keys: Sequence[Hashable | None], correct: np.ndarray,
-          ties: str) -> float:
+def _vote(keys: Sequence[Hashable | None], correct: np.ndarray, ties: str) -> float:
   """Expected accuracy of a majority vote over one question's answer keys."""
   counts: dict[Hashable, int] = {}
   hits: dict[Hashable, int] = {}
@@ -164,8 +167,9 @@ def _vote(keys: Sequence[Hashable | None], correct: np.ndarray,
   return float(np.mean([hits[key] / counts[key] for key in tied]))
 
 
-def maj_at_k(answers_QG: Any, correct_QG: Any, k: int | None = None,
-             valid_QG: Any = None, ties: str = "split") -> float:
+def maj_at_k(
+  answers_QG: Any, correct_QG: Any, k: int | None = None, valid_QG: Any = None, ties: str = "split"
+) -> float:
   """Majority-vote accuracy over the first k valid samples of each question.
 
   Args:
@@ -184,18 +188,17 @@ def maj_at_k(answers_QG: Any, correct_QG: Any, k: int | None = None,
   if ties not in ("split", "first"):
     raise ValueError(f"ties must be 'split' or 'first', got {ties!r}")
   _, correct, valid = _inputs_qg(None, correct_QG, valid_QG)
-  if len(answers_QG) != correct.shape[0] or any(
-      len(row) != correct.shape[1] for row in answers_QG):
-    raise ValueError(f"answers_QG must be [Q][G] = {correct.shape} like "
-                     "correct_QG")
+  if len(answers_QG) != correct.shape[0] or any(len(row) != correct.shape[1] for row in answers_QG):
+    raise ValueError(f"answers_QG must be [Q][G] = {correct.shape} like correct_QG")
   take = _first_k(valid, k, "maj_at_k")
-  accs = [_vote([a for a, t in zip(row, take_g) if t], corr_g[take_g], ties)
-          for row, corr_g, take_g in zip(answers_QG, correct, take)]
+  accs = [
+    _vote([a for a, t in zip(row, take_g) if t], corr_g[take_g], ties)
+    for row, corr_g, take_g in zip(answers_QG, correct, take)
+  ]
   return float(np.mean(accs))
 
 
-def auc_per_question(s_QG: Any, correct_QG: Any,
-                     valid_QG: Any = None) -> np.ndarray:
+def auc_per_question(s_QG: Any, correct_QG: Any, valid_QG: Any = None) -> np.ndarray:
   """ROC-AUC of s against correctness per question; NaN when undefined.
 
   Counts pairs (correct i, wrong j) with ``s_i > s_j`` as 1 and ties as 1/2,
@@ -208,18 +211,17 @@ def auc_per_question(s_QG: Any, correct_QG: Any,
   num = np.zeros(q)
   step = max(1, _PAIR_CHUNK_ELEMENTS // max(1, g * g))
   for lo in range(0, q, step):
-    s = s_QG[lo:lo + step]
-    pair = pos[lo:lo + step, :, None] & neg[lo:lo + step, None, :]
+    s = s_QG[lo : lo + step]
+    pair = pos[lo : lo + step, :, None] & neg[lo : lo + step, None, :]
     diff = s[:, :, None] - s[:, None, :]
     win = (diff > 0) + 0.5 * (diff == 0)
-    num[lo:lo + step] = np.sum(win * pair, axis=(1, 2))
+    num[lo : lo + step] = np.sum(win * pair, axis=(1, 2))
   den = pos.sum(axis=1) * neg.sum(axis=1)
   with np.errstate(invalid="ignore", divide="ignore"):
     return np.where(den > 0, num / np.maximum(den, 1), np.nan)
 
 
-def auc_mean(s_QG: Any, correct_QG: Any,
-             valid_QG: Any = None) -> tuple[float, int]:
+def auc_mean(s_QG: Any, correct_QG: Any, valid_QG: Any = None) -> tuple[float, int]:
   """Mean per-question AUC over non-degenerate questions, and their number.
 
   Returns ``(nan, 0)`` when every question is all-correct or all-wrong.
@@ -235,6 +237,7 @@ def auc_mean_traced(s_QG: Any, correct_QG: Any, valid_QG: Any) -> tuple[Any, Any
   reading the scores back): (mean AUC over the questions that have one, or NaN;
   their number). Invalid samples take part in no pair."""
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+
   pos, neg = correct_QG & valid_QG, ~correct_QG & valid_QG
   pair_QGG = pos[:, :, None] & neg[:, None, :]
   diff_QGG = s_QG[:, :, None] - s_QG[:, None, :]
@@ -253,9 +256,12 @@ def bucket_label(lo: float, hi: float) -> str:
   return f"({lo:g}, {hi:g})" if hi >= 1.0 else f"({lo:g}, {hi:g}]"
 
 
-def auc_by_bucket(s_QG: Any, correct_QG: Any, valid_QG: Any = None,
-                  buckets: Sequence[tuple[float, float]] = DEFAULT_BUCKETS
-                  ) -> dict[str, dict[str, float | int]]:
+def auc_by_bucket(
+  s_QG: Any,
+  correct_QG: Any,
+  valid_QG: Any = None,
+  buckets: Sequence[tuple[float, float]] = DEFAULT_BUCKETS,
+) -> dict[str, dict[str, float | int]]:
   """AUC-mean per difficulty bucket (fraction of correct valid samples).
 
   Returns ``{label: {"lo", "hi", "auc_mean", "n"}}`` in bucket order; a bucket
@@ -274,8 +280,11 @@ def auc_by_bucket(s_QG: Any, correct_QG: Any, valid_QG: Any = None,
     sel = (frac > lo) & (frac <= hi) & ~np.isnan(auc_Q)
     n = int(sel.sum())
     out[bucket_label(lo, hi)] = {
-        "lo": float(lo), "hi": float(hi), "n": n,
-        "auc_mean": float(auc_Q[sel].mean()) if n else float("nan")}
+      "lo": float(lo),
+      "hi": float(hi),
+      "n": n,
+      "auc_mean": float(auc_Q[sel].mean()) if n else float("nan"),
+    }
   return out
 
 
@@ -292,8 +301,9 @@ def pooled_auc(s: Any, correct: Any, valid: Any = None) -> float:
   return float((rank_sum - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
 
-def precision_coverage(s: Any, correct: Any, valid: Any = None
-                       ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def precision_coverage(
+  s: Any, correct: Any, valid: Any = None
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """Precision-coverage curve of pooled samples, answering when s >= t.
 
   Returns ``(coverage, precision, thresholds)``, one point per distinct score,
@@ -325,8 +335,9 @@ def ece(s: Any, correct: Any, valid: Any = None, n_bins: int = 10) -> float:
     return float("nan")
   conf = np.clip(np.exp(s), 0.0, 1.0)
   idx = np.minimum((conf * n_bins).astype(int), n_bins - 1)
-  gap = (np.bincount(idx, weights=c.astype(float), minlength=n_bins)
-         - np.bincount(idx, weights=conf, minlength=n_bins))
+  gap = np.bincount(idx, weights=c.astype(float), minlength=n_bins) - np.bincount(
+    idx, weights=conf, minlength=n_bins
+  )
   # Per bin |acc - conf| * n_b / n = |sum(correct) - sum(conf)| / n.
   return float(np.abs(gap).sum() / s.size)
 

@@ -45,15 +45,11 @@ import numpy as np
 from tqdm import auto as tqdm
 
 from capo_jax.data import datasets as data
-from capo_jax.data import reward_fns
-from capo_jax.data import prompts
-from capo_jax.data import rewards
+from capo_jax.data import prompts, reward_fns, rewards
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import grouping as grouping_lib
-from capo_jax.eval import inputs
+from capo_jax.eval import inputs, report, scaling
 from capo_jax.eval.inputs import InputError
-from capo_jax.eval import report
-from capo_jax.eval import scaling
 from capo_jax.eval.report import SampleRecord
 from capo_jax.masked import mean_logprob
 from capo_jax.runtime import fs
@@ -70,6 +66,7 @@ log = logging.getLogger(__name__)
 @dataclasses.dataclass(frozen=True)
 class EvalConfig:
   """Sampling settings of an evaluation (defaults: the paper's, 16 samples at T = 1)."""
+
   num_samples: int = 16
   max_new_tokens: int = 3072
   temperature: float = 1.0
@@ -84,8 +81,9 @@ class EvalConfig:
       if getattr(self, name) < 1:
         raise ValueError(f"EvalConfig.{name} must be >= 1, got {getattr(self, name)}")
     if self.max_active_rows < 0:
-      raise ValueError(f"EvalConfig.max_active_rows must be >= 0 (0: all rows), got "
-                       f"{self.max_active_rows}")
+      raise ValueError(
+        f"EvalConfig.max_active_rows must be >= 0 (0: all rows), got {self.max_active_rows}"
+      )
 
 
 # --- sampling and grading -------------------------------------------------------
@@ -94,7 +92,7 @@ class EvalConfig:
 def _batches(lengths: Sequence[int], batch_size: int) -> list[list[int]]:
   """Question indices by prompt length, so a batch pads little, cut into batches."""
   order = sorted(range(len(lengths)), key=lambda i: (lengths[i], i))
-  return [order[i:i + batch_size] for i in range(0, len(order), batch_size)]
+  return [order[i : i + batch_size] for i in range(0, len(order), batch_size)]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,15 +105,21 @@ class EvalPolicy:
     layout: device mesh and sampling rules for the sampler (e.g.
       ``Layout.of(mesh, mesh_lib.SAMPLING_RULES)``); None: one device.
   """
+
   params: Params
   cfg: Qwen2Config
   tokenizer: Tokenizer
   layout: Layout | None = None
 
 
-def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
-                        eval_cfg: EvalConfig, rng: jax.Array, benchmark: str, grader: Any
-                        ) -> list[SampleRecord]:
+def _evaluate_benchmark(
+  policy: EvalPolicy,
+  examples: Sequence[data.Example],
+  eval_cfg: EvalConfig,
+  rng: jax.Array,
+  benchmark: str,
+  grader: Any,
+) -> list[SampleRecord]:
   """Records of one benchmark in file order (question, then sample index)."""
   params, cfg, tokenizer, layout = policy.params, policy.cfg, policy.tokenizer, policy.layout
   ids = [ex.id for ex in examples]
@@ -126,24 +130,34 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
   bs = min(eval_cfg.batch_size, len(examples))
   G = eval_cfg.num_samples
   per_question: list[list[SampleRecord]] = [[] for _ in examples]
-  stats = collections.Counter()
+  stats: collections.Counter[str] = collections.Counter()
 
   def dispatch(b: int, idx: list[int]) -> Any:
     # A short last batch repeats its last question: one batch shape, one compile.
     padded = idx + [idx[-1]] * (bs - len(idx))
     tokens, mask = tokenizer.encode_prompts([examples[i].problem for i in padded])
     return sampling.generate(
-        params, cfg, tokens, mask, jax.random.fold_in(rng, b), sampling.SamplingSpec(
-            num_samples=G, max_new_tokens=eval_cfg.max_new_tokens,
-            strategy=strategies.make_strategy(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k),
-            stop_ids=tokenizer.stop_ids, pad_id=tokenizer.pad_id,
-            max_active_rows=eval_cfg.max_active_rows or None),
-        layout=layout)
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.fold_in(rng, b),
+      sampling.SamplingSpec(
+        num_samples=G,
+        max_new_tokens=eval_cfg.max_new_tokens,
+        strategy=strategies.make_strategy(eval_cfg.temperature, eval_cfg.top_p, eval_cfg.top_k),
+        stop_ids=tokenizer.stop_ids,
+        pad_id=tokenizer.pad_id,
+        max_active_rows=eval_cfg.max_active_rows or None,
+      ),
+      layout=layout,
+    )
 
   def finish(idx: list[int], out: sampling.Samples, bar: Any) -> None:
     n = len(idx) * G  # rows past n belong to the padding repeats
-    tokens, mask = out.tokens_BC[:n], out.mask_BC[:n].astype(np.float64)
-    logprobs = out.logprobs_BC[:n].astype(np.float64)
+    # The rows are host numpy arrays already (to_host); asarray says so to the type checker.
+    tokens, mask = np.asarray(out.tokens_BC[:n]), np.asarray(out.mask_BC[:n], np.float64)
+    logprobs = np.asarray(out.logprobs_BC[:n], np.float64)
     length_B = mask.sum(1)
     s_B = mean_logprob(logprobs, mask)  # the stop token counts in s
     texts = tokenizer.decode_completions(tokens, mask)
@@ -153,10 +167,18 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
     stats["tokens"] += int(length_B.sum())
     for r in range(n):
       q = idx[r // G]
-      per_question[q].append(SampleRecord(
-          benchmark=benchmark, question_id=examples[q].id, sample_index=r % G,
-          completion=texts[r], answer=rewards.extract_answer(texts[r])[0],
-          correct=bool(correct_B[r]), s=min(float(s_B[r]), 0.0), length=int(length_B[r])))
+      per_question[q].append(
+        SampleRecord(
+          benchmark=benchmark,
+          question_id=examples[q].id,
+          sample_index=r % G,
+          completion=texts[r],
+          answer=rewards.extract_answer(texts[r])[0],
+          correct=bool(correct_B[r]),
+          s=min(float(s_B[r]), 0.0),
+          length=int(length_B[r]),
+        )
+      )
     stats["correct"] += int(correct_B.sum())
     stats["rows"] += n
     bar.update(len(idx))
@@ -167,28 +189,43 @@ def _evaluate_benchmark(policy: EvalPolicy, examples: Sequence[data.Example],
   # Batch b+1 samples on the device while a host thread decodes and grades batch
   # b. device_get waits for batch b first, so one KV cache is live at a time.
   with futures.ThreadPoolExecutor(1) as host:
-    prev = None
+    prev: futures.Future[None] | None = None
     for b, idx in enumerate(_batches(lengths, bs)):
       # to_host gathers the rows of every process when the mesh spans several.
       out = jax.tree.map(to_host, dispatch(b, idx))
       if prev is not None:
         prev.result()  # re-raises a grading error; keeps the host one batch behind at most
       prev = host.submit(finish, idx, out, bar)
-    prev.result()
+    if prev is not None:
+      prev.result()
   bar.close()
   secs = time.perf_counter() - start
   n_rows = len(examples) * G
-  log.info("%s: %d questions x %d samples in %.1f s (%.0f tokens/s), accuracy %.4f, "
-           "%d of %d truncated at max_new_tokens=%d", benchmark, len(examples), G, secs,
-           stats["tokens"] / max(secs, 1e-9), stats["correct"] / n_rows, stats["truncated"],
-           n_rows, eval_cfg.max_new_tokens)
+  log.info(
+    "%s: %d questions x %d samples in %.1f s (%.0f tokens/s), accuracy %.4f, "
+    "%d of %d truncated at max_new_tokens=%d",
+    benchmark,
+    len(examples),
+    G,
+    secs,
+    stats["tokens"] / max(secs, 1e-9),
+    stats["correct"] / n_rows,
+    stats["truncated"],
+    n_rows,
+    eval_cfg.max_new_tokens,
+  )
   return [rec for recs in per_question for rec in recs]
 
 
-def evaluate_policy(policy: EvalPolicy,
-                    examples: Sequence[data.Example] | Mapping[str, Sequence[data.Example]],
-                    eval_cfg: EvalConfig, rng: jax.Array, *, benchmark: str = "eval",
-                    grader: Any = None) -> list[SampleRecord]:
+def evaluate_policy(
+  policy: EvalPolicy,
+  examples: Sequence[data.Example] | Mapping[str, Sequence[data.Example]],
+  eval_cfg: EvalConfig,
+  rng: jax.Array,
+  *,
+  benchmark: str = "eval",
+  grader: Any = None,
+) -> list[SampleRecord]:
   """Samples ``eval_cfg.num_samples`` responses per question and grades them.
 
   Args:
@@ -214,16 +251,16 @@ def evaluate_policy(policy: EvalPolicy,
       raise ValueError(f"benchmark {name!r} has no questions")
     g = grader.get(name) if isinstance(grader, Mapping) else grader
     g = g if g is not None else reward_fns.grader_for(reward_fns.benchmark_checker(name))
-    records += _evaluate_benchmark(policy, list(exs), eval_cfg, jax.random.fold_in(rng, k),
-                                   name, g)
+    records += _evaluate_benchmark(policy, list(exs), eval_cfg, jax.random.fold_in(rng, k), name, g)
   return records
 
 
 # --- benchmarks and outputs ------------------------------------------------------
 
 
-def load_benchmarks(specs: Sequence[str], data_dir: str | None = None, limit: int = 0
-                    ) -> dict[str, list[data.Example]]:
+def load_benchmarks(
+  specs: Sequence[str], data_dir: str | None = None, limit: int = 0
+) -> dict[str, list[data.Example]]:
   """``{name: questions}`` of registry names or files (named by file stem).
 
   ``limit`` > 0 keeps the first ``limit`` questions of each benchmark.
@@ -240,10 +277,16 @@ def load_benchmarks(specs: Sequence[str], data_dir: str | None = None, limit: in
   return out
 
 
-def write_outputs(records: Sequence[SampleRecord], out_dir: str | os.PathLike, *,
-                  run: str | None = None, config: Mapping[str, Any] | None = None,
-                  results_config: report.ResultsConfig = report.ResultsConfig(),
-                  plots: bool = True, samples: bool = True) -> dict[str, Any]:
+def write_outputs(
+  records: Sequence[SampleRecord],
+  out_dir: str | os.PathLike,
+  *,
+  run: str | None = None,
+  config: Mapping[str, Any] | None = None,
+  results_config: report.ResultsConfig = report.ResultsConfig(),
+  plots: bool = True,
+  samples: bool = True,
+) -> dict[str, Any]:
   """Writes samples.jsonl, results.json (+ ``config``) and the plots; returns the results.
 
   ``out_dir`` may be local or ``gs://`` (files are staged locally and uploaded).
@@ -262,27 +305,40 @@ def write_outputs(records: Sequence[SampleRecord], out_dir: str | os.PathLike, *
   return results
 
 
-def results_config(num_samples: int, grouping: str = "rewards",
-                   limits: grouping_lib.Limits = grouping_lib.Limits()) -> report.ResultsConfig:
+def results_config(
+  num_samples: int, grouping: str = "rewards", limits: grouping_lib.Limits = grouping_lib.Limits()
+) -> report.ResultsConfig:
   """ResultsConfig that also reports k = ``num_samples`` and N = 1, 2, 4, ... up to it."""
   ks = lambda base: tuple(sorted(set(base) | {num_samples}))  # noqa: E731
   ns = {1 << i for i in range(num_samples.bit_length()) if 1 << i <= num_samples}
   return report.ResultsConfig(
-      mean_ks=ks((8, 16)), pass_ks=ks((1, 8, 16)), maj_ks=ks((8, 16)),
-      grouping=grouping, grouping_limits=limits,
-      scaling=scaling.ScalingConfig(ns=tuple(sorted(ns | {num_samples}))))
+    mean_ks=ks((8, 16)),
+    pass_ks=ks((1, 8, 16)),
+    maj_ks=ks((8, 16)),
+    grouping=grouping,
+    grouping_limits=limits,
+    scaling=scaling.ScalingConfig(ns=tuple(sorted(ns | {num_samples}))),
+  )
 
 
 def summary_table(results: Mapping[str, Any], run: str, num_samples: int) -> str:
   """Markdown table of the headline numbers at k = ``num_samples``, and a note per
   benchmark whose answer grouping left pairs unchecked."""
   g = num_samples
-  columns = ((f"mean@{g}", f"mean@{g}"), ("AUC", "auc_mean"), ("AURC", "aurc"),
-             ("pooled AUC", "pooled_auc"), (f"PC@{g}", "scaling/pc/-1"),
-             (f"maj@{g}", f"maj@k/{g}"))  # no ECE: report.ECE_NOTE
-  notes = [f"{bench}: {res['grouping_timeouts']} answer pairs timed out in grouping and "
-           "count as different answers (maj@k, PC, RPC)\n"
-           for bench, res in results["benchmarks"].items() if res.get("grouping_timeouts")]
+  columns = (
+    (f"mean@{g}", f"mean@{g}"),
+    ("AUC", "auc_mean"),
+    ("AURC", "aurc"),
+    ("pooled AUC", "pooled_auc"),
+    (f"PC@{g}", "scaling/pc/-1"),
+    (f"maj@{g}", f"maj@k/{g}"),
+  )  # no ECE: report.ECE_NOTE
+  notes = [
+    f"{bench}: {res['grouping_timeouts']} answer pairs timed out in grouping and "
+    "count as different answers (maj@k, PC, RPC)\n"
+    for bench, res in results["benchmarks"].items()
+    if res.get("grouping_timeouts")
+  ]
   return report.comparison_table({run: results}, columns) + "".join(notes)
 
 
@@ -300,20 +356,37 @@ def _read_samples(path: str) -> list[SampleRecord]:
 
 
 def _parser() -> argparse.ArgumentParser:
-  p = argparse.ArgumentParser(prog="python -m capo_jax.eval", description=__doc__,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  p = argparse.ArgumentParser(
+    prog="python -m capo_jax.eval",
+    description=__doc__,
+    formatter_class=argparse.RawDescriptionHelpFormatter,
+  )
   mode = p.add_mutually_exclusive_group(required=True)
-  mode.add_argument("--policy", help="HF model dir, hub id (Qwen/...) or trainer workdir "
-                    "(see load_policy)")
-  mode.add_argument("--from-samples", "--from_samples", dest="from_samples", metavar="FILE",
-                    help="compute every metric from a samples.jsonl written elsewhere")
-  mode.add_argument("--compare", nargs="+", metavar="DIR",
-                    help="result dirs to compare in OUT/comparison.md (+ overlaid plots)")
+  mode.add_argument(
+    "--policy", help="HF model dir, hub id (Qwen/...) or trainer workdir (see load_policy)"
+  )
+  mode.add_argument(
+    "--from-samples",
+    "--from_samples",
+    dest="from_samples",
+    metavar="FILE",
+    help="compute every metric from a samples.jsonl written elsewhere",
+  )
+  mode.add_argument(
+    "--compare",
+    nargs="+",
+    metavar="DIR",
+    help="result dirs to compare in OUT/comparison.md (+ overlaid plots)",
+  )
   p.add_argument("--out", required=True, help="output directory")
-  p.add_argument("--benchmarks", default="math500,aime24,aime25,amc23,minerva_math,olympiadbench",
-                 help="comma-separated registry names or files (.jsonl/.json/.parquet)")
-  p.add_argument("--data_dir", default="", help="where registry names are looked up "
-                 "(default $CAPO_DATA_DIR)")
+  p.add_argument(
+    "--benchmarks",
+    default="math500,aime24,aime25,amc23,minerva_math,olympiadbench",
+    help="comma-separated registry names or files (.jsonl/.json/.parquet)",
+  )
+  p.add_argument(
+    "--data_dir", default="", help="where registry names are looked up (default $CAPO_DATA_DIR)"
+  )
   p.add_argument("--limit", type=int, default=0, help="first N questions per benchmark (0: all)")
   p.add_argument("--num_samples", type=int, default=16)
   p.add_argument("--max_new_tokens", type=int, default=3072)
@@ -321,24 +394,48 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument("--top_p", type=float, default=1.0)
   p.add_argument("--top_k", type=int, default=0)
   p.add_argument("--batch_size", type=int, default=8, help="questions per sampler call")
-  p.add_argument("--max_active_rows", type=int, default=0,
-                 help="rows decoded at once (continuous batching); 0: all rows of a call")
+  p.add_argument(
+    "--max_active_rows",
+    type=int,
+    default=0,
+    help="rows decoded at once (continuous batching); 0: all rows of a call",
+  )
   p.add_argument("--seed", type=int, default=0)
-  p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
-                 help="params and compute dtype")
+  p.add_argument(
+    "--dtype", default="bfloat16", choices=("bfloat16", "float32"), help="params and compute dtype"
+  )
   p.add_argument("--tokenizer", default="", help="tokenizer dir (default: next to the policy)")
-  p.add_argument("--base_model", default="", help="HF dir or hub id of the run's base model: "
-                 "config and tokenizer for an Orbax checkpoint")
-  p.add_argument("--tensor_parallel", type=int, default=1,
-                 help="tensor axis of the sampling mesh when several devices are visible")
-  p.add_argument("--checker", default="auto", help="what decides 'correct': auto (each "
-                 "benchmark's registry checker: math, countdown), math, countdown, or a "
-                 "plug-in module:function / file.py:function (docs/rewards.md)")
-  p.add_argument("--grouping", default="rewards", choices=("rewards", "exact"),
-                 help="answer equivalence of maj@k / PC / RPC")
-  p.add_argument("--grouping_budget_s", type=float, default=grouping_lib.Limits.budget_s,
-                 help="seconds per question for the answer checks of --grouping; pairs "
-                 "left unchecked count as different (results.json: grouping_timeouts)")
+  p.add_argument(
+    "--base_model",
+    default="",
+    help="HF dir or hub id of the run's base model: config and tokenizer for an Orbax checkpoint",
+  )
+  p.add_argument(
+    "--tensor_parallel",
+    type=int,
+    default=1,
+    help="tensor axis of the sampling mesh when several devices are visible",
+  )
+  p.add_argument(
+    "--checker",
+    default="auto",
+    help="what decides 'correct': auto (each "
+    "benchmark's registry checker: math, countdown), math, countdown, or a "
+    "plug-in module:function / file.py:function (docs/rewards.md)",
+  )
+  p.add_argument(
+    "--grouping",
+    default="rewards",
+    choices=("rewards", "exact"),
+    help="answer equivalence of maj@k / PC / RPC",
+  )
+  p.add_argument(
+    "--grouping_budget_s",
+    type=float,
+    default=grouping_lib.Limits.budget_s,
+    help="seconds per question for the answer checks of --grouping; pairs "
+    "left unchecked count as different (results.json: grouping_timeouts)",
+  )
   p.add_argument("--run", default="", help="run name in results.json (default: out dir name)")
   p.add_argument("--names", nargs="*", help="--compare: run names")
   prompts.add_flags(p)
@@ -351,8 +448,10 @@ def _sampling_layout(tensor: int) -> Layout | None:
   if jax.device_count() == 1:
     return None
   from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
-  return Layout.of(mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}),
-                   mesh_lib.SAMPLING_RULES)
+
+  return Layout.of(
+    mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}), mesh_lib.SAMPLING_RULES
+  )
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
@@ -379,45 +478,80 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
     per_q = collections.Counter((r.benchmark, r.question_id) for r in records)
     num_samples = min(per_q.values(), default=1)
     rcfg = results_config(num_samples, args.grouping, limits)
-    results = write_outputs(records, args.out, run=run, results_config=rcfg,
-                            config={"from_samples": args.from_samples if fs.is_remote(
-                                args.from_samples) else os.path.abspath(args.from_samples)},
-                            plots=not args.no_plots, samples=False)
+    results = write_outputs(
+      records,
+      args.out,
+      run=run,
+      results_config=rcfg,
+      config={
+        "from_samples": args.from_samples
+        if fs.is_remote(args.from_samples)
+        else os.path.abspath(args.from_samples)
+      },
+      plots=not args.no_plots,
+      samples=False,
+    )
   else:
     # Flags and benchmark files are checked before the (slow) policy load.
-    eval_cfg = EvalConfig(num_samples=args.num_samples, max_new_tokens=args.max_new_tokens,
-                          temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                          batch_size=args.batch_size, max_active_rows=args.max_active_rows,
-                          progress=not args.no_progress)
-    benchmarks = load_benchmarks([b.strip() for b in args.benchmarks.split(",") if b.strip()],
-                                 args.data_dir, args.limit)
+    eval_cfg = EvalConfig(
+      num_samples=args.num_samples,
+      max_new_tokens=args.max_new_tokens,
+      temperature=args.temperature,
+      top_p=args.top_p,
+      top_k=args.top_k,
+      batch_size=args.batch_size,
+      max_active_rows=args.max_active_rows,
+      progress=not args.no_progress,
+    )
+    benchmarks = load_benchmarks(
+      [b.strip() for b in args.benchmarks.split(",") if b.strip()], args.data_dir, args.limit
+    )
     grader = None if args.checker == "auto" else reward_fns.grader_for(args.checker)
     prompts.from_flags(args, None)
     inputs.check_policy_config(args.policy)
-    policy = load_policy(args.policy, base_model=args.base_model or None,
-                         dtype=jnp.dtype(args.dtype))
+    policy = load_policy(
+      args.policy, base_model=args.base_model or None, dtype=jnp.dtype(args.dtype)
+    )
     tok_dir = args.tokenizer or policy.tokenizer_dir
     if not tok_dir:
-      raise FileNotFoundError(f"no tokenizer next to {policy.source}: pass --tokenizer=DIR "
-                              "(or --base_model=DIR)")
+      raise FileNotFoundError(
+        f"no tokenizer next to {policy.source}: pass --tokenizer=DIR (or --base_model=DIR)"
+      )
     from capo_jax.data.tokenizer import load_tokenizer  # pylint: disable=import-outside-toplevel
+
     prompt = prompts.from_flags(args, policy.prompt)  # the run's prompt, unless overridden
     tokenizer = load_tokenizer(tok_dir, prompt=prompt)
     if tokenizer.vocab_size > policy.cfg.vocab_size:
-      raise ValueError(f"tokenizer {tok_dir} has {tokenizer.vocab_size} tokens but the policy's "
-                       f"vocab_size is {policy.cfg.vocab_size}: wrong --tokenizer?")
+      raise ValueError(
+        f"tokenizer {tok_dir} has {tokenizer.vocab_size} tokens but the policy's "
+        f"vocab_size is {policy.cfg.vocab_size}: wrong --tokenizer?"
+      )
     log.info("policy %s (%s), tokenizer %s", policy.source, args.dtype, tok_dir)
-    sampler = EvalPolicy(policy.params, policy.cfg, tokenizer,
-                         _sampling_layout(args.tensor_parallel))
-    records = evaluate_policy(sampler, benchmarks, eval_cfg, jax.random.key(args.seed),
-                              grader=grader)
-    config = dict(dataclasses.asdict(eval_cfg), policy=policy.source, tokenizer=tok_dir,
-                  seed=args.seed, dtype=args.dtype, limit=args.limit, prompt=prompt.to_json(),
-                  benchmarks={k: len(v) for k, v in benchmarks.items()})
+    sampler = EvalPolicy(
+      policy.params, policy.cfg, tokenizer, _sampling_layout(args.tensor_parallel)
+    )
+    records = evaluate_policy(
+      sampler, benchmarks, eval_cfg, jax.random.key(args.seed), grader=grader
+    )
+    config = dict(
+      dataclasses.asdict(eval_cfg),
+      policy=policy.source,
+      tokenizer=tok_dir,
+      seed=args.seed,
+      dtype=args.dtype,
+      limit=args.limit,
+      prompt=prompt.to_json(),
+      benchmarks={k: len(v) for k, v in benchmarks.items()},
+    )
     num_samples = args.num_samples
-    results = write_outputs(records, args.out, run=run, config=config,
-                            results_config=results_config(num_samples, args.grouping, limits),
-                            plots=not args.no_plots)
+    results = write_outputs(
+      records,
+      args.out,
+      run=run,
+      config=config,
+      results_config=results_config(num_samples, args.grouping, limits),
+      plots=not args.no_plots,
+    )
   print(summary_table(results, run, num_samples))
   return results
 

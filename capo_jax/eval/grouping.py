@@ -44,6 +44,7 @@ class PairCheck:
     result, or a tuple result's first element, is the verdict.
   warmup: "module:function" a worker runs once before its first pair (slow imports).
   """
+
   fast: Callable[[str, str], bool | tuple]
   slow: str | None = None
   warmup: str | None = None
@@ -52,6 +53,7 @@ class PairCheck:
 @dataclasses.dataclass(frozen=True)
 class Limits:
   """Time limits of the slow checks (see the module docstring)."""
+
   budget_s: float = 30.0  # per question
   pair_timeout_s: float = 5.0
   # 0: one per core, at most 8 (a question has at most 120 pairs of 16 answers; every
@@ -69,6 +71,7 @@ class Limits:
 @dataclasses.dataclass(frozen=True)
 class Grouped:
   """Class id per answer (-1: no answer) and the pairs counted "different" unchecked."""
+
   group_G: np.ndarray
   n_unresolved: int
 
@@ -77,12 +80,14 @@ def _rewards_fast(first: str, answer: str) -> bool | tuple:
   # Exactly rewards.is_correct("\\boxed{first}", answer), with its math-verify stage left
   # to the worker pool: the grader's cheap path here, else _slow_judge's arguments.
   from capo_jax.data.rewards import _prepare  # pylint: disable=import-outside-toplevel
+
   verdict, status, pred = _prepare("\\boxed{" + first + "}", answer)
   return bool(verdict) if verdict is not None else (pred, answer, int(status))
 
 
-REWARDS_CHECK = PairCheck(_rewards_fast, "capo_jax.data.rewards:_slow_judge",
-                          "capo_jax.data.rewards:_warmup")
+REWARDS_CHECK = PairCheck(
+  _rewards_fast, "capo_jax.data.rewards:_slow_judge", "capo_jax.data.rewards:_warmup"
+)
 
 
 def resolve_check(grouping: str | Callable[[str, str], bool] | PairCheck) -> PairCheck:
@@ -96,12 +101,14 @@ def resolve_check(grouping: str | Callable[[str, str], bool] | PairCheck) -> Pai
     return PairCheck(operator.eq)
   if grouping == "rewards":
     return REWARDS_CHECK
-  raise ValueError(f"grouping must be 'rewards', 'exact', a callable or a PairCheck, "
-                   f"got {grouping!r}")
+  raise ValueError(
+    f"grouping must be 'rewards', 'exact', a callable or a PairCheck, got {grouping!r}"
+  )
 
 
-def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
-                        ) -> Callable[[str, str], bool]:
+def resolve_same_answer(
+  grouping: str | Callable[[str, str], bool] = "rewards",
+) -> Callable[[str, str], bool]:
   """Answer equivalence as one callable: a callable, ``"rewards"`` (default) or ``"exact"``.
 
   ``"rewards"`` imports ``capo_jax.data.rewards`` lazily and grades one answer, boxed,
@@ -113,14 +120,15 @@ def resolve_same_answer(grouping: str | Callable[[str, str], bool] = "rewards"
   if grouping == "exact":
     return lambda a, b: a == b
   if grouping != "rewards":
-    raise ValueError(f"grouping must be 'rewards', 'exact' or a callable, "
-                     f"got {grouping!r}")
+    raise ValueError(f"grouping must be 'rewards', 'exact' or a callable, got {grouping!r}")
   from capo_jax.data import rewards  # pylint: disable=import-outside-toplevel
+
   return lambda a, b: bool(rewards.is_correct("\\boxed{" + a + "}", b))
 
 
-def _replay(n: int, verdict: Callable[[int, int], bool | None]
-            ) -> tuple[list[int], list[int], Pair | None]:
+def _replay(
+  n: int, verdict: Callable[[int, int], bool | None]
+) -> tuple[list[int], list[int], Pair | None]:
   """The sequential comparison over known verdicts: (class of each answer decided, first
   members, the pair it stopped at for want of a verdict, or None when complete)."""
   cls: list[int] = []
@@ -143,8 +151,11 @@ class AnswerGrouper:
   """Groups answers with a ``PairCheck``; slow checks run in a pool started on first need
   (``close()`` it, or use as a context manager)."""
 
-  def __init__(self, grouping: str | Callable[[str, str], bool] | PairCheck = "rewards",
-               limits: Limits = Limits()) -> None:
+  def __init__(
+    self,
+    grouping: str | Callable[[str, str], bool] | PairCheck = "rewards",
+    limits: Limits = Limits(),
+  ) -> None:
     self.check = resolve_check(grouping)
     self.limits = limits
     self._pool: Any = None  # a DeadlinePool once a slow check is needed
@@ -152,22 +163,32 @@ class AnswerGrouper:
   def _workers(self) -> int:
     if self.limits.num_workers:
       return self.limits.num_workers
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (
-        os.cpu_count() or 1)
+    cores = (
+      len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    )
     return min(cores, 8)
 
-  def _run(self, pairs: list[Pair], args: dict[Pair, tuple], verdicts: dict[Pair, bool],
-           unresolved: set[Pair]) -> None:
+  def _run(
+    self,
+    pairs: list[Pair],
+    args: dict[Pair, tuple],
+    verdicts: dict[Pair, bool],
+    unresolved: set[Pair],
+  ) -> None:
     if self.check.slow is None:
-      raise TypeError(f"PairCheck.fast returned {args[pairs[0]]!r} (arguments for a slow "
-                      "check) but the PairCheck has no slow function")
+      raise TypeError(
+        f"PairCheck.fast returned {args[pairs[0]]!r} (arguments for a slow "
+        "check) but the PairCheck has no slow function"
+      )
     # Imported here: the pool's package (capo_jax.data) is not needed without slow checks.
     from capo_jax.data import _grader_pool as pool_lib  # pylint: disable=import-outside-toplevel
+
     if self._pool is None:
       # A pair can use no more than the whole budget.
       timeout_s = min(self.limits.pair_timeout_s, self.limits.budget_s)
-      self._pool = pool_lib.DeadlinePool(self.check.slow, self._workers(), timeout_s,
-                                         warmup=self.check.warmup)
+      self._pool = pool_lib.DeadlinePool(
+        self.check.slow, self._workers(), timeout_s, warmup=self.check.warmup
+      )
     for pair, (kind, value) in zip(pairs, self._pool.map([args[p] for p in pairs])):
       if kind == pool_lib.OK:
         verdicts[pair] = bool(value[0] if isinstance(value, (tuple, list)) else value)
@@ -219,7 +240,12 @@ class AnswerGrouper:
           break
       self._run(wave, args, verdicts, unresolved)
     consulted: set[Pair] = set()
-    _replay(len(uniq), lambda i, j: consulted.add((i, j)) or verdicts[i, j])
+
+    def consult(i: int, j: int) -> bool:
+      consulted.add((i, j))
+      return verdicts[i, j]
+
+    _replay(len(uniq), consult)
     index = {a: u for u, a in enumerate(uniq)}
     group_G = np.array([-1 if a is None else cls[index[a]] for a in answers], dtype=np.int64)
     return Grouped(group_G, len(consulted & unresolved))
@@ -236,8 +262,9 @@ class AnswerGrouper:
     self.close()
 
 
-def group_answers(answers: Sequence[str | None],
-                  same_answer: Callable[[str, str], bool]) -> np.ndarray:
+def group_answers(
+  answers: Sequence[str | None], same_answer: Callable[[str, str], bool]
+) -> np.ndarray:
   """Class ids of one question's answers (-1 for None), ``same_answer`` called in this
   process one pair at a time, without a time limit."""
   return AnswerGrouper(same_answer).group(answers).group_G

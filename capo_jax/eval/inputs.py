@@ -16,8 +16,13 @@ class InputError(ValueError):
   """A bad input file or flag, named; the command line prints it without a traceback."""
 
 
-_HF_INT_FIELDS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
-                  "num_attention_heads")
+_HF_INT_FIELDS = (
+  "vocab_size",
+  "hidden_size",
+  "intermediate_size",
+  "num_hidden_layers",
+  "num_attention_heads",
+)
 
 
 def check_policy_config(policy: str) -> None:
@@ -33,8 +38,11 @@ def check_policy_config(policy: str) -> None:
   # Imported here: report.py imports this module and needs neither JAX nor the models.
   from capo_jax.runtime.policy_io import EXPORT_DIR  # pylint: disable=import-outside-toplevel
   from models.config import Qwen2Config  # pylint: disable=import-outside-toplevel
-  for path in (os.path.join(policy, "config.json"),
-               os.path.join(policy, EXPORT_DIR, "config.json")):
+
+  for path in (
+    os.path.join(policy, "config.json"),
+    os.path.join(policy, EXPORT_DIR, "config.json"),
+  ):
     if not os.path.isfile(path):
       continue
     try:
@@ -51,8 +59,9 @@ def check_policy_config(policy: str) -> None:
         raise InputError(f"--policy: {path} has no field {field!r} (a HF model config)")
       val = cfg[field]
       if not isinstance(val, int) or isinstance(val, bool) or val <= 0:
-        raise InputError(f"--policy: {path}: field {field!r} must be a positive integer, "
-                         f"got {val!r}")
+        raise InputError(
+          f"--policy: {path}: field {field!r} must be a positive integer, got {val!r}"
+        )
     try:
       Qwen2Config.from_hf(path)
     except (KeyError, TypeError, ValueError, NotImplementedError) as e:
@@ -65,6 +74,8 @@ def check_benchmark_name(name: str, where: str) -> str:
   file names (``<name>_scaling.png``), where a path separator could write outside the
   output directory ("../x", "/tmp/x")."""
   if name in ("", ".", "..") or any(c in "/\\" or ord(c) < 32 for c in name):
-    raise ValueError(f"{where}: benchmark name {name!r} cannot be part of a file name "
-                     "(empty, '.', '..', or a '/', '\\' or control character)")
+    raise ValueError(
+      f"{where}: benchmark name {name!r} cannot be part of a file name "
+      "(empty, '.', '..', or a '/', '\\' or control character)"
+    )
   return name

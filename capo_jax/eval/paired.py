@@ -50,8 +50,10 @@ def _t_quantile(q: float, df: int) -> float:
     from scipy import stats  # pylint: disable=import-outside-toplevel
   except ImportError:
     if q != 0.975 or not 1 <= df <= len(_T975):
-      raise ValueError(f"t_interval: without scipy only level 0.95 and df 1..{len(_T975)} "
-                       f"are tabled; got quantile {q}, df {df}") from None
+      raise ValueError(
+        f"t_interval: without scipy only level 0.95 and df 1..{len(_T975)} "
+        f"are tabled; got quantile {q}, df {df}"
+      ) from None
     return _T975[df - 1]
   return float(stats.t.ppf(q, df))
 
@@ -66,11 +68,16 @@ def t_interval(means: Any, level: float = LEVEL) -> dict[str, float]:
   m = m[np.isfinite(m)]
   n = m.size
   if n < 2:
-    return dict(t_mean=float(m.mean()) if n else float("nan"), t_lo=float("nan"),
-                t_hi=float("nan"), clusters=n)
+    return dict(
+      t_mean=float(m.mean()) if n else float("nan"),
+      t_lo=float("nan"),
+      t_hi=float("nan"),
+      clusters=n,
+    )
   half = _t_quantile(1.0 - (1.0 - level) / 2, n - 1) * m.std(ddof=1) / np.sqrt(n)
-  return dict(t_mean=float(m.mean()), t_lo=float(m.mean() - half), t_hi=float(m.mean() + half),
-              clusters=n)
+  return dict(
+    t_mean=float(m.mean()), t_lo=float(m.mean() - half), t_hi=float(m.mean() + half), clusters=n
+  )
 
 
 def beside_bootstrap(cluster_means: Any, level: float = LEVEL) -> dict[str, float]:
@@ -81,14 +88,15 @@ def beside_bootstrap(cluster_means: Any, level: float = LEVEL) -> dict[str, floa
 
 
 def t_note(d: Mapping[str, Any], what: str = "seeds") -> str:
-  """", t over N <what> [lo, hi]" for a result holding a finite t-interval, else ""."""
+  """ ", t over N <what> [lo, hi]" for a result holding a finite t-interval, else ""."""
   if not np.isfinite(d.get("t_lo", np.nan)):
     return ""
   return f", t over {d['clusters']} {what} [{d['t_lo']:+.3f}, {d['t_hi']:+.3f}]"
 
 
-def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed: int = SEED,
-                     level: float = LEVEL) -> dict[str, float]:
+def paired_delta_auc(
+  auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed: int = SEED, level: float = LEVEL
+) -> dict[str, float]:
   """Mean paired AUC difference (A - B) and its bootstrap interval.
 
   ``auc_*_IQ``: per-question AUC of each seed's final policy (NaN where the
@@ -101,16 +109,17 @@ def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed
   mean differences (NaN bounds with one seed), since a bootstrap over 2-5 seeds
   has only a handful of distinct seed draws.
   """
-  a, b = np.atleast_2d(np.asarray(auc_a_IQ, np.float64)), np.atleast_2d(
-      np.asarray(auc_b_IQ, np.float64))
+  a, b = (
+    np.atleast_2d(np.asarray(auc_a_IQ, np.float64)),
+    np.atleast_2d(np.asarray(auc_b_IQ, np.float64)),
+  )
   if a.shape != b.shape:
     raise ValueError(f"paired_delta_auc: shapes differ, {a.shape} vs {b.shape}")
   valid_IQ = np.isfinite(a) & np.isfinite(b)
   d_IQ = np.where(valid_IQ, a - b, 0.0)
   n = int(valid_IQ.sum())
   if n == 0:
-    return dict(delta=float("nan"), lo=float("nan"), hi=float("nan"), pairs=0,
-                seeds=a.shape[0])
+    return dict(delta=float("nan"), lo=float("nan"), hi=float("nan"), pairs=0, seeds=a.shape[0])
   I, Q = a.shape
   rng = np.random.default_rng(seed)
   w_OI = rng.multinomial(I, np.full(I, 1.0 / I), size=n_boot).astype(np.float64)
@@ -121,8 +130,14 @@ def paired_delta_auc(auc_a_IQ: Any, auc_b_IQ: Any, *, n_boot: int = N_BOOT, seed
   lo, hi = _interval(est_O, level)
   with np.errstate(invalid="ignore", divide="ignore"):
     seed_means_I = d_IQ.sum(1) / valid_IQ.sum(1)  # NaN for a seed with no pair
-  return dict(delta=float(d_IQ.sum() / n), lo=lo, hi=hi, pairs=n, seeds=I,
-              **beside_bootstrap(seed_means_I, level))
+  return dict(
+    delta=float(d_IQ.sum() / n),
+    lo=lo,
+    hi=hi,
+    pairs=n,
+    seeds=I,
+    **beside_bootstrap(seed_means_I, level),
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -133,6 +148,7 @@ class Matched:
   not_mixed: in both runs, but all-right or all-wrong in at least one.
   only_a / only_b: question ids present in one run only.
   """
+
   d_Q: np.ndarray
   not_mixed: int
   only_a: int
@@ -148,8 +164,12 @@ def _auc_by_id(ids: Sequence[str], auc: Sequence[float | None], who: str) -> dic
   return out
 
 
-def match_questions(ids_a: Sequence[str], auc_a: Sequence[float | None],
-                    ids_b: Sequence[str], auc_b: Sequence[float | None]) -> Matched:
+def match_questions(
+  ids_a: Sequence[str],
+  auc_a: Sequence[float | None],
+  ids_b: Sequence[str],
+  auc_b: Sequence[float | None],
+) -> Matched:
   """Pairs two runs' per-question AUCs (None / NaN: not mixed) by question id."""
   a, b = _auc_by_id(ids_a, auc_a, "run A"), _auc_by_id(ids_b, auc_b, "run B")
   both = [q for q in a if q in b]
@@ -158,8 +178,9 @@ def match_questions(ids_a: Sequence[str], auc_a: Sequence[float | None],
   return Matched(d_Q[mixed_Q], int((~mixed_Q).sum()), len(a) - len(both), len(b) - len(both))
 
 
-def delta_interval(d_by_stratum: Sequence[Any], *, n_boot: int = N_BOOT, seed: int = SEED,
-                   level: float = LEVEL) -> dict[str, float]:
+def delta_interval(
+  d_by_stratum: Sequence[Any], *, n_boot: int = N_BOOT, seed: int = SEED, level: float = LEVEL
+) -> dict[str, float]:
   """Mean of the pooled differences and a bootstrap interval stratified by group.
 
   Each replicate resamples every stratum's differences with replacement
@@ -194,8 +215,13 @@ def _row(label: str, run: str, out: Mapping[str, float], not_mixed: int, only: s
   return "| " + " | ".join([label, run, *cells, str(out["pairs"]), str(not_mixed), only]) + " |"
 
 
-def paired_table(runs: Mapping[str, Mapping[str, Any]], *, n_boot: int = N_BOOT,
-                 seed: int = SEED, level: float = LEVEL) -> str:
+def paired_table(
+  runs: Mapping[str, Mapping[str, Any]],
+  *,
+  n_boot: int = N_BOOT,
+  seed: int = SEED,
+  level: float = LEVEL,
+) -> str:
   """Markdown: each run against the first, per benchmark and pooled (stratified).
 
   Columns: ΔAUC (run minus the first), its bootstrap interval, the pairs (mixed
@@ -208,9 +234,11 @@ def paired_table(runs: Mapping[str, Mapping[str, Any]], *, n_boot: int = N_BOOT,
     return "One run: nothing to pair.\n"
   base = runs[names[0]]["benchmarks"]
   pct = round(100 * level)
-  lines = [f"| benchmark | run | ΔAUC vs {names[0]} | {pct}% interval | pairs "
-           f"| not mixed in both | only in {names[0]} / in run |",
-           "|---|---|---:|---:|---:|---:|---:|"]
+  lines = [
+    f"| benchmark | run | ΔAUC vs {names[0]} | {pct}% interval | pairs "
+    f"| not mixed in both | only in {names[0]} / in run |",
+    "|---|---|---:|---:|---:|---:|---:|",
+  ]
   for name in names[1:]:
     other = runs[name]["benchmarks"]
     d_by_bench, not_mixed, only = [], 0, [0, 0]
@@ -233,8 +261,13 @@ def paired_table(runs: Mapping[str, Mapping[str, Any]], *, n_boot: int = N_BOOT,
 
 def paired_section(runs: Mapping[str, Mapping[str, Any]]) -> list[str]:
   """The "Paired ΔAUC" section of comparison.md, as markdown lines."""
-  return ["## Paired ΔAUC", "",
-          "Per-question AUC of each run minus the first run's, over the questions (matched "
-          f"by id) mixed in both; {LEVEL:.0%} bootstrap interval over questions ({N_BOOT} "
-          f"replicates, seed {SEED}); pooled: every pair of the benchmarks, questions "
-          "resampled within each benchmark.", "", paired_table(runs)]
+  return [
+    "## Paired ΔAUC",
+    "",
+    "Per-question AUC of each run minus the first run's, over the questions (matched "
+    f"by id) mixed in both; {LEVEL:.0%} bootstrap interval over questions ({N_BOOT} "
+    f"replicates, seed {SEED}); pooled: every pair of the benchmarks, questions "
+    "resampled within each benchmark.",
+    "",
+    paired_table(runs),
+  ]

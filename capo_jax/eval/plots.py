@@ -17,8 +17,7 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 _LINESTYLES = ("-", "--", ":", "-.")
-METHOD_LABELS = {"pc": "PC", "rpc": "RPC", "majority": "majority vote",
-                 "best_of_n": "best-of-N"}
+METHOD_LABELS = {"pc": "PC", "rpc": "RPC", "majority": "majority vote", "best_of_n": "best-of-N"}
 
 
 def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> str:
@@ -33,8 +32,10 @@ def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> str:
 
 
 def plot_precision_coverage(
-    curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
-    path: str | os.PathLike[str], title: str = "precision-coverage") -> str:
+  curves: Mapping[str, tuple[Sequence[float], Sequence[float]]],
+  path: str | os.PathLike[str],
+  title: str = "precision-coverage",
+) -> str:
   """One precision-against-coverage line per run or method.
 
   Args:
@@ -49,19 +50,26 @@ def plot_precision_coverage(
   for label, (coverage, precision) in curves.items():
     cov, prec = np.asarray(coverage, float), np.asarray(precision, float)
     if cov.shape != prec.shape:
-      raise ValueError(f"curve {label!r}: coverage {cov.shape} and precision "
-                       f"{prec.shape} differ")
+      raise ValueError(f"curve {label!r}: coverage {cov.shape} and precision {prec.shape} differ")
     ax.step(cov, prec, where="post", label=label)
-  ax.set(xlabel="coverage (fraction answered)", ylabel="precision",
-         xlim=(0.0, 1.0), ylim=(0.0, 1.02), title=title)
+  ax.set(
+    xlabel="coverage (fraction answered)",
+    ylabel="precision",
+    xlim=(0.0, 1.0),
+    ylim=(0.0, 1.02),
+    title=title,
+  )
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   return _save(fig, path)
 
 
-def plot_scaling(curves: Mapping[str, Mapping[str, Sequence[float]]],
-                 ns: Sequence[int], path: str | os.PathLike[str],
-                 title: str = "accuracy vs N") -> str:
+def plot_scaling(
+  curves: Mapping[str, Mapping[str, Sequence[float]]],
+  ns: Sequence[int],
+  path: str | os.PathLike[str],
+  title: str = "accuracy vs N",
+) -> str:
   """Accuracy against the number of samples N, per run and method.
 
   Args:
@@ -79,13 +87,17 @@ def plot_scaling(curves: Mapping[str, Mapping[str, Sequence[float]]],
   for r, (run, methods) in enumerate(curves.items()):
     for method, acc in methods.items():
       if len(acc) != len(ns):
-        raise ValueError(f"{run}/{method}: {len(acc)} accuracies for "
-                         f"{len(ns)} values of N")
+        raise ValueError(f"{run}/{method}: {len(acc)} accuracies for {len(ns)} values of N")
       color = colors.setdefault(method, palette[len(colors) % len(palette)])
       name = METHOD_LABELS.get(method, method)
-      ax.plot(ns, acc, marker="o", color=color,
-              linestyle=_LINESTYLES[r % len(_LINESTYLES)],
-              label=name if len(curves) == 1 else f"{run}: {name}")
+      ax.plot(
+        ns,
+        acc,
+        marker="o",
+        color=color,
+        linestyle=_LINESTYLES[r % len(_LINESTYLES)],
+        label=name if len(curves) == 1 else f"{run}: {name}",
+      )
   ax.set_xscale("log", base=2)
   ax.set_xticks(list(ns), [str(n) for n in ns])
   ax.set(xlabel="N (samples)", ylabel="accuracy", title=title)
@@ -94,9 +106,12 @@ def plot_scaling(curves: Mapping[str, Mapping[str, Sequence[float]]],
   return _save(fig, path)
 
 
-def plot_auc_histogram(aucs: Mapping[str, Sequence[float]],
-                       path: str | os.PathLike[str], bins: int = 20,
-                       title: str = "per-question AUC") -> str:
+def plot_auc_histogram(
+  aucs: Mapping[str, Sequence[float]],
+  path: str | os.PathLike[str],
+  bins: int = 20,
+  title: str = "per-question AUC",
+) -> str:
   """Overlaid histograms of per-question AUC (NaNs, i.e. skipped, dropped)."""
   if not aucs:
     raise ValueError("plot_auc_histogram: no AUC arrays given")
@@ -105,9 +120,12 @@ def plot_auc_histogram(aucs: Mapping[str, Sequence[float]],
   for label, values in aucs.items():
     vals = np.asarray(values, dtype=float)
     vals = vals[~np.isnan(vals)]
-    ax.hist(vals, bins=edges, alpha=0.45,
-            label=f"{label} (n={vals.size}, mean={np.mean(vals):.3f})"
-            if vals.size else f"{label} (n=0)")
+    ax.hist(
+      vals,
+      bins=edges.tolist(),
+      alpha=0.45,
+      label=f"{label} (n={vals.size}, mean={np.mean(vals):.3f})" if vals.size else f"{label} (n=0)",
+    )
   ax.set(xlabel="AUC of s within a question", ylabel="questions", title=title)
   ax.legend(fontsize=8)
   return _save(fig, path)

@@ -55,32 +55,38 @@ import numpy as np
 
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import grouping as grouping_lib
-from capo_jax.eval import inputs
-from capo_jax.eval import paired
-from capo_jax.eval import scaling
+from capo_jax.eval import inputs, paired, scaling
 from capo_jax.runtime import fs
 
 log = logging.getLogger(__name__)
 
 FORMAT, VERSION = "capo_jax.results", 1
 _FIELDS: dict[str, tuple[type, ...]] = {
-    "benchmark": (str,), "question_id": (str,), "sample_index": (int,),
-    "completion": (str,), "answer": (str, type(None)), "correct": (bool,),
-    "s": (int, float), "length": (int,)}
+  "benchmark": (str,),
+  "question_id": (str,),
+  "sample_index": (int,),
+  "completion": (str,),
+  "answer": (str, type(None)),
+  "correct": (bool,),
+  "s": (int, float),
+  "length": (int,),
+}
 # The paper's calibration metrics lead: AUC-mean, then AURC. ECE and Brier of exp(s) stay
 # out of every table (results.json keeps them; ``ECE_NOTE`` says why).
 MAIN_COLUMNS = (("acc", "mean@16"), ("AUC", "auc_mean"), ("AURC", "aurc"))
-EXTRA_COLUMNS = (("pooled AUC", "pooled_auc"), ("PC@16", "scaling/pc/-1"),
-                 ("maj@16", "maj@k/16"))
-ECE_NOTE = ("ECE and Brier (results.json: `ece`, `brier`) score exp(s), the geometric-mean "
-            "token probability, as if it were P(correct). For a long chain of thought it is "
-            "~0.9-1.0 for every sample, so ECE is close to 1 - accuracy and says little about "
-            "ranking; they are not the paper's metrics. AUC-mean and AURC are.")
+EXTRA_COLUMNS = (("pooled AUC", "pooled_auc"), ("PC@16", "scaling/pc/-1"), ("maj@16", "maj@k/16"))
+ECE_NOTE = (
+  "ECE and Brier (results.json: `ece`, `brier`) score exp(s), the geometric-mean "
+  "token probability, as if it were P(correct). For a long chain of thought it is "
+  "~0.9-1.0 for every sample, so ECE is close to 1 - accuracy and says little about "
+  "ranking; they are not the paper's metrics. AUC-mean and AURC are."
+)
 
 
 @dataclasses.dataclass(frozen=True)
 class SampleRecord:
   """One row of samples.jsonl (see the module docstring)."""
+
   benchmark: str
   question_id: str
   sample_index: int
@@ -95,15 +101,16 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
   """Checks one samples.jsonl row; errors name ``where`` (file:line)."""
   if not isinstance(row, Mapping):
     raise ValueError(f"{where}: expected a JSON object, got {type(row).__name__}")
-  vals = {}
+  vals: dict[str, Any] = {}  # each field's type is checked here, before SampleRecord
   for name, types in _FIELDS.items():
     if name not in row:
       raise ValueError(f"{where}: missing field {name!r}")
     val = row[name]
     # bool is an int subclass: only the field 'correct' may be a bool.
     if not isinstance(val, types) or (isinstance(val, bool) and bool not in types):
-      raise ValueError(f"{where}: field {name!r} must be "
-                       f"{'/'.join(t.__name__ for t in types)}, got {val!r}")
+      raise ValueError(
+        f"{where}: field {name!r} must be {'/'.join(t.__name__ for t in types)}, got {val!r}"
+      )
     vals[name] = val
   for name in ("benchmark", "question_id"):
     if not vals[name]:
@@ -114,8 +121,9 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
       raise ValueError(f"{where}: field {name!r} must be >= 0, got {vals[name]}")
   s = float(vals["s"])
   if not math.isfinite(s) or s > 1e-6:
-    raise ValueError(f"{where}: field 's' (mean log-prob) must be finite and "
-                     f"<= 0, got {vals['s']!r}")
+    raise ValueError(
+      f"{where}: field 's' (mean log-prob) must be finite and <= 0, got {vals['s']!r}"
+    )
   vals["s"] = min(s, 0.0)
   return SampleRecord(**vals)
 
@@ -123,7 +131,8 @@ def parse_sample(row: Any, where: str) -> SampleRecord:
 def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
   """Reads samples.jsonl; blank lines are skipped, bad rows and a file without rows raise
   ValueError naming the file (and line)."""
-  records, first_line = [], {}
+  records: list[SampleRecord] = []
+  first_line: dict[tuple[str, str, int], int] = {}
   with fs.path(path).open("r", encoding="utf-8") as f:
     for lineno, line in enumerate(f, 1):
       if not line.strip():
@@ -136,8 +145,7 @@ def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
       rec = parse_sample(row, where)
       key = (rec.benchmark, rec.question_id, rec.sample_index)
       if key in first_line:
-        raise ValueError(f"{where}: duplicate sample {key} (first at line "
-                         f"{first_line[key]})")
+        raise ValueError(f"{where}: duplicate sample {key} (first at line {first_line[key]})")
       first_line[key] = lineno
       records.append(rec)
   if not records:
@@ -145,8 +153,7 @@ def load_samples(path: str | os.PathLike[str]) -> list[SampleRecord]:
   return records
 
 
-def write_samples(path: str | os.PathLike[str],
-                  records: Iterable[SampleRecord]) -> None:
+def write_samples(path: str | os.PathLike[str], records: Iterable[SampleRecord]) -> None:
   """Writes records as samples.jsonl (UTF-8, one object per line; local or gs://)."""
   with fs.path(path).open("w", encoding="utf-8") as f:
     for rec in records:
@@ -157,6 +164,7 @@ def write_samples(path: str | os.PathLike[str],
 class ResultsConfig:
   """What compute_results reports; ``grouping`` ("rewards", "exact", a callable or a
   ``PairCheck``) and ``grouping_limits`` make its ``capo_jax.eval.grouping.AnswerGrouper``."""
+
   mean_ks: tuple[int, ...] = (8, 16)
   pass_ks: tuple[int, ...] = (1, 8, 16)
   maj_ks: tuple[int, ...] = (8, 16)
@@ -183,9 +191,9 @@ def _clean(x: Any) -> Any:
   return x
 
 
-def _benchmark_results(questions: list[list[SampleRecord]],
-                       config: ResultsConfig,
-                       grouper: grouping_lib.AnswerGrouper) -> dict[str, Any]:
+def _benchmark_results(
+  questions: list[list[SampleRecord]], config: ResultsConfig, grouper: grouping_lib.AnswerGrouper
+) -> dict[str, Any]:
   n_q, g_max = len(questions), max(len(q) for q in questions)
   n_min = min(len(q) for q in questions)
   s_QG, correct_QG = np.zeros((n_q, g_max)), np.zeros((n_q, g_max), bool)
@@ -197,28 +205,35 @@ def _benchmark_results(questions: list[list[SampleRecord]],
     s_QG[i, :g] = [r.s for r in q]
     correct_QG[i, :g] = [r.correct for r in q]
     valid_QG[i, :g] = True
-    prep = scaling.prepare_question([r.answer for r in q],
-                                    [r.completion for r in q], s_QG[i, :g],
-                                    correct_QG[i, :g], grouper)
+    prep = scaling.prepare_question(
+      [r.answer for r in q], [r.completion for r in q], s_QG[i, :g], correct_QG[i, :g], grouper
+    )
     prepared.append(prep)
-    keys_QG.append([int(k) if k >= 0 else None for k in prep.group_G]
-                   + [None] * (g_max - g))
+    keys_QG.append([int(k) if k >= 0 else None for k in prep.group_G] + [None] * (g_max - g))
   auc_Q = cal.auc_per_question(s_QG, correct_QG, valid_QG)
   auc_m, auc_n = cal.auc_mean(s_QG, correct_QG, valid_QG)
   coverage, precision, _ = cal.precision_coverage(s_QG, correct_QG, valid_QG)
-  keep = np.unique(np.linspace(0, coverage.size - 1,
-                               min(coverage.size, config.curve_points)).round().astype(int))
+  keep = np.unique(
+    np.linspace(0, coverage.size - 1, min(coverage.size, config.curve_points)).round().astype(int)
+  )
   out: dict[str, Any] = {
-      "n_questions": n_q, "n_samples": int(valid_QG.sum()),
-      "samples_per_question": [n_min, g_max]}
+    "n_questions": n_q,
+    "n_samples": int(valid_QG.sum()),
+    "samples_per_question": [n_min, g_max],
+  }
   for k in config.mean_ks:
     out[f"mean@{k}"] = cal.mean_at_k(correct_QG, k, valid_QG) if k <= n_min else None
-  out["pass@k"] = {str(k): cal.pass_at_k(correct_QG, k, valid_QG)
-                   if k <= n_min else None for k in config.pass_ks}
-  out["maj@k"] = {str(k): cal.maj_at_k(keys_QG, correct_QG, k, valid_QG)
-                  if k <= n_min else None for k in config.maj_ks}
-  out.update({
-      "auc_mean": auc_m, "auc_n_used": auc_n,
+  out["pass@k"] = {
+    str(k): cal.pass_at_k(correct_QG, k, valid_QG) if k <= n_min else None for k in config.pass_ks
+  }
+  out["maj@k"] = {
+    str(k): cal.maj_at_k(keys_QG, correct_QG, k, valid_QG) if k <= n_min else None
+    for k in config.maj_ks
+  }
+  out.update(
+    {
+      "auc_mean": auc_m,
+      "auc_n_used": auc_n,
       "pooled_auc": cal.pooled_auc(s_QG, correct_QG, valid_QG),
       "aurc": cal.aurc(s_QG, correct_QG, valid_QG),
       "ece": cal.ece(s_QG, correct_QG, valid_QG, config.ece_bins),
@@ -232,13 +247,17 @@ def _benchmark_results(questions: list[list[SampleRecord]],
       "no_answer_rate": float(np.mean([r.answer is None for q in questions for r in q])),
       "mean_length": float(np.mean([r.length for q in questions for r in q])),
       "mean_s": float(s_QG[valid_QG].mean()),
-      "grouping_timeouts": sum(q.n_unresolved for q in prepared)})
+      "grouping_timeouts": sum(q.n_unresolved for q in prepared),
+    }
+  )
   return out
 
 
-def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
-                    config: ResultsConfig = ResultsConfig(),
-                    run: str | None = None) -> dict[str, Any]:
+def compute_results(
+  records: Iterable[SampleRecord | Mapping[str, Any]],
+  config: ResultsConfig = ResultsConfig(),
+  run: str | None = None,
+) -> dict[str, Any]:
   """All metrics of every benchmark in ``records`` (results.json layout).
 
   Records may be SampleRecord or samples.jsonl-style mappings; benchmarks and
@@ -251,28 +270,34 @@ def compute_results(records: Iterable[SampleRecord | Mapping[str, Any]],
       rec = parse_sample(rec, f"record {i}")
     per_q = grouped.setdefault(rec.benchmark, {}).setdefault(rec.question_id, {})
     if rec.sample_index in per_q:
-      raise ValueError(f"record {i}: duplicate sample_index {rec.sample_index} "
-                       f"for {rec.benchmark}/{rec.question_id}")
+      raise ValueError(
+        f"record {i}: duplicate sample_index {rec.sample_index} "
+        f"for {rec.benchmark}/{rec.question_id}"
+      )
     per_q[rec.sample_index] = rec
   if not grouped:
     raise ValueError("compute_results: no records")
   with grouping_lib.AnswerGrouper(config.grouping, config.grouping_limits) as grouper:
     benchmarks = {
-        name: _clean(_benchmark_results(
-            [[q[j] for j in sorted(q)] for q in qs.values()], config, grouper))
-        for name, qs in grouped.items()}
+      name: _clean(
+        _benchmark_results([[q[j] for j in sorted(q)] for q in qs.values()], config, grouper)
+      )
+      for name, qs in grouped.items()
+    }
   for name, res in benchmarks.items():
     if res["grouping_timeouts"]:
-      log.warning("%s: %d answer pairs counted as different answers unchecked (check past "
-                  "%.0f s, or past the %.0f s grouping budget of a question)", name,
-                  res["grouping_timeouts"], config.grouping_limits.pair_timeout_s,
-                  config.grouping_limits.budget_s)
-  return {"format": FORMAT, "version": VERSION, "run": run,
-          "benchmarks": benchmarks}
+      log.warning(
+        "%s: %d answer pairs counted as different answers unchecked (check past "
+        "%.0f s, or past the %.0f s grouping budget of a question)",
+        name,
+        res["grouping_timeouts"],
+        config.grouping_limits.pair_timeout_s,
+        config.grouping_limits.budget_s,
+      )
+  return {"format": FORMAT, "version": VERSION, "run": run, "benchmarks": benchmarks}
 
 
-def write_results(results: Mapping[str, Any],
-                  out_dir: str | os.PathLike[str]) -> str:
+def write_results(results: Mapping[str, Any], out_dir: str | os.PathLike[str]) -> str:
   """Writes ``out_dir/results.json`` (strict JSON; local or gs://) and returns its path."""
   path = fs.join(out_dir, "results.json")
   fs.write_text(path, json.dumps(_clean(results), indent=1, allow_nan=False))
@@ -321,9 +346,11 @@ def _fmt(x: float | None, percent: bool) -> str:
   return f"{100 * x:.1f}" if percent else f"{x:.3f}"
 
 
-def comparison_table(runs: Mapping[str, Mapping[str, Any]],
-                     columns: Sequence[tuple[str, str]] = MAIN_COLUMNS,
-                     average: bool = True) -> str:
+def comparison_table(
+  runs: Mapping[str, Mapping[str, Any]],
+  columns: Sequence[tuple[str, str]] = MAIN_COLUMNS,
+  average: bool = True,
+) -> str:
   """Markdown table: rows = benchmarks (+ average), columns = runs x metrics.
 
   Args:
@@ -339,45 +366,60 @@ def comparison_table(runs: Mapping[str, Mapping[str, Any]],
   for res in runs.values():
     names += [b for b in res["benchmarks"] if b not in names]
   header = ["benchmark"] + [f"{run} {h}" for run in runs for h, _ in columns]
-  lines = ["| " + " | ".join(header) + " |",
-           "|" + "---|" + "---:|" * (len(header) - 1)]
-  percent = [key.startswith(("mean@", "pass@", "maj@", "scaling/"))
-             for _, key in columns]
-  table = {b: [_lookup(res["benchmarks"][b], key) if b in res["benchmarks"]
-               else None for res in runs.values() for _, key in columns]
-           for b in names}
+  lines = ["| " + " | ".join(header) + " |", "|" + "---|" + "---:|" * (len(header) - 1)]
+  percent = [key.startswith(("mean@", "pass@", "maj@", "scaling/")) for _, key in columns]
+  table = {
+    b: [
+      _lookup(res["benchmarks"][b], key) if b in res["benchmarks"] else None
+      for res in runs.values()
+      for _, key in columns
+    ]
+    for b in names
+  }
   if average:
     cols = list(zip(*table.values()))
-    table["average"] = [float(np.mean([v for v in col if v is not None]))
-                        if any(v is not None for v in col) else None
-                        for col in cols]
+    table["average"] = [
+      float(np.mean([v for v in col if v is not None])) if any(v is not None for v in col) else None
+      for col in cols
+    ]
   for b, vals in table.items():
     cells = [_fmt(v, percent[i % len(columns)]) for i, v in enumerate(vals)]
     lines.append("| " + " | ".join([b] + cells) + " |")
   return "\n".join(lines) + "\n"
 
 
-def plot_benchmark(bench: str, have: Mapping[str, Mapping[str, Any]],
-                    out_dir: str | os.PathLike[str]) -> list[str]:
+def plot_benchmark(
+  bench: str, have: Mapping[str, Mapping[str, Any]], out_dir: str | os.PathLike[str]
+) -> list[str]:
   """Overlaid precision-coverage, accuracy-vs-N and AUC-histogram PNGs."""
   from capo_jax.eval import plots  # pylint: disable=import-outside-toplevel
+
   inputs.check_benchmark_name(bench, "plot_benchmark")
   out = lambda kind: os.path.join(out_dir, f"{bench}_{kind}.png")  # noqa: E731
   nan = lambda xs: [np.nan if x is None else x for x in xs]  # noqa: E731
-  pc = {r: (v["precision_coverage"]["coverage"], v["precision_coverage"]["precision"])
-        for r, v in have.items()}
+  pc = {
+    r: (v["precision_coverage"]["coverage"], v["precision_coverage"]["precision"])
+    for r, v in have.items()
+  }
   ns = next(iter(have.values()))["scaling"]["n"]
-  curves = {r: {m: nan(v["scaling"][m]) for m in scaling.METHODS if m in v["scaling"]}
-            for r, v in have.items() if v["scaling"]["n"] == ns}
+  curves = {
+    r: {m: nan(v["scaling"][m]) for m in scaling.METHODS if m in v["scaling"]}
+    for r, v in have.items()
+    if v["scaling"]["n"] == ns
+  }
   aucs = {r: nan(v["auc_per_question"]) for r, v in have.items()}
-  return [plots.plot_precision_coverage(pc, out("precision_coverage"), bench),
-          plots.plot_scaling(curves, ns, out("scaling"), bench),
-          plots.plot_auc_histogram(aucs, out("auc_hist"), title=bench)]
+  return [
+    plots.plot_precision_coverage(pc, out("precision_coverage"), bench),
+    plots.plot_scaling(curves, ns, out("scaling"), bench),
+    plots.plot_auc_histogram(aucs, out("auc_hist"), title=bench),
+  ]
 
 
-def compare(result_dirs: Sequence[str | os.PathLike[str]],
-            out_dir: str | os.PathLike[str],
-            names: Sequence[str] | None = None) -> str:
+def compare(
+  result_dirs: Sequence[str | os.PathLike[str]],
+  out_dir: str | os.PathLike[str],
+  names: Sequence[str] | None = None,
+) -> str:
   """Writes ``out_dir/comparison.md`` and overlaid plots; returns the md path.
 
   Runs are named by ``names``, else results.json's "run", else the dir name.
@@ -385,15 +427,19 @@ def compare(result_dirs: Sequence[str | os.PathLike[str]],
   runs: dict[str, dict[str, Any]] = {}
   for i, d in enumerate(result_dirs):
     res = load_results(d)
-    name = ((names[i] if names else None) or res.get("run")
-            or os.path.basename(os.path.normpath(os.fspath(d))))
+    name = (
+      (names[i] if names else None)
+      or res.get("run")
+      or os.path.basename(os.path.normpath(os.fspath(d)))
+    )
     runs[name if name not in runs else f"{name}#{i}"] = res
   with fs.output_dir(out_dir) as local:
     return fs.join(out_dir, _write_comparison(runs, local))
 
 
-def _at_k(runs: Mapping[str, Mapping[str, Any]], methods: Sequence[str],
-          ks: Sequence[int]) -> dict[str, dict[str, Any]]:
+def _at_k(
+  runs: Mapping[str, Mapping[str, Any]], methods: Sequence[str], ks: Sequence[int]
+) -> dict[str, dict[str, Any]]:
   """The subset-averaged scaling accuracies at ``ks`` as 'scaling/<method>@<k>' keys
   (looked up by N, so runs evaluated at different N still line up)."""
   out: dict[str, dict[str, Any]] = {}
@@ -402,35 +448,56 @@ def _at_k(runs: Mapping[str, Mapping[str, Any]], methods: Sequence[str],
     for b, v in res["benchmarks"].items():
       sc = v.get("scaling", {})
       pos = {n: i for i, n in enumerate(sc.get("n", []))}
-      benches[b] = {"scaling": {f"{m}@{k}": sc[m][pos[k]] for m in methods
-                                for k in ks if k in pos and m in sc}}
+      benches[b] = {
+        "scaling": {f"{m}@{k}": sc[m][pos[k]] for m in methods for k in ks if k in pos and m in sc}
+      }
     out[run] = {"benchmarks": benches}
   return out
 
 
-def _subset_section(runs: Mapping[str, Mapping[str, Any]],
-                    ks: Sequence[int] = (4, 8, 16)) -> list[str]:
-  subsets = {v["scaling"].get("n_subsets") for res in runs.values()
-             for v in res["benchmarks"].values() if "scaling" in v}
+def _subset_section(
+  runs: Mapping[str, Mapping[str, Any]], ks: Sequence[int] = (4, 8, 16)
+) -> list[str]:
+  subsets = {
+    v["scaling"].get("n_subsets")
+    for res in runs.values()
+    for v in res["benchmarks"].values()
+    if "scaling" in v
+  }
   at_k = _at_k(runs, ("pc", "majority"), ks)
   return [
-      "## PC@k and maj@k over subsets", "",
-      f"Accuracy (%) of perplexity consistency and of majority vote on k of a question's "
-      f"samples, averaged over {' / '.join(str(n) for n in sorted(subsets))} random "
-      "subsets of size k per question (all of them when there are fewer; the full set "
-      "when k is its sample count), then over questions; from results.json's "
-      "`scaling` curves.", "",
-      comparison_table(at_k, [(f"PC@{k}", f"scaling/pc@{k}") for k in ks]),
-      comparison_table(at_k, [(f"maj@{k}", f"scaling/majority@{k}") for k in ks])]
+    "## PC@k and maj@k over subsets",
+    "",
+    f"Accuracy (%) of perplexity consistency and of majority vote on k of a question's "
+    f"samples, averaged over {' / '.join(str(n) for n in sorted(subsets))} random "
+    "subsets of size k per question (all of them when there are fewer; the full set "
+    "when k is its sample count), then over questions; from results.json's "
+    "`scaling` curves.",
+    "",
+    comparison_table(at_k, [(f"PC@{k}", f"scaling/pc@{k}") for k in ks]),
+    comparison_table(at_k, [(f"maj@{k}", f"scaling/majority@{k}") for k in ks]),
+  ]
 
 
 def _write_comparison(runs: Mapping[str, Mapping[str, Any]], out_dir: str) -> str:
   """comparison.md and its plots in the local ``out_dir``; returns the md's name."""
-  md = ["# Evaluation comparison", "",
-        "acc = mean@16 (%), AUC = AUC-mean of s over questions, AURC = area under the "
-        "risk-coverage curve (lower is better).", "", ECE_NOTE, "",
-        comparison_table(runs), *paired.paired_section(runs), "## Calibration and scaling", "",
-        comparison_table(runs, EXTRA_COLUMNS), *_subset_section(runs), "## Plots", ""]
+  md = [
+    "# Evaluation comparison",
+    "",
+    "acc = mean@16 (%), AUC = AUC-mean of s over questions, AURC = area under the "
+    "risk-coverage curve (lower is better).",
+    "",
+    ECE_NOTE,
+    "",
+    comparison_table(runs),
+    *paired.paired_section(runs),
+    "## Calibration and scaling",
+    "",
+    comparison_table(runs, EXTRA_COLUMNS),
+    *_subset_section(runs),
+    "## Plots",
+    "",
+  ]
   benchmarks = {b for res in runs.values() for b in res["benchmarks"]}
   for b in sorted(benchmarks):
     have = {r: res["benchmarks"][b] for r, res in runs.items() if b in res["benchmarks"]}

@@ -51,6 +51,7 @@ METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "best_of_n")
 @dataclasses.dataclass(frozen=True)
 class WeibullFitConfig:
   """EM settings of the RPC mixture; shapes are kept in [k_min, k_max]."""
+
   n_iter: int = 100
   tol: float = 1e-6  # relative change of the log-likelihood that stops EM
   newton_steps: int = 3  # shape-equation steps per M-step (warm-started)
@@ -62,13 +63,13 @@ class WeibullFitConfig:
 
   def __post_init__(self) -> None:
     if not 0.0 <= self.weight_min <= 0.5:
-      raise ValueError(f"WeibullFitConfig.weight_min must be in [0, 0.5], got "
-                       f"{self.weight_min}")
+      raise ValueError(f"WeibullFitConfig.weight_min must be in [0, 0.5], got {self.weight_min}")
 
 
 @dataclasses.dataclass(frozen=True)
 class ScalingConfig:
   """Which N, how many subsets, which methods (see the module docstring)."""
+
   ns: tuple[int, ...] = (1, 2, 4, 8, 16)
   n_subsets: int = 64
   seed: int = 0
@@ -80,12 +81,10 @@ class ScalingConfig:
     if not self.ns or min(self.ns) < 1:
       raise ValueError(f"ScalingConfig.ns must be positive, got {self.ns}")
     if self.n_subsets < 1:
-      raise ValueError(f"ScalingConfig.n_subsets must be >= 1, got "
-                       f"{self.n_subsets}")
+      raise ValueError(f"ScalingConfig.n_subsets must be >= 1, got {self.n_subsets}")
     unknown = set(self.methods) - set(METHODS)
     if unknown:
-      raise ValueError(f"ScalingConfig.methods: unknown {sorted(unknown)}; "
-                       f"known: {METHODS}")
+      raise ValueError(f"ScalingConfig.methods: unknown {sorted(unknown)}; known: {METHODS}")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,6 +96,7 @@ class QuestionSamples:
   completion_G: equal ids mark identical completions.
   n_unresolved: answer pairs whose check timed out, counted as different.
   """
+
   group_G: np.ndarray
   s_G: np.ndarray
   correct_G: np.ndarray
@@ -107,28 +107,34 @@ class QuestionSamples:
     g = len(self.group_G)
     for name in ("s_G", "correct_G", "completion_G"):
       if len(getattr(self, name)) != g:
-        raise ValueError(f"QuestionSamples.{name} has length "
-                         f"{len(getattr(self, name))}, group_G has {g}")
+        raise ValueError(
+          f"QuestionSamples.{name} has length {len(getattr(self, name))}, group_G has {g}"
+        )
 
 
-def prepare_question(answers: Sequence[str | None], completions: Sequence[str],
-                     s: Sequence[float], correct: Sequence[bool],
-                     same_answer: Callable[[str, str], bool] | AnswerGrouper
-                     ) -> QuestionSamples:
+def prepare_question(
+  answers: Sequence[str | None],
+  completions: Sequence[str],
+  s: Sequence[float] | np.ndarray,
+  correct: Sequence[bool] | np.ndarray,
+  same_answer: Callable[[str, str], bool] | AnswerGrouper,
+) -> QuestionSamples:
   """Builds QuestionSamples from raw strings (groups answers, ids completions).
 
   ``same_answer``: a callable run one pair at a time, or an ``AnswerGrouper``
   (``capo_jax.eval.grouping``: slow checks in a pool, within a time budget).
   """
   ids: dict[str, int] = {}
-  completion_G = np.array([ids.setdefault(c, len(ids)) for c in completions],
-                          dtype=np.int64)
-  grouper = (same_answer if isinstance(same_answer, AnswerGrouper)
-             else AnswerGrouper(same_answer))
+  completion_G = np.array([ids.setdefault(c, len(ids)) for c in completions], dtype=np.int64)
+  grouper = same_answer if isinstance(same_answer, AnswerGrouper) else AnswerGrouper(same_answer)
   grouped = grouper.group(answers)
-  return QuestionSamples(grouped.group_G, np.asarray(s, dtype=np.float64),
-                         np.asarray(correct, dtype=bool), completion_G,
-                         grouped.n_unresolved)
+  return QuestionSamples(
+    grouped.group_G,
+    np.asarray(s, dtype=np.float64),
+    np.asarray(correct, dtype=bool),
+    completion_G,
+    grouped.n_unresolved,
+  )
 
 
 # ---------------------------------------------------------------- Weibull fit
@@ -140,8 +146,9 @@ def _log_pdf(s: np.ndarray, k: np.ndarray, log_lam: np.ndarray) -> np.ndarray:
   return np.log(k) - log_lam + (k - 1.0) * z - np.exp(k * z)
 
 
-def _tilted(s: np.ndarray, a: np.ndarray, k: np.ndarray
-            ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _tilted(
+  s: np.ndarray, a: np.ndarray, k: np.ndarray
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
   """log sum a e^{ks}, and mean / variance of s under weights a e^{ks}."""
   ks = np.where(a > 0, k[..., None] * s, -np.inf)
   top = np.max(ks, axis=-1, keepdims=True)
@@ -153,8 +160,9 @@ def _tilted(s: np.ndarray, a: np.ndarray, k: np.ndarray
   return np.log(tot) + top[..., 0], mean, var
 
 
-def _m_step(s: np.ndarray, a: np.ndarray, k: np.ndarray, steps: int,
-            cfg: WeibullFitConfig) -> tuple[np.ndarray, np.ndarray]:
+def _m_step(
+  s: np.ndarray, a: np.ndarray, k: np.ndarray, steps: int, cfg: WeibullFitConfig
+) -> tuple[np.ndarray, np.ndarray]:
   """Weighted Weibull MLE: shape k (warm start given) and log scale.
 
   The shape solves f(k) = 1/k + mean_a(s) - mean_{a e^{ks}}(s) = 0, which
@@ -173,8 +181,7 @@ def _m_step(s: np.ndarray, a: np.ndarray, k: np.ndarray, steps: int,
   return k, (log_sum - np.log(total)) / k
 
 
-def _initial_shape(s: np.ndarray, a: np.ndarray,
-                   cfg: WeibullFitConfig) -> np.ndarray:
+def _initial_shape(s: np.ndarray, a: np.ndarray, cfg: WeibullFitConfig) -> np.ndarray:
   # std(log X) = pi / (k sqrt 6) for a Weibull: a moment guess for k.
   total = a.sum(-1)
   mean = (a * s).sum(-1) / total
@@ -182,9 +189,11 @@ def _initial_shape(s: np.ndarray, a: np.ndarray,
   return np.clip(1.2825 / np.maximum(std, 1e-12), cfg.k_min, cfg.k_max)
 
 
-def fit_weibull(p: Sequence[float], weights: Sequence[float] | None = None,
-                config: WeibullFitConfig = WeibullFitConfig()
-                ) -> tuple[float, float]:
+def fit_weibull(
+  p: Sequence[float],
+  weights: Sequence[float] | None = None,
+  config: WeibullFitConfig = WeibullFitConfig(),
+) -> tuple[float, float]:
   """Maximum-likelihood (weighted) Weibull fit of positive p: (shape, scale)."""
   p_arr = np.asarray(p, dtype=np.float64)
   if p_arr.ndim != 1 or p_arr.size == 0 or (p_arr <= 0).any():
@@ -201,6 +210,7 @@ def fit_weibull(p: Sequence[float], weights: Sequence[float] | None = None,
 @dataclasses.dataclass(frozen=True)
 class WeibullMixture:
   """Fitted mixtures, one per row; component 0 has the lower mean."""
+
   weight_E2: np.ndarray
   shape_E2: np.ndarray
   scale_E2: np.ndarray
@@ -208,9 +218,11 @@ class WeibullMixture:
   fitted_E: np.ndarray  # False: no p below the row's mean, or the fit failed
 
 
-def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
-                        config: WeibullFitConfig = WeibullFitConfig()
-                        ) -> WeibullMixture:
+def fit_weibull_mixture(
+  s_EU: np.ndarray,
+  valid_EU: np.ndarray | None = None,
+  config: WeibullFitConfig = WeibullFitConfig(),
+) -> WeibullMixture:
   """EM fit of a 2-component Weibull mixture to p = exp(s) of each row.
 
   Starts from the split p < row-mean p (low) / the rest (high).
@@ -218,8 +230,9 @@ def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
   s = np.asarray(s_EU, dtype=np.float64)
   v = np.ones(s.shape, bool) if valid_EU is None else np.asarray(valid_EU, bool)
   if s.ndim != 2 or v.shape != s.shape:
-    raise ValueError(f"s_EU must be 2-D with a valid_EU of the same shape, got "
-                     f"{s.shape} and {v.shape}")
+    raise ValueError(
+      f"s_EU must be 2-D with a valid_EU of the same shape, got {s.shape} and {v.shape}"
+    )
   if not np.isfinite(s[v]).all():
     raise ValueError("s_EU has NaN or inf at valid positions")
   s = np.where(v, s, 0.0)
@@ -245,10 +258,10 @@ def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
       # M-step under the bound (and EM still never lowers the likelihood).
       w0 = np.clip(total[:, 0] / total.sum(-1), config.weight_min, 1.0 - config.weight_min)
       weight[active] = np.stack([w0, 1.0 - w0], axis=-1)
-      k[active], log_lam[active] = _m_step(sa, a, k[active],
-                                           config.newton_steps, config)
+      k[active], log_lam[active] = _m_step(sa, a, k[active], config.newton_steps, config)
       logf = np.log(weight[active])[..., None] + _log_pdf(
-          sa, k[active][..., None], log_lam[active][..., None])
+        sa, k[active][..., None], log_lam[active][..., None]
+      )
       lse = np.logaddexp(logf[:, 0], logf[:, 1])
       resp[active] = np.exp(logf - lse[:, None])
       new = np.where(va[:, 0], lse, 0.0).sum(-1)
@@ -259,12 +272,14 @@ def fit_weibull_mixture(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
   fitted &= np.isfinite(loglik) & np.isfinite(log_mean).all(-1)
   order = np.argsort(np.where(np.isfinite(log_mean), log_mean, 0.0), axis=-1)
   take = lambda x: np.take_along_axis(x, order, axis=-1)  # noqa: E731
-  return WeibullMixture(take(weight), take(k), take(np.exp(log_lam)), loglik,
-                        fitted)
+  return WeibullMixture(take(weight), take(k), take(np.exp(log_lam)), loglik, fitted)
 
 
-def rpc_keep_mask(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
-                  config: WeibullFitConfig = WeibullFitConfig()) -> np.ndarray:
+def rpc_keep_mask(
+  s_EU: np.ndarray,
+  valid_EU: np.ndarray | None = None,
+  config: WeibullFitConfig = WeibullFitConfig(),
+) -> np.ndarray:
   """RPC pruning of each row: False where a sample is dropped."""
   s = np.asarray(s_EU, dtype=np.float64)
   v = np.ones(s.shape, bool) if valid_EU is None else np.asarray(valid_EU, bool)
@@ -272,8 +287,9 @@ def rpc_keep_mask(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
   s_safe = np.where(v, s, 0.0)
   log_lam = np.log(mix.scale_E2)[:, :, None]
   with np.errstate(divide="ignore", invalid="ignore", over="ignore"):
-    logpost = (np.log(mix.weight_E2)[:, :, None]
-               + _log_pdf(s_safe[:, None, :], mix.shape_E2[:, :, None], log_lam))
+    logpost = np.log(mix.weight_E2)[:, :, None] + _log_pdf(
+      s_safe[:, None, :], mix.shape_E2[:, :, None], log_lam
+    )
   p = np.exp(s_safe)
   mean_p = (p * v).sum(-1, keepdims=True) / np.maximum(v.sum(-1, keepdims=True), 1)
   drop = (p < mean_p) & (logpost[:, 0] > logpost[:, 1]) & mix.fitted_E[:, None]
@@ -283,9 +299,13 @@ def rpc_keep_mask(s_EU: np.ndarray, valid_EU: np.ndarray | None = None,
 # ------------------------------------------------------------------ selection
 
 
-def _pick_groups(group_EU: np.ndarray, weight_EU: np.ndarray,
-                 include_EU: np.ndarray, correct_A: np.ndarray,
-                 rtol: float) -> np.ndarray:
+def _pick_groups(
+  group_EU: np.ndarray,
+  weight_EU: np.ndarray,
+  include_EU: np.ndarray,
+  correct_A: np.ndarray,
+  rtol: float,
+) -> np.ndarray:
   """Expected accuracy per row of picking the group with the largest weight."""
   if correct_A.size == 0:  # no sample of the question has an answer: all abstain
     return np.zeros(group_EU.shape[0])
@@ -312,9 +332,13 @@ def _first_occurrence(ids_EU: np.ndarray) -> np.ndarray:
   return ~(same & earlier).any(-1)
 
 
-def subset_accuracy(question: QuestionSamples, idx_EU: np.ndarray, method: str,
-                    keep_EU: np.ndarray | None = None,
-                    tie_rtol: float = 1e-9) -> np.ndarray:
+def subset_accuracy(
+  question: QuestionSamples,
+  idx_EU: np.ndarray,
+  method: str,
+  keep_EU: np.ndarray | None = None,
+  tie_rtol: float = 1e-9,
+) -> np.ndarray:
   """Expected accuracy of ``method`` on each subset (row of sample indices).
 
   ``keep_EU`` is RPC's pruning mask of the subsets (needed for "rpc").
@@ -347,28 +371,35 @@ def _subsets(g: int, n: int, config: ScalingConfig, position: int) -> np.ndarray
   return np.argsort(rng.random((config.n_subsets, g)), axis=1)[:, :n]
 
 
-def scaling_curves(questions: Sequence[QuestionSamples],
-                   config: ScalingConfig = ScalingConfig()) -> dict[str, Any]:
+def scaling_curves(
+  questions: Sequence[QuestionSamples], config: ScalingConfig = ScalingConfig()
+) -> dict[str, Any]:
   """Accuracy against N for each method, averaged over subsets and questions.
 
   Returns ``{"n": [...], "n_questions": [...], "n_subsets": int, "seed": int,
   <method>: [accuracy per N]}``; accuracy is NaN at an N no question reaches.
   """
-  out: dict[str, Any] = {"n": list(config.ns), "n_questions": [],
-                         "n_subsets": config.n_subsets, "seed": config.seed}
+  out: dict[str, Any] = {
+    "n": list(config.ns),
+    "n_questions": [],
+    "n_subsets": config.n_subsets,
+    "seed": config.seed,
+  }
   for method in config.methods:
     out[method] = []
   for n in config.ns:
     used = [(i, q) for i, q in enumerate(questions) if len(q.group_G) >= n]
     out["n_questions"].append(len(used))
     idx = [_subsets(len(q.group_G), n, config, i) for i, q in used]
-    keep = [None] * len(used)
+    keep: Sequence[np.ndarray | None] = [None] * len(used)
     if "rpc" in config.methods and used:
       s_all = np.concatenate([q.s_G[ix] for (_, q), ix in zip(used, idx)])
       keep_all = rpc_keep_mask(s_all, None, config.weibull)
       keep = np.split(keep_all, np.cumsum([len(ix) for ix in idx])[:-1])
     for method in config.methods:
-      accs = [subset_accuracy(q, ix, method, kp, config.tie_rtol).mean()
-              for (_, q), ix, kp in zip(used, idx, keep)]
+      accs = [
+        subset_accuracy(q, ix, method, kp, config.tie_rtol).mean()
+        for (_, q), ix, kp in zip(used, idx, keep)
+      ]
       out[method].append(float(np.mean(accs)) if accs else float("nan"))
   return out

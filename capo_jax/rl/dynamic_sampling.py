@@ -27,7 +27,8 @@ import numpy as np
 def mixed_groups(rewards_QG: np.ndarray) -> np.ndarray:
   """bool[Q]: the groups with at least one right and one wrong sample."""
   correct_QG = np.asarray(rewards_QG) > 0.5
-  return correct_QG.any(1) & ~correct_QG.all(1)
+  # numpy types any(1) as scalar-or-array; with axis=1 of a [Q, G] array it is an array.
+  return np.asarray(correct_QG.any(1) & ~correct_QG.all(1))
 
 
 def select_groups(rewards_QG: np.ndarray, num_groups: int) -> tuple[np.ndarray, int]:
@@ -39,11 +40,12 @@ def select_groups(rewards_QG: np.ndarray, num_groups: int) -> tuple[np.ndarray, 
   """
   n = rewards_QG.shape[0]
   if n < num_groups:
-    raise ValueError(f"select_groups: {n} groups drawn, fewer than the {num_groups} a step "
-                     "trains on")
+    raise ValueError(
+      f"select_groups: {n} groups drawn, fewer than the {num_groups} a step trains on"
+    )
   mixed_Q = mixed_groups(rewards_QG)
   chosen = np.flatnonzero(mixed_Q)[:num_groups]
-  fill = np.flatnonzero(~mixed_Q)[:num_groups - chosen.size]
+  fill = np.flatnonzero(~mixed_Q)[: num_groups - chosen.size]
   return np.sort(np.concatenate([chosen, fill])).astype(np.int64), int(chosen.size)
 
 

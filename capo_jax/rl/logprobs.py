@@ -37,36 +37,47 @@ from models.config import Qwen2Config
 from models.qwen2 import Params
 
 
-def _check(prompt_tokens_BP: Array, prompt_mask_BP: Array, completion_tokens_BC: Array,
-           completion_mask_BC: Array, topk_ids_BCJ: Array | None) -> None:
+def _check(
+  prompt_tokens_BP: Array,
+  prompt_mask_BP: Array,
+  completion_tokens_BC: Array,
+  completion_mask_BC: Array,
+  topk_ids_BCJ: Array | None,
+) -> None:
   B, P = prompt_tokens_BP.shape
   C = completion_tokens_BC.shape[1] if completion_tokens_BC.ndim == 2 else -1
-  for name, x, want in (("prompt_mask_BP", prompt_mask_BP, (B, P)),
-                        ("completion_tokens_BC", completion_tokens_BC, (B, C)),
-                        ("completion_mask_BC", completion_mask_BC, (B, C))):
+  for name, x, want in (
+    ("prompt_mask_BP", prompt_mask_BP, (B, P)),
+    ("completion_tokens_BC", completion_tokens_BC, (B, C)),
+    ("completion_mask_BC", completion_mask_BC, (B, C)),
+  ):
     if x.shape != want:
       raise ValueError(f"token_logprobs: {name} has shape {x.shape}, expected {want}")
   if P < 1:
-    raise ValueError("token_logprobs: prompt_tokens_BP needs at least one column (the "
-                     "first completion token is predicted from the last prompt position)")
+    raise ValueError(
+      "token_logprobs: prompt_tokens_BP needs at least one column (the "
+      "first completion token is predicted from the last prompt position)"
+    )
   if topk_ids_BCJ is not None and (topk_ids_BCJ.ndim != 3 or topk_ids_BCJ.shape[:2] != (B, C)):
-    raise ValueError(f"token_logprobs: topk_ids_BCJ has shape {topk_ids_BCJ.shape}, "
-                     f"expected {(B, C)} + (J,)")
+    raise ValueError(
+      f"token_logprobs: topk_ids_BCJ has shape {topk_ids_BCJ.shape}, expected {(B, C)} + (J,)"
+    )
 
 
-def _chunk_stats(h_BCD: Array, w_DV: Array, tokens_BC: Array, ids_BCJ: Array | None,
-                 top_k: int, temperature: float) -> dict[str, Array]:
+def _chunk_stats(
+  h_BCD: Array, w_DV: Array, tokens_BC: Array, ids_BCJ: Array | None, top_k: int, temperature: float
+) -> dict[str, Array]:
   """Log-prob, entropy and top-k of one chunk; logits live only inside."""
   logits = sharding.constrain(
-      jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32), qwen2.ACT_BTV)
+    jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32), qwen2.ACT_BTV
+  )
   if temperature != 1.0:
     logits = logits / temperature
   lse_BC = jax.nn.logsumexp(logits, axis=-1)
   logp_BC = jnp.take_along_axis(logits, tokens_BC[..., None], axis=-1)[..., 0] - lse_BC
   sg = jax.lax.stop_gradient(logits)
   probs = jnp.exp(sg - jax.lax.stop_gradient(lse_BC)[..., None])
-  out = {"logp": logp_BC,
-         "entropy": jax.lax.stop_gradient(lse_BC) - jnp.sum(probs * sg, axis=-1)}
+  out = {"logp": logp_BC, "entropy": jax.lax.stop_gradient(lse_BC) - jnp.sum(probs * sg, axis=-1)}
   if ids_BCJ is None and top_k > 0:
     _, ids_BCJ = jax.lax.top_k(sg, top_k)
   if ids_BCJ is not None:
@@ -77,11 +88,19 @@ def _chunk_stats(h_BCD: Array, w_DV: Array, tokens_BC: Array, ids_BCJ: Array | N
   return out
 
 
-def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
-                   prompt_mask_BP: Array, completion_tokens_BC: Array,
-                   completion_mask_BC: Array, *, chunk_size: int = 0, top_k: int = 0,
-                   topk_ids_BCJ: Array | None = None, temperature: float = 1.0
-                   ) -> dict[str, Array]:
+def token_logprobs(
+  params: Params,
+  cfg: Qwen2Config,
+  prompt_tokens_BP: Array,
+  prompt_mask_BP: Array,
+  completion_tokens_BC: Array,
+  completion_mask_BC: Array,
+  *,
+  chunk_size: int = 0,
+  top_k: int = 0,
+  topk_ids_BCJ: Array | None = None,
+  temperature: float = 1.0,
+) -> dict[str, Array]:
   """Per-token log-probs (and entropy, top-k) of the completion tokens.
 
   Args:
@@ -100,22 +119,33 @@ def token_logprobs(params: Params, cfg: Qwen2Config, prompt_tokens_BP: Array,
     dict with logp_BC, entropy_BC and, when asked, topk_logp_BCJ, topk_ids_BCJ,
     is_argmax_BC; every value is 0 / False on completion padding.
   """
-  _check(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-         topk_ids_BCJ)
+  _check(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC, topk_ids_BCJ)
   if chunk_size < 0 or top_k < 0:
     raise ValueError(f"token_logprobs: chunk_size={chunk_size} and top_k={top_k} must be >= 0")
   P = prompt_tokens_BP.shape[1]
   tokens_BT = jnp.concatenate([prompt_tokens_BP, completion_tokens_BC], axis=1)
   mask_BT = jnp.concatenate([prompt_mask_BP, completion_mask_BC], axis=1).astype(jnp.bool_)
   # The last position predicts nothing we need; dropping it saves a column.
-  h_BCD = qwen2.hidden_states(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])[:, P - 1:]
-  return logprobs_from_hidden(params, cfg, Targets(h_BCD, completion_tokens_BC,
-                                                   completion_mask_BC, topk_ids_BCJ),
-                              chunk_size=chunk_size, top_k=top_k, temperature=temperature)
+  h_BCD = qwen2.hidden_states(params, cfg, tokens_BT[:, :-1], mask_BT[:, :-1])[:, P - 1 :]
+  return logprobs_from_hidden(
+    params,
+    cfg,
+    Targets(h_BCD, completion_tokens_BC, completion_mask_BC, topk_ids_BCJ),
+    chunk_size=chunk_size,
+    top_k=top_k,
+    temperature=temperature,
+  )
 
 
-def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_size: int = 0,
-                          top_k: int = 0, temperature: float = 1.0) -> dict[str, Array]:
+def packed_token_logprobs(
+  params: Params,
+  cfg: Qwen2Config,
+  rows: Any,
+  *,
+  chunk_size: int = 0,
+  top_k: int = 0,
+  temperature: float = 1.0,
+) -> dict[str, Array]:
   """``token_logprobs`` of model rows (``capo_jax.rl.batch.ModelRows``).
 
   The rows [Y, T] run through the model with their segment ids and
@@ -126,13 +156,19 @@ def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_
   ``topk_ids_BCJ``. Keys end in ``_YZ`` / ``_YZJ``; ``batch.unpack`` puts them back
   in [B, C].
   """
-  h_YTD = qwen2.hidden_states(params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0,
-                              rows.positions_YT, rows.segment_ids_YT)
+  h_YTD = qwen2.hidden_states(
+    params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0, rows.positions_YT, rows.segment_ids_YT
+  )
   h_YZD = jnp.take_along_axis(h_YTD, rows.target_col_YZ[..., None], axis=1)
   h_YZD = sharding.constrain(h_YZD, qwen2.ACT_BTD)
-  out = logprobs_from_hidden(params, cfg, Targets(h_YZD, rows.targets_YZ, rows.target_mask_YZ,
-                                                  rows.topk_ids_YZJ),
-                             chunk_size=chunk_size, top_k=top_k, temperature=temperature)
+  out = logprobs_from_hidden(
+    params,
+    cfg,
+    Targets(h_YZD, rows.targets_YZ, rows.target_mask_YZ, rows.topk_ids_YZJ),
+    chunk_size=chunk_size,
+    top_k=top_k,
+    temperature=temperature,
+  )
   return {k.replace("_BC", "_YZ"): v for k, v in out.items()}
 
 
@@ -140,18 +176,30 @@ def packed_token_logprobs(params: Params, cfg: Qwen2Config, rows: Any, *, chunk_
 class Targets:
   """The hidden states [B, C, D] that predict ``tokens_BC`` (mask ``mask_BC``), and the
   ids whose log-probs to return at each position (or None: the current top-k)."""
+
   h_BCD: Array
   tokens_BC: Array
   mask_BC: Array
   topk_ids_BCJ: Array | None = None
 
 
-def logprobs_from_hidden(params: Params, cfg: Qwen2Config, targets: Targets, *,
-                         chunk_size: int, top_k: int, temperature: float) -> dict[str, Array]:
+def logprobs_from_hidden(
+  params: Params,
+  cfg: Qwen2Config,
+  targets: Targets,
+  *,
+  chunk_size: int,
+  top_k: int,
+  temperature: float,
+) -> dict[str, Array]:
   """The stats of ``token_logprobs`` at ``targets``, unembedded ``chunk_size`` positions
   at a time."""
-  h_BCD, tokens_BC, mask_BC, topk_ids_BCJ = (targets.h_BCD, targets.tokens_BC,
-                                             targets.mask_BC, targets.topk_ids_BCJ)
+  h_BCD, tokens_BC, mask_BC, topk_ids_BCJ = (
+    targets.h_BCD,
+    targets.tokens_BC,
+    targets.mask_BC,
+    targets.topk_ids_BCJ,
+  )
   B, C = tokens_BC.shape
   # The unembedding stays in its stored dtype and is cast where it is used: cast
   # outside the chunk loop, its gradient would be summed over the chunks in the
@@ -174,15 +222,16 @@ def logprobs_from_hidden(params: Params, cfg: Qwen2Config, targets: Targets, *,
       x = x.reshape((B, n, chunk_size) + x.shape[2:])
       return jnp.moveaxis(x, 1, 0)
 
-    xs = (split(h_BCD), split(tokens_BC),
-          None if topk_ids_BCJ is None else split(topk_ids_BCJ))
+    xs = (split(h_BCD), split(tokens_BC), None if topk_ids_BCJ is None else split(topk_ids_BCJ))
     # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
     body = jax.checkpoint(lambda w, x: stats(x[0], cast(w), x[1], x[2]))
     _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)
-    out = jax.tree.map(lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size)
-                                                                + y.shape[3:])[:, :C], out)
+    out = jax.tree.map(
+      lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size) + y.shape[3:])[:, :C], out
+    )
 
   m_BC = mask_BC.astype(jnp.bool_)
-  zero = lambda x: jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x,
-                             jnp.zeros((), x.dtype))
+  zero = lambda x: jnp.where(
+    m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x, jnp.zeros((), x.dtype)
+  )
   return {f"{k}_BCJ" if k.startswith("topk") else f"{k}_BC": zero(v) for k, v in out.items()}

@@ -37,6 +37,7 @@ class OptimConfig:
       (verl / torch AdamW default: yes; HF Trainer: no).
     grad_clip: maximum global gradient norm; 0 disables clipping.
   """
+
   learning_rate: float = 1e-6
   warmup_steps: int = 0
   schedule: str = "constant"
@@ -52,16 +53,24 @@ class OptimConfig:
   def __post_init__(self) -> None:
     if self.schedule not in SCHEDULES:
       raise ValueError(f"OptimConfig.schedule={self.schedule!r} is not one of {SCHEDULES}")
-    for name in ("learning_rate", "warmup_steps", "weight_decay", "grad_clip", "eps",
-                 "end_lr_frac"):
+    for name in (
+      "learning_rate",
+      "warmup_steps",
+      "weight_decay",
+      "grad_clip",
+      "eps",
+      "end_lr_frac",
+    ):
       if getattr(self, name) < 0:
         raise ValueError(f"OptimConfig.{name}={getattr(self, name)} must be >= 0")
     for name in ("b1", "b2"):
       if not 0.0 <= getattr(self, name) < 1.0:
         raise ValueError(f"OptimConfig.{name}={getattr(self, name)} must lie in [0, 1)")
     if self.schedule != "constant" and self.total_steps <= self.warmup_steps:
-      raise ValueError(f"OptimConfig.total_steps={self.total_steps} must exceed "
-                       f"warmup_steps={self.warmup_steps} for schedule={self.schedule!r}")
+      raise ValueError(
+        f"OptimConfig.total_steps={self.total_steps} must exceed "
+        f"warmup_steps={self.warmup_steps} for schedule={self.schedule!r}"
+      )
 
   def replace(self, **changes: Any) -> OptimConfig:
     return dataclasses.replace(self, **changes)
@@ -91,9 +100,11 @@ def lr_schedule(cfg: OptimConfig) -> optax.Schedule:
 
 def _decay_mask(params: Any) -> Any:
   """True on weights that weight decay applies to (no norm scales, no biases)."""
+
   def keep(path: tuple[Any, ...], _: Any) -> bool:
     name = str(getattr(path[-1], "key", path[-1]))
     return not (name.endswith("norm") or name.endswith("bias"))
+
   return jax.tree_util.tree_map_with_path(keep, params)
 
 
@@ -103,16 +114,21 @@ def make_optimizer(cfg: OptimConfig) -> optax.GradientTransformation:
   parts = []
   if cfg.grad_clip > 0:
     parts.append(optax.clip_by_global_norm(cfg.grad_clip))
-  parts.append(optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps,
-                           weight_decay=cfg.weight_decay, mask=mask))
+  parts.append(
+    optax.adamw(
+      lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=cfg.eps, weight_decay=cfg.weight_decay, mask=mask
+    )
+  )
   return optax.chain(*parts)
 
 
 def current_lr(cfg: OptimConfig, opt_state: Any) -> jax.Array:
   """The learning rate the next update of ``opt_state`` will use."""
-  counts = [s.count for s in jax.tree.leaves(
-      opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
-            if isinstance(s, optax.ScaleByScheduleState)]
+  counts = [
+    s.count
+    for s in jax.tree.leaves(opt_state, is_leaf=lambda s: isinstance(s, optax.ScaleByScheduleState))
+    if isinstance(s, optax.ScaleByScheduleState)
+  ]
   if not counts:
     raise ValueError("current_lr: no ScaleByScheduleState in the optimizer state")
   return lr_schedule(cfg)(counts[0])

@@ -64,8 +64,16 @@ from models.sharding import Layout
 # v4 and v5p are 3-D tori counted in TensorCores (2 per chip); v5e and v6e are
 # 2-D grids counted in chips.
 _GRID_3D = {4: "2x2x1", 8: "2x2x2", 16: "2x2x4", 32: "2x4x4", 64: "4x4x4", 128: "4x4x8"}
-_GRID_2D = {1: "1x1", 4: "2x2", 8: "2x4", 16: "4x4", 32: "4x8", 64: "8x8", 128: "8x16",
-            256: "16x16"}
+_GRID_2D = {
+  1: "1x1",
+  4: "2x2",
+  8: "2x4",
+  16: "4x4",
+  32: "4x8",
+  64: "8x8",
+  128: "8x16",
+  256: "16x16",
+}
 # gcloud's accelerator-type prefix of each generation (TPU_ACCELERATOR_TYPE).
 _GCLOUD = {"v4": "v4", "v5p": "v5p", "v5e": "v5litepod", "v6e": "v6e"}
 
@@ -105,7 +113,9 @@ def set_tpu_env(acc: Accelerator) -> None:
   """What libtpu reads at load; without them it queries the GCE metadata server
   (absent off Cloud) and logs errors. JAX itself stays on the CPU backend: the
   TPU devices come from the topology description, not from a TPU client."""
-  if not jax.config.jax_platforms:  # jax read $JAX_PLATFORMS when it was imported
+  # jax read $JAX_PLATFORMS when it was imported. Config sets its options as attributes at
+  # run time, so its type has none of them.
+  if not jax.config.jax_platforms:  # type: ignore[attr-defined]
     jax.config.update("jax_platforms", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("TPU_ACCELERATOR_TYPE", acc.gcloud_type)
@@ -119,6 +129,7 @@ def set_tpu_env(acc: Accelerator) -> None:
 def topology_devices(acc: Accelerator) -> list[Any]:
   """The slice's TPU devices (for compiling only), all of them, every host's."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+
   # v4 / v5p chips have 2 TensorCores; "megacore" fuses them into one device per
   # chip, as jax.devices() shows on those VMs (jax's TPU mesh builder requires it).
   kw = {"chip_config_name": "megacore"} if acc.gen in ("v4", "v5p") else {}
@@ -141,8 +152,10 @@ def architecture_spec(spec: RunSpec, log: Callable[[str], None] = print) -> RunS
   except ConfigError as e:
     if not isinstance(e.__cause__, FileNotFoundError):
       raise
-  log(f"config.model.hf_path={m.hf_path!r}: config.json not found locally nor on the hub; "
-      f"compiling the run file's preset {m.preset!r} (the same architecture) instead")
+  log(
+    f"config.model.hf_path={m.hf_path!r}: config.json not found locally nor on the hub; "
+    f"compiling the run file's preset {m.preset!r} (the same architecture) instead"
+  )
   return dataclasses.replace(spec, model=dataclasses.replace(m, hf_path="", random_init=True))
 
 
@@ -158,17 +171,20 @@ def topology_mesh(spec: RunSpec, acc: Accelerator) -> Mesh:
 # --------------------------------------------------------------------------
 
 
-def _sds(shape: tuple[int, ...], dtype: Any, sh: NamedSharding) -> jax.ShapeDtypeStruct:
+def _sds(shape: tuple[int, ...], dtype: Any, sh: jax.sharding.Sharding) -> Any:
+  """An abstract array to lower with. Typed Any: it fills the ``jax.Array`` fields of the
+  containers the programs take (ModelRows, TrainBatch, engine.Ends)."""
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
 
 def _abstract_params(model_cfg: Any, mesh: Mesh, rules: Any, dtype: Any) -> Any:
   shardings = mesh_lib.param_shardings(model_cfg, mesh, rules)
-  return jax.tree.map(lambda s, sh: _sds(s.shape, dtype, sh), qwen2.param_shapes(model_cfg),
-                      shardings)
+  return jax.tree.map(
+    lambda s, sh: _sds(s.shape, dtype, sh), qwen2.param_shapes(model_cfg), shardings
+  )
 
 
-def _rows(mesh: Mesh, rules: Any, shape: tuple[int, ...], dtype: Any) -> jax.ShapeDtypeStruct:
+def _rows(mesh: Mesh, rules: Any, shape: tuple[int, ...], dtype: Any) -> Any:
   """A batch array: leading axis over the batch mesh axes, the rest whole."""
   spec = sharding.logical_to_spec(("batch",) + (None,) * (len(shape) - 1), rules, shape, mesh)
   return _sds(shape, dtype, NamedSharding(mesh, spec))
@@ -177,6 +193,7 @@ def _rows(mesh: Mesh, rules: Any, shape: tuple[int, ...], dtype: Any) -> jax.Sha
 @dataclasses.dataclass(frozen=True)
 class Shapes:
   """The largest shapes of one RL step's programs, from the spec."""
+
   prompts_per_call: int  # Q of one sampler call
   num_calls: int
   num_samples: int  # G
@@ -208,21 +225,30 @@ class Shapes:
     # every sequence of the update.
     per_row = -(-row_len // (r.max_prompt_len + r.max_new_tokens))
     rows_needed = lambda n: -(-n // per_row)  # noqa: E731
-    return cls(prompts_per_call=per_call, num_calls=r.num_prompts // per_call,
-               num_samples=r.num_samples,
-               prompt_len=sampling.bucket_length(r.max_prompt_len, sampling.PROMPT_BUCKET_MIN),
-               gen_len=sampling.bucket_length(r.max_new_tokens, sampling.GEN_BUCKET_MIN),
-               max_prompt_len=r.max_prompt_len, max_new_tokens=r.max_new_tokens,
-               rows=B, rows_per_update=R, row_len=row_len, rows_per_call=L,
-               logprob_calls=-(-rows_needed(B) // L),
-               targets_per_row=packing.bucket(row_len - 1),
-               microbatches=packing.pow2(-(-rows_needed(R) // Y)), rows_per_microbatch=Y,
-               slots_per_microbatch=Y * packing.pow2(-(-R // Y)))
+    return cls(
+      prompts_per_call=per_call,
+      num_calls=r.num_prompts // per_call,
+      num_samples=r.num_samples,
+      prompt_len=sampling.bucket_length(r.max_prompt_len, sampling.PROMPT_BUCKET_MIN),
+      gen_len=sampling.bucket_length(r.max_new_tokens, sampling.GEN_BUCKET_MIN),
+      max_prompt_len=r.max_prompt_len,
+      max_new_tokens=r.max_new_tokens,
+      rows=B,
+      rows_per_update=R,
+      row_len=row_len,
+      rows_per_call=L,
+      logprob_calls=-(-rows_needed(B) // L),
+      targets_per_row=packing.bucket(row_len - 1),
+      microbatches=packing.pow2(-(-rows_needed(R) // Y)),
+      rows_per_microbatch=Y,
+      slots_per_microbatch=Y * packing.pow2(-(-R // Y)),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Lowerable:
   """A jitted function and the abstract arguments of one call."""
+
   name: str
   fn: Any
   args: tuple[Any, ...]
@@ -233,9 +259,12 @@ class Lowerable:
 
 def sampler_plan(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> engine.Plan:
   """The engine's plan of one sampler call at the run's largest prompts (``generate``'s)."""
-  return sampling.engine_plan(model_cfg, programs_lib.sampling_spec(spec),
-                              Layout.of(mesh, mesh_lib.SAMPLING_RULES),
-                              Shapes.from_spec(spec).prompts_per_call)
+  return sampling.engine_plan(
+    model_cfg,
+    programs_lib.sampling_spec(spec),
+    Layout.of(mesh, mesh_lib.SAMPLING_RULES),
+    Shapes.from_spec(spec).prompts_per_call,
+  )
 
 
 def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerable, Any]:
@@ -249,23 +278,35 @@ def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerab
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
   prefill = Lowerable(
-      "prefill", engine.prefill,
-      (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng),
-      dict(plan=plan.prefill_plan), sh.num_calls, ("train state", "reference"))
+    "prefill",
+    engine.prefill,
+    (params, _rows(mesh, rules, QP, jnp.int32), _rows(mesh, rules, QP, jnp.bool_), rng),
+    dict(plan=plan.prefill_plan),
+    sh.num_calls,
+    ("train state", "reference"),
+  )
 
   def decode(prefill_compiled: Any) -> Lowerable:
     out = jax.eval_shape(functools.partial(engine.prefill, **prefill.kwargs), *prefill.args)
-    prompts, first = jax.tree.map(lambda s, o: _sds(s.shape, s.dtype, o), out,
-                                  prefill_compiled.output_shardings)
+    prompts, first = jax.tree.map(
+      lambda s, o: _sds(s.shape, s.dtype, o), out, prefill_compiled.output_shardings
+    )
     ends = engine.Ends(stops, pad, _sds((), jnp.int32, rep))
-    return Lowerable("decode", engine.decode_loop, (params, prompts, first, rng, ends),
-                     dict(plan=plan), sh.num_calls, ("train state", "reference"))
+    return Lowerable(
+      "decode",
+      engine.decode_loop,
+      (params, prompts, first, rng, ends),
+      dict(plan=plan),
+      sh.num_calls,
+      ("train state", "reference"),
+    )
 
   return prefill, decode
 
 
-def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = None
-                     ) -> list[Lowerable]:
+def trainer_programs(
+  spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = None
+) -> list[Lowerable]:
   """The log-prob passes and the train step the trainer runs (``programs.build``), at the
   largest shapes a step can give them (``Shapes.from_spec``)."""
   rules = mesh_lib.TRAIN_RULES
@@ -275,46 +316,83 @@ def trainer_programs(spec: RunSpec, mesh: Mesh, progs: StepPrograms | None = Non
   T, Y, Z, calls = sh.row_len, sh.rows_per_call, sh.targets_per_row, sh.logprob_calls
   rows = lambda shape, dtype=jnp.int32: _rows(mesh, rules, shape, dtype)  # noqa: E731
   J = spec.simko_k
-  call_rows = ModelRows(tokens_YT=rows((Y, T)), segment_ids_YT=rows((Y, T)),
-                        positions_YT=rows((Y, T)), target_col_YZ=rows((Y, Z)),
-                        targets_YZ=rows((Y, Z)), target_mask_YZ=rows((Y, Z)))
+  call_rows = ModelRows(
+    tokens_YT=rows((Y, T)),
+    segment_ids_YT=rows((Y, T)),
+    positions_YT=rows((Y, T)),
+    target_col_YZ=rows((Y, Z)),
+    targets_YZ=rows((Y, Z)),
+    target_mask_YZ=rows((Y, Z)),
+  )
   lora_cfg = tcfg.lora
   trained_params = _abstract_params(model_cfg, mesh, rules, model_cfg.weight_dtype)
-  adapters = None if lora_cfg is None else _abstract_tree(
-      ts.trainable_shapes(model_cfg, tcfg), ts.trainable_shardings(model_cfg, tcfg, mesh, rules),
-      jnp.float32)
+  adapters = (
+    None
+    if lora_cfg is None
+    else _abstract_tree(
+      ts.trainable_shapes(model_cfg, tcfg),
+      ts.trainable_shardings(model_cfg, tcfg, mesh, rules),
+      jnp.float32,
+    )
+  )
   # The sampler's bfloat16 params are still referenced while the rollout scores its samples.
-  out = [Lowerable("logprobs", progs.logprobs.fn, (trained_params, call_rows),
-                   {"adapters": adapters}, calls,
-                   ("optimizer state", "reference", "sampling params"))]
+  out = [
+    Lowerable(
+      "logprobs",
+      progs.logprobs.fn,
+      (trained_params, call_rows),
+      {"adapters": adapters},
+      calls,
+      ("optimizer state", "reference", "sampling params"),
+    )
+  ]
   if spec.needs_reference:
-    ref = trained_params if lora_cfg else _abstract_params(model_cfg, mesh, rules,
-                                                           model_cfg.dtype)
-    out.append(Lowerable("logprobs_ref", progs.logprobs.fn, (ref, call_rows), {}, calls,
-                         ("train state", "sampling params")))
-  state = _abstract_tree(jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
-                                        ts.trainable_shapes(model_cfg, tcfg)),
-                         progs.state_shardings)
-  M, Ym, Bm, C = sh.microbatches, sh.rows_per_microbatch, sh.slots_per_microbatch, \
-      sh.max_new_tokens
+    ref = trained_params if lora_cfg else _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
+    out.append(
+      Lowerable(
+        "logprobs_ref",
+        progs.logprobs.fn,
+        (ref, call_rows),
+        {},
+        calls,
+        ("train state", "sampling params"),
+      )
+    )
+  state = _abstract_tree(
+    jax.eval_shape(lambda p: ts.init_train_state(p, tcfg), ts.trainable_shapes(model_cfg, tcfg)),
+    progs.state_shardings,
+  )
+  M, Ym, Bm, C = sh.microbatches, sh.rows_per_microbatch, sh.slots_per_microbatch, sh.max_new_tokens
   mb = lambda *shape, dtype=jnp.int32: _sds(shape, dtype, progs.batch_layout.sharding)  # noqa: E731
   f32 = lambda *shape: mb(*shape, dtype=jnp.float32)  # noqa: E731
   batch = TrainBatch(
-      rows=ModelRows(tokens_YT=mb(M, Ym, T), segment_ids_YT=mb(M, Ym, T),
-                     positions_YT=mb(M, Ym, T), target_col_YZ=mb(M, Ym, Z),
-                     targets_YZ=mb(M, Ym, Z), target_mask_YZ=mb(M, Ym, Z),
-                     topk_ids_YZJ=mb(M, Ym, Z, J) if J else None),
-      index_MBC=mb(M, Bm, C),
-      seqs=Sequences(completion_mask_BC=mb(M, Bm, C), old_logp_BC=f32(M, Bm, C), adv_B=f32(M, Bm),
-                     ref_logp_BC=f32(M, Bm, C) if spec.needs_reference else None,
-                     correct_B=mb(M, Bm, dtype=jnp.bool_) if J else None,
-                     old_topk_ids_BCJ=mb(M, Bm, C, J) if J else None,
-                     old_topk_logp_BCJ=f32(M, Bm, C, J) if J else None,
-                     is_weight_BC=(f32(M, Bm, C) if spec.rollout.is_correction != "none"
-                                   else None)))
+    rows=ModelRows(
+      tokens_YT=mb(M, Ym, T),
+      segment_ids_YT=mb(M, Ym, T),
+      positions_YT=mb(M, Ym, T),
+      target_col_YZ=mb(M, Ym, Z),
+      targets_YZ=mb(M, Ym, Z),
+      target_mask_YZ=mb(M, Ym, Z),
+      topk_ids_YZJ=mb(M, Ym, Z, J) if J else None,
+    ),
+    index_MBC=mb(M, Bm, C),
+    seqs=Sequences(
+      completion_mask_BC=mb(M, Bm, C),
+      old_logp_BC=f32(M, Bm, C),
+      adv_B=f32(M, Bm),
+      ref_logp_BC=f32(M, Bm, C) if spec.needs_reference else None,
+      correct_B=mb(M, Bm, dtype=jnp.bool_) if J else None,
+      old_topk_ids_BCJ=mb(M, Bm, C, J) if J else None,
+      old_topk_logp_BCJ=f32(M, Bm, C, J) if J else None,
+      is_weight_BC=(f32(M, Bm, C) if spec.rollout.is_correction != "none" else None),
+    ),
+  )
   base = () if lora_cfg is None else (trained_params,)
-  out.append(Lowerable("train", progs.train_step, (state, batch) + base, {},
-                       spec.updates_per_step, ("reference",)))
+  out.append(
+    Lowerable(
+      "train", progs.train_step, (state, batch) + base, {}, spec.updates_per_step, ("reference",)
+    )
+  )
   return out
 
 
@@ -325,30 +403,38 @@ def _abstract_tree(shapes: Any, shardings: Any, dtype: Any = None) -> Any:
 def _device_bytes(tree: Any) -> int:
   """Bytes one device holds of a tree of sharded ShapeDtypeStructs (the largest shard)."""
   size = lambda dt: 8 if jax.dtypes.issubdtype(dt, jax.dtypes.extended) else jnp.dtype(dt).itemsize
-  return sum(math.prod(x.sharding.shard_shape(x.shape)) * size(x.dtype)
-             for x in jax.tree.leaves(tree))
+  return sum(
+    math.prod(x.sharding.shard_shape(x.shape)) * size(x.dtype) for x in jax.tree.leaves(tree)
+  )
 
 
 def resident_bytes(spec: RunSpec, mesh: Mesh) -> dict[str, int]:
   """Per-device bytes of the buffers that live across programs (``Lowerable.resident``)."""
   model_cfg = spec.model_config()
   tcfg = spec.train_config()
-  state = _abstract_tree(jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
-                                        ts.trainable_shapes(model_cfg, tcfg)),
-                         ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES))
+  state = _abstract_tree(
+    jax.eval_shape(lambda p: ts.init_train_state(p, tcfg), ts.trainable_shapes(model_cfg, tcfg)),
+    ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES),
+  )
   ref = _abstract_params(model_cfg, mesh, mesh_lib.TRAIN_RULES, model_cfg.dtype)
   # LoRA's reference is its frozen base: one copy, counted as the reference.
   base = _abstract_params(model_cfg, mesh, mesh_lib.TRAIN_RULES, model_cfg.weight_dtype)
-  return {"train state": _device_bytes(state), "optimizer state": _device_bytes(state.opt_state),
-          "reference": (_device_bytes(base) if tcfg.lora else _device_bytes(ref))
-          if spec.needs_reference or tcfg.lora else 0,
-          "sampling params": _device_bytes(_abstract_params(
-              model_cfg, mesh, mesh_lib.SAMPLING_RULES, model_cfg.dtype))}
+  return {
+    "train state": _device_bytes(state),
+    "optimizer state": _device_bytes(state.opt_state),
+    "reference": (_device_bytes(base) if tcfg.lora else _device_bytes(ref))
+    if spec.needs_reference or tcfg.lora
+    else 0,
+    "sampling params": _device_bytes(
+      _abstract_params(model_cfg, mesh, mesh_lib.SAMPLING_RULES, model_cfg.dtype)
+    ),
+  }
 
 
 @dataclasses.dataclass(frozen=True)
 class Compiled:
   """One compiled program (``compiled`` None when the compiler ran out of HBM)."""
+
   name: str
   compiled: Any
   compile_s: float
@@ -370,8 +456,12 @@ class Compiled:
       out = {"arguments": self.argument_bytes, "outputs": 0, "temporaries": temp, "aliased": 0}
     else:
       m = self.compiled.memory_analysis()
-      out = {"arguments": m.argument_size_in_bytes, "outputs": m.output_size_in_bytes,
-             "temporaries": m.temp_size_in_bytes, "aliased": m.alias_size_in_bytes}
+      out = {
+        "arguments": m.argument_size_in_bytes,
+        "outputs": m.output_size_in_bytes,
+        "temporaries": m.temp_size_in_bytes,
+        "aliased": m.alias_size_in_bytes,
+      }
     out["peak"] = out["arguments"] + out["outputs"] - out["aliased"] + out["temporaries"]
     return out
 
@@ -384,7 +474,9 @@ class Compiled:
     ca = self.compiled.cost_analysis()
     ca = ca[0] if isinstance(ca, (list, tuple)) else ca
     out = hlo_cost.hlo_cost(self.compiled.as_text())
-    out.update(xla_flops=float(ca.get("flops", 0.0)), xla_bytes=float(ca.get("bytes accessed", 0.0)))
+    out.update(
+      xla_flops=float(ca.get("flops", 0.0)), xla_bytes=float(ca.get("bytes accessed", 0.0))
+    )
     return out
 
 
@@ -397,12 +489,14 @@ def _compile(p: Lowerable) -> Compiled:
     if "RESOURCE_EXHAUSTED" not in str(e):
       raise
     compiled, error = None, str(e).splitlines()[0]
-  return Compiled(p.name, compiled, time.perf_counter() - t0, p.calls_per_step, p.resident,
-                  args, error)
+  return Compiled(
+    p.name, compiled, time.perf_counter() - t0, p.calls_per_step, p.resident, args, error
+  )
 
 
-def compile_step(spec: RunSpec, mesh: Mesh, only: tuple[str, ...] = (),
-                 log: Any = None) -> list[Compiled]:
+def compile_step(
+  spec: RunSpec, mesh: Mesh, only: tuple[str, ...] = (), log: Any = None
+) -> list[Compiled]:
   """Compiles every program of one RL step of ``spec`` on ``mesh`` (``programs.build``'s,
   at ``Shapes.from_spec``); ``only``: a subset of program names."""
   want = lambda name: not only or name in only

@@ -45,11 +45,40 @@ _HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .* \{$")
 _INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
 _ARRAY = re.compile(r"\b(pred|token|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
 _SPACE = re.compile(r"S\((\d+)\)")
-_BITS = {"pred": 8, "s4": 4, "u4": 4, "s8": 8, "u8": 8, "bf16": 16, "f16": 16, "s16": 16,
-         "u16": 16, "f32": 32, "s32": 32, "u32": 32, "f64": 64, "s64": 64, "u64": 64, "c64": 64,
-         "c128": 128}
-_FREE = {"parameter", "constant", "get-tuple-element", "tuple", "bitcast", "while", "call",
-         "conditional", "after-all", "opt-barrier", "partition-id", "replica-id", "iota"}
+_BITS = {
+  "pred": 8,
+  "s4": 4,
+  "u4": 4,
+  "s8": 8,
+  "u8": 8,
+  "bf16": 16,
+  "f16": 16,
+  "s16": 16,
+  "u16": 16,
+  "f32": 32,
+  "s32": 32,
+  "u32": 32,
+  "f64": 64,
+  "s64": 64,
+  "u64": 64,
+  "c64": 64,
+  "c128": 128,
+}
+_FREE = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "while",
+  "call",
+  "conditional",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+  "iota",
+}
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
 
@@ -61,9 +90,24 @@ class _Instr:
   rest: str
 
 
+def _group(pattern: str, ins: _Instr) -> str:
+  """Group 1 of ``pattern`` in the instruction's operands and attributes; an HLO
+  instruction without it (a new XLA text format) fails here, naming both."""
+  m = re.search(pattern, ins.rest)
+  if m is None:
+    raise ValueError(f"hlo_cost: {ins.op} %{ins.name} has no {pattern!r} in {ins.rest!r}")
+  return m[1]
+
+
+def _called(ins: _Instr, attr: str = "calls") -> str:
+  """The computation an instruction's ``calls=`` / ``condition=`` / ``body=`` names."""
+  return _group(rf"{attr}=%([\w.\-]+)", ins)
+
+
 def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(dt, tuple(int(d) for d in dims.split(",") if d))
-          for dt, dims, _ in _ARRAY.findall(shape)]
+  return [
+    (dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims, _ in _ARRAY.findall(shape)
+  ]
 
 
 def _space(layout: str) -> int:
@@ -136,25 +180,30 @@ def _matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
   window = re.search(r"window=\{([^}]*)\}", ins.rest)
   attrs = dict(kv.split("=") for kv in window[1].split()) if window else {}
   spatial = sorted(c for c in rhs_l if c.isdigit())
-  field = lambda key, d, default: (attrs[key].split("x")[d] if key in attrs else default)
+  field = lambda key, d, default: attrs[key].split("x")[d] if key in attrs else default
   pairs = 1
   for d, c in enumerate(spatial):
     size = kernel[rhs_l.index(c)]
     n_in, n_out = in_dims[lhs_l.index(c)], out_dims[out_l.index(c)]
-    stride, lhs_dil, rhs_dil = (int(field(k, d, "1")) for k in ("stride", "lhs_dilate",
-                                                                 "rhs_dilate"))
+    stride, lhs_dil, rhs_dil = (
+      int(field(k, d, "1")) for k in ("stride", "lhs_dilate", "rhs_dilate")
+    )
     lo = int(field("pad", d, "0_0").split("_")[0])
     span = (n_in - 1) * lhs_dil + 1
-    pairs *= sum(1 for o in range(n_out) for w in range(size)
-                 if 0 <= (p := o * stride + w * rhs_dil - lo) < span and p % lhs_dil == 0)
-  macs = (out_dims[out_l.index("b")] * kernel[rhs_l.index("o")] * kernel[rhs_l.index("i")]
-          * pairs)
+    pairs *= sum(
+      1
+      for o in range(n_out)
+      for w in range(size)
+      if 0 <= (p := o * stride + w * rhs_dil - lo) < span and p % lhs_dil == 0
+    )
+  macs = out_dims[out_l.index("b")] * kernel[rhs_l.index("o")] * kernel[rhs_l.index("i")] * pairs
   return 2.0 * macs
 
 
 def _trip_count(cond: list[_Instr]) -> int | None:
-  consts = {i.name: int(m[1]) for i in cond
-            if i.op == "constant" and (m := re.match(r"(-?\d+)\)", i.rest))}
+  consts = {
+    i.name: int(m[1]) for i in cond if i.op == "constant" and (m := re.match(r"(-?\d+)\)", i.rest))
+  }
   for i in cond:
     if i.op == "compare" and "direction=LT" in i.rest:
       bounds = [consts[o] for o in _operands(i.rest) if o in consts]
@@ -172,22 +221,22 @@ def _users(fused: list[_Instr]) -> dict[str, list[_Instr]]:
 
 
 def _params(fused: list[_Instr]) -> dict[str, int]:
-  return {i.name: int(re.match(r"(\d+)\)", i.rest)[1]) for i in fused if i.op == "parameter"}
+  return {i.name: int(_group(r"^(\d+)\)", i)) for i in fused if i.op == "parameter"}
 
 
-def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]],
-                    where: str = "all") -> float | None:
+def _read_by_slices(
+  pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]], where: str = "all"
+) -> float | None:
   """Bytes of parameter ``pname`` a fusion reads when it only slices or gathers from it
   (also through a nested fusion that does), else None."""
   total = 0.0
   uses = _users(fused).get(pname, [])
   pshape = next((i.shape for i in fused if i.name == pname), None)
   for u in uses:
-    if u.op in ("slice", "dynamic-slice") or (u.op == "gather"
-                                              and _operands(u.rest)[0] == pname):
+    if u.op in ("slice", "dynamic-slice") or (u.op == "gather" and _operands(u.rest)[0] == pname):
       total += _bytes(u.shape, where, space_of=pshape)
     elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
-      inner = comps.get(re.search(r"calls=%([\w.\-]+)", u.rest)[1], [])
+      inner = comps.get(_called(u), [])
       idx = _operands(u.rest).index(pname)
       names = [n for n, i in _params(inner).items() if i == idx]
       got = _read_by_slices(names[0], inner, comps, where) if names else None
@@ -199,8 +248,13 @@ def _read_by_slices(pname: str, fused: list[_Instr], comps: dict[str, list[_Inst
   return total if uses else None
 
 
-def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
-                  comps: dict[str, list[_Instr]], where: str = "all") -> float:
+def _fusion_bytes(
+  ins: _Instr,
+  shapes: dict[str, str],
+  fused: list[_Instr],
+  comps: dict[str, list[_Instr]],
+  where: str = "all",
+) -> float:
   """Bytes a fusion moves: each operand once, except that an operand read only
   through slices or gathers costs what they read, and a buffer updated in place
   (dynamic-update-slice, scatter) costs the update, read and written, not the buffer."""
@@ -214,8 +268,9 @@ def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
     sliced = _read_by_slices(pname, fused, comps, where)
     if sliced is not None:
       total += min(full, sliced)
-    elif uses and all(u.op in ("dynamic-update-slice", "scatter")
-                      and _operands(u.rest)[0] == pname for u in uses):
+    elif uses and all(
+      u.op in ("dynamic-update-slice", "scatter") and _operands(u.rest)[0] == pname for u in uses
+    ):
       total += 0.0  # the buffer itself is neither read nor rewritten
     else:
       total += full
@@ -225,13 +280,17 @@ def _fusion_bytes(ins: _Instr, shapes: dict[str, str], fused: list[_Instr],
     fshapes = {i.name: i.shape for i in fused}
     # dynamic-update-slice(buffer, update, ...); scatter(buffer, indices, updates): the
     # update is written (and the indices read), the rest of the buffer stays in place.
-    return total + sum(_bytes(fshapes.get(o, ""), where) for u in updates
-                       for o in _operands(u.rest)[1:(2 if u.op == "dynamic-update-slice" else 3)])
+    return total + sum(
+      _bytes(fshapes.get(o, ""), where)
+      for u in updates
+      for o in _operands(u.rest)[1 : (2 if u.op == "dynamic-update-slice" else 3)]
+    )
   return total + _bytes(ins.shape, where)
 
 
-def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]],
-           where: str = "all") -> float:
+def _moved(
+  ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]], where: str = "all"
+) -> float:
   """Bytes ``ins`` reads and writes, in the memory spaces ``where`` names (``_bytes``)."""
   # TPU views: slices and concatenations the compiler lays out as bitcasts.
   if "bitcast_fusion" in ins.name or 'custom_call_target="ConcatBitcast"' in ins.rest:
@@ -245,17 +304,18 @@ def _moved(ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]],
     dst, src = (arrays[0], arrays[1]) if ins.op == "copy-start" else (arrays[1], arrays[0])
     return _bytes(dst, where, space_of=src) + _bytes(dst, where)
   if ins.op == "dynamic-slice":  # read where the source lives, written where it goes
-    return (_bytes(ins.shape, where, space_of=shapes.get(_operands(ins.rest)[0]))
-            + _bytes(ins.shape, where))
+    return _bytes(ins.shape, where, space_of=shapes.get(_operands(ins.rest)[0])) + _bytes(
+      ins.shape, where
+    )
   if ins.op == "dynamic-update-slice":
     ops = _operands(ins.rest)
     update = shapes.get(ops[1], "")
     return _bytes(update, where) + _bytes(update, where, space_of=shapes.get(ops[0]))
   if ins.op == "fusion":
-    return _fusion_bytes(ins, shapes, comps[re.search(r"calls=%([\w.\-]+)", ins.rest)[1]],
-                         comps, where)
-  return _bytes(ins.shape, where) + sum(_bytes(shapes.get(o, ""), where)
-                                        for o in _operands(ins.rest))
+    return _fusion_bytes(ins, shapes, comps[_called(ins)], comps, where)
+  return _bytes(ins.shape, where) + sum(
+    _bytes(shapes.get(o, ""), where) for o in _operands(ins.rest)
+  )
 
 
 @dataclasses.dataclass
@@ -266,8 +326,9 @@ class _Walk:
   unbounded: list[tuple[str, bool]]  # (body, inside a conditional) of loops not entered
 
 
-def _walk(comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_unbounded: bool
-          ) -> _Walk:
+def _walk(
+  comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_unbounded: bool
+) -> _Walk:
   """Each computation's weight (how many times it runs per run of ``root``)."""
   walk = _Walk(collections.defaultdict(float), collections.defaultdict(float), set(), [])
 
@@ -278,14 +339,14 @@ def _walk(comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_un
       walk.fused.add(name)
     for ins in comps.get(name, []):
       if ins.op == "while":
-        cond, body = (re.search(rf"{k}=%([\w.\-]+)", ins.rest)[1] for k in ("condition", "body"))
+        cond, body = _called(ins, "condition"), _called(ins, "body")
         n = _trip_count(comps.get(cond, []))
         if n is None and not enter_unbounded:
           walk.unbounded.append((body, in_cond))
           continue
         visit(body, w * (n if n and trip_counts else 1), in_fusion, looped or n is None, in_cond)
       elif ins.op == "fusion":
-        visit(re.search(r"calls=%([\w.\-]+)", ins.rest)[1], w, True, looped, in_cond)
+        visit(_called(ins), w, True, looped, in_cond)
       elif ins.op == "call" or ins.op.endswith("-start"):
         for callee in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.rest):
           visit(callee, w, in_fusion, looped, in_cond)
@@ -299,8 +360,9 @@ def _walk(comps: dict[str, list[_Instr]], root: str, trip_counts: bool, enter_un
 
 
 def _sum(comps: dict[str, list[_Instr]], walk: _Walk) -> dict[str, float]:
-  out = dict.fromkeys(("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes",
-                       "onchip_bytes"), 0.0)
+  out = dict.fromkeys(
+    ("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes", "onchip_bytes"), 0.0
+  )
   for name, w in walk.weight.items():
     instrs = comps[name]
     shapes = {i.name: i.shape for i in instrs}
@@ -329,9 +391,14 @@ def hlo_cost(text: str, trip_counts: bool = True) -> dict[str, float]:
   comps, entry = _parse(text)
   walk = _walk(comps, entry, trip_counts, enter_unbounded=True)
   out = _sum(comps, walk)
-  out["unbounded_loops"] = float(sum(
-      1 for name in walk.weight for ins in comps[name] if ins.op == "while"
-      and _trip_count(comps.get(re.search(r"condition=%([\w.\-]+)", ins.rest)[1], [])) is None))
+  out["unbounded_loops"] = float(
+    sum(
+      1
+      for name in walk.weight
+      for ins in comps[name]
+      if ins.op == "while" and _trip_count(comps.get(_called(ins, "condition"), [])) is None
+    )
+  )
   return out
 
 
@@ -339,6 +406,7 @@ def hlo_cost(text: str, trip_counts: bool = True) -> dict[str, float]:
 class Loop:
   """An unbounded loop: one iteration of its body without the unbounded loops nested in
   it (``cost``), those loops, and whether it sits inside a conditional."""
+
   cost: dict[str, float]
   nested: list[Loop]
   in_conditional: bool

@@ -30,6 +30,7 @@ import time
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import orbax.checkpoint as ocp
 
@@ -76,8 +77,12 @@ def _check_files(step_dir: str) -> None:
     if not root.joinpath(*parts).exists():
       raise CheckpointDamaged(f"{root.joinpath(*parts)}: missing")
   arrays = root / "state" / "array_metadatas"
-  files = [root / "_CHECKPOINT_METADATA", root / "meta" / "metadata",
-           root / "state" / "_METADATA", root / "state" / "_sharding"]
+  files = [
+    root / "_CHECKPOINT_METADATA",
+    root / "meta" / "metadata",
+    root / "state" / "_METADATA",
+    root / "state" / "_sharding",
+  ]
   files += sorted(arrays.iterdir()) if arrays.exists() else []
   for f in files:
     if not f.exists():
@@ -90,8 +95,9 @@ def _check_files(step_dir: str) -> None:
 
 def _is_damage(e: BaseException) -> bool:
   """True for corruption the code can name; False for what may pass (I/O, network)."""
-  if isinstance(e, (CheckpointDamaged, FileNotFoundError, json.JSONDecodeError,
-                    UnicodeDecodeError)):
+  if isinstance(
+    e, (CheckpointDamaged, FileNotFoundError, json.JSONDecodeError, UnicodeDecodeError)
+  ):
     return True
   return isinstance(e, ValueError) and str(e).startswith(_DAMAGE_CODES)
 
@@ -103,9 +109,9 @@ def _short(e: BaseException) -> str:
 
 def _cause(e: BaseException) -> str:
   """The root OSError of ``e`` as 'ENOSPC: No space left on device', else ``e`` itself."""
-  seen = e
+  seen: BaseException | None = e
   while seen is not None:
-    if isinstance(seen, OSError) and seen.errno in errno.errorcode:
+    if isinstance(seen, OSError) and seen.errno is not None and seen.errno in errno.errorcode:
       return f"{errno.errorcode[seen.errno]}: {seen.strerror or seen}"
     seen = seen.__cause__ or seen.__context__
   return _short(e)
@@ -113,9 +119,10 @@ def _cause(e: BaseException) -> str:
 
 def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
   """{'opt_state/1/0/mu/embed': shape} of a pytree's arrays, for comparing trees."""
+
   def name(path) -> str:
-    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k))))
-                    for k in path)
+    return "/".join(str(getattr(k, "key", getattr(k, "idx", getattr(k, "name", k)))) for k in path)
+
   flat = jax.tree_util.tree_flatten_with_path(tree)[0]
   return {name(p): tuple(getattr(x, "shape", ())) for p, x in flat}
 
@@ -123,19 +130,20 @@ def _leaves(tree: Any) -> dict[str, tuple[int, ...]]:
 class Checkpointer:
   """Periodic saves to ``<workdir>/checkpoints`` and restore of the latest."""
 
-  def __init__(self, workdir: str, *, every_steps: int, keep: int = 2,
-               async_save: bool = False) -> None:
+  def __init__(
+    self, workdir: str, *, every_steps: int, keep: int = 2, async_save: bool = False
+  ) -> None:
     if every_steps < 0:
       raise ValueError(f"checkpoint.every_steps must be >= 0, got {every_steps}")
     self.every_steps = every_steps
     directory = fs.join(workdir, "checkpoints")
     self._manager = ocp.CheckpointManager(
-        directory,
-        options=ocp.CheckpointManagerOptions(
-            max_to_keep=keep, create=True, enable_async_checkpointing=async_save),
-        # Handlers, not just names: item_metadata can then read a step's tree.
-        item_handlers={"state": ocp.StandardCheckpointHandler(),
-                       "meta": ocp.JsonCheckpointHandler()},
+      directory,
+      options=ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=True, enable_async_checkpointing=async_save
+      ),
+      # Handlers, not just names: item_metadata can then read a step's tree.
+      item_handlers={"state": ocp.StandardCheckpointHandler(), "meta": ocp.JsonCheckpointHandler()},
     )
 
   @property
@@ -160,8 +168,10 @@ class Checkpointer:
       return False
     try:
       saved = self._manager.save(
-          step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
-                                        meta=ocp.args.JsonSave(meta)), force=True)
+        step,
+        args=ocp.args.Composite(state=ocp.args.StandardSave(state), meta=ocp.args.JsonSave(meta)),
+        force=True,
+      )
       self._manager.wait_until_finished()
     except Exception as e:  # pylint: disable=broad-except  (Orbax wraps it in asyncio's)
       message = f"checkpoint save to {fs.join(self.directory, str(step))} failed: {_cause(e)}"
@@ -181,12 +191,20 @@ class Checkpointer:
     only_saved = sorted(set(have) - set(want))
     only_run = sorted(set(want) - set(have))
     reshaped = sorted(k for k in set(have) & set(want) if have[k] != want[k])
-    parts = [f"{what}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
-             for what, keys in (("only in the checkpoint", only_saved),
-                                ("only in this run", only_run),
-                                ("other shapes", reshaped)) if keys]
-    raise TreeMismatch(f"checkpoint step {step} in {self.directory} holds other arrays "
-                       f"than this run's train state ({'; '.join(parts)})", step)
+    parts = [
+      f"{what}: {', '.join(keys[:6])}{' ...' if len(keys) > 6 else ''}"
+      for what, keys in (
+        ("only in the checkpoint", only_saved),
+        ("only in this run", only_run),
+        ("other shapes", reshaped),
+      )
+      if keys
+    ]
+    raise TreeMismatch(
+      f"checkpoint step {step} in {self.directory} holds other arrays "
+      f"than this run's train state ({'; '.join(parts)})",
+      step,
+    )
 
   def _read(self, step: int, abstract_state: Any) -> Any:
     """One step's (state, meta), retried while the error may pass."""
@@ -195,8 +213,11 @@ class Checkpointer:
         _check_files(fs.join(self.directory, str(step)))
         self._check_tree(step, abstract_state)
         return self._manager.restore(
-            step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract_state),
-                                          meta=ocp.args.JsonRestore()))
+          step,
+          args=ocp.args.Composite(
+            state=ocp.args.StandardRestore(abstract_state), meta=ocp.args.JsonRestore()
+          ),
+        )
       except TreeMismatch:
         raise
       except Exception as e:  # pylint: disable=broad-except  (sorted below)
@@ -204,11 +225,13 @@ class Checkpointer:
           raise CheckpointDamaged(_short(e)) from e
         if delay is None:
           raise CheckpointUnavailable(
-              f"checkpoint step {step} in {self.directory} could not be read after "
-              f"{attempt + 1} tries ({_short(e)}); nothing was moved or deleted. Rerun "
-              "when the storage answers again.") from e
-        log.warning("reading checkpoint step %d failed (%s); retrying in %.0f s", step,
-                    _short(e), delay)
+            f"checkpoint step {step} in {self.directory} could not be read after "
+            f"{attempt + 1} tries ({_short(e)}); nothing was moved or deleted. Rerun "
+            "when the storage answers again."
+          ) from e
+        log.warning(
+          "reading checkpoint step %d failed (%s); retrying in %.0f s", step, _short(e), delay
+        )
         time.sleep(delay)
     raise AssertionError("unreachable")
 
@@ -239,8 +262,14 @@ class Checkpointer:
       except CheckpointDamaged as e:
         failures.append(f"step {step}: {e}")
         where = self._quarantine(step)
-        log.error("checkpoint step %d in %s is unreadable (%s); moved it to %s and trying the "
-                  "one before it", step, self.directory, e, where)
+        log.error(
+          "checkpoint step %d in %s is unreadable (%s); moved it to %s and trying the "
+          "one before it",
+          step,
+          self.directory,
+          e,
+          where,
+        )
         continue
       if failures:
         self._sync_after_quarantine()
@@ -249,14 +278,17 @@ class Checkpointer:
       return step, restored["state"], dict(restored["meta"])
     if failures:
       self._sync_after_quarantine()
-      raise CheckpointError(f"{self.directory}: no readable checkpoint (the damaged ones "
-                            f"are in {QUARANTINE}/):\n  " + "\n  ".join(failures))
+      raise CheckpointError(
+        f"{self.directory}: no readable checkpoint (the damaged ones "
+        f"are in {QUARANTINE}/):\n  " + "\n  ".join(failures)
+      )
     return None
 
   def _sync_after_quarantine(self) -> None:
     """Every process sees process 0's moves before it lists steps again."""
     if jax.process_count() > 1:
       from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+
       multihost_utils.sync_global_devices("capo_jax checkpoint quarantine")
     self._manager.reload()
 
@@ -272,6 +304,6 @@ def key_to_json(key: jax.Array) -> list[int]:
 
 def key_from_json(data: list[int], like: jax.Array) -> jax.Array:
   shape = jax.random.key_data(like).shape
-  return jax.random.wrap_key_data(np.asarray(data, np.uint32).reshape(shape),
-                                  impl=jax.random.key_impl(like))
-
+  return jax.random.wrap_key_data(
+    jnp.asarray(np.asarray(data, np.uint32).reshape(shape)), impl=jax.random.key_impl(like)
+  )

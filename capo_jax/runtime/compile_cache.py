@@ -9,8 +9,8 @@ program, not by the Python function, so each finds the executables of the first
 
 ``compilation_cache_dir``: empty turns the cache off (the default for real runs);
 an absolute path or ``gs://`` URL is used as is (JAX reaches Cloud Storage through
-etils; tested against the Cloud Storage emulator from one host at a time, not on a pod); a relative one lies under
-the run's workdir.
+etils; tested against the Cloud Storage emulator from one host at a time, not on a
+pod); a relative one lies under the run's workdir.
 The cache is trusted code: never point it at a directory others may write.
 """
 

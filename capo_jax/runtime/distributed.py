@@ -46,21 +46,34 @@ def maybe_initialize() -> bool:
     # concerns the CPU backend, so it is harmless on TPU / GPU. (Asking for
     # the backend here would initialise it too early.)
     jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=coordinator, num_processes=num,
-                               process_id=pid, heartbeat_timeout_seconds=timeout_s)
-  elif (len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1
-        or _slurm_tasks() > 1):
+    jax.distributed.initialize(
+      coordinator_address=coordinator,
+      num_processes=num,
+      process_id=pid,
+      heartbeat_timeout_seconds=timeout_s,
+    )
+  elif len(os.environ.get("TPU_WORKER_HOSTNAMES", "").split(",")) > 1 or _slurm_tasks() > 1:
     jax.distributed.initialize(heartbeat_timeout_seconds=timeout_s)
   else:
     return False
-  log.info("jax.distributed: process %d of %d, %d local / %d global devices",
-           jax.process_index(), jax.process_count(), jax.local_device_count(),
-           jax.device_count())
+  log.info(
+    "jax.distributed: process %d of %d, %d local / %d global devices",
+    jax.process_index(),
+    jax.process_count(),
+    jax.local_device_count(),
+    jax.device_count(),
+  )
   stale_s = _env_int("CAPO_PEER_STALE_S", 20)
   from jax._src import distributed  # pylint: disable=import-outside-toplevel  (its KV store)
-  peers.PeerWatch(distributed.global_state.client, jax.process_index(), jax.process_count(),
-                  interval_s=min(5.0, stale_s / 4), stale_s=stale_s,
-                  heartbeat_timeout_s=timeout_s).start()
+
+  peers.PeerWatch(
+    distributed.global_state.client,
+    jax.process_index(),
+    jax.process_count(),
+    interval_s=min(5.0, stale_s / 4),
+    stale_s=stale_s,
+    heartbeat_timeout_s=timeout_s,
+  ).start()
   return True
 
 

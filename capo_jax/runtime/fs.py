@@ -115,8 +115,9 @@ def check_writable(directory: PathLike, what: str) -> None:
     probe.write_text("probe", encoding="utf-8")
     probe.unlink()
   except Exception as e:  # pylint: disable=broad-except  (gcsfs, PermissionError, ENOSPC ...)
-    raise NotWritable(f"{what} {os.fspath(directory)} is not writable: {type(e).__name__}: "
-                      f"{e}") from None
+    raise NotWritable(
+      f"{what} {os.fspath(directory)} is not writable: {type(e).__name__}: {e}"
+    ) from None
 
 
 def move_tree(src: PathLike, dst: PathLike) -> None:
@@ -148,16 +149,19 @@ def upload_tree(local_dir: PathLike, remote_dir: PathLike, last: tuple[str, ...]
   Readers that test for a marker file (a HF directory's ``config.json``) then
   never see a directory whose marker is there but whose weights are not.
   """
-  files = sorted(os.path.relpath(os.path.join(d, f), local_dir)
-                 for d, _, names in os.walk(local_dir) for f in names)
+  local: str = os.fspath(local_dir)
+  files = sorted(
+    os.path.relpath(os.path.join(d, f), local) for d, _, names in os.walk(local) for f in names
+  )
   files.sort(key=lambda rel: rel in last)
   for rel in files:
-    upload_file(os.path.join(local_dir, rel), join(remote_dir, *rel.split(os.sep)))
+    upload_file(os.path.join(local, rel), join(remote_dir, *rel.split(os.sep)))
 
 
 def _cache_root() -> str:
   return os.environ.get("CAPO_CACHE_DIR") or os.path.join(
-      os.path.expanduser("~"), ".cache", "capo_jax")
+    os.path.expanduser("~"), ".cache", "capo_jax"
+  )
 
 
 def _files(root: epath.Path, prefix: str = "") -> Iterator[tuple[str, epath.Path]]:
@@ -232,6 +236,7 @@ def model_dir(p: PathLike) -> str:
   is neither.
   """
   from models import hub  # pylint: disable=import-outside-toplevel
+
   return local_copy(hub.resolve(p))
 
 

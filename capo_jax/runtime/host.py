@@ -23,11 +23,11 @@ def gather_rows(x: np.ndarray) -> np.ndarray:
   """Concatenates each process's host rows (in process order), on every process."""
   if jax.process_count() == 1:
     return x
-  return np.asarray(multihost_utils.process_allgather(x, tiled=False)).reshape(
-      (-1,) + x.shape[1:])
+  return np.asarray(multihost_utils.process_allgather(x, tiled=False)).reshape((-1,) + x.shape[1:])
 
 
 def put_global(tree: Any, sharding: jax.sharding.Sharding) -> Any:
   """Global host arrays (every process holds them in full) -> global device arrays."""
   return jax.tree.map(
-      lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree)
+    lambda x: jax.make_array_from_callback(x.shape, sharding, lambda idx: x[idx]), tree
+  )

@@ -49,6 +49,7 @@ class LeaseHeld(RuntimeError):
 @dataclasses.dataclass(frozen=True)
 class Holder:
   """What ``lease.json`` says about the run that holds it."""
+
   host: str
   pid: int
   run_id: str
@@ -57,8 +58,10 @@ class Holder:
 
   def describe(self) -> str:
     age = max(0.0, time.time() - self.heartbeat)
-    return (f"host {self.host}, pid {self.pid}, since {self.since} (run {self.run_id}, "
-            f"last heartbeat {age:.0f} s ago)")
+    return (
+      f"host {self.host}, pid {self.pid}, since {self.since} (run {self.run_id}, "
+      f"last heartbeat {age:.0f} s ago)"
+    )
 
 
 class _LocalStore:
@@ -111,9 +114,10 @@ class _GcsStore:
 
   def __init__(self, path: str) -> None:
     import gcsfs  # pylint: disable=import-outside-toplevel  (after fs set its env default)
+
     self.path = path
     self._gcs = gcsfs.GCSFileSystem()
-    self._bucket, self._key = path[len("gs://"):].split("/", 1)
+    self._bucket, self._key = path[len("gs://") :].split("/", 1)
 
   def read(self) -> tuple[str, str] | None:
     try:
@@ -125,15 +129,23 @@ class _GcsStore:
   def write(self, text: str, if_generation: str) -> str:
     url = f"{self._gcs._location}/upload/storage/v1/b/{quote(self._bucket)}/o"  # pylint: disable=protected-access
     # A 412 (the generation moved) surfaces from gcsfs as FileExistsError.
-    out = self._gcs.call("POST", url, uploadType="media", name=self._key,
-                         ifGenerationMatch=if_generation, data=text.encode("utf-8"),
-                         headers={"Content-Type": "application/octet-stream"}, json_out=True)
+    out = self._gcs.call(
+      "POST",
+      url,
+      uploadType="media",
+      name=self._key,
+      ifGenerationMatch=if_generation,
+      data=text.encode("utf-8"),
+      headers={"Content-Type": "application/octet-stream"},
+      json_out=True,
+    )
     return str(out["generation"])
 
   def delete(self, if_generation: str) -> None:
     with contextlib.suppress(FileNotFoundError, FileExistsError):  # gone, or not ours now
-      self._gcs.call("DELETE", "b/{}/o/{}", self._bucket, self._key,
-                     ifGenerationMatch=if_generation)
+      self._gcs.call(
+        "DELETE", "b/{}/o/{}", self._bucket, self._key, ifGenerationMatch=if_generation
+      )
 
 
 def _pid_alive(pid: int) -> bool:
@@ -152,8 +164,9 @@ class Lease:
   Raises LeaseHeld, naming the holder, while another live run holds it.
   """
 
-  def __init__(self, workdir: str, *, heartbeat_s: float = HEARTBEAT_S,
-               stale_after_s: float = STALE_AFTER_S) -> None:
+  def __init__(
+    self, workdir: str, *, heartbeat_s: float = HEARTBEAT_S, stale_after_s: float = STALE_AFTER_S
+  ) -> None:
     self.path = fs.join(workdir, LEASE_FILE)
     self.heartbeat_s, self.stale_after_s = heartbeat_s, stale_after_s
     self.run_id = uuid.uuid4().hex[:12]
@@ -165,8 +178,18 @@ class Lease:
     self._thread: threading.Thread | None = None
 
   def _text(self) -> str:
-    return json.dumps({"host": socket.gethostname(), "pid": os.getpid(), "run_id": self.run_id,
-                       "since": self._since, "heartbeat": time.time()}) + "\n"
+    return (
+      json.dumps(
+        {
+          "host": socket.gethostname(),
+          "pid": os.getpid(),
+          "run_id": self.run_id,
+          "since": self._since,
+          "heartbeat": time.time(),
+        }
+      )
+      + "\n"
+    )
 
   def _stale(self, h: Holder) -> str | None:
     """Why the holder ``h`` is gone, or None while it may be alive."""
@@ -191,9 +214,10 @@ class Lease:
           why = self._stale(holder)
           if why is None:
             raise LeaseHeld(
-                f"{self.path}: another run holds this workdir: {holder.describe()}. Wait for "
-                "it to end or use another --workdir; a lease whose holder died is taken "
-                f"over {self.stale_after_s:.0f} s after its last heartbeat.")
+              f"{self.path}: another run holds this workdir: {holder.describe()}. Wait for "
+              "it to end or use another --workdir; a lease whose holder died is taken "
+              f"over {self.stale_after_s:.0f} s after its last heartbeat."
+            )
           log.warning("%s: taking over the lease of %s: %s", self.path, holder.describe(), why)
       try:
         self._generation = self._store.write(self._text(), generation)
@@ -201,11 +225,11 @@ class Lease:
         continue
       break
     else:
-      raise LeaseHeld(f"{self.path}: other runs keep changing the lease; is another run "
-                      "starting on this workdir?")
+      raise LeaseHeld(
+        f"{self.path}: other runs keep changing the lease; is another run starting on this workdir?"
+      )
     log.info("took the lease %s (run %s)", self.path, self.run_id)
-    self._thread = threading.Thread(target=self._beat, name="capo-lease-heartbeat",
-                                    daemon=True)
+    self._thread = threading.Thread(target=self._beat, name="capo-lease-heartbeat", daemon=True)
     self._thread.start()
     return self
 
@@ -215,12 +239,14 @@ class Lease:
         self._generation = self._store.write(self._text(), self._generation or "0")
       except FileExistsError:
         self.lost = True
-        log.error("%s: another run took this workdir's lease over (this run's heartbeat "
-                  "looked stale); stop one of the two runs", self.path)
+        log.error(
+          "%s: another run took this workdir's lease over (this run's heartbeat "
+          "looked stale); stop one of the two runs",
+          self.path,
+        )
         return
       except Exception as e:  # pylint: disable=broad-except  (a storage hiccup: try again)
-        log.warning("%s: lease heartbeat failed (%s: %s); retrying", self.path,
-                    type(e).__name__, e)
+        log.warning("%s: lease heartbeat failed (%s: %s); retrying", self.path, type(e).__name__, e)
 
   def release(self) -> None:
     self._stop.set()
@@ -231,8 +257,11 @@ class Lease:
       try:
         self._store.delete(self._generation)
       except Exception as e:  # pylint: disable=broad-except  (the next run takes it over)
-        log.warning("%s: could not release the lease (%s); the next run takes it over once "
-                    "it is stale", self.path, e)
+        log.warning(
+          "%s: could not release the lease (%s); the next run takes it over once it is stale",
+          self.path,
+          e,
+        )
     self._generation = None
 
   def __enter__(self) -> Lease:
@@ -250,12 +279,16 @@ def share_outcome(error: str | None, timeout_s: float = 600.0) -> None:
   process 0, which raises its own error) through the jax.distributed coordinator's
   key-value store; they then raise LeaseHeld with that reason. Nothing on one process."""
   import jax  # pylint: disable=import-outside-toplevel
+
   global _calls
   _calls += 1
   if jax.process_count() == 1:
     return
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
+
   client = distributed.global_state.client
+  if client is None:  # more than one process, yet jax.distributed.initialize was not called
+    raise RuntimeError("lease: jax.distributed has no coordinator client on a multi-process run")
   key = f"capo_jax/lease/{_calls}"
   if jax.process_index() == 0:
     client.key_value_set(key, error or "")

@@ -49,34 +49,35 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # Logical names: params use those of models.qwen2.param_axes; "batch" is the
 # row axis of every batch / activation array.
 TRAIN_RULES: Rules = (
-    ("batch", ("data", "fsdp")),
-    ("vocab", "tensor"),
-    ("embed", "fsdp"),
-    ("q_heads", "tensor"),
-    ("kv_heads", "tensor"),
-    ("mlp", "tensor"),
-    ("head_dim", None),
-    ("layers", None),
-    ("norm", None),
-    # Activations (models.qwen2.ACT_*): rows over data x fsdp ("batch" above), the
-    # model dim whole, heads / MLP columns / vocab over tensor.
-    ("length", None),
-    ("act_embed", None),
-    ("act_heads", "tensor"),
-    ("act_kv_heads", "tensor"),
-    ("act_mlp", "tensor"),
-    ("act_vocab", "tensor"),
+  ("batch", ("data", "fsdp")),
+  ("vocab", "tensor"),
+  ("embed", "fsdp"),
+  ("q_heads", "tensor"),
+  ("kv_heads", "tensor"),
+  ("mlp", "tensor"),
+  ("head_dim", None),
+  ("layers", None),
+  ("norm", None),
+  # Activations (models.qwen2.ACT_*): rows over data x fsdp ("batch" above), the
+  # model dim whole, heads / MLP columns / vocab over tensor.
+  ("length", None),
+  ("act_embed", None),
+  ("act_heads", "tensor"),
+  ("act_kv_heads", "tensor"),
+  ("act_mlp", "tensor"),
+  ("act_vocab", "tensor"),
 )
 
 # The train rules with "embed" whole: no fsdp all-gather of the weights per decode step.
-SAMPLING_RULES: Rules = tuple((name, None if name == "embed" else axes)
-                              for name, axes in TRAIN_RULES)
+SAMPLING_RULES: Rules = tuple(
+  (name, None if name == "embed" else axes) for name, axes in TRAIN_RULES
+)
 
 RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES}
 
 
 def _axis_items(axes: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
-  items = list(axes.items()) if isinstance(axes, Mapping) else [tuple(a) for a in axes]
+  items = list(axes.items()) if isinstance(axes, Mapping) else [(n, s) for n, s in axes]
   if not items:
     raise ValueError("mesh axes: at least one axis is needed, got none")
   names = [name for name, _ in items]
@@ -86,15 +87,17 @@ def _axis_items(axes: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[tup
     if not isinstance(name, str):
       raise ValueError(f"mesh axes: axis name {name!r} is not a string")
     if not isinstance(size, (int, np.integer)) or (size < 1 and size != -1):
-      raise ValueError(f"mesh axes: {name}={size!r}; sizes are positive ints or -1 "
-                       "(the rest of the devices)")
+      raise ValueError(
+        f"mesh axes: {name}={size!r}; sizes are positive ints or -1 (the rest of the devices)"
+      )
   if sum(size == -1 for _, size in items) > 1:
     raise ValueError(f"mesh axes: only one axis may be -1, got {dict(items)}")
   return [(name, int(size)) for name, size in items]
 
 
-def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
-              devices: Sequence[Any] | None = None) -> Mesh:
+def make_mesh(
+  axes: Mapping[str, int] | Sequence[tuple[str, int]], devices: Sequence[Any] | None = None
+) -> Mesh:
   """A mesh with the named axes, e.g. ``{"data": -1, "fsdp": 2, "tensor": 1}``.
 
   Args:
@@ -113,14 +116,18 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
   if any(size == -1 for _, size in items):
     name = next(n for n, s in items if s == -1)
     if len(devices) % known:
-      raise ValueError(f"mesh axes {dict(items)}: the other axes multiply to {known}, which "
-                       f"does not divide the {len(devices)} devices, so {name}=-1 has no size")
+      raise ValueError(
+        f"mesh axes {dict(items)}: the other axes multiply to {known}, which "
+        f"does not divide the {len(devices)} devices, so {name}=-1 has no size"
+      )
     items = [(n, len(devices) // known if s == -1 else s) for n, s in items]
   total = math.prod(size for _, size in items)
   if total > len(devices):
     detail = ", ".join(f"{n}={s}" for n, s in items)
-    raise ValueError(f"mesh axes {detail} need {total} devices but only {len(devices)} are "
-                     f"available ({devices[0].platform}); lower one of them or use -1")
+    raise ValueError(
+      f"mesh axes {detail} need {total} devices but only {len(devices)} are "
+      f"available ({devices[0].platform}); lower one of them or use -1"
+    )
   if total < len(devices):
     log.warning("mesh %s uses %d of %d devices", dict(items), total, len(devices))
     devices = devices[:total]
@@ -128,18 +135,21 @@ def make_mesh(axes: Mapping[str, int] | Sequence[tuple[str, int]],
   names = tuple(n for n, _ in items)
   shape = tuple(s for _, s in items)
   # Auto axes: shardings are stated at jit boundaries and propagated by XLA.
-  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names),
-                       devices=devices)
+  return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
 
 
-def spec(axes: tuple[str | None, ...], rules: Rules, mesh: Mesh,
-         shape: tuple[int, ...] | None = None, name: str = "") -> PartitionSpec:
+def spec(
+  axes: tuple[str | None, ...],
+  rules: Rules,
+  mesh: Mesh,
+  shape: tuple[int, ...] | None = None,
+  name: str = "",
+) -> PartitionSpec:
   """PartitionSpec of one activation / batch array with logical ``axes``."""
   return sharding.logical_to_spec(axes, rules, shape, mesh, name=name)
 
 
-def batch_spec(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch"
-               ) -> PartitionSpec:
+def batch_spec(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch") -> PartitionSpec:
   """Spec of an array whose leading axis is ``batch_size`` rows (other axes whole).
 
   A batch that the batch mesh axes do not divide is replicated over the
@@ -148,8 +158,7 @@ def batch_spec(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch"
   return spec(("batch",), rules, mesh, (batch_size,), name=name)
 
 
-def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch"
-                   ) -> NamedSharding:
+def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch") -> NamedSharding:
   """NamedSharding of the leading batch axis; usable as a prefix for a whole batch tree."""
   return NamedSharding(mesh, batch_spec(mesh, rules, batch_size, name))
 
@@ -157,6 +166,7 @@ def batch_sharding(mesh: Mesh, rules: Rules, batch_size: int, name: str = "batch
 def param_shardings(model_cfg: Any, mesh: Mesh, rules: Rules) -> Any:
   """NamedShardings of the Qwen2 params under ``rules``."""
   from models import qwen2  # local import keeps this module light for configs
+
   return qwen2.param_shardings(model_cfg, sharding.Layout.of(mesh, rules))
 
 

@@ -43,6 +43,7 @@ def _scalar(v: Any) -> float | None:
 @dataclasses.dataclass(frozen=True)
 class WandbConfig:
   """Mirror of the metrics to Weights & Biases (``config.log.wandb_*``)."""
+
   project: str
   entity: str = ""
   name: str = ""
@@ -75,15 +76,14 @@ class _JsonlFile:
         else:
           dropped += 1
       if dropped:
-        log.info("%s: dropped %d rows past the restored step %d", path, dropped,
-                 keep_through_step)
+        log.info("%s: dropped %d rows past the restored step %d", path, dropped, keep_through_step)
         text = "".join(kept)
         fs.write_text(path, text)
     self._buffer = [text] if self.remote else []
     self._file = None if self.remote else open(path, "a", encoding="utf-8")
 
   def append(self, lines: list[str]) -> None:
-    if self.remote:
+    if self._file is None:  # remote: the whole file is rewritten from the buffer
       self._buffer.extend(lines)
       fs.write_text(self.path, "".join(self._buffer))
     else:
@@ -107,11 +107,19 @@ class MetricsWriter:
     wandb: mirror metrics and config to Weights & Biases (needs ``wandb``).
   """
 
-  def __init__(self, workdir: str, *, enabled: bool = True, resume_step: int | None = None,
-               tensorboard: bool = True, wandb: WandbConfig | None = None) -> None:
+  def __init__(
+    self,
+    workdir: str,
+    *,
+    enabled: bool = True,
+    resume_step: int | None = None,
+    tensorboard: bool = True,
+    wandb: WandbConfig | None = None,
+  ) -> None:
     self.enabled = enabled
     self.workdir = os.fspath(workdir)
-    self._tb = self._tb_local = None
+    self._tb: Any = None  # a tensorboardX SummaryWriter while TensorBoard logging is on
+    self._tb_local: str | None = None  # the events' local directory for a remote workdir
     self._wandb = None
     if not enabled:
       return
@@ -140,8 +148,7 @@ class MetricsWriter:
     self._tb.flush()
     if self._tb_local is not None:
       for name in os.listdir(self._tb_local):
-        fs.upload_file(os.path.join(self._tb_local, name),
-                       fs.join(self.workdir, TB_DIR, name))
+        fs.upload_file(os.path.join(self._tb_local, name), fs.join(self.workdir, TB_DIR, name))
 
   def write(self, step: int, metrics: Mapping[str, Any]) -> dict[str, float]:
     """Writes the scalar entries of ``metrics``; returns them as floats."""
@@ -163,8 +170,9 @@ class MetricsWriter:
     """A few completions with their reward and s, for a human to read."""
     if not self.enabled or not records:
       return
-    self._samples.append([json.dumps({"step": step, **r}, ensure_ascii=False) + "\n"
-                          for r in records])
+    self._samples.append(
+      [json.dumps({"step": step, **r}, ensure_ascii=False) + "\n" for r in records]
+    )
 
   def close(self) -> None:
     if not self.enabled:
@@ -184,19 +192,34 @@ def _start_wandb(cfg: WandbConfig, workdir: str) -> Any:
   try:
     import wandb  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise ImportError("config.log.wandb_project is set but the package 'wandb' is not "
-                      "installed: pip install wandb (or pip install 'capo-jax[wandb]')") from e
+    raise ImportError(
+      "config.log.wandb_project is set but the package 'wandb' is not "
+      "installed: pip install wandb (or pip install 'capo-jax[wandb]')"
+    ) from e
   # One W&B run per workdir: a resumed run continues the same W&B run.
   run_id = hashlib.sha1(workdir.rstrip("/").encode()).hexdigest()[:16]
-  return wandb.init(project=cfg.project, entity=cfg.entity or None,
-                    name=cfg.name or os.path.basename(workdir.rstrip("/")), id=run_id,
-                    resume="allow", config=dict(cfg.config or {}),
-                    dir=tempfile.mkdtemp(prefix="capo-wandb-")
-                    if fs.is_remote(workdir) else workdir)
+  return wandb.init(
+    project=cfg.project,
+    entity=cfg.entity or None,
+    name=cfg.name or os.path.basename(workdir.rstrip("/")),
+    id=run_id,
+    resume="allow",
+    config=dict(cfg.config or {}),
+    dir=tempfile.mkdtemp(prefix="capo-wandb-") if fs.is_remote(workdir) else workdir,
+  )
 
 
-def summary_line(m: Mapping[str, float], keys: tuple[str, ...] = (
-    "accuracy", "auc_mean", "entropy", "masked_frac", "response_len", "grad_norm")) -> str:
+def summary_line(
+  m: Mapping[str, float],
+  keys: tuple[str, ...] = (
+    "accuracy",
+    "auc_mean",
+    "entropy",
+    "masked_frac",
+    "response_len",
+    "grad_norm",
+  ),
+) -> str:
   """A short ``key=value`` string for the progress bar."""
   parts = []
   for k in keys:

@@ -26,9 +26,16 @@ PREFIX = "capo_jax/alive/"
 class PeerWatch:
   """A daemon thread: beats for this process, reports peers that stopped beating."""
 
-  def __init__(self, client: Any, process_index: int, num_processes: int, *,
-               interval_s: float = 5.0, stale_s: float = 20.0,
-               heartbeat_timeout_s: float = 100.0) -> None:
+  def __init__(
+    self,
+    client: Any,
+    process_index: int,
+    num_processes: int,
+    *,
+    interval_s: float = 5.0,
+    stale_s: float = 20.0,
+    heartbeat_timeout_s: float = 100.0,
+  ) -> None:
     if not 0 < interval_s < stale_s:
       raise ValueError(f"PeerWatch: need 0 < interval_s ({interval_s}) < stale_s ({stale_s})")
     self.client, self.index, self.count = client, process_index, num_processes
@@ -61,18 +68,21 @@ class PeerWatch:
     now = time.monotonic()
     try:
       self._beats += 1
-      self.client.key_value_set(f"{PREFIX}{self.index}", f"{self._me}, beat {self._beats}",
-                                allow_overwrite=True)
+      self.client.key_value_set(
+        f"{PREFIX}{self.index}", f"{self._me}, beat {self._beats}", allow_overwrite=True
+      )
       entries = self.client.key_value_dir_get(PREFIX)
     except Exception as e:  # pylint: disable=broad-except  (any failure: the store is gone)
       if not self._lost_store and self.index != 0:
         self._lost_store = True
-        log.error("lost JAX's coordination service (process 0, the coordinator, has probably "
-                  "died: %s); JAX aborts this process within heartbeat_timeout_seconds=%.0f s",
-                  e, self.heartbeat_timeout_s)
+        log.error(
+          "lost JAX's coordination service (process 0, the coordinator, has probably "
+          "died: %s); JAX aborts this process within heartbeat_timeout_seconds=%.0f s",
+          e,
+          self.heartbeat_timeout_s,
+        )
       return
-    values = {int(k.rsplit("/", 1)[-1]): v for k, v in entries
-              if k.rsplit("/", 1)[-1].isdigit()}
+    values = {int(k.rsplit("/", 1)[-1]): v for k, v in entries if k.rsplit("/", 1)[-1].isdigit()}
     for peer in range(self.count):
       if peer == self.index or peer in self._reported:
         continue
@@ -85,6 +95,11 @@ class PeerWatch:
       if now - since >= self.stale_s:
         self._reported.add(peer)
         who = last[0].rsplit(", beat", 1)[0] if last else "never heard from"
-        log.error("process %d (%s) has sent no heartbeat for %.0f s: it has probably died; "
-                  "JAX aborts this process within heartbeat_timeout_seconds=%.0f s",
-                  peer, who, now - since, self.heartbeat_timeout_s)
+        log.error(
+          "process %d (%s) has sent no heartbeat for %.0f s: it has probably died; "
+          "JAX aborts this process within heartbeat_timeout_seconds=%.0f s",
+          peer,
+          who,
+          now - since,
+          self.heartbeat_timeout_s,
+        )

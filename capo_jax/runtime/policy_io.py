@@ -34,6 +34,7 @@ PROMPT_FILE = "prompt.json"  # capo_jax.data.prompts.PROMPT_FILE (runtime import
 @dataclasses.dataclass(frozen=True)
 class Policy:
   """A loaded policy: ``tokenizer_dir`` is None when none was found next to it."""
+
   cfg: Qwen2Config
   params: Params
   tokenizer_dir: str | None
@@ -44,21 +45,28 @@ class Policy:
 
 
 def _has_tokenizer(path: str | os.PathLike | None) -> bool:
-  return bool(path) and any(fs.is_file(fs.join(path, f)) for f in _TOKENIZER_FILES)
+  if not path:
+    return False
+  return any(fs.is_file(fs.join(path, f)) for f in _TOKENIZER_FILES)
 
 
 def _is_hf_dir(path: str) -> bool:
   """config.json and safetensors weights (a trainer workdir has a config.json too)."""
   from models import hf_weights  # pylint: disable=import-outside-toplevel
+
   return fs.is_file(fs.join(path, "config.json")) and any(
-      fs.is_file(fs.join(path, f)) for f in (hf_weights.SINGLE_FILE, hf_weights.INDEX_FILE))
+    fs.is_file(fs.join(path, f)) for f in (hf_weights.SINGLE_FILE, hf_weights.INDEX_FILE)
+  )
 
 
-def _restore_params(workdir: str, dtype: Any, base_model: str | None
-                    ) -> tuple[Qwen2Config, Params, int]:
+def _restore_params(
+  workdir: str, dtype: Any, base_model: str | None
+) -> tuple[Qwen2Config, Params, int]:
   """Config and params of the latest Orbax checkpoint of a trainer workdir."""
   import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
+
   from capo_jax.runtime.checkpoint import Checkpointer  # pylint: disable=import-outside-toplevel
+
   ckpt = Checkpointer(workdir, every_steps=0)
   try:
     step = ckpt.latest_step()
@@ -68,14 +76,21 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
   finally:
     ckpt.close()
   meta = ocp.Checkpointer(ocp.JsonCheckpointHandler()).restore(
-      fs.join(step_dir, "meta"), args=ocp.args.JsonRestore())
-  hf_cfg = meta.get(_META_CONFIG_KEY) if isinstance(meta.get(_META_CONFIG_KEY), dict) else None
-  if hf_cfg is None and not (base_model and _is_hf_dir(base_model)):
-    raise ValueError(f"{step_dir}: its record has no model config (key {_META_CONFIG_KEY!r}); "
-                     "pass --base_model=<HF dir of the model the run started from>")
+    fs.join(step_dir, "meta"), args=ocp.args.JsonRestore()
+  )
+  # The HF config.json: a dict in the record, else the base model's directory.
+  hf_cfg: dict[str, Any] | str | None = (
+    meta.get(_META_CONFIG_KEY) if isinstance(meta.get(_META_CONFIG_KEY), dict) else None
+  )
+  if hf_cfg is None:
+    if not (base_model and _is_hf_dir(base_model)):
+      raise ValueError(
+        f"{step_dir}: its record has no model config (key {_META_CONFIG_KEY!r}); "
+        "pass --base_model=<HF dir of the model the run started from>"
+      )
+    hf_cfg = fs.local_copy(base_model)
   name = jnp.dtype(dtype).name
-  cfg = Qwen2Config.from_hf(hf_cfg if hf_cfg is not None else fs.local_copy(base_model),
-                            param_dtype=name, compute_dtype=name)
+  cfg = Qwen2Config.from_hf(hf_cfg, param_dtype=name, compute_dtype=name)
   state_dir = fs.join(step_dir, "state")
   tree = ocp.StandardCheckpointer().metadata(state_dir).item_metadata.tree
   # The trainer's state keeps params under "params"; a bare params tree also works.
@@ -86,23 +101,30 @@ def _restore_params(workdir: str, dtype: Any, base_model: str | None
   if lora_rec:  # LoRA: the checkpoint holds float32 adapters; the base is a HF directory
     base_dir = base_model or lora_rec.get("base")
     if not (base_dir and _is_hf_dir(base_dir)):
-      raise ValueError(f"{step_dir}: a LoRA checkpoint holds only the adapters and its run "
-                       f"had no HF base (model.hf_path={lora_rec.get('base')!r}); pass "
-                       "--base_model=<HF dir of the base model>")
+      raise ValueError(
+        f"{step_dir}: a LoRA checkpoint holds only the adapters and its run "
+        f"had no HF base (model.hf_path={lora_rec.get('base')!r}); pass "
+        "--base_model=<HF dir of the base model>"
+      )
     cfg = dataclasses.replace(cfg, param_dtype="float32")
   abstract = jax.tree.map(lambda m: jax.ShapeDtypeStruct(m.shape, cfg.weight_dtype), shapes)
-  restore = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device),
-                         abstract)
+  restore = jax.tree.map(lambda a: ocp.ArrayRestoreArgs(dtype=a.dtype, sharding=device), abstract)
   wrap = (lambda x: {"params": x}) if in_state else (lambda x: x)
   # partial_restore: read only the params, not the optimizer moments (3x the size).
-  out = ocp.PyTreeCheckpointer().restore(state_dir, args=ocp.args.PyTreeRestore(
-      item=wrap(abstract), restore_args=wrap(restore), partial_restore=True))
+  out = ocp.PyTreeCheckpointer().restore(
+    state_dir,
+    args=ocp.args.PyTreeRestore(
+      item=wrap(abstract), restore_args=wrap(restore), partial_restore=True
+    ),
+  )
   params = out["params"] if in_state else out
   if lora_rec:
     from models import hf_weights, lora  # pylint: disable=import-outside-toplevel
+
     cfg, base = hf_weights.load_pretrained(fs.local_copy(base_dir), dtype=dtype)
-    lcfg = lora.LoraConfig(int(lora_rec["rank"]), float(lora_rec["alpha"]),
-                           tuple(lora_rec["targets"]))
+    lcfg = lora.LoraConfig(
+      int(lora_rec["rank"]), float(lora_rec["alpha"]), tuple(lora_rec["targets"])
+    )
     params = jax.jit(lora.merge, static_argnums=2)(base, params, lcfg)
   return cfg, params, step
 
@@ -119,8 +141,9 @@ def _recorded_prompt(hf_dir: str | None, workdir: str) -> dict[str, Any] | None:
   return None
 
 
-def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
-                dtype: Any = jnp.bfloat16) -> Policy:
+def load_policy(
+  path: str | os.PathLike, *, base_model: str | None = None, dtype: Any = jnp.bfloat16
+) -> Policy:
   """Loads a policy from a HF directory or a trainer workdir, in that order of lookup.
 
   1. ``path/config.json`` and safetensors weights exist: a HF model directory.
@@ -144,15 +167,19 @@ def load_policy(path: str | os.PathLike, *, base_model: str | None = None,
   for hf_dir in (path, export):
     if _is_hf_dir(hf_dir):
       from models import hf_weights  # pylint: disable=import-outside-toplevel
+
       cfg, params = hf_weights.load_pretrained(fs.local_copy(hf_dir), dtype=dtype)
-      tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) \
-          else None
-      return Policy(cfg, params, tok, given if hf_dir == path else hf_dir,
-                    _recorded_prompt(hf_dir, path))
+      tok = hf_dir if _has_tokenizer(hf_dir) else base_model if _has_tokenizer(base_model) else None
+      return Policy(
+        cfg, params, tok, given if hf_dir == path else hf_dir, _recorded_prompt(hf_dir, path)
+      )
   if fs.exists(fs.join(path, CHECKPOINT_DIR)):
     cfg, params, step = _restore_params(path, dtype, base_model)
     tok = base_model if _has_tokenizer(base_model) else None
-    return Policy(cfg, params, tok, f"{path} (checkpoint step {step})",
-                  _recorded_prompt(None, path))
-  raise FileNotFoundError(f"--policy {path}: neither a HF model directory (no config.json) nor "
-                          f"a trainer workdir (no {EXPORT_DIR}/config.json, no {CHECKPOINT_DIR}/)")
+    return Policy(
+      cfg, params, tok, f"{path} (checkpoint step {step})", _recorded_prompt(None, path)
+    )
+  raise FileNotFoundError(
+    f"--policy {path}: neither a HF model directory (no config.json) nor "
+    f"a trainer workdir (no {EXPORT_DIR}/config.json, no {CHECKPOINT_DIR}/)"
+  )

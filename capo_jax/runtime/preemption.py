@@ -28,12 +28,15 @@ class Preempted(SystemExit):
 
   def __init__(self, step: int, directory: str) -> None:
     super().__init__(0)
-    self.message = (f"preempted: the checkpoint of step {step} is saved in {directory}; "
-                    "rerun the same command to resume")
+    self.message = (
+      f"preempted: the checkpoint of step {step} is saved in {directory}; "
+      "rerun the same command to resume"
+    )
 
 
 def _sync_manager_running() -> bool:
   from jax._src import distributed  # pylint: disable=import-outside-toplevel
+
   return distributed.global_state.preemption_sync_manager is not None
 
 
@@ -54,9 +57,11 @@ class PreemptionWatch:
     # handler installed on top would replace it, so none is installed then.
     self._synced = jax.process_count() > 1 and _sync_manager_running()
     if jax.process_count() > 1 and not self._synced:
-      log.warning("jax.distributed runs without its preemption service "
-                  "(jax_enable_preemption_service is off): a SIGTERM will not be synced "
-                  "across processes, and only a regular checkpoint survives it")
+      log.warning(
+        "jax.distributed runs without its preemption service "
+        "(jax_enable_preemption_service is off): a SIGTERM will not be synced "
+        "across processes, and only a regular checkpoint survives it"
+      )
     if not self._synced:
       try:
         self._previous = signal.signal(signal.SIGTERM, self._handle)

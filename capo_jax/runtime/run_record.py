@@ -25,14 +25,32 @@ log = logging.getLogger(__name__)
 CONFIG_FILE = "config.json"
 # Dotted prefixes of the fields that a resumed run may not change.
 SHAPE_FIELDS = (
-    "model.hf_path", "model.preset", "model.preset_overrides.", "model.param_dtype",
-    "model.lora_rank", "model.lora_alpha", "model.lora_targets",
-    "tokenizer_path", "seed",
-    "rollout.num_prompts", "rollout.num_samples", "rollout.max_prompt_len",
-    "rollout.max_new_tokens", "rollout.prompts_per_call",
-    "train.mini_batch_prompts", "train.micro_batch_size", "train.logprob_chunk",
-    "mesh.", "data.train", "data.train_size", "data.val_size", "data.split_seed",
-    "data.data_dir", "data.skip_bad_rows", "algo.name", "loss.simko_k",
+  "model.hf_path",
+  "model.preset",
+  "model.preset_overrides.",
+  "model.param_dtype",
+  "model.lora_rank",
+  "model.lora_alpha",
+  "model.lora_targets",
+  "tokenizer_path",
+  "seed",
+  "rollout.num_prompts",
+  "rollout.num_samples",
+  "rollout.max_prompt_len",
+  "rollout.max_new_tokens",
+  "rollout.prompts_per_call",
+  "train.mini_batch_prompts",
+  "train.micro_batch_size",
+  "train.logprob_chunk",
+  "mesh.",
+  "data.train",
+  "data.train_size",
+  "data.val_size",
+  "data.split_seed",
+  "data.data_dir",
+  "data.skip_bad_rows",
+  "algo.name",
+  "loss.simko_k",
 )
 
 
@@ -53,8 +71,13 @@ def _flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
 def _git_commit() -> str | None:
   here = os.path.dirname(os.path.abspath(__file__))
   try:
-    out = subprocess.run(["git", "-C", here, "rev-parse", "HEAD"], capture_output=True,
-                         text=True, timeout=10, check=False)
+    out = subprocess.run(
+      ["git", "-C", here, "rev-parse", "HEAD"],
+      capture_output=True,
+      text=True,
+      timeout=10,
+      check=False,
+    )
   except (OSError, subprocess.SubprocessError):
     return None
   return out.stdout.strip() or None if out.returncode == 0 else None
@@ -62,14 +85,14 @@ def _git_commit() -> str | None:
 
 def _version() -> str:
   from importlib import metadata  # pylint: disable=import-outside-toplevel
+
   try:
     return metadata.version("capo-jax")
   except metadata.PackageNotFoundError:
     return "unknown"
 
 
-def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any]
-                   ) -> dict[str, tuple[Any, Any]]:
+def changed_fields(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, tuple[Any, Any]]:
   """``{dotted field: (old, new)}`` of the fields that differ (missing = None)."""
   a, b = _flatten(old), _flatten(new)
   return {k: (a.get(k), b.get(k)) for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)}
@@ -79,8 +102,9 @@ def is_shape_field(field: str) -> bool:
   return any(field == p or (p.endswith(".") and field.startswith(p)) for p in SHAPE_FIELDS)
 
 
-def record(config: Mapping[str, Any], workdir: str, *, resuming: bool,
-           write: bool = True) -> dict[str, Any]:
+def record(
+  config: Mapping[str, Any], workdir: str, *, resuming: bool, write: bool = True
+) -> dict[str, Any]:
   """Checks the resolved ``config`` (JSON values) against the recorded one (when
   resuming) and records it.
 
@@ -101,16 +125,22 @@ def record(config: Mapping[str, Any], workdir: str, *, resuming: bool,
     fatal = {k: v for k, v in diff.items() if is_shape_field(k)}
     if fatal:
       raise ConfigChanged(
-          f"{path}: this run resumes a checkpoint made with another config; these fields "
-          "change shapes or the data stream and must match the recorded run: "
-          + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fatal.items())
-          + ". Use another --workdir for a new run.")
+        f"{path}: this run resumes a checkpoint made with another config; these fields "
+        "change shapes or the data stream and must match the recorded run: "
+        + "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in fatal.items())
+        + ". Use another --workdir for a new run."
+      )
     if diff:
-      log.warning("resuming with a changed config: %s",
-                  "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()))
-  rec = {"config": new, "capo_jax_version": _version(), "git_commit": _git_commit(),
-         "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(
-             timespec="seconds")}
+      log.warning(
+        "resuming with a changed config: %s",
+        "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items()),
+      )
+  rec = {
+    "config": new,
+    "capo_jax_version": _version(),
+    "git_commit": _git_commit(),
+    "written_at": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+  }
   if previous is not None and previous.get("config") != new:
     rec["previous"] = {k: previous.get(k) for k in ("config", "git_commit", "written_at")}
   if write:

@@ -63,9 +63,11 @@ class SlotCache:
   @classmethod
   def empty(cls, cfg: Qwen2Config, num_slots: int, num_cols: int) -> SlotCache:
     W, K, H, S = num_slots, cfg.num_kv_heads, cfg.head_dim, num_cols
-    return cls(k=tuple(jnp.zeros((W, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
-               v=tuple(jnp.zeros((W, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
-               mask_WS=jnp.zeros((W, S), jnp.bool_))
+    return cls(
+      k=tuple(jnp.zeros((W, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
+      v=tuple(jnp.zeros((W, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
+      mask_WS=jnp.zeros((W, S), jnp.bool_),
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -79,6 +81,7 @@ class DecodeWeights:
   inside the step instead, XLA fused cos / sin into every layer's rotation,
   evaluated once per head and element.
   """
+
   embed_VD: jax.Array
   final_norm_D: jax.Array
   layers: list[Params]
@@ -87,12 +90,20 @@ class DecodeWeights:
   out_major: bool
 
 
-_KERNELS = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "gate_kernel", "up_kernel",
-            "down_kernel")
+_KERNELS = (
+  "q_kernel",
+  "k_kernel",
+  "v_kernel",
+  "o_kernel",
+  "gate_kernel",
+  "up_kernel",
+  "down_kernel",
+)
 
 
-def prepare(params: Params, cfg: Qwen2Config, num_cols: int,
-            out_major: bool | None = None) -> DecodeWeights:
+def prepare(
+  params: Params, cfg: Qwen2Config, num_cols: int, out_major: bool | None = None
+) -> DecodeWeights:
   """``DecodeWeights`` of ``params`` for a cache of ``num_cols`` columns.
 
   ``out_major`` None: on the CPU backend only (see the module docstring).
@@ -120,8 +131,13 @@ def prepare(params: Params, cfg: Qwen2Config, num_cols: int,
     # which would undo the copies; the barrier keeps them materialised.
     layers, unembed = jax.lax.optimization_barrier((layers, unembed))
   return DecodeWeights(
-      embed_VD=params["embed"], final_norm_D=params["final_norm"], layers=layers,
-      unembed=unembed, rope_Sh=(cos[0], sin[0]), out_major=out_major)
+    embed_VD=params["embed"],
+    final_norm_D=params["final_norm"],
+    layers=layers,
+    unembed=unembed,
+    rope_Sh=(cos[0], sin[0]),
+    out_major=out_major,
+  )
 
 
 def _proj(w: DecodeWeights, x: jax.Array, kernel: jax.Array) -> jax.Array:
@@ -130,19 +146,27 @@ def _proj(w: DecodeWeights, x: jax.Array, kernel: jax.Array) -> jax.Array:
   return jax.lax.dot_general(x, kernel, (((1,), contract), ((), ())))
 
 
-def attend_full(q_WKRH: jax.Array, k_WKHS: jax.Array, v_WKSH: jax.Array,
-                mask_WS: jax.Array) -> jax.Array:
+def attend_full(
+  q_WKRH: jax.Array, k_WKHS: jax.Array, v_WKSH: jax.Array, mask_WS: jax.Array
+) -> jax.Array:
   """One query token per slot against every column; scores and softmax in float32."""
   H = q_WKRH.shape[-1]
-  scores_WKRS = jnp.einsum("wkrh,wkhs->wkrs", q_WKRH, k_WKHS,
-                           preferred_element_type=jnp.float32) * (H ** -0.5)
+  scores_WKRS = jnp.einsum(
+    "wkrh,wkhs->wkrs", q_WKRH, k_WKHS, preferred_element_type=jnp.float32
+  ) * (H**-0.5)
   scores_WKRS = jnp.where(mask_WS[:, None, None], scores_WKRS, _NEG)
   probs = jax.nn.softmax(scores_WKRS, axis=-1).astype(v_WKSH.dtype)
   return jnp.einsum("wkrs,wksh->wkrh", probs, v_WKSH)
 
 
-def attend_blocks(q_WKRH: jax.Array, k_WKHS: jax.Array, v_WKSH: jax.Array, mask_WS: jax.Array,
-                  num_blocks: jax.Array, block: int) -> jax.Array:
+def attend_blocks(
+  q_WKRH: jax.Array,
+  k_WKHS: jax.Array,
+  v_WKSH: jax.Array,
+  mask_WS: jax.Array,
+  num_blocks: jax.Array,
+  block: int,
+) -> jax.Array:
   """``attend_full`` over the first ``num_blocks`` blocks of ``block`` columns only.
 
   Online softmax (running max, normaliser and weighted sum in float32). A
@@ -153,26 +177,31 @@ def attend_blocks(q_WKRH: jax.Array, k_WKHS: jax.Array, v_WKSH: jax.Array, mask_
   """
   W, K, R, H = q_WKRH.shape
 
-  def body(b: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
-           ) -> tuple[jax.Array, jax.Array, jax.Array]:
+  def body(
+    b: jax.Array, carry: tuple[jax.Array, jax.Array, jax.Array]
+  ) -> tuple[jax.Array, jax.Array, jax.Array]:
     m_WKR, l_WKR, acc_WKRH = carry
     s0 = b * block
     k_blk = jax.lax.dynamic_slice_in_dim(k_WKHS, s0, block, axis=3)
     v_blk = jax.lax.dynamic_slice_in_dim(v_WKSH, s0, block, axis=2)
     mask_blk = jax.lax.dynamic_slice_in_dim(mask_WS, s0, block, axis=1)
-    s_WKRS = jnp.einsum("wkrh,wkhs->wkrs", q_WKRH, k_blk,
-                        preferred_element_type=jnp.float32) * (H ** -0.5)
+    s_WKRS = jnp.einsum("wkrh,wkhs->wkrs", q_WKRH, k_blk, preferred_element_type=jnp.float32) * (
+      H**-0.5
+    )
     s_WKRS = jnp.where(mask_blk[:, None, None], s_WKRS, _NEG)
     m_new = jnp.maximum(m_WKR, s_WKRS.max(-1))
     rescale = jnp.exp(m_WKR - m_new)
     p_WKRS = jnp.exp(s_WKRS - m_new[..., None])
     acc_WKRH = acc_WKRH * rescale[..., None] + jnp.einsum(
-        "wkrs,wksh->wkrh", p_WKRS.astype(v_WKSH.dtype), v_blk,
-        preferred_element_type=jnp.float32)
+      "wkrs,wksh->wkrh", p_WKRS.astype(v_WKSH.dtype), v_blk, preferred_element_type=jnp.float32
+    )
     return m_new, l_WKR * rescale + p_WKRS.sum(-1), acc_WKRH
 
-  init = (jnp.full((W, K, R), _NEG, jnp.float32), jnp.zeros((W, K, R), jnp.float32),
-          jnp.zeros((W, K, R, H), jnp.float32))
+  init = (
+    jnp.full((W, K, R), _NEG, jnp.float32),
+    jnp.zeros((W, K, R), jnp.float32),
+    jnp.zeros((W, K, R, H), jnp.float32),
+  )
   _, l_WKR, acc_WKRH = jax.lax.fori_loop(0, num_blocks, body, init)
   return (acc_WKRH / l_WKR[..., None]).astype(v_WKSH.dtype)
 
@@ -182,14 +211,16 @@ class Where:
   """Per slot: the column its token is written at and that token's RoPE position;
   ``num_blocks``: the blocks of ``block`` columns that hold any active slot's tokens
   (ignored when the cache is one block or less: then attention reads it all)."""
+
   col_W: jax.Array
   pos_W: jax.Array
   num_blocks: jax.Array
   block: int
 
 
-def step(w: DecodeWeights, cfg: Qwen2Config, tokens_W: jax.Array, cache: SlotCache,
-         where: Where) -> tuple[jax.Array, SlotCache]:
+def step(
+  w: DecodeWeights, cfg: Qwen2Config, tokens_W: jax.Array, cache: SlotCache, where: Where
+) -> tuple[jax.Array, SlotCache]:
   """Float32 logits [V, W] of the next token after ``tokens_W``, and the updated cache.
 
   ``qwen2.forward_with_cache`` for T = 1 (same positions, masking and
@@ -198,7 +229,8 @@ def step(w: DecodeWeights, cfg: Qwen2Config, tokens_W: jax.Array, cache: SlotCac
   W, S = cache.mask_WS.shape
   slot_W = jnp.arange(W)
   mask_WS = cache.mask_WS.at[slot_W, where.col_W].set(True)
-  rope_W1 = tuple(t[where.pos_W][:, None] for t in w.rope_Sh)
+  cos_S, sin_S = w.rope_Sh
+  rope_W1 = (cos_S[where.pos_W][:, None], sin_S[where.pos_W][:, None])
   x_WD = w.embed_VD.astype(cfg.dtype)[tokens_W]
   ks, vs = list(cache.k), list(cache.v)
   blocked = S > where.block
@@ -216,16 +248,21 @@ def step(w: DecodeWeights, cfg: Qwen2Config, tokens_W: jax.Array, cache: SlotCac
   if w.out_major:
     # The barrier stops XLA from turning the transpose into a [V, D] x [W, D]
     # dot, the row-count-dependent form again.
-    logits_VW = jax.lax.optimization_barrier(jnp.einsum(
-        "wd,vd->wv", h_WD, w.unembed, preferred_element_type=jnp.float32)).T
+    logits_VW = jax.lax.optimization_barrier(
+      jnp.einsum("wd,vd->wv", h_WD, w.unembed, preferred_element_type=jnp.float32)
+    ).T
   else:
     logits_VW = jnp.einsum("dv,wd->vw", w.unembed, h_WD, preferred_element_type=jnp.float32)
   return logits_VW, SlotCache(tuple(ks), tuple(vs), mask_WS)
 
 
-def _attention_inputs(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.Array,
-                      rope_W1: tuple[jax.Array, jax.Array]
-                      ) -> tuple[jax.Array, jax.Array, jax.Array]:
+def _attention_inputs(
+  w: DecodeWeights,
+  cfg: Qwen2Config,
+  p: Params,
+  x_WD: jax.Array,
+  rope_W1: tuple[jax.Array, jax.Array],
+) -> tuple[jax.Array, jax.Array, jax.Array]:
   """``qwen2.DecoderLayer.attention_inputs`` for one token per slot, on 2-D kernels.
 
   q as [W, K, R, H] (R query heads per kv head), k / v as [W, K, H].
@@ -233,8 +270,9 @@ def _attention_inputs(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.A
   W, dt = x_WD.shape[0], cfg.dtype
   K, H = cfg.num_kv_heads, cfg.head_dim
   h_WD = qwen2.rms_norm(x_WD, p["attn_norm"], cfg.rms_norm_eps)
-  q, k, v = (_proj(w, h_WD, p[n]).reshape(W, 1, -1, H)
-             for n in ("q_kernel", "k_kernel", "v_kernel"))
+  q, k, v = (
+    _proj(w, h_WD, p[n]).reshape(W, 1, -1, H) for n in ("q_kernel", "k_kernel", "v_kernel")
+  )
   if cfg.qkv_bias:
     q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
   if cfg.qk_norm:
@@ -244,8 +282,9 @@ def _attention_inputs(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.A
   return q.reshape(W, K, -1, H), k[:, 0], v[:, 0]
 
 
-def _attention_output(w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.Array,
-                      attn: jax.Array) -> jax.Array:
+def _attention_output(
+  w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.Array, attn: jax.Array
+) -> jax.Array:
   """``qwen2.DecoderLayer.attention_output`` for one token per slot, on 2-D kernels."""
   x_WD = x_WD + _proj(w, attn, p["o_kernel"])
   h_WD = qwen2.rms_norm(x_WD, p["mlp_norm"], cfg.rms_norm_eps)

@@ -66,6 +66,7 @@ KV_BLOCK = 128
 @dataclasses.dataclass(frozen=True)
 class PromptCache:
   """The prefilled prompts, in the slot cache's per-layer layouts."""
+
   k: tuple[jax.Array, ...]  # per layer [Q, K, H, P]
   v: tuple[jax.Array, ...]  # per layer [Q, K, P, H]
   mask_QP: jax.Array  # bool
@@ -76,6 +77,7 @@ class PromptCache:
 @dataclasses.dataclass(frozen=True)
 class FirstTokens:
   """Token 0 of every row, chosen from the prefill's logits."""
+
   token_B: jax.Array  # int32
   logprob_B: jax.Array  # float32
 
@@ -83,6 +85,7 @@ class FirstTokens:
 @dataclasses.dataclass(frozen=True)
 class PrefillPlan:
   """The static shape of one ``prefill`` program (a jit static argument)."""
+
   cfg: Qwen2Config
   strategy: Strategy
   num_samples: int  # G
@@ -93,6 +96,7 @@ class PrefillPlan:
 @dataclasses.dataclass(frozen=True)
 class Ends:
   """Where rows end (traced: a new value does not compile anew)."""
+
   stop_ids: jax.Array  # int32 [8k]: a row ends at any of them (-1 matches nothing)
   pad_id: jax.Array  # int32 scalar: written after a row's end
   max_new_tokens: jax.Array  # int32 scalar: a row ends at this many tokens
@@ -101,6 +105,7 @@ class Ends:
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """The static shape of one ``decode_loop`` program (a jit static argument)."""
+
   cfg: Qwen2Config
   strategy: Strategy
   num_samples: int  # G
@@ -178,17 +183,19 @@ def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]
   return x if layout is None else layout.constrain(x, axes)
 
 
-def _constrain_cache(layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]
-                     ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+def _constrain_cache(
+  layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]
+) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
   ax = ("batch", "kv_heads", None, None)
-  return (tuple(_constrain(layout, x, ax) for x in k),
-          tuple(_constrain(layout, x, ax) for x in v))
+  return (tuple(_constrain(layout, x, ax) for x in k), tuple(_constrain(layout, x, ax) for x in v))
 
 
 def _constrain_rows(layout: Layout | None, tree: Any) -> Any:
   """Leading axis (rows or slots) over the batch axes, scalars whole."""
+
   def one(x: jax.Array) -> jax.Array:
     return x if x.ndim == 0 else _constrain(layout, x, ("batch",) + (None,) * (x.ndim - 1))
+
   return tree if layout is None else jax.tree.map(one, tree)
 
 
@@ -198,14 +205,16 @@ def is_stop(tokens: jax.Array, stop_ids: jax.Array) -> jax.Array:
 
 def row_uniforms(rng: jax.Array, row_W: jax.Array, t_W: jax.Array) -> jax.Array:
   """The uniform of token t of row b: from ``fold_in(fold_in(rng, b), t)`` alone."""
-  key = lambda r, t: jax.random.uniform(jax.random.fold_in(jax.random.fold_in(rng, r), t), (),
-                                        jnp.float32)
+  key = lambda r, t: jax.random.uniform(
+    jax.random.fold_in(jax.random.fold_in(rng, r), t), (), jnp.float32
+  )
   return jax.vmap(key)(row_W, t_W)
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array, *,
-            plan: PrefillPlan) -> tuple[PromptCache, FirstTokens]:
+def prefill(
+  params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.Array, *, plan: PrefillPlan
+) -> tuple[PromptCache, FirstTokens]:
   """The Q prompts' keys / values and token 0 of all B = Q*G rows."""
   TRACE_COUNTS["prefill"] += 1
   cfg, strategy, num_samples, layout = plan.cfg, plan.strategy, plan.num_samples, plan.layout
@@ -213,19 +222,23 @@ def prefill(params: Params, tokens_QP: jax.Array, mask_QP: jax.Array, rng: jax.A
   cache = kv_cache.init_cache(cfg, Q, P)
   if layout is not None:
     cache = dataclasses.replace(
-        cache, k_LBSKH=layout.constrain(cache.k_LBSKH, (None, "batch", None, "kv_heads", None)),
-        v_LBSKH=layout.constrain(cache.v_LBSKH, (None, "batch", None, "kv_heads", None)))
+      cache,
+      k_LBSKH=layout.constrain(cache.k_LBSKH, (None, "batch", None, "kv_heads", None)),
+      v_LBSKH=layout.constrain(cache.v_LBSKH, (None, "batch", None, "kv_heads", None)),
+    )
   h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
-  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T,
-                         ("vocab", "batch"))
+  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T, ("vocab", "batch"))
   B = Q * num_samples
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
   token_B, logprob_B = strategy.choose(logits_VB, u_B)
   L = cfg.num_layers
-  k, v = _constrain_cache(layout, tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L)),
-                          tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L)))
+  k, v = _constrain_cache(
+    layout,
+    tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L)),
+    tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L)),
+  )
   prompts = PromptCache(k=k, v=v, mask_QP=mask_QP, length_Q=mask_QP.sum(-1, dtype=jnp.int32))
   return prompts, _constrain_rows(layout, FirstTokens(token_B, logprob_B))
 
@@ -236,9 +249,15 @@ def num_columns(prompt_len: int, gen_len: int, block: int) -> int:
   return S if S <= block else -(-S // block) * block
 
 
-def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.Array,
-            num_waiting: jax.Array, slots: _Slots, cache: decode.SlotCache
-            ) -> tuple[_Slots, decode.SlotCache]:
+def _refill(
+  plan: Plan,
+  prompts: PromptCache,
+  first: FirstTokens,
+  order_B: jax.Array,
+  num_waiting: jax.Array,
+  slots: _Slots,
+  cache: decode.SlotCache,
+) -> tuple[_Slots, decode.SlotCache]:
   """Free slots take the next waiting rows (in ``order_B``), prompt cache copied in."""
   G, B = plan.num_samples, order_B.shape[0]
   W, S = cache.mask_WS.shape
@@ -268,21 +287,28 @@ def _refill(plan: Plan, prompts: PromptCache, first: FirstTokens, order_B: jax.A
   def copy(j: jax.Array, c: decode.SlotCache) -> decode.SlotCache:
     n, q = which_W[j], row_W[which_W[j]] // G
     put = lambda dst, src: jax.lax.dynamic_update_slice(
-        dst, row(src, q), (n,) + (0,) * (dst.ndim - 1))
-    return decode.SlotCache(k=tuple(put(d, s) for d, s in zip(c.k, prompts.k)),
-                            v=tuple(put(d, s) for d, s in zip(c.v, prompts.v)),
-                            mask_WS=put(c.mask_WS, mask_QS))
+      dst, row(src, q), (n,) + (0,) * (dst.ndim - 1)
+    )
+    return decode.SlotCache(
+      k=tuple(put(d, s) for d, s in zip(c.k, prompts.k)),
+      v=tuple(put(d, s) for d, s in zip(c.v, prompts.v)),
+      mask_WS=put(c.mask_WS, mask_QS),
+    )
 
   cache = jax.lax.fori_loop(0, n_take, copy, cache)
-  slots = _Slots(row_W=row_W, t_W=jnp.where(take_W, 1, slots.t_W),
-                 active_W=slots.active_W | take_W,
-                 last_W=jnp.where(take_W, first.token_B[jnp.minimum(row_W, B - 1)], slots.last_W),
-                 next=slots.next + n_take)
+  slots = _Slots(
+    row_W=row_W,
+    t_W=jnp.where(take_W, 1, slots.t_W),
+    active_W=slots.active_W | take_W,
+    last_W=jnp.where(take_W, first.token_B[jnp.minimum(row_W, B - 1)], slots.last_W),
+    next=slots.next + n_take,
+  )
   return slots, cache
 
 
-def _compact(layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out], n: int,
-             num_rows: int) -> tuple[_Slots, decode.SlotCache, _Out]:
+def _compact(
+  layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out], n: int, num_rows: int
+) -> tuple[_Slots, decode.SlotCache, _Out]:
   """The active slots (at most ``n``) gathered into a cache of ``n`` slots, in slot order.
 
   A row's cache columns, token count and last token move with it, so its
@@ -291,17 +317,30 @@ def _compact(layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out]
   s, cache, out = carry
   idx_W = jnp.nonzero(s.active_W, size=n, fill_value=0)[0]
   valid_W = jnp.arange(n) < s.active_W.sum(dtype=jnp.int32)
-  slots = _Slots(row_W=jnp.where(valid_W, s.row_W[idx_W], num_rows), t_W=s.t_W[idx_W],
-                 active_W=valid_W, last_W=s.last_W[idx_W], next=s.next)
-  k, v = _constrain_cache(layout, tuple(x[idx_W] for x in cache.k),
-                          tuple(x[idx_W] for x in cache.v))
+  slots = _Slots(
+    row_W=jnp.where(valid_W, s.row_W[idx_W], num_rows),
+    t_W=s.t_W[idx_W],
+    active_W=valid_W,
+    last_W=s.last_W[idx_W],
+    next=s.next,
+  )
+  k, v = _constrain_cache(
+    layout, tuple(x[idx_W] for x in cache.k), tuple(x[idx_W] for x in cache.v)
+  )
   cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS[idx_W], ("batch", None)))
   return _constrain_rows(layout, slots), cache, out
 
 
 @functools.partial(jax.jit, static_argnames=("plan",))
-def decode_loop(params: Params, prompts: PromptCache, first: FirstTokens, rng: jax.Array,
-                ends: Ends, *, plan: Plan) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+def decode_loop(
+  params: Params,
+  prompts: PromptCache,
+  first: FirstTokens,
+  rng: jax.Array,
+  ends: Ends,
+  *,
+  plan: Plan,
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
   """Decodes every row to a stop id or ``max_new_tokens``; one device program.
 
   ``prompts`` and ``first`` are ``prefill``'s (under ``plan.prefill_plan``).
@@ -320,13 +359,22 @@ def decode_loop(params: Params, prompts: PromptCache, first: FirstTokens, rng: j
   # Rows still going after token 0, in row order, then the finished ones.
   order_B = jnp.argsort(done0_B, stable=True).astype(jnp.int32)
   num_waiting = (~done0_B).sum(dtype=jnp.int32)
-  out = _constrain_rows(layout, _Out(
+  out = _constrain_rows(
+    layout,
+    _Out(
       tokens_BC=jnp.full((B, C), pad_id, jnp.int32).at[:, 0].set(first.token_B),
       logprobs_BC=jnp.zeros((B, C), jnp.float32).at[:, 0].set(first.logprob_B),
-      mask_BC=jnp.zeros((B, C), jnp.int32).at[:, 0].set(1), stopped_B=stop0_B))
-  slots = _Slots(row_W=jnp.full((W,), B, jnp.int32), t_W=jnp.zeros((W,), jnp.int32),
-                 active_W=jnp.zeros((W,), jnp.bool_), last_W=jnp.zeros((W,), jnp.int32),
-                 next=jnp.zeros((), jnp.int32))
+      mask_BC=jnp.zeros((B, C), jnp.int32).at[:, 0].set(1),
+      stopped_B=stop0_B,
+    ),
+  )
+  slots = _Slots(
+    row_W=jnp.full((W,), B, jnp.int32),
+    t_W=jnp.zeros((W,), jnp.int32),
+    active_W=jnp.zeros((W,), jnp.bool_),
+    last_W=jnp.zeros((W,), jnp.int32),
+    next=jnp.zeros((), jnp.int32),
+  )
   empty = decode.SlotCache.empty(cfg, W, S)
   k, v = _constrain_cache(layout, empty.k, empty.v)
   cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_WS, ("batch", None)))
@@ -344,27 +392,39 @@ def decode_loop(params: Params, prompts: PromptCache, first: FirstTokens, rng: j
   def body(refills: bool, carry: Carry) -> Carry:
     s, cache, out = carry
     if refills:  # later loops start after the last row was handed out
-      s, cache = jax.lax.cond(jnp.any(~s.active_W[:plan.num_slots]) & (s.next < num_waiting),
-                              lambda sc: refill(*sc), lambda sc: sc, (s, cache))
+      s, cache = jax.lax.cond(
+        jnp.any(~s.active_W[: plan.num_slots]) & (s.next < num_waiting),
+        lambda sc: refill(*sc),
+        lambda sc: sc,
+        (s, cache),
+      )
     q_W = jnp.minimum(s.row_W, B - 1) // G
     col_W = P + jnp.maximum(s.t_W, 1) - 1
     pos_W = prompts.length_Q[q_W] + jnp.maximum(s.t_W, 1) - 1
     longest = jnp.max(jnp.where(s.active_W, col_W + 1, 1))
-    where = decode.Where(col_W=col_W, pos_W=pos_W, block=plan.block,
-                         num_blocks=-(-longest // plan.block))
+    where = decode.Where(
+      col_W=col_W, pos_W=pos_W, block=plan.block, num_blocks=-(-longest // plan.block)
+    )
     logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
     logits_VW = _constrain(layout, logits_VW, ("vocab", "batch"))
     token_W, logprob_W = plan.strategy.choose(logits_VW, row_uniforms(rng, s.row_W, s.t_W))
     # Inactive slots write to row B: out of range, dropped.
     row_W = jnp.where(s.active_W, s.row_W, B)
     stop_W = is_stop(token_W, stop_ids)
-    out = _Out(tokens_BC=out.tokens_BC.at[row_W, s.t_W].set(token_W, mode="drop"),
-               logprobs_BC=out.logprobs_BC.at[row_W, s.t_W].set(logprob_W, mode="drop"),
-               mask_BC=out.mask_BC.at[row_W, s.t_W].set(1, mode="drop"),
-               stopped_B=out.stopped_B.at[row_W].set(stop_W, mode="drop"))
+    out = _Out(
+      tokens_BC=out.tokens_BC.at[row_W, s.t_W].set(token_W, mode="drop"),
+      logprobs_BC=out.logprobs_BC.at[row_W, s.t_W].set(logprob_W, mode="drop"),
+      mask_BC=out.mask_BC.at[row_W, s.t_W].set(1, mode="drop"),
+      stopped_B=out.stopped_B.at[row_W].set(stop_W, mode="drop"),
+    )
     done_W = stop_W | (s.t_W + 1 >= max_new_tokens)
-    s = _Slots(row_W=s.row_W, t_W=jnp.where(s.active_W, s.t_W + 1, s.t_W),
-               active_W=s.active_W & ~done_W, last_W=token_W, next=s.next)
+    s = _Slots(
+      row_W=s.row_W,
+      t_W=jnp.where(s.active_W, s.t_W + 1, s.t_W),
+      active_W=s.active_W & ~done_W,
+      last_W=token_W,
+      next=s.next,
+    )
     k, v = _constrain_cache(layout, cache.k, cache.v)
     cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS, ("batch", None)))
     return _constrain_rows(layout, s), cache, _constrain_rows(layout, out)
@@ -375,7 +435,8 @@ def decode_loop(params: Params, prompts: PromptCache, first: FirstTokens, rng: j
     if i:
       carry = _compact(layout, carry, n, B)
     smaller = phases[i + 1] if i + 1 < len(phases) else 0
-    carry = jax.lax.while_loop(functools.partial(cond, smaller), functools.partial(body, i == 0),
-                               carry)
+    carry = jax.lax.while_loop(
+      functools.partial(cond, smaller), functools.partial(body, i == 0), carry
+    )
   out = carry[2]
   return out.tokens_BC, out.logprobs_BC, out.mask_BC, out.stopped_B

@@ -54,6 +54,7 @@ class Samples:
   untempered policy), whatever the strategy. ``truncated_B`` marks rows
   that reached ``max_new_tokens`` without a stop token.
   """
+
   tokens_BC: jax.Array  # int32
   mask_BC: jax.Array  # int32
   logprobs_BC: jax.Array  # float32
@@ -78,19 +79,25 @@ GEN_BUCKET_MIN = 16
 
 def _check_prompts(tokens: np.ndarray, mask: np.ndarray, vocab_size: int) -> None:
   if tokens.ndim != 2 or mask.shape != tokens.shape:
-    raise ValueError(f"prompt_tokens_QP {tokens.shape} and prompt_mask_QP {mask.shape} must be "
-                     "2-D arrays of the same shape")
+    raise ValueError(
+      f"prompt_tokens_QP {tokens.shape} and prompt_mask_QP {mask.shape} must be "
+      "2-D arrays of the same shape"
+    )
   if not np.isin(mask, (0, 1)).all():
     raise ValueError("prompt_mask_QP must hold only 0 and 1")
-  bad = np.nonzero(np.any(np.diff(mask.astype(np.int32), axis=1) < 0, axis=1)
-                   | (mask.sum(1) == 0))[0]
+  bad = np.nonzero(np.any(np.diff(mask.astype(np.int32), axis=1) < 0, axis=1) | (mask.sum(1) == 0))[
+    0
+  ]
   if bad.size:
-    raise ValueError(f"prompt row {int(bad[0])}: the mask must be left-padded (0...0 1...1) "
-                     "with at least one real token")
+    raise ValueError(
+      f"prompt row {int(bad[0])}: the mask must be left-padded (0...0 1...1) "
+      "with at least one real token"
+    )
   real = tokens[mask.astype(bool)]
   if real.size and (real.min() < 0 or real.max() >= vocab_size):
-    raise ValueError(f"prompt token ids must be in [0, {vocab_size}), got "
-                     f"[{real.min()}, {real.max()}]")
+    raise ValueError(
+      f"prompt token ids must be in [0, {vocab_size}), got [{real.min()}, {real.max()}]"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -112,6 +119,7 @@ class SamplingSpec:
     they fit, ``engine.Plan.phases``). None: all Q*G rows at once. The samples
     are the same whatever W.
   """
+
   num_samples: int
   max_new_tokens: int
   strategy: Strategy = Temperature(1.0)
@@ -121,16 +129,19 @@ class SamplingSpec:
 
   def __post_init__(self) -> None:
     if self.num_samples < 1 or self.max_new_tokens < 1:
-      raise ValueError(f"num_samples ({self.num_samples}) and max_new_tokens "
-                       f"({self.max_new_tokens}) must be >= 1")
+      raise ValueError(
+        f"num_samples ({self.num_samples}) and max_new_tokens ({self.max_new_tokens}) must be >= 1"
+      )
     if self.max_active_rows is not None and self.max_active_rows < 1:
-      raise ValueError(f"max_active_rows must be >= 1 (or None: all rows), got "
-                       f"{self.max_active_rows}")
+      raise ValueError(
+        f"max_active_rows must be >= 1 (or None: all rows), got {self.max_active_rows}"
+      )
     object.__setattr__(self, "stop_ids", tuple(int(i) for i in self.stop_ids))
 
 
-def engine_plan(cfg: Qwen2Config, spec: SamplingSpec, layout: Layout | None,
-                num_prompts: int) -> engine.Plan:
+def engine_plan(
+  cfg: Qwen2Config, spec: SamplingSpec, layout: Layout | None, num_prompts: int
+) -> engine.Plan:
   """The static shape of the engine's programs for one call of ``num_prompts`` prompts:
   what ``generate`` runs, and what the ahead-of-time compile lowers."""
   B = num_prompts * spec.num_samples
@@ -140,14 +151,28 @@ def engine_plan(cfg: Qwen2Config, spec: SamplingSpec, layout: Layout | None,
   cpu = next(iter(devices)).platform == "cpu"
   # The tail moves to smaller caches only under continuous batching: None stays
   # the lockstep decode.
-  return engine.Plan(cfg=cfg, strategy=spec.strategy, num_samples=spec.num_samples,
-                     num_slots=W, gen_len=bucket_length(spec.max_new_tokens, GEN_BUCKET_MIN),
-                     layout=layout, block=engine.KV_BLOCK,
-                     min_slots=decode.MIN_ROWS_CPU if cpu else 1, shrink=W < B)
+  return engine.Plan(
+    cfg=cfg,
+    strategy=spec.strategy,
+    num_samples=spec.num_samples,
+    num_slots=W,
+    gen_len=bucket_length(spec.max_new_tokens, GEN_BUCKET_MIN),
+    layout=layout,
+    block=engine.KV_BLOCK,
+    min_slots=decode.MIN_ROWS_CPU if cpu else 1,
+    shrink=W < B,
+  )
 
 
-def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mask_QP: Any,
-             rng: jax.Array, spec: SamplingSpec, layout: Layout | None = None) -> Samples:
+def generate(
+  params: Params,
+  cfg: Qwen2Config,
+  prompt_tokens_QP: Any,
+  prompt_mask_QP: Any,
+  rng: jax.Array,
+  spec: SamplingSpec,
+  layout: Layout | None = None,
+) -> Samples:
   """Samples ``spec.num_samples`` completions of each left-padded prompt.
 
   Args:
@@ -168,9 +193,11 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   """
   max_new_tokens, pad_id = spec.max_new_tokens, spec.pad_id
   if layout is not None and any(t != AxisType.Auto for t in layout.mesh.axis_types):
-    raise ValueError(f"mesh axis types {layout.mesh.axis_types}: the sampler states shardings "
-                     "with constraints and needs AxisType.Auto axes "
-                     "(capo_jax.runtime.mesh.make_mesh)")
+    raise ValueError(
+      f"mesh axis types {layout.mesh.axis_types}: the sampler states shardings "
+      "with constraints and needs AxisType.Auto axes "
+      "(capo_jax.runtime.mesh.make_mesh)"
+    )
   tokens = np.asarray(prompt_tokens_QP)
   mask = np.asarray(prompt_mask_QP)
   _check_prompts(tokens, mask, cfg.vocab_size)
@@ -180,27 +207,42 @@ def generate(params: Params, cfg: Qwen2Config, prompt_tokens_QP: Any, prompt_mas
   Q, P = tokens.shape
   longest = int(mask.sum(1).max()) + max_new_tokens
   if longest > cfg.max_position_embeddings:
-    raise ValueError(f"longest prompt + max_new_tokens = {longest} exceeds "
-                     f"max_position_embeddings={cfg.max_position_embeddings}")
+    raise ValueError(
+      f"longest prompt + max_new_tokens = {longest} exceeds "
+      f"max_position_embeddings={cfg.max_position_embeddings}"
+    )
   P_pad = bucket_length(P, PROMPT_BUCKET_MIN) - P
   gen_len = bucket_length(max_new_tokens, GEN_BUCKET_MIN)
-  tokens = np.pad(tokens.astype(np.int32), ((0, 0), (P_pad, 0)), constant_values=pad_id)
-  mask = np.pad(mask.astype(np.bool_), ((0, 0), (P_pad, 0)))
+  tokens_QP: np.ndarray | jax.Array = np.pad(
+    tokens.astype(np.int32), ((0, 0), (P_pad, 0)), constant_values=pad_id
+  )
+  mask_QP: np.ndarray | jax.Array = np.pad(mask.astype(np.bool_), ((0, 0), (P_pad, 0)))
   if layout is not None:
-    tokens, mask = layout.put(tokens, ("batch", None)), layout.put(mask, ("batch", None))
+    rows = ("batch", None)
+    tokens_QP, mask_QP = layout.put(tokens_QP, rows), layout.put(mask_QP, rows)
     params = jax.device_put(params, qwen2.param_shardings(cfg, layout))
   # -1 never matches a token; padding the stop list to 8 ids keeps its shape
   # (a jit argument) fixed across stop sets.
   width = max(8, -(-stops.size // 8) * 8)
   stops = np.pad(stops, (0, width - stops.size), constant_values=-1)
-  ends = engine.Ends(stop_ids=jnp.asarray(stops), pad_id=jnp.asarray(pad_id, jnp.int32),
-                     max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32))
+  ends = engine.Ends(
+    stop_ids=jnp.asarray(stops),
+    pad_id=jnp.asarray(pad_id, jnp.int32),
+    max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),
+  )
   plan = engine_plan(cfg, spec, layout, Q)
-  prompts, first = engine.prefill(params, tokens, mask, rng, plan=plan.prefill_plan)
+  prompts, first = engine.prefill(params, tokens_QP, mask_QP, rng, plan=plan.prefill_plan)
   tokens_BC, logprobs_BC, mask_BC, stopped_B = engine.decode_loop(
-      params, prompts, first, rng, ends, plan=plan)
+    params, prompts, first, rng, ends, plan=plan
+  )
   if gen_len != max_new_tokens:
-    tokens_BC, logprobs_BC, mask_BC = (x[:, :max_new_tokens]
-                                       for x in (tokens_BC, logprobs_BC, mask_BC))
-  return Samples(tokens_BC=tokens_BC, mask_BC=mask_BC, logprobs_BC=logprobs_BC,
-                 lengths_B=mask_BC.sum(-1), truncated_B=~stopped_B)
+    tokens_BC, logprobs_BC, mask_BC = (
+      x[:, :max_new_tokens] for x in (tokens_BC, logprobs_BC, mask_BC)
+    )
+  return Samples(
+    tokens_BC=tokens_BC,
+    mask_BC=mask_BC,
+    logprobs_BC=logprobs_BC,
+    lengths_B=mask_BC.sum(-1),
+    truncated_B=~stopped_B,
+  )

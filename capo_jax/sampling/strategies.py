@@ -32,8 +32,9 @@ def _row_uniforms(rng: jax.Array, batch: int) -> jax.Array:
   return jax.vmap(lambda k: jax.random.uniform(k, (), jnp.float32))(rng)
 
 
-def _inverse_cdf_VB(x_VB: jax.Array, weight: Callable[[jax.Array], jax.Array], u_B: jax.Array,
-                    pad: float = 0.0) -> tuple[jax.Array, jax.Array]:
+def _inverse_cdf_VB(
+  x_VB: jax.Array, weight: Callable[[jax.Array], jax.Array], u_B: jax.Array, pad: float = 0.0
+) -> tuple[jax.Array, jax.Array]:
   """Tokens drawn with probability weight(x) / its column sum, and that sum.
 
   ``weight`` is elementwise (it may close over per-row [1, B] values), so it
@@ -115,32 +116,36 @@ class Temperature(_Strategy):
   Subclasses restrict the draw to tokens whose logit reaches a per-row
   ``threshold``; the kept tokens keep their softmax(logits / T) proportions.
   """
+
   temperature: float = 1.0
 
   def __post_init__(self) -> None:
     if not self.temperature > 0:
-      raise ValueError(f"temperature must be > 0 for sampling (use Greedy), got "
-                       f"{self.temperature}")
+      raise ValueError(f"temperature must be > 0 for sampling (use Greedy), got {self.temperature}")
 
   def threshold(self, logits_VB: jax.Array, max_1B: jax.Array) -> jax.Array | None:
     """[1, B]: the least logit a token needs to be drawn; None keeps every token."""
     del logits_VB, max_1B
     return None
 
-  def _weight_fn(self, max_1B: jax.Array, threshold_1B: jax.Array | None
-                 ) -> Callable[[jax.Array], jax.Array]:
+  def _weight_fn(
+    self, max_1B: jax.Array, threshold_1B: jax.Array | None
+  ) -> Callable[[jax.Array], jax.Array]:
     """Elementwise unnormalised probabilities exp((logit - max) / T), 0 if excluded."""
+
     def weight(logits: jax.Array) -> jax.Array:
       z = logits - max_1B
       w = jnp.exp(z if self.temperature == 1.0 else z / self.temperature)
       return w if threshold_1B is None else jnp.where(logits >= threshold_1B, w, 0.0)
+
     return weight
 
   def choose(self, logits_VB: jax.Array, u_B: jax.Array) -> tuple[jax.Array, jax.Array]:
     m_1B = jnp.max(logits_VB, axis=0, keepdims=True)
     threshold_1B = self.threshold(logits_VB, m_1B)
-    tokens_B, total_B = _inverse_cdf_VB(logits_VB, self._weight_fn(m_1B, threshold_1B), u_B,
-                                        pad=-jnp.inf)
+    tokens_B, total_B = _inverse_cdf_VB(
+      logits_VB, self._weight_fn(m_1B, threshold_1B), u_B, pad=-jnp.inf
+    )
     if threshold_1B is None and self.temperature == 1.0:
       # The weights are exp(logits - max): their sum is the softmax normaliser.
       lse_B = m_1B[0] + jnp.log(total_B)
@@ -152,6 +157,7 @@ class Temperature(_Strategy):
 @dataclasses.dataclass(frozen=True)
 class TopK(Temperature):
   """A draw among the k largest logits (ties at the k-th value are kept)."""
+
   k: int = 50
 
   def __post_init__(self) -> None:
@@ -172,6 +178,7 @@ class TopP(Temperature):
   Applied after temperature and, when ``k`` > 0, after top-k (transformers'
   order). A token is kept when the mass strictly above it is < p.
   """
+
   p: float = 1.0
   k: int = 0
 
