@@ -71,7 +71,8 @@ _WORKER = textwrap.dedent("""
     def generate(greedy, seed):
       kw = dict(num_samples=1, max_new_tokens=C_new)
       if hasattr(sampling, "SamplingSpec"):  # generate(..., spec)
-        spec = sampling.SamplingSpec(strategy=strategies.make_strategy(0.0 if greedy else 1.0), **kw)
+        strategy = strategies.make_strategy(0.0 if greedy else 1.0)
+        spec = sampling.SamplingSpec(strategy=strategy, **kw)
         out = sampling.generate(params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed),
                                 spec)
         return np.asarray(out.tokens_BC)
@@ -124,9 +125,14 @@ _WORKER = textwrap.dedent("""
 class _Worker:
   def __init__(self, root: pathlib.Path, small: bool):
     env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
-    self.proc = subprocess.Popen([sys.executable, "-c", _WORKER, "small" if small else "full"],
-                                 cwd=root, env=env, stdin=subprocess.PIPE,
-                                 stdout=subprocess.PIPE, text=True)
+    self.proc = subprocess.Popen(
+      [sys.executable, "-c", _WORKER, "small" if small else "full"],
+      cwd=root,
+      env=env,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+    )
     self.tokens = self._read()["tokens"]
 
   def _read(self) -> dict:
@@ -163,9 +169,14 @@ def main(argv: list[str] | None = None) -> dict:
       for name in ("sample", "greedy", "train"):
         for who in order:
           times.setdefault((who, name), []).append(workers[who].time(name, r + 1))
-      print(f"round {r + 1}: " + ", ".join(
+      print(
+        f"round {r + 1}: "
+        + ", ".join(
           f"{n} {times['this', n][-1]:.2f}s / {times['baseline', n][-1]:.2f}s"
-          for n in ("sample", "greedy", "train")), flush=True)
+          for n in ("sample", "greedy", "train")
+        ),
+        flush=True,
+      )
   finally:
     for w in workers.values():
       w.close()
@@ -175,11 +186,17 @@ def main(argv: list[str] | None = None) -> dict:
     ours, base = times["this", name], times["baseline", name]
     ratio = statistics.median(base) / statistics.median(ours)  # throughput ratio
     paired = [b / o for b, o in zip(base, ours)]
-    result[name] = {"this_s": statistics.median(ours), "baseline_s": statistics.median(base),
-                    "ratio": ratio, "paired_range": [min(paired), max(paired)],
-                    "tokens_per_call": workers["this"].tokens[name]}
-    print(f"{name:9s} {statistics.median(ours):8.3f} {statistics.median(base):10.3f} "
-          f"{ratio:13.3f}x  {min(paired):.2f}-{max(paired):.2f}x")
+    result[name] = {
+      "this_s": statistics.median(ours),
+      "baseline_s": statistics.median(base),
+      "ratio": ratio,
+      "paired_range": [min(paired), max(paired)],
+      "tokens_per_call": workers["this"].tokens[name],
+    }
+    print(
+      f"{name:9s} {statistics.median(ours):8.3f} {statistics.median(base):10.3f} "
+      f"{ratio:13.3f}x  {min(paired):.2f}-{max(paired):.2f}x"
+    )
   if args.json:
     pathlib.Path(args.json).write_text(json.dumps(result, indent=2))
   return result

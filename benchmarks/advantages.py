@@ -66,15 +66,20 @@ def main() -> None:
   parser.add_argument("--g", type=int, nargs="+", default=[8, 16, 64])
   parser.add_argument("--tau", type=float, default=0.6)
   parser.add_argument("--repeats", type=int, default=21)
-  parser.add_argument("--loop_repeats", type=int, default=5,
-                      help="repeats of the slow Python double loop")
+  parser.add_argument(
+    "--loop_repeats", type=int, default=5, help="repeats of the slow Python double loop"
+  )
   args = parser.parse_args()
 
   kernel = jax.jit(lambda r, s, v: advantages.capo(r, s, v, tau=args.tau))
-  print(f"device: {jax.devices()[0].device_kind}, Q = {args.q}, tau = {args.tau}, "
-        f"median of {args.repeats} (loop: {args.loop_repeats}) calls")
-  header = (f"{'G':>4} {'jax jit+vmap us':>16} {'numpy-vec us':>13} {'numpy-loop us':>14} "
-            f"{'vec/jax':>8} {'loop/jax':>9}")
+  print(
+    f"device: {jax.devices()[0].device_kind}, Q = {args.q}, tau = {args.tau}, "
+    f"median of {args.repeats} (loop: {args.loop_repeats}) calls"
+  )
+  header = (
+    f"{'G':>4} {'jax jit+vmap us':>16} {'numpy-vec us':>13} {'numpy-loop us':>14} "
+    f"{'vec/jax':>8} {'loop/jax':>9}"
+  )
   print(header)
   rng = np.random.default_rng(0)
   for g in args.g:
@@ -86,11 +91,18 @@ def main() -> None:
     want = capo_numpy_loop(r.astype(np.float64), s.astype(np.float64), args.tau)
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-6)
     np.testing.assert_allclose(capo_numpy_vec(r, s, args.tau), want, rtol=1e-4, atol=1e-6)
-    fast = _median_us({"jax": lambda: kernel(r_d, s_d, v_d).block_until_ready(),
-                       "vec": lambda: capo_numpy_vec(r, s, args.tau)}, args.repeats)
+    fast = _median_us(
+      {
+        "jax": lambda: kernel(r_d, s_d, v_d).block_until_ready(),
+        "vec": lambda: capo_numpy_vec(r, s, args.tau),
+      },
+      args.repeats,
+    )
     slow = _median_us({"loop": lambda: capo_numpy_loop(r, s, args.tau)}, args.loop_repeats)
-    print(f"{g:>4} {fast['jax']:>16.1f} {fast['vec']:>13.1f} {slow['loop']:>14.0f} "
-          f"{fast['vec'] / fast['jax']:>8.1f} {slow['loop'] / fast['jax']:>9.0f}")
+    print(
+      f"{g:>4} {fast['jax']:>16.1f} {fast['vec']:>13.1f} {slow['loop']:>14.0f} "
+      f"{fast['vec'] / fast['jax']:>8.1f} {slow['loop'] / fast['jax']:>9.0f}"
+    )
 
 
 if __name__ == "__main__":

@@ -57,32 +57,41 @@ def main() -> None:
   W, S = args.slots, args.cols
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, W), jnp.int32)
   blk = engine.KV_BLOCK
-  cases = {f"filled {args.filled} of {S}": (args.filled, blk), f"full {S} of {S}": (S, blk),
-           f"all columns, one softmax": (args.filled, S)}  # block = S: attend_full
+  cases = {
+    f"filled {args.filled} of {S}": (args.filled, blk),
+    f"full {S} of {S}": (S, blk),
+    "all columns, one softmax": (args.filled, S),
+  }  # block = S: attend_full
   caches = {}
   for name, (filled, block) in cases.items():  # warm-up: compile, first touch
     cache = decode.SlotCache.empty(cfg, W, S)
     cache = _all_real(cache)
-    out, caches[name] = _step(params, tokens, cache, jnp.int32(filled), cfg=cfg, block=block,
-                              cols=S)
+    out, caches[name] = _step(
+      params, tokens, cache, jnp.int32(filled), cfg=cfg, block=block, cols=S
+    )
     jax.block_until_ready(out)
   times = {n: [] for n in cases}
   for r in range(args.rounds):
     for name, (filled, block) in cases.items():
       t0 = time.perf_counter()
-      out, caches[name] = _step(params, tokens, caches[name], jnp.int32(filled), cfg=cfg,
-                                block=block, cols=S)
+      out, caches[name] = _step(
+        params, tokens, caches[name], jnp.int32(filled), cfg=cfg, block=block, cols=S
+      )
       jax.block_until_ready(out)
       times[name].append(time.perf_counter() - t0)
   med = {n: float(np.median(t)) for n, t in times.items()}
   kv_mb = 2 * cfg.num_layers * W * S * cfg.num_kv_heads * cfg.head_dim * 4 / 1e6
-  print(f"{W} slots x {S} columns (KV {kv_mb:.0f} MB float32), block {blk}, "
-        f"{qwen2.num_params(params) / 1e6:.1f}M params; jax {jax.__version__}")
+  print(
+    f"{W} slots x {S} columns (KV {kv_mb:.0f} MB float32), block {blk}, "
+    f"{qwen2.num_params(params) / 1e6:.1f}M params; jax {jax.__version__}"
+  )
   names = list(cases)
   for n in names:
     print(f"{n:28s} {1e3 * med[n]:8.2f} ms/step  ({med[n] / med[names[1]]:.2f} x full)")
-  print(f"filled / full = {med[names[0]] / med[names[1]]:.3f}; per round: "
-        + " ".join(f"{a / b:.3f}" for a, b in zip(times[names[0]], times[names[1]])))
+  print(
+    f"filled / full = {med[names[0]] / med[names[1]]:.3f}; per round: "
+    + " ".join(f"{a / b:.3f}" for a, b in zip(times[names[0]], times[names[1]]))
+  )
 
 
 def _all_real(cache: decode.SlotCache) -> decode.SlotCache:

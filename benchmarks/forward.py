@@ -22,9 +22,16 @@ from models.config import Qwen2Config
 from tests import hf_utils
 
 # A mid-size Qwen2 config (27.7M parameters, tied embeddings), the same in every CPU benchmark.
-MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
-                  rope_theta=10000.0)
+MID_CONFIG = dict(
+  vocab_size=32000,
+  hidden_size=512,
+  intermediate_size=1408,
+  num_hidden_layers=4,
+  num_attention_heads=8,
+  num_key_value_heads=2,
+  tie_word_embeddings=True,
+  rope_theta=10000.0,
+)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -36,6 +43,7 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
 
   import torch  # pylint: disable=g-import-not-at-top
+
   if args.torch_threads:
     torch.set_num_threads(args.torch_threads)
   hf_model, _ = hf_utils.make_hf_model(None, seed=0, std=0.05, **MID_CONFIG)
@@ -71,9 +79,11 @@ def main(argv: list[str] | None = None) -> None:
       times[name].append(time.perf_counter() - t0)
   n_tok = args.batch * args.seq
   med = {k: statistics.median(v) for k, v in times.items()}
-  print(f"config: {n_params / 1e6:.1f}M params, batch {args.batch} x {args.seq} tokens, "
-        f"{args.repeats} alternating repeats, torch threads {torch.get_num_threads()}, "
-        f"max |logit diff| {diff:.2e}")
+  print(
+    f"config: {n_params / 1e6:.1f}M params, batch {args.batch} x {args.seq} tokens, "
+    f"{args.repeats} alternating repeats, torch threads {torch.get_num_threads()}, "
+    f"max |logit diff| {diff:.2e}"
+  )
   for k in ("jax", "torch"):
     spread = f"{min(times[k]) * 1e3:.0f}-{max(times[k]) * 1e3:.0f} ms"
     print(f"  {k:5s}: median {med[k] * 1e3:7.1f} ms ({spread})  {n_tok / med[k]:9.0f} tokens/s")

@@ -28,8 +28,14 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--new_tokens", type=int, default=64)
   args = ap.parse_args()
-  cfg = Qwen2Config.tiny(vocab_size=4096, hidden_size=256, intermediate_size=768,
-                               num_layers=4, num_heads=4, num_kv_heads=2)
+  cfg = Qwen2Config.tiny(
+    vocab_size=4096,
+    hidden_size=256,
+    intermediate_size=768,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+  )
   lcfg = lora.LoraConfig(args.rank, 2.0 * args.rank)
   base = qwen2.init_params(cfg, jax.random.key(0))
   ad = lora.init_adapters(qwen2.param_shapes(cfg), lcfg, jax.random.key(1))
@@ -41,11 +47,18 @@ def main() -> None:
 
   def sample(params):
     return sampling.generate(
-        params, cfg, tokens, mask, jax.random.key(2), sampling.SamplingSpec(
-            num_samples=4, max_new_tokens=args.new_tokens, stop_ids=())).tokens_BC
+      params,
+      cfg,
+      tokens,
+      mask,
+      jax.random.key(2),
+      sampling.SamplingSpec(num_samples=4, max_new_tokens=args.new_tokens, stop_ids=()),
+    ).tokens_BC
 
-  contenders = {"merged": lambda: sample(merge(base, ad, lcfg)),
-                "in-layer delta": lambda: sample(lora.with_adapters(base, ad, lcfg))}
+  contenders = {
+    "merged": lambda: sample(merge(base, ad, lcfg)),
+    "in-layer delta": lambda: sample(lora.with_adapters(base, ad, lcfg)),
+  }
   times = {k: [] for k in contenders}
   for name, fn in contenders.items():
     jax.block_until_ready(fn())  # compile
@@ -60,8 +73,10 @@ def main() -> None:
     merge_times.append(time.perf_counter() - t)
   med = {k: float(np.median(v)) for k, v in times.items()}
   for k, v in med.items():
-    print(f"{k:>15}: median {v * 1e3:.1f} ms per generate (16 rows x {args.new_tokens} tokens); "
-          f"rounds {[round(t * 1e3) for t in times[k]]}")
+    print(
+      f"{k:>15}: median {v * 1e3:.1f} ms per generate (16 rows x {args.new_tokens} tokens); "
+      f"rounds {[round(t * 1e3) for t in times[k]]}"
+    )
   print(f"{'merge alone':>15}: median {np.median(merge_times) * 1e3:.2f} ms")
   print(f"in-layer / merged (merge included): {med['in-layer delta'] / med['merged']:.2f}")
 

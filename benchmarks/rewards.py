@@ -30,7 +30,7 @@ _DEFAULT_DATA = pathlib.Path(__file__).resolve().parents[2] / "shared" / "data" 
 def _replace_box(solution: str, new: str) -> str:
   old = rewards.extract_boxed(solution)
   i = solution.rfind(old) if old else -1
-  return solution[:i] + new + solution[i + len(old):] if i >= 0 else solution + f"\\boxed{{{new}}}"
+  return solution[:i] + new + solution[i + len(old) :] if i >= 0 else solution + f"\\boxed{{{new}}}"
 
 
 def _perturb(answer: str) -> str:
@@ -38,7 +38,7 @@ def _perturb(answer: str) -> str:
   if not digits:
     return answer + "+1"
   i = digits[-1]
-  return answer[:i] + str((int(answer[i]) + 1) % 10) + answer[i + 1:]
+  return answer[:i] + str((int(answer[i]) + 1) % 10) + answer[i + 1 :]
 
 
 def build_pairs(path: pathlib.Path, n: int) -> tuple[list[str], list[str]]:
@@ -73,8 +73,12 @@ def _cpu_seconds(pids: list[int]) -> float:
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   ap.add_argument("--n", type=int, default=10_000)
-  ap.add_argument("--blocks", type=int, default=4,
-                  help="alternate serial/pool over this many blocks, so load drift hits both")
+  ap.add_argument(
+    "--blocks",
+    type=int,
+    default=4,
+    help="alternate serial/pool over this many blocks, so load drift hits both",
+  )
   ap.add_argument("--workers", type=int, default=None, help="default: all cores")
   ap.add_argument("--timeout", type=float, default=5.0)
   ap.add_argument("--data", type=pathlib.Path, default=_DEFAULT_DATA)
@@ -109,24 +113,33 @@ def main() -> None:
     workers = grader._pool.num_workers
 
   agree = float((r_serial == r_pool).mean())
-  print(f"pairs: {args.n} from {args.data.name}; {slow / args.n:.0%} need math-verify; "
-        f"accuracy {r_serial.mean():.3f}; cores {os.cpu_count()}; "
-        f"load average {os.getloadavg()[0]:.1f}")
-  print(f"serial (score_serial, 1 process): {args.n / wall['serial']:7.0f} pairs/s "
-        f"({wall['serial']:.1f} s wall, {cpu['serial']:.1f} CPU-s)")
-  print(f"pool (Grader, {workers} workers):       {args.n / wall['pool']:7.0f} pairs/s "
-        f"({wall['pool']:.1f} s wall, CPU-s: parent {cpu['pool parent']:.1f}, "
-        f"workers {cpu['pool workers']:.1f}; start-up {t_start:.1f} s not included)")
-  print(f"ratio pool/serial (pairs/s): {wall['serial'] / wall['pool']:.2f}x; "
-        f"CPU per pair pool/serial: "
-        f"{(cpu['pool parent'] + cpu['pool workers']) / max(cpu['serial'], 1e-9):.2f}; "
-        f"agreement {agree:.4f}")
+  print(
+    f"pairs: {args.n} from {args.data.name}; {slow / args.n:.0%} need math-verify; "
+    f"accuracy {r_serial.mean():.3f}; cores {os.cpu_count()}; "
+    f"load average {os.getloadavg()[0]:.1f}"
+  )
+  print(
+    f"serial (score_serial, 1 process): {args.n / wall['serial']:7.0f} pairs/s "
+    f"({wall['serial']:.1f} s wall, {cpu['serial']:.1f} CPU-s)"
+  )
+  print(
+    f"pool (Grader, {workers} workers):       {args.n / wall['pool']:7.0f} pairs/s "
+    f"({wall['pool']:.1f} s wall, CPU-s: parent {cpu['pool parent']:.1f}, "
+    f"workers {cpu['pool workers']:.1f}; start-up {t_start:.1f} s not included)"
+  )
+  print(
+    f"ratio pool/serial (pairs/s): {wall['serial'] / wall['pool']:.2f}x; "
+    f"CPU per pair pool/serial: "
+    f"{(cpu['pool parent'] + cpu['pool workers']) / max(cpu['serial'], 1e-9):.2f}; "
+    f"agreement {agree:.4f}"
+  )
   print(f"health serial {h_serial.as_dict()}")
   print(f"health pool   {h_pool.as_dict()}")
   if agree < 1.0:
     idx = np.flatnonzero(r_serial != r_pool)[:5]
-    print("disagreements (pool timeouts?):", [(golds[i], rewards.extract_boxed(comps[i]))
-                                              for i in idx])
+    print(
+      "disagreements (pool timeouts?):", [(golds[i], rewards.extract_boxed(comps[i])) for i in idx]
+    )
 
 
 if __name__ == "__main__":

@@ -33,8 +33,8 @@ import numpy as np
 
 from tools.rollout_sim import Shape, expected_speedup, sample_lengths, seconds, simulate
 
-
 # --- the CPU measurement ----------------------------------------------------------
+
 
 def useful_lengths(tokens_BC: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
   """Tokens up to and including the first stop id (all of them when none)."""
@@ -45,9 +45,12 @@ def useful_lengths(tokens_BC: np.ndarray, stop_ids: np.ndarray) -> np.ndarray:
 
 def describe(lengths: np.ndarray, cap: int) -> str:
   q = np.percentile(lengths, [10, 25, 50, 75, 90, 99])
-  return (f"mean {lengths.mean():.0f}, max {lengths.max()}, at cap {np.mean(lengths >= cap):.1%}; "
-          f"percentiles 10/25/50/75/90/99: " + "/".join(f"{x:.0f}" for x in q)
-          + f"; longest / mean = {lengths.max() / lengths.mean():.1f}")
+  return (
+    f"mean {lengths.mean():.0f}, max {lengths.max()}, at cap {np.mean(lengths >= cap):.1%}; "
+    f"percentiles 10/25/50/75/90/99: "
+    + "/".join(f"{x:.0f}" for x in q)
+    + f"; longest / mean = {lengths.max() / lengths.mean():.1f}"
+  )
 
 
 def measure(args: argparse.Namespace) -> None:
@@ -55,9 +58,11 @@ def measure(args: argparse.Namespace) -> None:
   import jax  # pylint: disable=g-import-not-at-top
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
+
   from benchmarks import sampling as sampling_bench  # pylint: disable=g-import-not-at-top
   from capo_jax.sampling import sampler as sampling  # pylint: disable=g-import-not-at-top
   from models import hf_weights, qwen2  # pylint: disable=g-import-not-at-top
+
   cfg = sampling_bench.bench_config(args.small)
   params = qwen2.init_params(cfg, jax.random.key(0))
   Q, G, C = args.prompts, args.samples, args.cap
@@ -65,18 +70,32 @@ def measure(args: argparse.Namespace) -> None:
   W = B // 4
   prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (Q, args.prompt_len))
   mask = np.ones_like(prompts)
-  stops = np.random.default_rng(1).choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // 100,
-                                          replace=False).astype(np.int32)
-  print(f"model {qwen2.num_params(params) / 1e6:.1f}M params; {Q} prompts x {G} samples = {B} "
-        f"rows, prompt {args.prompt_len}, cap {C}; {stops.size} stop ids of {cfg.vocab_size}; "
-        f"engine W = {W}; jax {jax.__version__}, {os.cpu_count()} CPUs", flush=True)
+  stops = (
+    np.random.default_rng(1)
+    .choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // 100, replace=False)
+    .astype(np.int32)
+  )
+  print(
+    f"model {qwen2.num_params(params) / 1e6:.1f}M params; {Q} prompts x {G} samples = {B} "
+    f"rows, prompt {args.prompt_len}, cap {C}; {stops.size} stop ids of {cfg.vocab_size}; "
+    f"engine W = {W}; jax {jax.__version__}, {os.cpu_count()} CPUs",
+    flush=True,
+  )
 
   def engine(n):
     def run(seed):
       out = sampling.generate(
-          params, cfg, prompts, mask, jax.random.key(seed), sampling.SamplingSpec(
-              num_samples=G, max_new_tokens=C, stop_ids=stops.tolist(), max_active_rows=n))
+        params,
+        cfg,
+        prompts,
+        mask,
+        jax.random.key(seed),
+        sampling.SamplingSpec(
+          num_samples=G, max_new_tokens=C, stop_ids=stops.tolist(), max_active_rows=n
+        ),
+      )
       return np.asarray(out.tokens_BC), np.asarray(out.lengths_B)
+
     return run
 
   torch.set_num_threads(args.torch_threads)
@@ -88,10 +107,18 @@ def measure(args: argparse.Namespace) -> None:
   def hf(seed):
     torch.manual_seed(seed)
     with torch.inference_mode():
-      out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                           temperature=1.0, top_k=0, top_p=1.0, max_new_tokens=C,
-                           eos_token_id=stops.tolist(), pad_token_id=0)
-    tokens = out[:, prompts.shape[1]:].numpy()
+      out = model.generate(
+        input_ids=ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=True,
+        temperature=1.0,
+        top_k=0,
+        top_p=1.0,
+        max_new_tokens=C,
+        eos_token_id=stops.tolist(),
+        pad_token_id=0,
+      )
+    tokens = out[:, prompts.shape[1] :].numpy()
     return tokens, useful_lengths(tokens, stops)
 
   runners = {f"engine W={W}": engine(W), f"all {B} rows": engine(None), "transformers": hf}
@@ -103,15 +130,21 @@ def measure(args: argparse.Namespace) -> None:
     t0 = time.perf_counter()
     warm[name] = run(0)
     dt = time.perf_counter() - t0
-    print(f"warm-up {name} (compiles): {dt:.1f}s, {warm[name][1].sum() / dt:.0f} useful "
-          f"tokens/s; lengths {describe(warm[name][1], C)}", flush=True)
-  print("warm-up: engine samples identical to all-rows:",
-        np.array_equal(warm[names[0]][0], warm[names[1]][0]), flush=True)
+    print(
+      f"warm-up {name} (compiles): {dt:.1f}s, {warm[name][1].sum() / dt:.0f} useful "
+      f"tokens/s; lengths {describe(warm[name][1], C)}",
+      flush=True,
+    )
+  print(
+    "warm-up: engine samples identical to all-rows:",
+    np.array_equal(warm[names[0]][0], warm[names[1]][0]),
+    flush=True,
+  )
   secs = {n: [] for n in names}
   useful = {n: [] for n in names}
   for r in range(args.rounds):
     outs = {}
-    for name in names[r % len(names):] + names[:r % len(names)]:  # rotate who goes first
+    for name in names[r % len(names) :] + names[: r % len(names)]:  # rotate who goes first
       t0 = time.perf_counter()
       outs[name] = runners[name](r + 1)
       secs[name].append(time.perf_counter() - t0)
@@ -119,8 +152,12 @@ def measure(args: argparse.Namespace) -> None:
     same = np.array_equal(outs[names[0]][0], outs[names[1]][0])
     if not same:
       raise RuntimeError(f"round {r + 1}: the engine's samples differ from the all-rows decode")
-    print(f"round {r + 1}: " + ", ".join(f"{n} {secs[n][-1]:.1f}s" for n in names)
-          + "; engine samples identical to all-rows: yes", flush=True)
+    print(
+      f"round {r + 1}: "
+      + ", ".join(f"{n} {secs[n][-1]:.1f}s" for n in names)
+      + "; engine samples identical to all-rows: yes",
+      flush=True,
+    )
     print(f"  lengths (ours): {describe(outs[names[0]][1], C)}", flush=True)
     if "transformers" in outs:
       print(f"  lengths (transformers): {describe(outs['transformers'][1], C)}", flush=True)
@@ -129,43 +166,60 @@ def measure(args: argparse.Namespace) -> None:
   rate = {n: sum(useful[n]) / sum(secs[n]) for n in names}
   print(f"\n{'sampler':18s} {'useful tok/s':>12s} {'vs all rows':>11s}  per-round ratio")
   for n in names:
-    paired = [(u / s) / (ua / sa) for u, s, ua, sa in
-              zip(useful[n], secs[n], useful[names[1]], secs[names[1]])]
-    print(f"{n:18s} {rate[n]:12.0f} {rate[n] / rate[names[1]]:10.2f}x  "
-          + " ".join(f"{x:.2f}" for x in paired))
+    paired = [
+      (u / s) / (ua / sa)
+      for u, s, ua, sa in zip(useful[n], secs[n], useful[names[1]], secs[names[1]])
+    ]
+    print(
+      f"{n:18s} {rate[n]:12.0f} {rate[n] / rate[names[1]]:10.2f}x  "
+      + " ".join(f"{x:.2f}" for x in paired)
+    )
   if "transformers" in rate:
     print(f"engine / transformers: {rate[names[0]] / rate['transformers']:.2f}x", flush=True)
 
 
 # --- the scheduler simulation -------------------------------------------------------
 
+
 def simulation(shape: Shape, slot_counts: list[int]) -> None:
   L = sample_lengths(np.random.default_rng(0), shape)
-  print(f"\n== simulation: {shape.rows} rows, prompt {shape.prompt_len} + cap {shape.cap}, "
-        f"block {shape.block}; weights {shape.weight_bytes / 1e9:.2f} GB x {shape.replicas}, "
-        f"KV {shape.kv_bytes} B/position, {shape.bandwidth / 1e9:.0f} GB/s")
+  print(
+    f"\n== simulation: {shape.rows} rows, prompt {shape.prompt_len} + cap {shape.cap}, "
+    f"block {shape.block}; weights {shape.weight_bytes / 1e9:.2f} GB x {shape.replicas}, "
+    f"KV {shape.kv_bytes} B/position, {shape.bandwidth / 1e9:.0f} GB/s"
+  )
   print(f"lengths: {describe(L, shape.cap)}; useful tokens {L.sum()}")
   lock = simulate(L, shape, None)
   t_old = seconds(lock, shape, read="kv_read_full")
   t_lock = seconds(lock, shape)
-  print(f"{'decode':24s} {'steps':>6s} {'rows/step':>9s} {'KV GiB':>7s} {'KV read/step GB':>15s} "
-        f"{'time s':>7s} {'speedup':>8s}")
+  print(
+    f"{'decode':24s} {'steps':>6s} {'rows/step':>9s} {'KV GiB':>7s} {'KV read/step GB':>15s} "
+    f"{'time s':>7s} {'speedup':>8s}"
+  )
   kv_gib = lambda n: n * (shape.prompt_len + shape.cap) * shape.kv_bytes / 1024**3
-  print(f"{'lockstep, full cache':24s} {lock['steps']:6d} {shape.rows:9d} {kv_gib(shape.rows):7.1f} "
-        f"{lock['kv_read_full'] * shape.kv_bytes / lock['steps'] / 1e9:15.1f} {t_old:7.1f} "
-        f"{1.0:7.2f}x")
-  print(f"{'lockstep, filled blocks':24s} {lock['steps']:6d} {shape.rows:9d} "
-        f"{kv_gib(shape.rows):7.1f} {lock['kv_read'] * shape.kv_bytes / lock['steps'] / 1e9:15.1f}"
-        f" {t_lock:7.1f} {t_old / t_lock:7.2f}x")
+  print(
+    f"{'lockstep, full cache':24s} {lock['steps']:6d} {shape.rows:9d} {kv_gib(shape.rows):7.1f} "
+    f"{lock['kv_read_full'] * shape.kv_bytes / lock['steps'] / 1e9:15.1f} {t_old:7.1f} "
+    f"{1.0:7.2f}x"
+  )
+  print(
+    f"{'lockstep, filled blocks':24s} {lock['steps']:6d} {shape.rows:9d} "
+    f"{kv_gib(shape.rows):7.1f} {lock['kv_read'] * shape.kv_bytes / lock['steps'] / 1e9:15.1f}"
+    f" {t_lock:7.1f} {t_old / t_lock:7.2f}x"
+  )
   for n in slot_counts:
     sim = simulate(L, shape, n)
     for read, label in (("kv_read", f"engine W={n}"), ("kv_read_own", "  each row its own")):
       t = seconds(sim, shape, read)
-      print(f"{label:24s} {sim['steps']:6d} {n:9d} {kv_gib(n):7.1f} "
-            f"{sim[read] * shape.kv_bytes / sim['steps'] / 1e9:15.1f} {t:7.1f} "
-            f"{t_old / t:7.2f}x")
-  print("expected speedup over the lockstep full-cache decode (mean of 4 length draws): "
-        + ", ".join(f"W={n}: {expected_speedup(shape, n):.2f}x" for n in slot_counts))
+      print(
+        f"{label:24s} {sim['steps']:6d} {n:9d} {kv_gib(n):7.1f} "
+        f"{sim[read] * shape.kv_bytes / sim['steps'] / 1e9:15.1f} {t:7.1f} "
+        f"{t_old / t:7.2f}x"
+      )
+  print(
+    "expected speedup over the lockstep full-cache decode (mean of 4 length draws): "
+    + ", ".join(f"W={n}: {expected_speedup(shape, n):.2f}x" for n in slot_counts)
+  )
 
 
 def main() -> None:
@@ -175,8 +229,12 @@ def main() -> None:
   ap.add_argument("--prompt-len", type=int, default=32)
   ap.add_argument("--cap", type=int, default=1024)
   ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument("--torch-threads", type=int, default=1,
-                  help="torch intra-op threads (1: faster than torch's default on a shared box)")
+  ap.add_argument(
+    "--torch-threads",
+    type=int,
+    default=1,
+    help="torch intra-op threads (1: faster than torch's default on a shared box)",
+  )
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
   ap.add_argument("--no-transformers", action="store_true", help="our two decodes only")
   ap.add_argument("--simulate", action="store_true", help="the simulation only")

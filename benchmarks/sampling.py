@@ -1,4 +1,4 @@
-"""Generated tokens/s of capo_jax.sampling.sampler vs transformers generate (and Tunix), same weights.
+"""Generated tokens/s of capo_jax.sampling.sampler vs transformers generate (and Tunix).
 
   python -m benchmarks.sampling              # 32 prompts x 64 tokens, 128 new, 5 rounds
   python -m benchmarks.sampling --tunix      # also Tunix (benchmarks/.venv-tunix, see
@@ -44,10 +44,24 @@ MODES = ("sample", "greedy")
 
 def bench_config(small: bool) -> Qwen2Config:
   if small:
-    return Qwen2Config(vocab_size=2048, hidden_size=64, intermediate_size=128, num_layers=2,
-                       num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
-  return Qwen2Config(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_layers=4,
-                     num_heads=8, num_kv_heads=2, tie_word_embeddings=True)
+    return Qwen2Config(
+      vocab_size=2048,
+      hidden_size=64,
+      intermediate_size=128,
+      num_layers=2,
+      num_heads=4,
+      num_kv_heads=2,
+      tie_word_embeddings=True,
+    )
+  return Qwen2Config(
+    vocab_size=32000,
+    hidden_size=512,
+    intermediate_size=1408,
+    num_layers=4,
+    num_heads=8,
+    num_kv_heads=2,
+    tie_word_embeddings=True,
+  )
 
 
 def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
@@ -55,17 +69,28 @@ def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
 
   def run(mode: str, seed: int) -> np.ndarray:
     out = sampling.generate(
-        params, cfg, prompts, mask, jax.random.key(seed), sampling.SamplingSpec(
-            num_samples=1, max_new_tokens=new_tokens, strategy=strategies.make_strategy(1.0 if mode ==
-            "sample" else 0.0)))
+      params,
+      cfg,
+      prompts,
+      mask,
+      jax.random.key(seed),
+      sampling.SamplingSpec(
+        num_samples=1,
+        max_new_tokens=new_tokens,
+        strategy=strategies.make_strategy(1.0 if mode == "sample" else 0.0),
+      ),
+    )
     return np.asarray(out.tokens_BC)
+
   return run
 
 
-def transformers_runner(ckpt: str, prompts: np.ndarray, new_tokens: int,
-                        threads: int | None) -> Callable:
+def transformers_runner(
+  ckpt: str, prompts: np.ndarray, new_tokens: int, threads: int | None
+) -> Callable:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
+
   if threads:
     torch.set_num_threads(threads)
   model = transformers.Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
@@ -74,12 +99,23 @@ def transformers_runner(ckpt: str, prompts: np.ndarray, new_tokens: int,
 
   def run(mode: str, seed: int) -> np.ndarray:
     torch.manual_seed(seed)
-    kw = dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0) if mode == "sample" else dict(
-        do_sample=False)
+    kw = (
+      dict(do_sample=True, temperature=1.0, top_k=0, top_p=1.0)
+      if mode == "sample"
+      else dict(do_sample=False)
+    )
     with torch.inference_mode():
-      out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=new_tokens,
-                           min_new_tokens=new_tokens, eos_token_id=None, pad_token_id=0, **kw)
-    return out[:, prompts.shape[1]:].numpy()
+      out = model.generate(
+        input_ids=ids,
+        attention_mask=mask,
+        max_new_tokens=new_tokens,
+        min_new_tokens=new_tokens,
+        eos_token_id=None,
+        pad_token_id=0,
+        **kw,
+      )
+    return out[:, prompts.shape[1] :].numpy()
+
   return run
 
 
@@ -87,11 +123,25 @@ class TunixRunner:
   """benchmarks/tunix_sampling.py --serve in the Tunix venv, driven over stdin."""
 
   def __init__(self, ckpt: str, prompts_path: str, new_tokens: int):
-    cmd = [str(TUNIX_PYTHON), str(REPO / "benchmarks" / "tunix_sampling.py"), "--ckpt", ckpt,
-           "--prompts", prompts_path, "--new-tokens", str(new_tokens), "--serve"]
+    cmd = [
+      str(TUNIX_PYTHON),
+      str(REPO / "benchmarks" / "tunix_sampling.py"),
+      "--ckpt",
+      ckpt,
+      "--prompts",
+      prompts_path,
+      "--new-tokens",
+      str(new_tokens),
+      "--serve",
+    ]
     print("starting:", " ".join(cmd), flush=True)
-    self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                                 env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    self.proc = subprocess.Popen(
+      cmd,
+      stdin=subprocess.PIPE,
+      stdout=subprocess.PIPE,
+      text=True,
+      env=dict(os.environ, JAX_PLATFORMS="cpu"),
+    )
     line = self.proc.stdout.readline()
     if not line:
       raise RuntimeError(f"tunix worker exited with {self.proc.wait()} before it was ready")
@@ -120,37 +170,49 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--tunix", action="store_true", help="also time Tunix (needs its venv)")
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
-  ap.add_argument("--torch-threads", type=int, default=None,
-                  help="torch intra-op threads (default: torch's, one per core); on a "
-                       "machine shared with other jobs 1 thread can be faster than 2")
+  ap.add_argument(
+    "--torch-threads",
+    type=int,
+    default=None,
+    help="torch intra-op threads (default: torch's, one per core); on a "
+    "machine shared with other jobs 1 thread can be faster than 2",
+  )
   ap.add_argument("--json", help="write the medians here")
   args = ap.parse_args()
   if args.small:
     args.batch, args.prompt_len, args.new_tokens, args.rounds = 4, 8, 16, 2
   cfg = bench_config(args.small)
   params = qwen2.init_params(cfg, jax.random.key(0))
-  prompts = np.random.default_rng(0).integers(3, cfg.vocab_size,
-                                              (args.batch, args.prompt_len)).astype(np.int32)
+  prompts = (
+    np.random.default_rng(0)
+    .integers(3, cfg.vocab_size, (args.batch, args.prompt_len))
+    .astype(np.int32)
+  )
   n_tokens = args.batch * args.new_tokens
-  print(f"model {qwen2.num_params(params) / 1e6:.1f}M params; {args.batch} prompts x "
-        f"{args.prompt_len} tokens, {args.new_tokens} new tokens each; jax {jax.__version__}, "
-        f"{os.cpu_count()} CPUs", flush=True)
+  print(
+    f"model {qwen2.num_params(params) / 1e6:.1f}M params; {args.batch} prompts x "
+    f"{args.prompt_len} tokens, {args.new_tokens} new tokens each; jax {jax.__version__}, "
+    f"{os.cpu_count()} CPUs",
+    flush=True,
+  )
 
   with tempfile.TemporaryDirectory() as tmp:
     ckpt = os.path.join(tmp, "ckpt")
     hf_weights.save_pretrained(cfg, params, ckpt)
     runners: dict[str, Callable] = {
-        "capo_jax": ours_runner(params, cfg, prompts, args.new_tokens),
-        "transformers": transformers_runner(ckpt, prompts, args.new_tokens,
-                                            args.torch_threads)}
+      "capo_jax": ours_runner(params, cfg, prompts, args.new_tokens),
+      "transformers": transformers_runner(ckpt, prompts, args.new_tokens, args.torch_threads),
+    }
     tunix = None
     if args.tunix:
       if not TUNIX_PYTHON.exists():
-        raise SystemExit(f"--tunix: {TUNIX_PYTHON} not found; create the venv as in "
-                         "benchmarks/tunix_sampling.py")
+        raise SystemExit(
+          f"--tunix: {TUNIX_PYTHON} not found; create the venv as in benchmarks/tunix_sampling.py"
+        )
       np.save(os.path.join(tmp, "prompts.npy"), prompts)
-      tunix = runners["tunix"] = TunixRunner(ckpt, os.path.join(tmp, "prompts.npy"),
-                                             args.new_tokens)
+      tunix = runners["tunix"] = TunixRunner(
+        ckpt, os.path.join(tmp, "prompts.npy"), args.new_tokens
+      )
     try:
       firsts = {}
       for mode in MODES:  # warm-up: compilation, one-time allocations
@@ -168,17 +230,28 @@ def main() -> None:
             elif tokens.shape != (args.batch, args.new_tokens):
               raise RuntimeError(f"{name} {mode}: got {tokens.shape} tokens")
             times[name, mode].append(dt)
-          print(f"round {r + 1} {mode}: " + ", ".join(
-              f"{n} {times[n, mode][-1]:.2f}s" for n in runners), flush=True)
+          print(
+            f"round {r + 1} {mode}: "
+            + ", ".join(f"{n} {times[n, mode][-1]:.2f}s" for n in runners),
+            flush=True,
+          )
     finally:
       if tunix is not None:
         tunix.close()
 
-  agree = {n: float((firsts[n, "greedy"][0] == firsts["capo_jax", "greedy"][0]).mean())
-           for n in runners if n != "capo_jax"}
-  result = {"batch": args.batch, "prompt_len": args.prompt_len, "new_tokens": args.new_tokens,
-            "rounds": args.rounds, "torch_threads": args.torch_threads,
-            "greedy_row0_agreement": agree}
+  agree = {
+    n: float((firsts[n, "greedy"][0] == firsts["capo_jax", "greedy"][0]).mean())
+    for n in runners
+    if n != "capo_jax"
+  }
+  result = {
+    "batch": args.batch,
+    "prompt_len": args.prompt_len,
+    "new_tokens": args.new_tokens,
+    "rounds": args.rounds,
+    "torch_threads": args.torch_threads,
+    "greedy_row0_agreement": agree,
+  }
   print(f"\n{'sampler':14s} {'mode':7s} {'median s':>9s} {'tokens/s':>9s} {'ours / it':>9s}")
   for mode in MODES:
     ours = np.median(times["capo_jax", mode])

@@ -39,8 +39,15 @@ from models import qwen2
 from models.config import Qwen2Config
 from tests.batches import HostBatch
 
-SMALL = dict(vocab_size=8192, hidden_size=256, intermediate_size=704, num_layers=2,
-             num_heads=4, num_kv_heads=2, tie_word_embeddings=True)
+SMALL = dict(
+  vocab_size=8192,
+  hidden_size=256,
+  intermediate_size=704,
+  num_layers=2,
+  num_heads=4,
+  num_kv_heads=2,
+  tie_word_embeddings=True,
+)
 CAP, BUCKET = 1024, 16
 
 
@@ -54,12 +61,13 @@ def long_tail_batch(rows: int, seed: int, vocab: int) -> tuple[HostBatch, int]:
   pmask = (np.arange(P)[None] >= P - p_B[:, None]).astype(np.int32)
   cmask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
   batch = HostBatch(
-      prompt_tokens_BP=rng.integers(1, vocab, (rows, P)).astype(np.int32) * pmask,
-      prompt_mask_BP=pmask,
-      completion_tokens_BC=rng.integers(1, vocab, (rows, C)).astype(np.int32) * cmask,
-      completion_mask_BC=cmask,
-      old_logp_BC=(rng.normal(size=(rows, C)) * 0.1 - np.log(vocab)).astype(np.float32) * cmask,
-      adv_B=rng.normal(size=rows).astype(np.float32))
+    prompt_tokens_BP=rng.integers(1, vocab, (rows, P)).astype(np.int32) * pmask,
+    prompt_mask_BP=pmask,
+    completion_tokens_BC=rng.integers(1, vocab, (rows, C)).astype(np.int32) * cmask,
+    completion_mask_BC=cmask,
+    old_logp_BC=(rng.normal(size=(rows, C)) * 0.1 - np.log(vocab)).astype(np.float32) * cmask,
+    adv_B=rng.normal(size=rows).astype(np.float32),
+  )
   return batch, int(p_B.sum() + c_B.sum())
 
 
@@ -82,13 +90,13 @@ def main(argv: list[str] | None = None) -> None:
   pack_len = P + CAP
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   rules = mesh_lib.TRAIN_RULES
-  tcfg = ts.TrainConfig(loss=LossConfig(agg="seq-mean-token-mean"),
-                        optim=OptimConfig(learning_rate=1e-6))
+  tcfg = ts.TrainConfig(
+    loss=LossConfig(agg="seq-mean-token-mean"), optim=OptimConfig(learning_rate=1e-6)
+  )
   # Each side: its model config, rows per micro-batch and host layout of the batch.
   contenders = {
-      "padded": (cfg, B // args.microbatches, dict(pack=False)),
-      "packed": (cfg.replace(attention="auto"), args.pack_rows,
-                 dict(pack=True, row_len=pack_len)),
+    "padded": (cfg, B // args.microbatches, dict(pack=False)),
+    "packed": (cfg.replace(attention="auto"), args.pack_rows, dict(pack=True, row_len=pack_len)),
   }
   steps, states = {}, {}
   for name, (mcfg, rows_per_mb, _) in contenders.items():
@@ -109,18 +117,24 @@ def main(argv: list[str] | None = None) -> None:
       times[name].append(run(name))
   packed = batch.train_batch(args.pack_rows, pack=True, row_len=pack_len)
   used_rows = int((packed.rows.segment_ids_YT > 0).any(-1).sum())
-  print(f"model: {qwen2.num_params(params) / 1e6:.1f}M params; {B} sequences, {real_tokens} real "
-        f"tokens; padded grid {B} x ({P} + {C}) = {B * (P + C)} tokens "
-        f"({real_tokens / (B * (P + C)):.0%} real); packed {used_rows} rows x {pack_len} = "
-        f"{used_rows * pack_len} ({real_tokens / (used_rows * pack_len):.0%} real), "
-        f"{args.pack_rows} rows per micro-batch; first call (compile) "
-        + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items()))
+  print(
+    f"model: {qwen2.num_params(params) / 1e6:.1f}M params; {B} sequences, {real_tokens} real "
+    f"tokens; padded grid {B} x ({P} + {C}) = {B * (P + C)} tokens "
+    f"({real_tokens / (B * (P + C)):.0%} real); packed {used_rows} rows x {pack_len} = "
+    f"{used_rows * pack_len} ({real_tokens / (used_rows * pack_len):.0%} real), "
+    f"{args.pack_rows} rows per micro-batch; first call (compile) "
+    + ", ".join(f"{k} {v:.1f} s" for k, v in compile_s.items())
+  )
   med = {k: statistics.median(v) for k, v in times.items()}
   for k, v in times.items():
-    print(f"  {k:7s}: median {med[k]:6.2f} s ({min(v):.2f}-{max(v):.2f})  "
-          f"{real_tokens / med[k]:7.0f} real tokens/s")
-  print(f"ratio packed / padded real tokens/s: {med['padded'] / med['packed']:.2f}x "
-        f"({args.repeats} alternated rounds)")
+    print(
+      f"  {k:7s}: median {med[k]:6.2f} s ({min(v):.2f}-{max(v):.2f})  "
+      f"{real_tokens / med[k]:7.0f} real tokens/s"
+    )
+  print(
+    f"ratio packed / padded real tokens/s: {med['padded'] / med['packed']:.2f}x "
+    f"({args.repeats} alternated rounds)"
+  )
 
 
 if __name__ == "__main__":

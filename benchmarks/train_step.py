@@ -16,7 +16,8 @@ capo_jax then of torch (the machines are shared, so the two alternate). A real
 run takes the same step back to back, so the ratio compares the steady-state
 steps, each block's first step left out; those first steps are printed beside
 it (the first capo_jax step after any other computation, the torch block or the
-matmul-peak probe that ends each round, has run slower: docs/benchmarks.md). Like ``python -m capo_jax.main``, the benchmark first re-executes
+matmul-peak probe that ends each round, has run slower: docs/benchmarks.md).
+Like ``python -m capo_jax.main``, the benchmark first re-executes
 itself with glibc's transparent huge pages for the host heap
 (``capo_jax/hugepages.py``; both peers get them; ``CAPO_HUGEPAGES=0`` runs
 without), and it prints the page faults per step.
@@ -40,6 +41,7 @@ import time
 
 if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py)
   from capo_jax import hugepages
+
   hugepages.reexec_with_hugepages()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -57,17 +59,30 @@ from tests import hf_utils
 from tests.batches import HostBatch, padded_pass
 
 # A mid-size Qwen2 config (27.7M parameters, tied embeddings), the same in every CPU benchmark.
-MID_CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=4,
-                  num_attention_heads=8, num_key_value_heads=2, tie_word_embeddings=True,
-                  rope_theta=10000.0)
+MID_CONFIG = dict(
+  vocab_size=32000,
+  hidden_size=512,
+  intermediate_size=1408,
+  num_hidden_layers=4,
+  num_attention_heads=8,
+  num_key_value_heads=2,
+  tie_word_embeddings=True,
+  rope_theta=10000.0,
+)
 LR, WD, CLIP, EPS = 1e-6, 0.01, 1.0, 0.2
 
 
 def step_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
   """Model FLOPs of one train step (formula in the module docstring)."""
   T = P + C
-  D, F, N, K, H, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                      cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+  D, F, N, K, H, L = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.num_layers,
+  )
   layer_matmul = D * N * H * 2 + D * K * H * 2 + 3 * D * F
   fwd = 2 * B * T * L * layer_matmul + 2 * B * C * D * cfg.vocab_size + L * 4 * B * T * T * N * H
   return 3.0 * fwd
@@ -93,16 +108,20 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--completion", type=int, default=192)
   parser.add_argument("--chunk", type=int, default=0, help="capo_jax logprob chunk (0: none)")
   parser.add_argument("--repeats", type=int, default=3, help="rounds of one block each")
-  parser.add_argument("--block", type=int, default=3,
-                      help="consecutive steps per framework and round (>= 2)")
+  parser.add_argument(
+    "--block", type=int, default=3, help="consecutive steps per framework and round (>= 2)"
+  )
   parser.add_argument("--attention", default="auto", help="model.attention of capo_jax")
   args = parser.parse_args(argv)
   if args.block < 2 or args.repeats < 1:
-    parser.error(f"--block must be >= 2 (its first step is left out) and --repeats >= 1, got "
-                 f"{args.block} and {args.repeats}")
+    parser.error(
+      f"--block must be >= 2 (its first step is left out) and --repeats >= 1, got "
+      f"{args.block} and {args.repeats}"
+    )
   B, P, C = args.batch, args.prompt, args.completion
 
   import torch  # pylint: disable=g-import-not-at-top
+
   hf_model, _ = hf_utils.make_hf_model(None, seed=0, std=0.02, **MID_CONFIG)
   cfg = Qwen2Config.from_hf(hf_model.config.to_dict(), attention=args.attention)
   state_dict = {k: v.detach().float().numpy() for k, v in hf_model.state_dict().items()}
@@ -118,24 +137,30 @@ def main(argv: list[str] | None = None) -> None:
   # capo_jax: one device, float32, token-mean PPO loss.
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
   rules = mesh_lib.TRAIN_RULES
-  tcfg = ts.TrainConfig(loss=LossConfig(agg="token-mean", eps_low=EPS, eps_high=EPS),
-                        optim=OptimConfig(learning_rate=LR, weight_decay=WD, grad_clip=CLIP),
-                        logprob_chunk_size=args.chunk)
+  tcfg = ts.TrainConfig(
+    loss=LossConfig(agg="token-mean", eps_low=EPS, eps_high=EPS),
+    optim=OptimConfig(learning_rate=LR, weight_decay=WD, grad_clip=CLIP),
+    logprob_chunk_size=args.chunk,
+  )
   state = ts.train_state_from_params(params, cfg, tcfg, mesh, rules)
   lp = padded_pass(cfg, mesh, rules, B, chunk_size=args.chunk)
-  old = lp.run(state.params, lp.upload(prompt, ones_p, completion, ones_c), ones_c,
-               ("logp_BC",))["logp_BC"]
+  old = lp.run(state.params, lp.upload(prompt, ones_p, completion, ones_c), ones_c, ("logp_BC",))[
+    "logp_BC"
+  ]
   # Perturbed old log-probs so some ratios clip, as in a real update.
   old = np.asarray(old) + rng.normal(scale=0.1, size=(B, C)).astype(np.float32)
   # One micro-batch of B rows, one sequence of P + C tokens per row.
-  batch = jax.device_put(HostBatch(prompt, ones_p, completion, ones_c, old, adv).train_batch(B),
-                         ts.batch_sharding(mesh, rules, B))
+  batch = jax.device_put(
+    HostBatch(prompt, ones_p, completion, ones_c, old, adv).train_batch(B),
+    ts.batch_sharding(mesh, rules, B),
+  )
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, B)
 
   # PyTorch: the same loss written out, AdamW, clip_grad_norm_.
   hf_model.train()
-  opt = torch.optim.AdamW(hf_model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8,
-                          weight_decay=WD)
+  opt = torch.optim.AdamW(
+    hf_model.parameters(), lr=LR, betas=(0.9, 0.999), eps=1e-8, weight_decay=WD
+  )
   ids_pt = torch.as_tensor(np.concatenate([prompt, completion], 1), dtype=torch.long)
   mask_pt = torch.ones_like(ids_pt)
   comp_pt = torch.as_tensor(completion, dtype=torch.long)
@@ -181,23 +206,33 @@ def main(argv: list[str] | None = None) -> None:
   flops = step_flops(cfg, B, P, C)
   n_tok = B * (P + C)
   tunables = os.environ.get("GLIBC_TUNABLES", "")
-  print(f"config: {n_params / 1e6:.1f}M params, batch {B} x ({P} prompt + {C} completion) tokens, "
-        f"logprob chunk {args.chunk}, attention {args.attention}, {args.repeats} rounds of "
-        f"{args.block} steps each, torch threads {torch.get_num_threads()}, jax compile "
-        f"{compile_s:.1f} s; host heap huge pages: "
-        f"{'on' if 'malloc.hugetlb' in tunables else 'off'} (GLIBC_TUNABLES={tunables!r})")
-  print(f"first-step loss: capo_jax {loss_jax:.6f}, torch {loss_torch:.6f} "
-        f"(|diff| {abs(loss_jax - loss_torch):.1e})")
-  print(f"model FLOPs per step {flops / 1e9:.1f} G; float32 matmul peak (jnp.dot 2048^2) "
-        f"{peak / 1e9:.0f} GFLOP/s")
+  print(
+    f"config: {n_params / 1e6:.1f}M params, batch {B} x ({P} prompt + {C} completion) tokens, "
+    f"logprob chunk {args.chunk}, attention {args.attention}, {args.repeats} rounds of "
+    f"{args.block} steps each, torch threads {torch.get_num_threads()}, jax compile "
+    f"{compile_s:.1f} s; host heap huge pages: "
+    f"{'on' if 'malloc.hugetlb' in tunables else 'off'} (GLIBC_TUNABLES={tunables!r})"
+  )
+  print(
+    f"first-step loss: capo_jax {loss_jax:.6f}, torch {loss_torch:.6f} "
+    f"(|diff| {abs(loss_jax - loss_torch):.1e})"
+  )
+  print(
+    f"model FLOPs per step {flops / 1e9:.1f} G; float32 matmul peak (jnp.dot 2048^2) "
+    f"{peak / 1e9:.0f} GFLOP/s"
+  )
   for k in ("capo_jax", "torch"):
     spread = f"{min(times[k]):.2f}-{max(times[k]):.2f} s"
-    print(f"  {k:8s}: median {med[k]:6.2f} s ({spread})  {n_tok / med[k]:7.0f} tokens/s  "
-          f"{flops / med[k] / 1e9:6.1f} GFLOP/s = {flops / med[k] / peak:5.1%} of peak, "
-          f"{statistics.median(faults[k]):,.0f} page faults per step")
+    print(
+      f"  {k:8s}: median {med[k]:6.2f} s ({spread})  {n_tok / med[k]:7.0f} tokens/s  "
+      f"{flops / med[k] / 1e9:6.1f} GFLOP/s = {flops / med[k] / peak:5.1%} of peak, "
+      f"{statistics.median(faults[k]):,.0f} page faults per step"
+    )
   after = {k: statistics.median(v) for k, v in first.items()}
-  print(f"first step of each block: capo_jax {after['capo_jax']:.2f} s, torch "
-        f"{after['torch']:.2f} s (ratio {after['torch'] / after['capo_jax']:.2f}x)")
+  print(
+    f"first step of each block: capo_jax {after['capo_jax']:.2f} s, torch "
+    f"{after['torch']:.2f} s (ratio {after['torch'] / after['capo_jax']:.2f}x)"
+  )
   print(f"ratio capo_jax / torch tokens/s: {med['torch'] / med['capo_jax']:.2f}x")
 
 

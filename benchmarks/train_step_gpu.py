@@ -55,11 +55,18 @@ from tests.batches import HostBatch, padded_pass
 def forward_flops(cfg: Qwen2Config, B: int, P: int, C: int) -> float:
   """Model FLOPs of one forward over B rows of P + C tokens (module docstring)."""
   T = P + C
-  D, F, N, K, H, L = (cfg.hidden_size, cfg.intermediate_size, cfg.num_heads,
-                      cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+  D, F, N, K, H, L = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+    cfg.head_dim,
+    cfg.num_layers,
+  )
   layer_matmul = D * N * H * 2 + D * K * H * 2 + 3 * D * F
-  return (2.0 * B * T * L * layer_matmul + 2.0 * B * C * D * cfg.vocab_size
-          + L * 4.0 * B * T * T * N * H)
+  return (
+    2.0 * B * T * L * layer_matmul + 2.0 * B * C * D * cfg.vocab_size + L * 4.0 * B * T * T * N * H
+  )
 
 
 def _timed(fn, n: int) -> list[float]:
@@ -90,17 +97,21 @@ def main(argv: list[str] | None = None) -> None:
   args = parser.parse_args(argv)
 
   if args.small:
-    cfg = Qwen2Config.tiny(vocab_size=1024, hidden_size=128, intermediate_size=256,
-                           num_heads=4, num_kv_heads=2)
+    cfg = Qwen2Config.tiny(
+      vocab_size=1024, hidden_size=128, intermediate_size=256, num_heads=4, num_kv_heads=2
+    )
     args.batch, args.prompt, args.completion, args.chunk, args.steps = 4, 16, 48, 16, 2
   else:
     cfg = PRESETS[args.preset]()
-  cfg = cfg.replace(param_dtype="float32", compute_dtype="bfloat16", remat=args.remat,
-                    attention=args.attention)
+  cfg = cfg.replace(
+    param_dtype="float32", compute_dtype="bfloat16", remat=args.remat, attention=args.attention
+  )
   B, P, C = args.batch, args.prompt, args.completion
   dev = jax.devices()[0]
-  print(f"devices: {len(jax.devices())} x {dev.device_kind} ({dev.platform}); jax "
-        f"{jax.__version__}", flush=True)
+  print(
+    f"devices: {len(jax.devices())} x {dev.device_kind} ({dev.platform}); jax {jax.__version__}",
+    flush=True,
+  )
 
   mesh = mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": 1})
   rules = mesh_lib.TRAIN_RULES
@@ -113,8 +124,11 @@ def main(argv: list[str] | None = None) -> None:
   jax.block_until_ready(state)
   init_s = time.perf_counter() - t0
   n_params = qwen2.num_params(state.params)
-  print(f"model {args.preset if not args.small else 'small'}: {n_params / 1e9:.3f}B params, "
-        f"init {init_s:.1f} s", flush=True)
+  print(
+    f"model {args.preset if not args.small else 'small'}: {n_params / 1e9:.3f}B params, "
+    f"init {init_s:.1f} s",
+    flush=True,
+  )
 
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, cfg.vocab_size, (B, P)).astype(np.int32)
@@ -137,12 +151,15 @@ def main(argv: list[str] | None = None) -> None:
   old.block_until_ready()
   lp_compile_s = time.perf_counter() - t0
   lp_times = _timed(lambda: logprob_fn().block_until_ready(), max(args.steps, 2))
-  print(f"logprob fn: first call {lp_compile_s:.1f} s, then median "
-        f"{statistics.median(lp_times):.3f} s", flush=True)
+  print(
+    f"logprob fn: first call {lp_compile_s:.1f} s, then median {statistics.median(lp_times):.3f} s",
+    flush=True,
+  )
 
   old = np.asarray(old) + rng.normal(scale=0.05, size=(B, C)).astype(np.float32)
   batch = HostBatch(prompt, prompt_mask, completion, completion_mask, old, adv).train_batch(
-      rows_per_mb, pack=args.pack, row_len=P + C)
+    rows_per_mb, pack=args.pack, row_len=P + C
+  )
   batch = host.put_global(batch, ts.batch_sharding(mesh, rules, rows_per_mb))
   step_fn = ts.make_train_step(cfg, tcfg, mesh, rules, rows_per_mb)
   losses: list[float] = []
@@ -161,39 +178,62 @@ def main(argv: list[str] | None = None) -> None:
 
   seq_len_B = prompt_mask.sum(1) + completion_mask.sum(1)
   if args.pack:  # real tokens only; attention per sequence
-    fwd = sum(forward_flops(cfg, 1, int(p), int(c)) for p, c in
-              zip(prompt_mask.sum(1), completion_mask.sum(1)))
+    fwd = sum(
+      forward_flops(cfg, 1, int(p), int(c))
+      for p, c in zip(prompt_mask.sum(1), completion_mask.sum(1))
+    )
   else:
     fwd = forward_flops(cfg, B, P, C)
   n_tok = int(seq_len_B.sum()) if args.pack else B * (P + C)
   mem = dev.memory_stats() or {}
   res = {
-      "device": dev.device_kind, "platform": dev.platform, "jax": jax.__version__,
-      "model": "small" if args.small else args.preset, "params": n_params,
-      "batch": B, "prompt": P, "completion": C, "tokens_per_step": n_tok,
-      "chunk": args.chunk, "micro_batches": args.micro, "remat": args.remat,
-      "attention": args.attention, "pack": args.pack, "pack_rows": args.pack_rows,
-      "compute_dtype": cfg.compute_dtype, "param_dtype": cfg.param_dtype,
-      "init_s": init_s, "step_compile_s": step_compile_s, "step_times_s": step_times,
-      "step_median_s": step_s, "tokens_per_s": n_tok / step_s,
-      "model_flops_per_step": 3 * fwd, "peak_flops": args.peak,
-      "mfu": 3 * fwd / step_s / args.peak,
-      "hfu_with_remat": (4 if args.remat else 3) * fwd / step_s / args.peak,
-      "logprob_compile_s": lp_compile_s, "logprob_times_s": lp_times,
-      # The log-prob function timed here is the unpacked one, over the padded grid.
-      "logprob_tokens_per_s": B * (P + C) / statistics.median(lp_times),
-      "logprob_mfu": forward_flops(cfg, B, P, C) / statistics.median(lp_times) / args.peak,
-      "losses": losses, "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
-      "bytes_limit": mem.get("bytes_limit"),
+    "device": dev.device_kind,
+    "platform": dev.platform,
+    "jax": jax.__version__,
+    "model": "small" if args.small else args.preset,
+    "params": n_params,
+    "batch": B,
+    "prompt": P,
+    "completion": C,
+    "tokens_per_step": n_tok,
+    "chunk": args.chunk,
+    "micro_batches": args.micro,
+    "remat": args.remat,
+    "attention": args.attention,
+    "pack": args.pack,
+    "pack_rows": args.pack_rows,
+    "compute_dtype": cfg.compute_dtype,
+    "param_dtype": cfg.param_dtype,
+    "init_s": init_s,
+    "step_compile_s": step_compile_s,
+    "step_times_s": step_times,
+    "step_median_s": step_s,
+    "tokens_per_s": n_tok / step_s,
+    "model_flops_per_step": 3 * fwd,
+    "peak_flops": args.peak,
+    "mfu": 3 * fwd / step_s / args.peak,
+    "hfu_with_remat": (4 if args.remat else 3) * fwd / step_s / args.peak,
+    "logprob_compile_s": lp_compile_s,
+    "logprob_times_s": lp_times,
+    # The log-prob function timed here is the unpacked one, over the padded grid.
+    "logprob_tokens_per_s": B * (P + C) / statistics.median(lp_times),
+    "logprob_mfu": forward_flops(cfg, B, P, C) / statistics.median(lp_times) / args.peak,
+    "losses": losses,
+    "peak_bytes_in_use": mem.get("peak_bytes_in_use"),
+    "bytes_limit": mem.get("bytes_limit"),
   }
-  print(f"train step: median {step_s:.3f} s over {args.steps} "
-        f"({min(step_times):.3f}-{max(step_times):.3f}), {res['tokens_per_s']:,.0f} tokens/s, "
-        f"model FLOPs {3 * fwd / 1e12:.1f} T/step = {res['mfu']:.1%} MFU of "
-        f"{args.peak / 1e12:.0f} TFLOP/s (HFU with remat {res['hfu_with_remat']:.1%})")
+  print(
+    f"train step: median {step_s:.3f} s over {args.steps} "
+    f"({min(step_times):.3f}-{max(step_times):.3f}), {res['tokens_per_s']:,.0f} tokens/s, "
+    f"model FLOPs {3 * fwd / 1e12:.1f} T/step = {res['mfu']:.1%} MFU of "
+    f"{args.peak / 1e12:.0f} TFLOP/s (HFU with remat {res['hfu_with_remat']:.1%})"
+  )
   print(f"logprob fn: {res['logprob_tokens_per_s']:,.0f} tokens/s, {res['logprob_mfu']:.1%} MFU")
   if mem:
-    print(f"device memory: peak {mem.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB of "
-          f"{mem.get('bytes_limit', 0) / 2**30:.1f} GiB")
+    print(
+      f"device memory: peak {mem.get('peak_bytes_in_use', 0) / 2**30:.1f} GiB of "
+      f"{mem.get('bytes_limit', 0) / 2**30:.1f} GiB"
+    )
   print(f"losses: {losses}")
   out = pathlib.Path(args.out)
   out.parent.mkdir(parents=True, exist_ok=True)

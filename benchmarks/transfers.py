@@ -73,39 +73,70 @@ runpy.run_module("capo_jax.main", run_name="__main__")
 """
 
 _H2D = re.compile(r"host-to-device transfer: aval=ShapedArray\((\w+)\[([\d,]*)\]")
-_SIZES = {"float32": 4, "int32": 4, "bool": 1, "uint32": 4, "float64": 8, "int64": 8,
-          "bfloat16": 2, "int8": 1, "uint8": 1, "key<fry>": 8}
+_SIZES = {
+  "float32": 4,
+  "int32": 4,
+  "bool": 1,
+  "uint32": 4,
+  "float64": 8,
+  "int64": 8,
+  "bfloat16": 2,
+  "int8": 1,
+  "uint8": 1,
+  "key<fry>": 8,
+}
 
 
 def _tally(items: list[tuple[list[int], int]]) -> dict[str, float]:
   arrays = [(s, b) for s, b in items if s]
   nbytes = lambda s, b: b * int(__import__("math").prod(s))  # noqa: E731
-  return {"count": len(arrays), "bytes": sum(nbytes(s, b) for s, b in arrays),
-          "scalars": len(items) - len(arrays)}
+  return {
+    "count": len(arrays),
+    "bytes": sum(nbytes(s, b) for s, b in arrays),
+    "scalars": len(items) - len(arrays),
+  }
 
 
 def run(checkout: str, warm_start_dir: str, steps: int) -> dict[str, dict[str, float]]:
   work = tempfile.mkdtemp(prefix="capo_transfers_")
   shutil.copytree(warm_start_dir, os.path.join(work, "warm_start"))
   d2h_file = os.path.join(work, "d2h.json")
-  args = [sys.executable, "-c", _DRIVER, d2h_file, "--config=configs/demo.py",
-          f"--workdir={work}", "--config.demo.methods=capo", f"--config.train.num_steps={steps}",
-          "--config.demo.eval_questions=16", "--config.demo.eval_samples=2",
-          "--config.checkpoint.every_steps=1000", "--config.log.samples_every_steps=0",
-          "--config.compilation_cache_dir="]
-  env = dict(os.environ, CAPO_HUGEPAGES="0", JAX_PLATFORMS="cpu", TF_CPP_MIN_LOG_LEVEL="0",
-             PYTHONPATH=os.path.abspath(checkout))
-  proc = subprocess.run(args, cwd=checkout, env=env, capture_output=True, text=True,
-                        check=False)
+  args = [
+    sys.executable,
+    "-c",
+    _DRIVER,
+    d2h_file,
+    "--config=configs/demo.py",
+    f"--workdir={work}",
+    "--config.demo.methods=capo",
+    f"--config.train.num_steps={steps}",
+    "--config.demo.eval_questions=16",
+    "--config.demo.eval_samples=2",
+    "--config.checkpoint.every_steps=1000",
+    "--config.log.samples_every_steps=0",
+    "--config.compilation_cache_dir=",
+  ]
+  env = dict(
+    os.environ,
+    CAPO_HUGEPAGES="0",
+    JAX_PLATFORMS="cpu",
+    TF_CPP_MIN_LOG_LEVEL="0",
+    PYTHONPATH=os.path.abspath(checkout),
+  )
+  proc = subprocess.run(args, cwd=checkout, env=env, capture_output=True, text=True, check=False)
   if proc.returncode:
     raise RuntimeError(f"{checkout}: the demo failed:\n{proc.stderr[-3000:]}")
-  h2d = [([int(x) for x in dims.split(",") if x], _SIZES.get(dt, 4))
-         for dt, dims in _H2D.findall(proc.stderr)]
+  h2d = [
+    ([int(x) for x in dims.split(",") if x], _SIZES.get(dt, 4))
+    for dt, dims in _H2D.findall(proc.stderr)
+  ]
   with open(d2h_file, encoding="utf-8") as f:
     got = json.load(f)
   shutil.rmtree(work, ignore_errors=True)
-  return {"host_to_device": _tally(h2d),
-          "device_to_host": {**_tally([tuple(x) for x in got["d2h"]]), "reads": got["reads"]}}
+  return {
+    "host_to_device": _tally(h2d),
+    "device_to_host": {**_tally([tuple(x) for x in got["d2h"]]), "reads": got["reads"]},
+  }
 
 
 def per_step(checkout: str, warm_start_dir: str) -> dict[str, dict[str, float]]:
@@ -124,8 +155,11 @@ def main() -> None:
     out[checkout] = per_step(checkout, args.warm_start_dir)
     for d, t in out[checkout].items():
       reads = f", {t['reads']:5.1f} blocking reads" if "reads" in t else ""
-      print(f"{checkout}: {d:<15} {t['count']:7.1f} arrays, {t['bytes'] / 1e6:8.3f} MB, "
-            f"{t['scalars']:6.1f} scalars per step{reads}", flush=True)
+      print(
+        f"{checkout}: {d:<15} {t['count']:7.1f} arrays, {t['bytes'] / 1e6:8.3f} MB, "
+        f"{t['scalars']:6.1f} scalars per step{reads}",
+        flush=True,
+      )
   if args.json:
     with open(args.json, "w", encoding="utf-8") as f:
       json.dump(out, f, indent=1)

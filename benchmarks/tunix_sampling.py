@@ -53,11 +53,17 @@ class _IdTokenizer:
 
 def _model_config(hf: dict) -> model_lib.ModelConfig:
   return model_lib.ModelConfig(
-      num_layers=hf["num_hidden_layers"], vocab_size=hf["vocab_size"],
-      embed_dim=hf["hidden_size"], hidden_dim=hf["intermediate_size"],
-      num_heads=hf["num_attention_heads"], head_dim=hf["head_dim"],
-      num_kv_heads=hf["num_key_value_heads"], rope_theta=int(hf["rope_theta"]),
-      norm_eps=hf["rms_norm_eps"], use_tied_embedding=hf["tie_word_embeddings"])
+    num_layers=hf["num_hidden_layers"],
+    vocab_size=hf["vocab_size"],
+    embed_dim=hf["hidden_size"],
+    hidden_dim=hf["intermediate_size"],
+    num_heads=hf["num_attention_heads"],
+    head_dim=hf["head_dim"],
+    num_kv_heads=hf["num_key_value_heads"],
+    rope_theta=int(hf["rope_theta"]),
+    norm_eps=hf["rms_norm_eps"],
+    use_tied_embedding=hf["tie_word_embeddings"],
+  )
 
 
 def main() -> None:
@@ -66,26 +72,41 @@ def main() -> None:
   ap.add_argument("--prompts", required=True, help=".npy int array [B, P], ids >= 1")
   ap.add_argument("--new-tokens", type=int, default=128)
   ap.add_argument("--rounds", type=int, default=5)
-  ap.add_argument("--serve", action="store_true",
-                  help="after warm-up, answer 'sample' / 'greedy' lines on stdin with JSON")
+  ap.add_argument(
+    "--serve",
+    action="store_true",
+    help="after warm-up, answer 'sample' / 'greedy' lines on stdin with JSON",
+  )
   args = ap.parse_args()
 
   with open(f"{args.ckpt}/config.json", encoding="utf-8") as f:
     hf = json.load(f)
-  model = params_lib.create_model_from_safe_tensors(args.ckpt, _model_config(hf),
-                                                    dtype=jnp.float32)
+  model = params_lib.create_model_from_safe_tensors(args.ckpt, _model_config(hf), dtype=jnp.float32)
   prompts = np.load(args.prompts)
   texts = [" ".join(map(str, row)) for row in prompts]
   B, P = prompts.shape
-  sampler = sampler_lib.Sampler(model, _IdTokenizer(), sampler_lib.CacheConfig(
-      cache_size=P + args.new_tokens, num_layers=hf["num_hidden_layers"],
-      num_kv_heads=hf["num_key_value_heads"], head_dim=hf["head_dim"]))
+  sampler = sampler_lib.Sampler(
+    model,
+    _IdTokenizer(),
+    sampler_lib.CacheConfig(
+      cache_size=P + args.new_tokens,
+      num_layers=hf["num_hidden_layers"],
+      num_kv_heads=hf["num_key_value_heads"],
+      head_dim=hf["head_dim"],
+    ),
+  )
 
   def run(mode: str, seed: int) -> tuple[float, np.ndarray]:
     kw = dict(temperature=1.0, top_p=1.0) if mode == "sample" else {}
     t0 = time.perf_counter()
-    out = sampler(texts, max_generation_steps=args.new_tokens, max_prompt_length=P,
-                  eos_tokens=[-1], seed=seed, **kw)
+    out = sampler(
+      texts,
+      max_generation_steps=args.new_tokens,
+      max_prompt_length=P,
+      eos_tokens=[-1],
+      seed=seed,
+      **kw,
+    )
     seconds = time.perf_counter() - t0
     tokens = np.stack([np.asarray(t) for t in out.tokens])
     if tokens.shape != (B, args.new_tokens):
@@ -101,8 +122,9 @@ def main() -> None:
       if mode == "quit":
         break
       seconds, tokens = run(mode, seed)
-      print(json.dumps({"mode": mode, "seconds": seconds, "first_row": tokens[0].tolist()}),
-            flush=True)
+      print(
+        json.dumps({"mode": mode, "seconds": seconds, "first_row": tokens[0].tolist()}), flush=True
+      )
     return
   for mode in ("sample", "greedy"):
     times = [run(mode, r + 1)[0] for r in range(args.rounds)]

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # before JAX is imported: glibc reads the tunable at start
   from capo_jax import hugepages
+
   hugepages.reexec_with_hugepages()
 
 import logging  # noqa: E402  pylint: disable=g-import-not-at-top,wrong-import-position
@@ -24,8 +25,9 @@ from ml_collections import config_flags
 from capo_jax.run.spec import RunSpec
 from capo_jax.runtime import compile_cache, distributed
 
-_CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).",
-                                          lock_config=True)
+_CONFIG = config_flags.DEFINE_config_file(
+  "config", None, "Run config file (configs/*.py).", lock_config=True
+)
 _WORKDIR = flags.DEFINE_string("workdir", None, "Run directory (local or gs://).")
 flags.mark_flags_as_required(["config", "workdir"])
 
@@ -40,6 +42,7 @@ def main(argv: list[str]) -> None:
   # The one translation of the config: everything below takes the spec.
   if "demo" in config:  # the embedded demo: warm start, then RL, then the report
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
+
     spec = demo_run.spec_of(config)
     compile_cache.enable(spec.compilation_cache_dir, _WORKDIR.value)
     demo_run.run(spec, _WORKDIR.value)
@@ -47,6 +50,7 @@ def main(argv: list[str]) -> None:
   spec = RunSpec.from_config(config)
   compile_cache.enable(spec.compilation_cache_dir, _WORKDIR.value)
   from capo_jax.run import loop  # pylint: disable=import-outside-toplevel
+
   loop.train(spec, _WORKDIR.value)
 
 

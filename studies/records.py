@@ -27,8 +27,10 @@ def check_design(path: str, design: dict[str, Any]) -> None:
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       if json.load(f) != json.loads(json.dumps(design)):
-        raise SystemExit(f"{path}: the runs under {os.path.dirname(path)} were made with "
-                         "another DESIGN; use a new --root")
+        raise SystemExit(
+          f"{path}: the runs under {os.path.dirname(path)} were made with "
+          "another DESIGN; use a new --root"
+        )
   else:
     with open(path, "w", encoding="utf-8") as f:
       json.dump(design, f, indent=1)
@@ -49,17 +51,25 @@ def machine() -> str:
 
 def git_commit() -> str:
   """The checkout's short commit (empty outside a git checkout)."""
-  return subprocess.run(["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
-                        capture_output=True, text=True, check=False).stdout.strip()
+  return subprocess.run(
+    ["git", "-C", str(REPO), "rev-parse", "--short", "HEAD"],
+    capture_output=True,
+    text=True,
+    check=False,
+  ).stdout.strip()
 
 
 def record_machine(run_dir: pathlib.Path) -> None:
   """``<run_dir>/ran_on.json``: the machine, JAX version and date a run finished on. A
   study's runs may be split over machines; XLA's float rounding differs between them."""
   import jax  # pylint: disable=import-outside-toplevel
-  (run_dir / "ran_on.json").write_text(json.dumps(
-      {"machine": machine(), "jax": jax.__version__,
-       "date": datetime.date.today().isoformat()}), encoding="utf-8")
+
+  (run_dir / "ran_on.json").write_text(
+    json.dumps(
+      {"machine": machine(), "jax": jax.__version__, "date": datetime.date.today().isoformat()}
+    ),
+    encoding="utf-8",
+  )
 
 
 def ran_on(run_dirs: list[pathlib.Path]) -> dict[str, int]:
@@ -83,16 +93,27 @@ def write_report(out: str, stem: str, text: str, payload: dict[str, Any]) -> Non
   with open(os.path.join(out, f"{stem}.md"), "w", encoding="utf-8") as f:
     f.write(text)
   with open(os.path.join(out, f"{stem}.json"), "w", encoding="utf-8") as f:
-    json.dump({**payload, "machine": machine(), "commit": git_commit(),
-               "date": datetime.date.today().isoformat()}, f, indent=1, default=str)
+    json.dump(
+      {
+        **payload,
+        "machine": machine(),
+        "commit": git_commit(),
+        "date": datetime.date.today().isoformat(),
+      },
+      f,
+      indent=1,
+      default=str,
+    )
 
 
 def header(study: str, run_dirs: list[pathlib.Path]) -> str:
   """The report's first words: the study, the date, the machine and the commit of the
   report, and the machines the runs were made on."""
   runs = "; ".join(f"{n} on {where}" for where, n in ran_on(run_dirs).items())
-  return (f"{study}, report of {datetime.date.today().isoformat()} on {machine()}, commit "
-          f"{git_commit()}; runs: {runs or 'none finished'}.")
+  return (
+    f"{study}, report of {datetime.date.today().isoformat()} on {machine()}, commit "
+    f"{git_commit()}; runs: {runs or 'none finished'}."
+  )
 
 
 def fmt(v: Any, sign: bool = False) -> str:

@@ -1,9 +1,10 @@
 """What the studies from warm start 0 of the demo study v3 share (the mask and tau studies).
 
 Each such study is a ``Ws0Study`` (``studies/mask/run.py``, ``studies/tau/run.py``):
-its variants (``capo_jax/demo/compare.py`` ``VARIANTS``), its pre-registered design (``<root>/<name>_design.json``; the warm
-start's own, v3's, in ``<root>/design.json``), the configuration of one run and
-its report. The runs are ordinary RL workdirs under ``<root>/ws0/<name>/``,
+its variants (``capo_jax/demo/compare.py`` ``VARIANTS``), its pre-registered design
+(``<root>/<name>_design.json``; the warm start's own, v3's, in
+``<root>/design.json``),
+the configuration of one run and its report. The runs are ordinary RL workdirs under ``<root>/ws0/<name>/``,
 named ``ws0/<name>/<variant>_seed<k>``; they resume where they stopped, and
 ``--runs`` splits them over processes. Given the v3 study's root, a study reuses
 its cached warm start 0, held-out evaluation and question selection.
@@ -42,6 +43,7 @@ class Ws0Study:
   report: ``(root, out) -> text``, from what has finished.
   shrink: switches the study to its seconds-long smoke size (v3's ``design.shrink`` included).
   """
+
   name: str
   variants: Callable[[], list[str]]
   make_design: Callable[[], dict[str, Any]]
@@ -54,23 +56,32 @@ class Ws0Study:
   def of(cls, name: str, design: types.ModuleType, report: types.ModuleType) -> Ws0Study:
     """The study laid out as ``studies/<name>/``: ``design`` holds ``variant_names``,
     ``make_design``, ``spec_for``, ``run_names`` and ``shrink``; ``report`` holds ``report``."""
-    return cls(name=name, variants=design.variant_names, make_design=design.make_design,
-               spec_for=design.spec_for, run_names=design.run_names, report=report.report,
-               shrink=design.shrink)
+    return cls(
+      name=name,
+      variants=design.variant_names,
+      make_design=design.make_design,
+      spec_for=design.spec_for,
+      run_names=design.run_names,
+      report=report.report,
+      shrink=design.shrink,
+    )
 
   def parse_name(self, name: str) -> tuple[str, int]:
     """``ws0/<name>/<variant>_seed<k>`` -> (variant, k)."""
     head, _, rest = name.rpartition("/")
     variant, _, seed = rest.rpartition("_seed")
     if head != f"ws0/{self.name}" or variant not in self.variants() or not seed.isdigit():
-      raise SystemExit(f"--runs: {name!r} is not ws0/{self.name}/<variant>_seed<k> with "
-                       f"variant in {self.variants()}")
+      raise SystemExit(
+        f"--runs: {name!r} is not ws0/{self.name}/<variant>_seed<k> with "
+        f"variant in {self.variants()}"
+      )
     return variant, int(seed)
 
   def run_all(self, root: str, names: list[str]) -> None:
     """Runs ``names`` in order, skipping the finished ones, from v3's warm start 0."""
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
     from capo_jax.runtime import compile_cache  # pylint: disable=import-outside-toplevel
+
     compile_cache.enable("jax_cache", root)  # shared with the v3 study's runs
     records.check_design(os.path.join(root, "design.json"), v3_design.DESIGN)
     records.check_design(os.path.join(root, f"{self.name}_design.json"), self.make_design())
@@ -78,9 +89,11 @@ class Ws0Study:
     workdir = os.path.join(root, "ws0")
     spec = self.spec_for(*parsed[0])
     ws = demo_run.get_warm_start(spec, workdir)
-    print(f"warm start 0: {ws.info.get('steps')} SFT steps "
-          f"({'trained' if ws.info.get('trained') else 'cached'}) -> {ws.info.get('path')}",
-          flush=True)
+    print(
+      f"warm start 0: {ws.info.get('steps')} SFT steps "
+      f"({'trained' if ws.info.get('trained') else 'cached'}) -> {ws.info.get('path')}",
+      flush=True,
+    )
     initial = demo_run.warm_start_eval(spec, workdir, ws)
     v3_run.selected_examples(spec, workdir, ws)  # the selection the report scores on
     for i, (name, (variant, seed)) in enumerate(zip(names, parsed)):
@@ -89,8 +102,9 @@ class Ws0Study:
         print(f"=== [{i + 1}/{len(names)}] {name}: finished", flush=True)
         continue
       print(f"=== [{i + 1}/{len(names)}] {name}", flush=True)
-      demo_run.run_rl(self.spec_for(variant, seed), workdir, ws, run_name=run_name,
-                      initial_eval=initial)
+      demo_run.run_rl(
+        self.spec_for(variant, seed), workdir, ws, run_name=run_name, initial_eval=initial
+      )
       records.record_machine(pathlib.Path(workdir) / run_name)
 
   def main(self, description: str) -> None:
@@ -98,8 +112,7 @@ class Ws0Study:
     p = argparse.ArgumentParser(description=description)
     p.add_argument("--root", default="/tmp/capo_study_v3")
     p.add_argument("--out", default=str(records.REPO / "docs" / "studies" / self.name))
-    p.add_argument("--runs", default="",
-                   help=f"comma list of ws0/{self.name}/<variant>_seed<k>")
+    p.add_argument("--runs", default="", help=f"comma list of ws0/{self.name}/<variant>_seed<k>")
     p.add_argument("--report_only", action="store_true")
     p.add_argument("--shrink", action="store_true", help="a seconds-long smoke run of the code")
     args = p.parse_args()
@@ -125,13 +138,19 @@ def as_float(v: Any) -> float:
 
 def load_runs(root: pathlib.Path, name: str) -> dict[tuple[str, int], dict[str, Any]]:
   """(variant, seed) -> {"evals", "dir", "train"} for every finished run of study ``name``."""
-  return {key: {"evals": json.loads((d / "evals.json").read_text()), "dir": d,
-                "train": train_rows(d / "metrics.jsonl")}
-          for key, d in finished_runs(root, name).items()}
+  return {
+    key: {
+      "evals": json.loads((d / "evals.json").read_text()),
+      "dir": d,
+      "train": train_rows(d / "metrics.jsonl"),
+    }
+    for key, d in finished_runs(root, name).items()
+  }
 
 
-def mean_curve(runs: list[dict[str, Any]], src: str, key: str
-               ) -> tuple[list[int], np.ndarray] | None:
+def mean_curve(
+  runs: list[dict[str, Any]], src: str, key: str
+) -> tuple[list[int], np.ndarray] | None:
   """One logged value (``src`` "evals" or "train") against the RL step, the mean over
   ``runs`` up to the shortest of them; None where no run logged it (e.g. the masked
   fraction of an unmasked run)."""
@@ -149,6 +168,7 @@ def mean_curve(runs: list[dict[str, Any]], src: str, key: str
 def selection(root: pathlib.Path, band: tuple[float, float]) -> np.ndarray:
   """Warm start 0's selected held-out questions (v3's band), as a mask over questions."""
   from capo_jax.demo import study  # pylint: disable=import-outside-toplevel
+
   with np.load(root / "ws0" / "selection.npz") as z:
     return study.select_questions(z["correct_QG"], *band)
 
@@ -168,10 +188,14 @@ def heldout_at(run_dir: pathlib.Path, step: int, keep_Q: np.ndarray) -> dict[str
   """A run's held-out evaluation at ``step``: per-question AUC on all questions and on
   the selected ones, and accuracy / AUC-mean on the selected ones."""
   from capo_jax.eval import calibration  # pylint: disable=import-outside-toplevel
+
   with np.load(run_dir / "heldout" / f"step_{step:06d}.npz") as z:
     s_QG, c_QG = z["s_QG"], z["correct_QG"]
   auc_Q = calibration.auc_per_question(s_QG, c_QG)
   sel_Q = auc_Q[keep_Q]
-  return {"auc_Q": auc_Q, "auc_sel_Q": sel_Q, "accuracy_sel": float(c_QG[keep_Q].mean()),
-          "auc_mean_sel": float(np.nanmean(sel_Q)) if np.isfinite(sel_Q).any()
-                          else float("nan")}
+  return {
+    "auc_Q": auc_Q,
+    "auc_sel_Q": sel_Q,
+    "accuracy_sel": float(c_QG[keep_Q].mean()),
+    "auc_mean_sel": float(np.nanmean(sel_Q)) if np.isfinite(sel_Q).any() else float("nan"),
+  }

@@ -1,4 +1,5 @@
 """Shared pytest setup: slow-test opt-in and the path to ../shared/data."""
+
 import os
 import pathlib
 
@@ -13,8 +14,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-  config.addinivalue_line("markers", "tpu_aot: compiles for TPU topologies ahead of time; needs "
-                          "libtpu (tools/setup_aot_tpu.sh), skipped without it")
+  config.addinivalue_line(
+    "markers",
+    "tpu_aot: compiles for TPU topologies ahead of time; needs "
+    "libtpu (tools/setup_aot_tpu.sh), skipped without it",
+  )
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

@@ -18,21 +18,20 @@ import numpy as np
 import pytest
 
 from capo_jax.rl import advantages as adv
-from capo_jax.rl import algorithms
-from capo_jax.rl import losses
+from capo_jax.rl import algorithms, losses
 from capo_jax.rl.algorithms import ALGORITHMS
 
 METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
 
 
-def _adv(method: str, batch: adv.GroupBatch, step: int = 0, total_steps: int = 1,
-         **fields):
+def _adv(method: str, batch: adv.GroupBatch, step: int = 0, total_steps: int = 1, **fields):
   """Algorithm ``method``'s estimator, built with ``fields``, on ``batch``."""
   return ALGORITHMS[method].estimator(**fields).advantages(batch, step, total_steps)
 
 
-def _capo_loop(r: np.ndarray, s: np.ndarray, v: np.ndarray, u: np.ndarray, tau: float,
-               norm: str = "group") -> np.ndarray:
+def _capo_loop(
+  r: np.ndarray, s: np.ndarray, v: np.ndarray, u: np.ndarray, tau: float, norm: str = "group"
+) -> np.ndarray:
   """CAPO's formula, one pair at a time, in float64: for i correct,
   A_i = (1/(n tau)) sum_{j wrong} sigmoid((s_j - s_i)/tau); for j wrong, minus the sum over i."""
   out = np.zeros(r.shape)
@@ -89,8 +88,7 @@ def test_capo_matches_numpy_double_loop_float32(norm: str) -> None:
   r, s, v = _random_batch(seed=7, q=20, g=16)
   rng = np.random.default_rng(1)
   u = v & (rng.random(v.shape) < 0.8)
-  got = adv.capo(r.astype(np.float32), s.astype(np.float32), v, tau=0.6, norm=norm,
-                 receive_QG=u)
+  got = adv.capo(r.astype(np.float32), s.astype(np.float32), v, tau=0.6, norm=norm, receive_QG=u)
   assert got.dtype == jnp.float32
   want = _capo_loop(r, s.astype(np.float32).astype(np.float64), v, u, 0.6, norm)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
@@ -108,16 +106,22 @@ def test_capo_signs() -> None:
 @pytest.mark.parametrize("method", METHODS)
 def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
   r = np.array([[1, 1, 1, 1, 0], [0, 0, 0, 0, 1], [1, 0, 1, 0, 1], [1, 0, 0, 1, 1]], np.float32)
-  s = np.array([[-.3, -.1, -.9, -.2, np.nan], [-.5, -.4, -.7, -.1, np.inf],
-                [-.2, -.6, np.nan, -.3, -.8], [-.2, -.6, -.4, -.3, -.8]], np.float32)
+  s = np.array(
+    [
+      [-0.3, -0.1, -0.9, -0.2, np.nan],
+      [-0.5, -0.4, -0.7, -0.1, np.inf],
+      [-0.2, -0.6, np.nan, -0.3, -0.8],
+      [-0.2, -0.6, -0.4, -0.3, -0.8],
+    ],
+    np.float32,
+  )
   valid = np.array([[1, 1, 1, 1, 0], [1, 1, 1, 1, 0], [1, 1, 0, 1, 1], [1, 1, 1, 1, 1]], bool)
   receive = valid.copy()
   receive[3, 1] = receive[3, 3] = False  # noise-masked, still partners
   # CDE in its second half (omega = 0): its bonus would spread groups 0 and 1
   # (test_cde_all_correct_group_keeps_its_bonus).
   step = 9 if method == "cde" else 0
-  a = np.asarray(_adv(method, adv.GroupBatch(r, s, valid, receive), step=step,
-                     total_steps=10))
+  a = np.asarray(_adv(method, adv.GroupBatch(r, s, valid, receive), step=step, total_steps=10))
   assert np.isfinite(a).all()
   assert (a[0] == 0).all() and (a[1] == 0).all()  # all-correct / all-wrong among valid
   assert a[2, 2] == 0 and a[3, 1] == 0 and a[3, 3] == 0
@@ -142,10 +146,12 @@ def test_capo_misranked_pairs_weigh_more() -> None:
   assert a[0] > a[1] > 0  # the unsure correct answer is pushed up more
   assert a[3] < a[2] < 0  # the confident wrong answer is pushed down more
   # One pair each: misranked (wrong more confident) vs well ranked.
-  a_bad = np.asarray(adv.capo(np.array([[1., 0.]]), np.array([[-0.8, -0.2]]),
-                              np.ones((1, 2), bool), tau=0.3))
-  a_good = np.asarray(adv.capo(np.array([[1., 0.]]), np.array([[-0.2, -0.8]]),
-                               np.ones((1, 2), bool), tau=0.3))
+  a_bad = np.asarray(
+    adv.capo(np.array([[1.0, 0.0]]), np.array([[-0.8, -0.2]]), np.ones((1, 2), bool), tau=0.3)
+  )
+  a_good = np.asarray(
+    adv.capo(np.array([[1.0, 0.0]]), np.array([[-0.2, -0.8]]), np.ones((1, 2), bool), tau=0.3)
+  )
   assert abs(a_bad[0, 0]) > 5 * abs(a_good[0, 0])
 
 
@@ -201,6 +207,7 @@ def test_std_option_reaches_every_grpo_normalisation(method: str) -> None:
 def test_config_algo_std_is_validated_and_reaches_the_estimators() -> None:
   from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
   from configs import common  # pylint: disable=import-outside-toplevel
+
   c = common.shrink(common.get_base_config())
   spec = lambda: spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
   assert c.algo.std == "unbiased" and not hasattr(spec().estimator(), "std")  # capo
@@ -218,15 +225,20 @@ def test_run_spec_builds_each_algorithms_estimator_from_config_algo() -> None:
   """Every config.algo field reaches its estimator's field (the config keeps its names)."""
   from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
   from configs import common  # pylint: disable=import-outside-toplevel
+
   c = common.shrink(common.get_base_config())
   c.algo.tau, c.algo.norm, c.algo.score, c.algo.adaptive_tau = 0.3, "pairs", "neg_ppl", 0.5
   c.algo.cde_kappa, c.algo.cde_alpha, c.algo.cde_omega = 2.0, 0.4, 0.7
   c.algo.std = "population"
-  want = {"capo": algorithms.Capo(tau=0.3, norm="pairs", score="neg_ppl", adaptive_tau=0.5),
-          "grpo": algorithms.Grpo(std="population"), "dr_grpo": algorithms.DrGrpo(),
-          "gspo": algorithms.Grpo(std="population"), "simko": algorithms.Grpo(std="population"),
-          "codapo": algorithms.Codapo(std="population"),
-          "cde": algorithms.Cde(kappa=2.0, alpha=0.4, omega=0.7, std="population")}
+  want = {
+    "capo": algorithms.Capo(tau=0.3, norm="pairs", score="neg_ppl", adaptive_tau=0.5),
+    "grpo": algorithms.Grpo(std="population"),
+    "dr_grpo": algorithms.DrGrpo(),
+    "gspo": algorithms.Grpo(std="population"),
+    "simko": algorithms.Grpo(std="population"),
+    "codapo": algorithms.Codapo(std="population"),
+    "cde": algorithms.Cde(kappa=2.0, alpha=0.4, omega=0.7, std="population"),
+  }
   assert set(want) == set(ALGORITHMS)
   for name, est in want.items():
     c.algo.name = name
@@ -242,15 +254,19 @@ def test_adding_an_estimator_as_docs_algorithms_md_shows(monkeypatch) -> None:
   written: RLOO against a leave-one-out loop, then a run config that names it."""
   import pathlib  # pylint: disable=import-outside-toplevel
   import re  # pylint: disable=import-outside-toplevel
+
   from capo_jax.run import spec as spec_lib  # pylint: disable=import-outside-toplevel
   from configs import common  # pylint: disable=import-outside-toplevel
+
   page = (pathlib.Path(__file__).parent.parent / "docs" / "algorithms.md").read_text()
   section = page.split("## Adding an estimator\n")[1].split("\n## ")[0]
   cls_code, line = re.findall(r"```python\n(.*?)```", section, re.S)
   ns: dict = {}
   exec(cls_code, ns)  # pylint: disable=exec-used
-  (name, algo), = eval("{" + line + "}",  # pylint: disable=eval-used
-                       {**ns, "Algorithm": algorithms.Algorithm}).items()
+  ((name, algo),) = eval(
+    "{" + line + "}",  # pylint: disable=eval-used
+    {**ns, "Algorithm": algorithms.Algorithm},
+  ).items()
   monkeypatch.setitem(ALGORITHMS, name, algo)
   r, s, v = _random_batch(seed=31, p_valid=0.8)
   want = np.zeros(r.shape)
@@ -274,12 +290,14 @@ def test_estimators_are_hashable_values_that_check_their_fields() -> None:
   assert algorithms.Capo(tau=0.5) == algorithms.Capo(tau=0.5) != algorithms.Capo(tau=0.6)
   assert hash(algorithms.Cde(omega=0.5)) == hash(algorithms.Cde(omega=0.5))
   assert algorithms.Grpo() != algorithms.Codapo()  # same fields, other estimator
-  for bad, needle in ((lambda: algorithms.Capo(tau=0.0), "Capo.tau=0.0 must be > 0"),
-                      (lambda: algorithms.Capo(norm="mean"), "Capo.norm='mean'"),
-                      (lambda: algorithms.Capo(score="ppl"), "Capo.score='ppl'"),
-                      (lambda: algorithms.Capo(adaptive_tau=-1.0), "Capo.adaptive_tau=-1.0"),
-                      (lambda: algorithms.Cde(kappa=-1.0), "Cde.kappa=-1.0"),
-                      (lambda: algorithms.Codapo(std="sample"), "Codapo: std='sample'")):
+  for bad, needle in (
+    (lambda: algorithms.Capo(tau=0.0), "Capo.tau=0.0 must be > 0"),
+    (lambda: algorithms.Capo(norm="mean"), "Capo.norm='mean'"),
+    (lambda: algorithms.Capo(score="ppl"), "Capo.score='ppl'"),
+    (lambda: algorithms.Capo(adaptive_tau=-1.0), "Capo.adaptive_tau=-1.0"),
+    (lambda: algorithms.Cde(kappa=-1.0), "Cde.kappa=-1.0"),
+    (lambda: algorithms.Codapo(std="sample"), "Codapo: std='sample'"),
+  ):
     with pytest.raises(ValueError, match=needle.replace(".", r"\.")):
       bad()
 
@@ -293,18 +311,26 @@ def test_group_with_one_valid_row_is_degenerate_under_both_stds() -> None:
       a = np.asarray(_adv(method, adv.GroupBatch(r, r - 1, v), std=std))
       assert np.isfinite(a).all() and (a[0] == 0).all(), (method, std)
   # Two valid rows, one right: (1 - 1/2) / std; unbiased std = sqrt(1/2), population 1/2.
-  np.testing.assert_allclose(np.asarray(adv.grpo(r, v))[1],
-                             [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0, 0],
-                             rtol=1e-6)
-  np.testing.assert_allclose(np.asarray(adv.grpo(r, v, std="population"))[1],
-                             [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0, 0], rtol=1e-6)
+  np.testing.assert_allclose(
+    np.asarray(adv.grpo(r, v))[1],
+    [0.5 / (math.sqrt(0.5) + 1e-6), -0.5 / (math.sqrt(0.5) + 1e-6), 0, 0],
+    rtol=1e-6,
+  )
+  np.testing.assert_allclose(
+    np.asarray(adv.grpo(r, v, std="population"))[1],
+    [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 0, 0],
+    rtol=1e-6,
+  )
 
 
 def _linear_surrogate(s_G, r_G, v_G):
   """(1/n) sum_{i in P, j in N} -(s_i - s_j): the surrogate GRPO descends."""
   g = len(r_G)
-  pairs = [(i, j) for i, j in itertools.product(range(g), range(g))
-           if v_G[i] and v_G[j] and r_G[i] == 1 and r_G[j] == 0]
+  pairs = [
+    (i, j)
+    for i, j in itertools.product(range(g), range(g))
+    if v_G[i] and v_G[j] and r_G[i] == 1 and r_G[j] == 0
+  ]
   return sum(-(s_G[i] - s_G[j]) for i, j in pairs) / int(v_G.sum())
 
 
@@ -330,10 +356,11 @@ def test_noise_mask_thresholds() -> None:
   ppl = np.array([[2.6, 2.5, 1.01, 1.04, 1.05, 3.0]], np.float32)
   want = np.array([[True, False, False, True, False, False]])
   np.testing.assert_array_equal(np.asarray(adv.noise_mask(r, ppl)), want)
-  np.testing.assert_array_equal(np.asarray(adv.noise_mask(r, ppl, high=1.0, low=1.5)),
-                                np.array([[True, True, True, True, True, False]]))
-  np.testing.assert_allclose(np.asarray(adv.ref_ppl(np.log([[0.5, 1.0]]))), [[2.0, 1.0]],
-                             rtol=1e-6)
+  np.testing.assert_array_equal(
+    np.asarray(adv.noise_mask(r, ppl, high=1.0, low=1.5)),
+    np.array([[True, True, True, True, True, False]]),
+  )
+  np.testing.assert_allclose(np.asarray(adv.ref_ppl(np.log([[0.5, 1.0]]))), [[2.0, 1.0]], rtol=1e-6)
 
 
 def test_capo_noise_mask_partner_and_drop_modes() -> None:
@@ -348,8 +375,13 @@ def test_capo_noise_mask_partner_and_drop_modes() -> None:
   got = np.asarray(adv.capo(r, s, valid, receive_QG=receive, tau=0.6))
   for q in range(r.shape[0]):
     keep = ~mask[q]
-    sub = _capo_loop(r[q:q + 1, keep], s[q:q + 1, keep], np.ones((1, keep.sum()), bool),
-                     np.ones((1, keep.sum()), bool), 0.6)[0]
+    sub = _capo_loop(
+      r[q : q + 1, keep],
+      s[q : q + 1, keep],
+      np.ones((1, keep.sum()), bool),
+      np.ones((1, keep.sum()), bool),
+      0.6,
+    )[0]
     np.testing.assert_allclose(got[q, keep], sub, rtol=1e-5, atol=1e-6)
     assert (got[q, ~keep] == 0).all()
   frac = adv.masked_fraction(mask, r, v)
@@ -372,13 +404,11 @@ def test_lone_correct_sample_masked_as_lucky_guess(mode: str) -> None:
   mask = adv.noise_mask(r, ppl)
   np.testing.assert_array_equal(np.asarray(mask), [[True] + [False] * 7])
   valid, receive = adv.split_masks(np.ones_like(r, bool), mask, mode=mode)
-  got = np.asarray(algorithms.Capo(tau=tau).advantages(
-      adv.GroupBatch(r, s, valid, receive)))[0]
+  got = np.asarray(algorithms.Capo(tau=tau).advantages(adv.GroupBatch(r, s, valid, receive)))[0]
   if mode == "drop":
     assert (got == 0).all()
     return
-  want = [0.0] + [-1 / (1 + math.exp(-(s[0, j] - s[0, 0]) / tau)) / (8 * tau)
-                  for j in range(1, 8)]
+  want = [0.0] + [-1 / (1 + math.exp(-(s[0, j] - s[0, 0]) / tau)) / (8 * tau) for j in range(1, 8)]
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
   # Every wrong sample pushed down, the more confident ones (s rises with j) the more.
   assert got[0] == 0 and (got[1:] < 0).all() and (np.diff(got[1:]) < 0).all()
@@ -416,19 +446,27 @@ def test_cde_hand_computed_and_omega_schedule() -> None:
   np.testing.assert_allclose(np.asarray(half)[0], _grpo_norm(shaped), rtol=1e-5)
   # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
   got = algorithms.Cde(alpha=0.1).advantages(adv.GroupBatch(r, s, v))
-  np.testing.assert_allclose(np.asarray(got)[0], _grpo_norm(np.array([1.01, -0.95, 1.2])),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(got)[0], _grpo_norm(np.array([1.01, -0.95, 1.2])), rtol=1e-5
+  )
   pop = algorithms.Cde(alpha=0.1, std="population").advantages(adv.GroupBatch(r, s, v))
-  np.testing.assert_allclose(np.asarray(pop)[0], _grpo_norm(np.array([1.01, -0.95, 1.2]), 0),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    np.asarray(pop)[0], _grpo_norm(np.array([1.01, -0.95, 1.2]), 0), rtol=1e-5
+  )
 
 
 def test_cde_all_correct_group_keeps_its_bonus() -> None:
   """All correct: r = 1 everywhere, so only the bonus min(1/3, -s) spreads the group, and
   the less confident (lower s, higher perplexity) samples go up. All wrong likewise.
   Degenerate only when the shaped rewards are all equal (every bonus capped at 1/3)."""
-  s = np.array([[-0.05, -0.3, -0.1, -0.2, -0.9], [-0.05, -0.3, -0.1, -0.2, -0.9],
-                [-0.5, -0.4, -1.0, -2.0, -0.7]], np.float32)
+  s = np.array(
+    [
+      [-0.05, -0.3, -0.1, -0.2, -0.9],
+      [-0.05, -0.3, -0.1, -0.2, -0.9],
+      [-0.5, -0.4, -1.0, -2.0, -0.7],
+    ],
+    np.float32,
+  )
   r = np.array([[1] * 5, [0] * 5, [1] * 5], np.float32)
   v = np.ones_like(r, bool)
   got = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), total_steps=10))
@@ -438,8 +476,7 @@ def test_cde_all_correct_group_keeps_its_bonus() -> None:
   for q in (0, 1):  # the order of the advantages is the reverse order of s
     np.testing.assert_array_equal(np.argsort(got[q]), np.argsort(-s[q]))
   assert (got[2] == 0).all()  # every bonus capped: all r~ equal
-  late = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=5,
-                                                total_steps=10))
+  late = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=5, total_steps=10))
   assert (late == 0).all()  # omega = 0: r~ = r, uniform groups are degenerate
 
 
@@ -462,7 +499,7 @@ def test_cde_shaped_reward_against_numpy() -> None:
 
 
 def test_score_transform_spread_and_adaptive_tau() -> None:
-  s = np.array([[-0.1, -0.5, -0.9, -0.3], [-0.2, -0.4, -1.0, -2.0], [-1., -2., -3., -4.]])
+  s = np.array([[-0.1, -0.5, -0.9, -0.3], [-0.2, -0.4, -1.0, -2.0], [-1.0, -2.0, -3.0, -4.0]])
   r = np.array([[1, 0, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
   v = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], bool)
   np.testing.assert_allclose(np.asarray(adv.to_score(s, "neg_ppl")), -np.exp(-s), rtol=1e-6)
@@ -474,8 +511,7 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
     z = conv(s)
     tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
     got = algorithms.Capo(score=score, adaptive_tau=0.5).advantages(adv.GroupBatch(r, s, v))
-    np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5,
-                               atol=1e-6)
+    np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5, atol=1e-6)
   # No spread anywhere: adaptive tau falls back to the fixed tau.
   tau = adv.adaptive_tau_value(s[1:2], r[1:2], v[1:2], scale=0.5, fallback=0.6)
   assert float(tau) == pytest.approx(0.6)
@@ -483,8 +519,11 @@ def test_score_transform_spread_and_adaptive_tau() -> None:
 
 def test_entry_point_is_jittable_with_traced_step() -> None:
   r, s, v = _random_batch(seed=21, p_valid=1.0)
-  fn = jax.jit(lambda r, s, v, step: algorithms.Cde().advantages(
-      adv.GroupBatch(r, s, v), step=step, total_steps=100))
+  fn = jax.jit(
+    lambda r, s, v, step: algorithms.Cde().advantages(
+      adv.GroupBatch(r, s, v), step=step, total_steps=100
+    )
+  )
   eager0 = algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=0, total_steps=100)
   np.testing.assert_allclose(np.asarray(fn(r, s, v, 0)), np.asarray(eager0), rtol=1e-6)
   late = np.asarray(fn(r, s, v, 60))
@@ -518,6 +557,7 @@ def test_score_rollout_is_one_program_matching_numpy(mode: str) -> None:
   """rollout.score_rollout (mask -> split -> CAPO -> metrics, jitted) against NumPy loops;
   the step is traced, so a new step reuses the compiled program."""
   from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
+
   r, s, _ = _random_batch(7)
   ref_s = -np.random.default_rng(8).gamma(1.0, 0.6, size=r.shape)  # ppl from 1 to ~10
   ppl = np.exp(-ref_s)
@@ -525,8 +565,9 @@ def test_score_rollout_is_one_program_matching_numpy(mode: str) -> None:
   assert noisy.any() and (~noisy).any()
   ones = np.ones(r.shape, bool)
   v, u = (ones, ~noisy) if mode == "partner" else (~noisy, ~noisy)
-  spec = rollout.AdvantageSpec(estimator=algorithms.Capo(tau=0.6, norm="group"),
-                               noise_mask=True, mask_mode=mode, num_steps=10)
+  spec = rollout.AdvantageSpec(
+    estimator=algorithms.Capo(tau=0.6, norm="group"), noise_mask=True, mask_mode=mode, num_steps=10
+  )
   got, met = rollout.score_rollout(r.astype(np.float32), s, ref_s, 3, spec=spec)
   want = _capo_loop(r, s, v, u, 0.6)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)

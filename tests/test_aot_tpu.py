@@ -23,19 +23,20 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from capo_jax.run import spec as spec_lib
 from capo_jax.rl import train_step as ts
-from capo_jax.run import aot
-from capo_jax.run import hlo_cost
+from capo_jax.run import aot, hlo_cost
+from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
 from configs import capo_qwen2p5_math_1p5b
 from models import sharding
 
 pytestmark = [
-    pytest.mark.tpu_aot,
-    pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
-                       reason="libtpu is not installed (the default venv is CPU-only); run from "
-                              "tools/.venv-tpu, made by tools/setup_aot_tpu.sh"),
+  pytest.mark.tpu_aot,
+  pytest.mark.skipif(
+    importlib.util.find_spec("libtpu") is None,
+    reason="libtpu is not installed (the default venv is CPU-only); run from "
+    "tools/.venv-tpu, made by tools/setup_aot_tpu.sh",
+  ),
 ]
 
 ACCELERATOR = "v5e-8"
@@ -47,8 +48,9 @@ def compiled():
   aot.set_tpu_env(acc)
   c = capo_qwen2p5_math_1p5b.get_config("shrink")
   c.mesh.fsdp, c.mesh.tensor = -1, 2
-  spec = spec_lib.RunSpec.from_config(c, num_devices=len(aot.topology_devices(acc)),
-                                      policy_given=True)
+  spec = spec_lib.RunSpec.from_config(
+    c, num_devices=len(aot.topology_devices(acc)), policy_given=True
+  )
   mesh = aot.topology_mesh(spec, acc)
   progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("decode", "train"))}
   return spec, mesh, progs
@@ -95,8 +97,9 @@ def test_train_step_input_shardings_follow_the_rules(compiled):
   model_cfg, tcfg = spec.model_config(), spec.train_config()
   (state_sh, batch_sh), _ = progs["train"].compiled.input_shardings
   want_state = ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
-  state_shapes = jax.eval_shape(lambda p: ts.init_train_state(p, tcfg),
-                                aot.qwen2.param_shapes(model_cfg))
+  state_shapes = jax.eval_shape(
+    lambda p: ts.init_train_state(p, tcfg), aot.qwen2.param_shapes(model_cfg)
+  )
   _assert_same_shardings(state_sh, want_state, state_shapes, "train state")
   # Params really are split over fsdp and tensor (a tiny model could replicate).
   q_spec = state_sh.params["layers"]["q_kernel"].spec
@@ -117,8 +120,9 @@ def test_decode_input_shardings_follow_the_rules(compiled):
   Q = spec.rollout.prompts_per_call or spec.rollout.num_prompts
   k_QKHP = prompts_sh.k[0]  # the prompt cache the engine's slots are filled from
   shape = (Q, model_cfg.num_kv_heads, model_cfg.head_dim, 1)
-  spec = sharding.logical_to_spec(("batch", "kv_heads", None, None), mesh_lib.SAMPLING_RULES,
-                                  shape, mesh)
+  spec = sharding.logical_to_spec(
+    ("batch", "kv_heads", None, None), mesh_lib.SAMPLING_RULES, shape, mesh
+  )
   assert k_QKHP.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), 4), k_QKHP
 
 
@@ -126,10 +130,16 @@ def test_hlo_cost_counts_scan_bodies_per_iteration():
   acc = aot.parse_accelerator(ACCELERATOR)
   aot.set_tpu_env(acc)
   mesh = jax.sharding.Mesh(aot.topology_devices(acc), ("x",))
-  w = jax.ShapeDtypeStruct((6, 256, 256), "bfloat16",
-                           sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
-  x = jax.ShapeDtypeStruct((1024, 256), "bfloat16", sharding=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec("x")))
+  w = jax.ShapeDtypeStruct(
+    (6, 256, 256),
+    "bfloat16",
+    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+  )
+  x = jax.ShapeDtypeStruct(
+    (1024, 256),
+    "bfloat16",
+    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("x")),
+  )
   f = lambda w, x: jax.lax.scan(lambda h, wl: (h @ wl, None), x, w)[0]
   text = jax.jit(f).lower(w, x).compile().as_text()
   per_layer = 2 * (1024 // 8) * 256 * 256  # one [128, 256] x [256, 256] matmul per device
@@ -141,6 +151,7 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
   """A while loop with a run-time bound holding a 5-step scan and a nested run-time
   loop: ``loop_tree`` splits them, and the estimate weights each by its own count."""
   from tools import step_estimate  # pylint: disable=import-outside-toplevel
+
   acc = aot.parse_accelerator(ACCELERATOR)
   aot.set_tpu_env(acc)
   mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))
@@ -154,9 +165,11 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
       i, h = carry
       h = jax.lax.scan(lambda h, wl: (jnp.tanh(h @ wl), None), h, w)[0]  # 5 matmuls
       # A nested loop with a run-time bound: one more matmul per iteration.
-      h = jax.lax.while_loop(lambda c: c[0] < n + i, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w[0])),
-                             (0, h))[1]
+      h = jax.lax.while_loop(
+        lambda c: c[0] < n + i, lambda c: (c[0] + 1, jnp.tanh(c[1] @ w[0])), (0, h)
+      )[1]
       return i + 1, h
+
     return jax.lax.while_loop(lambda c: c[0] < n, body, (0, x))[1]
 
   text = jax.jit(f).lower(w, x, n).compile().as_text()
@@ -165,8 +178,14 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
   assert rest["flops"] == 0 and len(loops) == 1, (rest, loops)
   assert loops[0].cost["flops"] == 5 * matmul
   assert len(loops[0].nested) == 1 and loops[0].nested[0].cost["flops"] == matmul
-  trips = step_estimate.Trips(phase_steps=(7,), phase_blocks=(30,), refills=0, logprob_calls=1,
-                              microbatches=1, real_token_fraction=1)
+  trips = step_estimate.Trips(
+    phase_steps=(7,),
+    phase_blocks=(30,),
+    refills=0,
+    logprob_calls=1,
+    microbatches=1,
+    real_token_fraction=1,
+  )
   got = step_estimate.weighted_cost("decode", text, trips)
   assert got["flops"] == 7 * 5 * matmul + 30 * matmul  # 7 outer iterations, 30 inner in all
   assert got["blocks_per_step"] == 30 / 7
@@ -175,17 +194,22 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
 def test_splash_attention_kernel_compiles_for_tpu():
   # The trainer has no splash-attention path yet; this shows Pallas TPU
   # kernels (Mosaic custom calls) compile here, forward and backward.
-  from jax.experimental.pallas.ops.tpu.splash_attention import (  # pylint: disable=import-outside-toplevel
-      splash_attention_kernel as splash, splash_attention_mask as masks)
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # pylint: disable=import-outside-toplevel
+  from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
+
   acc = aot.parse_accelerator(ACCELERATOR)
   aot.set_tpu_env(acc)
   mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))
   B, N, T, H = 2, 4, 512, 128
-  kernel = splash.make_splash_mha(masks.MultiHeadMask([masks.CausalMask((T, T))] * N),
-                                  head_shards=1, q_seq_shards=1)
+  kernel = splash.make_splash_mha(
+    masks.MultiHeadMask([masks.CausalMask((T, T))] * N), head_shards=1, q_seq_shards=1
+  )
   attend = lambda q, k, v: jax.vmap(kernel)(q, k, v)
-  x_BNTH = jax.ShapeDtypeStruct((B, N, T, H), "bfloat16", sharding=jax.sharding.NamedSharding(
-      mesh, jax.sharding.PartitionSpec()))
+  x_BNTH = jax.ShapeDtypeStruct(
+    (B, N, T, H),
+    "bfloat16",
+    sharding=jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()),
+  )
   fwd = jax.jit(attend).lower(x_BNTH, x_BNTH, x_BNTH).compile()
   loss = lambda q, k, v: attend(q, k, v).astype("float32").sum()
   bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(x_BNTH, x_BNTH, x_BNTH).compile()
@@ -195,8 +219,10 @@ def test_splash_attention_kernel_compiles_for_tpu():
 
 
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [(dt, tuple(int(d) for d in dims.split(",") if d))
-          for dt, dims in re.findall(r"\b(bf16|f32|s32|pred)\[([\d,]+)\]", text)]
+  return [
+    (dt, tuple(int(d) for d in dims.split(",") if d))
+    for dt, dims in re.findall(r"\b(bf16|f32|s32|pred)\[([\d,]+)\]", text)
+  ]
 
 
 def test_activations_stay_split_by_rows():

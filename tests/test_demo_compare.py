@@ -51,8 +51,9 @@ def test_left_to_right_solution_matches_a_fold_and_each_line_keeps_the_value():
 
 def test_wrong_fraction_rewrites_only_that_share_of_training_solutions():
   base = task_lib.TaskConfig(num_train=1000, num_heldout=200, seed=3)
-  wrong = task_lib.TaskConfig(num_train=1000, num_heldout=200, seed=3,
-                              wrong_rule="left_to_right", wrong_fraction=0.3)
+  wrong = task_lib.TaskConfig(
+    num_train=1000, num_heldout=200, seed=3, wrong_rule="left_to_right", wrong_fraction=0.3
+  )
   (tr0, ho0), (tr1, ho1) = task_lib.make_splits(base), task_lib.make_splits(wrong)
   assert [(e.problem, e.answer) for e in tr0] == [(e.problem, e.answer) for e in tr1]
   assert [e.meta for e in ho0] == [e.meta for e in ho1]  # held-out untouched
@@ -69,10 +70,10 @@ def test_wrong_fraction_rewrites_only_that_share_of_training_solutions():
 
 def test_difficulty_buckets_by_the_warm_start_accuracy():
   correct = np.zeros((5, 4), bool)
-  correct[1, :1] = True   # 0.25 -> [0, 0.25]
-  correct[2, :2] = True   # 0.5  -> (0.25, 0.5]
-  correct[3, :3] = True   # 0.75 -> (0.5, 0.75]
-  correct[4, :] = True    # 1.0  -> (0.75, 1]
+  correct[1, :1] = True  # 0.25 -> [0, 0.25]
+  correct[2, :2] = True  # 0.5  -> (0.25, 0.5]
+  correct[3, :3] = True  # 0.75 -> (0.5, 0.75]
+  correct[4, :] = True  # 1.0  -> (0.75, 1]
   idx, labels = compare.difficulty_buckets(correct)
   assert idx.tolist() == [0, 0, 1, 2, 3]
   assert labels == ["[0, 0.25]", "(0.25, 0.5]", "(0.5, 0.75]", "(0.75, 1]"]
@@ -97,8 +98,12 @@ def test_paired_delta_interval_covers_the_true_mean_about_95_percent():
   hits, trials = 0, 200
   for t in range(trials):
     # Seed effects and question effects, both resampled by the two-way bootstrap.
-    d = 0.05 + 0.03 * rng.normal(size=(3, 1)) + 0.1 * rng.normal(size=(1, 80)) \
-        + 0.1 * rng.normal(size=(3, 80))
+    d = (
+      0.05
+      + 0.03 * rng.normal(size=(3, 1))
+      + 0.1 * rng.normal(size=(1, 80))
+      + 0.1 * rng.normal(size=(3, 80))
+    )
     b = rng.uniform(0.3, 0.7, size=(3, 80))
     out = compare.paired_delta_auc(b + d, b, n_boot=400, seed=t)
     hits += out["lo"] <= 0.05 <= out["hi"]
@@ -108,8 +113,11 @@ def test_paired_delta_interval_covers_the_true_mean_about_95_percent():
 
 
 def test_value_at_accuracy_interpolates_between_evaluations():
-  evals = [dict(accuracy=0.4, auc_mean=0.7), dict(accuracy=0.6, auc_mean=0.9),
-           dict(accuracy=0.7, auc_mean=0.8)]
+  evals = [
+    dict(accuracy=0.4, auc_mean=0.7),
+    dict(accuracy=0.6, auc_mean=0.9),
+    dict(accuracy=0.7, auc_mean=0.8),
+  ]
   assert compare.value_at_accuracy(evals, 0.5, "auc_mean") == pytest.approx(0.8)
   assert compare.value_at_accuracy(evals, 0.3, "auc_mean") == pytest.approx(0.7)
   assert compare.value_at_accuracy(evals, 0.65, "auc_mean") == pytest.approx(0.85)
@@ -144,8 +152,16 @@ def test_noisy_grader_flips_the_given_fraction_deterministically():
 def test_rule_share_counts_wrong_samples_that_follow_the_rule():
   ex = task_lib.make_example([3, 4, 2, 5], ["+", "*", "-"], "q0")  # gold 6, rule 9
   same = task_lib.make_example([1, 2, 3, 4], ["+", "+", "+"], "q1")  # rule = gold
-  completions = ["\\boxed{6}", "\\boxed{9}", "\\boxed{7}", "\\boxed{9}",
-                 "\\boxed{1}", "\\boxed{10}", "\\boxed{10}", "\\boxed{10}"]
+  completions = [
+    "\\boxed{6}",
+    "\\boxed{9}",
+    "\\boxed{7}",
+    "\\boxed{9}",
+    "\\boxed{1}",
+    "\\boxed{10}",
+    "\\boxed{10}",
+    "\\boxed{10}",
+  ]
   correct = np.array([[True, False, False, False], [False, True, True, True]])
   # q0: wrong samples 9, 7, 9 -> 2 of 3 follow the rule; q1 is skipped.
   assert demo_run.rule_share(completions, [ex, same], correct) == pytest.approx(2 / 3)
@@ -153,10 +169,14 @@ def test_rule_share_counts_wrong_samples_that_follow_the_rule():
 
 def test_dynamic_sampling_is_compared_at_the_shorter_runs_wall_time(tmp_path):
   import json  # pylint: disable=import-outside-toplevel
+
   from studies.grpo_vs_capo import report as study  # pylint: disable=import-outside-toplevel
+
   # capo: 4 steps of 1 s; capo_dyn: 4 steps of 2 s. Evals at steps 0, 2, 4.
-  for name, dt, accs, aucs in (("capo_seed0", 1.0, (0.4, 0.6, 0.7), (0.7, 0.8, 0.85)),
-                               ("capo_dyn_seed0", 2.0, (0.4, 0.8, 0.9), (0.7, 0.9, 0.95))):
+  for name, dt, accs, aucs in (
+    ("capo_seed0", 1.0, (0.4, 0.6, 0.7), (0.7, 0.8, 0.85)),
+    ("capo_dyn_seed0", 2.0, (0.4, 0.8, 0.9), (0.7, 0.9, 0.95)),
+  ):
     d = tmp_path / name
     d.mkdir()
     # As the loop writes it: each evaluation a row of its own, after its step's row.
@@ -166,8 +186,11 @@ def test_dynamic_sampling_is_compared_at_the_shorter_runs_wall_time(tmp_path):
       if k % 2 == 0:
         rows.append({"step": k, "eval/accuracy": accs[k // 2]})
     (d / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
-    (d / "evals.json").write_text(json.dumps(
-        [{"step": k, "accuracy": a, "auc_mean": u} for k, a, u in zip((0, 2, 4), accs, aucs)]))
+    (d / "evals.json").write_text(
+      json.dumps(
+        [{"step": k, "accuracy": a, "auc_mean": u} for k, a, u in zip((0, 2, 4), accs, aucs)]
+      )
+    )
   (row,) = study.equal_wall_time(str(tmp_path), study.load_runs(str(tmp_path)))
   # The base ran 4 s in all; capo_dyn at 4 s is at its step 2 (0.8, 0.9).
   assert row["seconds"] == 4.0

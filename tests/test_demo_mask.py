@@ -9,9 +9,9 @@ import pytest
 
 from capo_jax.data import rewards
 from capo_jax.demo import compare
-from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.demo import mask as mask_lib
 from capo_jax.demo import run as demo_run
+from capo_jax.demo.char_tokenizer import CharTokenizer
 
 
 class _SerialGrader:
@@ -27,8 +27,12 @@ def _batch(n_each: int = 400) -> tuple[list[str], list[str], np.ndarray, np.ndar
   texts, golds, kind = [], [], []
   for i in range(n_each):
     v = i % 50 + 1
-    texts += [f"3-{v + 3}\n\\boxed{{-{v}}}", f"{v}+0\n\\boxed{{{v}}}",
-              f"1-9\n\\boxed{{-{v}}}", f"9-1\n\\boxed{{{v}}}"]
+    texts += [
+      f"3-{v + 3}\n\\boxed{{-{v}}}",
+      f"{v}+0\n\\boxed{{{v}}}",
+      f"1-9\n\\boxed{{-{v}}}",
+      f"9-1\n\\boxed{{{v}}}",
+    ]
     golds += [f"-{v}", str(v), str(v), f"-{v}"]
     kind += [0, 1, 2, 3]
   kind_B = np.array(kind)
@@ -48,8 +52,7 @@ def test_false_negative_grader_rejects_only_correct_negative_answers_at_the_rate
   assert abs(changed_B[target_B].mean() - 0.5) < 4 * np.sqrt(0.25 / n)
   assert got_health.correct == health.correct  # the health counts the true verdicts
   np.testing.assert_array_equal(fn.score(texts, golds)[0], got_B)  # deterministic
-  all_B, _ = compare.FalseNegativeGrader(_SerialGrader(), "negative", rate=1.0).score(texts,
-                                                                                      golds)
+  all_B, _ = compare.FalseNegativeGrader(_SerialGrader(), "negative", rate=1.0).score(texts, golds)
   np.testing.assert_array_equal(all_B > 0.5, correct_B & ~target_B)
   # "-0" is the parser's fault too (the sign), though it equals the gold 0.
   assert compare.false_negative_form("0-0\n\\boxed{-0}", "negative")
@@ -73,9 +76,10 @@ def test_training_grader_composes_and_names_the_bad_field():
 def test_evaluation_never_sees_the_faulty_verifier(monkeypatch, tmp_path):
   """run_rl hands the faulty verifier to the training loop; its held-out evaluation of
   always-correct answers (a third of them negative) still scores 100%."""
-  from configs import demo  # pylint: disable=import-outside-toplevel
   from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
   from capo_jax.eval.report import SampleRecord  # pylint: disable=import-outside-toplevel
+  from configs import demo  # pylint: disable=import-outside-toplevel
+
   seen = {}
 
   def fake_evaluate(policy, examples, eval_cfg, rng, benchmark, grader=None):
@@ -84,14 +88,17 @@ def test_evaluation_never_sees_the_faulty_verifier(monkeypatch, tmp_path):
     texts = [f"\\boxed{{{ex.answer}}}" for ex in examples for _ in range(eval_cfg.num_samples)]
     golds = [ex.answer for ex in examples for _ in range(eval_cfg.num_samples)]
     verdicts = (grader or _SerialGrader()).score(texts, golds)[0]
-    return [SampleRecord(benchmark, "q", 0, t, g, bool(v > 0.5), -0.1, 5)
-            for t, g, v in zip(texts, golds, verdicts)]
+    return [
+      SampleRecord(benchmark, "q", 0, t, g, bool(v > 0.5), -0.1, 5)
+      for t, g, v in zip(texts, golds, verdicts)
+    ]
 
   def fake_train(spec, run_dir, *, policy, tokenizer, train_examples, eval_fn, grader):
     del spec, policy, tokenizer
     seen["grader"] = grader
-    seen["train_rewards"] = grader.score([f"\\boxed{{{ex.answer}}}" for ex in train_examples],
-                                         [ex.answer for ex in train_examples])[0]
+    seen["train_rewards"] = grader.score(
+      [f"\\boxed{{{ex.answer}}}" for ex in train_examples], [ex.answer for ex in train_examples]
+    )[0]
     tmp_path.joinpath(run_dir).mkdir(parents=True, exist_ok=True)
     eval_fn(1, None)
 
@@ -105,6 +112,7 @@ def test_evaluation_never_sees_the_faulty_verifier(monkeypatch, tmp_path):
   class _WS:
     cfg = params = None
     tokenizer = CharTokenizer()
+
   evals = demo_run.run_rl(spec, str(tmp_path), _WS(), run_name="r")
   assert isinstance(seen["grader"], compare.FalseNegativeGrader)
   assert 0.1 < 1 - seen["train_rewards"].mean() < 0.6  # training: the negatives rejected
@@ -114,9 +122,12 @@ def test_evaluation_never_sees_the_faulty_verifier(monkeypatch, tmp_path):
 
 def test_unknown_false_negative_or_quantiles_name_the_field():
   from configs import demo  # pylint: disable=import-outside-toplevel
-  for field, value, match in (("false_negative", "decimal", "config.demo.false_negative"),
-                              ("mask_quantiles", (0.1,), "config.demo.mask_quantiles"),
-                              ("mask_quantiles", (0.1, 1.0), "config.demo.mask_quantiles")):
+
+  for field, value, match in (
+    ("false_negative", "decimal", "config.demo.false_negative"),
+    ("mask_quantiles", (0.1,), "config.demo.mask_quantiles"),
+    ("mask_quantiles", (0.1, 1.0), "config.demo.mask_quantiles"),
+  ):
     c = demo.get_config("shrink")
     c.demo[field] = value
     with pytest.raises(ValueError, match=match):
@@ -165,19 +176,30 @@ def test_verdict_is_the_pre_registered_rule():
   from studies.mask.report import verdict  # pylint: disable=import-outside-toplevel
 
   def paired(lo, hi, per_seed):
-    return {"selected": {"delta": (lo + hi) / 2, "lo": lo, "hi": hi, "pairs": 9},
-            "per_seed": [{"d_accuracy": a, "d_entropy": e} for a, e in per_seed]}
+    return {
+      "selected": {"delta": (lo + hi) / 2, "lo": lo, "hi": hi, "pairs": 9},
+      "per_seed": [{"d_accuracy": a, "d_entropy": e} for a, e in per_seed],
+    }
+
   grows_and_stalls = [(0.02, -0.1)] * 3  # mask minus no mask: more accurate, lower entropy
   assert verdict(paired(0.01, 0.05, grows_and_stalls), 3) == {
-      "calibration": "helps", "paper_claim": "reproduced"}
+    "calibration": "helps",
+    "paper_claim": "reproduced",
+  }
   assert verdict(paired(-0.05, -0.01, [(-0.01, 0.1)] * 3), 3) == {
-      "calibration": "hurts", "paper_claim": "contradicted"}
+    "calibration": "hurts",
+    "paper_claim": "contradicted",
+  }
   assert verdict(paired(-0.01, 0.02, grows_and_stalls[:2] + [(-0.01, -0.1)]), 3) == {
-      "calibration": "inconclusive", "paper_claim": "mixed"}
+    "calibration": "inconclusive",
+    "paper_claim": "mixed",
+  }
   assert verdict(paired(float("nan"), float("nan"), []), 3)["paper_claim"] == "-"
   # One seed of three: the same readings, labelled partial, never the verdict itself.
   assert verdict(paired(0.01, 0.05, grows_and_stalls[:1]), 3) == {
-      "calibration": "helps (1 of 3 seeds)", "paper_claim": "reproduced (1 of 3 seeds)"}
+    "calibration": "helps (1 of 3 seeds)",
+    "paper_claim": "reproduced (1 of 3 seeds)",
+  }
 
 
 def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
@@ -185,12 +207,16 @@ def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
   held-out evaluation: the cache is keyed on the settings hash, not the absolute path,
   and a key written with the old absolute path still serves."""
   from configs import demo  # pylint: disable=import-outside-toplevel
+
   spec = demo_run.spec_of(demo.get_config("shrink"))
   d = demo_run.Demo.of(spec)
-  old_key = {"warm_start": "/elsewhere/ws0/warm_start/abc123", "questions": d.eval_questions,
-             "samples": d.eval_samples, "seed": d.eval_seed}
-  (tmp_path / "warm_start_eval.json").write_text(json.dumps({"accuracy": 0.25,
-                                                            "key": old_key}))
+  old_key = {
+    "warm_start": "/elsewhere/ws0/warm_start/abc123",
+    "questions": d.eval_questions,
+    "samples": d.eval_samples,
+    "seed": d.eval_seed,
+  }
+  (tmp_path / "warm_start_eval.json").write_text(json.dumps({"accuracy": 0.25, "key": old_key}))
 
   class _WS:
     params = None
@@ -198,6 +224,7 @@ def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
 
   def must_not_run(*a, **k):
     raise AssertionError("recomputed a cached evaluation")
+
   monkeypatch.setattr(demo_run, "heldout_metrics", must_not_run)
   assert demo_run.warm_start_eval(spec, str(tmp_path), _WS()) == {"accuracy": 0.25}
   # Another warm start (other settings hash) is not served by it.
@@ -208,19 +235,22 @@ def test_warm_start_eval_cache_survives_a_moved_root(monkeypatch, tmp_path):
 
 def test_tau_grid_is_relative_to_the_spread_and_its_verdict_the_rule():
   from studies.tau import design, report  # pylint: disable=import-outside-toplevel
-  scales = {v: compare.VARIANTS[v]["algo.adaptive_tau"] for v in design.variant_names()
-            if v != "grpo"}
-  assert scales == pytest.approx({"capo_rtau0.4": 2 / 3, "capo_rtau0.6": 1.0,
-                                  "capo_rtau1": 5 / 3})
+
+  scales = {
+    v: compare.VARIANTS[v]["algo.adaptive_tau"] for v in design.variant_names() if v != "grpo"
+  }
+  assert scales == pytest.approx({"capo_rtau0.4": 2 / 3, "capo_rtau0.6": 1.0, "capo_rtau1": 5 / 3})
   assert all(compare.VARIANTS[v]["algo.mask"] == "on" for v in scales)
 
   def d(lo, hi):
     return {"delta": (lo + hi) / 2, "lo": lo, "hi": hi}
+
   verdict = report.verdict
   assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.02, 0.04)]) == "robust to tau"
   assert verdict([d(-0.05, 0.01), d(0.01, 0.03), d(-0.02, 0.04)]) == "not robust"  # signs
-  assert verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.05, -0.01) | {"delta": 0.001}]
-                 ) == "not robust"  # an interval wholly below 0 against a positive estimate
+  assert (
+    verdict([d(-0.01, 0.05), d(0.01, 0.03), d(-0.05, -0.01) | {"delta": 0.001}]) == "not robust"
+  )  # an interval wholly below 0 against a positive estimate
   assert verdict([d(0.0, 0.1), d(0.0, 0.1)]) == "-"  # not all three
 
 
@@ -228,9 +258,11 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
   """The runner the mask and tau studies share: run names, the training rows of a resumed
   run, and a run's held-out AUC on the selected questions against scikit-learn."""
   from sklearn.metrics import roc_auc_score  # pylint: disable=import-outside-toplevel
+
   from studies import ws0  # pylint: disable=import-outside-toplevel
   from studies.mask import run as mask_run  # pylint: disable=import-outside-toplevel
   from studies.tau import run as tau_run  # pylint: disable=import-outside-toplevel
+
   for s in (mask_run.STUDY, tau_run.STUDY):
     assert [s.parse_name(n) for n in s.run_names()][0][0] in s.variants()
   assert tau_run.STUDY.parse_name("ws0/tau/capo_rtau1_seed1") == ("capo_rtau1", 1)
@@ -239,9 +271,14 @@ def test_ws0_study_names_rows_and_heldout(tmp_path):
       tau_run.STUDY.parse_name(bad)
 
   # A run resumed after step 2: its steps 2-3 were written twice; the last row wins.
-  rows = [{"step": 1, "entropy": 1.0}, {"step": 2, "entropy": 2.0}, {"step": 3, "entropy": 3.0},
-          {"step": 2, "eval/accuracy": 0.5}, {"step": 2, "entropy": 2.5},
-          {"step": 3, "entropy": 3.5}]
+  rows = [
+    {"step": 1, "entropy": 1.0},
+    {"step": 2, "entropy": 2.0},
+    {"step": 3, "entropy": 3.0},
+    {"step": 2, "eval/accuracy": 0.5},
+    {"step": 2, "entropy": 2.5},
+    {"step": 3, "entropy": 3.5},
+  ]
   (tmp_path / "metrics.jsonl").write_text("\n".join(json.dumps(r) for r in rows) + "\n")
   got = ws0.train_rows(tmp_path / "metrics.jsonl")
   assert [(r["step"], r["entropy"]) for r in got] == [(1, 1.0), (2, 2.5), (3, 3.5)]
@@ -264,6 +301,7 @@ def test_mean_curve_averages_seeds_up_to_the_shortest_run():
   """The studies' plotted curves: the mean over seeds at each step, NaN where no seed logged
   a value, cut at the shortest run; nothing for a value no run logged."""
   from studies import ws0  # pylint: disable=import-outside-toplevel
+
   a = {"train": [{"step": 1, "x": 1.0}, {"step": 2, "x": None}, {"step": 3, "x": 5.0}]}
   b = {"train": [{"step": 1, "x": 3.0}, {"step": 2, "x": None}]}  # stopped after step 2
   steps, mean = ws0.mean_curve([a, b], "train", "x")

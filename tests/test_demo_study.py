@@ -14,8 +14,9 @@ def test_select_questions_keeps_accuracy_in_the_half_open_band():
   correct_QG = np.zeros((5, 10), bool)
   for q, k in enumerate([0, 1, 6, 7, 10]):  # accuracies 0, .1, .6, .7, 1
     correct_QG[q, :k] = True
-  np.testing.assert_array_equal(study.select_questions(correct_QG, 0.0, 0.6),
-                                [False, True, True, False, False])
+  np.testing.assert_array_equal(
+    study.select_questions(correct_QG, 0.0, 0.6), [False, True, True, False, False]
+  )
 
 
 def _evals(steps_acc):
@@ -26,14 +27,19 @@ def test_matched_checkpoints_picks_the_most_accurate_pair_within_tolerance():
   a = _evals([(0, 0.35), (25, 0.45), (50, 0.503), (75, 0.56)])
   b = _evals([(0, 0.35), (25, 0.50), (50, 0.541), (75, 0.60)])
   # Brute force over all pairs: within 0.005 are (50, 25) gap .003 and (25, -) none...
-  pairs = [(ea, eb) for ea, eb in itertools.product(a, b)
-           if ea["step"] and eb["step"] and abs(ea["accuracy"] - eb["accuracy"]) <= 0.005]
+  pairs = [
+    (ea, eb)
+    for ea, eb in itertools.product(a, b)
+    if ea["step"] and eb["step"] and abs(ea["accuracy"] - eb["accuracy"]) <= 0.005
+  ]
   want = max(pairs, key=lambda p: p[0]["accuracy"] + p[1]["accuracy"])
   got = study.matched_checkpoints(a, b)
   assert (got["step_a"], got["step_b"]) == (want[0]["step"], want[1]["step"]) == (50, 25)
   assert got["gap"] == pytest.approx(0.003)
   # Step 0 (the shared warm start) never counts as a match.
-  assert study.matched_checkpoints(_evals([(0, .3), (25, .4)]), _evals([(0, .3), (25, .5)])) is None
+  assert (
+    study.matched_checkpoints(_evals([(0, 0.3), (25, 0.4)]), _evals([(0, 0.3), (25, 0.5)])) is None
+  )
 
 
 def test_frontier_gaps_against_a_hand_drawn_frontier():
@@ -99,15 +105,31 @@ def test_hierarchical_interval_covers_the_truth_about_95_percent():
 
 def test_held_across_warm_starts_lists_every_comparison_and_only_what_held():
   def pooled(delta, lo, hi, per):
-    return {"delta": delta, "lo": lo, "hi": hi, "pairs": 10 * len(per),
-            "warm_starts": len(per), "per_warm_start": [{"delta": d, "pairs": 10} for d in per]}
-  result = {"date": "d", "machine": "m", "final": {
+    return {
+      "delta": delta,
+      "lo": lo,
+      "hi": hi,
+      "pairs": 10 * len(per),
+      "warm_starts": len(per),
+      "per_warm_start": [{"delta": d, "pairs": 10} for d in per],
+    }
+
+  result = {
+    "date": "d",
+    "machine": "m",
+    "final": {
       "capo": {"0": {"accuracy": 0.4}, "1": {"accuracy": 0.6}},
-      "grpo": {"0": {"accuracy": 0.5}, "1": {"accuracy": 0.5}}, "simko": {}},
-            "paired": {
-      "capo": {"matched": pooled(0.03, -0.01, 0.07, [0.05, -0.01]),
-               "final": pooled(0.04, 0.01, 0.08, [0.03, 0.05])},
-      "simko": {"matched": None, "final": pooled(-0.05, -0.09, -0.02, [-0.04, -0.06])}}}
+      "grpo": {"0": {"accuracy": 0.5}, "1": {"accuracy": 0.5}},
+      "simko": {},
+    },
+    "paired": {
+      "capo": {
+        "matched": pooled(0.03, -0.01, 0.07, [0.05, -0.01]),
+        "final": pooled(0.04, 0.01, 0.08, [0.03, 0.05]),
+      },
+      "simko": {"matched": None, "final": pooled(-0.05, -0.09, -0.02, [-0.04, -0.06])},
+    },
+  }
   text = study.held_across_warm_starts(result)
   lines = text.splitlines()
   capo_matched = next(x for x in lines if x.startswith("  capo - grpo at matched"))
@@ -116,8 +138,7 @@ def test_held_across_warm_starts_lists_every_comparison_and_only_what_held():
   assert "held (above 0)" in capo_final and "accuracy 0.500 vs 0.500" in capo_final
   assert "simko - grpo at matched accuracy: no matched checkpoints" in text
   assert "held (below 0)" in next(x for x in lines if x.startswith("  simko - grpo at the final"))
-  assert lines[-1] == ("What held: capo - grpo at the final step; "
-                       "simko - grpo at the final step.")
+  assert lines[-1] == ("What held: capo - grpo at the final step; simko - grpo at the final step.")
   result["paired"] = {"capo": {"matched": pooled(0.0, -0.1, 0.1, [0.0]), "final": None}}
   assert study.held_across_warm_starts(result).splitlines()[-1].startswith("What held: nothing")
 
@@ -151,6 +172,7 @@ def test_hierarchical_replicates_pool_independent_draws_of_a_repeated_warm_start
 
 def test_t_interval_beside_the_bootstrap_below_ten_warm_starts():
   from scipy import stats  # pylint: disable=import-outside-toplevel
+
   rng = np.random.default_rng(3)
   shifts = [0.02, -0.01, 0.05]
   pairs = [(b + sh, b) for sh, b in zip(shifts, rng.random((3, 2, 30)))]
@@ -161,8 +183,9 @@ def test_t_interval_beside_the_bootstrap_below_ten_warm_starts():
   assert (r["t_lo"], r["t_hi"]) == (pytest.approx(m - half), pytest.approx(m + half))
   ten = [(b, b) for b in rng.random((10, 2, 5))]
   assert "t_lo" not in study.hierarchical_delta(ten, n_boot=50)
-  text = study.held_across_warm_starts({"paired": {"capo": {"matched": None, "final": r}},
-                                        "final": {}})
+  text = study.held_across_warm_starts(
+    {"paired": {"capo": {"matched": None, "final": r}}, "final": {}}
+  )
   assert f"t over 3 warm starts [{m - half:+.3f}, {m + half:+.3f}]" in text
 
 
@@ -172,8 +195,11 @@ def test_the_tau_rules_on_hand_cases():
   assert study.tau_verdict(same_sign_all_cross_zero, "signs") == "robust to tau"
   assert study.tau_verdict(same_sign_all_cross_zero, "intervals") == "not robust"
   all_above = [iv(0.05, 0.01, 0.09), iv(0.04, 0.02, 0.06), iv(0.06, 0.001, 0.1)]
-  assert study.tau_verdict(all_above, "signs") == study.tau_verdict(all_above, "intervals") == (
-      "robust to tau")
+  assert (
+    study.tau_verdict(all_above, "signs")
+    == study.tau_verdict(all_above, "intervals")
+    == ("robust to tau")
+  )
   assert study.tau_verdict([iv(0.01, -0.03, 0.05), iv(-0.02, -0.05, 0.01)]) == "not robust"
   assert study.tau_verdict([iv(float("nan"), 0, 0)]) == "-"
   with pytest.raises(ValueError, match="tau_verdict"):

@@ -30,8 +30,10 @@ MANUAL_PAGES = [p for p in DOCS if p.name not in RECORD_PAGES | PENDING]
 # A date, the machine as "box", a work session ("this session", "session's"); `\boxed{}`
 # and an OS session ("its own session") are not matched.
 LAB_NOTE_WORDS = re.compile(
-    r"\d{4}-\d{2}-\d{2}|\bbox(es)?\b|\bsession's\b|\b(this|that|same|one|earlier|previous|"
-    r"another|a) (work )?sessions?\b", re.I)
+  r"\d{4}-\d{2}-\d{2}|\bbox(es)?\b|\bsession's\b|\b(this|that|same|one|earlier|previous|"
+  r"another|a) (work )?sessions?\b",
+  re.I,
+)
 # Packages of this repository: `python -m <one of these>...` must name a module here.
 OWN_PACKAGES = ("capo_jax", "models", "benchmarks", "configs", "studies", "tools")
 
@@ -103,14 +105,17 @@ def test_commands_name_existing_modules_and_files() -> None:
     for cfg in set(re.findall(r"--config=(configs/[\w/.]+?\.py)", text)):
       if not (ROOT / cfg).is_file():
         missing.append(f"{page.name}: --config={cfg}")
-    for path in set(re.findall(r"\b((?:launch|benchmarks|configs|studies|tools)/[\w/.-]+\.(?:sh|py|ipynb))", text)):
+    for path in set(
+      re.findall(r"\b((?:launch|benchmarks|configs|studies|tools)/[\w/.-]+\.(?:sh|py|ipynb))", text)
+    ):
       if not (ROOT / path).is_file():
         missing.append(f"{page.name}: {path}")
   assert not missing, "commands naming what does not exist:\n" + "\n".join(sorted(missing))
 
 
-@pytest.mark.parametrize("page", PAGES + STUDY_PAGES + RESULT_PAGES,
-                         ids=lambda p: str(p.relative_to(ROOT)))
+@pytest.mark.parametrize(
+  "page", PAGES + STUDY_PAGES + RESULT_PAGES, ids=lambda p: str(p.relative_to(ROOT))
+)
 def test_relative_links_resolve(page: pathlib.Path) -> None:
   broken = []
   for target in _links(page):
@@ -135,13 +140,15 @@ def test_docs_page_opens_with_title_and_summary(page: pathlib.Path) -> None:
   assert lines[0].startswith("# "), f"{page.name} does not start with a '# ' title"
   body = [line for line in lines[1:] if line.strip()]
   assert body and not body[0].startswith(("#", "|", "```", "    ")), (
-      f"{page.name}: the title is not followed by a summary paragraph")
+    f"{page.name}: the title is not followed by a summary paragraph"
+  )
 
 
 def test_results_table_quotes_its_evidence() -> None:
   """Every figure and date in a results row appears on the page that row links to."""
-  rows = [r for r in _section(_text(README), "Results").splitlines()
-          if r.startswith("| ") and "](" in r]
+  rows = [
+    r for r in _section(_text(README), "Results").splitlines() if r.startswith("| ") and "](" in r
+  ]
   assert len(rows) >= 3
   number = r"\d+(?:\.\d+)?e-\d+|\d+\.\d+|\d{4}-\d{2}-\d{2}"
   problems = []
@@ -161,30 +168,48 @@ def test_generated_block_is_what_its_records_write(page: str) -> None:
   tool, fails here."""
   path, text = results_tables.generated(page)
   assert _text(path) == text, (
-      f"{page} differs from its records in docs/results/: edit the record, "
-      "then run `python -m tools.results_tables`")
+    f"{page} differs from its records in docs/results/: edit the record, "
+    "then run `python -m tools.results_tables`"
+  )
 
 
 def test_every_table_and_manual_figure_is_generated() -> None:
   """The pages with generated blocks include the TPU page's current figures and the
   figures the manual pages quote."""
   pages = set(results_tables.pages())
-  assert {"docs/tpu.md", "docs/results/tpu.md", "docs/benchmarks.md", "docs/packing.md",
-          "docs/lora.md", "docs/mismatch.md"} <= pages
+  assert {
+    "docs/tpu.md",
+    "docs/results/tpu.md",
+    "docs/benchmarks.md",
+    "docs/packing.md",
+    "docs/lora.md",
+    "docs/mismatch.md",
+  } <= pages
 
 
 @pytest.mark.parametrize("page", MANUAL_PAGES, ids=lambda p: p.name)
 def test_manual_page_has_no_dates_or_lab_note_words(page: pathlib.Path) -> None:
-  found = [f"line {i}: {m.group(0)!r}" for i, line in enumerate(_text(page).splitlines(), 1)
-           for m in LAB_NOTE_WORDS.finditer(line)]
-  assert not found, (f"{page.name} carries a dated lab note (move it to a record in "
-                     "docs/results/*.json and quote it with a figure block):\n" + "\n".join(found))
+  found = [
+    f"line {i}: {m.group(0)!r}"
+    for i, line in enumerate(_text(page).splitlines(), 1)
+    for m in LAB_NOTE_WORDS.finditer(line)
+  ]
+  assert not found, (
+    f"{page.name} carries a dated lab note (move it to a record in "
+    "docs/results/*.json and quote it with a figure block):\n" + "\n".join(found)
+  )
 
 
 def test_lab_note_words_spare_boxed_answers_and_os_sessions() -> None:
   spared = ["a correct `\\boxed{}` answer", "starts its own session (`setsid`)", "boxed_format"]
-  caught = ["2026-12-03", "this 2-core box", "the box's noise", "this session's box",
-            "in that session", "on the same box"]
+  caught = [
+    "2026-12-03",
+    "this 2-core box",
+    "the box's noise",
+    "this session's box",
+    "in that session",
+    "on the same box",
+  ]
   assert not [s for s in spared if LAB_NOTE_WORDS.search(s)]
   assert all(LAB_NOTE_WORDS.search(s) for s in caught)
 
@@ -192,21 +217,28 @@ def test_lab_note_words_spare_boxed_answers_and_os_sessions() -> None:
 def test_render_replaces_only_the_marked_block() -> None:
   page = "head\n<!-- results:x -->\nold | table\n<!-- /results -->\ntail\n"
   assert results_tables.render(page, "x", "new") == (
-      "head\n<!-- results:x -->\nnew\n<!-- /results -->\ntail\n")
+    "head\n<!-- results:x -->\nnew\n<!-- /results -->\ntail\n"
+  )
   with pytest.raises(ValueError, match="exactly one"):
     results_tables.render("no markers", "x", "new")
   # A figure inside a list item keeps the item's indent; the next block is left alone.
-  item = "- a\n  speed: <!-- results:t#i -->\n  old\n  <!-- /results -->\n- <!-- results:y -->\nz\n<!-- /results -->\n"
+  item = (
+    "- a\n  speed: <!-- results:t#i -->\n  old\n  <!-- /results -->\n"
+    "- <!-- results:y -->\nz\n<!-- /results -->\n"
+  )
   assert results_tables.render(item, "t#i", "1.5x") == (
-      "- a\n  speed: <!-- results:t#i -->\n  1.5x\n  <!-- /results -->\n"
-      "- <!-- results:y -->\nz\n<!-- /results -->\n")
+    "- a\n  speed: <!-- results:t#i -->\n  1.5x\n  <!-- /results -->\n"
+    "- <!-- results:y -->\nz\n<!-- /results -->\n"
+  )
 
 
 def test_figure_line_quotes_the_record_and_links_it() -> None:
   record = results_tables.load("tpu")[0]
   line = results_tables.figure_line("tpu", record["id"], "docs/tpu.md")
-  assert line == (f"{record['what']} ({record['kind']}): {record['result']} "
-                  f"([record](results/tpu.md#{record['id']})).")
+  assert line == (
+    f"{record['what']} ({record['kind']}): {record['result']} "
+    f"([record](results/tpu.md#{record['id']}))."
+  )
   line = results_tables.figure_line("benchmarks", "train_lengths", "docs/results/x.md")
   assert line.endswith("([record](../benchmarks.md#train_lengths)).")
   with pytest.raises(ValueError, match="names no record"):
@@ -243,23 +275,30 @@ def test_tpu_records_say_their_kind_and_what_replaced_them() -> None:
     assert r["superseded_by"] in ids | {None}, r["id"]
     assert r["superseded_by"] != r["id"], r["id"]
   # Every step time is an estimate.
-  assert all(r["kind"] == "roofline estimate" for r in records if "seconds per RL step" in r["what"])
+  assert all(
+    r["kind"] == "roofline estimate" for r in records if "seconds per RL step" in r["what"]
+  )
   current = {r["id"] for r in records if r["superseded_by"] is None}
-  table = _text(ROOT / "docs" / "tpu.md").split("<!-- results:tpu -->")[1].split("<!-- /results -->")[0]
+  table = (
+    _text(ROOT / "docs" / "tpu.md").split("<!-- results:tpu -->")[1].split("<!-- /results -->")[0]
+  )
   assert set(re.findall(r"\]\(results/tpu\.md#(\w+)\)", table)) == current
   with pytest.raises(ValueError, match="names no record"):
-    results_tables.check_records([{**records[0], "superseded_by": "nothing"}],
-                                 results_tables.TPU_FIELDS, "tpu")
+    results_tables.check_records(
+      [{**records[0], "superseded_by": "nothing"}], results_tables.TPU_FIELDS, "tpu"
+    )
   with pytest.raises(ValueError, match="kind"):
-    results_tables.check_records([{**records[0], "kind": "measured"}],
-                                 results_tables.TPU_FIELDS, "tpu")
+    results_tables.check_records(
+      [{**records[0], "kind": "measured"}], results_tables.TPU_FIELDS, "tpu"
+    )
 
 
 def test_check_records_refuses_a_long_cell_or_a_missing_field() -> None:
   record = dict(results_tables.load("benchmarks")[0])
   with pytest.raises(ValueError, match="too long"):
-    results_tables.check_records([{**record, "result": "x" * 201}],
-                                 results_tables.BENCHMARK_FIELDS, "benchmarks")
+    results_tables.check_records(
+      [{**record, "result": "x" * 201}], results_tables.BENCHMARK_FIELDS, "benchmarks"
+    )
   del record["machine"]
   with pytest.raises(ValueError, match="fields"):
     results_tables.check_records([record], results_tables.BENCHMARK_FIELDS, "benchmarks")
@@ -269,6 +308,7 @@ def test_study_records_match_their_reports() -> None:
   """Each run's report lies in docs/studies/<study>/run<N>/; its record's date, machine
   and commit are the report's own where the report records them."""
   import json  # pylint: disable=import-outside-toplevel
+
   records = results_tables.load("studies")
   for r in records:
     report = ROOT / r["report"]
@@ -286,6 +326,9 @@ def test_study_records_match_their_reports() -> None:
 
 def test_no_folder_of_docs_is_named_after_a_machine() -> None:
   machine = re.compile(r"box|xeon|epyc|amd|intel|session|h100|h200|tpu_v", re.I)
-  named = [str(p.relative_to(ROOT)) for p in (ROOT / "docs").rglob("*")
-           if p.is_dir() and machine.search(p.name)]
+  named = [
+    str(p.relative_to(ROOT))
+    for p in (ROOT / "docs").rglob("*")
+    if p.is_dir() and machine.search(p.name)
+  ]
   assert not named, f"folders named after a machine (name it in the record): {named}"

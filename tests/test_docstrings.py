@@ -85,8 +85,11 @@ def test_every_named_path_and_module_exists(where, doc):
     and not (REPO / p.rstrip("/.")).exists()
   ]
   missing += [p for p in _SUBPACKAGE.findall(doc) if not (REPO / "capo_jax" / p).exists()]
-  missing += [m for m in _MODULE.findall(doc)  # ``benchmarks.NAME``: a placeholder
-               if not m.rsplit(".", 1)[-1].isupper() and not _module_exists(m.rstrip("."))]
+  missing += [
+    m
+    for m in _MODULE.findall(doc)  # ``benchmarks.NAME``: a placeholder
+    if not m.rsplit(".", 1)[-1].isupper() and not _module_exists(m.rstrip("."))
+  ]
   assert not missing, f"{where}: the docstring names what does not exist: {missing}"
 
 

@@ -33,8 +33,12 @@ def setup():
   completion_mask[1, 3:] = 0  # right padding
   completion_mask[2, 6:] = 0
   # Make every row's first completion token its argmax, so is_argmax has True cases.
-  logits = _forward(params, CFG, np.concatenate([prompt, completion], 1),
-                    np.concatenate([prompt_mask, completion_mask], 1))
+  logits = _forward(
+    params,
+    CFG,
+    np.concatenate([prompt, completion], 1),
+    np.concatenate([prompt_mask, completion_mask], 1),
+  )
   completion[:, 0] = np.asarray(logits[:, P - 1].argmax(-1))
   inputs = tuple(jnp.asarray(x) for x in (prompt, prompt_mask, completion, completion_mask))
   return params, inputs
@@ -46,10 +50,13 @@ def _reference(params, inputs):
   tokens = jnp.concatenate([prompt, completion], 1)
   mask = jnp.concatenate([prompt_mask, completion_mask], 1)
   logits = np.asarray(_forward(params, CFG, tokens, mask), np.float64)
-  logp_BTV = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
-                             keepdims=True)) - logits.max(-1, keepdims=True)
+  logp_BTV = (
+    logits
+    - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True))
+    - logits.max(-1, keepdims=True)
+  )
   # Completion token c is predicted at column P - 1 + c.
-  logp_BCV = logp_BTV[:, P - 1:P - 1 + C]
+  logp_BCV = logp_BTV[:, P - 1 : P - 1 + C]
   comp = np.asarray(completion)
   logp = np.take_along_axis(logp_BCV, comp[..., None], -1)[..., 0]
   entropy = -(np.exp(logp_BCV) * logp_BCV).sum(-1)
@@ -95,9 +102,13 @@ def test_gradients_chunked_equal_unchunked_and_forward(setup):
 
   def reference(p):
     prompt, prompt_mask, completion, completion_mask = inputs
-    logits = qwen2.forward(p, CFG, jnp.concatenate([prompt, completion], 1),
-                           jnp.concatenate([prompt_mask, completion_mask], 1))
-    logp_BCV = jax.nn.log_softmax(logits[:, P - 1:P - 1 + C], -1)
+    logits = qwen2.forward(
+      p,
+      CFG,
+      jnp.concatenate([prompt, completion], 1),
+      jnp.concatenate([prompt_mask, completion_mask], 1),
+    )
+    logp_BCV = jax.nn.log_softmax(logits[:, P - 1 : P - 1 + C], -1)
     m = completion_mask > 0
     logp = jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
     topk = jnp.take_along_axis(logp_BCV, ids, -1)
@@ -106,11 +117,16 @@ def test_gradients_chunked_equal_unchunked_and_forward(setup):
   g_full = jax.jit(jax.grad(functools.partial(objective, chunk=0)))(params)
   g_chunk = jax.jit(jax.grad(functools.partial(objective, chunk=2)))(params)
   g_ref = jax.jit(jax.grad(reference))(params)
+
   def check(path, ref, *others):
     scale = float(jnp.abs(ref).max()) + 1e-8
     for got in others:
-      np.testing.assert_allclose(np.asarray(got) / scale, np.asarray(ref) / scale, atol=1e-5,
-                                 err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_allclose(
+        np.asarray(got) / scale,
+        np.asarray(ref) / scale,
+        atol=1e-5,
+        err_msg=jax.tree_util.keystr(path),
+      )
 
   jax.tree_util.tree_map_with_path(check, g_ref, g_full, g_chunk)
 
@@ -134,5 +150,12 @@ def test_bad_shapes_name_the_field(setup):
   with pytest.raises(ValueError, match="prompt_mask_BP"):
     token_logprobs(params, CFG, prompt, prompt_mask[:2], completion, completion_mask)
   with pytest.raises(ValueError, match="topk_ids_BCJ"):
-    token_logprobs(params, CFG, prompt, prompt_mask, completion, completion_mask,
-                   topk_ids_BCJ=jnp.zeros((B, C), jnp.int32))
+    token_logprobs(
+      params,
+      CFG,
+      prompt,
+      prompt_mask,
+      completion,
+      completion_mask,
+      topk_ids_BCJ=jnp.zeros((B, C), jnp.int32),
+    )

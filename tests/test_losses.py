@@ -19,8 +19,9 @@ from capo_jax.run import spec as spec_lib
 from configs import common
 
 
-def _batch(seed: int, b: int = 6, c: int = 9, k: int = 3, spread: float = 0.3,
-           adv_scale: float = 1.0) -> PolicyBatch:
+def _batch(
+  seed: int, b: int = 6, c: int = 9, k: int = 3, spread: float = 0.3, adv_scale: float = 1.0
+) -> PolicyBatch:
   rng = np.random.default_rng(seed)
   old = np.log(rng.uniform(0.05, 0.95, (b, c))).astype(np.float32)
   logp = (old + spread * rng.standard_normal((b, c))).astype(np.float32)
@@ -32,12 +33,17 @@ def _batch(seed: int, b: int = 6, c: int = 9, k: int = 3, spread: float = 0.3,
   topk = np.log(rng.uniform(0.05, 0.6, (b, c, k))).astype(np.float32)
   old_topk = (topk + 0.1 * rng.standard_normal((b, c, k))).astype(np.float32)
   return PolicyBatch(
-      logp_BC=jnp.asarray(logp), old_logp_BC=jnp.asarray(old), mask_BC=jnp.asarray(mask),
-      adv_B=jnp.asarray(adv), entropy_BC=jnp.asarray(rng.uniform(0, 3, (b, c)), jnp.float32),
-      ref_logp_BC=jnp.asarray(old + 0.2 * rng.standard_normal((b, c)), jnp.float32),
-      topk_logp_BCJ=jnp.asarray(topk), old_topk_logp_BCJ=jnp.asarray(old_topk),
-      is_argmax_BC=jnp.asarray(rng.random((b, c)) < 0.6),
-      correct_B=jnp.asarray(np.arange(b) % 2 == 0))
+    logp_BC=jnp.asarray(logp),
+    old_logp_BC=jnp.asarray(old),
+    mask_BC=jnp.asarray(mask),
+    adv_B=jnp.asarray(adv),
+    entropy_BC=jnp.asarray(rng.uniform(0, 3, (b, c)), jnp.float32),
+    ref_logp_BC=jnp.asarray(old + 0.2 * rng.standard_normal((b, c)), jnp.float32),
+    topk_logp_BCJ=jnp.asarray(topk),
+    old_topk_logp_BCJ=jnp.asarray(old_topk),
+    is_argmax_BC=jnp.asarray(rng.random((b, c)) < 0.6),
+    correct_B=jnp.asarray(np.arange(b) % 2 == 0),
+  )
 
 
 def _agg_weights(mask: np.ndarray, agg: str, max_len: int | None = None) -> np.ndarray:
@@ -82,8 +88,9 @@ def test_ppo_loss_value_grad_and_aux_match_token_loop(agg: str) -> None:
   batch = _batch(seed=1, spread=0.4)
   cfg = LossConfig(agg=agg, max_len=12 if agg == "seq-mean-token-sum-norm" else None)
   loss, aux = losses.policy_loss(losses.Ppo(), batch, cfg)
-  grad = jax.jit(jax.grad(lambda lp: losses.policy_loss(
-      losses.Ppo(), batch._replace(logp_BC=lp), cfg)[0]))(batch.logp_BC)
+  grad = jax.jit(
+    jax.grad(lambda lp: losses.policy_loss(losses.Ppo(), batch._replace(logp_BC=lp), cfg)[0])
+  )(batch.logp_BC)
   want_loss, want_grad, low, high = _ppo_reference(batch, cfg)
   assert 0 < low and 0 < high  # the case exercises both clip sides
   np.testing.assert_allclose(float(loss), want_loss, rtol=1e-5)
@@ -92,17 +99,25 @@ def test_ppo_loss_value_grad_and_aux_match_token_loop(agg: str) -> None:
   np.testing.assert_allclose(float(aux["clip_frac_high"]), high, rtol=1e-6)
   m = np.asarray(batch.mask_BC) > 0
   rho = np.exp(np.asarray(batch.logp_BC) - np.asarray(batch.old_logp_BC))[m]
-  np.testing.assert_allclose([float(aux["ratio_mean"]), float(aux["ratio_min"]),
-                              float(aux["ratio_max"])], [rho.mean(), rho.min(), rho.max()],
-                             rtol=1e-5)
-  np.testing.assert_allclose(float(aux["entropy"]), np.asarray(batch.entropy_BC)[m].mean(),
-                             rtol=1e-5)
+  np.testing.assert_allclose(
+    [float(aux["ratio_mean"]), float(aux["ratio_min"]), float(aux["ratio_max"])],
+    [rho.mean(), rho.min(), rho.max()],
+    rtol=1e-5,
+  )
+  np.testing.assert_allclose(
+    float(aux["entropy"]), np.asarray(batch.entropy_BC)[m].mean(), rtol=1e-5
+  )
   assert float(aux["zero_adv_frac"]) == pytest.approx(1 / 6)
 
 
-@pytest.mark.parametrize("agg,want", [
-    ("auto", "seq-mean-token-sum-norm"), ("seq-mean-token-mean", "seq-mean-token-mean"),
-    ("token-mean", "token-mean")])
+@pytest.mark.parametrize(
+  "agg,want",
+  [
+    ("auto", "seq-mean-token-sum-norm"),
+    ("seq-mean-token-mean", "seq-mean-token-mean"),
+    ("token-mean", "token-mean"),
+  ],
+)
 def test_dr_grpo_default_aggregation_is_its_own(agg: str, want: str) -> None:
   """Dr.GRPO's loss sums each response's tokens and divides by a constant, the rollout's
   max_new_tokens (Dr.GRPO's MAX_TOKENS), not by the response's length; an explicit
@@ -115,11 +130,14 @@ def test_dr_grpo_default_aggregation_is_its_own(agg: str, want: str) -> None:
   lens, adv = np.array([3, 16, 5]), np.array([1.0, -0.5, 2.0], np.float32)
   mask = (np.arange(16)[None] < lens[:, None]).astype(np.float32)
   logp = jnp.full(mask.shape, -0.7, jnp.float32)
-  loss, _ = losses.policy_loss(losses.Ppo(), PolicyBatch(logp, logp, jnp.asarray(mask),
-                                                          jnp.asarray(adv)), cfg)
-  by_hand = {"seq-mean-token-sum-norm": -(3 * 1 - 16 * 0.5 + 5 * 2) / (16 * 3),
-             "seq-mean-token-mean": -(1 - 0.5 + 2) / 3,
-             "token-mean": -(3 * 1 - 16 * 0.5 + 5 * 2) / 24}[want]
+  loss, _ = losses.policy_loss(
+    losses.Ppo(), PolicyBatch(logp, logp, jnp.asarray(mask), jnp.asarray(adv)), cfg
+  )
+  by_hand = {
+    "seq-mean-token-sum-norm": -(3 * 1 - 16 * 0.5 + 5 * 2) / (16 * 3),
+    "seq-mean-token-mean": -(1 - 0.5 + 2) / 3,
+    "token-mean": -(3 * 1 - 16 * 0.5 + 5 * 2) / 24,
+  }[want]
   assert float(loss) == pytest.approx(by_hand, rel=1e-6)
 
 
@@ -128,9 +146,10 @@ def test_padding_garbage_does_not_leak() -> None:
   pad = np.asarray(batch.mask_BC) == 0
   assert pad.any()
   dirty = batch._replace(
-      logp_BC=jnp.where(pad, jnp.nan, batch.logp_BC),
-      old_logp_BC=jnp.where(pad, -jnp.inf, batch.old_logp_BC),
-      ref_logp_BC=jnp.where(pad, jnp.inf, batch.ref_logp_BC))
+    logp_BC=jnp.where(pad, jnp.nan, batch.logp_BC),
+    old_logp_BC=jnp.where(pad, -jnp.inf, batch.old_logp_BC),
+    ref_logp_BC=jnp.where(pad, jnp.inf, batch.ref_logp_BC),
+  )
   cfg = LossConfig(beta=0.1)
   for kind in (cls() for cls in losses.LOSSES.values()):
     f = lambda lp, b: losses.policy_loss(kind, b._replace(logp_BC=lp), cfg)[0]
@@ -138,8 +157,9 @@ def test_padding_garbage_does_not_leak() -> None:
     g_dirty = jax.grad(f)(dirty.logp_BC, dirty)
     assert np.isfinite(np.asarray(g_dirty)).all(), kind
     np.testing.assert_allclose(np.asarray(g_dirty), np.asarray(g_clean), rtol=1e-6)
-    np.testing.assert_allclose(float(f(dirty.logp_BC, dirty)), float(f(batch.logp_BC, batch)),
-                               rtol=1e-6)
+    np.testing.assert_allclose(
+      float(f(dirty.logp_BC, dirty)), float(f(batch.logp_BC, batch)), rtol=1e-6
+    )
 
 
 def _categorical(seed: int, v: int = 7):
@@ -156,8 +176,11 @@ def test_kl_estimators_exact_expectations() -> None:
     logp = theta - np.log(np.exp(theta).sum())
     p = np.exp(logp)
     kl = float(np.sum(p * (logp - logq)))
-    expect = lambda est: float(np.sum(p * np.asarray(
-        losses.kl_per_token(jnp.asarray(logp), jnp.asarray(logq), est), np.float64)))
+    expect = lambda est: float(
+      np.sum(
+        p * np.asarray(losses.kl_per_token(jnp.asarray(logp), jnp.asarray(logq), est), np.float64)
+      )
+    )
     np.testing.assert_allclose(expect("k1"), kl, rtol=1e-5)
     np.testing.assert_allclose(expect("k3"), kl, rtol=1e-5)
     np.testing.assert_allclose(expect("k2"), 0.5 * np.sum(p * (logp - logq) ** 2), rtol=1e-5)
@@ -176,15 +199,18 @@ def test_kl_estimators_expected_gradients() -> None:
       logp = jax.nn.log_softmax(th)
       p = jax.lax.stop_gradient(jnp.exp(logp))
       return jnp.sum(p * losses.kl_per_token(logp, logq, est))
+
     return np.asarray(jax.grad(f)(jnp.asarray(theta)))
 
   fwd = lambda th: jnp.sum(jax.nn.softmax(th) * (jax.nn.log_softmax(th) - logq))
   rev = lambda th: jnp.sum(jnp.exp(logq) * (logq - jax.nn.log_softmax(th)))
   np.testing.assert_allclose(expected("k1"), 0.0, atol=1e-6)
-  np.testing.assert_allclose(expected("k2"), np.asarray(jax.grad(fwd)(jnp.asarray(theta))),
-                             rtol=1e-4, atol=1e-6)
-  np.testing.assert_allclose(expected("k3"), np.asarray(jax.grad(rev)(jnp.asarray(theta))),
-                             rtol=1e-4, atol=1e-6)
+  np.testing.assert_allclose(
+    expected("k2"), np.asarray(jax.grad(fwd)(jnp.asarray(theta))), rtol=1e-4, atol=1e-6
+  )
+  np.testing.assert_allclose(
+    expected("k3"), np.asarray(jax.grad(rev)(jnp.asarray(theta))), rtol=1e-4, atol=1e-6
+  )
 
 
 @pytest.mark.parametrize("est", losses.KL_ESTIMATORS)
@@ -193,7 +219,7 @@ def test_kl_term_in_policy_loss(est: str) -> None:
   base, _ = losses.policy_loss(losses.Ppo(), batch, LossConfig(kl_estimator=est))
   loss, aux = losses.policy_loss(losses.Ppo(), batch, LossConfig(beta=0.5, kl_estimator=est))
   m = np.asarray(batch.mask_BC) > 0
-  r = (np.asarray(batch.ref_logp_BC, np.float64) - np.asarray(batch.logp_BC, np.float64))
+  r = np.asarray(batch.ref_logp_BC, np.float64) - np.asarray(batch.logp_BC, np.float64)
   k = {"k1": -r, "k2": 0.5 * r**2, "k3": np.exp(r) - r - 1}[est]
   kl = np.mean([k[i][m[i]].mean() for i in range(m.shape[0])])  # seq-mean-token-mean
   np.testing.assert_allclose(float(aux["kl"]), kl, rtol=1e-5)
@@ -224,18 +250,26 @@ def test_gspo_and_simko_reduce_to_grpo() -> None:
   wide_gspo = losses.Gspo(eps_low=0.99, eps_high=1e6)
   onpolicy = _batch(seed=6)
   onpolicy = onpolicy._replace(logp_BC=onpolicy.old_logp_BC)
-  grad = lambda kind, b, cfg: np.asarray(jax.grad(
-      lambda lp: losses.policy_loss(kind, b._replace(logp_BC=lp), cfg)[0])(b.logp_BC))
-  np.testing.assert_allclose(grad(wide_gspo, onpolicy, wide),
-                             grad(losses.Ppo(), onpolicy, wide), rtol=1e-5, atol=1e-8)
-  np.testing.assert_allclose(float(losses.policy_loss(wide_gspo, onpolicy, wide)[0]),
-                             float(losses.policy_loss(losses.Ppo(), onpolicy, wide)[0]), rtol=1e-6)
+  grad = lambda kind, b, cfg: np.asarray(
+    jax.grad(lambda lp: losses.policy_loss(kind, b._replace(logp_BC=lp), cfg)[0])(b.logp_BC)
+  )
+  np.testing.assert_allclose(
+    grad(wide_gspo, onpolicy, wide), grad(losses.Ppo(), onpolicy, wide), rtol=1e-5, atol=1e-8
+  )
+  np.testing.assert_allclose(
+    float(losses.policy_loss(wide_gspo, onpolicy, wide)[0]),
+    float(losses.policy_loss(losses.Ppo(), onpolicy, wide)[0]),
+    rtol=1e-6,
+  )
   off = _batch(seed=6, spread=0.4)
   plain = losses.Simko(alpha=0.0, lam=1.0)
   for cfg in (LossConfig(), LossConfig(agg="token-mean")):
     np.testing.assert_allclose(grad(plain, off, cfg), grad(losses.Ppo(), off, cfg), rtol=1e-6)
-    np.testing.assert_allclose(float(losses.policy_loss(plain, off, cfg)[0]),
-                               float(losses.policy_loss(losses.Ppo(), off, cfg)[0]), rtol=1e-6)
+    np.testing.assert_allclose(
+      float(losses.policy_loss(plain, off, cfg)[0]),
+      float(losses.policy_loss(losses.Ppo(), off, cfg)[0]),
+      rtol=1e-6,
+    )
 
 
 def test_forked_tokens_match_numpy_quantile() -> None:
@@ -257,8 +291,7 @@ def test_simko_gradient_split_by_hand() -> None:
   batch = _batch(seed=9, c=12, spread=0.05)
   cfg = LossConfig(agg="token-mean")
   simko = losses.Simko(alpha=0.3, lam=1.5)
-  f = lambda lp, tk: losses.policy_loss(simko, batch._replace(logp_BC=lp, topk_logp_BCJ=tk),
-                                        cfg)[0]
+  f = lambda lp, tk: losses.policy_loss(simko, batch._replace(logp_BC=lp, topk_logp_BCJ=tk), cfg)[0]
   g_lp, g_tk = jax.jit(jax.grad(f, argnums=(0, 1)))(batch.logp_BC, batch.topk_logp_BCJ)
   m = np.asarray(batch.mask_BC) > 0
   ent = np.asarray(batch.entropy_BC)
@@ -283,8 +316,11 @@ def test_simko_gradient_split_by_hand() -> None:
   # SimKO changes the gradient of correct responses, not the loss value
   # (lambda does change the wrong ones' value, so compare with lambda = 1).
   no_boost = losses.Simko(alpha=0.3, lam=1.0)
-  np.testing.assert_allclose(float(losses.policy_loss(no_boost, batch, cfg)[0]),
-                             float(losses.policy_loss(losses.Ppo(), batch, cfg)[0]), rtol=1e-6)
+  np.testing.assert_allclose(
+    float(losses.policy_loss(no_boost, batch, cfg)[0]),
+    float(losses.policy_loss(losses.Ppo(), batch, cfg)[0]),
+    rtol=1e-6,
+  )
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
@@ -306,11 +342,13 @@ def test_bad_inputs_raise_clear_errors() -> None:
   with pytest.raises(ValueError, match=r"adv_B has shape \(5,\)"):
     losses.policy_loss(losses.Ppo(), batch._replace(adv_B=batch.adv_B[:5]))
   # Each loss checks its own fields, once, when it is built.
-  for bad, needle in ((lambda: losses.Gspo(eps_low=1.0), "Gspo.eps_low=1.0 must be < 1"),
-                      (lambda: losses.Gspo(eps_high=-1.0), "Gspo.eps_high=-1.0 must be >= 0"),
-                      (lambda: losses.Simko(alpha=-0.1), "Simko.alpha=-0.1 must be >= 0"),
-                      (lambda: losses.Simko(k=0), "Simko.k=0 must be >= 1"),
-                      (lambda: losses.Simko(quantile=1.5), r"Simko.quantile=1.5 must lie")):
+  for bad, needle in (
+    (lambda: losses.Gspo(eps_low=1.0), "Gspo.eps_low=1.0 must be < 1"),
+    (lambda: losses.Gspo(eps_high=-1.0), "Gspo.eps_high=-1.0 must be >= 0"),
+    (lambda: losses.Simko(alpha=-0.1), "Simko.alpha=-0.1 must be >= 0"),
+    (lambda: losses.Simko(k=0), "Simko.k=0 must be >= 1"),
+    (lambda: losses.Simko(quantile=1.5), r"Simko.quantile=1.5 must lie"),
+  ):
     with pytest.raises(ValueError, match=needle):
       bad()
 
@@ -321,12 +359,16 @@ def test_run_spec_builds_each_algorithms_loss_from_config_loss() -> None:
   c = common.shrink(common.get_base_config())
   c.loss.eps_low, c.loss.eps_high, c.loss.beta = 0.1, 0.3, 0.01
   c.loss.gspo_eps_low, c.loss.gspo_eps_high = 1e-4, 2e-4
-  c.loss.simko_alpha, c.loss.simko_k, c.loss.simko_lambda, c.loss.simko_quantile = \
-      0.02, 4, 1.3, 0.7
-  want = {"capo": losses.Ppo(), "grpo": losses.Ppo(), "dr_grpo": losses.Ppo(),
-          "codapo": losses.Ppo(), "cde": losses.Ppo(),
-          "gspo": losses.Gspo(eps_low=1e-4, eps_high=2e-4),
-          "simko": losses.Simko(alpha=0.02, k=4, lam=1.3, quantile=0.7)}
+  c.loss.simko_alpha, c.loss.simko_k, c.loss.simko_lambda, c.loss.simko_quantile = 0.02, 4, 1.3, 0.7
+  want = {
+    "capo": losses.Ppo(),
+    "grpo": losses.Ppo(),
+    "dr_grpo": losses.Ppo(),
+    "codapo": losses.Ppo(),
+    "cde": losses.Ppo(),
+    "gspo": losses.Gspo(eps_low=1e-4, eps_high=2e-4),
+    "simko": losses.Simko(alpha=0.02, k=4, lam=1.3, quantile=0.7),
+  }
   for name, loss in want.items():
     c.algo.name = name
     spec = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True)
@@ -369,7 +411,7 @@ def test_policy_gradient_identity_on_tiny_qwen2() -> None:
   mask_BC = jnp.asarray(comp_mask, jnp.float32)
 
   def token_logp(prm):
-    logits = qwen2.forward(prm, cfg, tokens, mask_BT)[:, p_len - 1:-1]  # predicts completion
+    logits = qwen2.forward(prm, cfg, tokens, mask_BT)[:, p_len - 1 : -1]  # predicts completion
     logp_BCV = jax.nn.log_softmax(logits, axis=-1)
     logp = jnp.take_along_axis(logp_BCV, tokens[:, p_len:, None], axis=-1)[..., 0]
     ent = -jnp.sum(jnp.exp(logp_BCV) * logp_BCV, axis=-1)
@@ -381,21 +423,26 @@ def test_policy_gradient_identity_on_tiny_qwen2() -> None:
 
   old_logp, ent = jax.lax.stop_gradient(token_logp(params))
   rewards = np.array([[1, 0, 1, 0], [0, 1, 1, 1]], np.float32)
-  adv_QG = advantages.capo(rewards, mean_logp(params).reshape(q, g), np.ones((q, g), bool),
-                           tau=0.05)
+  adv_QG = advantages.capo(
+    rewards, mean_logp(params).reshape(q, g), np.ones((q, g), bool), tau=0.05
+  )
   adv_B = jnp.asarray(adv_QG).reshape(b)
   assert np.abs(np.asarray(adv_B)).min() > 0
 
   def loss(prm, kind, agg):
     logp, _ = token_logp(prm)
-    batch = PolicyBatch(logp_BC=logp, old_logp_BC=old_logp, mask_BC=mask_BC, adv_B=adv_B,
-                        entropy_BC=ent)
+    batch = PolicyBatch(
+      logp_BC=logp, old_logp_BC=old_logp, mask_BC=mask_BC, adv_B=adv_B, entropy_BC=ent
+    )
     return losses.policy_loss(kind, batch, LossConfig(agg=agg))[0]
 
   lens = np.asarray(mask_BC.sum(-1))
   row_w = {"seq-mean-token-mean": np.full(b, 1.0 / b), "token-mean": lens / lens.sum()}
-  cases = ((losses.Ppo(), "seq-mean-token-mean"), (losses.Gspo(), "seq-mean-token-mean"),
-           (losses.Ppo(), "token-mean"))
+  cases = (
+    (losses.Ppo(), "seq-mean-token-mean"),
+    (losses.Gspo(), "seq-mean-token-mean"),
+    (losses.Ppo(), "token-mean"),
+  )
 
   @jax.jit
   def all_grads(prm):  # one compilation for every case keeps the test fast
@@ -411,6 +458,10 @@ def test_policy_gradient_identity_on_tiny_qwen2() -> None:
     scale = max(float(np.abs(np.asarray(x)).max()) for x in jax.tree_util.tree_leaves(want))
     assert scale > 0
     for path, gw in jax.tree_util.tree_leaves_with_path(want):
-      np.testing.assert_allclose(np.asarray(flat_got[path]), np.asarray(gw), rtol=1e-4,
-                                 atol=1e-6 * scale,
-                                 err_msg=f"{kind}/{agg} {jax.tree_util.keystr(path)}")
+      np.testing.assert_allclose(
+        np.asarray(flat_got[path]),
+        np.asarray(gw),
+        rtol=1e-4,
+        atol=1e-6 * scale,
+        err_msg=f"{kind}/{agg} {jax.tree_util.keystr(path)}",
+      )

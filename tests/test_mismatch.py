@@ -21,9 +21,7 @@ import numpy as np
 import pytest
 
 import rl_driver
-from capo_jax.rl import losses
-from capo_jax.rl import mismatch
-from capo_jax.rl import packing
+from capo_jax.rl import losses, mismatch, packing
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences
 from capo_jax.rl.losses import LossConfig, PolicyBatch
@@ -41,45 +39,56 @@ ONE_SIDED = "/one-sided"  # a _HAND key suffix: the MIS correction with mis_two_
 
 # correction -> (w, keep) by hand (cap 2, band [0.5, 5]).
 _HAND = {
-    "none": ([[1, 1, 1, 1], [1, 1, 0, 0]], MASK_BC),
-    "tis_token": ([[0.25, 1, 2, 2], [0.4, 1.5, 0, 0]], MASK_BC),
-    "tis_seq": ([[2, 2, 2, 2], [SEQ1, SEQ1, 0, 0]], MASK_BC),  # row 0 (20.25) capped at 2
-    "tis_geo": ([[2, 2, 2, 2], [GEO1, GEO1, 0, 0]], MASK_BC),  # row 0 (2.12) capped at 2
-    # two-sided: 0.25 and 0.4 fall below 1/C = 0.5, 3 and 27 above C.
-    "mis_token": ([[0, 1, 0, 0], [0, 1.5, 0, 0]], [[0, 1, 0, 0], [0, 1, 0, 0]]),
-    "mis_token" + ONE_SIDED: ([[0.25, 1, 0, 0], [0.4, 1.5, 0, 0]],
-                              [[1, 1, 0, 0], [1, 1, 0, 0]]),
-    "mis_seq": ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
-    "mis_seq" + ONE_SIDED: ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
-    "mis_geo": ([[0, 0, 0, 0], [GEO1, GEO1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
-    "icepop": ([[0, 1, 3, 0], [0, 1.5, 0, 0]], [[0, 1, 1, 0], [0, 1, 0, 0]]),
+  "none": ([[1, 1, 1, 1], [1, 1, 0, 0]], MASK_BC),
+  "tis_token": ([[0.25, 1, 2, 2], [0.4, 1.5, 0, 0]], MASK_BC),
+  "tis_seq": ([[2, 2, 2, 2], [SEQ1, SEQ1, 0, 0]], MASK_BC),  # row 0 (20.25) capped at 2
+  "tis_geo": ([[2, 2, 2, 2], [GEO1, GEO1, 0, 0]], MASK_BC),  # row 0 (2.12) capped at 2
+  # two-sided: 0.25 and 0.4 fall below 1/C = 0.5, 3 and 27 above C.
+  "mis_token": ([[0, 1, 0, 0], [0, 1.5, 0, 0]], [[0, 1, 0, 0], [0, 1, 0, 0]]),
+  "mis_token" + ONE_SIDED: ([[0.25, 1, 0, 0], [0.4, 1.5, 0, 0]], [[1, 1, 0, 0], [1, 1, 0, 0]]),
+  "mis_seq": ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+  "mis_seq" + ONE_SIDED: ([[0, 0, 0, 0], [SEQ1, SEQ1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+  "mis_geo": ([[0, 0, 0, 0], [GEO1, GEO1, 0, 0]], [[0, 0, 0, 0], [1, 1, 0, 0]]),
+  "icepop": ([[0, 1, 3, 0], [0, 1.5, 0, 0]], [[0, 1, 1, 0], [0, 1, 0, 0]]),
 }
 # correction -> loss by hand: seq-mean-token-mean averages each kept row's token mean
 # over the kept rows; token-mean sums over the kept tokens and divides by their count.
 _LOSS = {
-    "none": {"seq-mean-token-mean": -(2 * 1 - 1 * 1) / 2,
-             "token-mean": -(2 * 4 - 1 * 2) / 6},
-    "tis_token": {"seq-mean-token-mean": -(2 * 5.25 / 4 - 1 * 1.9 / 2) / 2,
-                  "token-mean": -(2 * 5.25 - 1 * 1.9) / 6},
-    "tis_seq": {"seq-mean-token-mean": -(2 * 2 - SEQ1) / 2,
-                "token-mean": -(2 * 2 * 4 - 2 * SEQ1) / 6},
-    "tis_geo": {"seq-mean-token-mean": -(2 * 2 - GEO1) / 2,
-                "token-mean": -(2 * 2 * 4 - 2 * GEO1) / 6},
-    # one kept token per row: 1 in row 0 (A 2), 1.5 in row 1 (A -1).
-    "mis_token": {"seq-mean-token-mean": -(2 * 1 - 1.5) / 2,
-                  "token-mean": -(2 * 1 - 1.5) / 2},
-    "mis_token" + ONE_SIDED: {"seq-mean-token-mean": -(2 * 1.25 / 2 - 1.9 / 2) / 2,
-                              "token-mean": -(2 * 1.25 - 1.9) / 4},
-    "mis_seq": {"seq-mean-token-mean": -(-SEQ1) / 1,  # row 0 rejected: one row left
-                "token-mean": -(-2 * SEQ1) / 2,
-                "seq-mean-token-sum-norm": -(-2 * SEQ1) / (4 * 1)},
-    "mis_geo": {"seq-mean-token-mean": -(-GEO1) / 1,
-                "token-mean": -(-2 * GEO1) / 2,
-                "seq-mean-token-sum-norm": -(-2 * GEO1) / (4 * 1)},
-    "icepop": {"seq-mean-token-mean": -(2 * 4 / 2 - 1.5 / 1) / 2,
-               "token-mean": -(2 * 4 - 1.5) / 3,
-               # Dr.GRPO: the constant normaliser max_len = 4 stays; only rows leave it.
-               "seq-mean-token-sum-norm": -(2 * 4 - 1.5) / (4 * 2)},
+  "none": {"seq-mean-token-mean": -(2 * 1 - 1 * 1) / 2, "token-mean": -(2 * 4 - 1 * 2) / 6},
+  "tis_token": {
+    "seq-mean-token-mean": -(2 * 5.25 / 4 - 1 * 1.9 / 2) / 2,
+    "token-mean": -(2 * 5.25 - 1 * 1.9) / 6,
+  },
+  "tis_seq": {
+    "seq-mean-token-mean": -(2 * 2 - SEQ1) / 2,
+    "token-mean": -(2 * 2 * 4 - 2 * SEQ1) / 6,
+  },
+  "tis_geo": {
+    "seq-mean-token-mean": -(2 * 2 - GEO1) / 2,
+    "token-mean": -(2 * 2 * 4 - 2 * GEO1) / 6,
+  },
+  # one kept token per row: 1 in row 0 (A 2), 1.5 in row 1 (A -1).
+  "mis_token": {"seq-mean-token-mean": -(2 * 1 - 1.5) / 2, "token-mean": -(2 * 1 - 1.5) / 2},
+  "mis_token" + ONE_SIDED: {
+    "seq-mean-token-mean": -(2 * 1.25 / 2 - 1.9 / 2) / 2,
+    "token-mean": -(2 * 1.25 - 1.9) / 4,
+  },
+  "mis_seq": {
+    "seq-mean-token-mean": -(-SEQ1) / 1,  # row 0 rejected: one row left
+    "token-mean": -(-2 * SEQ1) / 2,
+    "seq-mean-token-sum-norm": -(-2 * SEQ1) / (4 * 1),
+  },
+  "mis_geo": {
+    "seq-mean-token-mean": -(-GEO1) / 1,
+    "token-mean": -(-2 * GEO1) / 2,
+    "seq-mean-token-sum-norm": -(-2 * GEO1) / (4 * 1),
+  },
+  "icepop": {
+    "seq-mean-token-mean": -(2 * 4 / 2 - 1.5 / 1) / 2,
+    "token-mean": -(2 * 4 - 1.5) / 3,
+    # Dr.GRPO: the constant normaliser max_len = 4 stays; only rows leave it.
+    "seq-mean-token-sum-norm": -(2 * 4 - 1.5) / (4 * 2),
+  },
 }
 
 
@@ -91,8 +100,9 @@ def _hand_logps() -> tuple[jax.Array, jax.Array]:
 def _spec(correction: str, **kw) -> mismatch.MismatchSpec:
   """``correction`` may carry the ``ONE_SIDED`` suffix of the hand tables."""
   name, one_sided, _ = correction.partition(ONE_SIDED)
-  return mismatch.MismatchSpec(correction=name, cap=2.0, low=0.5, high=5.0,
-                               mis_two_sided=not one_sided, **kw)
+  return mismatch.MismatchSpec(
+    correction=name, cap=2.0, low=0.5, high=5.0, mis_two_sided=not one_sided, **kw
+  )
 
 
 def test_the_hand_table_covers_every_correction():
@@ -108,13 +118,15 @@ def test_weights_and_rejections_match_the_hand_table(correction):
   np.testing.assert_array_equal(np.asarray(keep), np.asarray(want_keep, bool))
 
 
-def _weights(lr_BC: np.ndarray, mask_BC: np.ndarray, correction: str, **kw
-             ) -> tuple[np.ndarray, np.ndarray]:
+def _weights(
+  lr_BC: np.ndarray, mask_BC: np.ndarray, correction: str, **kw
+) -> tuple[np.ndarray, np.ndarray]:
   """is_weights on token log-ratios ``lr_BC`` (sampler log-prob -1 on every slot)."""
   sampler = np.full(lr_BC.shape, -1.0, np.float32)
   old = jnp.asarray(sampler + lr_BC.astype(np.float32))
-  w, keep = mismatch.is_weights(old, jnp.asarray(sampler), jnp.asarray(mask_BC),
-                                _spec(correction, **kw))
+  w, keep = mismatch.is_weights(
+    old, jnp.asarray(sampler), jnp.asarray(mask_BC), _spec(correction, **kw)
+  )
   return np.asarray(w), np.asarray(keep)
 
 
@@ -181,23 +193,31 @@ def test_padding_does_not_enter_the_sequence_sums(correction):
     rho = math.exp(log_rho)
     kept = correction.startswith("tis") or 0.5 <= rho <= 2.0
     want = (min(rho, 2.0) if correction.startswith("tis") else rho) if kept else 0.0
-    assert keep[b, :lens[b]].all() == kept and not keep[b, lens[b]:].any(), b
-    np.testing.assert_allclose(w[b, :lens[b]], want, rtol=1e-4, atol=1e-12)
-    assert not w[b, lens[b]:].any()
+    assert keep[b, : lens[b]].all() == kept and not keep[b, lens[b] :].any(), b
+    np.testing.assert_allclose(w[b, : lens[b]], want, rtol=1e-4, atol=1e-12)
+    assert not w[b, lens[b] :].any()
 
 
-def _corrected_batch(correction: str, mask_truncated: bool = False, truncated=(False, False)
-                     ) -> PolicyBatch:
+def _corrected_batch(
+  correction: str, mask_truncated: bool = False, truncated=(False, False)
+) -> PolicyBatch:
   """The hand case through the rollout's ``mismatch.correct``, as the loss sees it."""
   old, sampler = _hand_logps()
-  seqs = Sequences(completion_mask_BC=jnp.asarray(MASK_BC), old_logp_BC=old,
-                   adv_B=jnp.asarray(ADV_B))
+  seqs = Sequences(
+    completion_mask_BC=jnp.asarray(MASK_BC), old_logp_BC=old, adv_B=jnp.asarray(ADV_B)
+  )
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  seqs, metrics = mismatch.correct(seqs, sampler, np.asarray(truncated),
-                                   _spec(correction, mask_truncated=mask_truncated), sh)
+  seqs, metrics = mismatch.correct(
+    seqs, sampler, np.asarray(truncated), _spec(correction, mask_truncated=mask_truncated), sh
+  )
   assert "mismatch/abs_log_ratio" in metrics
-  return PolicyBatch(logp_BC=old, old_logp_BC=old, mask_BC=seqs.completion_mask_BC,
-                     adv_B=seqs.adv_B, is_weight_BC=seqs.is_weight_BC)
+  return PolicyBatch(
+    logp_BC=old,
+    old_logp_BC=old,
+    mask_BC=seqs.completion_mask_BC,
+    adv_B=seqs.adv_B,
+    is_weight_BC=seqs.is_weight_BC,
+  )
 
 
 @pytest.mark.parametrize("correction,agg", [(c, a) for c in _LOSS for a in _LOSS[c]])
@@ -214,26 +234,35 @@ def test_rejected_tokens_leave_the_gradient_and_the_weight_is_detached():
   batch = _corrected_batch("icepop")
   cfg = LossConfig()
   grad = jax.grad(lambda lp: losses.policy_loss(PPO, batch._replace(logp_BC=lp), cfg)[0])(
-      batch.logp_BC)
-  want = [[0, -(1 / 2) * (1 / 2) * 2 * 1, -(1 / 2) * (1 / 2) * 2 * 3, 0],
-          [0, -(1 / 2) * (1 / 1) * -1 * 1.5, 0, 0]]
+    batch.logp_BC
+  )
+  want = [
+    [0, -(1 / 2) * (1 / 2) * 2 * 1, -(1 / 2) * (1 / 2) * 2 * 3, 0],
+    [0, -(1 / 2) * (1 / 1) * -1 * 1.5, 0, 0],
+  ]
   np.testing.assert_allclose(np.asarray(grad), want, rtol=1e-5, atol=1e-7)
   g_w = jax.grad(lambda w: losses.policy_loss(PPO, batch._replace(is_weight_BC=w), cfg)[0])(
-      batch.is_weight_BC)
+    batch.is_weight_BC
+  )
   assert not np.asarray(g_w).any()
 
 
-@pytest.mark.parametrize("agg,want", [
+@pytest.mark.parametrize(
+  "agg,want",
+  [
     # Row 0 (A = 2, four tokens) truncated: only row 1 (A = -1, two tokens) is left.
     ("seq-mean-token-mean", -(-1.0) / 1),
-    ("token-mean", -(-1.0 * 2) / 2)])
+    ("token-mean", -(-1.0 * 2) / 2),
+  ],
+)
 def test_mask_truncated_drops_the_row_from_numerator_and_denominator(agg, want):
   batch = _corrected_batch("none", mask_truncated=True, truncated=(True, False))
   assert float(losses.policy_loss(PPO, batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
   # Without the flag, the same batch is the "none" row of the table.
   plain = _corrected_batch("none", mask_truncated=False, truncated=(True, False))
   assert float(losses.policy_loss(PPO, plain, LossConfig(agg=agg))[0]) == pytest.approx(
-      _LOSS["none"][agg])
+    _LOSS["none"][agg]
+  )
 
 
 def test_mask_truncated_three_rows_by_hand():
@@ -241,15 +270,23 @@ def test_mask_truncated_three_rows_by_hand():
   the ratio is 1 on every token."""
   mask = np.array([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 0]], np.int32)
   logp = jnp.full(mask.shape, -1.0)
-  seqs = Sequences(completion_mask_BC=jnp.asarray(mask), old_logp_BC=logp,
-                   adv_B=jnp.asarray([2.0, -1.0, 0.5]))
+  seqs = Sequences(
+    completion_mask_BC=jnp.asarray(mask), old_logp_BC=logp, adv_B=jnp.asarray([2.0, -1.0, 0.5])
+  )
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  seqs, metrics = mismatch.correct(seqs, logp, np.array([True, False, False]),
-                                   mismatch.MismatchSpec(measure=False, mask_truncated=True), sh)
+  seqs, metrics = mismatch.correct(
+    seqs,
+    logp,
+    np.array([True, False, False]),
+    mismatch.MismatchSpec(measure=False, mask_truncated=True),
+    sh,
+  )
   assert jax.device_get(metrics) == {"mismatch/loss_token_frac": pytest.approx(5 / 9)}
   batch = PolicyBatch(logp, logp, seqs.completion_mask_BC, seqs.adv_B)
-  for agg, want in (("seq-mean-token-mean", -(-1.0 + 0.5) / 2),
-                    ("token-mean", -(-1.0 * 2 + 0.5 * 3) / 5)):
+  for agg, want in (
+    ("seq-mean-token-mean", -(-1.0 + 0.5) / 2),
+    ("token-mean", -(-1.0 * 2 + 0.5 * 3) / 5),
+  ):
     assert float(losses.policy_loss(PPO, batch, LossConfig(agg=agg))[0]) == pytest.approx(want)
 
 
@@ -260,22 +297,30 @@ def test_metrics_match_numpy():
   old = sampler + 0.3 * rng.standard_normal((B, C))
   lens = np.array([11, 3, 0, 7, 1])
   mask = np.arange(C)[None] < lens[:, None]
-  got = jax.jit(mismatch.mismatch_metrics)(jnp.asarray(old, jnp.float32),
-                                           jnp.asarray(sampler, jnp.float32),
-                                           jnp.asarray(mask, jnp.int32))
+  got = jax.jit(mismatch.mismatch_metrics)(
+    jnp.asarray(old, jnp.float32), jnp.asarray(sampler, jnp.float32), jnp.asarray(mask, jnp.int32)
+  )
   lr = []  # token by token, real tokens only
   for b in range(B):
     for t in range(lens[b]):
       lr.append(old[b, t] - sampler[b, t])
   lr = np.array(lr)
   rho = np.exp(lr)
-  want = {"abs_log_ratio": np.abs(lr).mean(), "k3_kl": (rho - 1 - lr).mean(),
-          "ratio_p01": np.quantile(rho, 0.01), "ratio_p50": np.quantile(rho, 0.5),
-          "ratio_p99": np.quantile(rho, 0.99), "ratio_min": rho.min(), "ratio_max": rho.max(),
-          "seq_abs_log_ratio": np.mean([abs(np.mean(old[b, :lens[b]] - sampler[b, :lens[b]]))
-                                        for b in range(B) if lens[b]]),
-          "seq_abs_sum_log_ratio": np.mean([abs(np.sum(old[b, :lens[b]] - sampler[b, :lens[b]]))
-                                            for b in range(B) if lens[b]])}
+  want = {
+    "abs_log_ratio": np.abs(lr).mean(),
+    "k3_kl": (rho - 1 - lr).mean(),
+    "ratio_p01": np.quantile(rho, 0.01),
+    "ratio_p50": np.quantile(rho, 0.5),
+    "ratio_p99": np.quantile(rho, 0.99),
+    "ratio_min": rho.min(),
+    "ratio_max": rho.max(),
+    "seq_abs_log_ratio": np.mean(
+      [abs(np.mean(old[b, : lens[b]] - sampler[b, : lens[b]])) for b in range(B) if lens[b]]
+    ),
+    "seq_abs_sum_log_ratio": np.mean(
+      [abs(np.sum(old[b, : lens[b]] - sampler[b, : lens[b]])) for b in range(B) if lens[b]]
+    ),
+  }
   assert set(got) == set(want)
   for k, v in want.items():
     assert float(got[k]) == pytest.approx(v, rel=1e-4), k
@@ -292,18 +337,27 @@ B, P, C = 8, 4, 6
 
 @jax.jit
 def _ref_logp(params, prompt, prompt_mask, completion):
-  logits = qwen2.forward(params, CFG, jnp.concatenate([prompt, completion], 1),
-                         jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1))
-  logp_BCV = jax.nn.log_softmax(logits[:, P - 1:P - 1 + C], -1)
+  logits = qwen2.forward(
+    params,
+    CFG,
+    jnp.concatenate([prompt, completion], 1),
+    jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1),
+  )
+  logp_BCV = jax.nn.log_softmax(logits[:, P - 1 : P - 1 + C], -1)
   return jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
 
 
-@pytest.mark.parametrize("agg", [
+@pytest.mark.parametrize(
+  "agg",
+  [
     pytest.param("seq-mean-token-mean", marks=pytest.mark.slow),  # ~15 s; token-mean stays
-    "token-mean"])
+    "token-mean",
+  ],
+)
 def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg):
-  params = jax.tree.map(lambda p: p * 4.0 if p.ndim >= 2 else p,
-                        qwen2.init_params(CFG, jax.random.key(0)))
+  params = jax.tree.map(
+    lambda p: p * 4.0 if p.ndim >= 2 else p, qwen2.init_params(CFG, jax.random.key(0))
+  )
   rng = np.random.default_rng(1)
   prompt = rng.integers(0, CFG.vocab_size, (B, P)).astype(np.int32)
   pmask = (np.arange(P)[None] >= rng.integers(0, P - 1, (B, 1))).astype(np.int32)
@@ -315,8 +369,9 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
   old = old + rng.normal(scale=0.1, size=old.shape).astype(np.float32)  # some ratios clip
   sampler = old - rng.normal(scale=0.6, size=old.shape).astype(np.float32)
   spec = _spec("icepop", mask_truncated=True)
-  seqs = Sequences(completion_mask_BC=jnp.asarray(cmask), old_logp_BC=jnp.asarray(old),
-                   adv_B=jnp.asarray(adv))
+  seqs = Sequences(
+    completion_mask_BC=jnp.asarray(cmask), old_logp_BC=jnp.asarray(old), adv_B=jnp.asarray(adv)
+  )
   sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
   seqs, metrics = mismatch.correct(seqs, jnp.asarray(sampler), truncated, spec, sh)
   assert 0 < metrics["mismatch/reject_frac"] < 1
@@ -335,8 +390,9 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
     rows = keep.any(1)
     return -(obj.sum(1) / np.maximum(keep.sum(1), 1)).sum() / rows.sum()
 
-  mbs = packing.plan_update(prompt, pmask, comp, cmask, packing.RowLayout(P + C, B // 4,
-                                                                          pack=False))
+  mbs = packing.plan_update(
+    prompt, pmask, comp, cmask, packing.RowLayout(P + C, B // 4, pack=False)
+  )
   assert mbs.rows.tokens_YT.shape[0] == 4  # four micro-batches to accumulate
   batch = mbs.batch(jax.tree.map(np.asarray, seqs))
   tcfg = ts.TrainConfig(loss=LossConfig(agg=agg))
@@ -353,12 +409,15 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
 # --------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("field,value,needle", [
+@pytest.mark.parametrize(
+  "field,value,needle",
+  [
     ("rollout.is_correction", "tis", "rollout.is_correction='tis'"),
     ("rollout.is_cap", 0.0, "rollout.is_cap=0.0"),
     ("rollout.icepop_low", 6.0, "icepop_low / icepop_high"),
     ("rollout.mis_two_sided", "yes", "rollout.mis_two_sided='yes'"),
-])
+  ],
+)
 def test_bad_mismatch_config_names_the_field(field, value, needle):
   # As a plain dict (a JSON config): a ConfigDict would refuse "yes" for a bool itself.
   c = json.loads(common.shrink(common.get_base_config()).to_json_best_effort())
@@ -401,8 +460,9 @@ def assets(tmp_path_factory) -> dict[str, str]:
 
 @pytest.mark.slow  # ~40 s each on 2 cores
 @pytest.mark.parametrize("correction,mask_truncated", [("mis_token", False), ("tis_seq", True)])
-def test_a_corrected_run_trains_end_to_end_and_logs_the_mismatch(assets, tmp_path, correction,
-                                                                 mask_truncated):
+def test_a_corrected_run_trains_end_to_end_and_logs_the_mismatch(
+  assets, tmp_path, correction, mask_truncated
+):
   c = common.shrink(common.get_base_config())
   c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
   c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8

@@ -36,14 +36,17 @@ def _batch(rng: np.random.Generator) -> HostBatch:
   cmask = (np.arange(C)[None] < np.array(COMP_LEN)[:, None]).astype(np.int32)
   prompt, comp = prompt * pmask, comp * cmask  # padding ids 0, as the tokenizer's pad
   return HostBatch(
-      prompt_tokens_BP=prompt, prompt_mask_BP=pmask, completion_tokens_BC=comp,
-      completion_mask_BC=cmask,
-      old_logp_BC=(rng.normal(size=(B, C)) * 0.3 - 4.6).astype(np.float32) * cmask,
-      adv_B=rng.normal(size=B).astype(np.float32),
-      ref_logp_BC=(rng.normal(size=(B, C)) * 0.3 - 4.6).astype(np.float32) * cmask,
-      correct_B=rng.random(B) > 0.5,
-      old_topk_ids_BCJ=rng.integers(0, CFG.vocab_size, (B, C, J)).astype(np.int32),
-      old_topk_logp_BCJ=(rng.normal(size=(B, C, J)) * 0.3 - 4.6).astype(np.float32))
+    prompt_tokens_BP=prompt,
+    prompt_mask_BP=pmask,
+    completion_tokens_BC=comp,
+    completion_mask_BC=cmask,
+    old_logp_BC=(rng.normal(size=(B, C)) * 0.3 - 4.6).astype(np.float32) * cmask,
+    adv_B=rng.normal(size=B).astype(np.float32),
+    ref_logp_BC=(rng.normal(size=(B, C)) * 0.3 - 4.6).astype(np.float32) * cmask,
+    correct_B=rng.random(B) > 0.5,
+    old_topk_ids_BCJ=rng.integers(0, CFG.vocab_size, (B, C, J)).astype(np.int32),
+    old_topk_logp_BCJ=(rng.normal(size=(B, C, J)) * 0.3 - 4.6).astype(np.float32),
+  )
 
 
 @pytest.fixture(scope="module")
@@ -55,17 +58,18 @@ def setup():
 
 def test_plan_places_every_token_once(setup):
   _, b = setup
-  pl = packing.plan(b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC,
-                    b.completion_mask_BC, ROW)
+  pl = packing.plan(
+    b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC, ROW
+  )
   rows = pl.rows
   assert rows.tokens_YT.shape[1] == ROW and rows.tokens_YT.shape[0] < B  # it packed
   for i in range(B):
     p, c = PROMPT_LEN[i], COMP_LEN[i]
     r, s = pl.row_B[i], pl.start_B[i]
-    seq = np.concatenate([b.prompt_tokens_BP[i, P - p:], b.completion_tokens_BC[i, :c]])
-    np.testing.assert_array_equal(rows.tokens_YT[r, s:s + p + c], seq)
-    np.testing.assert_array_equal(rows.positions_YT[r, s:s + p + c], np.arange(p + c))
-    assert len(set(rows.segment_ids_YT[r, s:s + p + c])) == 1 > 0
+    seq = np.concatenate([b.prompt_tokens_BP[i, P - p :], b.completion_tokens_BC[i, :c]])
+    np.testing.assert_array_equal(rows.tokens_YT[r, s : s + p + c], seq)
+    np.testing.assert_array_equal(rows.positions_YT[r, s : s + p + c], np.arange(p + c))
+    assert len(set(rows.segment_ids_YT[r, s : s + p + c])) == 1 > 0
     flat = pl.index_BC[i, :c]
     np.testing.assert_array_equal(rows.targets_YT.reshape(-1)[flat], b.completion_tokens_BC[i, :c])
   assert rows.target_mask_YT.sum() == sum(COMP_LEN)
@@ -77,24 +81,40 @@ def test_plan_places_every_token_once(setup):
 def test_sequence_longer_than_a_row_is_an_error(setup):
   _, b = setup
   with pytest.raises(ValueError, match=r"sequence 0 has 16 tokens .* packed row of 12 tokens"):
-    packing.plan(b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC,
-                 b.completion_mask_BC, 12)
+    packing.plan(
+      b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC, 12
+    )
 
 
 def _stats(params, b, packed: bool):
   """The current policy's per-token stats in the [B, C] layout, differentiable."""
   if not packed:
-    return token_logprobs(params, CFG, b.prompt_tokens_BP, b.prompt_mask_BP,
-                          b.completion_tokens_BC, b.completion_mask_BC,
-                          topk_ids_BCJ=b.old_topk_ids_BCJ, chunk_size=4)
-  pl = packing.plan(b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC,
-                    b.completion_mask_BC, ROW, b.old_topk_ids_BCJ)
+    return token_logprobs(
+      params,
+      CFG,
+      b.prompt_tokens_BP,
+      b.prompt_mask_BP,
+      b.completion_tokens_BC,
+      b.completion_mask_BC,
+      topk_ids_BCJ=b.old_topk_ids_BCJ,
+      chunk_size=4,
+    )
+  pl = packing.plan(
+    b.prompt_tokens_BP,
+    b.prompt_mask_BP,
+    b.completion_tokens_BC,
+    b.completion_mask_BC,
+    ROW,
+    b.old_topk_ids_BCJ,
+  )
   rows, slot_BC = pl.group(0, pl.rows.tokens_YT.shape[0])
   n_Y, Z = rows.target_mask_YZ.sum(1), rows.targets_YZ.shape[1]
   assert n_Y.sum() == sum(COMP_LEN) and Z >= n_Y.max() > Z * 0.75  # bucketed to the fullest row
   out = packed_token_logprobs(params, PACKED_CFG, rows, chunk_size=5)
-  return {k.replace("_YZJ", "_BCJ").replace("_YZ", "_BC"):
-          unpack(v, slot_BC, b.completion_mask_BC) for k, v in out.items()}
+  return {
+    k.replace("_YZJ", "_BCJ").replace("_YZ", "_BC"): unpack(v, slot_BC, b.completion_mask_BC)
+    for k, v in out.items()
+  }
 
 
 def test_packed_logprobs_equal_unpacked(setup):
@@ -103,16 +123,23 @@ def test_packed_logprobs_equal_unpacked(setup):
   got = jax.jit(lambda p: _stats(p, b, True))(params)
   assert set(got) == set(want)
   for k in want:
-    np.testing.assert_allclose(np.asarray(got[k], np.float64), np.asarray(want[k], np.float64),
-                               atol=1e-5, rtol=1e-5, err_msg=k)
+    np.testing.assert_allclose(
+      np.asarray(got[k], np.float64),
+      np.asarray(want[k], np.float64),
+      atol=1e-5,
+      rtol=1e-5,
+      err_msg=k,
+    )
 
 
 def test_every_loss_and_gradient_packed_equals_unpacked(setup):
   """Loss and gradient of every aggregation x kind: the chain rule through one VJP per
   layout (the per-token stats), so the model is compiled twice, not eighteen times."""
   params, b = setup
-  vjps = {packed: jax.vjp(jax.jit(lambda p, packed=packed: _stats(p, b, packed)), params)
-          for packed in (False, True)}
+  vjps = {
+    packed: jax.vjp(jax.jit(lambda p, packed=packed: _stats(p, b, packed)), params)
+    for packed in (False, True)
+  }
   apply = jax.jit(lambda vjp, cot: vjp(cot)[0])  # one backward compile per layout
   kinds = (losses.Ppo(), losses.Gspo(), losses.Simko(k=J))
   for agg, kind in itertools.product(losses.AGGS, kinds):
@@ -124,19 +151,22 @@ def test_every_loss_and_gradient_packed_equals_unpacked(setup):
       diff = {k: v for k, v in stats.items() if jnp.issubdtype(v.dtype, jnp.floating)}
       rest = {k: v for k, v in stats.items() if k not in diff}
       loss, dl = jax.value_and_grad(lambda d: loss_of({**d, **rest}))(diff)
-      cot = {k: dl[k] if k in dl else np.zeros(v.shape, jax.dtypes.float0)
-             for k, v in stats.items()}
+      cot = {
+        k: dl[k] if k in dl else np.zeros(v.shape, jax.dtypes.float0) for k, v in stats.items()
+      }
       results.append((float(loss), apply(vjp, cot)))
     (l0, g0), (l1, g1) = results
     assert l1 == pytest.approx(l0, rel=1e-5, abs=1e-7), (agg, kind)
     n0 = float(jnp.sqrt(sum(jnp.sum(x * x) for x in jax.tree.leaves(g0))))
-    err = float(jnp.sqrt(sum(jnp.sum((x - y) ** 2) for x, y in
-                             zip(jax.tree.leaves(g0), jax.tree.leaves(g1)))))
+    err = float(
+      jnp.sqrt(sum(jnp.sum((x - y) ** 2) for x, y in zip(jax.tree.leaves(g0), jax.tree.leaves(g1))))
+    )
     assert n0 > 0 and err <= 1e-5 * n0, (agg, kind, err, n0)
 
 
-def _two_steps(params, batch, tcfg, mesh, pack: bool, rows_per_microbatch: int,
-               base=None, cfg=PACKED_CFG):
+def _two_steps(
+  params, batch, tcfg, mesh, pack: bool, rows_per_microbatch: int, base=None, cfg=PACKED_CFG
+):
   step = ts.make_train_step(cfg, tcfg, mesh, mesh_lib.TRAIN_RULES, rows_per_microbatch)
   trainable = params if base is None else base
   state = ts.train_state_from_params(trainable, cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
@@ -152,13 +182,15 @@ def _two_steps(params, batch, tcfg, mesh, pack: bool, rows_per_microbatch: int,
 def test_two_training_steps_packed_equal_unpacked(setup):
   params, batch = setup
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  base = ts.TrainConfig(policy_loss=losses.Simko(k=J), loss=losses.LossConfig(agg="token-mean"),
-                        # eps 1e-4: Adam's 1 / sqrt(v) would blow float noise in
-                        # near-zero gradients up to a full step of lr.
-                        optim=OptimConfig(learning_rate=1e-3, eps=1e-4))
+  base = ts.TrainConfig(
+    policy_loss=losses.Simko(k=J),
+    loss=losses.LossConfig(agg="token-mean"),
+    # eps 1e-4: Adam's 1 / sqrt(v) would blow float noise in
+    # near-zero gradients up to a full step of lr.
+    optim=OptimConfig(learning_rate=1e-3, eps=1e-4),
+  )
   # One packed row per micro-batch: several packed micro-batches, as the unpacked side has two.
-  p0, m0 = _two_steps(params, batch, base, mesh, pack=False, rows_per_microbatch=B // 2,
-                      cfg=CFG)
+  p0, m0 = _two_steps(params, batch, base, mesh, pack=False, rows_per_microbatch=B // 2, cfg=CFG)
   p1, m1 = _two_steps(params, batch, base, mesh, pack=True, rows_per_microbatch=1)
   # Step 1 starts from the same params: its loss agrees to float rounding. Step 2
   # starts from params that already differ by float noise (up to ~5e-7, bounded
@@ -169,10 +201,10 @@ def test_two_training_steps_packed_equal_unpacked(setup):
   for a, c, tol in zip(m0, m1, (1e-7, 1e-6)):
     assert float(c["loss"]) == pytest.approx(float(a["loss"]), rel=1e-5, abs=tol)
     assert int(c["num_tokens"]) == int(a["num_tokens"]) == sum(COMP_LEN)
-  moved = max(float(jnp.abs(x - y).max()) for x, y in
-              zip(jax.tree.leaves(p0), jax.tree.leaves(params)))
-  diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0),
-                                                          jax.tree.leaves(p1)))
+  moved = max(
+    float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(params))
+  )
+  diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
   assert moved > 1e-4 and diff < 1e-6, (moved, diff)
 
 
@@ -181,10 +213,13 @@ def _lora(params):
   lcfg = lora.LoraConfig(2, 4.0, tuple(lora.TARGETS))
   adapters = lora.init_adapters(qwen2.param_shapes(CFG), lcfg, jax.random.key(3))
   adapters = jax.tree.map(
-      lambda a, k: a + 0.05 * jax.random.normal(k, a.shape),
-      adapters, jax.tree.unflatten(jax.tree.structure(adapters),
-                                   list(jax.random.split(jax.random.key(4),
-                                                         len(jax.tree.leaves(adapters))))))
+    lambda a, k: a + 0.05 * jax.random.normal(k, a.shape),
+    adapters,
+    jax.tree.unflatten(
+      jax.tree.structure(adapters),
+      list(jax.random.split(jax.random.key(4), len(jax.tree.leaves(adapters)))),
+    ),
+  )
   return lcfg, adapters
 
 
@@ -195,8 +230,9 @@ def test_packed_logprob_pass_applies_the_adapters(setup):
   lcfg, adapters = _lora(params)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   rules, Y = mesh_lib.TRAIN_RULES, 2
-  pas = padded_pass(PACKED_CFG, mesh, rules, Y, lora=lcfg,
-                    layout=packing.RowLayout(ROW, Y, pack=True))
+  pas = padded_pass(
+    PACKED_CFG, mesh, rules, Y, lora=lcfg, layout=packing.RowLayout(ROW, Y, pack=True)
+  )
   xs = (b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC)
   got = run_pass(pas, params, xs, adapters=adapters)["logp_BC"]
   bare = run_pass(pas, params, xs)["logp_BC"]
@@ -210,16 +246,17 @@ def test_two_lora_capo_steps_packed_equal_unpacked(setup):
   params, batch = setup
   lcfg, adapters = _lora(params)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  tcfg = ts.TrainConfig(policy_loss=losses.Ppo(), lora=lcfg,
-                        optim=OptimConfig(learning_rate=1e-3, eps=1e-4))
-  p0, m0 = _two_steps(params, batch, tcfg, mesh, pack=False, rows_per_microbatch=B // 2,
-                      base=adapters, cfg=CFG)
-  p1, m1 = _two_steps(params, batch, tcfg, mesh, pack=True, rows_per_microbatch=1,
-                      base=adapters)
-  moved = max(float(jnp.abs(x - y).max()) for x, y in
-              zip(jax.tree.leaves(p0), jax.tree.leaves(adapters)))
-  diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0),
-                                                          jax.tree.leaves(p1)))
+  tcfg = ts.TrainConfig(
+    policy_loss=losses.Ppo(), lora=lcfg, optim=OptimConfig(learning_rate=1e-3, eps=1e-4)
+  )
+  p0, m0 = _two_steps(
+    params, batch, tcfg, mesh, pack=False, rows_per_microbatch=B // 2, base=adapters, cfg=CFG
+  )
+  p1, m1 = _two_steps(params, batch, tcfg, mesh, pack=True, rows_per_microbatch=1, base=adapters)
+  moved = max(
+    float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(adapters))
+  )
+  diff = max(float(jnp.abs(x - y).max()) for x, y in zip(jax.tree.leaves(p0), jax.tree.leaves(p1)))
   assert moved > 1e-4 and diff < 1e-6, (moved, diff)
   assert float(m1[0]["loss"]) == pytest.approx(float(m0[0]["loss"]), rel=1e-5, abs=1e-7)
 
@@ -236,12 +273,12 @@ def test_step_pass_over_the_updates_rows_equals_unpacked(setup, pack, per_call):
   plans = packing.plan_step(*xs, packing.RowLayout(ROW if pack else 0, Y, pack), B // 2)
   # Each update holds its own sequences, in slots of the step's [B] arrays.
   for u, p in enumerate(plans):
-    assert sorted(p.take_MB[p.take_MB >= 0].tolist()) == list(range(u * B // 2,
-                                                                    (u + 1) * B // 2))
+    assert sorted(p.take_MB[p.take_MB >= 0].tolist()) == list(range(u * B // 2, (u + 1) * B // 2))
   if pack:  # the updates' target slots differ: the calls pad them to the widest
     assert plans[0].rows.targets_YZ.shape[-1] != plans[1].rows.targets_YZ.shape[-1]
-  lp = padded_pass(PACKED_CFG, mesh, rules, per_call,
-                   layout=packing.RowLayout(ROW if pack else 0, per_call, pack))
+  lp = padded_pass(
+    PACKED_CFG, mesh, rules, per_call, layout=packing.RowLayout(ROW if pack else 0, per_call, pack)
+  )
   updates = logprob_pass.upload(plans, ts.batch_sharding(mesh, rules, Y))
   got = lp.run(params, updates, jnp.asarray(b.completion_mask_BC), ("logp_BC",))["logp_BC"]
   want = token_logprobs(params, CFG, *xs)["logp_BC"]
@@ -252,11 +289,12 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   """One CAPO step (old and reference passes, two updates) in the loop: the updates' token
   rows cross to the devices in one transfer, both passes and both updates use them, and
   no metric is read before the one ``jax.device_get`` that follows the last update."""
+  from jax._src import array as array_lib  # pylint: disable=import-outside-toplevel
+
   import rl_driver  # pylint: disable=import-outside-toplevel
-  from configs import common  # pylint: disable=import-outside-toplevel
   from capo_jax.rl import mismatch, rollout  # pylint: disable=import-outside-toplevel
   from capo_jax.run import programs  # pylint: disable=import-outside-toplevel
-  from jax._src import array as array_lib  # pylint: disable=import-outside-toplevel
+  from configs import common  # pylint: disable=import-outside-toplevel
 
   assets = rl_driver.write_assets(tmp_path / "assets")
   c = common.shrink(common.get_base_config())
@@ -270,13 +308,21 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
     def wrapped(*args, **kwargs):
       events.append((name, *note(*args)))
       return fn(*args, **kwargs)
+
     return wrapped
 
   make = jax.make_array_from_callback
-  monkeypatch.setattr(jax, "make_array_from_callback",
-                      spy("array", make, lambda shape, *_: (tuple(shape),)))
-  has_rows = lambda tree, *_: (any(isinstance(x, ModelRows) for x in jax.tree.leaves(  # noqa: E731
-      tree, is_leaf=lambda x: isinstance(x, ModelRows))),)
+  monkeypatch.setattr(
+    jax, "make_array_from_callback", spy("array", make, lambda shape, *_: (tuple(shape),))
+  )
+  has_rows = lambda tree, *_: (
+    any(
+      isinstance(x, ModelRows)
+      for x in jax.tree.leaves(  # noqa: E731
+        tree, is_leaf=lambda x: isinstance(x, ModelRows)
+      )
+    ),
+  )
   for mod in (rollout, logprob_pass, mismatch):
     monkeypatch.setattr(mod, "put_global", spy("put", mod.put_global, has_rows))
   monkeypatch.setattr(rollout, "collect", spy("collect", rollout.collect))
@@ -288,10 +334,15 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
     return dataclasses.replace(progs, train_step=step)
 
   monkeypatch.setattr(programs, "build", build_spied)
+
   def reader(fn):
     def read_tree(tree):
-      keys = {str(k.key) for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
-              for k in path if isinstance(k, jax.tree_util.DictKey)}
+      keys = {
+        str(k.key)
+        for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]
+        for k in path
+        if isinstance(k, jax.tree_util.DictKey)
+      }
       scalars = sum(isinstance(x, jax.Array) and x.ndim == 0 for x in jax.tree.leaves(tree))
       events.append(("get", frozenset(keys), scalars))
       in_read.append(1)
@@ -299,6 +350,7 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
         return fn(tree)
       finally:
         in_read.pop()
+
     return read_tree
 
   monkeypatch.setattr(jax, "device_get", reader(jax.device_get))
@@ -314,7 +366,7 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   monkeypatch.setattr(array_lib.ArrayImpl, "_value", property(read))
   rl_driver.train(c, str(tmp_path / "run"), grader=rl_driver.HashGrader())
 
-  step = events[next(i for i, e in enumerate(events) if e[0] == "collect"):]
+  step = events[next(i for i, e in enumerate(events) if e[0] == "collect") :]
   updates = [e for e in step if e[0] == "update"]
   assert len(updates) == 2
   puts = [i for i, e in enumerate(step) if e[0] == "put"]
@@ -326,11 +378,12 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   token_arrays = [i for i, e in enumerate(step) if e[0] == "array" and e[1] in shapes]
   assert token_arrays and all(rows_puts[0] < i < end for i in token_arrays)
   last_update = max(i for i, e in enumerate(step) if e[0] == "update")
-  metric_gets = [i for i, e in enumerate(step)
-                 if e[0] == "get" and {"auc_mean", "s_spread", "loss"} <= e[1]]
+  metric_gets = [
+    i for i, e in enumerate(step) if e[0] == "get" and {"auc_mean", "s_spread", "loss"} <= e[1]
+  ]
   assert len(metric_gets) == 1 and metric_gets[0] > last_update
   assert "mismatch/abs_log_ratio" in step[metric_gets[0]][1]
   # Before it: no scalar read back, and no read of a metric.
-  before = step[:metric_gets[0]]
+  before = step[: metric_gets[0]]
   assert ("scalar",) not in before
   assert all(e[2] == 0 for e in before if e[0] == "get")

@@ -136,30 +136,43 @@ def test_example_functions_hand_computed() -> None:
   texts = [r"so \boxed{7}", r"\boxed{}", "the answer is 7", r"\boxed{7", "x" * 3000]
   assert example_rewards.boxed_format(texts, [None] * 5) == [1.0, 0.0, 0.0, 0.0, 0.0]
   assert example_rewards.length_penalty(texts, [None] * 5) == [
-      -12 / 2000, -8 / 2000, -15 / 2000, -8 / 2000, -1.0]
+    -12 / 2000,
+    -8 / 2000,
+    -15 / 2000,
+    -8 / 2000,
+    -1.0,
+  ]
 
 
 def test_weighted_sum_in_the_pool_equals_direct_calls() -> None:
   """correct + 0.5 * format (by module) + 2 * length (by file path) + overlong, computed
   in the workers, one call per question, against calling the functions here."""
-  texts, examples = _batch([[r"\boxed{7}", "no box", r"\boxed{3} " * 30],
-                            [r"long \boxed{1}" * 10, r"\boxed{7}"]])
+  texts, examples = _batch(
+    [[r"\boxed{7}", "no box", r"\boxed{3} " * 30], [r"long \boxed{1}" * 10, r"\boxed{7}"]]
+  )
   correct = np.array([1, 0, 0, 0, 1], np.float32)
   lengths = np.array([3, 10, 14, 16, 5])
   fns = reward_fns.RewardFns(
-      fns=("correct", "capo_jax.data.example_rewards:boxed_format",
-           f"{EXAMPLE_FILE}:length_penalty"), weights=(1.0, 0.5, 2.0), timeout_s=10.0,
-      max_len=16, overlong_buffer=4)
+    fns=("correct", "capo_jax.data.example_rewards:boxed_format", f"{EXAMPLE_FILE}:length_penalty"),
+    weights=(1.0, 0.5, 2.0),
+    timeout_s=10.0,
+    max_len=16,
+    overlong_buffer=4,
+  )
   got, health = fns(texts, examples, correct, lengths)
-  want = (correct + 0.5 * np.array(example_rewards.boxed_format(texts, examples))
-          + 2.0 * np.array(example_rewards.length_penalty(texts, examples))
-          + np.array([0, 0, -0.5, -1.0, 0]))
+  want = (
+    correct
+    + 0.5 * np.array(example_rewards.boxed_format(texts, examples))
+    + 2.0 * np.array(example_rewards.length_penalty(texts, examples))
+    + np.array([0, 0, -0.5, -1.0, 0])
+  )
   np.testing.assert_allclose(got, want, rtol=1e-6)
   assert health == {"fn_timeout": 0}
   # Without fns the penalty is added to `correct`.
   only_penalty = reward_fns.RewardFns(max_len=16, overlong_buffer=4)
-  np.testing.assert_allclose(only_penalty(texts, examples, correct, lengths)[0],
-                             correct + np.array([0, 0, -0.5, -1.0, 0]))
+  np.testing.assert_allclose(
+    only_penalty(texts, examples, correct, lengths)[0], correct + np.array([0, 0, -0.5, -1.0, 0])
+  )
 
 
 def test_default_grade_keeps_reward_equal_to_correct() -> None:
@@ -167,17 +180,30 @@ def test_default_grade_keeps_reward_equal_to_correct() -> None:
     def score(self, completions, golds):
       r = np.array([float(g == "7") for g in golds], np.float32)
       return r, rewards.RewardHealth(total=len(r), correct=int(r.sum()))
+
   texts, examples = _batch([["a", "b"]])
   correct, reward, health = reward_fns.grade(Fixed(), None, texts, examples, np.ones(2))
   assert reward is correct and health["total"] == 2 and "fn_timeout" not in health
 
 
-@pytest.mark.parametrize("fn,needle", [
+@pytest.mark.parametrize(
+  "fn,needle",
+  [
     ("raises", r"plug.py:raises \(reward.fns\[0\]\) raised ZeroDivisionError: .* on row 3$"),
-    ("nan_on_second", (r"plug.py:nan_on_second \(reward.fns\[0\]\) on row 1: returned nan, "
-                       r"not finite in float32 .* in list \[0.0, nan\]")),
-    ("one_short", (r"plug.py:one_short \(reward.fns\[0\]\) on rows 0-1: returned 1 values "
-                   r"for 2 completions: list \[0.0\]")),
+    (
+      "nan_on_second",
+      (
+        r"plug.py:nan_on_second \(reward.fns\[0\]\) on row 1: returned nan, "
+        r"not finite in float32 .* in list \[0.0, nan\]"
+      ),
+    ),
+    (
+      "one_short",
+      (
+        r"plug.py:one_short \(reward.fns\[0\]\) on rows 0-1: returned 1 values "
+        r"for 2 completions: list \[0.0\]"
+      ),
+    ),
     ("digits", r"on rows 0-1: returned str '77', not a list, tuple or 1-D numpy array"),
     ("as_dict", r"on rows 0-1: returned dict \{'fine': 1.0, 'ok': 1.0\}, not a list"),
     ("huge_on_second", r"on row 1: returned 1e\+39, not finite in float32 \(\|v\| <= 3.403e\+38\)"),
@@ -186,9 +212,9 @@ def test_default_grade_keeps_reward_equal_to_correct() -> None:
     ("column", r"on rows 0-1: returned ndarray .* \(shape \(2, 1\), dtype float64\), not a 1-D"),
     ("complex_values", r"on row 0: returned complex 1j, not a real number"),
     ("generator", r"on rows 0-1: returned generator .*, not a list, tuple or 1-D numpy array"),
-])
-def test_bad_functions_name_the_function_row_and_output(plugins: str, fn: str,
-                                                        needle: str) -> None:
+  ],
+)
+def test_bad_functions_name_the_function_row_and_output(plugins: str, fn: str, needle: str) -> None:
   texts, examples = _batch([["ok", "fine"], ["good", "bad"]])
   fns = reward_fns.RewardFns(fns=(f"{plugins}:{fn}",), weights=(1.0,), timeout_s=10.0)
   with pytest.raises(reward_fns.RewardFnError, match=needle):
@@ -199,11 +225,13 @@ def test_real_number_kinds_accepted_and_float32_overflow_of_the_sum(plugins: str
   texts, examples = _batch([["a", "b", "c", "d"], ["e", "f"]])
   fns = reward_fns.RewardFns(fns=(f"{plugins}:mixed_kinds",), weights=(1.0,), timeout_s=10.0)
   got, _ = fns(texts, examples, np.zeros(6), np.ones(6))
-  np.testing.assert_array_equal(got, np.array([1, -3, 0.25, -np.finfo(np.float32).max, 2, 7],
-                                              np.float32))
+  np.testing.assert_array_equal(
+    got, np.array([1, -3, 0.25, -np.finfo(np.float32).max, 2, 7], np.float32)
+  )
   # Each value is float32's max, fine alone; their sum is not.
-  twice = reward_fns.RewardFns(fns=(f"{plugins}:float32_max",) * 2, weights=(1.0, 1.0),
-                               timeout_s=10.0)
+  twice = reward_fns.RewardFns(
+    fns=(f"{plugins}:float32_max",) * 2, weights=(1.0, 1.0), timeout_s=10.0
+  )
   with pytest.raises(reward_fns.RewardFnError, match=r"weighted sum .* is 6.8.*e\+38 on row 0"):
     twice(texts, examples, np.zeros(6), np.ones(6))
 
@@ -225,16 +253,20 @@ def test_plugin_checker_grades_and_times_out(plugins: str) -> None:
   assert reward_fns.grader_for("math") is rewards.default_grader()
 
 
-@pytest.mark.parametrize("fn,needle", [
+@pytest.mark.parametrize(
+  "fn,needle",
+  [
     ("check_not_bool", "returned float 0.5, not a bool"),
     ("check_float_one", "returned float 1.0, not a bool"),
     ("check_int_one", "returned int 1, not a bool"),
     ("check_numpy_bool", r"returned ndarray array\(\[ True\]\), not a bool"),
-])
+  ],
+)
 def test_plugin_checker_rejects_non_bools(plugins: str, fn: str, needle: str) -> None:
   bad = reward_fns.grader_for(f"{plugins}:{fn}", timeout_s=5.0)
-  with pytest.raises(reward_fns.RewardFnError,
-                     match=rf"checker .*plug.py:{fn} \(reward.correct\) on row 0: {needle}"):
+  with pytest.raises(
+    reward_fns.RewardFnError, match=rf"checker .*plug.py:{fn} \(reward.correct\) on row 0: {needle}"
+  ):
     bad.score(["x"], ["1"])
 
 
@@ -258,7 +290,9 @@ def test_checker_and_target_names() -> None:
       reward_fns.target_of(bad)
 
 
-@pytest.mark.parametrize("field,value,needle", [
+@pytest.mark.parametrize(
+  "field,value,needle",
+  [
     ("fns", ("no.such.module:f",), r"config.reward.fns='no.such.module:f': cannot load"),
     ("fns", ("capo_jax.data.example_rewards:nope",), r"has no function 'nope'"),
     ("fns", ("/no/such/file.py:f",), r"no such file"),
@@ -268,7 +302,8 @@ def test_checker_and_target_names() -> None:
     ("overlong_buffer", 17, r"config.reward.overlong_buffer=17: .*max_new_tokens=16"),
     ("worker_max_calls", -1, r"config.reward.worker_max_calls=-1: must be an integer >= 0"),
     ("worker_max_rss_mb", -1.0, r"config.reward.worker_max_rss_mb=-1.0: must be MiB >= 0"),
-])
+  ],
+)
 def test_bad_reward_config_fails_at_start(field: str, value, needle: str) -> None:
   c = common.shrink(common.get_base_config())
   if field == "weights":
@@ -296,8 +331,9 @@ def test_config_defaults_off_and_on() -> None:
 
 R = np.array([[1.2, 0.2, 0.2, 1.0], [0.3, 0.1, 0.3, 0.3], [0.5, 0.5, 0.5, 0.5]], np.float32)
 C = np.array([[1, 0, 0, 1], [0, 0, 0, 0], [1, 1, 0, 0]], np.float32)
-S = np.array([[-0.5, -1.0, -0.2, -0.9], [-0.1, -0.2, -0.3, -0.4], [-1., -.5, -.7, -.2]],
-             np.float32)
+S = np.array(
+  [[-0.5, -1.0, -0.2, -0.9], [-0.1, -0.2, -0.3, -0.4], [-1.0, -0.5, -0.7, -0.2]], np.float32
+)
 V = np.ones(R.shape, bool)
 
 
@@ -310,8 +346,11 @@ def test_grpo_reads_the_scalar_reward_capo_the_labels() -> None:
   for q in (0, 1):
     want[q] = (R[q] - R[q].mean()) / (R[q].std(ddof=1) + adv.GRPO_EPS)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
-  np.testing.assert_allclose(got[0], np.array([.55, -.45, -.45, .35]) / (
-      np.sqrt((.55**2 + .45**2 * 2 + .35**2) / 3) + 1e-6), rtol=1e-5)
+  np.testing.assert_allclose(
+    got[0],
+    np.array([0.55, -0.45, -0.45, 0.35]) / (np.sqrt((0.55**2 + 0.45**2 * 2 + 0.35**2) / 3) + 1e-6),
+    rtol=1e-5,
+  )
   capo = np.asarray(algorithms.Capo(tau=0.6).advantages(batch))
   np.testing.assert_allclose(capo, np.asarray(adv.capo(C, S, V, tau=0.6)), rtol=1e-6)
   assert (capo[1] == 0).all() and (capo[2] != 0).all()  # pairs exist only where C is mixed
@@ -330,6 +369,7 @@ def test_labels_equal_to_binary_rewards_change_nothing(method: str) -> None:
 
 def test_score_rollout_masks_and_pairs_on_the_labels() -> None:
   from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
+
   ref_s = np.log(np.array([[1 / 3.0, 1.0, 1.0, 1.0], [1.0] * 4, [1.0] * 4], np.float32))
   spec = rollout.AdvantageSpec(estimator=algorithms.Capo(tau=0.6), noise_mask=True)
   got, met = rollout.score_rollout(R, S, ref_s, 0, spec=spec, correct_QG=C)

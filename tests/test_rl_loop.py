@@ -18,32 +18,40 @@ import pytest
 
 import hf_utils
 import rl_driver
+from capo_jax.run import loop, setup
 from capo_jax.run import spec as spec_lib
-from capo_jax.run import loop
-from capo_jax.run import setup
 from configs import common
 from models import qwen2
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 DRIVER = str(REPO / "tests" / "rl_driver.py")
-CONFIG_FILES = sorted(p.stem for p in (REPO / "configs").glob("*.py")
-                      if p.stem not in ("__init__", "common"))
+CONFIG_FILES = sorted(
+  p.stem for p in (REPO / "configs").glob("*.py") if p.stem not in ("__init__", "common")
+)
+
+
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, str]:
   return rl_driver.write_assets(tmp_path_factory.mktemp("rl"))
 
 
 def _env(**extra: str) -> dict[str, str]:
-  env = dict(os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", CAPO_GRADER_WORKERS="1",
-             JAX_PLATFORMS="cpu")
+  env = dict(
+    os.environ, PYTHONPATH=f"{REPO}:{REPO / 'tests'}", CAPO_GRADER_WORKERS="1", JAX_PLATFORMS="cpu"
+  )
   env.pop("XLA_FLAGS", None)
   env.update(extra)
   return env
 
 
-def _run_driver(workdir: str, assets: dict[str, str], steps: int, *overrides: str,
-                env: dict[str, str] | None = None, check: bool = True
-                ) -> subprocess.CompletedProcess:
+def _run_driver(
+  workdir: str,
+  assets: dict[str, str],
+  steps: int,
+  *overrides: str,
+  env: dict[str, str] | None = None,
+  check: bool = True,
+) -> subprocess.CompletedProcess:
   cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], str(steps), *overrides]
   proc = subprocess.run(cmd, env=env or _env(), capture_output=True, text=True, timeout=600)
   if check and proc.returncode:
@@ -60,8 +68,9 @@ def test_every_config_file_loads_and_validates(name, monkeypatch, tmp_path):
   mod = importlib.import_module(f"configs.{name}")
   if mod.get_config().model.hf_path:  # a hub id: validated against an offline stub snapshot
     hf_utils.offline_hub(monkeypatch, tmp_path / "hub")
-    hf_utils.stub_snapshot_of_preset(tmp_path / "hub", mod.get_config().model.hf_path,
-                                     mod.get_config().model.preset)
+    hf_utils.stub_snapshot_of_preset(
+      tmp_path / "hub", mod.get_config().model.hf_path, mod.get_config().model.preset
+    )
   if name == "demo":  # the warm start supplies the policy; "shrink" is its smoke variant
     full, tiny = mod.get_config(), mod.get_config("shrink")
     full.rollout.max_new_tokens = tiny.rollout.max_new_tokens = 40
@@ -73,10 +82,15 @@ def test_every_config_file_loads_and_validates(name, monkeypatch, tmp_path):
   assert full.algo.name in spec_lib.ALGORITHMS
   spec_lib.RunSpec.from_config(full, num_devices=8)
   spec_lib.RunSpec.from_config(tiny, num_devices=1)
-  assert spec_lib.RunSpec.from_config(tiny, num_devices=1, policy_given=True).model_config().num_layers <= 4  # shrink really shrinks
+  assert (
+    spec_lib.RunSpec.from_config(tiny, num_devices=1, policy_given=True).model_config().num_layers
+    <= 4
+  )  # shrink really shrinks
 
 
-@pytest.mark.parametrize("field,value,needle", [
+@pytest.mark.parametrize(
+  "field,value,needle",
+  [
     ("rollout.num_samples", 1, "rollout.num_samples=1"),
     ("train.mini_batch_prompts", 3, "train.mini_batch_prompts=3"),
     ("train.micro_batch_size", 5, "train.micro_batch_size=5"),
@@ -85,7 +99,8 @@ def test_every_config_file_loads_and_validates(name, monkeypatch, tmp_path):
     ("model.hf_path", "/no/such/checkpoint", "/no/such/checkpoint"),
     ("model.preset", "qwen9_huge", "qwen9_huge"),
     ("algo.mask", "sometimes", "algo.mask='sometimes'"),
-])
+  ],
+)
 def test_bad_config_fails_at_start_naming_the_field(field, value, needle):
   c = common.shrink(common.get_base_config())
   section, leaf = field.split(".")
@@ -106,10 +121,28 @@ def test_resume_after_process_exit_is_bit_exact(assets, tmp_path):
   assert _digest(resumed) == _digest(straight)
   rows = [json.loads(l) for l in open(os.path.join(resumed, "metrics.jsonl"))]
   assert [r["step"] for r in rows] == [1, 2, 3, 4]
-  for key in ("accuracy", "auc_mean", "frac_all_correct", "frac_all_wrong", "masked_frac",
-              "response_len", "truncation_rate", "clip_frac", "entropy", "kl", "grad_norm",
-              "lr", "time_step", "time/rollout_s", "time/update_wait_s", "time/checkpoint_s",
-              "sample_tokens_per_s", "train_tokens_per_s", "reward/timeout", "s_spread"):
+  for key in (
+    "accuracy",
+    "auc_mean",
+    "frac_all_correct",
+    "frac_all_wrong",
+    "masked_frac",
+    "response_len",
+    "truncation_rate",
+    "clip_frac",
+    "entropy",
+    "kl",
+    "grad_norm",
+    "lr",
+    "time_step",
+    "time/rollout_s",
+    "time/update_wait_s",
+    "time/checkpoint_s",
+    "sample_tokens_per_s",
+    "train_tokens_per_s",
+    "reward/timeout",
+    "s_spread",
+  ):
     assert key in rows[-1], key
   assert any(r["grad_norm"] > 0 for r in rows)
   assert os.path.isfile(os.path.join(resumed, "export_hf", "config.json"))
@@ -125,8 +158,9 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path):
   params = jax.tree.map(np.array, qwen2.init_params(cfg, jax.random.key(1)))
   params["final_norm"][0] = np.nan  # every loss is NaN
   with pytest.raises(loop.TrainingDiverged, match="2 consecutive steps"):
-    rl_driver.train(c, str(tmp_path), policy=setup.Policy(cfg, params),
-                  grader=rl_driver.HashGrader())
+    rl_driver.train(
+      c, str(tmp_path), policy=setup.Policy(cfg, params), grader=rl_driver.HashGrader()
+    )
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   assert [r["skipped_updates"] for r in rows] == [2, 2]  # 2 mini-batch updates per step
 
@@ -134,10 +168,18 @@ def test_nonfinite_steps_are_skipped_then_stop_the_run(assets, tmp_path):
 @pytest.mark.slow  # ~50 s (.ci/run runs it)
 def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(assets, tmp_path):
   workdir = str(tmp_path / "preempted")
-  cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], "100",
-         "checkpoint.every_steps=1000"]
-  proc = subprocess.Popen(cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                          text=True)
+  cmd = [
+    sys.executable,
+    DRIVER,
+    workdir,
+    assets["tok"],
+    assets["data"],
+    "100",
+    "checkpoint.every_steps=1000",
+  ]
+  proc = subprocess.Popen(
+    cmd, env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+  )
   metrics_file = pathlib.Path(workdir, "metrics.jsonl")
   deadline = time.time() + 300
   while time.time() < deadline and not (metrics_file.exists() and metrics_file.read_text()):
@@ -145,8 +187,7 @@ def test_sigterm_saves_a_checkpoint_and_the_rerun_resumes(assets, tmp_path):
   proc.send_signal(signal.SIGTERM)
   _, err = proc.communicate(timeout=300)
   assert proc.returncode == 0 and "preempted" in err, err[-2000:]
-  steps = [int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir()
-           if p.name.isdigit()]
+  steps = [int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir() if p.name.isdigit()]
   assert steps and max(steps) >= 1  # saved although every_steps=1000
   done = max(steps)
   _run_driver(workdir, assets, done + 1, "checkpoint.every_steps=1000")
@@ -160,17 +201,19 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _launch_two(workdir: str, assets: dict[str, str], steps: int, *overrides: str
-                ) -> list[subprocess.Popen]:
+def _launch_two(
+  workdir: str, assets: dict[str, str], steps: int, *overrides: str
+) -> list[subprocess.Popen]:
   port = _free_port()
   procs = []
   for pid in range(2):
-    env = _env(JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2",
-               JAX_PROCESS_ID=str(pid))
-    cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], str(steps),
-           *overrides]
-    procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                  stderr=subprocess.PIPE, text=True))
+    env = _env(
+      JAX_COORDINATOR_ADDRESS=f"localhost:{port}", JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid)
+    )
+    cmd = [sys.executable, DRIVER, workdir, assets["tok"], assets["data"], str(steps), *overrides]
+    procs.append(
+      subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    )
   return procs
 
 
@@ -199,8 +242,9 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(assets, tmp
   procs[1].send_signal(signal.SIGTERM)
   errs = _wait_all(procs)
   assert all("preempted" in e for e in errs), errs[0][-2000:]
-  steps = sorted(int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir()
-                 if p.name.isdigit())
+  steps = sorted(
+    int(p.name) for p in pathlib.Path(workdir, "checkpoints").iterdir() if p.name.isdigit()
+  )
   assert len(steps) == 1 and 1 <= steps[0] < 100, steps  # one step, saved by both
   done = steps[0]
   _wait_all(_launch_two(workdir, assets, done + 1, *keep_going))
@@ -211,10 +255,16 @@ def test_sigterm_to_one_of_two_processes_saves_the_same_step_on_both(assets, tmp
   assert [r["step"] for r in rows] == list(range(1, done + 2))
 
 
-@pytest.mark.parametrize("algo", [
-    "simko", pytest.param("gspo", marks=pytest.mark.slow),
-    pytest.param("cde", marks=pytest.mark.slow), pytest.param("codapo", marks=pytest.mark.slow),
-    pytest.param("dr_grpo", marks=pytest.mark.slow)])
+@pytest.mark.parametrize(
+  "algo",
+  [
+    "simko",
+    pytest.param("gspo", marks=pytest.mark.slow),
+    pytest.param("cde", marks=pytest.mark.slow),
+    pytest.param("codapo", marks=pytest.mark.slow),
+    pytest.param("dr_grpo", marks=pytest.mark.slow),
+  ],
+)
 def test_every_algorithm_trains_end_to_end(algo, assets, tmp_path):
   """One RL step per algorithm: finite loss, a real update (its own loss path for SimKO/GSPO)."""
   c = common.shrink(common.get_base_config())

@@ -6,8 +6,8 @@ import dataclasses
 
 import numpy as np
 
-from tools import rollout_sim as rl
 from capo_jax.sampling import engine
+from tools import rollout_sim as rl
 
 
 def test_simulation_mirrors_the_engines_tail_loops():
@@ -16,8 +16,7 @@ def test_simulation_mirrors_the_engines_tail_loops():
 
 def test_tail_loop_reads_counted_by_hand():
   # 2 slots, rows of 1, 1, 1 and 8 tokens, no prompt, 1-column blocks, halving.
-  shape = dataclasses.replace(rl.Shape(), rows=4, samples=1, prompt_len=0, cap=8, block=1,
-                              shrink=2)
+  shape = dataclasses.replace(rl.Shape(), rows=4, samples=1, prompt_len=0, cap=8, block=1, shrink=2)
   lengths = np.array([1, 1, 1, 8])
   # Steps 1-2: two slots, each read up to the longest active row (1 column);
   # rows 2 and 3 start after step 1. Once row 2 ends (step 2) no row waits and

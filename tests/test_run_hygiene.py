@@ -11,13 +11,12 @@ import pathlib
 import pytest
 
 import host_utils
-from batches import padded_pass, run_pass
 import rl_driver
+from batches import padded_pass, run_pass
 from capo_jax.data import datasets as data
-from capo_jax.run import spec as spec_lib
 from capo_jax.run import setup
-from capo_jax.runtime import metrics
-from capo_jax.runtime import run_record
+from capo_jax.run import spec as spec_lib
+from capo_jax.runtime import metrics, run_record
 from configs import common
 
 QUESTIONS = [(f"What is {a} * {b}?", str(a * b)) for a in range(2, 5) for b in range(2, 5)]
@@ -26,11 +25,16 @@ QUESTIONS = [(f"What is {a} * {b}?", str(a * b)) for a in range(2, 5) for b in r
 @pytest.fixture(scope="module")
 def assets(tmp_path_factory) -> dict[str, str]:
   import hf_utils  # pylint: disable=import-outside-toplevel
+
   root = tmp_path_factory.mktemp("hygiene")
   tok = hf_utils.make_tokenizer_dir(root / "tok")
   train = root / "train.jsonl"
-  train.write_text("".join(json.dumps({"id": f"q{i}", "problem": q, "answer": a}) + "\n"
-                           for i, (q, a) in enumerate(QUESTIONS)))
+  train.write_text(
+    "".join(
+      json.dumps({"id": f"q{i}", "problem": q, "answer": a}) + "\n"
+      for i, (q, a) in enumerate(QUESTIONS)
+    )
+  )
   empty = root / "empty.jsonl"
   empty.write_text("\n")
   return {"tok": str(tok), "train": str(train), "empty": str(empty)}
@@ -48,8 +52,9 @@ def _steps(workdir: pathlib.Path) -> list[int]:
 
 
 @pytest.mark.slow  # whole runs in subprocesses (1-4 min on 2 cores); .ci/run runs it
-def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(assets, tmp_path, caplog,
-                                                                    monkeypatch):
+def test_damaged_checkpoint_falls_back_and_each_step_is_logged_once(
+  assets, tmp_path, caplog, monkeypatch
+):
   monkeypatch.setenv("WANDB_MODE", "offline")
   pytest.importorskip("wandb", reason="wandb is an optional extra (pip install wandb)")
   workdir = tmp_path / "run"
@@ -98,8 +103,11 @@ def test_config_record_warns_on_changed_fields_and_stops_on_shape_fields(tmp_pat
   assert "optim.lr: 0.0001 -> 5e-05" in caplog.text
   assert rec["previous"]["config"]["optim"]["lr"] == 1e-4
   assert json.loads((tmp_path / "config.json").read_text())["config"]["optim"]["lr"] == 5e-5
-  for field, value in (("model.preset", "qwen2p5_0p5b"), ("mesh.tensor", 2),
-                       ("train.micro_batch_size", 4)):
+  for field, value in (
+    ("model.preset", "qwen2p5_0p5b"),
+    ("mesh.tensor", 2),
+    ("train.micro_batch_size", 4),
+  ):
     c2 = common.shrink(common.get_base_config())
     c2.optim.lr = 5e-5
     section, leaf = field.split(".")
@@ -142,8 +150,9 @@ def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
   # Through the trainer's loader: the ids land in the workdir.
   c = common.get_base_config()
   c.data.data_dir, c.data.train_size, c.data.val_size = str(shared_data), 1000, 240
-  got = setup.training_data(spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).data,
-                            str(tmp_path))
+  got = setup.training_data(
+    spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).data, str(tmp_path)
+  )
   rec = json.loads((tmp_path / setup.SPLIT_FILE).read_text())
   assert rec["val_ids"] == [e.id for e in got.val] == split.ids()["val_ids"]
   assert rec["train_ids"] == split.ids()["train_ids"]
@@ -154,8 +163,11 @@ def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
 def test_an_empty_training_file_is_named_as_empty(assets, tmp_path):
   c = _config(assets, 1)
   c.data.train = assets["empty"]
-  with pytest.raises(data.DataError, match=r"empty\.jsonl: no training questions \(the file is "
-                     "empty"):
+  with pytest.raises(
+    data.DataError,
+    match=r"empty\.jsonl: no training questions \(the file is "
+    "empty",
+  ):
     rl_driver.train(c, str(tmp_path), grader=rl_driver.HashGrader())
 
 
@@ -169,6 +181,7 @@ def test_eval_config_fields_are_checked(assets):
 @pytest.mark.parametrize("name", ["capo_qwen2p5_math_1p5b", "grpo_qwen2p5_math_7b", "demo"])
 def test_an_unknown_config_argument_is_an_error_naming_it(name):
   import importlib  # pylint: disable=import-outside-toplevel
+
   mod = importlib.import_module(f"configs.{name}")
   want = rf"unknown config argument 'tiny' in --config=configs/{name}\.py:tiny; known: shrink"
   with pytest.raises(ValueError, match=want):
@@ -179,10 +192,22 @@ def test_an_unknown_config_argument_is_an_error_naming_it(name):
 def test_an_unknown_config_argument_stops_the_cli_before_anything_runs(tmp_path):
   import subprocess  # pylint: disable=import-outside-toplevel
   import sys  # pylint: disable=import-outside-toplevel
+
   repo = pathlib.Path(__file__).resolve().parent.parent
-  proc = subprocess.run([sys.executable, "-m", "capo_jax.main",
-                         "--config=configs/demo.py:bogus", f"--workdir={tmp_path / 'run'}"],
-                        cwd=repo, capture_output=True, text=True, timeout=120, check=False)
+  proc = subprocess.run(
+    [
+      sys.executable,
+      "-m",
+      "capo_jax.main",
+      "--config=configs/demo.py:bogus",
+      f"--workdir={tmp_path / 'run'}",
+    ],
+    cwd=repo,
+    capture_output=True,
+    text=True,
+    timeout=120,
+    check=False,
+  )
   assert proc.returncode != 0
   assert "unknown config argument 'bogus' in --config=configs/demo.py:bogus" in proc.stderr
   assert "known: shrink" in proc.stderr and not (tmp_path / "run").exists()
@@ -194,9 +219,11 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
   they exist."""
   import jax  # pylint: disable=import-outside-toplevel
   import numpy as np  # pylint: disable=import-outside-toplevel
-  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+
   from capo_jax.rl.logprobs import token_logprobs  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from models import qwen2  # pylint: disable=import-outside-toplevel
+
   c = common.shrink(common.get_base_config())
   cfg = spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).model_config()
   params = qwen2.init_params(cfg, jax.random.key(0))
@@ -209,15 +236,23 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
   cmask = (np.arange(C)[None] < rng.integers(1, C + 1, (B, 1))).astype(np.int32)
   meshes = [mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])]
   if jax.device_count() >= 8:
-    meshes.append(mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2},
-                                     devices=jax.devices()[:8]))
+    meshes.append(
+      mesh_lib.make_mesh({"data": 2, "fsdp": 2, "tensor": 2}, devices=jax.devices()[:8])
+    )
   keys = ("logp_BC", "entropy_BC", "topk_ids_BCJ", "topk_logp_BCJ")
   # The padded [B, P + C] forward: an independent reference for the rows' layout.
   ref = token_logprobs(params, cfg, prompt, pmask, comp, cmask, top_k=3)
   for mesh in meshes:
     p = jax.device_put(params, mesh_lib.param_shardings(cfg, mesh, mesh_lib.TRAIN_RULES))
-    want, got = (run_pass(padded_pass(cfg, mesh, mesh_lib.TRAIN_RULES, L, top_k=3), p,
-                          (prompt, pmask, comp, cmask), keys) for L in (B, 4))
+    want, got = (
+      run_pass(
+        padded_pass(cfg, mesh, mesh_lib.TRAIN_RULES, L, top_k=3),
+        p,
+        (prompt, pmask, comp, cmask),
+        keys,
+      )
+      for L in (B, 4)
+    )
     assert set(got) == set(want) == set(keys) and got["logp_BC"].shape == (B, C)
     for k in want:
       np.testing.assert_allclose(got[k], want[k], rtol=1e-6, atol=1e-6, err_msg=k)
@@ -225,11 +260,19 @@ def test_log_prob_pass_in_row_calls_equals_one_call():
     np.testing.assert_array_equal(got["topk_ids_BCJ"], np.asarray(ref["topk_ids_BCJ"]))
 
 
-@pytest.mark.parametrize("algo,agg,want", [
-    ("simko", "auto", "token-mean"), ("capo", "auto", "seq-mean-token-mean"),
-    ("grpo", "auto", "seq-mean-token-mean"), ("simko", "seq-mean-token-mean",
-                                              "seq-mean-token-mean")])
+@pytest.mark.parametrize(
+  "algo,agg,want",
+  [
+    ("simko", "auto", "token-mean"),
+    ("capo", "auto", "seq-mean-token-mean"),
+    ("grpo", "auto", "seq-mean-token-mean"),
+    ("simko", "seq-mean-token-mean", "seq-mean-token-mean"),
+  ],
+)
 def test_simko_is_one_field_away_with_its_papers_aggregation(algo, agg, want):
   c = common.shrink(common.get_base_config())
   c.algo.name, c.loss.agg = algo, agg
-  assert spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).train_config().loss.agg == want
+  assert (
+    spec_lib.RunSpec.from_config(c, num_devices=1, policy_given=True).train_config().loss.agg
+    == want
+  )

@@ -31,9 +31,14 @@ def test_recorded_study_matches_the_reports_it_summarises():
   assert [r["report"] for r in recorded] == list(REPORTS)
   for entry in recorded:
     full = json.loads((REPO / entry["report"]).read_text(encoding="utf-8"))
-    assert entry == {"report": entry["report"], "date": full["date"],
-                     "machine": full["machine"], "commit": full["commit"],
-                     "final": full["final"], "paired": full["paired"]}
+    assert entry == {
+      "report": entry["report"],
+      "date": full["date"],
+      "machine": full["machine"],
+      "commit": full["commit"],
+      "final": full["final"],
+      "paired": full["paired"],
+    }
     assert study.held_across_warm_starts(entry) == study.held_across_warm_starts(full)
 
 
@@ -41,6 +46,7 @@ def test_record_writes_the_packaged_file(tmp_path):
   """The package file is what the study's report code writes from the reports: rewritten
   from them, it comes back byte for byte."""
   from studies.demo_v3 import report  # pylint: disable=import-outside-toplevel
+
   out = report.record([str(REPO / r) for r in REPORTS], tmp_path / "recorded.json")
   assert out.read_bytes() == pathlib.Path(demo_run.STUDY_RESULTS).read_bytes()
   with pytest.raises(ValueError, match="lacks"):
@@ -55,7 +61,9 @@ def test_main_command_reads_nothing_from_docs(monkeypatch):
       if isinstance(file, (str, pathlib.Path)) and docs in pathlib.Path(file).resolve().parents:
         raise AssertionError(f"read {file} from docs/")
       return open_fn(file, *args, **kwargs)
+
     return refuse_docs
+
   monkeypatch.setattr(builtins, "open", guarded(builtins.open))
   monkeypatch.setattr(io, "open", guarded(io.open))
   text = demo_run.recorded_study()
@@ -73,17 +81,27 @@ def _imports(path: pathlib.Path) -> set[str]:
   """Every name an absolute import of ``path`` takes, as ``package.module[.name]``."""
   out = set()
   for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-    names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
-             [node.module + "." + a.name for a in node.names]
-             if isinstance(node, ast.ImportFrom) and node.module and not node.level else [])
+    names = (
+      [a.name for a in node.names]
+      if isinstance(node, ast.Import)
+      else [node.module + "." + a.name for a in node.names]
+      if isinstance(node, ast.ImportFrom) and node.module and not node.level
+      else []
+    )
     out.update(names)
   return out
 
 
 # Who may import which research folder: benchmarks time the tools' models against
 # their peers; nothing imports a study but another study.
-MAY_IMPORT = {"capo_jax": set(), "models": set(), "configs": set(), "tools": {"tools"},
-              "benchmarks": {"benchmarks", "tools"}, "studies": {"studies"}}
+MAY_IMPORT = {
+  "capo_jax": set(),
+  "models": set(),
+  "configs": set(),
+  "tools": {"tools"},
+  "benchmarks": {"benchmarks", "tools"},
+  "studies": {"studies"},
+}
 
 
 @pytest.mark.parametrize("folder", sorted(MAY_IMPORT))
@@ -98,11 +116,16 @@ def test_research_folders_are_imported_downward_only(folder):
 
 
 def test_studies_import_no_circle():
-  modules = {".".join(p.relative_to(REPO).with_suffix("").parts): p
-             for p in (REPO / "studies").rglob("*.py") if p.name != "__init__.py"}
+  modules = {
+    ".".join(p.relative_to(REPO).with_suffix("").parts): p
+    for p in (REPO / "studies").rglob("*.py")
+    if p.name != "__init__.py"
+  }
   # ``from studies.demo_v3 import report`` reads as studies.demo_v3.report: an edge.
-  graph = {m: {n for n in modules for i in _imports(p) if i == n or i.startswith(n + ".")}
-           for m, p in modules.items()}
+  graph = {
+    m: {n for n in modules for i in _imports(p) if i == n or i.startswith(n + ".")}
+    for m, p in modules.items()
+  }
   state: dict[str, int] = {}  # 1: on the current path, 2: done
 
   def visit(m: str, path: list[str]) -> None:
@@ -112,6 +135,7 @@ def test_studies_import_no_circle():
       if n not in state:
         visit(n, path + [m])
     state[m] = 2
+
   for m in sorted(modules):
     if m not in state:
       visit(m, [])

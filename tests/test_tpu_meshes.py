@@ -27,8 +27,7 @@ SLICE_CHIPS = {"v4-8": 4, "v4-32": 16, "v5e-16": 16, "v4-64": 32, "v5e-32": 32, 
 
 
 def _load_plan_module():
-  spec = importlib.util.spec_from_file_location("memory_plan", REPO / "tools" /
-                                                "memory_plan.py")
+  spec = importlib.util.spec_from_file_location("memory_plan", REPO / "tools" / "memory_plan.py")
   module = importlib.util.module_from_spec(spec)
   sys.modules[spec.name] = module  # dataclasses look their module up
   spec.loader.exec_module(module)
@@ -58,10 +57,11 @@ for model, slice_name in json.loads(sys.argv[2]):
   leaves = {}
   for rules_name in ("train", "sampling"):
     rules = mesh_lib.RULES[rules_name]
-    got = jax.tree_util.tree_leaves_with_path(qwen2.param_specs(run.model, rules, mesh),
-                                              is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
-    wanted = jax.tree_util.tree_leaves(qwen2.param_specs(run.model, rules),
-                                       is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
+    is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
+    got = jax.tree_util.tree_leaves_with_path(
+      qwen2.param_specs(run.model, rules, mesh), is_leaf=is_spec
+    )
+    wanted = jax.tree_util.tree_leaves(qwen2.param_specs(run.model, rules), is_leaf=is_spec)
     leaves[rules_name] = [
         dict(path=jax.tree_util.keystr(path), shape=list(s.shape), spec=[
             None if a is None else [a] if isinstance(a, str) else list(a) for a in sp],
@@ -83,15 +83,23 @@ def meshes() -> dict[tuple[str, str], dict]:
   results = {}
   for chips in sorted(set(SLICE_CHIPS.values())):
     pairs = [(m, s) for s, n in SLICE_CHIPS.items() if n == chips for m in MODELS]
-    env = dict(os.environ, JAX_PLATFORMS="cpu",
-               XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}",
-               PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]))
-    out = subprocess.run([sys.executable, "-c", _CHILD, str(REPO / "tools" /
-                                                            "memory_plan.py"), json.dumps(pairs)],
-                         env=env, cwd=REPO, capture_output=True, text=True, timeout=300)
+    env = dict(
+      os.environ,
+      JAX_PLATFORMS="cpu",
+      XLA_FLAGS=f"--xla_force_host_platform_device_count={chips}",
+      PYTHONPATH=os.pathsep.join([str(REPO), os.environ.get("PYTHONPATH", "")]),
+    )
+    out = subprocess.run(
+      [sys.executable, "-c", _CHILD, str(REPO / "tools" / "memory_plan.py"), json.dumps(pairs)],
+      env=env,
+      cwd=REPO,
+      capture_output=True,
+      text=True,
+      timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     line = next(l for l in out.stdout.splitlines() if l.startswith("RESULT"))
-    for r in json.loads(line[len("RESULT"):]):
+    for r in json.loads(line[len("RESULT") :]):
       results[(r["model"], r["slice"])] = r
   return results
 
@@ -136,12 +144,20 @@ def test_sharded_params_fit_the_chip(meshes, model, slice_name):
   shards = r["mesh"]["fsdp"] * r["mesh"]["tensor"]
   # The plan divides P evenly; the few replicated norms / biases add < 1%.
   assert r["params"] / shards <= train_elems <= 1.01 * r["params"] / shards
-  assert r["params"] / r["mesh"]["tensor"] <= sample_elems <= 1.01 * r["params"] / r["mesh"][
-      "tensor"]
+  assert (
+    r["params"] / r["mesh"]["tensor"] <= sample_elems <= 1.01 * r["params"] / r["mesh"]["tensor"]
+  )
   terms = r["terms"]
-  planned = sum(terms[k] for k in ("params (f32 master)", "AdamW moments (2 x f32)",
-                                   "reference (bf16)", "grads (2 x f32) + bf16 copy",
-                                   "sampling weights (bf16)"))
+  planned = sum(
+    terms[k]
+    for k in (
+      "params (f32 master)",
+      "AdamW moments (2 x f32)",
+      "reference (bf16)",
+      "grads (2 x f32) + bf16 copy",
+      "sampling weights (bf16)",
+    )
+  )
   per_elem = 4 + 8 + (2 if r["reference"] else 0) + (8 + 2)  # master, Adam, ref, grads + copy
   actual = train_elems * per_elem + sample_elems * 2
   assert actual == pytest.approx(planned, rel=0.01)
@@ -155,8 +171,15 @@ def test_sharded_params_fit_the_chip(meshes, model, slice_name):
 def test_param_counts_match_the_hand_formula():
   for preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):
     cfg = getattr(mp.Qwen2Config, preset)()
-    D, F, L, N, K, H, V = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers,
-                           cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, cfg.vocab_size)
+    D, F, L, N, K, H, V = (
+      cfg.hidden_size,
+      cfg.intermediate_size,
+      cfg.num_layers,
+      cfg.num_heads,
+      cfg.num_kv_heads,
+      cfg.head_dim,
+      cfg.vocab_size,
+    )
     layer = D * N * H + 2 * D * K * H + N * H * D + 3 * D * F + N * H + 2 * K * H + 2 * D
     total = V * D * (1 if cfg.tie_word_embeddings else 2) + L * layer + D
     assert mp.param_counts(cfg) == (total, layer)
@@ -227,15 +250,33 @@ def test_step_time_formula_by_hand():
   assert t == pytest.approx(expected)
 
 
-@pytest.mark.parametrize("name,chips,hosts", [("v4-8", 4, 1), ("v4-32", 16, 4),
-                                              ("v5e-16", 16, 4), ("v5litepod-8", 8, 1),
-                                              ("v5p-64", 32, 8), ("v6e-16", 16, 4)])
+@pytest.mark.parametrize(
+  "name,chips,hosts",
+  [
+    ("v4-8", 4, 1),
+    ("v4-32", 16, 4),
+    ("v5e-16", 16, 4),
+    ("v5litepod-8", 8, 1),
+    ("v5p-64", 32, 8),
+    ("v6e-16", 16, 4),
+  ],
+)
 def test_slice_parsing_agrees_with_the_launch_scripts(name, chips, hosts):
   sl = mp.parse_slice(name)
   assert (sl.chips, sl.hosts) == (chips, hosts)
-  out = subprocess.run(["bash", str(REPO / "launch" / "create_tpu.sh"), "--name=x",
-                        "--zone=us-central2-b", f"--accelerator={name}", "--dry-run"],
-                       capture_output=True, text=True, timeout=30)
+  out = subprocess.run(
+    [
+      "bash",
+      str(REPO / "launch" / "create_tpu.sh"),
+      "--name=x",
+      "--zone=us-central2-b",
+      f"--accelerator={name}",
+      "--dry-run",
+    ],
+    capture_output=True,
+    text=True,
+    timeout=30,
+  )
   assert out.returncode == 0, out.stderr
   assert f"{sl.name}: {chips} chips on {hosts} worker(s)" in out.stderr
   with pytest.raises(ValueError, match="v4-12"):
@@ -259,11 +300,19 @@ def test_main_prints_a_table_per_model(capsys, monkeypatch):
   assert "TODO(measured)" in text and "v5e-16" in text and "v4-32" in text
 
 
-@pytest.mark.parametrize("name,mask,beta,expected", [
-    ("capo", "auto", 0.0, True), ("grpo", "auto", 0.0, False), ("grpo", "on", 0.0, True),
-    ("capo", "off", 0.0, False), ("grpo", "off", 0.1, True)])
+@pytest.mark.parametrize(
+  "name,mask,beta,expected",
+  [
+    ("capo", "auto", 0.0, True),
+    ("grpo", "auto", 0.0, False),
+    ("grpo", "on", 0.0, True),
+    ("capo", "off", 0.0, False),
+    ("grpo", "off", 0.1, True),
+  ],
+)
 def test_reference_copy_only_when_the_mask_or_kl_needs_it(name, mask, beta, expected):
   from configs import common  # pylint: disable=import-outside-toplevel
+
   c = common.get_base_config()  # the trainer's rule reads a whole (validated) run config
   c.algo.name, c.algo.mask, c.loss.beta = name, mask, beta
   assert mp._uses_reference(c) is expected

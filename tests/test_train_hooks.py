@@ -15,9 +15,8 @@ import pytest
 
 import rl_driver
 from capo_jax.run import hooks as hooks_lib
-from capo_jax.run import loop
+from capo_jax.run import loop, trainer
 from capo_jax.run import spec as spec_lib
-from capo_jax.run import trainer
 from capo_jax.runtime import preemption
 from configs import common
 
@@ -122,8 +121,22 @@ def _run_hooks(c: Case, tmp_path, monkeypatch) -> tuple[list[tuple[Any, ...]], s
       events.append(("save", step))
 
   weights = trainer.setup_lib.PolicyWeights(None, None, None, lambda p: p, None)
-  run = trainer.Run(spec, workdir, None, None, None, weights, None, None, Checkpointer(),
-                    writer, (lambda step, p: {}) if c.evaluates else None, None, c.start, None)
+  run = trainer.Run(
+    spec,
+    workdir,
+    None,
+    None,
+    None,
+    weights,
+    None,
+    None,
+    Checkpointer(),
+    writer,
+    (lambda step, p: {}) if c.evaluates else None,
+    None,
+    c.start,
+    None,
+  )
 
   def rl_step(run_, state, step):
     assert run_ is run
@@ -135,10 +148,12 @@ def _run_hooks(c: Case, tmp_path, monkeypatch) -> tuple[list[tuple[Any, ...]], s
   monkeypatch.setattr(trainer, "setup", lambda *a, **k: (run, _State()))
   monkeypatch.setattr(trainer, "rl_step", rl_step)
   monkeypatch.setattr(hooks_lib, "save", save)
-  monkeypatch.setattr(hooks_lib, "evaluate", lambda run, state, step: events.append(
-      ("eval", step)))
-  monkeypatch.setattr(hooks_lib, "export", lambda run, state, path, step: events.append(
-      ("export", os.path.relpath(path, workdir))))
+  monkeypatch.setattr(hooks_lib, "evaluate", lambda run, state, step: events.append(("eval", step)))
+  monkeypatch.setattr(
+    hooks_lib,
+    "export",
+    lambda run, state, path, step: events.append(("export", os.path.relpath(path, workdir))),
+  )
   monkeypatch.setattr(hooks_lib, "sample_records", lambda *a: [])
   try:
     loop.train(spec, workdir)
@@ -156,17 +171,23 @@ class _State:
 
 
 CASES = {
-    "defaults": Case(),
-    "periods": Case(num_steps=7, log_every=2, samples_every=3, eval_every=3, evaluates=True,
-                    ckpt_every=3, export_every=2),
-    "eval_only_at_the_ends": Case(evaluates=True, ckpt_every=0, export_hf=False),
-    "resumed": Case(start=3, eval_every=2, evaluates=True, ckpt_every=2, export_every=4),
-    "resumed_at_the_end": Case(start=6, evaluates=True),
-    "resumed_at_the_end_exported": Case(start=6, export_exists=True),
-    "preempted": Case(preempt_after=3, ckpt_every=0, export_every=3, eval_every=3,
-                      evaluates=True),
-    "preempted_at_the_last_step": Case(preempt_after=6, ckpt_every=4),
-    "diverged": Case(diverge_from=3, samples_every=1, eval_every=1, evaluates=True),
+  "defaults": Case(),
+  "periods": Case(
+    num_steps=7,
+    log_every=2,
+    samples_every=3,
+    eval_every=3,
+    evaluates=True,
+    ckpt_every=3,
+    export_every=2,
+  ),
+  "eval_only_at_the_ends": Case(evaluates=True, ckpt_every=0, export_hf=False),
+  "resumed": Case(start=3, eval_every=2, evaluates=True, ckpt_every=2, export_every=4),
+  "resumed_at_the_end": Case(start=6, evaluates=True),
+  "resumed_at_the_end_exported": Case(start=6, export_exists=True),
+  "preempted": Case(preempt_after=3, ckpt_every=0, export_every=3, eval_every=3, evaluates=True),
+  "preempted_at_the_last_step": Case(preempt_after=6, ckpt_every=4),
+  "diverged": Case(diverge_from=3, samples_every=1, eval_every=1, evaluates=True),
 }
 
 
@@ -180,9 +201,10 @@ def test_the_hooks_run_what_the_single_function_loop_ran(name, tmp_path, monkeyp
   # The row is the last thing of its step: it carries the times of the hooks before it.
   for i, (what, step) in enumerate(got):
     if what == "row":
-      assert step not in [s for _, s in got[i + 1:]], got
+      assert step not in [s for _, s in got[i + 1 :]], got
   phases = ("time/samples_s", "time/export_s", "time/checkpoint_s") + (
-      ("time/eval_s",) if c.evaluates else ())
+    ("time/eval_s",) if c.evaluates else ()
+  )
   for row in writer.rows:
     assert all(row[k] >= 0 for k in phases) and row["time_step"] >= sum(row[k] for k in phases)
 
@@ -197,8 +219,9 @@ def test_hook_schedule_by_hand():
   assert due(hook(0, None)) == []
 
 
-@pytest.mark.parametrize("steps,why", [((3,), "expected"), ((0, 2), "1 <= first"),
-                                       ((4, 3), "first <= last")])
+@pytest.mark.parametrize(
+  "steps,why", [((3,), "expected"), ((0, 2), "1 <= first"), ((4, 3), "first <= last")]
+)
 def test_bad_profile_steps_name_the_field(steps, why):
   c = common.shrink(common.get_base_config())
   c.log.profile_steps = steps
@@ -223,9 +246,18 @@ def test_rows_carry_every_phase_and_the_profile_is_written(assets, tmp_path):
   rows = [json.loads(l) for l in open(tmp_path / "metrics.jsonl")]
   train_rows = [r for r in rows if "loss" in r]
   assert [r["step"] for r in train_rows] == [1, 2, 3]
-  phases = ["time/rollout_s", "time/grading_s", "time/logprobs_s", "time/update_dispatch_s",
-            "time/update_wait_s", "time/samples_s", "time/eval_s", "time/export_s",
-            "time/checkpoint_s", "time/profile_s"]
+  phases = [
+    "time/rollout_s",
+    "time/grading_s",
+    "time/logprobs_s",
+    "time/update_dispatch_s",
+    "time/update_wait_s",
+    "time/samples_s",
+    "time/eval_s",
+    "time/export_s",
+    "time/checkpoint_s",
+    "time/profile_s",
+  ]
   for r in train_rows:
     assert sorted(k for k in r if k.startswith("time/")) == sorted(phases)
     assert all(r[k] >= 0 for k in phases), r

@@ -33,9 +33,17 @@ _loss_and_grads = jax.jit(ts.loss_and_grads, static_argnums=(2, 3))
 def _old_pass(cfg, mesh, params, batch, top_k=0):
   """The old-policy pass (one sequence per row, all rows in one call) in [B, C]."""
   keys = ("logp_BC",) + (("topk_ids_BCJ", "topk_logp_BCJ") if top_k else ())
-  return run_pass(padded_pass(cfg, mesh, mesh_lib.TRAIN_RULES, B, top_k=top_k), params,
-                  (batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC,
-                   batch.completion_mask_BC), keys)
+  return run_pass(
+    padded_pass(cfg, mesh, mesh_lib.TRAIN_RULES, B, top_k=top_k),
+    params,
+    (
+      batch.prompt_tokens_BP,
+      batch.prompt_mask_BP,
+      batch.completion_tokens_BC,
+      batch.completion_mask_BC,
+    ),
+    keys,
+  )
 
 
 # --------------------------------------------------------------------------
@@ -46,8 +54,11 @@ def _old_pass(cfg, mesh, params, batch, top_k=0):
 def test_lr_schedules_by_hand():
   peak, warm, total, end = 1e-3, 4, 10, 0.1
   for kind in ("constant", "cosine", "linear"):
-    f = lr_schedule(OptimConfig(learning_rate=peak, warmup_steps=warm, schedule=kind,
-                                total_steps=total, end_lr_frac=end))
+    f = lr_schedule(
+      OptimConfig(
+        learning_rate=peak, warmup_steps=warm, schedule=kind, total_steps=total, end_lr_frac=end
+      )
+    )
     for step in range(14):
       if step < warm:
         want = peak * (step + 1) / warm
@@ -65,11 +76,20 @@ def test_lr_schedules_by_hand():
 
 
 def test_adamw_matches_numpy():
-  cfg = OptimConfig(learning_rate=0.1, weight_decay=0.05, grad_clip=1.0, b1=0.8, b2=0.9,
-                    decay_norms_and_biases=False)
+  cfg = OptimConfig(
+    learning_rate=0.1,
+    weight_decay=0.05,
+    grad_clip=1.0,
+    b1=0.8,
+    b2=0.9,
+    decay_norms_and_biases=False,
+  )
   rng = np.random.default_rng(0)
-  params = {"w_kernel": rng.normal(size=(3, 2)), "w_bias": rng.normal(size=(2,)),
-            "final_norm": rng.normal(size=(2,))}
+  params = {
+    "w_kernel": rng.normal(size=(3, 2)),
+    "w_bias": rng.normal(size=(2,)),
+    "final_norm": rng.normal(size=(2,)),
+  }
   opt = make_optimizer(cfg)
   p_jax = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
   state = opt.init(p_jax)
@@ -111,30 +131,39 @@ def data():
   adv = rng.normal(size=(B,)).astype(np.float32)
   logp = np.asarray(_ref_logp(params, prompt, prompt_mask, completion))
   old = logp + rng.normal(scale=0.3, size=logp.shape).astype(np.float32)  # some ratios clip
-  batch = HostBatch(prompt, prompt_mask, completion, completion_mask, jnp.asarray(old),
-                    jnp.asarray(adv))
+  batch = HostBatch(
+    prompt, prompt_mask, completion, completion_mask, jnp.asarray(old), jnp.asarray(adv)
+  )
   return params, batch, logp
 
 
 @jax.jit
 def _ref_logp(params, prompt, prompt_mask, completion):
-  logits = qwen2.forward(params, CFG, jnp.concatenate([prompt, completion], 1),
-                         jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1))
-  logp_BCV = jax.nn.log_softmax(logits[:, P - 1:P - 1 + C], -1)
+  logits = qwen2.forward(
+    params,
+    CFG,
+    jnp.concatenate([prompt, completion], 1),
+    jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1),
+  )
+  logp_BCV = jax.nn.log_softmax(logits[:, P - 1 : P - 1 + C], -1)
   return jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
 
 
 def _ref_losses(params, batch):
   """Clipped PPO loss under the three aggregations, written out by hand."""
-  logp = _ref_logp(params, batch.prompt_tokens_BP, batch.prompt_mask_BP,
-                   batch.completion_tokens_BC)
+  logp = _ref_logp(params, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC)
   m = batch.completion_mask_BC.astype(jnp.float32)
   ratio = jnp.exp(logp - batch.old_logp_BC)
   a = batch.adv_B[:, None]
   obj = jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a) * m
   rows = (m.sum(1) > 0).sum()
-  return jnp.stack([-(obj.sum(1) / jnp.maximum(m.sum(1), 1)).sum() / rows,
-                    -obj.sum() / m.sum(), -obj.sum() / (C * rows)])
+  return jnp.stack(
+    [
+      -(obj.sum(1) / jnp.maximum(m.sum(1), 1)).sum() / rows,
+      -obj.sum() / m.sum(),
+      -obj.sum() / (C * rows),
+    ]
+  )
 
 
 _ref_grads = jax.jit(jax.jacrev(_ref_losses))
@@ -143,21 +172,27 @@ _ref_grads = jax.jit(jax.jacrev(_ref_losses))
 def _assert_tree_close(got, want, atol=1e-4):
   def check(path, g, w):
     scale = float(jnp.abs(w).max()) + 1e-12
-    np.testing.assert_allclose(np.asarray(g) / scale, np.asarray(w) / scale, atol=atol,
-                               err_msg=jax.tree_util.keystr(path))
+    np.testing.assert_allclose(
+      np.asarray(g) / scale, np.asarray(w) / scale, atol=atol, err_msg=jax.tree_util.keystr(path)
+    )
+
   jax.tree_util.tree_map_with_path(check, got, want)
 
 
-@pytest.mark.parametrize("agg, micro, remat, chunk", [
+@pytest.mark.parametrize(
+  "agg, micro, remat, chunk",
+  [
     ("seq-mean-token-mean", 1, False, 0),
     ("seq-mean-token-mean", 2, True, 4),
     ("token-mean", 4, False, 0),
-])
+  ],
+)
 def test_accumulated_gradient_equals_full_batch(data, agg, micro, remat, chunk):
   params, batch, _ = data
   tcfg = ts.TrainConfig(loss=LossConfig(agg=agg), logprob_chunk_size=chunk)
-  loss, aux, grads = _loss_and_grads(params, batch.train_batch(B // micro),
-                                     CFG.replace(remat=remat), tcfg)
+  loss, aux, grads = _loss_and_grads(
+    params, batch.train_batch(B // micro), CFG.replace(remat=remat), tcfg
+  )
   i = AGGS.index(agg)
   np.testing.assert_allclose(float(loss), float(_ref_losses(params, batch)[i]), rtol=1e-5)
   _assert_tree_close(grads, jax.tree.map(lambda g: g[i], _ref_grads(params, batch)))
@@ -196,18 +231,33 @@ def test_bfloat16_gradient_keeps_no_bfloat16_copy_of_the_model():
   """The model casts each float32 master where it uses it, so the compiled bf16
   gradient holds neither a bf16 copy of the stacked layers nor their stacked bf16
   gradients. Reference: the same gradient with every param cast up front."""
-  cfg = Qwen2Config.tiny(vocab_size=512, hidden_size=256, intermediate_size=1024,
-                         num_layers=4, num_heads=4, num_kv_heads=2,
-                         compute_dtype="bfloat16", remat=True)
+  cfg = Qwen2Config.tiny(
+    vocab_size=512,
+    hidden_size=256,
+    intermediate_size=1024,
+    num_layers=4,
+    num_heads=4,
+    num_kv_heads=2,
+    compute_dtype="bfloat16",
+    remat=True,
+  )
   shapes = qwen2.param_shapes(cfg)
   layers_bf16 = sum(2 * s.size for s in jax.tree.leaves(shapes["layers"]))
   tcfg = ts.TrainConfig(logprob_chunk_size=32)
   spec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   i32, f32 = jnp.int32, jnp.float32
   batch = TrainBatch(  # one micro-batch of two 128-token rows, 96 completion tokens each
-      ModelRows(spec(i32, 1, 2, 128), spec(i32, 1, 2, 128), spec(i32, 1, 2, 128),
-                spec(i32, 1, 2, 96), spec(i32, 1, 2, 96), spec(i32, 1, 2, 96)),
-      spec(i32, 1, 2, 96), Sequences(spec(i32, 1, 2, 96), spec(f32, 1, 2, 96), spec(f32, 1, 2)))
+    ModelRows(
+      spec(i32, 1, 2, 128),
+      spec(i32, 1, 2, 128),
+      spec(i32, 1, 2, 128),
+      spec(i32, 1, 2, 96),
+      spec(i32, 1, 2, 96),
+      spec(i32, 1, 2, 96),
+    ),
+    spec(i32, 1, 2, 96),
+    Sequences(spec(i32, 1, 2, 96), spec(f32, 1, 2, 96), spec(f32, 1, 2)),
+  )
   params = jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, jnp.float32), shapes)
 
   def temp(prepare):
@@ -235,8 +285,9 @@ def test_bfloat16_gradient_equals_the_cast_up_front_gradient(data):
     if "embed" in jax.tree_util.keystr(path):
       np.testing.assert_allclose(np.asarray(g), w, atol=2e-2 * np.abs(w).max())
     else:
-      np.testing.assert_allclose(np.asarray(g), w, rtol=0, atol=1e-6 * np.abs(w).max(),
-                                 err_msg=jax.tree_util.keystr(path))
+      np.testing.assert_allclose(
+        np.asarray(g), w, rtol=0, atol=1e-6 * np.abs(w).max(), err_msg=jax.tree_util.keystr(path)
+      )
 
 
 def test_simko_needs_old_topk_and_runs(data):
@@ -248,9 +299,12 @@ def test_simko_needs_old_topk_and_runs(data):
   # The layout the logprob fn expects: params placed under the train rules.
   params = jax.device_put(params, mesh_lib.param_shardings(CFG, mesh, mesh_lib.TRAIN_RULES))
   old = _old_pass(CFG, mesh, params, batch, top_k=3)
-  batch = dataclasses.replace(batch, old_topk_ids_BCJ=old["topk_ids_BCJ"],
-                              old_topk_logp_BCJ=old["topk_logp_BCJ"],
-                              correct_B=jnp.asarray(batch.adv_B > 0))
+  batch = dataclasses.replace(
+    batch,
+    old_topk_ids_BCJ=old["topk_ids_BCJ"],
+    old_topk_logp_BCJ=old["topk_logp_BCJ"],
+    correct_B=jnp.asarray(batch.adv_B > 0),
+  )
   loss, aux, grads = _loss_and_grads(params, batch.train_batch(B // 2), CFG, tcfg)
   assert np.isfinite(float(loss)) and np.isfinite(float(aux["forked_frac"]))
   assert all(bool(jnp.isfinite(g).all()) for g in jax.tree.leaves(grads))
@@ -275,8 +329,9 @@ def test_step_skips_non_finite_then_updates(data):
   state, met = step(state, bad.train_batch(B // 2))
   assert int(met["skipped"]) == 1 and int(state.num_skipped) == 1 and int(state.step) == 1
   jax.tree.map(np.testing.assert_array_equal, jax.tree.map(np.asarray, state.params), p0)
-  assert all(float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state)
-             if x.dtype == jnp.float32)  # moments untouched
+  assert all(
+    float(jnp.abs(x).max()) == 0 for x in jax.tree.leaves(state.opt_state) if x.dtype == jnp.float32
+  )  # moments untouched
   state, met = step(state, batch.train_batch(B // 2))
   assert int(met["skipped"]) == 0 and int(state.num_skipped) == 1 and int(state.step) == 2
   assert float(met["lr"]) == pytest.approx(1e-2)
@@ -286,7 +341,8 @@ def test_step_skips_non_finite_then_updates(data):
   got = jax.tree.map(np.asarray, state.params)
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, atol=2e-6), got, want)
   assert float(met["grad_norm"]) == pytest.approx(
-      math.sqrt(sum((x**2).sum() for x in jax.tree.leaves(g))), rel=1e-4)
+    math.sqrt(sum((x**2).sum() for x in jax.tree.leaves(g))), rel=1e-4
+  )
 
 
 # --------------------------------------------------------------------------
@@ -296,6 +352,7 @@ def test_step_skips_non_finite_then_updates(data):
 
 def _sharded_check() -> None:
   from jax.sharding import PartitionSpec as Spec
+
   assert len(jax.devices()) == 8
   cfg = Qwen2Config.tiny()  # D 64, N 4, K 2, F 128, V 256: all divisible by 2
   # eps 1e-2: see test_step_skips_non_finite_then_updates (first Adam step ~ sign(g)).
@@ -308,22 +365,36 @@ def _sharded_check() -> None:
   cmask = (np.arange(C)[None] < rng.integers(1, C + 1, (B, 1))).astype(np.int32)
   adv = rng.normal(size=(B,)).astype(np.float32)
   results, old = {}, None
-  for name, axes, devs in (("one", {"data": 1}, jax.devices()[:1]),
-                           ("eight", {"data": 2, "fsdp": 2, "tensor": 2}, None)):
+  for name, axes, devs in (
+    ("one", {"data": 1}, jax.devices()[:1]),
+    ("eight", {"data": 2, "fsdp": 2, "tensor": 2}, None),
+  ):
     mesh = mesh_lib.make_mesh(axes, devices=devs)
     state = ts.create_train_state(cfg, tcfg, jax.random.key(1), mesh, rules)
     if old is None:  # one device; the same host array feeds both runs
-      old = np.asarray(_old_pass(cfg, mesh, state.params, HostBatch(
-          prompt, pmask, comp, cmask, None, adv))["logp_BC"]) - 0.1 * adv[:, None]
+      old = (
+        np.asarray(
+          _old_pass(cfg, mesh, state.params, HostBatch(prompt, pmask, comp, cmask, None, adv))[
+            "logp_BC"
+          ]
+        )
+        - 0.1 * adv[:, None]
+      )
     batch = HostBatch(prompt, pmask, comp, cmask, old, adv)
     step = ts.make_train_step(cfg, tcfg, mesh, rules, B // 2)
     state, met = step(state, batch.train_batch(B // 2))
     results[name] = (state, met)
   (s1, m1), (s8, m8) = results["one"], results["eight"]
-  diff = max(float(np.abs(np.asarray(a) - np.asarray(b)).max())
-             for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params)))
-  moved = max(float(np.abs(np.asarray(a) - np.asarray(b)).max()) for a, b in zip(
-      jax.tree.leaves(s1.params), jax.tree.leaves(qwen2.init_params(cfg, jax.random.key(1)))))
+  diff = max(
+    float(np.abs(np.asarray(a) - np.asarray(b)).max())
+    for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s8.params))
+  )
+  moved = max(
+    float(np.abs(np.asarray(a) - np.asarray(b)).max())
+    for a, b in zip(
+      jax.tree.leaves(s1.params), jax.tree.leaves(qwen2.init_params(cfg, jax.random.key(1)))
+    )
+  )
   assert diff <= 1e-5 and moved > 1e-4, (diff, moved)
   assert abs(float(m1["grad_norm"]) / float(m8["grad_norm"]) - 1) < 1e-5
   assert abs(float(m1["loss"]) - float(m8["loss"])) < 1e-6
@@ -340,10 +411,20 @@ def _sharded_check() -> None:
 @pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_eight_devices_match_one_device():
   # LLVM -O0 halves the compile time of this tiny model; XLA's own passes still run.
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, XLA_FLAGS=(
-      "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"))
-  res = subprocess.run([sys.executable, os.path.abspath(__file__)], env=env, cwd=REPO,
-                       capture_output=True, text=True, timeout=600)
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=REPO,
+    XLA_FLAGS=("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
+  )
+  res = subprocess.run(
+    [sys.executable, os.path.abspath(__file__)],
+    env=env,
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=600,
+  )
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 

@@ -1,1 +1,1 @@
-"""What plans and compiles for a TPU slice; run each from the repo root as ``python -m tools.NAME``."""
+"""What plans and compiles for a TPU slice; run each from the repo root (``python -m tools.X``)."""

@@ -63,11 +63,11 @@ from typing import Any
 
 import numpy as np
 
-from tools import rollout_sim
 from capo_jax.sampling import engine
 from capo_jax.sampling.sampler import bucket_length
 from models import lora, qwen2
 from models.config import Qwen2Config
+from tools import rollout_sim
 
 GiB = 1024**3
 ATTN_BLOCK = 128  # models.config.Qwen2Config.attention_block (splash: VMEM, not HBM)
@@ -81,10 +81,23 @@ class Chip:
 
 
 # Per-chip figures of Google's TPU pages (v4, v5e, v5p, v6e / Trillium).
-CHIPS = {"v4": Chip(32, 1228, 275), "v5e": Chip(16, 819, 197), "v5p": Chip(95, 2765, 459),
-         "v6e": Chip(32, 1640, 918)}
-DEFAULT_SLICES = ("v4-8", "v4-32", "v4-64", "v5e-16", "v5e-32", "v5p-8", "v5p-64", "v6e-8",
-                  "v6e-16")
+CHIPS = {
+  "v4": Chip(32, 1228, 275),
+  "v5e": Chip(16, 819, 197),
+  "v5p": Chip(95, 2765, 459),
+  "v6e": Chip(32, 1640, 918),
+}
+DEFAULT_SLICES = (
+  "v4-8",
+  "v4-32",
+  "v4-64",
+  "v5e-16",
+  "v5e-32",
+  "v5p-8",
+  "v5p-64",
+  "v6e-8",
+  "v6e-16",
+)
 CONFIGS = {"1.5B": "configs.capo_qwen2p5_math_1p5b", "7B": "configs.capo_qwen2p5_math_7b"}
 PRESETS = {"1.5B": "qwen2p5_math_1p5b", "7B": "qwen2p5_math_7b"}  # when a config sets hf_path
 
@@ -123,6 +136,7 @@ def parse_slice(name: str) -> Slice:
 @dataclasses.dataclass(frozen=True)
 class Run:
   """The shapes of one RL step, read from a run config."""
+
   model: Qwen2Config
   num_prompts: int  # Q
   num_samples: int  # G
@@ -139,18 +153,25 @@ class Run:
   def from_config(cls, c: Any, preset: str = "") -> Run:
     """``preset`` names the architecture when the config has none (only hf_path)."""
     model = getattr(Qwen2Config, c.model.preset or preset)(
-        param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype,
-        remat=c.model.remat)
-    return cls(model=model, num_prompts=c.rollout.num_prompts, num_samples=c.rollout.num_samples,
-               max_prompt_len=c.rollout.max_prompt_len, max_new_tokens=c.rollout.max_new_tokens,
-               micro_batch_size=c.train.micro_batch_size, logprob_chunk=c.train.logprob_chunk,
-               reference=_uses_reference(c),
-               ppo_epochs=c.train.ppo_epochs)
+      param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype, remat=c.model.remat
+    )
+    return cls(
+      model=model,
+      num_prompts=c.rollout.num_prompts,
+      num_samples=c.rollout.num_samples,
+      max_prompt_len=c.rollout.max_prompt_len,
+      max_new_tokens=c.rollout.max_new_tokens,
+      micro_batch_size=c.train.micro_batch_size,
+      logprob_chunk=c.train.logprob_chunk,
+      reference=_uses_reference(c),
+      ppo_epochs=c.train.ppo_epochs,
+    )
 
 
 def _uses_reference(c: Any) -> bool:
   """Whether the trainer keeps a reference policy (its own rule: noise mask or KL)."""
   from capo_jax.run.spec import RunSpec
+
   # Validated against a device count the mesh fits (the plan is for any slice).
   fixed = max(c.mesh.data, 1) * max(c.mesh.fsdp, 1) * max(c.mesh.tensor, 1)
   return RunSpec.from_config(c, policy_given=True, num_devices=fixed).needs_reference
@@ -168,8 +189,12 @@ def kv_bytes_per_token(cfg: Qwen2Config) -> int:
 
 def with_lora(run: Run, rank: int, targets: str = lora.ALL_TARGETS) -> Run:
   """The run as LoRA: rank ``rank`` adapters (alpha is irrelevant to memory), bf16 base."""
-  return dataclasses.replace(run, model=run.model.replace(param_dtype="bfloat16"),
-                             reference=False, lora=lora.LoraConfig.parse(rank, 1.0, targets))
+  return dataclasses.replace(
+    run,
+    model=run.model.replace(param_dtype="bfloat16"),
+    reference=False,
+    lora=lora.LoraConfig.parse(rank, 1.0, targets),
+  )
 
 
 def adapter_count(run: Run) -> int:
@@ -205,8 +230,9 @@ def tail_phases(slots: int, rows: int, shards: int) -> tuple[int, ...]:
   return engine.tail_phases(slots, shards) if slots < rows else (slots,)
 
 
-def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1,
-                 slots: int = 0) -> dict[str, float]:
+def memory_terms(
+  run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1, slots: int = 0
+) -> dict[str, float]:
   """Bytes per chip of each term, plus the phase totals and the peak.
 
   ``rollout_chunks`` > 1: the Q prompts are sampled in that many sequential
@@ -215,8 +241,13 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   """
   cfg = run.model
   P, P_layer = param_counts(cfg)
-  D, F, L, N, K = (cfg.hidden_size, cfg.intermediate_size, cfg.num_layers, cfg.num_heads,
-                   cfg.num_kv_heads)
+  D, F, L, N, K = (
+    cfg.hidden_size,
+    cfg.intermediate_size,
+    cfg.num_layers,
+    cfg.num_heads,
+    cfg.num_kv_heads,
+  )
   V, act = cfg.vocab_size, cfg.dtype.dtype.itemsize
   master = cfg.weight_dtype.dtype.itemsize
   t = tensor
@@ -252,28 +283,42 @@ def memory_terms(run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: in
   # each large one is freed once gathered: one small buffer beside the large
   # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
   tail = tail_phases(min(slots or B, B), B, data * fsdp)
-  m["tail loop gather (1 layer)"] = (m["KV cache (W slots)"] * tail[1] / tail[0] / (2 * L)
-                                     if len(tail) > 1 else 0.0)
+  m["tail loop gather (1 layer)"] = (
+    m["KV cache (W slots)"] * tail[1] / tail[0] / (2 * L) if len(tail) > 1 else 0.0
+  )
   decode = 3 * b_rows * V / t * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
   m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / t if run.lora else 0.0
   # The prefill's stacked cache and its per-layer copy, then the slots beside it.
-  rollout = m["sampling weights (bf16)"] + m["LoRA merge (1 layer f32)"] + m[
-      "prompt cache (Q rows)"] + max(m["prompt cache (Q rows)"] + m["prefill scores"],
-                                     m["KV cache (W slots)"] + m["decode cache copy"]
-                                     + m["tail loop gather (1 layer)"] + decode)
+  rollout = (
+    m["sampling weights (bf16)"]
+    + m["LoRA merge (1 layer f32)"]
+    + m["prompt cache (Q rows)"]
+    + max(
+      m["prompt cache (Q rows)"] + m["prefill scores"],
+      m["KV cache (W slots)"] + m["decode cache copy"] + m["tail loop gather (1 layer)"] + decode,
+    )
+  )
   # Train.
   # Gradients (and their accumulator) of what trains; the bf16 copy of the
   # weights only where they are not stored in bf16 already.
-  m["grads (2 x f32) + bf16 copy"] = (2 * 4 * trained + (act * P if master != act else 0)
-                                      ) / shard
+  m["grads (2 x f32) + bf16 copy"] = (2 * 4 * trained + (act * P if master != act else 0)) / shard
   m["gathered layers + unembed"] = act * (2 * P_layer + V * D) / t
   m["boundary activations"] = L * r * T * D * act
-  m["layer working set"] = r * (N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4
-                                + T * D * act * 8)
+  m["layer working set"] = r * (
+    N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4 + T * D * act * 8
+  )
   m["log-prob chunk"] = r * run.logprob_chunk * V / t * 4 * 3
-  train = sum(m[k] for k in ("grads (2 x f32) + bf16 copy", "gathered layers + unembed",
-                             "boundary activations", "layer working set", "log-prob chunk"))
+  train = sum(
+    m[k]
+    for k in (
+      "grads (2 x f32) + bf16 copy",
+      "gathered layers + unembed",
+      "boundary activations",
+      "layer working set",
+      "log-prob chunk",
+    )
+  )
   m["rollout phase"] = persistent + rollout
   m["train phase"] = persistent + train
   m["peak"] = max(m["rollout phase"], m["train phase"])
@@ -298,20 +343,25 @@ class Plan:
     """Config flags that build this mesh (empty when the config's defaults do)."""
     if self.data == 1 and self.tensor == 1:
       return ""
-    return f"--config.mesh.data={self.data} --config.mesh.fsdp=-1 --config.mesh.tensor={self.tensor}"
+    return (
+      f"--config.mesh.data={self.data} --config.mesh.fsdp=-1 --config.mesh.tensor={self.tensor}"
+    )
 
 
 @functools.lru_cache(maxsize=256)
-def _simulated(rows: int, samples: int, prompt_len: int, cap: int, slots: int, loops: int
-               ) -> dict[str, float]:
-  shape = rollout_sim.Shape(rows=rows, samples=samples, prompt_len=prompt_len, cap=cap,
-                                max_loops=loops)
+def _simulated(
+  rows: int, samples: int, prompt_len: int, cap: int, slots: int, loops: int
+) -> dict[str, float]:
+  shape = rollout_sim.Shape(
+    rows=rows, samples=samples, prompt_len=prompt_len, cap=cap, max_loops=loops
+  )
   lengths = rollout_sim.sample_lengths(np.random.default_rng(0), shape)
   return rollout_sim.simulate(lengths, shape, slots)
 
 
-def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, slots: int,
-                    read: str = "kv_read") -> float:
+def rollout_seconds(
+  run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, slots: int, read: str = "kv_read"
+) -> float:
   """Expected rollout seconds per chip: the scheduler simulation of
   tools/rollout_sim.py (long-tailed lengths) through its bandwidth
   model, with this chip's share of the weights and of the W slots' cache.
@@ -322,10 +372,14 @@ def rollout_seconds(run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, s
   sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, fsdp)))
   t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
   shape = rollout_sim.Shape(
-      rows=B, samples=run.num_samples, prompt_len=P_len, cap=C,
-      weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / tensor,
-      kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(W, 1, fsdp) / W,
-      bandwidth=chip.hbm_gb_s * 1e9)
+    rows=B,
+    samples=run.num_samples,
+    prompt_len=P_len,
+    cap=C,
+    weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / tensor,
+    kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(W, 1, fsdp) / W,
+    bandwidth=chip.hbm_gb_s * 1e9,
+  )
   return chunks * rollout_sim.seconds(sim, shape, read)
 
 
@@ -342,8 +396,11 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
   """
   cfg = run.model
   limit = headroom * sl.chip.hbm_gib * GiB
-  options = [tensor] if tensor else [t for t in (1, 2, 4, 8) if sl.chips % t == 0
-                                     and cfg.num_heads % t == 0]
+  options = (
+    [tensor]
+    if tensor
+    else [t for t in (1, 2, 4, 8) if sl.chips % t == 0 and cfg.num_heads % t == 0]
+  )
   if not options:
     raise ValueError(f"no tensor size divides {sl.chips} chips and {cfg.num_heads} heads")
   best = None
@@ -351,23 +408,33 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
     for t in options:
       fsdp = sl.chips // t
       rows = run.num_prompts * run.num_samples // chunks
-      fitting = [(rollout_seconds(run, sl.chip, fsdp, t, chunks, n), n)
-                 for n in (rows >> k for k in range(5))
-                 if memory_terms(run, 1, fsdp, t, chunks, n)["peak"] <= limit]
-      secs, slots = min(fitting) if fitting else (
-          rollout_seconds(run, sl.chip, fsdp, t, chunks, rows >> 4), rows >> 4)
+      fitting = [
+        (rollout_seconds(run, sl.chip, fsdp, t, chunks, n), n)
+        for n in (rows >> k for k in range(5))
+        if memory_terms(run, 1, fsdp, t, chunks, n)["peak"] <= limit
+      ]
+      secs, slots = (
+        min(fitting)
+        if fitting
+        else (rollout_seconds(run, sl.chip, fsdp, t, chunks, rows >> 4), rows >> 4)
+      )
       terms = memory_terms(run, 1, fsdp, t, chunks, slots)
       notes = []
       if chunks > 1:
-        notes.append(f"needs the rollout in {chunks} sequential generate calls of "
-                     f"{run.num_prompts // chunks} prompts")
+        notes.append(
+          f"needs the rollout in {chunks} sequential generate calls of "
+          f"{run.num_prompts // chunks} prompts"
+        )
       if run.micro_batch_size % fsdp:
-        notes.append(f"micro_batch_size={run.micro_batch_size} is not divisible by fsdp={fsdp}:"
-                     f" rows replicate; use --config.train.micro_batch_size={fsdp}")
+        notes.append(
+          f"micro_batch_size={run.micro_batch_size} is not divisible by fsdp={fsdp}:"
+          f" rows replicate; use --config.train.micro_batch_size={fsdp}"
+        )
       if cfg.num_kv_heads % t:
         notes.append(f"tensor={t} does not divide the {cfg.num_kv_heads} KV heads: KV replicated")
-      candidate = Plan(sl, 1, fsdp, t, chunks, terms, terms["peak"] <= limit, tuple(notes),
-                       slots, secs)
+      candidate = Plan(
+        sl, 1, fsdp, t, chunks, terms, terms["peak"] <= limit, tuple(notes), slots, secs
+      )
       if candidate.fits and (chunks > 1 or not notes):
         return candidate
       if best is None or (candidate.fits, -terms["peak"]) > (best.fits, -best.terms["peak"]):
@@ -400,15 +467,23 @@ def step_time_bounds(run: Run, p: Plan) -> dict[str, float]:
     train = 2 * fwd  # no weight gradients: forward + the activations' backward
   passes = 1 + int(run.reference)  # old log-probs (+ reference log-probs)
   peak = chip.bf16_tflops * 1e12 * n
-  return {"rollout": p.rollout_s,
-          "rollout, lockstep": rollout_seconds(run, chip, p.fsdp, p.tensor, p.rollout_chunks,
-                                               0, "kv_read_full"),
-          "log-probs": passes * B * T * fwd / peak,
-          "train": run.ppo_epochs * B * T * train / peak}
+  return {
+    "rollout": p.rollout_s,
+    "rollout, lockstep": rollout_seconds(
+      run, chip, p.fsdp, p.tensor, p.rollout_chunks, 0, "kv_read_full"
+    ),
+    "log-probs": passes * B * T * fwd / peak,
+    "train": run.ppo_epochs * B * T * train / peak,
+  }
 
 
-def step_time(run: Run, n_chips: int, sample_tok_s: float | None, logprob_tok_s: float | None,
-              train_tok_s: float | None) -> float | None:
+def step_time(
+  run: Run,
+  n_chips: int,
+  sample_tok_s: float | None,
+  logprob_tok_s: float | None,
+  train_tok_s: float | None,
+) -> float | None:
   """Expected seconds per RL step from measured per-chip throughputs:
 
     t = Q*G*C / (n * sample) + passes * Q*G*T / (n * logprob) + epochs * Q*G*T / (n * train)
@@ -421,25 +496,30 @@ def step_time(run: Run, n_chips: int, sample_tok_s: float | None, logprob_tok_s:
   B = run.num_prompts * run.num_samples
   T = run.max_prompt_len + run.max_new_tokens
   passes = 1 + int(run.reference)
-  return (B * run.max_new_tokens / (n_chips * sample_tok_s)
-          + passes * B * T / (n_chips * logprob_tok_s)
-          + run.ppo_epochs * B * T / (n_chips * train_tok_s))
+  return (
+    B * run.max_new_tokens / (n_chips * sample_tok_s)
+    + passes * B * T / (n_chips * logprob_tok_s)
+    + run.ppo_epochs * B * T / (n_chips * train_tok_s)
+  )
 
 
-def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict[str, Any]
-           ) -> str:
+def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict[str, Any]) -> str:
   cols = [p.slice.name.replace("v5litepod", "v5e") for p in plans]
   width = max(11, *(len(c) + 2 for c in cols))
   lines = []
   row = lambda label, vals: lines.append(f"{label:<30}" + "".join(f"{v:>{width}}" for v in vals))
   P, _ = param_counts(run.model)
   if run.lora:
-    model += (f" LoRA rank {run.lora.rank} on {','.join(run.lora.targets)} "
-              f"({adapter_count(run) / 1e6:.1f} M adapter params)")
-  lines.append(f"== Qwen2.5-Math-{model}: {P / 1e9:.3f} B params, Q={run.num_prompts} x "
-               f"G={run.num_samples}, prompt {run.max_prompt_len} + response "
-               f"{run.max_new_tokens} tokens, micro-batch {run.micro_batch_size}; KV "
-               f"{kv_bytes_per_token(run.model)} B/token x {kv_slots(run)} slots/row")
+    model += (
+      f" LoRA rank {run.lora.rank} on {','.join(run.lora.targets)} "
+      f"({adapter_count(run) / 1e6:.1f} M adapter params)"
+    )
+  lines.append(
+    f"== Qwen2.5-Math-{model}: {P / 1e9:.3f} B params, Q={run.num_prompts} x "
+    f"G={run.num_samples}, prompt {run.max_prompt_len} + response "
+    f"{run.max_new_tokens} tokens, micro-batch {run.micro_batch_size}; KV "
+    f"{kv_bytes_per_token(run.model)} B/token x {kv_slots(run)} slots/row"
+  )
   row("slice", cols)
   row("chips / hosts", [f"{p.slice.chips}/{p.slice.hosts}" for p in plans])
   row("mesh data x fsdp x tensor", [f"{p.data}x{p.fsdp}x{p.tensor}" for p in plans])
@@ -451,15 +531,16 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
     row(f"  {key} GiB", [f"{p.terms[key] / GiB:.2f}" for p in plans])
   row("peak GiB per chip", [f"{p.terms['peak'] / GiB:.2f}" for p in plans])
   row("HBM GiB per chip", [f"{p.slice.chip.hbm_gib:g}" for p in plans])
-  row("use = peak / HBM", [f"{p.terms['peak'] / (p.slice.chip.hbm_gib * GiB):.2f}"
-                           for p in plans])
+  row("use = peak / HBM", [f"{p.terms['peak'] / (p.slice.chip.hbm_gib * GiB):.2f}" for p in plans])
   row(f"fits (<= {headroom:.0%} of HBM)", ["yes" if p.fits else "NO" for p in plans])
   for key in ("rollout", "rollout, lockstep", "log-probs", "train"):
     row(f"lower bound {key} s", [f"{step_time_bounds(run, p)[key]:.1f}" for p in plans])
   expected = [step_time(run, p.slice.chips, **rates) for p in plans]
   todo = any(e is None for e in expected)
-  row("expected step s" + (" TODO(measured)" if todo else ""),
-      ["-" if e is None else f"{e:.0f}" for e in expected])
+  row(
+    "expected step s" + (" TODO(measured)" if todo else ""),
+    ["-" if e is None else f"{e:.0f}" for e in expected],
+  )
   for p, col in zip(plans, cols):
     flags = p.mesh_overrides + f" --config.rollout.max_active_rows={p.slots}"
     for note in (f"flags: {flags.strip()}",) + p.notes:
@@ -468,18 +549,23 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   return "\n".join(lines)
 
 
-def fit_summary(model: str, run: Run, slices: list[Slice], headroom: float, rank: int,
-                targets: str) -> str:
+def fit_summary(
+  model: str, run: Run, slices: list[Slice], headroom: float, rank: int, targets: str
+) -> str:
   """Per slice: peak GiB per chip and whether it fits, full training vs LoRA rank ``rank``."""
-  lines = [f"== Qwen2.5-Math-{model}: peak GiB per chip (mesh, rollout calls); * = fits in "
-           f"{headroom:.0%} of HBM"]
+  lines = [
+    f"== Qwen2.5-Math-{model}: peak GiB per chip (mesh, rollout calls); * = fits in "
+    f"{headroom:.0%} of HBM"
+  ]
   runs = {"full": run, f"LoRA r={rank}": with_lora(run, rank or 64, targets)}
   for name, r in runs.items():
     cells = []
     for sl in slices:
       p = plan(r, sl, headroom)
-      cells.append(f"{sl.name.replace('v5litepod', 'v5e')}: {p.terms['peak'] / GiB:.1f}"
-                   f" ({p.data}x{p.fsdp}x{p.tensor}, {p.rollout_chunks}){'*' if p.fits else ''}")
+      cells.append(
+        f"{sl.name.replace('v5litepod', 'v5e')}: {p.terms['peak'] / GiB:.1f}"
+        f" ({p.data}x{p.fsdp}x{p.tensor}, {p.rollout_chunks}){'*' if p.fits else ''}"
+      )
     lines.append(f"  {name:<10} " + "; ".join(cells))
   return "\n".join(lines)
 
@@ -488,24 +574,51 @@ def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
   ap.add_argument("--models", default="1.5B,7B", help="comma list of " + ",".join(CONFIGS))
   ap.add_argument("--slices", default=",".join(DEFAULT_SLICES))
-  ap.add_argument("--decode-copy", action="store_true",
-                  help="plan for a decode loop that keeps a second copy of its cache")
-  ap.add_argument("--headroom", type=float, default=0.9,
-                  help="fraction of HBM the plan may use (XLA temporaries, fragmentation)")
-  ap.add_argument("--sample-tok-s", type=float, default=None,
-                  help="measured generated tokens/s per chip (TODO(measured))")
-  ap.add_argument("--logprob-tok-s", type=float, default=None,
-                  help="measured forward tokens/s per chip (TODO(measured))")
-  ap.add_argument("--train-tok-s", type=float, default=None,
-                  help="measured train (fwd+bwd) tokens/s per chip (TODO(measured))")
-  ap.add_argument("--lora-rank", type=int, default=0,
-                  help="plan a LoRA run of this rank (bf16 frozen base; module docstring)")
+  ap.add_argument(
+    "--decode-copy",
+    action="store_true",
+    help="plan for a decode loop that keeps a second copy of its cache",
+  )
+  ap.add_argument(
+    "--headroom",
+    type=float,
+    default=0.9,
+    help="fraction of HBM the plan may use (XLA temporaries, fragmentation)",
+  )
+  ap.add_argument(
+    "--sample-tok-s",
+    type=float,
+    default=None,
+    help="measured generated tokens/s per chip (TODO(measured))",
+  )
+  ap.add_argument(
+    "--logprob-tok-s",
+    type=float,
+    default=None,
+    help="measured forward tokens/s per chip (TODO(measured))",
+  )
+  ap.add_argument(
+    "--train-tok-s",
+    type=float,
+    default=None,
+    help="measured train (fwd+bwd) tokens/s per chip (TODO(measured))",
+  )
+  ap.add_argument(
+    "--lora-rank",
+    type=int,
+    default=0,
+    help="plan a LoRA run of this rank (bf16 frozen base; module docstring)",
+  )
   ap.add_argument("--lora-targets", default=lora.ALL_TARGETS)
-  ap.add_argument("--compare", action="store_true",
-                  help="only list the slices that fit, full training vs --lora-rank")
+  ap.add_argument(
+    "--compare",
+    action="store_true",
+    help="only list the slices that fit, full training vs --lora-rank",
+  )
   args = ap.parse_args()
-  rates = dict(sample_tok_s=args.sample_tok_s, logprob_tok_s=args.logprob_tok_s,
-               train_tok_s=args.train_tok_s)
+  rates = dict(
+    sample_tok_s=args.sample_tok_s, logprob_tok_s=args.logprob_tok_s, train_tok_s=args.train_tok_s
+  )
   slices = [parse_slice(s) for s in args.slices.split(",")]
   for model in args.models.split(","):
     if model not in CONFIGS:
@@ -516,8 +629,7 @@ def main() -> None:
       continue
     if args.lora_rank:
       run = with_lora(run, args.lora_rank, args.lora_targets)
-    print(_table(model, run, [plan(run, s, args.headroom) for s in slices], args.headroom,
-                 rates))
+    print(_table(model, run, [plan(run, s, args.headroom) for s in slices], args.headroom, rates))
     print()
 
 

@@ -33,10 +33,24 @@ BENCHMARK_FIELDS = ("id", "what", "setup", "command", "date", "machine", "result
 STUDY_FIELDS = ("study", "run", "date", "machine", "commit", "report", "notes")
 # A TPU figure says what kind of figure it is (no TPU ran any of them) and which later
 # record, if any, replaced it: the pages quote only the current ones.
-TPU_FIELDS = ("id", "what", "kind", "setup", "command", "date", "machine", "result", "notes",
-              "superseded_by")
-TPU_KINDS = ("TPU compiler analysis", "roofline estimate", "memory plan",
-             "XLA memory analysis off TPU")
+TPU_FIELDS = (
+  "id",
+  "what",
+  "kind",
+  "setup",
+  "command",
+  "date",
+  "machine",
+  "result",
+  "notes",
+  "superseded_by",
+)
+TPU_KINDS = (
+  "TPU compiler analysis",
+  "roofline estimate",
+  "memory plan",
+  "XLA memory analysis off TPU",
+)
 FIELDS = {"benchmarks": BENCHMARK_FIELDS, "studies": STUDY_FIELDS, "tpu": TPU_FIELDS}
 # Where each topic's records are written out in full, with their notes (figures link there).
 RECORD_PAGES = {"benchmarks": "docs/benchmarks.md", "tpu": "docs/results/tpu.md"}
@@ -103,8 +117,10 @@ def benchmarks_block(records: list[Record]) -> str:
   check_records(records, BENCHMARK_FIELDS, "benchmarks")
   lines = ["| claim | command | date | machine | result |", "|---|---|---|---|---|"]
   for r in records:
-    lines.append(f"| [{_cell(r['what'])}](#{r['id']}) | {_command(r['command'])} | "
-                 f"{_cell(r['date'])} | {_cell(r['machine'])} | {_cell(r['result'])} |")
+    lines.append(
+      f"| [{_cell(r['what'])}](#{r['id']}) | {_command(r['command'])} | "
+      f"{_cell(r['date'])} | {_cell(r['machine'])} | {_cell(r['result'])} |"
+    )
   return "\n".join(lines + _notes(records))
 
 
@@ -115,8 +131,10 @@ def tpu_records_block(records: list[Record]) -> str:
   lines = ["| figure | kind | command | date | ran on | result |", "|---|---|---|---|---|---|"]
   for r in records:
     what = _cell(r["what"]) + (" (superseded)" if r["superseded_by"] else "")
-    lines.append(f"| [{what}](#{r['id']}) | {r['kind']} | {_command(r['command'])} | "
-                 f"{_cell(r['date'])} | {_cell(r['machine'])} | {_cell(r['result'])} |")
+    lines.append(
+      f"| [{what}](#{r['id']}) | {r['kind']} | {_command(r['command'])} | "
+      f"{_cell(r['date'])} | {_cell(r['machine'])} | {_cell(r['result'])} |"
+    )
   return "\n".join(lines + _notes(records))
 
 
@@ -124,8 +142,11 @@ def tpu_current_block(records: list[Record]) -> str:
   """The current TPU figures (no later record replaced them), no dates: for ``docs/tpu.md``."""
   check_records(records, TPU_FIELDS, "tpu")
   lines = ["| figure | kind | result |", "|---|---|---|"]
-  lines += [f"| [{_cell(r['what'])}](results/tpu.md#{r['id']}) | {r['kind']} | {_cell(r['result'])} |"
-            for r in records if r["superseded_by"] is None]
+  lines += [
+    f"| [{_cell(r['what'])}](results/tpu.md#{r['id']}) | {r['kind']} | {_cell(r['result'])} |"
+    for r in records
+    if r["superseded_by"] is None
+  ]
   return "\n".join(lines)
 
 
@@ -135,8 +156,10 @@ def studies_block(records: list[Record]) -> str:
   lines = ["| study | run | date | machine | commit | report |", "|---|---|---|---|---|---|"]
   for r in records:
     report = r["report"].removeprefix("docs/studies/")
-    lines.append(f"| [{r['study']}]({r['study']}/README.md) | {r['run']} | {_cell(r['date'])} | "
-                 f"{_cell(r['machine'])} | {_cell(r['commit'])} | [{report}]({report}) |")
+    lines.append(
+      f"| [{r['study']}]({r['study']}/README.md) | {r['run']} | {_cell(r['date'])} | "
+      f"{_cell(r['machine'])} | {_cell(r['commit'])} | [{report}]({report}) |"
+    )
   notes = [f"- {r['study']} {r['run']}: {r['notes']}" for r in records if r["notes"]]
   return "\n".join(lines + ([""] + notes if notes else []))
 
@@ -148,8 +171,9 @@ def figure_line(topic: str, record_id: str, page: str) -> str:
   check_records(records, FIELDS[topic], topic)
   matches = [r for r in records if r.get("id") == record_id]
   if topic not in RECORD_PAGES or len(matches) != 1:
-    raise ValueError(f"{page}: '<!-- results:{topic}#{record_id} -->' names no record of "
-                     f"docs/results/{topic}.json")
+    raise ValueError(
+      f"{page}: '<!-- results:{topic}#{record_id} -->' names no record of docs/results/{topic}.json"
+    )
   r = matches[0]
   link = os.path.relpath(REPO / RECORD_PAGES[topic], (REPO / page).parent)
   kind = f" ({r['kind']})" if r.get("kind") else ""
@@ -158,10 +182,10 @@ def figure_line(topic: str, record_id: str, page: str) -> str:
 
 # The tables: (page, topic of its records and of its marker, writer).
 TABLES: tuple[tuple[str, str, Callable[[list[Record]], str]], ...] = (
-    ("docs/benchmarks.md", "benchmarks", benchmarks_block),
-    ("docs/studies/README.md", "studies", studies_block),
-    ("docs/results/tpu.md", "tpu", tpu_records_block),
-    ("docs/tpu.md", "tpu", tpu_current_block),
+  ("docs/benchmarks.md", "benchmarks", benchmarks_block),
+  ("docs/studies/README.md", "studies", studies_block),
+  ("docs/results/tpu.md", "tpu", tpu_records_block),
+  ("docs/tpu.md", "tpu", tpu_current_block),
 )
 
 
@@ -169,7 +193,9 @@ def render(text: str, marker: str, block: str) -> str:
   """``text`` with the block between ``marker``'s start and the end replaced by ``block``,
   indented as the line holding the start is (so a figure stays inside its list item)."""
   start = f"<!-- results:{marker} -->"
-  pattern = re.compile(r"^([ \t]*)([^\n]*?)" + re.escape(start) + r"\n.*?" + re.escape(END), re.S | re.M)
+  pattern = re.compile(
+    r"^([ \t]*)([^\n]*?)" + re.escape(start) + r"\n.*?" + re.escape(END), re.S | re.M
+  )
   if len(pattern.findall(text)) != 1:
     raise ValueError(f"render: the page needs exactly one '{start}' ... '{END}' block")
 
@@ -177,13 +203,17 @@ def render(text: str, marker: str, block: str) -> str:
     indent = m.group(1)
     body = "\n".join(indent + line if line else line for line in block.split("\n"))
     return f"{indent}{m.group(2)}{start}\n{body}\n{indent}{END}"
+
   return pattern.sub(write, text)
 
 
 def pages() -> list[str]:
   """Every page with a generated block: the tables' pages and each docs page with a figure."""
-  with_figures = [str(p.relative_to(REPO)) for p in sorted((REPO / "docs").rglob("*.md"))
-                  if FIGURE.search(p.read_text(encoding="utf-8"))]
+  with_figures = [
+    str(p.relative_to(REPO))
+    for p in sorted((REPO / "docs").rglob("*.md"))
+    if FIGURE.search(p.read_text(encoding="utf-8"))
+  ]
   return sorted({page for page, _, _ in TABLES} | set(with_figures))
 
 

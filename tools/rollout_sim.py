@@ -28,6 +28,7 @@ import numpy as np
 @dataclasses.dataclass(frozen=True)
 class Shape:
   """The real job's rollout shape and the bandwidth model's constants."""
+
   rows: int = 1024  # Q*G
   samples: int = 8  # G
   prompt_len: int = 512  # P columns every slot holds (the step's longest prompt, padded)
@@ -41,9 +42,14 @@ class Shape:
   max_loops: int = 3  # engine.MAX_PHASES (1: no tail loops)
 
 
-def sample_lengths(rng: np.random.Generator, shape: Shape, median: float = 550,
-                   sigma: float = 0.7, prompt_sigma: float = 0.4, trunc: float = 0.045
-                   ) -> np.ndarray:
+def sample_lengths(
+  rng: np.random.Generator,
+  shape: Shape,
+  median: float = 550,
+  sigma: float = 0.7,
+  prompt_sigma: float = 0.4,
+  trunc: float = 0.045,
+) -> np.ndarray:
   """Lengths [B] in row order (the G samples of a prompt adjacent)."""
   Q, G = shape.rows // shape.samples, shape.samples
   f_Q = rng.lognormal(0.0, prompt_sigma, Q)
@@ -71,9 +77,15 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   if slots is None or slots >= B:
     steps = int(lengths.max())
     t = np.arange(1, steps + 1)
-    return {"steps": steps, "row_steps": steps * B, "kv_read": B * int(_blocks(P + t, blk).sum()),
-            "kv_read_full": steps * B * (P + shape.cap), "kv_read_own": own_total, "copies": B,
-            "gathered": 0}
+    return {
+      "steps": steps,
+      "row_steps": steps * B,
+      "kv_read": B * int(_blocks(P + t, blk).sum()),
+      "kv_read_full": steps * B * (P + shape.cap),
+      "kv_read_own": own_total,
+      "copies": B,
+      "gathered": 0,
+    }
   ends: list[tuple[int, int]] = []  # (step the row ends at, slot)
   start: dict[int, int] = {}  # active slot -> the step its row started after
   free, nxt, k, kv = list(range(slots)), 0, 0, 0
@@ -89,8 +101,12 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
       nxt += 1
     if not ends:
       break
-    while (nxt >= B and loops < shape.max_loops and cur // shape.shrink >= 1
-           and len(ends) <= cur // shape.shrink):
+    while (
+      nxt >= B
+      and loops < shape.max_loops
+      and cur // shape.shrink >= 1
+      and len(ends) <= cur // shape.shrink
+    ):
       cur //= shape.shrink
       loops += 1
       gathered += cur * (P + shape.cap)  # the smaller cache, copied whole
@@ -105,9 +121,17 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
       n = heapq.heappop(ends)[1]
       del start[n]
       free.append(n)
-  return {"steps": k, "row_steps": k * slots, "kv_read": kv, "kv_read_full": kv,
-          "kv_read_own": own_total, "copies": B, "gathered": gathered,
-          "phase_steps": phase_steps[:loops], "phase_blocks": phase_blocks[:loops]}
+  return {
+    "steps": k,
+    "row_steps": k * slots,
+    "kv_read": kv,
+    "kv_read_full": kv,
+    "kv_read_own": own_total,
+    "copies": B,
+    "gathered": gathered,
+    "phase_steps": phase_steps[:loops],
+    "phase_blocks": phase_blocks[:loops],
+  }
 
 
 def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float:
@@ -129,6 +153,8 @@ def expected_speedup(shape: Shape, slots: int, seeds: int = 4) -> float:
   ratios = []
   for s in range(seeds):
     L = sample_lengths(np.random.default_rng(s), shape)
-    ratios.append(seconds(simulate(L, shape, None), shape, read="kv_read_full")
-                  / seconds(simulate(L, shape, slots), shape))
+    ratios.append(
+      seconds(simulate(L, shape, None), shape, read="kv_read_full")
+      / seconds(simulate(L, shape, slots), shape)
+    )
   return float(np.mean(ratios))

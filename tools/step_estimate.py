@@ -27,14 +27,15 @@ from typing import Any
 
 import numpy as np
 
-from tools import rollout_sim
 from capo_jax.rl import packing
 from capo_jax.run import hlo_cost
+from tools import rollout_sim
 
 
 @dataclasses.dataclass(frozen=True)
 class Lengths:
   """The length model (``rollout_sim.sample_lengths``'s) and the prompts' tokens."""
+
   prompt_tokens: int = 200
   trunc: float = 0.045
   seeds: int = 4
@@ -43,6 +44,7 @@ class Lengths:
 @dataclasses.dataclass(frozen=True)
 class Trips:
   """Expected trip counts of one RL step's loops (means over the seeds)."""
+
   phase_steps: tuple[float, ...]  # decode steps of each engine loop, per sampler call
   phase_blocks: tuple[float, ...]  # KV blocks read per layer, summed over those steps
   refills: float  # rows copied into slots per sampler call
@@ -54,30 +56,53 @@ class Trips:
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
   """``sh``: ``capo_jax.run.aot.Shapes`` of the run."""
   rows_call = sh.prompts_per_call * sh.num_samples
-  shape = rollout_sim.Shape(rows=rows_call, samples=sh.num_samples,
-                                prompt_len=sh.prompt_len, cap=sh.max_new_tokens,
-                                max_loops=phases)
+  shape = rollout_sim.Shape(
+    rows=rows_call,
+    samples=sh.num_samples,
+    prompt_len=sh.prompt_len,
+    cap=sh.max_new_tokens,
+    max_loops=phases,
+  )
   steps, blocks, calls, mbs, fill = [], [], [], [], []
   for seed in range(lengths.seeds):
     rng = np.random.default_rng(seed)
-    per_call = [rollout_sim.sample_lengths(rng, shape, trunc=lengths.trunc)
-                for _ in range(sh.num_calls)]
-    sims = [rollout_sim.simulate(L, shape, slots if slots < rows_call else None)
-            for L in per_call]
+    per_call = [
+      rollout_sim.sample_lengths(rng, shape, trunc=lengths.trunc) for _ in range(sh.num_calls)
+    ]
+    sims = [rollout_sim.simulate(L, shape, slots if slots < rows_call else None) for L in per_call]
     steps.append(np.sum([_pad(s.get("phase_steps", [s["steps"]]), phases) for s in sims], 0))
-    blocks.append(np.sum([_pad(s.get("phase_blocks", [s["kv_read"] // max(rows_call, 1)
-                                                      // shape.block]), phases)
-                          for s in sims], 0) / sh.num_calls)
+    blocks.append(
+      np.sum(
+        [
+          _pad(s.get("phase_blocks", [s["kv_read"] // max(rows_call, 1) // shape.block]), phases)
+          for s in sims
+        ],
+        0,
+      )
+      / sh.num_calls
+    )
     steps[-1] = steps[-1] / sh.num_calls
     seq = min(lengths.prompt_tokens, sh.max_prompt_len) + np.concatenate(per_call)
     row_B, _ = packing.first_fit(seq, sh.row_len)
     calls.append(-(-(int(row_B.max()) + 1) // sh.rows_per_call))
     per_update = np.array_split(seq, updates)
-    mbs.append(np.mean([-(-(int(packing.first_fit(u, sh.row_len)[0].max()) + 1)
-                          // sh.rows_per_microbatch) for u in per_update]))
+    mbs.append(
+      np.mean(
+        [
+          -(-(int(packing.first_fit(u, sh.row_len)[0].max()) + 1) // sh.rows_per_microbatch)
+          for u in per_update
+        ]
+      )
+    )
     fill.append(seq.sum() / ((int(row_B.max()) + 1) * sh.row_len))
-  return Trips(tuple(np.mean(steps, 0)), tuple(np.mean(blocks, 0)), rows_call / 1.0,
-               float(np.mean(calls)), float(np.mean(mbs)), float(np.mean(fill)))
+  return Trips(
+    tuple(np.mean(steps, 0)),
+    tuple(np.mean(blocks, 0)),
+    rows_call / 1.0,
+    float(np.mean(calls)),
+    float(np.mean(mbs)),
+    float(np.mean(fill)),
+  )
 
 
 def _pad(xs: list[float], n: int) -> np.ndarray:

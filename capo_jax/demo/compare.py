@@ -33,6 +33,7 @@ import numpy as np
 
 from capo_jax.data import rewards as rewards_lib
 from capo_jax.eval import calibration
+
 # Re-exported: the demo, its study and studies/grpo_vs_capo/run.py call it from here.
 from capo_jax.eval.paired import paired_delta_auc  # noqa: F401  pylint: disable=unused-import
 
@@ -46,59 +47,60 @@ _GRPO = {"algo.name": "grpo", "algo.mask": "off"}
 QMASK = {"demo.mask_quantiles": (0.1, 0.9)}
 _FNEG = {"demo.false_negative": "negative", "demo.false_negative_rate": 0.5}
 VARIANTS: dict[str, dict[str, Any]] = {
-    "capo": _CAPO,
-    "grpo": _GRPO,
-    # The paper's other baselines (docs/algorithms.md), without the mask as in the paper.
-    "gspo": {"algo.name": "gspo", "algo.mask": "off"},
-    "codapo": {"algo.name": "codapo", "algo.mask": "off"},
-    "cde": {"algo.name": "cde", "algo.mask": "off"},
-    "simko": {"algo.name": "simko", "algo.mask": "off"},
-    # Controls: which part of CAPO does the work, its logistic weights or GRPO's 1/std.
-    "dr_grpo": {"algo.name": "dr_grpo", "algo.mask": "off"},
-    "capo_tau10": {**_CAPO, "algo.tau": 10.0},  # large tau: Dr.GRPO up to a constant
-    "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
-    "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
-    "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
-    # The tau study (docs/studies/tau/README.md): the paper's grid {0.4, 0.6, 1.0} relative to the
-    # measured spread of s, with its default 0.6 at tau = spread (studies/tau/design.py).
-    **{f"capo_rtau{t:g}": {**_CAPO, "algo.adaptive_tau": t / 0.6} for t in (0.4, 0.6, 1.0)},
-    # Learning-rate sweep (x the default 1e-4).
-    "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},
-    "grpo_lr2": {**_GRPO, "optim.lr": 2e-4},
-    "capo_lr0.5": {**_CAPO, "optim.lr": 5e-5},
-    "capo_lr2": {**_CAPO, "optim.lr": 2e-4},
-    # The mask: ablations, and a verifier that flips 10% of the training rewards.
-    "capo_nomask": {"algo.name": "capo", "algo.mask": "off"},
-    "grpo_mask": {"algo.name": "grpo", "algo.mask": "on"},
-    "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
-    "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
-    "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
-    # The mask study (docs/studies/mask/README.md): the mask's thresholds at the paper's
-    # values or at the reference's perplexity quantiles (QMASK), under the flips above and
-    # under structured false negatives (a verifier rejecting half the correct negative answers).
-    "capo_qmask_noise": {**_CAPO, **QMASK, "demo.reward_flip": 0.1},
-    "grpo_fneg": {**_GRPO, **_FNEG},
-    "capo_fneg": {**_CAPO, **_FNEG},
-    "capo_qmask_fneg": {**_CAPO, **QMASK, **_FNEG},
-    "capo_nomask_fneg": {"algo.name": "capo", "algo.mask": "off", **_FNEG},
-    # DAPO's dynamic sampling (rollout.dynamic_sampling), compared at equal wall time.
-    "grpo_dyn": {**_GRPO, "rollout.dynamic_sampling": True},
-    "capo_dyn": {**_CAPO, "rollout.dynamic_sampling": True},
+  "capo": _CAPO,
+  "grpo": _GRPO,
+  # The paper's other baselines (docs/algorithms.md), without the mask as in the paper.
+  "gspo": {"algo.name": "gspo", "algo.mask": "off"},
+  "codapo": {"algo.name": "codapo", "algo.mask": "off"},
+  "cde": {"algo.name": "cde", "algo.mask": "off"},
+  "simko": {"algo.name": "simko", "algo.mask": "off"},
+  # Controls: which part of CAPO does the work, its logistic weights or GRPO's 1/std.
+  "dr_grpo": {"algo.name": "dr_grpo", "algo.mask": "off"},
+  "capo_tau10": {**_CAPO, "algo.tau": 10.0},  # large tau: Dr.GRPO up to a constant
+  "capo_adapt0.5": {**_CAPO, "algo.adaptive_tau": 0.5},
+  "capo_adapt1": {**_CAPO, "algo.adaptive_tau": 1.0},
+  "capo_adapt2": {**_CAPO, "algo.adaptive_tau": 2.0},
+  # The tau study (docs/studies/tau/README.md): the paper's grid {0.4, 0.6, 1.0} relative to the
+  # measured spread of s, with its default 0.6 at tau = spread (studies/tau/design.py).
+  **{f"capo_rtau{t:g}": {**_CAPO, "algo.adaptive_tau": t / 0.6} for t in (0.4, 0.6, 1.0)},
+  # Learning-rate sweep (x the default 1e-4).
+  "grpo_lr0.5": {**_GRPO, "optim.lr": 5e-5},
+  "grpo_lr2": {**_GRPO, "optim.lr": 2e-4},
+  "capo_lr0.5": {**_CAPO, "optim.lr": 5e-5},
+  "capo_lr2": {**_CAPO, "optim.lr": 2e-4},
+  # The mask: ablations, and a verifier that flips 10% of the training rewards.
+  "capo_nomask": {"algo.name": "capo", "algo.mask": "off"},
+  "grpo_mask": {"algo.name": "grpo", "algo.mask": "on"},
+  "grpo_noise": {**_GRPO, "demo.reward_flip": 0.1},
+  "capo_noise": {**_CAPO, "demo.reward_flip": 0.1},
+  "capo_nomask_noise": {"algo.name": "capo", "algo.mask": "off", "demo.reward_flip": 0.1},
+  # The mask study (docs/studies/mask/README.md): the mask's thresholds at the paper's
+  # values or at the reference's perplexity quantiles (QMASK), under the flips above and
+  # under structured false negatives (a verifier rejecting half the correct negative answers).
+  "capo_qmask_noise": {**_CAPO, **QMASK, "demo.reward_flip": 0.1},
+  "grpo_fneg": {**_GRPO, **_FNEG},
+  "capo_fneg": {**_CAPO, **_FNEG},
+  "capo_qmask_fneg": {**_CAPO, **QMASK, **_FNEG},
+  "capo_nomask_fneg": {"algo.name": "capo", "algo.mask": "off", **_FNEG},
+  # DAPO's dynamic sampling (rollout.dynamic_sampling), compared at equal wall time.
+  "grpo_dyn": {**_GRPO, "rollout.dynamic_sampling": True},
+  "capo_dyn": {**_CAPO, "rollout.dynamic_sampling": True},
 }
 
 
-def difficulty_buckets(warm_correct_QG: Any, edges: Sequence[float] = BUCKET_EDGES
-                       ) -> tuple[np.ndarray, list[str]]:
+def difficulty_buckets(
+  warm_correct_QG: Any, edges: Sequence[float] = BUCKET_EDGES
+) -> tuple[np.ndarray, list[str]]:
   """Bucket index per question from the warm start's accuracy, and the labels.
 
   Bucket i holds accuracies in (edges[i], edges[i + 1]], the first also holds
   edges[0] (0.0: questions the warm start never solves).
   """
   acc_Q = np.asarray(warm_correct_QG, bool).mean(axis=1)
-  idx_Q = np.clip(np.searchsorted(np.asarray(edges[1:-1]), acc_Q, side="left"), 0,
-                  len(edges) - 2)
-  labels = [("[" if i == 0 else "(") + f"{edges[i]:g}, {edges[i + 1]:g}]"
-            for i in range(len(edges) - 1)]
+  idx_Q = np.clip(np.searchsorted(np.asarray(edges[1:-1]), acc_Q, side="left"), 0, len(edges) - 2)
+  labels = [
+    ("[" if i == 0 else "(") + f"{edges[i]:g}, {edges[i + 1]:g}]" for i in range(len(edges) - 1)
+  ]
   return idx_Q, labels
 
 
@@ -135,20 +137,24 @@ def value_at(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
   return float(np.interp(x, xs, ys))
 
 
-def summary(s_QG: np.ndarray, correct_QG: np.ndarray, bucket_Q: np.ndarray,
-            num_buckets: int) -> dict[str, Any]:
+def summary(
+  s_QG: np.ndarray, correct_QG: np.ndarray, bucket_Q: np.ndarray, num_buckets: int
+) -> dict[str, Any]:
   """The headline numbers of one evaluation, on fixed buckets."""
   auc_Q = calibration.auc_per_question(s_QG, correct_QG)
   used = np.isfinite(auc_Q)
-  return dict(accuracy=float(correct_QG.mean()),
-              auc_mean=float(auc_Q[used].mean()) if used.any() else float("nan"),
-              pooled_auc=calibration.pooled_auc(s_QG, correct_QG),
-              aurc=calibration.aurc(s_QG, correct_QG),
-              buckets=bucket_auc(auc_Q, bucket_Q, num_buckets))
+  return dict(
+    accuracy=float(correct_QG.mean()),
+    auc_mean=float(auc_Q[used].mean()) if used.any() else float("nan"),
+    pooled_auc=calibration.pooled_auc(s_QG, correct_QG),
+    aurc=calibration.aurc(s_QG, correct_QG),
+    buckets=bucket_auc(auc_Q, bucket_Q, num_buckets),
+  )
 
 
-def _content_rng(seed: int, completions: Sequence[str], golds: Sequence[str]
-                 ) -> np.random.Generator:
+def _content_rng(
+  seed: int, completions: Sequence[str], golds: Sequence[str]
+) -> np.random.Generator:
   """A generator seeded by (seed, the batch's completions and golds): a resumed run that
   redraws the same samples gets the same verdicts."""
   h = hashlib.sha256(str(seed).encode())
@@ -186,8 +192,9 @@ def false_negative_form(completion: str, form: str) -> bool:
   leading minus sign (``\\boxed{-7}``, and ``\\boxed{-0}``: the parser's fault is the
   sign, whatever the value)."""
   if form not in FALSE_NEGATIVE_FORMS[1:]:
-    raise ValueError(f"false_negative_form: form={form!r}, expected one of "
-                     f"{FALSE_NEGATIVE_FORMS[1:]}")
+    raise ValueError(
+      f"false_negative_form: form={form!r}, expected one of {FALSE_NEGATIVE_FORMS[1:]}"
+    )
   answer = rewards_lib.extract_boxed(completion)
   return answer is not None and answer.strip().startswith("-")
 
@@ -211,8 +218,9 @@ class FalseNegativeGrader:
 
   def __init__(self, grader: Any, form: str, rate: float = 0.5, seed: int = 0):
     if form not in FALSE_NEGATIVE_FORMS[1:]:
-      raise ValueError(f"FalseNegativeGrader: form={form!r}, expected one of "
-                       f"{FALSE_NEGATIVE_FORMS[1:]}")
+      raise ValueError(
+        f"FalseNegativeGrader: form={form!r}, expected one of {FALSE_NEGATIVE_FORMS[1:]}"
+      )
     if not 0.0 < rate <= 1.0:
       raise ValueError(f"FalseNegativeGrader: rate={rate} must be in (0, 1]")
     self.grader, self.form, self.rate, self.seed = grader, form, rate, seed
@@ -225,13 +233,20 @@ class FalseNegativeGrader:
     return np.where(reject, 0.0, rewards).astype(np.float32), health
 
 
-def training_grader(grader: Any, *, reward_flip: float = 0.0, false_negative: str = "",
-                    false_negative_rate: float = 0.5, seed: int = 0) -> Any:
+def training_grader(
+  grader: Any,
+  *,
+  reward_flip: float = 0.0,
+  false_negative: str = "",
+  false_negative_rate: float = 0.5,
+  seed: int = 0,
+) -> Any:
   """``grader`` with the demo's training-only verifier faults (None: none asked):
   structured false negatives first, then random flips of what that verifier says."""
   if false_negative not in FALSE_NEGATIVE_FORMS:
-    raise ValueError(f"config.demo.false_negative={false_negative!r}: expected one of "
-                     f"{FALSE_NEGATIVE_FORMS}")
+    raise ValueError(
+      f"config.demo.false_negative={false_negative!r}: expected one of {FALSE_NEGATIVE_FORMS}"
+    )
   if not false_negative and reward_flip <= 0:
     return None
   if false_negative:

@@ -20,13 +20,10 @@ import ml_collections
 import numpy as np
 
 from capo_jax.data import rewards
-from capo_jax.demo import compare
+from capo_jax.demo import compare, study, warm_start
 from capo_jax.demo import mask as mask_lib
-from capo_jax.demo import study
 from capo_jax.demo import task as task_lib
-from capo_jax.demo import warm_start
-from capo_jax.eval import calibration
-from capo_jax.eval import evaluate
+from capo_jax.eval import calibration, evaluate
 from capo_jax.run import loop
 from capo_jax.run.spec import RunSpec
 
@@ -37,13 +34,13 @@ log = logging.getLogger(__name__)
 # ``python -m studies.demo_v3.run --record`` writes from the study's reports: the main
 # command prints what held across warm starts beside its own run.
 STUDY_RESULTS = os.path.join(os.path.dirname(__file__), "study_v3_recorded.json")
-REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy",
-               "mean_length")
+REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy", "mean_length")
 
 
 @dataclasses.dataclass(frozen=True)
 class Demo:
   """The config's ``demo`` section (``configs/demo.py`` documents each field)."""
+
   task: task_lib.TaskConfig
   model: dict[str, Any]
   sft: warm_start.SFTConfig
@@ -60,20 +57,31 @@ class Demo:
 
   def __post_init__(self) -> None:
     if self.false_negative not in compare.FALSE_NEGATIVE_FORMS:
-      raise ValueError(f"config.demo.false_negative={self.false_negative!r}: expected one of "
-                       f"{compare.FALSE_NEGATIVE_FORMS}")
+      raise ValueError(
+        f"config.demo.false_negative={self.false_negative!r}: expected one of "
+        f"{compare.FALSE_NEGATIVE_FORMS}"
+      )
     if len(self.mask_quantiles) not in (0, 2) or not all(
-        0.0 < q < 1.0 for q in self.mask_quantiles):
-      raise ValueError(f"config.demo.mask_quantiles={self.mask_quantiles!r}: expected () (the "
-                       "paper's thresholds, algo.mask_low / mask_high) or (q_wrong, q_right) "
-                       "in (0, 1)")
+      0.0 < q < 1.0 for q in self.mask_quantiles
+    ):
+      raise ValueError(
+        f"config.demo.mask_quantiles={self.mask_quantiles!r}: expected () (the "
+        "paper's thresholds, algo.mask_low / mask_high) or (q_wrong, q_right) "
+        "in (0, 1)"
+      )
 
   @classmethod
   def of(cls, spec: RunSpec) -> Demo:
     d = dict(spec.extra["demo"])
-    return cls(**{**d, "task": task_lib.TaskConfig(**d["task"]),
-                  "sft": warm_start.SFTConfig(**d["sft"]), "model": dict(d["model"]),
-                  "mask_quantiles": tuple(d.get("mask_quantiles", ()))})
+    return cls(
+      **{
+        **d,
+        "task": task_lib.TaskConfig(**d["task"]),
+        "sft": warm_start.SFTConfig(**d["sft"]),
+        "model": dict(d["model"]),
+        "mask_quantiles": tuple(d.get("mask_quantiles", ())),
+      }
+    )
 
 
 def spec_of(config: ml_collections.ConfigDict) -> RunSpec:
@@ -82,9 +90,10 @@ def spec_of(config: ml_collections.ConfigDict) -> RunSpec:
   c = ml_collections.ConfigDict(config.to_dict())
   if c.rollout.max_new_tokens == 0:
     train, heldout = task_lib.make_splits(task_lib.TaskConfig(**c.demo.task.to_dict()))
-    heldout = heldout[:c.demo.eval_questions]
-    c.rollout.max_new_tokens = warm_start.completion_budget(warm_start.CharTokenizer(),
-                                                            train + heldout)
+    heldout = heldout[: c.demo.eval_questions]
+    c.rollout.max_new_tokens = warm_start.completion_budget(
+      warm_start.CharTokenizer(), train + heldout
+    )
   return RunSpec.from_config(c, policy_given=True)
 
 
@@ -117,13 +126,18 @@ def _completion_ids(completions: list[str], shape: tuple[int, int]) -> np.ndarra
   out = np.zeros(shape, np.int64)
   for q in range(Q):
     ids: dict[str, int] = {}
-    out[q] = [ids.setdefault(t, len(ids)) for t in completions[q * G:(q + 1) * G]]
+    out[q] = [ids.setdefault(t, len(ids)) for t in completions[q * G : (q + 1) * G]]
   return out
 
 
-def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
-                    num_samples: int, seed: int, save_to: str | None = None
-                    ) -> dict[str, float]:
+def heldout_metrics(
+  ws: warm_start.WarmStart,
+  params: Any,
+  examples: list[Any],
+  num_samples: int,
+  seed: int,
+  save_to: str | None = None,
+) -> dict[str, float]:
   """Held-out accuracy and calibration of ``params`` (``docs/algorithms.md``, "Evaluation
   metrics"), also on the questions the policy mostly gets wrong.
 
@@ -132,36 +146,55 @@ def heldout_metrics(ws: warm_start.WarmStart, params: Any, examples: list[Any],
   ``completion_QG``: equal ids within a question mark identical completions, which
   the voting methods read), which the paired comparisons read.
   """
-  ev = warm_start.evaluate_policy(evaluate.EvalPolicy(params, ws.cfg, ws.tokenizer), examples,
-                                  warm_start.DemoSampling(num_samples=num_samples),
-                                  jax.random.key(seed))
+  ev = warm_start.evaluate_policy(
+    evaluate.EvalPolicy(params, ws.cfg, ws.tokenizer),
+    examples,
+    warm_start.DemoSampling(num_samples=num_samples),
+    jax.random.key(seed),
+  )
   s_QG, correct_QG = ev["s"], ev["correct"]
   if save_to:
     os.makedirs(os.path.dirname(save_to), exist_ok=True)
     tmp = f"{save_to}.{os.getpid()}.tmp.npz"  # parallel processes may write it at once
-    answers_QG = np.array([rewards.extract_boxed(c) or "" for c in ev["completions"]],
-                          dtype=str).reshape(s_QG.shape)
-    np.savez_compressed(tmp, s_QG=s_QG, correct_QG=correct_QG, lengths_QG=ev["lengths"],
-                        answers_QG=answers_QG,
-                        completion_QG=_completion_ids(ev["completions"], s_QG.shape))
+    answers_QG = np.array(
+      [rewards.extract_boxed(c) or "" for c in ev["completions"]], dtype=str
+    ).reshape(s_QG.shape)
+    np.savez_compressed(
+      tmp,
+      s_QG=s_QG,
+      correct_QG=correct_QG,
+      lengths_QG=ev["lengths"],
+      answers_QG=answers_QG,
+      completion_QG=_completion_ids(ev["completions"], s_QG.shape),
+    )
     os.replace(tmp, save_to)
   buckets = calibration.auc_by_bucket(s_QG, correct_QG)
   # Questions the policy mostly gets wrong (<= 1/4 right): in the demo's runs GRPO's
   # loss of calibration showed there, hidden in AUC-mean by the mostly-right questions.
   low = next(iter(buckets.values()))
-  return {"accuracy": ev["accuracy"], "auc_mean": ev["auc_mean"],
-          "auc_questions": float(ev["auc_n_used"]),
-          "pooled_auc": calibration.pooled_auc(s_QG, correct_QG),
-          "auc_mostly_wrong": low["auc_mean"], "mostly_wrong_questions": float(low["n"]),
-          "entropy": ev["entropy"], "mean_length": ev["mean_length"],
-          "aurc": calibration.aurc(s_QG, correct_QG),
-          "rule_share": rule_share(ev["completions"], examples, correct_QG)}
+  return {
+    "accuracy": ev["accuracy"],
+    "auc_mean": ev["auc_mean"],
+    "auc_questions": float(ev["auc_n_used"]),
+    "pooled_auc": calibration.pooled_auc(s_QG, correct_QG),
+    "auc_mostly_wrong": low["auc_mean"],
+    "mostly_wrong_questions": float(low["n"]),
+    "entropy": ev["entropy"],
+    "mean_length": ev["mean_length"],
+    "aurc": calibration.aurc(s_QG, correct_QG),
+    "rule_share": rule_share(ev["completions"], examples, correct_QG),
+  }
 
 
-def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
-           *, run_name: str | None = None, initial_eval: dict[str, float] | None = None,
-           on_eval: Callable[[int, Any, str], None] | None = None
-           ) -> list[dict[str, float]]:
+def run_rl(
+  spec: RunSpec,
+  workdir: str,
+  ws: warm_start.WarmStart,
+  *,
+  run_name: str | None = None,
+  initial_eval: dict[str, float] | None = None,
+  on_eval: Callable[[int, Any, str], None] | None = None,
+) -> list[dict[str, float]]:
   """RL from the warm start with held-out evals; returns them (step 0 = the warm start).
 
   ``initial_eval``: the warm start's held-out metrics, when already known (every
@@ -171,7 +204,7 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
   """
   demo = Demo.of(spec)
   train, heldout = task_lib.make_splits(demo.task)
-  heldout = heldout[:demo.eval_questions]
+  heldout = heldout[: demo.eval_questions]
   run_dir = os.path.join(workdir, run_name or f"{spec.algo.name}_seed{spec.seed}")
   evals: list[dict[str, float]] = []
 
@@ -179,8 +212,14 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
     if step == 0 and initial_eval is not None:
       m = dict(initial_eval)
     else:
-      m = heldout_metrics(ws, params, heldout, demo.eval_samples, demo.eval_seed,
-                          save_to=os.path.join(run_dir, "heldout", f"step_{step:06d}.npz"))
+      m = heldout_metrics(
+        ws,
+        params,
+        heldout,
+        demo.eval_samples,
+        demo.eval_seed,
+        save_to=os.path.join(run_dir, "heldout", f"step_{step:06d}.npz"),
+      )
     evals.append({"step": step, **m})
     if on_eval is not None:
       on_eval(step, params, run_dir)
@@ -190,11 +229,21 @@ def run_rl(spec: RunSpec, workdir: str, ws: warm_start.WarmStart,
     spec = spec.with_overrides(mask_thresholds(spec, workdir, ws), policy_given=True)
   # The faulty-verifier variants grade the training rewards only (eval_fn: the true grader).
   grader = compare.training_grader(
-      rewards.default_grader(), reward_flip=demo.reward_flip,
-      false_negative=demo.false_negative, false_negative_rate=demo.false_negative_rate,
-      seed=spec.seed)
-  loop.train(spec, run_dir, policy=loop.Policy(ws.cfg, ws.params), tokenizer=ws.tokenizer,
-             train_examples=train, eval_fn=eval_fn, grader=grader)
+    rewards.default_grader(),
+    reward_flip=demo.reward_flip,
+    false_negative=demo.false_negative,
+    false_negative_rate=demo.false_negative_rate,
+    seed=spec.seed,
+  )
+  loop.train(
+    spec,
+    run_dir,
+    policy=loop.Policy(ws.cfg, ws.params),
+    tokenizer=ws.tokenizer,
+    train_examples=train,
+    eval_fn=eval_fn,
+    grader=grader,
+  )
   # A resumed run evaluated, in this process, only the steps after its checkpoint (none
   # when it had finished); the metrics file holds every evaluation the run made.
   by_step = {e["step"]: e for e in _evals_from_metrics(os.path.join(run_dir, "metrics.jsonl"))}
@@ -212,17 +261,24 @@ def mask_thresholds(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> di
   ``workdir`` and logged. The run's config then records the values it used."""
   demo = Demo.of(spec)
   q_wrong, q_right = demo.mask_quantiles
-  train = task_lib.make_splits(demo.task)[0][:demo.mask_questions]
+  train = task_lib.make_splits(demo.task)[0][: demo.mask_questions]
   res = mask_lib.calibrate(
-      ws, train, num_samples=spec.rollout.num_samples, seed=demo.mask_seed,
-      quantiles=(q_wrong, q_right), paper=(spec.algo.mask_low, spec.algo.mask_high),
-      path=os.path.join(workdir, f"mask_thresholds_q{q_wrong:g}_{q_right:g}.json"))
-  msg = (f"mask thresholds at quantiles ({q_wrong:g}, {q_right:g}) of the warm start's "
-         f"reference perplexity ({res['samples']} samples): low {res['low']:.4f}, high "
-         f"{res['high']:.4f}, masking {res['masked']['wrong']:.3f} of its wrong and "
-         f"{res['masked']['right']:.3f} of its correct samples (the paper's "
-         f"{spec.algo.mask_low:g} / {spec.algo.mask_high:g}: {res['paper_masked']['wrong']:.3f}"
-         f" / {res['paper_masked']['right']:.3f})")
+    ws,
+    train,
+    num_samples=spec.rollout.num_samples,
+    seed=demo.mask_seed,
+    quantiles=(q_wrong, q_right),
+    paper=(spec.algo.mask_low, spec.algo.mask_high),
+    path=os.path.join(workdir, f"mask_thresholds_q{q_wrong:g}_{q_right:g}.json"),
+  )
+  msg = (
+    f"mask thresholds at quantiles ({q_wrong:g}, {q_right:g}) of the warm start's "
+    f"reference perplexity ({res['samples']} samples): low {res['low']:.4f}, high "
+    f"{res['high']:.4f}, masking {res['masked']['wrong']:.3f} of its wrong and "
+    f"{res['masked']['right']:.3f} of its correct samples (the paper's "
+    f"{spec.algo.mask_low:g} / {spec.algo.mask_high:g}: {res['paper_masked']['wrong']:.3f}"
+    f" / {res['paper_masked']['right']:.3f})"
+  )
   log.info(msg)
   print(msg, flush=True)
   return {"algo.mask_low": res["low"], "algo.mask_high": res["high"]}
@@ -238,8 +294,11 @@ def _evals_from_metrics(path: str) -> list[dict[str, float]]:
     for line in f:
       row = json.loads(line)
       # MetricsWriter stores NaN / inf as strings ("nan": AUC with no mixed group).
-      ev = {k[5:]: float(v) if isinstance(v, str) else v
-            for k, v in row.items() if k.startswith("eval/")}
+      ev = {
+        k[5:]: float(v) if isinstance(v, str) else v
+        for k, v in row.items()
+        if k.startswith("eval/")
+      }
       if ev:
         out.append({"step": row["step"], **ev})
   return out
@@ -261,27 +320,37 @@ def report(evals: list[dict[str, float]]) -> str:
 def method_spec(spec: RunSpec, method: str) -> RunSpec:
   """``spec`` with the overrides of ``compare.VARIANTS[method]`` (e.g. "grpo", "capo")."""
   if method not in compare.VARIANTS:
-    raise ValueError(f"config.demo.methods: unknown method {method!r}; known: "
-                     f"{', '.join(compare.VARIANTS)}")
+    raise ValueError(
+      f"config.demo.methods: unknown method {method!r}; known: {', '.join(compare.VARIANTS)}"
+    )
   return spec.with_overrides(compare.VARIANTS[method], policy_given=True)
 
 
-def warm_start_eval(spec: RunSpec, workdir: str, ws: warm_start.WarmStart
-                    ) -> dict[str, float]:
+def warm_start_eval(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> dict[str, float]:
   """The warm start's held-out metrics, shared by every run from it; cached in the
   workdir (``warm_start_eval.json`` and the per-sample ``warm_start_heldout.npz``)."""
   path = os.path.join(workdir, "warm_start_eval.json")
   demo = Demo.of(spec)
-  key = {"warm_start": warm_start.cache_id(ws), "questions": demo.eval_questions,
-         "samples": demo.eval_samples, "seed": demo.eval_seed}
+  key = {
+    "warm_start": warm_start.cache_id(ws),
+    "questions": demo.eval_questions,
+    "samples": demo.eval_samples,
+    "seed": demo.eval_seed,
+  }
   if os.path.exists(path):
     with open(path, encoding="utf-8") as f:
       cached = json.load(f)
     if "key" not in cached or warm_start.same_cache_key(cached["key"], key):
       return {k: v for k, v in cached.items() if k != "key"}
-  heldout = task_lib.make_splits(demo.task)[1][:demo.eval_questions]
-  m = heldout_metrics(ws, ws.params, heldout, demo.eval_samples, demo.eval_seed,
-                      save_to=os.path.join(workdir, "warm_start_heldout.npz"))
+  heldout = task_lib.make_splits(demo.task)[1][: demo.eval_questions]
+  m = heldout_metrics(
+    ws,
+    ws.params,
+    heldout,
+    demo.eval_samples,
+    demo.eval_seed,
+    save_to=os.path.join(workdir, "warm_start_heldout.npz"),
+  )
   tmp = f"{path}.{os.getpid()}.tmp"  # runs in parallel processes may evaluate at once
   with open(tmp, "w", encoding="utf-8") as f:
     json.dump({**m, "key": key}, f)
@@ -294,14 +363,17 @@ def _heldout_arrays(path: str) -> tuple[np.ndarray, np.ndarray]:
     return z["s_QG"], z["correct_QG"]
 
 
-def compare_runs(workdir: str, runs: dict[str, list[dict[str, float]]],
-                 a: str = "capo", b: str = "grpo") -> dict[str, Any]:
+def compare_runs(
+  workdir: str, runs: dict[str, list[dict[str, float]]], a: str = "capo", b: str = "grpo"
+) -> dict[str, Any]:
   """Final-step numbers of each run on the warm start's difficulty buckets, and the
   paired per-question ΔAUC (``a`` minus ``b``, bootstrap over questions)."""
   s0, c0 = _heldout_arrays(os.path.join(workdir, "warm_start_heldout.npz"))
   bucket_Q, labels = compare.difficulty_buckets(c0)
-  out: dict[str, Any] = {"labels": labels,
-                         "warm start": compare.summary(s0, c0, bucket_Q, len(labels))}
+  out: dict[str, Any] = {
+    "labels": labels,
+    "warm start": compare.summary(s0, c0, bucket_Q, len(labels)),
+  }
   auc: dict[str, np.ndarray] = {}
   for name, evals in runs.items():
     step = evals[-1]["step"]
@@ -313,8 +385,9 @@ def compare_runs(workdir: str, runs: dict[str, list[dict[str, float]]],
   return out
 
 
-def side_by_side(runs: dict[str, list[dict[str, float]]], cmp: dict[str, Any],
-                 a: str = "capo", b: str = "grpo") -> str:
+def side_by_side(
+  runs: dict[str, list[dict[str, float]]], cmp: dict[str, Any], a: str = "capo", b: str = "grpo"
+) -> str:
   """The main command's table: warm start and each method's final step, one column each."""
   names = list(runs)
   cols = ["warm start"] + [f"{n} @{runs[n][-1]['step']}" for n in names]
@@ -329,20 +402,28 @@ def side_by_side(runs: dict[str, list[dict[str, float]]], cmp: dict[str, Any],
   if "paired" in cmp:
     p = cmp["paired"]
     sg = lambda v: "nan" if np.isnan(v) else f"{v:+.3f}"  # noqa: E731
-    lines.append(f"\npaired ΔAUC ({a} - {b}) over the {p['pairs']} questions mixed under both: "
-                 f"{sg(p['delta'])}, 95% bootstrap interval [{sg(p['lo'])}, {sg(p['hi'])}]")
-  lines.append(f"(hard: questions the warm start gets right at most 1/4 of the time; "
-               f"buckets are the warm start's, the same questions for every method)")
+    lines.append(
+      f"\npaired ΔAUC ({a} - {b}) over the {p['pairs']} questions mixed under both: "
+      f"{sg(p['delta'])}, 95% bootstrap interval [{sg(p['lo'])}, {sg(p['hi'])}]"
+    )
+  lines.append(
+    "(hard: questions the warm start gets right at most 1/4 of the time; "
+    "buckets are the warm start's, the same questions for every method)"
+  )
   return "\n".join(lines)
 
 
-def plot_curves(runs: dict[str, list[dict[str, float]]], path: str,
-                keys: tuple[str, ...] = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy")
-                ) -> str:
+def plot_curves(
+  runs: dict[str, list[dict[str, float]]],
+  path: str,
+  keys: tuple[str, ...] = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy"),
+) -> str:
   """Held-out metrics over RL steps, one line per method, one panel per metric."""
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   fig, axes = plt.subplots(1, len(keys), figsize=(3.6 * len(keys), 3.2))
   for name, evals in runs.items():
     steps = [e["step"] for e in evals]
@@ -371,22 +452,29 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
   demo = Demo.of(spec)
   ws = get_warm_start(spec, workdir)
   info = ws.info
-  print(f"warm start: {'trained' if info.get('trained') else 'loaded from cache'} "
-        f"({info.get('steps')} SFT steps, {info.get('wall_s', 0):.0f} s) -> {info.get('path')}")
+  print(
+    f"warm start: {'trained' if info.get('trained') else 'loaded from cache'} "
+    f"({info.get('steps')} SFT steps, {info.get('wall_s', 0):.0f} s) -> {info.get('path')}"
+  )
   initial = warm_start_eval(spec, workdir, ws)
   methods = [m.strip() for m in demo.methods.split(",") if m.strip()]
   runs = {}
   for method in methods:
     print(f"=== {method}", flush=True)
-    runs[method] = run_rl(method_spec(spec, method), workdir, ws, run_name=method,
-                          initial_eval=initial)
+    runs[method] = run_rl(
+      method_spec(spec, method), workdir, ws, run_name=method, initial_eval=initial
+    )
   cmp = compare_runs(workdir, runs)
   png = plot_curves(runs, os.path.join(workdir, "demo_curves.png"))
-  print(f"\n{', '.join(methods)} from one warm start, {demo.eval_questions} held-out "
-        f"questions x {demo.eval_samples} samples (evaluation seed {demo.eval_seed}):")
+  print(
+    f"\n{', '.join(methods)} from one warm start, {demo.eval_questions} held-out "
+    f"questions x {demo.eval_samples} samples (evaluation seed {demo.eval_seed}):"
+  )
   print(side_by_side(runs, cmp))
   print(f"curves: {png}")
-  print("\nThis run is one warm start and one RL seed: an illustration, not evidence "
-        "(docs/demo.md says how much warm starts differ).")
+  print(
+    "\nThis run is one warm start and one RL seed: an illustration, not evidence "
+    "(docs/demo.md says how much warm starts differ)."
+  )
   print("\n" + recorded_study())
   return runs

@@ -44,9 +44,12 @@ def select_questions(correct_QG: Any, lo: float = 0.0, hi: float = 0.6) -> np.nd
   return (acc_Q > lo) & (acc_Q <= hi)
 
 
-def matched_checkpoints(evals_a: Sequence[Mapping[str, float]],
-                        evals_b: Sequence[Mapping[str, float]], tol: float = 0.005,
-                        key: str = "accuracy") -> dict[str, Any] | None:
+def matched_checkpoints(
+  evals_a: Sequence[Mapping[str, float]],
+  evals_b: Sequence[Mapping[str, float]],
+  tol: float = 0.005,
+  key: str = "accuracy",
+) -> dict[str, Any] | None:
   """The evaluated steps (one of each run, step 0 excluded) whose ``key`` differ by at
   most ``tol``, the pair with the highest mean ``key`` (ties: the earlier steps).
 
@@ -65,12 +68,18 @@ def matched_checkpoints(evals_a: Sequence[Mapping[str, float]],
     return None
   ea = next(e for e in evals_a if e["step"] == best[1])
   eb = next(e for e in evals_b if e["step"] == best[2])
-  return {"step_a": best[1], "step_b": best[2], "acc_a": float(ea[key]),
-          "acc_b": float(eb[key]), "gap": float(ea[key] - eb[key])}
+  return {
+    "step_a": best[1],
+    "step_b": best[2],
+    "acc_a": float(ea[key]),
+    "acc_b": float(eb[key]),
+    "gap": float(ea[key] - eb[key]),
+  }
 
 
-def frontier_gaps(points_a: Sequence[tuple[float, float]],
-                  points_b: Sequence[tuple[float, float]]) -> list[float]:
+def frontier_gaps(
+  points_a: Sequence[tuple[float, float]], points_b: Sequence[tuple[float, float]]
+) -> list[float]:
   """For each (accuracy, AUC) checkpoint of run a whose accuracy lies within the range
   of run b's, its AUC minus b's AUC linearly interpolated at that accuracy.
 
@@ -88,11 +97,14 @@ def frontier_gaps(points_a: Sequence[tuple[float, float]],
   return [float(y - np.interp(x, xb, yb)) for x, y in points_a if xb[0] <= x <= xb[-1]]
 
 
-def _sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, w_OI: np.ndarray, v_OQ: np.ndarray
-          ) -> tuple[np.ndarray, np.ndarray]:
+def _sums(
+  d_IQ: np.ndarray, valid_IQ: np.ndarray, w_OI: np.ndarray, v_OQ: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
   """Per replicate: the weighted sum of differences and of valid cells."""
-  return (np.einsum("oi,iq,oq->o", w_OI, d_IQ, v_OQ),
-          np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ))
+  return (
+    np.einsum("oi,iq,oq->o", w_OI, d_IQ, v_OQ),
+    np.einsum("oi,iq,oq->o", w_OI, valid_IQ.astype(np.float64), v_OQ),
+  )
 
 
 def _draw(n: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
@@ -100,8 +112,9 @@ def _draw(n: int, n_boot: int, rng: np.random.Generator) -> np.ndarray:
   return rng.multinomial(n, np.full(n, 1.0 / n), size=n_boot).astype(np.float64)
 
 
-def cluster_sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, times_O: np.ndarray,
-                 rng: np.random.Generator) -> tuple[np.ndarray, np.ndarray]:
+def cluster_sums(
+  d_IQ: np.ndarray, valid_IQ: np.ndarray, times_O: np.ndarray, rng: np.random.Generator
+) -> tuple[np.ndarray, np.ndarray]:
   """The inner stage of the two-stage bootstrap for one warm start (cluster).
 
   Replicate o drew this cluster ``times_O[o]`` times; each time gets its own inner
@@ -118,8 +131,9 @@ def cluster_sums(d_IQ: np.ndarray, valid_IQ: np.ndarray, times_O: np.ndarray,
   return num_O, den_O
 
 
-def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
-                       seed: int = 0, level: float = 0.95) -> dict[str, Any]:
+def hierarchical_delta(
+  pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000, seed: int = 0, level: float = 0.95
+) -> dict[str, Any]:
   """Mean paired ΔAUC (A - B) pooled over warm starts, with a hierarchical bootstrap.
 
   ``pairs``: one ``(auc_a_IQ, auc_b_IQ)`` per warm start: per-question AUCs (NaN
@@ -147,8 +161,9 @@ def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
     a_IQ = np.atleast_2d(np.asarray(a, np.float64))
     b_IQ = np.atleast_2d(np.asarray(b, np.float64))
     if a_IQ.shape != b_IQ.shape:
-      raise ValueError(f"hierarchical_delta: warm start {w}: shapes differ, "
-                       f"{a_IQ.shape} vs {b_IQ.shape}")
+      raise ValueError(
+        f"hierarchical_delta: warm start {w}: shapes differ, {a_IQ.shape} vs {b_IQ.shape}"
+      )
     valid_IQ = np.isfinite(a_IQ) & np.isfinite(b_IQ)
     d_IQ = np.where(valid_IQ, a_IQ - b_IQ, 0.0)
     num, den = cluster_sums(d_IQ, valid_IQ, u_OW[:, w], rng)
@@ -163,13 +178,19 @@ def hierarchical_delta(pairs: Sequence[tuple[Any, Any]], *, n_boot: int = 2000,
   else:
     lo, hi = (float(x) for x in np.quantile(est_O, [alpha, 1.0 - alpha]))
     delta = total_d / total_n
-  return {"delta": delta, "lo": lo, "hi": hi, "pairs": int(total_n),
-          "warm_starts": n_w, "per_warm_start": per,
-          **paired.beside_bootstrap([p["delta"] for p in per], level)}
+  return {
+    "delta": delta,
+    "lo": lo,
+    "hi": hi,
+    "pairs": int(total_n),
+    "warm_starts": n_w,
+    "per_warm_start": per,
+    **paired.beside_bootstrap([p["delta"] for p in per], level),
+  }
 
 
 def _reading(d: Mapping[str, Any] | None) -> str:
-  """"held (above 0)" / "held (below 0)" / "did not hold" for one pooled interval."""
+  """ "held (above 0)" / "held (below 0)" / "did not hold" for one pooled interval."""
   if not d or not np.isfinite(d["lo"]):
     return "not measured"
   if d["lo"] > 0 or d["hi"] < 0:
@@ -187,10 +208,12 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
   else is called a result. Every compared method is printed, whatever it shows.
   """
   sg = lambda v: f"{v:+.3f}"  # noqa: E731
-  lines = [f"Across warm starts (the demo study v3, {result.get('date', '?')}, "
-           f"{result.get('machine', '?')}; docs/studies/demo_v3/README.md):\npaired per-question ΔAUC "
-           f"against {reference} on the questions each warm start gets right in (0, 60%],\n"
-           "95% hierarchical bootstrap over warm starts and questions."]
+  lines = [
+    f"Across warm starts (the demo study v3, {result.get('date', '?')}, "
+    f"{result.get('machine', '?')}; docs/studies/demo_v3/README.md):\npaired per-question ΔAUC "
+    f"against {reference} on the questions each warm start gets right in (0, 60%],\n"
+    "95% hierarchical bootstrap over warm starts and questions."
+  ]
   held = []
   controls = {"dr_grpo": "dr_grpo (large-tau control)"}  # not a paper baseline
   for method, p in sorted(result.get("paired", {}).items()):
@@ -198,8 +221,10 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
     for when, label in (("matched", "at matched accuracy"), ("final", "at the final step")):
       d = p.get(when)
       if not d:
-        lines.append(f"  {name} - {reference} {label}: "
-                     + ("no matched checkpoints" if when == "matched" else "not measured"))
+        lines.append(
+          f"  {name} - {reference} {label}: "
+          + ("no matched checkpoints" if when == "matched" else "not measured")
+        )
         continue
       signs = [np.sign(w["delta"]) for w in d["per_warm_start"] if np.isfinite(w["delta"])]
       same = max(signs.count(1.0), signs.count(-1.0)) if signs else 0
@@ -209,15 +234,22 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
         fa, fb = result["final"].get(method, {}), result["final"].get(reference, {})
         both = [w for w in fa if w in fb]
         if both:
-          acc = (f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
-                 f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})")
-      lines.append(f"  {name} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
-                   f"{sg(d['hi'])}]{paired.t_note(d, 'warm starts')}, {d['pairs']} question pairs on {d['warm_starts']} "
-                   f"warm starts, the same sign on {same}: {reading}")
+          acc = (
+            f" (accuracy {np.mean([fa[w]['accuracy'] for w in both]):.3f} vs "
+            f"{np.mean([fb[w]['accuracy'] for w in both]):.3f})"
+          )
+      lines.append(
+        f"  {name} - {reference} {label}{acc}: {sg(d['delta'])} [{sg(d['lo'])}, "
+        f"{sg(d['hi'])}]{paired.t_note(d, 'warm starts')}, {d['pairs']} question pairs "
+        f"on {d['warm_starts']} warm starts, the same sign on {same}: {reading}"
+      )
       if reading.startswith("held"):
         held.append(f"{name} - {reference} {label}")
-  lines.append("What held: " + ("; ".join(held) if held else
-                                "nothing; no comparison's interval excludes 0") + ".")
+  lines.append(
+    "What held: "
+    + ("; ".join(held) if held else "nothing; no comparison's interval excludes 0")
+    + "."
+  )
   return "\n".join(lines)
 
 
@@ -225,7 +257,7 @@ def held_across_warm_starts(result: Mapping[str, Any], reference: str = "grpo") 
 
 
 def tau_verdict(deltas: Sequence[Mapping[str, float]], rule: str = "signs") -> str:
-  """"robust to tau" / "not robust" from one paired ΔAUC (delta, lo, hi) per tau.
+  """ "robust to tau" / "not robust" from one paired ΔAUC (delta, lo, hi) per tau.
 
   "signs" (the tau study's pre-registered rule, ``studies/tau/report.py``):
   robust when the point estimates share one sign and no interval lies wholly on the
@@ -249,8 +281,16 @@ def tau_verdict(deltas: Sequence[Mapping[str, float]], rule: str = "signs") -> s
   return "not robust" if against else "robust to tau"
 
 
-def null_false_alarm(rule: str, *, taus: int = 3, seeds: int = 2, questions: int = 409,
-                     n_sim: int = 200, n_boot: int = 400, seed: int = 0) -> float:
+def null_false_alarm(
+  rule: str,
+  *,
+  taus: int = 3,
+  seeds: int = 2,
+  questions: int = 409,
+  n_sim: int = 200,
+  n_boot: int = 400,
+  seed: int = 0,
+) -> float:
   """Share of simulated tau studies with no effect at any tau that ``rule`` calls robust.
 
   The tau study's design: ``taus`` CAPO variants and one GRPO reference, each run on
@@ -265,11 +305,19 @@ def null_false_alarm(rule: str, *, taus: int = 3, seeds: int = 2, questions: int
   hits = 0
   for _ in range(n_sim):
     m_Q = rng.uniform(0.5, 1.0, questions)
-    runs_VIQ = np.clip(m_Q + rng.normal(0, 0.2, (taus + 1, seeds, questions))
-                       + rng.normal(0, 0.01, (taus + 1, seeds, 1)), 0.0, 1.0)
+    runs_VIQ = np.clip(
+      m_Q
+      + rng.normal(0, 0.2, (taus + 1, seeds, questions))
+      + rng.normal(0, 0.01, (taus + 1, seeds, 1)),
+      0.0,
+      1.0,
+    )
     runs_VIQ[rng.random(runs_VIQ.shape) < 0.3] = np.nan
-    deltas = [paired.paired_delta_auc(runs_VIQ[v], runs_VIQ[0], n_boot=n_boot,
-                                      seed=int(rng.integers(1 << 30)))
-              for v in range(1, taus + 1)]
+    deltas = [
+      paired.paired_delta_auc(
+        runs_VIQ[v], runs_VIQ[0], n_boot=n_boot, seed=int(rng.integers(1 << 30))
+      )
+      for v in range(1, taus + 1)
+    ]
     hits += tau_verdict(deltas, rule) == "robust to tau"
   return hits / n_sim

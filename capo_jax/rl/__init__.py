@@ -6,5 +6,15 @@ from capo_jax.rl.losses import LossConfig, PolicyLoss, policy_loss
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig, TrainState, make_train_step
 
-__all__ = ["ALGORITHMS", "Estimator", "LossConfig", "OptimConfig", "PolicyLoss",
-           "TrainBatch", "TrainConfig", "TrainState", "make_train_step", "policy_loss"]
+__all__ = [
+  "ALGORITHMS",
+  "Estimator",
+  "LossConfig",
+  "OptimConfig",
+  "PolicyLoss",
+  "TrainBatch",
+  "TrainConfig",
+  "TrainState",
+  "make_train_step",
+  "policy_loss",
+]

@@ -66,6 +66,7 @@ class GroupBatch:
     receive_QG: rows allowed a non-zero advantage (None: the valid ones).
     correct_QG: binary labels (CAPO's pairs, CoDaPO's accuracy); None: the rewards are.
   """
+
   rewards_QG: Array
   s_QG: Array
   valid_QG: Array
@@ -85,12 +86,14 @@ class GroupBatch:
       return
     v = np.asarray(v).astype(bool)
     for what, arr, bad in (
-        (f"{label} must be 0 or 1", r, ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
-        ("rewards_QG must be finite", self.rewards_QG, ~np.isfinite(self.rewards_QG) & v)):
+      (f"{label} must be 0 or 1", r, ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
+      ("rewards_QG must be finite", self.rewards_QG, ~np.isfinite(self.rewards_QG) & v),
+    ):
       if bad.any():
         q, g = np.argwhere(bad)[0]
-        raise ValueError(f"GroupBatch: {what}; {what.split()[0]}[{q}, {g}] = "
-                         f"{np.asarray(arr)[q, g]}")
+        raise ValueError(
+          f"GroupBatch: {what}; {what.split()[0]}[{q}, {g}] = {np.asarray(arr)[q, g]}"
+        )
 
   @property
   def labels_QG(self) -> Array:
@@ -102,6 +105,7 @@ class GroupBatch:
 class CdeParams:
   """CDE's fixed hyper-parameters: the bonus ``min(|r|/kappa, alpha * (-s))`` and the
   ``eps`` and ``std`` of the GRPO normalisation that follows (its weight omega is scheduled)."""
+
   kappa: float = 3.0
   alpha: float = 1.0
   eps: float = GRPO_EPS
@@ -153,8 +157,7 @@ def _dr_grpo_group(r_G: Array, v_G: Array, u_G: Array) -> Array:
   return _finish(r_G - mean, r_G, v_G, u_G)
 
 
-def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array,
-                norm: str) -> Array:
+def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array, norm: str) -> Array:
   pos_G, neg_G, _ = _classes(r_G, v_G)
   s_G = jnp.where(v_G, s_G, 0.0)
   # w_GG[i, j] = sigmoid((s_j - s_i) / tau): the logistic loss's slope on
@@ -171,8 +174,9 @@ def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array,
   return _finish(a_G / (denom * tau), r_G, v_G, u_G)
 
 
-def _codapo_group(r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array,
-                  eps: float, ddof: int) -> Array:
+def _codapo_group(
+  r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array, eps: float, ddof: int
+) -> Array:
   r_G = jnp.where(v_G, r_G, 0.0)
   acc, _ = _masked_mean_std(jnp.where(v_G, c_G, 0.0), v_G)
   mean_s, _ = _masked_mean_std(s_G, v_G)
@@ -182,8 +186,9 @@ def _codapo_group(r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array,
   return _grpo_group(r_G, v_G, u_G, eps, ddof) * (c * w + 0.1)
 
 
-def _cde_group(r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array,
-               p: CdeParams, ddof: int) -> Array:
+def _cde_group(
+  r_G: Array, c_G: Array, s_G: Array, v_G: Array, u_G: Array, omega: Array, p: CdeParams, ddof: int
+) -> Array:
   s_G = jnp.where(v_G, s_G, 0.0)
   # {-1, +1} from the label, plus the plug-ins' shaping (reward - label) unscaled: an
   # overlong penalty of -1 on a wrong sample gives -2, not 2 * (-1) - 1 = -3.
@@ -210,13 +215,20 @@ def _receive(valid_QG: Array, receive_QG: Array | None) -> tuple[Array, Array]:
   return valid_QG, jnp.asarray(receive_QG).astype(bool) & valid_QG
 
 
-def grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None,
-         eps: float = GRPO_EPS, std: str = "unbiased") -> Array:
+def grpo(
+  rewards_QG: Array,
+  valid_QG: Array,
+  *,
+  receive_QG: Array | None = None,
+  eps: float = GRPO_EPS,
+  std: str = "unbiased",
+) -> Array:
   """GRPO: `(R - mean R) / (std R + eps)` per group over the valid rows; `std` is
   "unbiased" (ddof 1, verl's torch.std) or "population" (ddof 0)."""
   v, u = _receive(valid_QG, receive_QG)
   return jax.vmap(_grpo_group, in_axes=(0, 0, 0, None, None))(
-      _float(rewards_QG), v, u, eps, std_ddof(std, "grpo"))
+    _float(rewards_QG), v, u, eps, std_ddof(std, "grpo")
+  )
 
 
 def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = None) -> Array:
@@ -225,8 +237,15 @@ def dr_grpo(rewards_QG: Array, valid_QG: Array, *, receive_QG: Array | None = No
   return jax.vmap(_dr_grpo_group)(_float(rewards_QG), v, u)
 
 
-def capo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, tau: float | Array,
-         norm: str = "group", receive_QG: Array | None = None) -> Array:
+def capo(
+  rewards_QG: Array,
+  s_QG: Array,
+  valid_QG: Array,
+  *,
+  tau: float | Array,
+  norm: str = "group",
+  receive_QG: Array | None = None,
+) -> Array:
   """CAPO: minus the gradient of the logistic pairwise AUC surrogate.
 
   For correct i: `A_i = (1/(n tau)) sum_{j wrong} sigmoid((s_j - s_i)/tau)`;
@@ -252,19 +271,27 @@ def capo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, tau: float | Array,
   v, u = _receive(valid_QG, receive_QG)
   kernel = lambda r, s, vv, uu, t: _capo_group(r, s, vv, uu, t, norm)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, None))(
-      _float(rewards_QG), _float(s_QG), v, u,
-      jnp.asarray(tau))
+    _float(rewards_QG), _float(s_QG), v, u, jnp.asarray(tau)
+  )
 
 
-def codapo(rewards_QG: Array, s_QG: Array, valid_QG: Array, *,
-           receive_QG: Array | None = None, eps: float = GRPO_EPS, std: str = "unbiased",
-           correct_QG: Array | None = None) -> Array:
+def codapo(
+  rewards_QG: Array,
+  s_QG: Array,
+  valid_QG: Array,
+  *,
+  receive_QG: Array | None = None,
+  eps: float = GRPO_EPS,
+  std: str = "unbiased",
+  correct_QG: Array | None = None,
+) -> Array:
   """CoDaPO: GRPO advantage times `c*w + 0.1`, `w = 1 - 4(d - 1/2)^2`, `c = exp(mean s)`,
   d = 1 - the group's accuracy (of ``correct_QG``; default: the binary rewards)."""
   v, u = _receive(valid_QG, receive_QG)
   c = _float(rewards_QG if correct_QG is None else correct_QG)
   return jax.vmap(_codapo_group, in_axes=(0, 0, 0, 0, 0, None, None))(
-      _float(rewards_QG), c, _float(s_QG), v, u, eps, std_ddof(std, "codapo"))
+    _float(rewards_QG), c, _float(s_QG), v, u, eps, std_ddof(std, "codapo")
+  )
 
 
 def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
@@ -272,9 +299,16 @@ def cde_omega(step: int | Array, total_steps: int | Array) -> Array:
   return jnp.where(jnp.asarray(step) < jnp.asarray(total_steps) / 2, 1.0, 0.0)
 
 
-def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array,
-        params: CdeParams = CdeParams(), receive_QG: Array | None = None,
-        correct_QG: Array | None = None) -> Array:
+def cde(
+  rewards_QG: Array,
+  s_QG: Array,
+  valid_QG: Array,
+  *,
+  omega: float | Array,
+  params: CdeParams = CdeParams(),
+  receive_QG: Array | None = None,
+  correct_QG: Array | None = None,
+) -> Array:
   """CDE: `r = 2c - 1 + (reward - c)`, `r~ = r + omega * min(|r|/kappa, alpha * (-s))`,
   then GRPO's normalisation of r~.
 
@@ -289,7 +323,8 @@ def cde(rewards_QG: Array, s_QG: Array, valid_QG: Array, *, omega: float | Array
   c = _float(rewards_QG if correct_QG is None else correct_QG)
   kernel = lambda r, cc, s, vv, uu, w: _cde_group(r, cc, s, vv, uu, w, params, ddof)
   return jax.vmap(kernel, in_axes=(0, 0, 0, 0, 0, None))(
-      _float(rewards_QG), c, _float(s_QG), v, u, jnp.asarray(omega))
+    _float(rewards_QG), c, _float(s_QG), v, u, jnp.asarray(omega)
+  )
 
 
 # --- Noise mask, score scale, adaptive tau. ---
@@ -300,8 +335,9 @@ def ref_ppl(ref_s_QG: Array) -> Array:
   return jnp.exp(-_float(ref_s_QG))
 
 
-def noise_mask(rewards_QG: Array, ref_ppl_QG: Array, *, high: float = 2.5,
-               low: float = 1.05) -> Array:
+def noise_mask(
+  rewards_QG: Array, ref_ppl_QG: Array, *, high: float = 2.5, low: float = 1.05
+) -> Array:
   """CAPO's noise mask (True = masked): lucky guesses and near misses.
 
   A correct sample with reference perplexity above `high`, or a wrong one
@@ -312,8 +348,9 @@ def noise_mask(rewards_QG: Array, ref_ppl_QG: Array, *, high: float = 2.5,
   return (correct_QG & (ppl_QG > high)) | (~correct_QG & (ppl_QG < low))
 
 
-def split_masks(valid_QG: Array, mask_QG: Array | None = None, *,
-                mode: str = "partner") -> tuple[Array, Array]:
+def split_masks(
+  valid_QG: Array, mask_QG: Array | None = None, *, mode: str = "partner"
+) -> tuple[Array, Array]:
   """(valid_QG, receive_QG) for the estimators, from validity and a noise mask.
 
   "partner" (default): masked rows stay valid (partners) but do not receive.
@@ -334,8 +371,11 @@ def masked_fraction(mask_QG: Array, rewards_QG: Array, valid_QG: Array) -> dict[
   m = jnp.asarray(mask_QG).astype(bool) & v
   c = jnp.asarray(rewards_QG) > 0.5
   frac = lambda sel: (m & sel).sum() / jnp.maximum(sel.sum(), 1)
-  return {"masked_frac": frac(v), "masked_frac_correct": frac(v & c),
-          "masked_frac_wrong": frac(v & ~c)}
+  return {
+    "masked_frac": frac(v),
+    "masked_frac_correct": frac(v & c),
+    "masked_frac_wrong": frac(v & ~c),
+  }
 
 
 def to_score(s_QG: Array, score: str = "mean_logprob") -> Array:
@@ -363,8 +403,9 @@ def score_spread(s_QG: Array, rewards_QG: Array, valid_QG: Array) -> Array:
   return jnp.where(live_Q, std_Q, 0.0).sum() / jnp.maximum(live_Q.sum(), 1)
 
 
-def adaptive_tau_value(s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float,
-                       fallback: float) -> Array:
+def adaptive_tau_value(
+  s_QG: Array, rewards_QG: Array, valid_QG: Array, *, scale: float, fallback: float
+) -> Array:
   """`scale * score_spread(...)`; `fallback` when the batch has no spread (all degenerate)."""
   spread = score_spread(s_QG, rewards_QG, valid_QG)
   return jnp.where(spread > 0, scale * spread, fallback)

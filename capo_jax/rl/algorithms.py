@@ -24,8 +24,9 @@ class Estimator(abc.ABC):
   """An advantage estimator: subclasses are frozen dataclasses of its hyper-parameters."""
 
   @abc.abstractmethod
-  def advantages(self, batch: GroupBatch, step: int | Array = 0,
-                 total_steps: int | Array = 1) -> Array:
+  def advantages(
+    self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
+  ) -> Array:
     """adv_QG of ``batch`` at training ``step`` of ``total_steps`` (a schedule's inputs;
     traced or not), exactly 0 on non-receiving rows and degenerate groups."""
 
@@ -37,6 +38,7 @@ class Estimator(abc.ABC):
 @dataclasses.dataclass(frozen=True)
 class GrpoNormalised(Estimator):
   """An estimator that ends in GRPO's normalisation: its ``eps`` and ``std`` (``STDS``)."""
+
   eps: float = adv.GRPO_EPS
   std: str = "unbiased"
 
@@ -48,18 +50,21 @@ class GrpoNormalised(Estimator):
 class Grpo(GrpoNormalised):
   """GRPO's group-normalised reward (GSPO and SimKO train with it too)."""
 
-  def advantages(self, batch: GroupBatch, step: int | Array = 0,
-                 total_steps: int | Array = 1) -> Array:
-    return adv.grpo(batch.rewards_QG, batch.valid_QG, receive_QG=batch.receive_QG,
-                    eps=self.eps, std=self.std)
+  def advantages(
+    self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
+  ) -> Array:
+    return adv.grpo(
+      batch.rewards_QG, batch.valid_QG, receive_QG=batch.receive_QG, eps=self.eps, std=self.std
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class DrGrpo(Estimator):
   """Dr.GRPO: the reward minus the group mean."""
 
-  def advantages(self, batch: GroupBatch, step: int | Array = 0,
-                 total_steps: int | Array = 1) -> Array:
+  def advantages(
+    self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
+  ) -> Array:
     return adv.dr_grpo(batch.rewards_QG, batch.valid_QG, receive_QG=batch.receive_QG)
 
 
@@ -70,6 +75,7 @@ class Capo(Estimator):
   ``adaptive_tau`` = c > 0: tau = c * the batch's ``score_spread`` (``tau`` when the
   batch has none); 0: the fixed ``tau``.
   """
+
   tau: float = 0.6
   norm: str = "group"
   score: str = "mean_logprob"
@@ -87,32 +93,43 @@ class Capo(Estimator):
   def confidence(self, s_QG: Array) -> Array:
     return adv.to_score(s_QG, self.score)
 
-  def advantages(self, batch: GroupBatch, step: int | Array = 0,
-                 total_steps: int | Array = 1) -> Array:
+  def advantages(
+    self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
+  ) -> Array:
     s_QG = self.confidence(batch.s_QG)
     tau = self.tau
     if self.adaptive_tau > 0:
-      tau = adv.adaptive_tau_value(s_QG, batch.labels_QG, batch.valid_QG,
-                                   scale=self.adaptive_tau, fallback=self.tau)
-    return adv.capo(batch.labels_QG, s_QG, batch.valid_QG, tau=tau, norm=self.norm,
-                    receive_QG=batch.receive_QG)
+      tau = adv.adaptive_tau_value(
+        s_QG, batch.labels_QG, batch.valid_QG, scale=self.adaptive_tau, fallback=self.tau
+      )
+    return adv.capo(
+      batch.labels_QG, s_QG, batch.valid_QG, tau=tau, norm=self.norm, receive_QG=batch.receive_QG
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Codapo(GrpoNormalised):
   """CoDaPO: GRPO's advantage weighted by the group's difficulty and confidence."""
 
-  def advantages(self, batch: GroupBatch, step: int | Array = 0,
-                 total_steps: int | Array = 1) -> Array:
-    return adv.codapo(batch.rewards_QG, batch.s_QG, batch.valid_QG,
-                      receive_QG=batch.receive_QG, eps=self.eps, std=self.std,
-                      correct_QG=batch.correct_QG)
+  def advantages(
+    self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
+  ) -> Array:
+    return adv.codapo(
+      batch.rewards_QG,
+      batch.s_QG,
+      batch.valid_QG,
+      receive_QG=batch.receive_QG,
+      eps=self.eps,
+      std=self.std,
+      correct_QG=batch.correct_QG,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class Cde(GrpoNormalised):
   """CDE: the perplexity bonus ``min(|r|/kappa, alpha * (-s))`` with weight ``omega`` in
   the first half of training (``cde_omega``) and 0 after, then GRPO's normalisation."""
+
   kappa: float = 3.0
   alpha: float = 1.0
   omega: float = 1.0
@@ -122,12 +139,18 @@ class Cde(GrpoNormalised):
     if not self.kappa > 0:
       raise ValueError(f"Cde.kappa={self.kappa} must be > 0 (the bonus divides by it)")
 
-  def advantages(self, batch: GroupBatch, step: int | Array = 0,
-                 total_steps: int | Array = 1) -> Array:
-    return adv.cde(batch.rewards_QG, batch.s_QG, batch.valid_QG,
-                   omega=self.omega * adv.cde_omega(step, total_steps),
-                   params=adv.CdeParams(self.kappa, self.alpha, self.eps, self.std),
-                   receive_QG=batch.receive_QG, correct_QG=batch.correct_QG)
+  def advantages(
+    self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
+  ) -> Array:
+    return adv.cde(
+      batch.rewards_QG,
+      batch.s_QG,
+      batch.valid_QG,
+      omega=self.omega * adv.cde_omega(step, total_steps),
+      params=adv.CdeParams(self.kappa, self.alpha, self.eps, self.std),
+      receive_QG=batch.receive_QG,
+      correct_QG=batch.correct_QG,
+    )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,6 +162,7 @@ class Algorithm:
     loss: the policy loss's class (its fields: ``config.loss``).
     agg: the token aggregation of ``loss.agg = "auto"`` (``losses.AGGS``).
   """
+
   estimator: type[Estimator]
   loss: type[losses.PolicyLoss] = losses.Ppo
   agg: str = "seq-mean-token-mean"
@@ -148,13 +172,13 @@ class Algorithm:
 # token sum by a constant, rollout.max_new_tokens (its MAX_TOKENS); GSPO and SimKO change
 # GRPO's loss only.
 ALGORITHMS: dict[str, Algorithm] = {
-    "capo": Algorithm(Capo),
-    "grpo": Algorithm(Grpo),
-    "dr_grpo": Algorithm(DrGrpo, agg="seq-mean-token-sum-norm"),
-    "gspo": Algorithm(Grpo, losses.Gspo),
-    "codapo": Algorithm(Codapo),
-    "cde": Algorithm(Cde),
-    "simko": Algorithm(Grpo, losses.Simko, agg="token-mean"),
+  "capo": Algorithm(Capo),
+  "grpo": Algorithm(Grpo),
+  "dr_grpo": Algorithm(DrGrpo, agg="seq-mean-token-sum-norm"),
+  "gspo": Algorithm(Grpo, losses.Gspo),
+  "codapo": Algorithm(Codapo),
+  "cde": Algorithm(Cde),
+  "simko": Algorithm(Grpo, losses.Simko, agg="token-mean"),
 }
 
 

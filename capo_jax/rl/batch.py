@@ -43,6 +43,7 @@ class ModelRows:
   ``topk_ids_YZJ``: ids whose log-probs to return at each target (SimKO: the old
   policy's top-K of the token predicted there), or None.
   """
+
   tokens_YT: Array
   segment_ids_YT: Array
   positions_YT: Array
@@ -64,6 +65,7 @@ class Sequences:
   ratios rho(v_k)); is_weight_BC (the sampler / trainer mismatch correction's
   detached per-token weight, ``capo_jax.rl.mismatch``; None: 1).
   """
+
   completion_mask_BC: Array
   old_logp_BC: Array
   adv_B: Array
@@ -83,6 +85,7 @@ class TrainBatch:
   index_MBC: per micro-batch, each completion token's flat slot among its Y * Z targets;
   seqs: ``Sequences`` [M, B, ...] of each micro-batch's sequences.
   """
+
   rows: ModelRows
   index_MBC: Array
   seqs: Sequences

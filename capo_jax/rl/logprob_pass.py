@@ -34,14 +34,16 @@ class UpdateRows:
 
   ``filled`` (static): how many of the M micro-batches hold tokens.
   """
+
   rows: ModelRows
   index_MBC: Array
   take_MB: Array
   filled: int = dataclasses.field(metadata=dict(static=True))
 
 
-def upload(plans: Sequence[packing.MicroBatches], sharding: jax.sharding.Sharding
-           ) -> list[UpdateRows]:
+def upload(
+  plans: Sequence[packing.MicroBatches], sharding: jax.sharding.Sharding
+) -> list[UpdateRows]:
   """The step's planned updates placed on the devices in one transfer; ``sharding``:
   the train batches' ([M, rows or slots, ...] on axis 1)."""
   put = put_global([(p.rows, p.index_MBC, p.take_MB) for p in plans], sharding)
@@ -52,25 +54,31 @@ _Z_FIELDS = ("target_col_YZ", "targets_YZ", "target_mask_YZ", "topk_ids_YZJ")
 
 
 @functools.partial(jax.jit, static_argnames=("per_call", "sharding"))
-def _calls(updates: list[UpdateRows], *, per_call: int, sharding: jax.sharding.Sharding
-           ) -> list[ModelRows]:
+def _calls(
+  updates: list[UpdateRows], *, per_call: int, sharding: jax.sharding.Sharding
+) -> list[ModelRows]:
   """The updates' filled micro-batches, rows laid end to end (target slots padded to the
   widest update's Z), in calls of ``per_call`` rows (the last one padded with empty rows)."""
   Z = max(u.rows.targets_YZ.shape[-1] for u in updates)
 
   def flat(u: UpdateRows) -> ModelRows:
-    rows = jax.tree.map(lambda x: x[:u.filled].reshape((-1,) + x.shape[2:]), u.rows)
+    rows = jax.tree.map(lambda x: x[: u.filled].reshape((-1,) + x.shape[2:]), u.rows)
     pad = lambda x: jnp.pad(x, [(0, 0), (0, Z - x.shape[1])] + [(0, 0)] * (x.ndim - 2))  # noqa: E731
-    return dataclasses.replace(rows, **{f: pad(getattr(rows, f)) for f in _Z_FIELDS
-                                        if getattr(rows, f) is not None})
+    return dataclasses.replace(
+      rows, **{f: pad(getattr(rows, f)) for f in _Z_FIELDS if getattr(rows, f) is not None}
+    )
 
   rows = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[flat(u) for u in updates])
   n = -(-rows.tokens_YT.shape[0] // per_call)
   rows = jax.tree.map(
-      lambda x: jnp.pad(x, [(0, n * per_call - x.shape[0])] + [(0, 0)] * (x.ndim - 1)), rows)
-  return [jax.lax.with_sharding_constraint(
-      jax.tree.map(lambda x, i=i: x[i * per_call:(i + 1) * per_call], rows), sharding)
-          for i in range(n)]
+    lambda x: jnp.pad(x, [(0, n * per_call - x.shape[0])] + [(0, 0)] * (x.ndim - 1)), rows
+  )
+  return [
+    jax.lax.with_sharding_constraint(
+      jax.tree.map(lambda x, i=i: x[i * per_call : (i + 1) * per_call], rows), sharding
+    )
+    for i in range(n)
+  ]
 
 
 def _call_index(updates: list[UpdateRows], Z: int, B: int, C: int) -> Array:
@@ -89,9 +97,14 @@ def _call_index(updates: list[UpdateRows], Z: int, B: int, C: int) -> Array:
 
 
 @functools.partial(jax.jit, static_argnames=("keys", "sharding"))
-def _unpack_calls(outs: Sequence[dict[str, Array]], updates: list[UpdateRows], mask_BC: Array,
-                  *, keys: tuple[str, ...], sharding: jax.sharding.Sharding
-                  ) -> dict[str, Array]:
+def _unpack_calls(
+  outs: Sequence[dict[str, Array]],
+  updates: list[UpdateRows],
+  mask_BC: Array,
+  *,
+  keys: tuple[str, ...],
+  sharding: jax.sharding.Sharding,
+) -> dict[str, Array]:
   """Each key's per-call [Y, Z, ...] outputs, flattened and laid end to end, gathered
   to [B, C, ...]."""
   Z = outs[0][keys[0].replace("_BC", "_YZ")].shape[1]
@@ -104,7 +117,8 @@ def _unpack_calls(outs: Sequence[dict[str, Array]], updates: list[UpdateRows], m
     got = flat[index_BC]
     m = m_BC.reshape(m_BC.shape + (1,) * (got.ndim - 2))
     result[k] = jax.lax.with_sharding_constraint(
-        jnp.where(m, got, jnp.zeros((), got.dtype)), sharding)
+      jnp.where(m, got, jnp.zeros((), got.dtype)), sharding
+    )
   return result
 
 
@@ -118,13 +132,15 @@ class LogprobPass:
     rows_sharding: the sharding of one call's rows (and of its outputs).
     index_sharding: the sharding of the [B, C] outputs.
   """
+
   fn: Callable[..., dict[str, Array]]
   layout: packing.RowLayout
   rows_sharding: jax.sharding.Sharding
   index_sharding: jax.sharding.Sharding
 
-  def upload(self, prompt_BP: np.ndarray, pmask_BP: np.ndarray, comp_BC: np.ndarray,
-             cmask_BC: np.ndarray) -> list[UpdateRows]:
+  def upload(
+    self, prompt_BP: np.ndarray, pmask_BP: np.ndarray, comp_BC: np.ndarray, cmask_BC: np.ndarray
+  ) -> list[UpdateRows]:
     """The sequences as one update in micro-batches of ``layout.rows`` rows, on the
     devices (a pass on its own; the rollout uploads its updates' rows instead)."""
     sh = self.rows_sharding
@@ -132,11 +148,16 @@ class LogprobPass:
     plan = packing.plan_update(prompt_BP, pmask_BP, comp_BC, cmask_BC, self.layout)
     return upload([plan], batch_sh)
 
-  def run(self, params: Any, updates: list[UpdateRows], mask_BC: Array, keys: Sequence[str],
-          adapters: Any = None) -> dict[str, Array]:
+  def run(
+    self,
+    params: Any,
+    updates: list[UpdateRows],
+    mask_BC: Array,
+    keys: Sequence[str],
+    adapters: Any = None,
+  ) -> dict[str, Array]:
     """``{key: [B, C(, J)] device array}`` of the pass's outputs (``logp_BC``, ...) over
     the uploaded updates' rows. Every call is dispatched before any output is used."""
     calls = _calls(updates, per_call=self.layout.rows, sharding=self.rows_sharding)
     outs = [self.fn(params, r, adapters=adapters) for r in calls]
-    return _unpack_calls(outs, updates, mask_BC, keys=tuple(keys),
-                         sharding=self.index_sharding)
+    return _unpack_calls(outs, updates, mask_BC, keys=tuple(keys), sharding=self.index_sharding)

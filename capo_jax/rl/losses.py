@@ -57,6 +57,7 @@ class PolicyBatch(NamedTuple):
     is_weight_BC: the mismatch correction's detached weight w >= 0 of each token's
       policy-gradient term (``capo_jax.rl.mismatch``); None: 1.
   """
+
   logp_BC: Array
   old_logp_BC: Array
   mask_BC: Array
@@ -75,14 +76,17 @@ def _check_clip(where: str, eps_low: float, eps_high: float) -> None:
     if eps < 0:
       raise ValueError(f"{where}.{name}={eps} must be >= 0")
   if eps_low >= 1:
-    raise ValueError(f"{where}.eps_low={eps_low} must be < 1 (the ratio's lower clip bound "
-                     "1 - eps must stay positive)")
+    raise ValueError(
+      f"{where}.eps_low={eps_low} must be < 1 (the ratio's lower clip bound "
+      "1 - eps must stay positive)"
+    )
 
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """The settings every policy loss shares: PPO's clip (eps 0.2; GSPO clips with its
   own), the token aggregation and the KL term."""
+
   eps_low: float = 0.2
   eps_high: float = 0.2
   agg: str = "seq-mean-token-mean"
@@ -94,8 +98,9 @@ class LossConfig:
     if self.agg not in AGGS:
       raise ValueError(f"LossConfig.agg={self.agg!r} is not one of {AGGS}")
     if self.kl_estimator not in KL_ESTIMATORS:
-      raise ValueError(f"LossConfig.kl_estimator={self.kl_estimator!r} is not one of "
-                       f"{KL_ESTIMATORS}")
+      raise ValueError(
+        f"LossConfig.kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}"
+      )
     _check_clip("LossConfig", self.eps_low, self.eps_high)
     if self.beta < 0:
       raise ValueError(f"LossConfig.beta={self.beta} must be >= 0")
@@ -134,8 +139,9 @@ def kl_per_token(logp_BC: Array, ref_logp_BC: Array, estimator: str = "k3") -> A
   raise ValueError(f"kl_per_token: estimator={estimator!r} is not one of {KL_ESTIMATORS}")
 
 
-def _clipped(ratio_BC: Array, adv_BC: Array, mask_BC: Array, eps_low: float,
-             eps_high: float, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
+def _clipped(
+  ratio_BC: Array, adv_BC: Array, mask_BC: Array, eps_low: float, eps_high: float, cfg: LossConfig
+) -> tuple[Array, dict[str, Array]]:
   """The clipped surrogate loss (aggregated) and its clip statistics."""
   clipped_BC = jnp.clip(ratio_BC, 1.0 - eps_low, 1.0 + eps_high)
   obj_BC = jnp.minimum(ratio_BC * adv_BC, clipped_BC * adv_BC)
@@ -147,13 +153,13 @@ def _clipped(ratio_BC: Array, adv_BC: Array, mask_BC: Array, eps_low: float,
   high_BC = (r > 1.0 + eps_high) & (adv_BC > 0)
   big = jnp.finfo(r.dtype).max
   aux = {
-      "clip_frac_low": masked_mean(low_BC.astype(r.dtype), mask_BC),
-      "clip_frac_high": masked_mean(high_BC.astype(r.dtype), mask_BC),
-      "clip_frac": masked_mean((low_BC | high_BC).astype(r.dtype), mask_BC),
-      "ratio_mean": masked_mean(r, mask_BC),
-      "ratio_min": jnp.where(m, r, big).min(),
-      "ratio_max": jnp.where(m, r, -big).max(),
-      "pg_loss": loss,
+    "clip_frac_low": masked_mean(low_BC.astype(r.dtype), mask_BC),
+    "clip_frac_high": masked_mean(high_BC.astype(r.dtype), mask_BC),
+    "clip_frac": masked_mean((low_BC | high_BC).astype(r.dtype), mask_BC),
+    "ratio_mean": masked_mean(r, mask_BC),
+    "ratio_min": jnp.where(m, r, big).min(),
+    "ratio_max": jnp.where(m, r, -big).max(),
+    "pg_loss": loss,
   }
   return loss, aux
 
@@ -163,9 +169,8 @@ def _common_aux(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, A
   mask = batch.mask_BC
   has_tokens_B = mask.sum(-1) > 0
   aux = {
-      "zero_adv_frac": (has_tokens_B & (batch.adv_B == 0)).sum()
-                       / jnp.maximum(has_tokens_B.sum(), 1),
-      "token_frac": (mask > 0).mean(),
+    "zero_adv_frac": (has_tokens_B & (batch.adv_B == 0)).sum() / jnp.maximum(has_tokens_B.sum(), 1),
+    "token_frac": (mask > 0).mean(),
   }
   if batch.entropy_BC is not None:
     aux["entropy"] = masked_mean(jax.lax.stop_gradient(batch.entropy_BC), mask)
@@ -176,8 +181,9 @@ def _common_aux(batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, A
     aux["kl"] = jax.lax.stop_gradient(kl)
     penalty = cfg.beta * kl
   elif cfg.beta > 0:
-    raise ValueError(f"policy_loss: LossConfig.beta={cfg.beta} > 0 needs "
-                     "PolicyBatch.ref_logp_BC, which is None")
+    raise ValueError(
+      f"policy_loss: LossConfig.beta={cfg.beta} > 0 needs PolicyBatch.ref_logp_BC, which is None"
+    )
   return penalty, aux
 
 
@@ -222,6 +228,7 @@ class Ppo(PolicyLoss):
 class Gspo(PolicyLoss):
   """GSPO: one ratio per response, `exp(mean_t(logp - old_logp))`, clipped per response
   with its paper's eps (``LossConfig``'s PPO eps do not apply)."""
+
   eps_low: float = 3e-4
   eps_high: float = 4e-4
 
@@ -256,6 +263,7 @@ class Simko(PolicyLoss):
   wrong response, forked tokens whose sampled token is the argmax get their advantage
   multiplied by ``lam``. Then the usual clipped loss (``LossConfig``'s eps).
   """
+
   alpha: float = 0.01
   k: int = 3
   lam: float = 1.1
@@ -274,17 +282,22 @@ class Simko(PolicyLoss):
     return self.k
 
   def _check(self, batch: PolicyBatch) -> None:
-    for field in ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC",
-                  "correct_B"):
+    for field in ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC", "correct_B"):
       if getattr(batch, field) is None:
-        raise ValueError(f"Simko: PolicyBatch.{field} is required, got None (a train step "
-                         "fills it from Sequences.correct_B, old_topk_ids_BCJ and "
-                         "old_topk_logp_BCJ: the old pass's make_logprob_fn(top_k=Simko.k))")
-    if (batch.topk_logp_BCJ.shape[-1] != self.k
-        or batch.old_topk_logp_BCJ.shape != batch.topk_logp_BCJ.shape):
-      raise ValueError(f"Simko: topk_logp_BCJ {batch.topk_logp_BCJ.shape} and "
-                       f"old_topk_logp_BCJ {batch.old_topk_logp_BCJ.shape} must end in "
-                       f"Simko.k={self.k}")
+        raise ValueError(
+          f"Simko: PolicyBatch.{field} is required, got None (a train step "
+          "fills it from Sequences.correct_B, old_topk_ids_BCJ and "
+          "old_topk_logp_BCJ: the old pass's make_logprob_fn(top_k=Simko.k))"
+        )
+    if (
+      batch.topk_logp_BCJ.shape[-1] != self.k
+      or batch.old_topk_logp_BCJ.shape != batch.topk_logp_BCJ.shape
+    ):
+      raise ValueError(
+        f"Simko: topk_logp_BCJ {batch.topk_logp_BCJ.shape} and "
+        f"old_topk_logp_BCJ {batch.old_topk_logp_BCJ.shape} must end in "
+        f"Simko.k={self.k}"
+      )
 
   def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
     self._check(batch)
@@ -310,8 +323,14 @@ def _check_batch(batch: PolicyBatch) -> None:
   shape = batch.logp_BC.shape
   if len(shape) != 2:
     raise ValueError(f"policy_loss: logp_BC must be [B, C], got shape {shape}")
-  for field in ("old_logp_BC", "mask_BC", "entropy_BC", "ref_logp_BC", "is_argmax_BC",
-                "is_weight_BC"):
+  for field in (
+    "old_logp_BC",
+    "mask_BC",
+    "entropy_BC",
+    "ref_logp_BC",
+    "is_argmax_BC",
+    "is_weight_BC",
+  ):
     x = getattr(batch, field)
     if x is not None and x.shape != shape:
       raise ValueError(f"policy_loss: {field} has shape {x.shape}, expected {shape}")
@@ -328,17 +347,23 @@ def _check_batch(batch: PolicyBatch) -> None:
 def _zero_padding(batch: PolicyBatch) -> PolicyBatch:
   """Zeroes per-token inputs on padding so inf / NaN there cannot reach the gradient."""
   m_BC = batch.mask_BC > 0
-  fix = lambda x: None if x is None else jnp.where(
-      m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x, 0)
+  fix = lambda x: (
+    None if x is None else jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x, 0)
+  )
   return batch._replace(
-      logp_BC=fix(batch.logp_BC), old_logp_BC=fix(batch.old_logp_BC),
-      entropy_BC=fix(batch.entropy_BC), ref_logp_BC=fix(batch.ref_logp_BC),
-      topk_logp_BCJ=fix(batch.topk_logp_BCJ),
-      old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ), is_weight_BC=fix(batch.is_weight_BC))
+    logp_BC=fix(batch.logp_BC),
+    old_logp_BC=fix(batch.old_logp_BC),
+    entropy_BC=fix(batch.entropy_BC),
+    ref_logp_BC=fix(batch.ref_logp_BC),
+    topk_logp_BCJ=fix(batch.topk_logp_BCJ),
+    old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ),
+    is_weight_BC=fix(batch.is_weight_BC),
+  )
 
 
-def policy_loss(loss: PolicyLoss, batch: PolicyBatch,
-                cfg: LossConfig = LossConfig()) -> tuple[Array, dict[str, Array]]:
+def policy_loss(
+  loss: PolicyLoss, batch: PolicyBatch, cfg: LossConfig = LossConfig()
+) -> tuple[Array, dict[str, Array]]:
   """The policy loss ``loss`` (``Ppo()``, ``Gspo()``, ``Simko()``) plus beta * KL.
 
   Returns:
@@ -350,8 +375,10 @@ def policy_loss(loss: PolicyLoss, batch: PolicyBatch,
     forked_frac and boosted_frac.
   """
   if not isinstance(loss, PolicyLoss):
-    raise TypeError(f"policy_loss: loss must be a PolicyLoss (one of "
-                    f"{[c.__name__ for c in LOSSES.values()]}), got {loss!r}")
+    raise TypeError(
+      f"policy_loss: loss must be a PolicyLoss (one of "
+      f"{[c.__name__ for c in LOSSES.values()]}), got {loss!r}"
+    )
   _check_batch(batch)
   batch = _zero_padding(batch)
   value, aux = loss.loss(batch, cfg)

@@ -51,8 +51,16 @@ from capo_jax.rl.batch import Sequences
 from capo_jax.runtime.host import put_global
 from capo_jax.types import Array
 
-CORRECTIONS = ("none", "tis_token", "tis_seq", "tis_geo", "mis_token", "mis_seq", "mis_geo",
-               "icepop")
+CORRECTIONS = (
+  "none",
+  "tis_token",
+  "tis_seq",
+  "tis_geo",
+  "mis_token",
+  "mis_seq",
+  "mis_geo",
+  "icepop",
+)
 LEVELS = ("token", "seq", "geo")  # the suffix of tis_* / mis_*: token, sequence, geometric
 QUANTILES = (0.01, 0.5, 0.99)  # logged as mismatch/ratio_p01, _p50, _p99
 
@@ -71,6 +79,7 @@ class MismatchSpec:
     low, high: IcePop's two-sided band [low, high] of kept ratios.
     mask_truncated: rows that hit ``max_new_tokens`` leave the loss.
   """
+
   measure: bool = True
   correction: str = "none"
   cap: float = 2.0
@@ -81,20 +90,22 @@ class MismatchSpec:
 
   def __post_init__(self) -> None:
     if self.correction not in CORRECTIONS:
-      raise ValueError(f"MismatchSpec.correction={self.correction!r} is not one of "
-                       f"{CORRECTIONS}")
+      raise ValueError(f"MismatchSpec.correction={self.correction!r} is not one of {CORRECTIONS}")
     if not self.cap > 0:
       raise ValueError(f"MismatchSpec.cap={self.cap} must be > 0")
     if not isinstance(self.mis_two_sided, bool):
       raise TypeError(f"MismatchSpec.mis_two_sided={self.mis_two_sided!r} must be a bool")
     if self.correction.startswith("mis") and self.mis_two_sided and not self.cap > 1:
-      raise ValueError(f"MismatchSpec.cap={self.cap}: two-sided MIS keeps [1/cap, cap], "
-                       "which needs cap > 1")
+      raise ValueError(
+        f"MismatchSpec.cap={self.cap}: two-sided MIS keeps [1/cap, cap], which needs cap > 1"
+      )
     if not 0 <= self.low < self.high:
       raise ValueError(f"MismatchSpec.low={self.low}, high={self.high}: need 0 <= low < high")
     if self.correction != "none" and not self.measure:
-      raise ValueError(f"MismatchSpec.correction={self.correction!r} needs the trainer's old "
-                       "log-probs (with the sampler's, rho = 1: there is nothing to correct)")
+      raise ValueError(
+        f"MismatchSpec.correction={self.correction!r} needs the trainer's old "
+        "log-probs (with the sampler's, rho = 1: there is nothing to correct)"
+      )
 
   @property
   def active(self) -> bool:
@@ -125,8 +136,9 @@ def level_log_ratio(lr_BC: Array, mask_BC: Array, level: str) -> Array:
   return jnp.broadcast_to(row_B[:, None], lr_BC.shape)
 
 
-def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
-                     ) -> dict[str, Array]:
+def mismatch_metrics(
+  old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
+) -> dict[str, Array]:
   """The logged mismatch over the real completion tokens (token level unless named seq_).
 
   ``abs_log_ratio`` mean |log rho_t|; ``k3_kl`` mean (rho_t - 1 - log rho_t), an
@@ -139,9 +151,11 @@ def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
   m = mask_BC > 0
   lr_BC = log_ratio(old_logp_BC, sampler_logp_BC, mask_BC).astype(jnp.float32)
   rho_BC = jnp.exp(lr_BC)
-  out = {"abs_log_ratio": masked_mean(jnp.abs(lr_BC), m),
-         # expm1: exp(x) - 1 - x in float32 would cancel to 0 below |x| ~ 1e-4
-         "k3_kl": masked_mean(jnp.expm1(lr_BC) - lr_BC, m)}
+  out = {
+    "abs_log_ratio": masked_mean(jnp.abs(lr_BC), m),
+    # expm1: exp(x) - 1 - x in float32 would cancel to 0 below |x| ~ 1e-4
+    "k3_kl": masked_mean(jnp.expm1(lr_BC) - lr_BC, m),
+  }
   q = jnp.nanquantile(jnp.where(m, rho_BC, jnp.nan), jnp.asarray(QUANTILES))
   out.update({f"ratio_p{round(p * 100):02d}": q[i] for i, p in enumerate(QUANTILES)})
   out["ratio_min"] = jnp.where(m, rho_BC, jnp.inf).min()
@@ -152,8 +166,9 @@ def mismatch_metrics(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array
   return out
 
 
-def is_weights(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array,
-               spec: MismatchSpec) -> tuple[Array, Array]:
+def is_weights(
+  old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array, spec: MismatchSpec
+) -> tuple[Array, Array]:
   """(w_BC, keep_BC) of ``spec.correction``: the detached weight of each kept token (0
   elsewhere) and the tokens that stay in the loss (real and not rejected)."""
   m = mask_BC > 0
@@ -184,8 +199,9 @@ _measure = jax.jit(mismatch_metrics)
 
 
 @functools.partial(jax.jit, static_argnames="spec")
-def _correct(seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *,
-             spec: MismatchSpec) -> tuple[Sequences, dict[str, Array]]:
+def _correct(
+  seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *, spec: MismatchSpec
+) -> tuple[Sequences, dict[str, Array]]:
   mask_BC = seqs.completion_mask_BC
   metrics: dict[str, Array] = {}
   if spec.measure:
@@ -200,14 +216,19 @@ def _correct(seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None, *,
   if keep_B is not None:
     keep_BC = keep_BC & keep_B[:, None]
   metrics["loss_token_frac"] = keep_BC.sum() / real
-  seqs = dataclasses.replace(seqs, completion_mask_BC=keep_BC.astype(mask_BC.dtype),
-                             is_weight_BC=w_BC)
+  seqs = dataclasses.replace(
+    seqs, completion_mask_BC=keep_BC.astype(mask_BC.dtype), is_weight_BC=w_BC
+  )
   return seqs, metrics
 
 
-def correct(seqs: Sequences, sampler_logp_BC: Array, truncated_B: np.ndarray,
-            spec: MismatchSpec, sharding: jax.sharding.Sharding
-            ) -> tuple[Sequences, dict[str, Array]]:
+def correct(
+  seqs: Sequences,
+  sampler_logp_BC: Array,
+  truncated_B: np.ndarray,
+  spec: MismatchSpec,
+  sharding: jax.sharding.Sharding,
+) -> tuple[Sequences, dict[str, Array]]:
   """The rollout's sequences with the correction and ``mask_truncated`` folded in, and the
   logged metrics (``mismatch/...``: device scalars, left for the caller to read with the
   step's other metrics after the updates are dispatched; nothing here waits on them).
@@ -220,7 +241,6 @@ def correct(seqs: Sequences, sampler_logp_BC: Array, truncated_B: np.ndarray,
   if spec.correction == "none" and not spec.mask_truncated:  # measured only (the default)
     metrics = _measure(seqs.old_logp_BC, sampler_logp_BC, seqs.completion_mask_BC)
   else:
-    keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated \
-        else None
+    keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated else None
     seqs, metrics = _correct(seqs, sampler_logp_BC, keep_B, spec=spec)
   return seqs, {f"mismatch/{k}": v for k, v in metrics.items()}

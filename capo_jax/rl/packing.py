@@ -40,6 +40,7 @@ class FullRows:
   ``topk_ids_YTJ``: ids whose log-probs to return at each position (SimKO: the
   old policy's top-K of the token predicted there), or None.
   """
+
   tokens_YT: np.ndarray
   segment_ids_YT: np.ndarray
   positions_YT: np.ndarray
@@ -60,6 +61,7 @@ def bucket(n: int) -> int:
 class Plan:
   """Where each sequence went (host arrays): its row, first column, and ``index_BC``
   (flat into the full Y * T layout)."""
+
   rows: FullRows
   row_B: np.ndarray
   start_B: np.ndarray
@@ -85,16 +87,23 @@ class Plan:
 
     cols_YT = np.broadcast_to(np.arange(T, dtype=np.int32), (Y, T))
     topk = None if f.topk_ids_YTJ is None else slots(f.topk_ids_YTJ[rows])
-    packed = ModelRows(f.tokens_YT[rows], f.segment_ids_YT[rows], f.positions_YT[rows],
-                       slots(cols_YT), slots(f.targets_YT[rows]), slots(tm_YT.astype(np.int32)),
-                       topk)
+    packed = ModelRows(
+      f.tokens_YT[rows],
+      f.segment_ids_YT[rows],
+      f.positions_YT[rows],
+      slots(cols_YT),
+      slots(f.targets_YT[rows]),
+      slots(tm_YT.astype(np.int32)),
+      topk,
+    )
     local = np.clip(self.index_BC - r0 * T, 0, Y * T - 1)
     row, col = local // T, local % T
     return packed, (row * Z + slot_YT[row, col]).astype(np.int32)
 
 
-def _lengths(prompt_mask_BP: np.ndarray, completion_mask_BC: np.ndarray
-             ) -> tuple[np.ndarray, np.ndarray]:
+def _lengths(
+  prompt_mask_BP: np.ndarray, completion_mask_BC: np.ndarray
+) -> tuple[np.ndarray, np.ndarray]:
   """Real prompt / completion lengths; the masks must be left- / right-aligned."""
   pm, cm = np.asarray(prompt_mask_BP) > 0, np.asarray(completion_mask_BC) > 0
   p_B, c_B = pm.sum(1), cm.sum(1)
@@ -104,13 +113,16 @@ def _lengths(prompt_mask_BP: np.ndarray, completion_mask_BC: np.ndarray
   if (cm != (np.arange(C)[None] < c_B[:, None])).any():
     raise ValueError("packing: completion_mask_BC must be right-padded (real tokens first)")
   if (p_B < 1).any():
-    raise ValueError(f"packing: sequence {int(np.argmin(p_B))} has an empty prompt (its first "
-                     "completion token is predicted from the last prompt token)")
+    raise ValueError(
+      f"packing: sequence {int(np.argmin(p_B))} has an empty prompt (its first "
+      "completion token is predicted from the last prompt token)"
+    )
   return p_B, c_B
 
 
-def first_fit(lengths_B: np.ndarray, row_len: int, alone: bool = False
-              ) -> tuple[np.ndarray, np.ndarray]:
+def first_fit(
+  lengths_B: np.ndarray, row_len: int, alone: bool = False
+) -> tuple[np.ndarray, np.ndarray]:
   """First-fit decreasing: (row, start column) of each sequence; rows in order of opening.
 
   ``alone``: no packing, sequence b at the start of row b (the same length checks)."""
@@ -118,9 +130,11 @@ def first_fit(lengths_B: np.ndarray, row_len: int, alone: bool = False
   too_long = np.flatnonzero(lengths_B > row_len)
   if too_long.size:
     b = int(too_long[0])
-    raise ValueError(f"packing: sequence {b} has {int(lengths_B[b])} tokens (prompt + "
-                     f"completion), longer than a packed row of {row_len} tokens "
-                     "(config.train.pack_len)")
+    raise ValueError(
+      f"packing: sequence {b} has {int(lengths_B[b])} tokens (prompt + "
+      f"completion), longer than a packed row of {row_len} tokens "
+      "(config.train.pack_len)"
+    )
   row_B = np.zeros(len(lengths_B), np.int64)
   start_B = np.zeros(len(lengths_B), np.int64)
   if alone:
@@ -136,9 +150,15 @@ def first_fit(lengths_B: np.ndarray, row_len: int, alone: bool = False
   return row_B, start_B
 
 
-def plan(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
-         completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray, row_len: int,
-         topk_ids_BCJ: np.ndarray | None = None, pack: bool = True) -> Plan:
+def plan(
+  prompt_tokens_BP: np.ndarray,
+  prompt_mask_BP: np.ndarray,
+  completion_tokens_BC: np.ndarray,
+  completion_mask_BC: np.ndarray,
+  row_len: int,
+  topk_ids_BCJ: np.ndarray | None = None,
+  pack: bool = True,
+) -> Plan:
   """Lays the B sequences into rows of ``row_len`` tokens (host NumPy): packed first-fit
   decreasing, or (``pack=False``) sequence b alone in row b."""
   p_B, c_B = _lengths(prompt_mask_BP, completion_mask_BC)
@@ -155,10 +175,10 @@ def plan(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
   for b in np.lexsort((start_B, row_B)):  # row by row, left to right: segments 1, 2, ...
     r, s, p, c = int(row_B[b]), int(start_B[b]), int(p_B[b]), int(c_B[b])
     seg_count[r] += 1
-    tokens[r, s:s + p] = prompt_tokens_BP[b, P - p:]
-    tokens[r, s + p:s + p + c] = completion_tokens_BC[b, :c]
-    seg[r, s:s + p + c] = seg_count[r]
-    pos[r, s:s + p + c] = np.arange(p + c)
+    tokens[r, s : s + p] = prompt_tokens_BP[b, P - p :]
+    tokens[r, s + p : s + p + c] = completion_tokens_BC[b, :c]
+    seg[r, s : s + p + c] = seg_count[r]
+    pos[r, s : s + p + c] = np.arange(p + c)
     # Column s + p - 1 + j predicts completion token j.
     cols = s + p - 1 + np.arange(c)
     targets[r, cols] = completion_tokens_BC[b, :c]
@@ -171,8 +191,9 @@ def plan(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
 
 def pad_rows(rows: FullRows, num_rows: int) -> FullRows:
   """Appends all-padding rows (segment 0, no targets) up to ``num_rows``."""
-  return jax.tree.map(lambda x: np.pad(x, [(0, num_rows - x.shape[0])] + [(0, 0)] *
-                                       (x.ndim - 1)), rows)
+  return jax.tree.map(
+    lambda x: np.pad(x, [(0, num_rows - x.shape[0])] + [(0, 0)] * (x.ndim - 1)), rows
+  )
 
 
 jax.tree_util.register_dataclass(FullRows)  # for pad_rows' tree.map
@@ -191,6 +212,7 @@ class MicroBatches:
   [B, ...] arrays) in each slot, -1 where empty; filled: how many micro-batches (the
   first ones) hold tokens.
   """
+
   rows: ModelRows
   index_MBC: np.ndarray
   take_MB: np.ndarray
@@ -228,8 +250,11 @@ def scatter_topk(rows: ModelRows, index_MBC: Any, seqs_MB: Sequences) -> ModelRo
   # Padding columns point past the targets, where the scatter drops them.
   z_MBC = xp.where(seqs_MB.completion_mask_BC > 0, index_MBC, Y * Z)
   m_MBC = xp.broadcast_to(xp.arange(M)[:, None, None], z_MBC.shape)
-  topk = jnp.zeros((M, Y * Z, J), jnp.int32).at[m_MBC, z_MBC].set(
-      ids_MBCJ.astype(jnp.int32), mode="drop")
+  topk = (
+    jnp.zeros((M, Y * Z, J), jnp.int32)
+    .at[m_MBC, z_MBC]
+    .set(ids_MBCJ.astype(jnp.int32), mode="drop")
+  )
   return dataclasses.replace(rows, topk_ids_YZJ=topk.reshape(M, Y, Z, J))
 
 
@@ -238,6 +263,7 @@ class RowLayout:
   """How sequences become model rows: ``row_len`` tokens a row (0: the batch's prompt +
   completion width), ``rows`` rows a micro-batch or a call, several sequences a row
   when ``pack`` (else one)."""
+
   row_len: int
   rows: int
   pack: bool = True
@@ -246,13 +272,24 @@ class RowLayout:
     return self.row_len or prompt_BP.shape[1] + completion_BC.shape[1]
 
 
-def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
-                completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray,
-                layout: RowLayout, topk_ids_BCJ: np.ndarray | None = None) -> MicroBatches:
+def plan_update(
+  prompt_tokens_BP: np.ndarray,
+  prompt_mask_BP: np.ndarray,
+  completion_tokens_BC: np.ndarray,
+  completion_mask_BC: np.ndarray,
+  layout: RowLayout,
+  topk_ids_BCJ: np.ndarray | None = None,
+) -> MicroBatches:
   """Lays one update's sequences into micro-batches of ``layout.rows`` rows."""
-  pl = plan(prompt_tokens_BP, prompt_mask_BP, completion_tokens_BC, completion_mask_BC,
-            layout.width(prompt_tokens_BP, completion_tokens_BC), topk_ids_BCJ,
-            pack=layout.pack)
+  pl = plan(
+    prompt_tokens_BP,
+    prompt_mask_BP,
+    completion_tokens_BC,
+    completion_mask_BC,
+    layout.width(prompt_tokens_BP, completion_tokens_BC),
+    topk_ids_BCJ,
+    pack=layout.pack,
+  )
   Y = layout.rows
   filled = -(-pl.rows.tokens_YT.shape[0] // Y)
   M = pow2(filled)
@@ -267,25 +304,36 @@ def plan_update(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
   slots = Y * pow2(-(-max(len(x) for x in members) // Y))
   take_MB = np.full((M, slots), -1)
   for m, bs in enumerate(members):
-    take_MB[m, :len(bs)] = bs
-  slot_BC = np.stack([groups[m][1][b] for b, m in enumerate(mb_B)]) if len(mb_B) else \
-      pl.index_BC
-  index_MBC = np.where((take_MB >= 0)[..., None], slot_BC[np.maximum(take_MB, 0)], 0
-                       ).astype(np.int32)
+    take_MB[m, : len(bs)] = bs
+  slot_BC = np.stack([groups[m][1][b] for b, m in enumerate(mb_B)]) if len(mb_B) else pl.index_BC
+  index_MBC = np.where((take_MB >= 0)[..., None], slot_BC[np.maximum(take_MB, 0)], 0).astype(
+    np.int32
+  )
   return MicroBatches(rows=rows, index_MBC=index_MBC, take_MB=take_MB, filled=filled)
 
 
-def plan_step(prompt_tokens_BP: np.ndarray, prompt_mask_BP: np.ndarray,
-              completion_tokens_BC: np.ndarray, completion_mask_BC: np.ndarray,
-              layout: RowLayout, rows_per_update: int) -> list[MicroBatches]:
+def plan_step(
+  prompt_tokens_BP: np.ndarray,
+  prompt_mask_BP: np.ndarray,
+  completion_tokens_BC: np.ndarray,
+  completion_mask_BC: np.ndarray,
+  layout: RowLayout,
+  rows_per_update: int,
+) -> list[MicroBatches]:
   """A step's consecutive updates of ``rows_per_update`` sequences, each laid into
   micro-batches (``plan_update``); ``take_MB`` indexes the step's [B, ...] arrays."""
   plans = []
   for start in range(0, prompt_tokens_BP.shape[0], rows_per_update):
     sl = slice(start, start + rows_per_update)
     # Slices of the step's [B, P] / [B, C]: every update's rows are as wide (unpacked too).
-    mbs = plan_update(prompt_tokens_BP[sl], prompt_mask_BP[sl], completion_tokens_BC[sl],
-                      completion_mask_BC[sl], layout)
-    plans.append(dataclasses.replace(
-        mbs, take_MB=np.where(mbs.take_MB >= 0, mbs.take_MB + start, -1)))
+    mbs = plan_update(
+      prompt_tokens_BP[sl],
+      prompt_mask_BP[sl],
+      completion_tokens_BC[sl],
+      completion_mask_BC[sl],
+      layout,
+    )
+    plans.append(
+      dataclasses.replace(mbs, take_MB=np.where(mbs.take_MB >= 0, mbs.take_MB + start, -1))
+    )
   return plans

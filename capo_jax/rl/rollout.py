@@ -40,12 +40,7 @@ from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import calibration
 from capo_jax.masked import mean_logprob
-from capo_jax.rl import advantages
-from capo_jax.rl import algorithms
-from capo_jax.rl import dynamic_sampling
-from capo_jax.rl import logprob_pass
-from capo_jax.rl import mismatch
-from capo_jax.rl import packing
+from capo_jax.rl import advantages, algorithms, dynamic_sampling, logprob_pass, mismatch, packing
 from capo_jax.rl.batch import Sequences, TrainBatch
 from capo_jax.rl.logprob_pass import LogprobPass, UpdateRows
 from capo_jax.runtime.host import gather_rows, put_global
@@ -75,6 +70,7 @@ class AdvantageSpec:
     mask_mode: "partner" or "drop" (``advantages.split_masks``).
     num_steps: the run's planned steps (CDE's bonus schedule).
   """
+
   estimator: algorithms.Estimator
   noise_mask: bool = False
   mask_high: float = 2.5
@@ -84,9 +80,15 @@ class AdvantageSpec:
 
 
 @functools.partial(jax.jit, static_argnames="spec")
-def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: Array, *,
-                  spec: AdvantageSpec, correct_QG: Array | None = None
-                  ) -> tuple[Array, dict[str, Array]]:
+def score_rollout(
+  rewards_QG: Array,
+  s_QG: Array,
+  ref_s_QG: Array | None,
+  step: Array,
+  *,
+  spec: AdvantageSpec,
+  correct_QG: Array | None = None,
+) -> tuple[Array, dict[str, Array]]:
   """One step's advantages and their metrics, as one pure jitted program.
 
   Noise mask (when ``spec.noise_mask``: from the reference's scores
@@ -104,13 +106,14 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
   receive_QG = None
   metrics: dict[str, Array] = {}
   if spec.noise_mask:
-    noisy_QG = advantages.noise_mask(labels_QG, advantages.ref_ppl(ref_s_QG),
-                                     high=spec.mask_high, low=spec.mask_low)
+    noisy_QG = advantages.noise_mask(
+      labels_QG, advantages.ref_ppl(ref_s_QG), high=spec.mask_high, low=spec.mask_low
+    )
     metrics.update(advantages.masked_fraction(noisy_QG, labels_QG, valid_QG))
     valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
   adv_QG = spec.estimator.advantages(
-      advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG, correct_QG), step,
-      spec.num_steps)
+    advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG, correct_QG), step, spec.num_steps
+  )
   score_QG = spec.estimator.confidence(s_QG)
   metrics["s_spread"] = advantages.score_spread(score_QG, labels_QG, valid_QG)
   metrics["adv_abs_mean"] = jnp.abs(adv_QG).mean()
@@ -120,6 +123,7 @@ def score_rollout(rewards_QG: Array, s_QG: Array, ref_s_QG: Array | None, step: 
 @dataclasses.dataclass(frozen=True)
 class RolloutSpec:
   """What ``collect`` needs to know besides the arrays (from the run's spec)."""
+
   num_samples: int
   max_prompt_len: int
   adv: AdvantageSpec
@@ -135,6 +139,7 @@ class RolloutSpec:
 class Rollout:
   """One step's rollout: what the host needs as host arrays (global, identical on
   every process), the trainer's per-sequence arrays [B, ...] on the devices."""
+
   prompt_tokens_BP: np.ndarray
   prompt_mask_BP: np.ndarray
   completion_tokens_BC: np.ndarray
@@ -153,8 +158,10 @@ class Rollout:
   def minibatches(self) -> list[TrainBatch]:
     """Consecutive groups of questions, each one update's ``TrainBatch`` on the devices:
     the rows the rollout uploaded, per-sequence arrays gathered on the devices."""
-    return [_device_batch(u.rows, u.index_MBC, u.take_MB, self.seqs,
-                          sharding=self.batch_sharding) for u in self.updates]
+    return [
+      _device_batch(u.rows, u.index_MBC, u.take_MB, self.seqs, sharding=self.batch_sharding)
+      for u in self.updates
+    ]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -166,14 +173,16 @@ class BatchLayout:
     sharding: the train batch's sharding ([M, rows or slots, ...] on axis 1).
     prompts: questions per update (the PPO mini-batch).
   """
+
   rows: packing.RowLayout
   sharding: jax.sharding.Sharding
   prompts: int
 
 
 @functools.partial(jax.jit, static_argnames="sharding")
-def _device_batch(rows: Any, index_MBC: Array, take_MB: Array, seqs: Sequences, *,
-                  sharding: jax.sharding.Sharding) -> TrainBatch:
+def _device_batch(
+  rows: Any, index_MBC: Array, take_MB: Array, seqs: Sequences, *, sharding: jax.sharding.Sharding
+) -> TrainBatch:
   """An update's ``TrainBatch`` from its uploaded rows and the step's sequences, gathered
   into the micro-batches' slots on the devices."""
   seqs_MB = packing.regroup(seqs, take_MB)
@@ -185,6 +194,7 @@ def _device_batch(rows: Any, index_MBC: Array, take_MB: Array, seqs: Sequences, 
 @dataclasses.dataclass(frozen=True)
 class RolloutContext:
   """The fixed parts of a run that every step's rollout uses."""
+
   spec: RolloutSpec
   model_cfg: Qwen2Config
   tokenizer: Tokenizer
@@ -199,6 +209,7 @@ class RolloutContext:
 @dataclasses.dataclass
 class _Graded:
   """One batch of drawn prompts, sampled and graded (host arrays; ``*_dev`` on devices)."""
+
   tokens_QP: np.ndarray
   mask_QP: np.ndarray
   comp_BC: np.ndarray
@@ -213,12 +224,14 @@ class _Graded:
   reward_QG: np.ndarray | None = None  # the scalar reward (None: the labels)
 
 
-def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_sampling: Any,
-                      rng: jax.Array) -> _Graded:
+def _sample_and_grade(
+  examples: Sequence[Example], ctx: RolloutContext, params_sampling: Any, rng: jax.Array
+) -> _Graded:
   spec, tokenizer = ctx.spec, ctx.tokenizer
   G = spec.num_samples
-  tok_local, mask_local = tokenizer.encode_prompts([e.problem for e in examples],
-                                                   spec.max_prompt_len)
+  tok_local, mask_local = tokenizer.encode_prompts(
+    [e.problem for e in examples], spec.max_prompt_len
+  )
   # Equal widths on every process, so the all-gather stacks cleanly.
   pad = spec.max_prompt_len - tok_local.shape[1]
   tok_local = np.pad(tok_local, ((0, 0), (pad, 0)), constant_values=tokenizer.pad_id)
@@ -231,13 +244,17 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
   host, dev = [], []
   for i, start in enumerate(range(0, Q, per_call)):
     samples = sampling.generate(
-        params_sampling, ctx.model_cfg, tokens_QP[start:start + per_call],
-        mask_QP[start:start + per_call], jax.random.fold_in(rng, i), ctx.sampling,
-        layout=ctx.sampling_layout)
+      params_sampling,
+      ctx.model_cfg,
+      tokens_QP[start : start + per_call],
+      mask_QP[start : start + per_call],
+      jax.random.fold_in(rng, i),
+      ctx.sampling,
+      layout=ctx.sampling_layout,
+    )
     # The host needs the tokens (to decode), lengths and truncation; the sampler's
     # log-probs and mask stay on the devices (the mask is 1 up to each row's length).
-    host.append([to_host(x) for x in (samples.tokens_BC, samples.lengths_B,
-                                      samples.truncated_B)])
+    host.append([to_host(x) for x in (samples.tokens_BC, samples.lengths_B, samples.truncated_B)])
     dev.append((samples.logprobs_BC, samples.mask_BC))
   comp_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*host))
   cmask_BC = (np.arange(comp_BC.shape[1])[None] < lengths_B[:, None]).astype(np.int32)
@@ -249,14 +266,30 @@ def _sample_and_grade(examples: Sequence[Example], ctx: RolloutContext, params_s
   local_rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
   texts = tokenizer.decode_completions(comp_BC[local_rows], cmask_BC[local_rows])
   correct_local, reward_local, health = reward_fns.grade(
-      ctx.grader, ctx.reward_fns, texts, [e for e in examples for _ in range(G)],
-      lengths_B[local_rows])
-  rewards_QG, reward_QG = (gather_rows(np.asarray(x, np.float32)).reshape(Q, G)
-                           for x in (correct_local, reward_local))
+    ctx.grader,
+    ctx.reward_fns,
+    texts,
+    [e for e in examples for _ in range(G)],
+    lengths_B[local_rows],
+  )
+  rewards_QG, reward_QG = (
+    gather_rows(np.asarray(x, np.float32)).reshape(Q, G) for x in (correct_local, reward_local)
+  )
   health_counts = gather_rows(np.asarray([list(health.values())], np.int64)).sum(0)
-  return _Graded(tokens_QP, mask_QP, comp_BC, cmask_BC, lengths_B, truncated_B, rewards_QG,
-                 dict(zip(health.keys(), health_counts.tolist())), logp_dev, cmask_dev,
-                 time.perf_counter() - t0, reward_QG if ctx.reward_fns is not None else None)
+  return _Graded(
+    tokens_QP,
+    mask_QP,
+    comp_BC,
+    cmask_BC,
+    lengths_B,
+    truncated_B,
+    rewards_QG,
+    dict(zip(health.keys(), health_counts.tolist())),
+    logp_dev,
+    cmask_dev,
+    time.perf_counter() - t0,
+    reward_QG if ctx.reward_fns is not None else None,
+  )
 
 
 def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Graded:
@@ -266,15 +299,19 @@ def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Gr
   cat = lambda f: np.concatenate([f(p) for p in parts])  # noqa: E731
   rows_B = (idx_Q[:, None] * G + np.arange(G)).reshape(-1)
   health = {k: sum(p.health[k] for p in parts) for k in parts[0].health}
-  dev = [jnp.concatenate([getattr(p, f) for p in parts])[rows_B]
-         for f in ("logp_dev", "cmask_dev")]
-  return _Graded(cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
-                 cat(lambda p: left(p.mask_QP, 0))[idx_Q],
-                 *(cat(lambda p, f=f: getattr(p, f))[rows_B]
-                   for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")),
-                 cat(lambda p: p.rewards_QG)[idx_Q], health, *dev,
-                 reward_QG=None if parts[0].reward_QG is None else cat(
-                     lambda p: p.reward_QG)[idx_Q])
+  dev = [jnp.concatenate([getattr(p, f) for p in parts])[rows_B] for f in ("logp_dev", "cmask_dev")]
+  return _Graded(
+    cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
+    cat(lambda p: left(p.mask_QP, 0))[idx_Q],
+    *(
+      cat(lambda p, f=f: getattr(p, f))[rows_B]
+      for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")
+    ),
+    cat(lambda p: p.rewards_QG)[idx_Q],
+    health,
+    *dev,
+    reward_QG=None if parts[0].reward_QG is None else cat(lambda p: p.reward_QG)[idx_Q],
+  )
 
 
 @jax.jit
@@ -291,9 +328,15 @@ def _score_metrics(s_QG: Array, correct_QG: Array) -> dict[str, Array]:
   return {"auc_mean": auc, "auc_questions": n, "s_mean": s_QG.mean()}
 
 
-def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs, *,
-            step: int, rng: jax.Array,
-            draw_more: Callable[[], Sequence[Example]] | None = None) -> Rollout:
+def collect(
+  examples: Sequence[Example],
+  ctx: RolloutContext,
+  policy: PolicyArgs,
+  *,
+  step: int,
+  rng: jax.Array,
+  draw_more: Callable[[], Sequence[Example]] | None = None,
+) -> Rollout:
   """Samples, grades and scores this step's questions (``examples``: this process's share).
 
   ``policy``: the weights each stage reads (``PolicyArgs``). ``draw_more``:
@@ -309,48 +352,63 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
   parts = [_sample_and_grade(examples, ctx, policy.sampling, rng)]
   Q = parts[0].rewards_QG.shape[0]
   while draw_more is not None and dynamic_sampling.needs_more(
-      np.concatenate([p.rewards_QG for p in parts]), Q, len(parts), spec.dynamic_max_draws):
+    np.concatenate([p.rewards_QG for p in parts]), Q, len(parts), spec.dynamic_max_draws
+  ):
     drawn.append(list(draw_more()))
     # Extra draws get their own keys; the first draw's stay those of a run without the filter.
-    parts.append(_sample_and_grade(drawn[-1], ctx, policy.sampling,
-                                   jax.random.fold_in(jax.random.fold_in(rng, 1 << 30),
-                                                      len(parts))))
-  idx_Q, n_mixed = dynamic_sampling.select_groups(
-      np.concatenate([p.rewards_QG for p in parts]), Q)
+    parts.append(
+      _sample_and_grade(
+        drawn[-1],
+        ctx,
+        policy.sampling,
+        jax.random.fold_in(jax.random.fold_in(rng, 1 << 30), len(parts)),
+      )
+    )
+  idx_Q, n_mixed = dynamic_sampling.select_groups(np.concatenate([p.rewards_QG for p in parts]), Q)
   sel = parts[0] if len(parts) == 1 else _select(parts, idx_Q, G, tokenizer.pad_id)
   t_reward = sum(p.time_reward for p in parts)
   t_sample = time.perf_counter() - t0 - t_reward
   # This process's examples of the chosen groups (None: another process's group).
   Ql, p0 = len(examples), jax.process_index() * len(examples)
-  examples_Q = [drawn[d][q - p0] if p0 <= q < p0 + Ql else None
-                for d, q in (divmod(int(i), Q) for i in idx_Q)]
+  examples_Q = [
+    drawn[d][q - p0] if p0 <= q < p0 + Ql else None for d, q in (divmod(int(i), Q) for i in idx_Q)
+  ]
 
   # Completion width: the longest sample of the step, bucketed (bounded compiles).
-  C = min(-(-max(int(sel.lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET,
-          sel.comp_BC.shape[1])
+  C = min(
+    -(-max(int(sel.lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET, sel.comp_BC.shape[1]
+  )
   comp_BC, cmask_BC = sel.comp_BC[:, :C], sel.cmask_BC[:, :C]
   sampler_logp_BC, cmask_dev = sel.logp_dev[:, :C], sel.cmask_dev[:, :C]
   rewards_QG, lengths_B = sel.rewards_QG, sel.lengths_B
   if not np.isin(rewards_QG, (0.0, 1.0)).all():
-    raise ValueError(f"the grader returned rewards other than 0 and 1: "
-                     f"{sorted(set(rewards_QG.ravel().tolist()) - {0.0, 1.0})[:5]}")
+    raise ValueError(
+      f"the grader returned rewards other than 0 and 1: "
+      f"{sorted(set(rewards_QG.ravel().tolist()) - {0.0, 1.0})[:5]}"
+    )
 
   t2 = time.perf_counter()
   prompt_BP = np.repeat(sel.tokens_QP, G, axis=0)
   pmask_BP = np.repeat(sel.mask_QP, G, axis=0)
   old_keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
-      ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ())
+    ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ()
+  )
   # One plan and one upload of the step's rows: the passes and the updates read them.
   updates = logprob_pass.upload(
-      packing.plan_step(prompt_BP, pmask_BP, comp_BC, cmask_BC, ctx.batches.rows,
-                        ctx.batches.prompts * G), ctx.batches.sharding)
-  old = ctx.logprobs.run(policy.train, updates, cmask_dev, old_keys, policy.adapters) \
-      if old_keys else {}
+    packing.plan_step(
+      prompt_BP, pmask_BP, comp_BC, cmask_BC, ctx.batches.rows, ctx.batches.prompts * G
+    ),
+    ctx.batches.sharding,
+  )
+  old = (
+    ctx.logprobs.run(policy.train, updates, cmask_dev, old_keys, policy.adapters)
+    if old_keys
+    else {}
+  )
   old_logp_BC = sampler_logp_BC if spec.old_from_sampler else old["logp_BC"]
   ref_logp_BC = None
   if policy.reference is not None:
-    ref_logp_BC = ctx.logprobs.run(policy.reference, updates, cmask_dev,
-                                   ("logp_BC",))["logp_BC"]
+    ref_logp_BC = ctx.logprobs.run(policy.reference, updates, cmask_dev, ("logp_BC",))["logp_BC"]
 
   s_QG = _scores(old_logp_BC, cmask_dev).reshape(Q, G)
   ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
@@ -360,42 +418,68 @@ def collect(examples: Sequence[Example], ctx: RolloutContext, policy: PolicyArgs
   labels_dev = None if sel.reward_QG is None else rewards_dev  # plug-ins: reward != labels
   if labels_dev is not None:
     rewards_QG, rewards_dev = sel.reward_QG, put_global(sel.reward_QG, replicated)
-  adv_QG, adv_metrics = score_rollout(rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv,
-                                      correct_QG=labels_dev)
+  adv_QG, adv_metrics = score_rollout(
+    rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv, correct_QG=labels_dev
+  )
   # Device scalars: the caller reads them with the updates' (no sync here).
   adv_metrics = {**adv_metrics, **_score_metrics(s_QG, correct_dev)}
   t_logp = time.perf_counter() - t2
 
   seqs = Sequences(
-      completion_mask_BC=cmask_dev, old_logp_BC=old_logp_BC, adv_B=adv_QG.reshape(-1),
-      ref_logp_BC=ref_logp_BC,
-      correct_B=put_global(correct_QG.reshape(-1), ctx.logprobs.index_sharding)
-      if spec.simko_k else None,
-      old_topk_ids_BCJ=old.get("topk_ids_BCJ"), old_topk_logp_BCJ=old.get("topk_logp_BCJ"))
-  seqs, mismatch_metrics = mismatch.correct(seqs, sampler_logp_BC, sel.truncated_B,
-                                            spec.mismatch, ctx.logprobs.index_sharding)
+    completion_mask_BC=cmask_dev,
+    old_logp_BC=old_logp_BC,
+    adv_B=adv_QG.reshape(-1),
+    ref_logp_BC=ref_logp_BC,
+    correct_B=put_global(correct_QG.reshape(-1), ctx.logprobs.index_sharding)
+    if spec.simko_k
+    else None,
+    old_topk_ids_BCJ=old.get("topk_ids_BCJ"),
+    old_topk_logp_BCJ=old.get("topk_logp_BCJ"),
+  )
+  seqs, mismatch_metrics = mismatch.correct(
+    seqs, sampler_logp_BC, sel.truncated_B, spec.mismatch, ctx.logprobs.index_sharding
+  )
   n_gen = int(sum(int(p.lengths_B.sum()) for p in parts))
   metrics = {
-      "accuracy": float(correct_QG.mean()),
-      "auc_mean": adv_metrics.pop("auc_mean"),
-      "auc_questions": adv_metrics.pop("auc_questions"),
-      "frac_all_correct": float(correct_QG.all(1).mean()),
-      "frac_all_wrong": float((~correct_QG).all(1).mean()),
-      "response_len": float(lengths_B.mean()),
-      "truncation_rate": float(sel.truncated_B.mean()),
-      **adv_metrics, **mismatch_metrics,
-      "time_sample": t_sample, "time_reward": t_reward, "time_logprobs": t_logp,
-      "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
-      **{f"reward/{k}": float(v) for k, v in sel.health.items()},
-      **({"reward_mean": float(rewards_QG.mean())} if sel.reward_QG is not None else {}),
+    "accuracy": float(correct_QG.mean()),
+    "auc_mean": adv_metrics.pop("auc_mean"),
+    "auc_questions": adv_metrics.pop("auc_questions"),
+    "frac_all_correct": float(correct_QG.all(1).mean()),
+    "frac_all_wrong": float((~correct_QG).all(1).mean()),
+    "response_len": float(lengths_B.mean()),
+    "truncation_rate": float(sel.truncated_B.mean()),
+    **adv_metrics,
+    **mismatch_metrics,
+    "time_sample": t_sample,
+    "time_reward": t_reward,
+    "time_logprobs": t_logp,
+    "sample_tokens_per_s": n_gen / max(t_sample, 1e-9),
+    **{f"reward/{k}": float(v) for k, v in sel.health.items()},
+    **({"reward_mean": float(rewards_QG.mean())} if sel.reward_QG is not None else {}),
   }
   if spec.dynamic_max_draws > 1:
     # Drawn: every prompt sampled this step; dropped: the drawn groups not trained on.
-    metrics.update(prompts_drawn=float(Q * len(parts)), prompts_dropped=float(Q * len(parts) - Q),
-                   groups_degenerate=float(Q - n_mixed),
-                   accuracy_drawn=float(np.mean([p.rewards_QG.mean() for p in parts])))
-  return Rollout(prompt_BP, pmask_BP, comp_BC, cmask_BC, rewards_QG, s_QG, seqs, adv_QG,
-                 updates, ctx.batches.sharding, metrics, examples_Q, correct_QG)
+    metrics.update(
+      prompts_drawn=float(Q * len(parts)),
+      prompts_dropped=float(Q * len(parts) - Q),
+      groups_degenerate=float(Q - n_mixed),
+      accuracy_drawn=float(np.mean([p.rewards_QG.mean() for p in parts])),
+    )
+  return Rollout(
+    prompt_BP,
+    pmask_BP,
+    comp_BC,
+    cmask_BC,
+    rewards_QG,
+    s_QG,
+    seqs,
+    adv_QG,
+    updates,
+    ctx.batches.sharding,
+    metrics,
+    examples_Q,
+    correct_QG,
+  )
 
 
 @dataclasses.dataclass(frozen=True)
@@ -410,6 +494,7 @@ class PolicyArgs:
       base itself, one copy).
     adapters: LoRA's trained adapters (the policy is ``train`` with them), else None.
   """
+
   sampling: Any
   train: Any
   reference: Any = None

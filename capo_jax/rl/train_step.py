@@ -58,10 +58,9 @@ from capo_jax.rl.optim import OptimConfig, current_lr, make_optimizer
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.types import Array
 from models import lora as lora_lib
-from models import qwen2
+from models import qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
-from models import sharding
 from models.sharding import Rules
 
 
@@ -70,6 +69,7 @@ from models.sharding import Rules
 class TrainState:
   """params: float32 masters (LoRA: the adapters); step: steps taken (int32);
   num_skipped: non-finite ones."""
+
   step: Array
   params: Params
   opt_state: Any
@@ -89,6 +89,7 @@ class TrainConfig:
     skip_nonfinite: keep the state when the loss or gradients are not finite.
     lora: train low-rank adapters on a frozen base (``models.lora``); None: all params.
   """
+
   policy_loss: losses.PolicyLoss = losses.Ppo()
   loss: losses.LossConfig = losses.LossConfig()
   optim: OptimConfig = OptimConfig()
@@ -98,11 +99,12 @@ class TrainConfig:
 
   def __post_init__(self) -> None:
     if not isinstance(self.policy_loss, losses.PolicyLoss):
-      raise TypeError(f"TrainConfig.policy_loss={self.policy_loss!r} is not a "
-                      "losses.PolicyLoss (Ppo(), Gspo(), Simko())")
+      raise TypeError(
+        f"TrainConfig.policy_loss={self.policy_loss!r} is not a "
+        "losses.PolicyLoss (Ppo(), Gspo(), Simko())"
+      )
     if self.logprob_chunk_size < 0:
-      raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be "
-                       ">= 0")
+      raise ValueError(f"TrainConfig.logprob_chunk_size={self.logprob_chunk_size} must be >= 0")
 
   def replace(self, **changes: Any) -> TrainConfig:
     return dataclasses.replace(self, **changes)
@@ -116,9 +118,12 @@ class TrainConfig:
 def init_train_state(params: Params, tcfg: TrainConfig) -> TrainState:
   """A fresh state around ``params`` (cast to float32 masters)."""
   params = jax.tree.map(lambda p: p.astype(jnp.float32), params)
-  return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                    opt_state=make_optimizer(tcfg.optim).init(params),
-                    num_skipped=jnp.zeros((), jnp.int32))
+  return TrainState(
+    step=jnp.zeros((), jnp.int32),
+    params=params,
+    opt_state=make_optimizer(tcfg.optim).init(params),
+    num_skipped=jnp.zeros((), jnp.int32),
+  )
 
 
 def trainable_shapes(model_cfg: Qwen2Config, tcfg: TrainConfig) -> Params:
@@ -127,38 +132,47 @@ def trainable_shapes(model_cfg: Qwen2Config, tcfg: TrainConfig) -> Params:
   return shapes if tcfg.lora is None else lora_lib.adapter_shapes(shapes, tcfg.lora)
 
 
-def trainable_shardings(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
-                        ) -> Params:
+def trainable_shardings(
+  model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
+) -> Params:
   """NamedShardings of ``trainable_shapes`` under ``rules``."""
   if tcfg.lora is None:
     return mesh_lib.param_shardings(model_cfg, mesh, rules)
   axes = lora_lib.adapter_axes(qwen2.param_axes(model_cfg), tcfg.lora)
   specs = sharding.tree_specs(axes, rules, trainable_shapes(model_cfg, tcfg), mesh)
-  return jax.tree.map(lambda s: NamedSharding(mesh, s), specs,
-                      is_leaf=lambda x: isinstance(x, PartitionSpec))
+  return jax.tree.map(
+    lambda s: NamedSharding(mesh, s), specs, is_leaf=lambda x: isinstance(x, PartitionSpec)
+  )
 
 
-def state_shardings(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
-                    ) -> TrainState:
+def state_shardings(
+  model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
+) -> TrainState:
   """NamedShardings of the train state: Adam moments follow their params."""
   p_sh = trainable_shardings(model_cfg, tcfg, mesh, rules)
-  abstract = jax.eval_shape(lambda p: init_train_state(p, tcfg),
-                            trainable_shapes(model_cfg, tcfg))
+  abstract = jax.eval_shape(lambda p: init_train_state(p, tcfg), trainable_shapes(model_cfg, tcfg))
   rep = mesh_lib.replicated(mesh)
-  opt_sh = optax.tree_map_params(make_optimizer(tcfg.optim), lambda _, s: s,
-                                 abstract.opt_state, p_sh, transform_non_params=lambda _: rep)
+  opt_sh = optax.tree_map_params(
+    make_optimizer(tcfg.optim),
+    lambda _, s: s,
+    abstract.opt_state,
+    p_sh,
+    transform_non_params=lambda _: rep,
+  )
   return TrainState(step=rep, params=p_sh, opt_state=opt_sh, num_skipped=rep)
 
 
-def train_state_from_params(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
-                            mesh: Mesh, rules: Rules) -> TrainState:
+def train_state_from_params(
+  params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules
+) -> TrainState:
   """The train state of loaded params, placed in the shardings ``rules`` give."""
   sh = state_shardings(model_cfg, tcfg, mesh, rules)
   return jax.jit(functools.partial(init_train_state, tcfg=tcfg), out_shardings=sh)(params)
 
 
-def create_train_state(model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array, mesh: Mesh,
-                       rules: Rules) -> TrainState:
+def create_train_state(
+  model_cfg: Qwen2Config, tcfg: TrainConfig, rng: jax.Array, mesh: Mesh, rules: Rules
+) -> TrainState:
   """Random init straight into the sharded layout (no full copy on one device).
 
   LoRA: fresh adapters (B = 0); the base comes from elsewhere.
@@ -181,8 +195,9 @@ def compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
   return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
 
 
-def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
-                   base: Params | None = None) -> Params:
+def policy_weights(
+  params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig, base: Params | None = None
+) -> Params:
   """What the model applies: ``params`` as stored, or (LoRA) the frozen ``base``
   with the adapters ``params``, merged in the compute dtype.
 
@@ -196,31 +211,47 @@ def policy_weights(params: Params, model_cfg: Qwen2Config, tcfg: TrainConfig,
     return params
   if base is None:
     raise ValueError("TrainConfig.lora is set: the step needs the frozen base params")
-  return lora_lib.with_adapters(compute_params(base, model_cfg),
-                                compute_params(params, model_cfg), tcfg.lora)
+  return lora_lib.with_adapters(
+    compute_params(base, model_cfg), compute_params(params, model_cfg), tcfg.lora
+  )
 
 
-def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig
-                 ) -> losses.PolicyBatch:
+def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig) -> losses.PolicyBatch:
   """The loss inputs from the current policy's per-token outputs ([B, C]) and the sequences."""
   top_k = tcfg.policy_loss.top_k > 0  # SimKO reads its top-K candidates and the labels
   return losses.PolicyBatch(
-      logp_BC=lp["logp_BC"], old_logp_BC=seqs.old_logp_BC, mask_BC=seqs.completion_mask_BC,
-      adv_B=seqs.adv_B, entropy_BC=lp["entropy_BC"], ref_logp_BC=seqs.ref_logp_BC,
-      topk_logp_BCJ=lp.get("topk_logp_BCJ") if top_k else None,
-      old_topk_logp_BCJ=seqs.old_topk_logp_BCJ if top_k else None,
-      is_argmax_BC=lp.get("is_argmax_BC") if top_k else None,
-      correct_B=seqs.correct_B if top_k else None, is_weight_BC=seqs.is_weight_BC)
+    logp_BC=lp["logp_BC"],
+    old_logp_BC=seqs.old_logp_BC,
+    mask_BC=seqs.completion_mask_BC,
+    adv_B=seqs.adv_B,
+    entropy_BC=lp["entropy_BC"],
+    ref_logp_BC=seqs.ref_logp_BC,
+    topk_logp_BCJ=lp.get("topk_logp_BCJ") if top_k else None,
+    old_topk_logp_BCJ=seqs.old_topk_logp_BCJ if top_k else None,
+    is_argmax_BC=lp.get("is_argmax_BC") if top_k else None,
+    correct_B=seqs.correct_B if top_k else None,
+    is_weight_BC=seqs.is_weight_BC,
+  )
 
 
-def microbatch_loss(params: Params, rows: ModelRows, index_BC: Array, seqs: Sequences,
-                    model_cfg: Qwen2Config, tcfg: TrainConfig, base: Params | None = None
-                    ) -> tuple[Array, dict[str, Array]]:
+def microbatch_loss(
+  params: Params,
+  rows: ModelRows,
+  index_BC: Array,
+  seqs: Sequences,
+  model_cfg: Qwen2Config,
+  tcfg: TrainConfig,
+  base: Params | None = None,
+) -> tuple[Array, dict[str, Array]]:
   """The policy loss of one micro-batch under ``params`` (one forward, no accumulation)."""
   if not tcfg.policy_loss.top_k:
     rows = dataclasses.replace(rows, topk_ids_YZJ=None)
-  lp = packed_token_logprobs(policy_weights(params, model_cfg, tcfg, base), model_cfg, rows,
-                             chunk_size=tcfg.logprob_chunk_size)
+  lp = packed_token_logprobs(
+    policy_weights(params, model_cfg, tcfg, base),
+    model_cfg,
+    rows,
+    chunk_size=tcfg.logprob_chunk_size,
+  )
   mask_BC = seqs.completion_mask_BC
   lp = {k.replace("_YZ", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
   return losses.policy_loss(tcfg.policy_loss, policy_batch(lp, seqs, tcfg), tcfg.loss)
@@ -242,14 +273,21 @@ def combine_aux(key: str, acc: Array, new: Array, w: Array) -> Array:
 
 def init_aux(aux_shape: dict[str, Any]) -> dict[str, Array]:
   """The neutral start of ``combine_aux``'s accumulation."""
-  return {k: jnp.full(s.shape, jnp.inf if k.endswith("_min") else
-                      -jnp.inf if k.endswith("_max") else 0.0, s.dtype)
-          for k, s in aux_shape.items()}
+  return {
+    k: jnp.full(
+      s.shape, jnp.inf if k.endswith("_min") else -jnp.inf if k.endswith("_max") else 0.0, s.dtype
+    )
+    for k, s in aux_shape.items()
+  }
 
 
-def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
-                   tcfg: TrainConfig, base: Params | None = None
-                   ) -> tuple[Array, dict[str, Array], Params]:
+def loss_and_grads(
+  params: Params,
+  batch: TrainBatch,
+  model_cfg: Qwen2Config,
+  tcfg: TrainConfig,
+  base: Params | None = None,
+) -> tuple[Array, dict[str, Array], Params]:
   """Full-batch loss, aux and gradients, accumulated over the micro-batches that hold tokens.
 
   Micro-batch m's loss is weighted by its share of the aggregation's denominator
@@ -258,7 +296,8 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   with one micro-batch, weighted means of the per-micro-batch values otherwise.
   """
   grad_fn = jax.value_and_grad(
-      lambda p, mb: microbatch_loss(p, *mb, model_cfg, tcfg, base), has_aux=True)
+    lambda p, mb: microbatch_loss(p, *mb, model_cfg, tcfg, base), has_aux=True
+  )
   mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
   if batch.index_MBC.shape[0] == 1:  # no accumulator: the gradient is the only copy
     (loss, aux), grads = grad_fn(params, mb_at(0))
@@ -283,8 +322,14 @@ def loss_and_grads(params: Params, batch: TrainBatch, model_cfg: Qwen2Config,
   return loss, aux, grads
 
 
-def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None, *,
-               model_cfg: Qwen2Config, tcfg: TrainConfig) -> tuple[TrainState, dict[str, Array]]:
+def train_step(
+  state: TrainState,
+  batch: TrainBatch,
+  base: Params | None = None,
+  *,
+  model_cfg: Qwen2Config,
+  tcfg: TrainConfig,
+) -> tuple[TrainState, dict[str, Array]]:
   """One optimizer update on ``batch``; pure (``make_train_step`` jits it).
 
   ``base``: the frozen base params when ``tcfg.lora`` is set (else None).
@@ -299,16 +344,22 @@ def train_step(state: TrainState, batch: TrainBatch, base: Params | None = None,
     keep = lambda new, old: jnp.where(finite, new, old)
     params = jax.tree.map(keep, params, state.params)
     opt_state = jax.tree.map(keep, opt_state, state.opt_state)
-  skipped = jnp.logical_not(finite).astype(jnp.int32) if tcfg.skip_nonfinite else \
-      jnp.zeros((), jnp.int32)
-  new_state = TrainState(step=state.step + 1, params=params, opt_state=opt_state,
-                         num_skipped=state.num_skipped + skipped)
+  skipped = (
+    jnp.logical_not(finite).astype(jnp.int32) if tcfg.skip_nonfinite else jnp.zeros((), jnp.int32)
+  )
+  new_state = TrainState(
+    step=state.step + 1, params=params, opt_state=opt_state, num_skipped=state.num_skipped + skipped
+  )
   metrics = dict(aux)
   metrics.update(
-      loss=loss, grad_norm=grad_norm, lr=current_lr(tcfg.optim, state.opt_state),
-      param_norm=optax.tree.norm(params), skipped=skipped,
-      num_skipped=new_state.num_skipped,
-      num_tokens=(batch.seqs.completion_mask_BC > 0).sum().astype(jnp.int32))
+    loss=loss,
+    grad_norm=grad_norm,
+    lr=current_lr(tcfg.optim, state.opt_state),
+    param_norm=optax.tree.norm(params),
+    skipped=skipped,
+    num_skipped=new_state.num_skipped,
+    num_tokens=(batch.seqs.completion_mask_BC > 0).sum().astype(jnp.int32),
+  )
   return new_state, metrics
 
 
@@ -319,8 +370,9 @@ def batch_sharding(mesh: Mesh, rules: Rules, rows_per_microbatch: int) -> NamedS
   return NamedSharding(mesh, PartitionSpec(None, *spec))
 
 
-def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules,
-                    rows_per_microbatch: int):
+def make_train_step(
+  model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules: Rules, rows_per_microbatch: int
+):
   """``step(state, batch) -> (state, metrics)`` jitted with shardings; the state is donated.
 
   LoRA (``tcfg.lora``): ``step(state, batch, base)``; the base is sharded like
@@ -337,13 +389,21 @@ def make_train_step(model_cfg: Qwen2Config, tcfg: TrainConfig, mesh: Mesh, rules
     with sharding.activations(layout):  # the rows stay split as the batch arrives
       return train_step(*args, model_cfg=model_cfg, tcfg=tcfg)
 
-  return jax.jit(step, in_shardings=in_sh, out_shardings=(state_sh, mesh_lib.replicated(mesh)),
-                 donate_argnums=0)
+  return jax.jit(
+    step, in_shardings=in_sh, out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0
+  )
 
 
-def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, rows_per_call: int, *,
-                    chunk_size: int = 0, top_k: int = 0,
-                    lora: lora_lib.LoraConfig | None = None):
+def make_logprob_fn(
+  model_cfg: Qwen2Config,
+  mesh: Mesh,
+  rules: Rules,
+  rows_per_call: int,
+  *,
+  chunk_size: int = 0,
+  top_k: int = 0,
+  lora: lora_lib.LoraConfig | None = None,
+):
   """Jitted forward-only ``fn(params, rows, adapters=None) -> packed_token_logprobs dict``,
   the old / reference log-prob pass over ``rows_per_call`` model rows.
 
@@ -359,7 +419,6 @@ def make_logprob_fn(model_cfg: Qwen2Config, mesh: Mesh, rules: Rules, rows_per_c
   def fn(params: Params, rows: ModelRows, adapters: Params | None = None) -> dict[str, Array]:
     weights = params if adapters is None else policy_weights(adapters, model_cfg, tcfg, params)
     with sharding.activations(layout):
-      return packed_token_logprobs(weights, model_cfg, rows, chunk_size=chunk_size,
-                                   top_k=top_k)
+      return packed_token_logprobs(weights, model_cfg, rows, chunk_size=chunk_size, top_k=top_k)
 
   return jax.jit(fn, out_shardings=r_sh)

@@ -27,9 +27,7 @@ from capo_jax.run import model_card
 from capo_jax.run.setup import export_policy
 from capo_jax.run.trainer import Run, StepOut
 from capo_jax.runtime import checkpoint as ckpt_lib
-from capo_jax.runtime import fs
-from capo_jax.runtime import metrics
-from capo_jax.runtime import preemption
+from capo_jax.runtime import fs, metrics, preemption
 from capo_jax.runtime.distributed import is_main_process
 from models.sharding import to_host
 
@@ -54,6 +52,7 @@ class Tick:
     preempted: set by the preemption hook: every process saves this step and stops.
     stop: set by a hook that ends the run; ``loop.finish`` raises it.
   """
+
   done: int
   state: Any
   out: StepOut
@@ -74,6 +73,7 @@ class Hook:
     timed: whether the row carries its time (the row's own writing cannot).
     after_stop: runs even once a hook before it stopped the run.
   """
+
   name: str
   every: int
   fn: Callable[[Tick], None]
@@ -93,8 +93,13 @@ class Hooks:
   def __init__(self, run: Run, watch: preemption.PreemptionWatch) -> None:
     self.run = run
     spec = run.spec
-    self.bar = tqdm(total=run.num_steps, initial=run.start, disable=not is_main_process(),
-                    desc=spec.algo.name, dynamic_ncols=True)
+    self.bar = tqdm(
+      total=run.num_steps,
+      initial=run.start,
+      disable=not is_main_process(),
+      desc=spec.algo.name,
+      dynamic_ncols=True,
+    )
     self.profile = Profile(spec.log.profile_steps, fs.join(run.workdir, PROFILE_DIR))
     skips = [0]  # consecutive steps whose every update was skipped
 
@@ -102,9 +107,10 @@ class Hooks:
       skips[0] = skips[0] + 1 if t.out.skipped == t.out.updates else 0
       if skips[0] >= spec.train.max_consecutive_skips:
         t.stop = TrainingDiverged(
-            f"{skips[0]} consecutive steps had a non-finite loss or gradient (step "
-            f"{t.done}); the last checkpoint is in {run.checkpointer.directory}. Lower "
-            "config.optim.lr or check the data.")
+          f"{skips[0]} consecutive steps had a non-finite loss or gradient (step "
+          f"{t.done}); the last checkpoint is in {run.checkpointer.directory}. Lower "
+          "config.optim.lr or check the data."
+        )
 
     def preempt(t: Tick) -> None:  # every process, every step (JAX's protocol)
       t.preempted = watch.reached(t.done)
@@ -115,8 +121,11 @@ class Hooks:
         t.stop = preemption.Preempted(t.done, run.checkpointer.directory)
 
     def export_step(t: Tick) -> None:
-      path = (fs.join(run.workdir, FINAL_EXPORT) if t.done == run.num_steps else
-              fs.join(run.workdir, "exports", f"step_{t.done:06d}"))
+      path = (
+        fs.join(run.workdir, FINAL_EXPORT)
+        if t.done == run.num_steps
+        else fs.join(run.workdir, "exports", f"step_{t.done:06d}")
+      )
       export(run, t.state, path, t.done)
 
     def write_row(t: Tick) -> None:
@@ -128,24 +137,29 @@ class Hooks:
       self.bar.set_postfix_str(metrics.summary_line(t.out.row))
 
     samples = lambda t: run.writer.write_samples(  # noqa: E731
-        t.done, sample_records(t.out.rollout, run.tokenizer, spec.rollout.num_samples,
-                               spec.log.num_samples_logged))
-    evaluation = [Hook("eval", spec.eval.every_steps, lambda t: evaluate(run, t.state, t.done),
-                       last=True)] if run.eval_fn is not None else []
+      t.done,
+      sample_records(
+        t.out.rollout, run.tokenizer, spec.rollout.num_samples, spec.log.num_samples_logged
+      ),
+    )
+    evaluation = (
+      [Hook("eval", spec.eval.every_steps, lambda t: evaluate(run, t.state, t.done), last=True)]
+      if run.eval_fn is not None
+      else []
+    )
     profile = [Hook("profile", 1, self.profile.after)] if self.profile.steps else []
     self.hooks = [
-        Hook("samples", spec.log.samples_every_steps, samples),
-        Hook("divergence", 1, diverged, timed=False),
-        Hook("preemption", 1, preempt, timed=False),
-        *evaluation,
-        # Exports before the checkpoint, so nothing slow stands between a checkpoint and
-        # its step's row (a run killed there would resume past a row never written).
-        Hook("export", spec.checkpoint.export_hf_every, export_step,
-             last=spec.checkpoint.export_hf),
-        Hook("checkpoint", 1, checkpoint),
-        *profile,
-        Hook("log", spec.log.every_steps, write_row, last=True, timed=False, after_stop=True),
-        Hook("progress", 1, progress, timed=False, after_stop=True),
+      Hook("samples", spec.log.samples_every_steps, samples),
+      Hook("divergence", 1, diverged, timed=False),
+      Hook("preemption", 1, preempt, timed=False),
+      *evaluation,
+      # Exports before the checkpoint, so nothing slow stands between a checkpoint and
+      # its step's row (a run killed there would resume past a row never written).
+      Hook("export", spec.checkpoint.export_hf_every, export_step, last=spec.checkpoint.export_hf),
+      Hook("checkpoint", 1, checkpoint),
+      *profile,
+      Hook("log", spec.log.every_steps, write_row, last=True, timed=False, after_stop=True),
+      Hook("progress", 1, progress, timed=False, after_stop=True),
     ]
 
   def before(self, state: Any) -> None:
@@ -155,8 +169,11 @@ class Hooks:
     if run.eval_fn is not None and run.start == 0:
       evaluate(run, state, 0)
     final_export = fs.join(run.workdir, FINAL_EXPORT)
-    if run.start >= run.num_steps and run.spec.checkpoint.export_hf and \
-        not fs.exists(fs.join(final_export, "config.json")):
+    if (
+      run.start >= run.num_steps
+      and run.spec.checkpoint.export_hf
+      and not fs.exists(fs.join(final_export, "config.json"))
+    ):
       export(run, state, final_export, run.num_steps)
     self.profile.start_before(run.start + 1)
 
@@ -189,8 +206,9 @@ class Profile:
 
   def start_before(self, step: int) -> None:
     if self._local is None and self.steps and self.steps[0] <= step <= self.steps[1]:
-      self._local = (tempfile.mkdtemp(prefix="capo-profile-") if fs.is_remote(self.directory)
-                     else self.directory)
+      self._local = (
+        tempfile.mkdtemp(prefix="capo-profile-") if fs.is_remote(self.directory) else self.directory
+      )
       log.info("profiling steps %d-%d into %s", step, self.steps[1], self.directory)
       jax.profiler.start_trace(self._local)
 
@@ -213,11 +231,18 @@ class Profile:
 def save(run: Run, state: Any, step: int, force: bool = False) -> None:
   """A checkpoint of ``state`` with what a resume needs: the key, the data stream, the model."""
   w = run.weights
-  run.checkpointer.save(step, state, {"rng": ckpt_lib.key_to_json(run.rng),
-                                      "data": run.iterator.state(), "algo": run.spec.algo.name,
-                                      "hf_config": run.model_cfg.to_hf(),
-                                      **w.checkpoint_record(run.spec.model.hf_path)},
-                        force=force)
+  run.checkpointer.save(
+    step,
+    state,
+    {
+      "rng": ckpt_lib.key_to_json(run.rng),
+      "data": run.iterator.state(),
+      "algo": run.spec.algo.name,
+      "hf_config": run.model_cfg.to_hf(),
+      **w.checkpoint_record(run.spec.model.hf_path),
+    },
+    force=force,
+  )
 
 
 def evaluate(run: Run, state: Any, step: int) -> None:
@@ -227,12 +252,18 @@ def evaluate(run: Run, state: Any, step: int) -> None:
 
 def export(run: Run, state: Any, path: str, step: int) -> None:
   """The HF policy at ``path``, with its model card and prompt."""
-  export_policy(run.model_cfg, run.weights.full(state.params), path, run.tokenizer,
-                files=lambda: model_card.export_files(run.spec, run.workdir, step, run.tokenizer))
+  export_policy(
+    run.model_cfg,
+    run.weights.full(state.params),
+    path,
+    run.tokenizer,
+    files=lambda: model_card.export_files(run.spec, run.workdir, step, run.tokenizer),
+  )
 
 
-def sample_records(ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
-                   ) -> list[dict[str, Any]]:
+def sample_records(
+  ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
+) -> list[dict[str, Any]]:
   """The first ``n`` completions of this process's groups, for a human to read."""
   adv_QG, s_QG = to_host(ro.adv_QG), to_host(ro.s_QG)  # a few rows, on logging steps
   rows = [q * G + g for q, e in enumerate(ro.examples_Q) if e is not None for g in range(G)][:n]
@@ -241,7 +272,14 @@ def sample_records(ro: rollout.Rollout, tokenizer: Tokenizer, G: int, n: int
   for i, text in zip(rows, texts):
     q, g = divmod(i, G)
     e = ro.examples_Q[q]
-    recs.append({"question": e.problem, "gold": e.answer, "completion": text,
-                 "reward": float(ro.rewards_QG[q, g]), "s": float(s_QG[q, g]),
-                 "advantage": float(adv_QG[q, g])})
+    recs.append(
+      {
+        "question": e.problem,
+        "gold": e.answer,
+        "completion": text,
+        "reward": float(ro.rewards_QG[q, g]),
+        "s": float(s_QG[q, g]),
+        "advantage": float(adv_QG[q, g]),
+      }
+    )
   return recs

@@ -42,18 +42,23 @@ from capo_jax.run.hooks import TrainingDiverged  # noqa: F401  (raised by train)
 from capo_jax.run.setup import Policy
 from capo_jax.run.spec import RunSpec
 from capo_jax.run.trainer import EvalFn, Run
-from capo_jax.runtime import fs
+from capo_jax.runtime import fs, preemption
 from capo_jax.runtime import lease as lease_lib
-from capo_jax.runtime import preemption
 from capo_jax.runtime.distributed import is_main_process
 
 log = logging.getLogger(__name__)
 
 
-def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
-          tokenizer: Tokenizer | None = None,
-          train_examples: Sequence[data.Example] | None = None,
-          eval_fn: EvalFn | None = None, grader: Any = None) -> Any:
+def train(
+  spec: RunSpec,
+  workdir: str,
+  *,
+  policy: Policy | None = None,
+  tokenizer: Tokenizer | None = None,
+  train_examples: Sequence[data.Example] | None = None,
+  eval_fn: EvalFn | None = None,
+  grader: Any = None,
+) -> Any:
   """Runs (or resumes) the RL run ``spec`` in ``workdir``; returns the final params.
 
   ``policy``, ``tokenizer``, ``train_examples`` and ``grader`` replace what the
@@ -87,8 +92,7 @@ def train(spec: RunSpec, workdir: str, *, policy: Policy | None = None,
       lease.release()
 
 
-def finish(run: Run, hooks: hooks_lib.Hooks, state: Any,
-           stop: BaseException | None = None) -> Any:
+def finish(run: Run, hooks: hooks_lib.Hooks, state: Any, stop: BaseException | None = None) -> Any:
   """The end of every run, whole or stopped: closes what it opened; returns the final
   params, or raises ``stop`` (a preemption, a divergence)."""
   hooks.close()
@@ -122,6 +126,8 @@ def _hold_lease(workdir: str) -> lease_lib.Lease | None:
 
 def _check_lease(run: Run, step: int) -> None:
   if run.lease is not None and run.lease.lost:
-    raise lease_lib.LeaseHeld(f"{run.lease.path}: another run took this workdir over at step "
-                              f"{step}; this run stops (its last checkpoint is in "
-                              f"{run.checkpointer.directory})")
+    raise lease_lib.LeaseHeld(
+      f"{run.lease.path}: another run took this workdir over at step "
+      f"{step}; this run stops (its last checkpoint is in "
+      f"{run.checkpointer.directory})"
+    )

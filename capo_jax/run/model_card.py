@@ -24,17 +24,22 @@ from typing import Any
 from capo_jax.data.prompts import PROMPT_FILE, PromptFormat
 from capo_jax.eval import report
 from capo_jax.run.spec import RunSpec
-from capo_jax.runtime import fs
-from capo_jax.runtime import run_record
+from capo_jax.runtime import fs, run_record
 from models import hub
 
 log = logging.getLogger(__name__)
 
 CARD_FILE = "README.md"
 EVAL_DIR = "eval"  # train_eval writes <workdir>/eval/step_<N>/results.json
-METHODS = {"capo": "CAPO", "grpo": "GRPO",
-           "dr_grpo": "Dr. GRPO", "gspo": "GSPO", "codapo": "CoDaPO", "cde": "CDE",
-           "simko": "SimKO"}
+METHODS = {
+  "capo": "CAPO",
+  "grpo": "GRPO",
+  "dr_grpo": "Dr. GRPO",
+  "gspo": "GSPO",
+  "codapo": "CoDaPO",
+  "cde": "CDE",
+  "simko": "SimKO",
+}
 TAGS = ("capo-jax", "reinforcement-learning", "calibration", "math")
 
 
@@ -50,8 +55,9 @@ def eval_steps(workdir: str) -> list[int]:
   root = fs.join(workdir, EVAL_DIR)
   if not fs.is_dir(root):
     return []
-  steps = [int(m.group(1)) for p in fs.path(root).iterdir()
-           if (m := re.fullmatch(r"step_(\d+)", p.name))]
+  steps = [
+    int(m.group(1)) for p in fs.path(root).iterdir() if (m := re.fullmatch(r"step_(\d+)", p.name))
+  ]
   return sorted(s for s in steps if fs.is_file(fs.join(root, f"step_{s:06d}", "results.json")))
 
 
@@ -66,12 +72,16 @@ def _num(value: Any) -> str:
 def eval_table(results: Mapping[str, Any]) -> str:
   """Markdown: benchmark, questions, samples per question, accuracy (mean@k over the
   k samples of each question), AUC-mean, AURC; 4 decimals, "n/a" where undefined."""
-  lines = ["| benchmark | questions | samples | accuracy | AUC-mean | AURC |",
-           "|---|---:|---:|---:|---:|---:|"]
+  lines = [
+    "| benchmark | questions | samples | accuracy | AUC-mean | AURC |",
+    "|---|---:|---:|---:|---:|---:|",
+  ]
   for name, r in results["benchmarks"].items():
     k = r["samples_per_question"][0]
-    lines.append(f"| {name} | {r['n_questions']} | {k} | {_num(r.get(f'mean@{k}'))} | "
-                 f"{_num(r.get('auc_mean'))} | {_num(r.get('aurc'))} |")
+    lines.append(
+      f"| {name} | {r['n_questions']} | {k} | {_num(r.get(f'mean@{k}'))} | "
+      f"{_num(r.get('auc_mean'))} | {_num(r.get('aurc'))} |"
+    )
   return "\n".join(lines)
 
 
@@ -89,34 +99,59 @@ def _front_matter(spec: RunSpec) -> str:
 def _run_rows(spec: RunSpec, workdir: str, step: int) -> list[tuple[str, str]]:
   est = spec.estimator()
   hp = ", ".join(f"{f.name}={getattr(est, f.name)}" for f in dataclasses.fields(est))
-  method = f"{METHODS.get(spec.algo.name, spec.algo.name)}: `algo.name={spec.algo.name}`" + (
-      f", {hp}" if hp else "") + (", noise mask on" if spec.uses_noise_mask else "")
-  base = spec.model.hf_path or (f"random weights of preset `{spec.model.preset}`"
-                                if spec.model.random_init else "given by the caller")
-  rows = [("method", method), ("base model", base),
-          ("steps", f"{step} of {spec.train.num_steps} RL steps ({spec.rollout.num_prompts} "
-           f"questions x {spec.rollout.num_samples} samples each)"),
-          ("training data", f"`{spec.data.train}`"),
-          ("config", f"sha256 `{config_hash(spec.raw)}` of the resolved config "
-           f"(`config` of the run's config.json)")]
+  method = (
+    f"{METHODS.get(spec.algo.name, spec.algo.name)}: `algo.name={spec.algo.name}`"
+    + (f", {hp}" if hp else "")
+    + (", noise mask on" if spec.uses_noise_mask else "")
+  )
+  base = spec.model.hf_path or (
+    f"random weights of preset `{spec.model.preset}`"
+    if spec.model.random_init
+    else "given by the caller"
+  )
+  rows = [
+    ("method", method),
+    ("base model", base),
+    (
+      "steps",
+      f"{step} of {spec.train.num_steps} RL steps ({spec.rollout.num_prompts} "
+      f"questions x {spec.rollout.num_samples} samples each)",
+    ),
+    ("training data", f"`{spec.data.train}`"),
+    (
+      "config",
+      f"sha256 `{config_hash(spec.raw)}` of the resolved config "
+      f"(`config` of the run's config.json)",
+    ),
+  ]
   path = fs.join(workdir, run_record.CONFIG_FILE)
   if fs.is_file(path):
     rec = json.loads(fs.read_text(path))
-    rows.append(("capo-jax", f"{rec.get('capo_jax_version')}, commit "
-                 f"{rec.get('git_commit') or 'unknown'}"))
+    rows.append(
+      ("capo-jax", f"{rec.get('capo_jax_version')}, commit {rec.get('git_commit') or 'unknown'}")
+    )
   if spec.model.lora_rank:
-    rows.append(("LoRA", f"rank {spec.model.lora_rank}, alpha {spec.model.lora_alpha}, merged "
-                 "into these weights"))
+    rows.append(
+      (
+        "LoRA",
+        f"rank {spec.model.lora_rank}, alpha {spec.model.lora_alpha}, merged into these weights",
+      )
+    )
   return rows
 
 
 def _prompt_section(prompt: PromptFormat | None) -> list[str]:
   if prompt is None:
     return []
-  out = ["## Prompt", "", f"Trained with this prompt (`{PROMPT_FILE}` in this directory); "
-         "prompt the model the same way:", "", "- system: " + (
-             f"`{prompt.system}`" if prompt.system else "none"),
-         f"- user: `{prompt.template}`", f"- chat template: {prompt.chat_template}"]
+  out = [
+    "## Prompt",
+    "",
+    f"Trained with this prompt (`{PROMPT_FILE}` in this directory); prompt the model the same way:",
+    "",
+    "- system: " + (f"`{prompt.system}`" if prompt.system else "none"),
+    f"- user: `{prompt.template}`",
+    f"- chat template: {prompt.chat_template}",
+  ]
   if prompt.template_kwargs():
     out.append(f"- chat-template options: `{json.dumps(prompt.template_kwargs())}`")
   return out + [""]
@@ -128,35 +163,52 @@ def model_card(spec: RunSpec, workdir: str, step: int, prompt: PromptFormat | No
   name = os.path.basename(str(workdir).rstrip("/")) or "policy"
   method = METHODS.get(spec.algo.name, spec.algo.name)
   of = f" of {spec.model.hf_path}" if spec.model.hf_path else ""
-  out = [_front_matter(spec), "", f"# {name}: {method} fine-tune{of}, step {step}", "",
-         "A policy trained with capo-jax by reinforcement learning "
-         "with verifiable math rewards. Calibration numbers: AUC-mean is the mean over "
-         "questions of the AUC of the confidence score (mean token log-prob) at telling "
-         "right samples from wrong ones (higher is better); AURC is the area under the "
-         "risk-coverage curve (lower is better).", "", "## Run", "",
-         "| | |", "|---|---|"]
+  out = [
+    _front_matter(spec),
+    "",
+    f"# {name}: {method} fine-tune{of}, step {step}",
+    "",
+    "A policy trained with capo-jax by reinforcement learning "
+    "with verifiable math rewards. Calibration numbers: AUC-mean is the mean over "
+    "questions of the AUC of the confidence score (mean token log-prob) at telling "
+    "right samples from wrong ones (higher is better); AURC is the area under the "
+    "risk-coverage curve (lower is better).",
+    "",
+    "## Run",
+    "",
+    "| | |",
+    "|---|---|",
+  ]
   out += [f"| {k} | {v} |" for k, v in _run_rows(spec, workdir, step)]
   out += [""] + _prompt_section(prompt) + ["## Evaluation", ""]
   steps = [s for s in eval_steps(workdir) if s <= step]
   if not steps:
-    out += ["No evaluation during training reached this step (`eval.every_steps`="
-            f"{spec.eval.every_steps}); `python -m capo_jax.eval --policy=DIR` evaluates it."]
+    out += [
+      "No evaluation during training reached this step (`eval.every_steps`="
+      f"{spec.eval.every_steps}); `python -m capo_jax.eval --policy=DIR` evaluates it."
+    ]
   else:
     last = steps[-1]
     e = spec.eval
-    out += [f"At step {last} (`eval/step_{last:06d}/results.json`), sampled at temperature "
-            f"{e.temperature} with at most {e.max_new_tokens} new tokens"
-            + (f", the first {e.limit} questions of each benchmark" if e.limit else "")
-            + "; accuracy is mean@k over the k samples of each question.", "",
-            eval_table(load_eval(workdir, last))]
+    out += [
+      f"At step {last} (`eval/step_{last:06d}/results.json`), sampled at temperature "
+      f"{e.temperature} with at most {e.max_new_tokens} new tokens"
+      + (f", the first {e.limit} questions of each benchmark" if e.limit else "")
+      + "; accuracy is mean@k over the k samples of each question.",
+      "",
+      eval_table(load_eval(workdir, last)),
+    ]
     if steps[0] == 0 and last != 0:
-      out += ["", "At step 0 (the base policy, the same sampling settings):", "",
-              eval_table(load_eval(workdir, 0))]
+      out += [
+        "",
+        "At step 0 (the base policy, the same sampling settings):",
+        "",
+        eval_table(load_eval(workdir, 0)),
+      ]
   return "\n".join(out) + "\n"
 
 
-def export_files(spec: RunSpec, workdir: str, step: int, tokenizer: Any
-                 ) -> dict[str, str]:
+def export_files(spec: RunSpec, workdir: str, step: int, tokenizer: Any) -> dict[str, str]:
   """``{file name: text}`` an export adds: README.md, and prompt.json when the tokenizer
   renders a ``PromptFormat`` (a HF tokenizer; the demo's renders its own)."""
   prompt = getattr(tokenizer, "prompt", None)

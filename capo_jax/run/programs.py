@@ -42,6 +42,7 @@ class StepPrograms:
     train_step: ``step(state, batch[, base]) -> (state, metrics)``, jitted, state donated.
     state_shardings: the train state's shardings.
   """
+
   model_cfg: Qwen2Config
   tcfg: ts.TrainConfig
   sampling: sampling.SamplingSpec
@@ -64,27 +65,43 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
   # Unpacked rows are as wide as the step's sequences (0: the batch's own width).
   row_len = row_len if pack else 0
   logprobs = LogprobPass(
-      fn=ts.make_logprob_fn(model_cfg, mesh, rules, rows_per_call,
-                            chunk_size=spec.train.logprob_chunk, top_k=spec.simko_k,
-                            lora=tcfg.lora),
-      layout=RowLayout(row_len, rows_per_call, pack),
-      rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
-      index_sharding=mesh_lib.batch_sharding(mesh, rules, B))
-  batch_layout = BatchLayout(rows=RowLayout(row_len, rows_per_mb, pack),
-                             sharding=ts.batch_sharding(mesh, rules, rows_per_mb),
-                             prompts=spec.train.mini_batch_prompts)
+    fn=ts.make_logprob_fn(
+      model_cfg,
+      mesh,
+      rules,
+      rows_per_call,
+      chunk_size=spec.train.logprob_chunk,
+      top_k=spec.simko_k,
+      lora=tcfg.lora,
+    ),
+    layout=RowLayout(row_len, rows_per_call, pack),
+    rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
+    index_sharding=mesh_lib.batch_sharding(mesh, rules, B),
+  )
+  batch_layout = BatchLayout(
+    rows=RowLayout(row_len, rows_per_mb, pack),
+    sharding=ts.batch_sharding(mesh, rules, rows_per_mb),
+    prompts=spec.train.mini_batch_prompts,
+  )
   return StepPrograms(
-      model_cfg=model_cfg, tcfg=tcfg, sampling=sampling_spec(spec),
-      sampling_layout=Layout.of(mesh, mesh_lib.SAMPLING_RULES), logprobs=logprobs,
-      batch_layout=batch_layout,
-      train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
-      state_shardings=ts.state_shardings(model_cfg, tcfg, mesh, rules))
+    model_cfg=model_cfg,
+    tcfg=tcfg,
+    sampling=sampling_spec(spec),
+    sampling_layout=Layout.of(mesh, mesh_lib.SAMPLING_RULES),
+    logprobs=logprobs,
+    batch_layout=batch_layout,
+    train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
+    state_shardings=ts.state_shardings(model_cfg, tcfg, mesh, rules),
+  )
 
 
 def sampling_spec(spec: RunSpec) -> sampling.SamplingSpec:
   """The rollout's sampler calls (the stop and pad ids are the tokenizer's: the trainer
   sets them; they are arguments of the programs, not part of their shape)."""
   r = spec.rollout
-  return sampling.SamplingSpec(num_samples=r.num_samples, max_new_tokens=r.max_new_tokens,
-                               strategy=strategies.make_strategy(r.temperature, r.top_p, r.top_k),
-                               max_active_rows=r.max_active_rows or None)
+  return sampling.SamplingSpec(
+    num_samples=r.num_samples,
+    max_new_tokens=r.max_new_tokens,
+    strategy=strategies.make_strategy(r.temperature, r.top_p, r.top_k),
+    max_active_rows=r.max_active_rows or None,
+  )

@@ -178,6 +178,7 @@ class Reward:
   ``fns`` and ``overlong_buffer`` shape the scalar reward only: CAPO pairs on ``correct``,
   so they change no CAPO advantage (``RunSpec`` logs a line when a CAPO run sets them).
   """
+
   correct: str
   fns: tuple[str, ...]
   weights: tuple[float, ...]
@@ -190,6 +191,7 @@ class Reward:
 @_frozen
 class Prompt:
   """How a question becomes a prompt (``capo_jax.data.prompts.PromptFormat``)."""
+
   system: str
   template: str
   chat_template: str
@@ -197,10 +199,21 @@ class Prompt:
   chat_template_kwargs: Mapping[str, Any]
 
 
-SECTIONS = {"model": Model, "data": Data, "rollout": Rollout, "algo": Algo, "loss": Loss,
-            "optim": Optim, "train": Train, "mesh": Mesh, "checkpoint": Checkpoint,
-            "log": Log, "eval": Eval, "reward": Reward,
-            "prompt": Prompt}
+SECTIONS = {
+  "model": Model,
+  "data": Data,
+  "rollout": Rollout,
+  "algo": Algo,
+  "loss": Loss,
+  "optim": Optim,
+  "train": Train,
+  "mesh": Mesh,
+  "checkpoint": Checkpoint,
+  "log": Log,
+  "eval": Eval,
+  "reward": Reward,
+  "prompt": Prompt,
+}
 TOP_LEVEL = ("seed", "tokenizer_path", "compilation_cache_dir")
 
 
@@ -209,12 +222,18 @@ def section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
   fields = {f.name for f in dataclasses.fields(cls)}
   unknown = sorted(set(values) - fields)
   if unknown:
-    fail(f"{name}.{unknown[0]}", values[unknown[0]], f"unknown field; config.{name} has "
-          f"{sorted(fields)}")
+    fail(
+      f"{name}.{unknown[0]}",
+      values[unknown[0]],
+      f"unknown field; config.{name} has {sorted(fields)}",
+    )
   missing = sorted(fields - set(values))
   if missing:
-    fail(f"{name}.{missing[0]}", None, "missing (start run files from "
-          "configs/common.get_base_config())")
+    fail(
+      f"{name}.{missing[0]}",
+      None,
+      "missing (start run files from configs/common.get_base_config())",
+    )
   if name == "data":
     values = {**values, "eval": tuple(values["eval"])}
   if name == "log":

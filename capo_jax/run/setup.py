@@ -22,9 +22,8 @@ from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from capo_jax.rl import train_step as ts
 from capo_jax.run.spec import ConfigError, Data, RunSpec
-from capo_jax.runtime import fs
+from capo_jax.runtime import fs, model_files
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.runtime import model_files
 from capo_jax.runtime.distributed import is_main_process
 from models import hf_weights, lora, qwen2
 from models.config import Qwen2Config
@@ -38,6 +37,7 @@ SPLIT_FILE = "data_split.json"
 @dataclasses.dataclass
 class Policy:
   """An initial policy handed in by the caller (e.g. the demo's warm start)."""
+
   cfg: Qwen2Config
   params: Any
 
@@ -48,8 +48,9 @@ def tokenizer_for(spec: RunSpec) -> Tokenizer:
   field = "tokenizer_path" if spec.tokenizer_path else "model.hf_path"
   path = spec.tokenizer_path or spec.model.hf_path
   if not path:
-    raise ConfigError("config.tokenizer_path is empty and there is no "
-                                 "model.hf_path to take the tokenizer from")
+    raise ConfigError(
+      "config.tokenizer_path is empty and there is no model.hf_path to take the tokenizer from"
+    )
   try:
     return load_tokenizer(path, prompt=spec.prompt_format())
   except FileNotFoundError as e:
@@ -58,8 +59,9 @@ def tokenizer_for(spec: RunSpec) -> Tokenizer:
     raise ConfigError(f"config.prompt / config.{field}={path!r}: {e}") from e
 
 
-def initial_params(spec: RunSpec, model_cfg: Qwen2Config,
-                   policy: Policy | None, shardings: Any) -> Any:
+def initial_params(
+  spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None, shardings: Any
+) -> Any:
   """The run's starting params (also the frozen reference), in the train shardings."""
   if policy is not None:
     return jax.device_put(policy.params, shardings)
@@ -69,12 +71,13 @@ def initial_params(spec: RunSpec, model_cfg: Qwen2Config,
       model_files.check_model_dir(local)
     except FileNotFoundError as e:
       raise ConfigError(f"config.model.hf_path={spec.model.hf_path!r}: {e}") from e
-    _, params = hf_weights.load_pretrained(local, dtype=model_cfg.weight_dtype,
-                                           shardings=shardings)
+    _, params = hf_weights.load_pretrained(local, dtype=model_cfg.weight_dtype, shardings=shardings)
     return params
   if not spec.model.random_init:  # never a random policy that nobody asked for
-    raise ConfigError("config.model.hf_path='': no weights to start from; set model.hf_path, "
-                      "or model.random_init=True for random weights of model.preset")
+    raise ConfigError(
+      "config.model.hf_path='': no weights to start from; set model.hf_path, "
+      "or model.random_init=True for random weights of model.preset"
+    )
   init = lambda key: qwen2.init_params(model_cfg, key)
   return jax.jit(init, out_shardings=shardings)(jax.random.key(spec.seed))
 
@@ -94,6 +97,7 @@ class PolicyWeights:
       for the HF exports.
     lora: the LoRA config, or None.
   """
+
   base: Any
   reference: Any
   to_sampling: Callable[[Any], Any]
@@ -112,9 +116,14 @@ class PolicyWeights:
     return {"lora": {**self.lora.to_json(), "base": hf_path or None}}
 
 
-def policy_weights(spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None,
-                   tcfg: ts.TrainConfig, mesh: jax.sharding.Mesh, rules: Any
-                   ) -> tuple[Any, PolicyWeights]:
+def policy_weights(
+  spec: RunSpec,
+  model_cfg: Qwen2Config,
+  policy: Policy | None,
+  tcfg: ts.TrainConfig,
+  mesh: jax.sharding.Mesh,
+  rules: Any,
+) -> tuple[Any, PolicyWeights]:
   """The run's initial policy (``initial_params``) split into what trains and what is frozen.
 
   Returns the initial trainable params (every param, or fresh LoRA adapters: the
@@ -127,35 +136,52 @@ def policy_weights(spec: RunSpec, model_cfg: Qwen2Config, policy: Policy | None,
   lcfg = tcfg.lora
   if lcfg is None:
     # The reference is frozen at the initial params, kept in the compute dtype.
-    ref = jax.jit(lambda p: cast(p, model_cfg.dtype), out_shardings=p_sh)(params0) \
-        if spec.needs_reference else None
-    return params0, PolicyWeights(None, ref, jax.jit(lambda p: cast(p, model_cfg.dtype),
-                                                     out_shardings=sampling_sh),
-                                  lambda p: p, None)
+    ref = (
+      jax.jit(lambda p: cast(p, model_cfg.dtype), out_shardings=p_sh)(params0)
+      if spec.needs_reference
+      else None
+    )
+    return params0, PolicyWeights(
+      None,
+      ref,
+      jax.jit(lambda p: cast(p, model_cfg.dtype), out_shardings=sampling_sh),
+      lambda p: p,
+      None,
+    )
   shapes = qwen2.param_shapes(model_cfg)
-  adapters0 = jax.jit(lambda key: lora.init_adapters(shapes, lcfg, key),
-                      out_shardings=ts.trainable_shardings(model_cfg, tcfg, mesh, rules))(
-                          jax.random.fold_in(jax.random.key(spec.seed), 1))
-  merge_sampling = jax.jit(lambda a, b: lora.merge(b, a, lcfg, model_cfg.dtype),
-                           out_shardings=sampling_sh)
+  adapters0 = jax.jit(
+    lambda key: lora.init_adapters(shapes, lcfg, key),
+    out_shardings=ts.trainable_shardings(model_cfg, tcfg, mesh, rules),
+  )(jax.random.fold_in(jax.random.key(spec.seed), 1))
+  merge_sampling = jax.jit(
+    lambda a, b: lora.merge(b, a, lcfg, model_cfg.dtype), out_shardings=sampling_sh
+  )
   merge_full = jax.jit(lambda a, b: lora.merge(b, a, lcfg, jnp.float32), out_shardings=p_sh)
-  return adapters0, PolicyWeights(params0, params0, lambda a: merge_sampling(a, params0),
-                                  lambda a: merge_full(a, params0), lcfg)
+  return adapters0, PolicyWeights(
+    params0, params0, lambda a: merge_sampling(a, params0), lambda a: merge_full(a, params0), lcfg
+  )
 
 
-def drop_long_prompts(examples: Sequence[data.Example], tokenizer: Tokenizer, max_len: int,
-                      source: str) -> list[data.Example]:
+def drop_long_prompts(
+  examples: Sequence[data.Example], tokenizer: Tokenizer, max_len: int, source: str
+) -> list[data.Example]:
   """Drops questions whose rendered prompt exceeds ``max_len`` tokens (logged, as verl does)."""
   if not examples:
     raise data.DataError(f"{source}: no training questions (the file is empty)")
-  kept = [e for e in examples if len(tokenizer.encode(tokenizer.render_prompt(e.problem)))
-          <= max_len]
+  kept = [
+    e for e in examples if len(tokenizer.encode(tokenizer.render_prompt(e.problem))) <= max_len
+  ]
   if len(kept) < len(examples):
-    log.warning("dropped %d of %d training questions longer than rollout.max_prompt_len=%d",
-                len(examples) - len(kept), len(examples), max_len)
+    log.warning(
+      "dropped %d of %d training questions longer than rollout.max_prompt_len=%d",
+      len(examples) - len(kept),
+      len(examples),
+      max_len,
+    )
   if not kept:
-    raise ConfigError(f"config.rollout.max_prompt_len={max_len}: every training "
-                                 f"prompt of {source} is longer")
+    raise ConfigError(
+      f"config.rollout.max_prompt_len={max_len}: every training prompt of {source} is longer"
+    )
   return kept
 
 
@@ -165,33 +191,49 @@ def training_data(d: Data, workdir: str) -> data.Split:
   ``data_split.json`` records both id lists. A resumed run recomputes the
   split and stops if it differs (the data file changed under the run).
   """
-  ds = data.load_examples(d.train, data_dir=d.data_dir or None,
-                          skip_bad=d.skip_bad_rows)
+  ds = data.load_examples(d.train, data_dir=d.data_dir or None, skip_bad=d.skip_bad_rows)
   if not ds.examples:
-    raise data.DataError(f"{ds.source}: no training questions (the file is empty"
-                         + (f"; {ds.num_skipped} bad rows skipped" if ds.num_skipped else "")
-                         + ")")
-  split = data.split_train_val(ds.examples, d.train_size, d.val_size,
-                               d.split_seed, ds.source)
-  record = {"source": ds.source, "split_seed": d.split_seed,
-            "train_size": len(split.train), "val_size": len(split.val), **split.ids()}
+    raise data.DataError(
+      f"{ds.source}: no training questions (the file is empty"
+      + (f"; {ds.num_skipped} bad rows skipped" if ds.num_skipped else "")
+      + ")"
+    )
+  split = data.split_train_val(ds.examples, d.train_size, d.val_size, d.split_seed, ds.source)
+  record = {
+    "source": ds.source,
+    "split_seed": d.split_seed,
+    "train_size": len(split.train),
+    "val_size": len(split.val),
+    **split.ids(),
+  }
   path = fs.join(workdir, SPLIT_FILE)
   if fs.exists(path):
     old = json.loads(fs.read_text(path))
     if old.get("train_ids") != record["train_ids"] or old.get("val_ids") != record["val_ids"]:
-      raise data.DataError(f"{path}: the run's recorded train / validation split differs "
-                           f"from the split of {ds.source} now; did the file change? Use "
-                           "another --workdir for a new run.")
+      raise data.DataError(
+        f"{path}: the run's recorded train / validation split differs "
+        f"from the split of {ds.source} now; did the file change? Use "
+        "another --workdir for a new run."
+      )
   elif is_main_process():
     fs.write_text(path, json.dumps(record) + "\n")
-  log.info("data: %d training and %d validation questions from %s (split seed %d)",
-           len(split.train), len(split.val), ds.source, d.split_seed)
+  log.info(
+    "data: %d training and %d validation questions from %s (split seed %d)",
+    len(split.train),
+    len(split.val),
+    ds.source,
+    d.split_seed,
+  )
   return split
 
 
-def export_policy(model_cfg: Qwen2Config, params: Any, path: str,
-                  tokenizer: Tokenizer | None = None,
-                  files: Callable[[], Mapping[str, str]] | None = None) -> None:
+def export_policy(
+  model_cfg: Qwen2Config,
+  params: Any,
+  path: str,
+  tokenizer: Tokenizer | None = None,
+  files: Callable[[], Mapping[str, str]] | None = None,
+) -> None:
   """Writes the policy (and a HF tokenizer) as a HF directory, local or ``gs://``.
 
   ``files()``: more text files by name (the model card, ``run.model_card``), called on

@@ -28,20 +28,32 @@ import ml_collections
 
 from capo_jax.data import reward_fns as reward_lib
 from capo_jax.data.prompts import PromptError, PromptFormat
-from capo_jax.rl import advantages
-from capo_jax.rl import algorithms
-from capo_jax.rl import losses
-from capo_jax.rl import mismatch
-from capo_jax.rl import rollout
+from capo_jax.rl import advantages, algorithms, losses, mismatch, rollout
 from capo_jax.rl.algorithms import ALGORITHMS
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
-from capo_jax.run.sections import (SECTIONS, TOP_LEVEL, Algo, Checkpoint, ConfigError, Data,
-                                   Eval, Log, Loss, Mesh, Model, Optim, Prompt, Reward, Rollout,
-                                   Train, fail, section)
-from capo_jax.runtime import fs
+from capo_jax.run.sections import (
+  SECTIONS,
+  TOP_LEVEL,
+  Algo,
+  Checkpoint,
+  ConfigError,
+  Data,
+  Eval,
+  Log,
+  Loss,
+  Mesh,
+  Model,
+  Optim,
+  Prompt,
+  Reward,
+  Rollout,
+  Train,
+  fail,
+  section,
+)
+from capo_jax.runtime import fs, model_files
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.runtime import model_files
 from models import hub, lora
 from models.config import PRESETS, Qwen2Config
 
@@ -54,18 +66,19 @@ PAIRS_ON_CORRECT = ("capo",)
 # and recorded config.json files use them). A class not listed takes its defaults.
 def _estimator_fields(a: Algo) -> dict[type[algorithms.Estimator], dict[str, Any]]:
   return {
-      algorithms.Grpo: dict(std=a.std),
-      algorithms.Codapo: dict(std=a.std),
-      algorithms.Capo: dict(tau=a.tau, norm=a.norm, score=a.score, adaptive_tau=a.adaptive_tau),
-      algorithms.Cde: dict(kappa=a.cde_kappa, alpha=a.cde_alpha, omega=a.cde_omega, std=a.std),
+    algorithms.Grpo: dict(std=a.std),
+    algorithms.Codapo: dict(std=a.std),
+    algorithms.Capo: dict(tau=a.tau, norm=a.norm, score=a.score, adaptive_tau=a.adaptive_tau),
+    algorithms.Cde: dict(kappa=a.cde_kappa, alpha=a.cde_alpha, omega=a.cde_omega, std=a.std),
   }
 
 
 def _loss_fields(l: Loss) -> dict[type[losses.PolicyLoss], dict[str, Any]]:
   return {
-      losses.Gspo: dict(eps_low=l.gspo_eps_low, eps_high=l.gspo_eps_high),
-      losses.Simko: dict(alpha=l.simko_alpha, k=l.simko_k, lam=l.simko_lambda,
-                         quantile=l.simko_quantile),
+    losses.Gspo: dict(eps_low=l.gspo_eps_low, eps_high=l.gspo_eps_high),
+    losses.Simko: dict(
+      alpha=l.simko_alpha, k=l.simko_k, lam=l.simko_lambda, quantile=l.simko_quantile
+    ),
   }
 
 
@@ -80,6 +93,7 @@ def _build(cls: type, fields: Mapping[str, Any], section: str) -> Any:
 @dataclasses.dataclass(frozen=True)
 class RunSpec:
   """One run, validated. ``raw`` is the resolved config as JSON (``config.json``)."""
+
   seed: int
   tokenizer_path: str
   compilation_cache_dir: str
@@ -100,23 +114,34 @@ class RunSpec:
   extra: Mapping[str, Any] = dataclasses.field(default_factory=dict, compare=False, repr=False)
 
   @classmethod
-  def from_config(cls, c: ml_collections.ConfigDict | Mapping[str, Any], *,
-                  num_devices: int | None = None, policy_given: bool = False) -> RunSpec:
+  def from_config(
+    cls,
+    c: ml_collections.ConfigDict | Mapping[str, Any],
+    *,
+    num_devices: int | None = None,
+    policy_given: bool = False,
+  ) -> RunSpec:
     """Translates and validates a run config; raises ConfigError naming the first bad field.
 
     ``policy_given``: the caller supplies the initial policy (the demo's warm
     start, the AOT compile's abstract params), so no model source is needed.
     ``num_devices``: the devices the mesh spans (default: ``jax.device_count()``).
     """
-    raw = json.loads(c.to_json_best_effort()) if isinstance(c, ml_collections.ConfigDict) \
-        else json.loads(json.dumps(dict(c)))
+    raw = (
+      json.loads(c.to_json_best_effort())
+      if isinstance(c, ml_collections.ConfigDict)
+      else json.loads(json.dumps(dict(c)))
+    )
     missing = [k for k in (*TOP_LEVEL, *SECTIONS) if k not in raw]
     if missing:
       fail(missing[0], None, "missing (start run files from configs/common.get_base_config())")
     extra = {k: v for k, v in raw.items() if k not in TOP_LEVEL and k not in SECTIONS}
-    spec = cls(**{k: raw[k] for k in TOP_LEVEL},
-               **{k: section(k, cls_, raw[k]) for k, cls_ in SECTIONS.items()},
-               raw=raw, extra=extra)
+    spec = cls(
+      **{k: raw[k] for k in TOP_LEVEL},
+      **{k: section(k, cls_, raw[k]) for k, cls_ in SECTIONS.items()},
+      raw=raw,
+      extra=extra,
+    )
     spec.validate(num_devices=num_devices, policy_given=policy_given)
     return spec
 
@@ -140,33 +165,50 @@ class RunSpec:
   def validate(self, *, num_devices: int | None = None, policy_given: bool = False) -> None:
     """Raises ConfigError naming the first bad field."""
     if self.algo.name not in ALGORITHMS:
-      fail("algo.name", self.algo.name,
-           f"unknown algorithm; expected one of {tuple(ALGORITHMS)}")
+      fail("algo.name", self.algo.name, f"unknown algorithm; expected one of {tuple(ALGORITHMS)}")
     r, t = self.rollout, self.train
     if r.num_samples < 2:
       fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
     if r.num_prompts < 1:
       fail("rollout.num_prompts", r.num_prompts, "must be >= 1")
     if t.mini_batch_prompts < 1 or r.num_prompts % t.mini_batch_prompts:
-      fail("train.mini_batch_prompts", t.mini_batch_prompts,
-            f"must divide rollout.num_prompts={r.num_prompts}")
+      fail(
+        "train.mini_batch_prompts",
+        t.mini_batch_prompts,
+        f"must divide rollout.num_prompts={r.num_prompts}",
+      )
     rows = t.mini_batch_prompts * r.num_samples
     if t.micro_batch_size < 1 or rows % t.micro_batch_size:
-      fail("train.micro_batch_size", t.micro_batch_size,
-            f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}")
+      fail(
+        "train.micro_batch_size",
+        t.micro_batch_size,
+        f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}",
+      )
     B = r.num_prompts * r.num_samples
     if t.logprob_rows < 0 or (t.logprob_rows and B % t.logprob_rows):
-      fail("train.logprob_rows", t.logprob_rows,
-            f"must be 0 (all rows at once) or divide num_prompts * num_samples = {B}")
+      fail(
+        "train.logprob_rows",
+        t.logprob_rows,
+        f"must be 0 (all rows at once) or divide num_prompts * num_samples = {B}",
+      )
     if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
-      fail("rollout.prompts_per_call", r.prompts_per_call,
-            f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}")
+      fail(
+        "rollout.prompts_per_call",
+        r.prompts_per_call,
+        f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}",
+      )
     if r.max_active_rows < 0:
-      fail("rollout.max_active_rows", r.max_active_rows,
-            "must be 0 (all rows at once) or the number of rows decoded at once")
+      fail(
+        "rollout.max_active_rows",
+        r.max_active_rows,
+        "must be 0 (all rows at once) or the number of rows decoded at once",
+      )
     if r.dynamic_sampling and r.dynamic_max_draws < 2:
-      fail("rollout.dynamic_max_draws", r.dynamic_max_draws,
-            "must be >= 2 with rollout.dynamic_sampling (1 draw per step is no filter)")
+      fail(
+        "rollout.dynamic_max_draws",
+        r.dynamic_max_draws,
+        "must be >= 2 with rollout.dynamic_sampling (1 draw per step is no filter)",
+      )
     for field in ("max_prompt_len", "max_new_tokens"):
       if getattr(r, field) < 1:
         fail(f"rollout.{field}", getattr(r, field), "must be >= 1")
@@ -181,8 +223,11 @@ class RunSpec:
     self.prompt_format()
     for field in ("train_size", "val_size"):
       if getattr(self.data, field) < 0:
-        fail(f"data.{field}", getattr(self.data, field),
-              "must be >= 0 (0: all the rest / no validation)")
+        fail(
+          f"data.{field}",
+          getattr(self.data, field),
+          "must be >= 0 (0: all the rest / no validation)",
+        )
     e = self.eval
     if e.every_steps < 0:
       fail("eval.every_steps", e.every_steps, "must be >= 0 (0: no evaluation)")
@@ -196,17 +241,22 @@ class RunSpec:
         fail(f"log.{field}", getattr(self.log, field), "must be >= 0")
     steps = self.log.profile_steps
     if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-      fail("log.profile_steps", steps, "expected () or (first, last) with 1 <= first <= last "
-           "(steps as logged)")
+      fail(
+        "log.profile_steps",
+        steps,
+        "expected () or (first, last) with 1 <= first <= last (steps as logged)",
+      )
     if self.checkpoint.export_hf_every < 0:
       fail("checkpoint.export_hf_every", self.checkpoint.export_hf_every, "must be >= 0")
     self._validate_mesh(jax.device_count() if num_devices is None else num_devices)
     self.packing_shape()
     # The typed algorithms check their fields: every one the config sets, used or not.
-    for section, fields in (("algo", _estimator_fields(self.algo)),
-                            ("loss", _loss_fields(self.loss))):
+    for part, fields in (
+      ("algo", _estimator_fields(self.algo)),
+      ("loss", _loss_fields(self.loss)),
+    ):
       for cls, kwargs in fields.items():
-        _build(cls, kwargs, section)
+        _build(cls, kwargs, part)
     self.train_config()  # dataclass checks (loss, optimizer) with field names
 
   def _validate_algo(self) -> None:
@@ -247,14 +297,22 @@ class RunSpec:
     if not (isinstance(w.worker_max_rss_mb, (int, float)) and w.worker_max_rss_mb >= 0):
       fail("reward.worker_max_rss_mb", w.worker_max_rss_mb, "must be MiB >= 0 (0: no limit)")
     if not 0 <= w.overlong_buffer <= self.rollout.max_new_tokens:
-      fail("reward.overlong_buffer", w.overlong_buffer,
-           f"must be 0 (off) or in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}]")
+      fail(
+        "reward.overlong_buffer",
+        w.overlong_buffer,
+        f"must be 0 (off) or in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}]",
+      )
     if self.algo.name in PAIRS_ON_CORRECT and (w.fns or w.overlong_buffer):
       # A comparison with shaping on would treat CAPO and the baselines differently.
-      log.warning("config.reward.fns=%s / reward.overlong_buffer=%d shape the scalar reward, "
-                  "which algo.name=%r does not read (it pairs on `correct`, the checker's "
-                  "label): they are logged but change no advantage; the baselines use them "
-                  "(docs/rewards.md)", tuple(w.fns), w.overlong_buffer, self.algo.name)
+      log.warning(
+        "config.reward.fns=%s / reward.overlong_buffer=%d shape the scalar reward, "
+        "which algo.name=%r does not read (it pairs on `correct`, the checker's "
+        "label): they are logged but change no advantage; the baselines use them "
+        "(docs/rewards.md)",
+        tuple(w.fns),
+        w.overlong_buffer,
+        self.algo.name,
+      )
 
   @property
   def checker(self) -> str:
@@ -267,10 +325,14 @@ class RunSpec:
     if not w.fns and not w.overlong_buffer:
       return None
     return reward_lib.RewardFns(
-        fns=w.fns, weights=tuple(float(x) for x in w.weights) or (1.0,) * len(w.fns),
-        timeout_s=w.timeout_s, max_len=self.rollout.max_new_tokens,
-        overlong_buffer=w.overlong_buffer, worker_max_calls=w.worker_max_calls,
-        worker_max_rss_mb=float(w.worker_max_rss_mb))
+      fns=w.fns,
+      weights=tuple(float(x) for x in w.weights) or (1.0,) * len(w.fns),
+      timeout_s=w.timeout_s,
+      max_len=self.rollout.max_new_tokens,
+      overlong_buffer=w.overlong_buffer,
+      worker_max_calls=w.worker_max_calls,
+      worker_max_rss_mb=float(w.worker_max_rss_mb),
+    )
 
   def _validate_model(self, policy_given: bool) -> None:
     """A run loads weights from ``model.hf_path``, or asks for random ones with
@@ -278,13 +340,19 @@ class RunSpec:
     m = self.model
     if not policy_given and not m.hf_path:
       if not m.random_init:
-        fail("model.hf_path", m.hf_path,
-              "no weights to start from: set model.hf_path (a HF checkpoint directory, gs:// "
-              "path or hub id such as Qwen/Qwen2.5-Math-1.5B), or model.random_init=True with "
-              f"model.preset (one of {sorted(PRESETS)}) for random weights")
+        fail(
+          "model.hf_path",
+          m.hf_path,
+          "no weights to start from: set model.hf_path (a HF checkpoint directory, gs:// "
+          "path or hub id such as Qwen/Qwen2.5-Math-1.5B), or model.random_init=True with "
+          f"model.preset (one of {sorted(PRESETS)}) for random weights",
+        )
       if m.preset not in PRESETS:
-        fail("model.preset", m.preset, f"model.random_init=True needs a preset, one of "
-              f"{sorted(PRESETS)}")
+        fail(
+          "model.preset",
+          m.preset,
+          f"model.random_init=True needs a preset, one of {sorted(PRESETS)}",
+        )
     if m.hf_path and not policy_given:
       try:  # a hub id is fetched here (once, into the hub cache): its files are checked next
         hf_dir = hub.resolve(m.hf_path)
@@ -305,15 +373,21 @@ class RunSpec:
       fail("mesh", sizes, f"the mesh needs a multiple of {fixed} devices; {n} are available")
     rest = n // fixed  # the -1 axis
     shards = (rest if sizes["data"] == -1 else sizes["data"]) * (
-        rest if sizes["fsdp"] == -1 else sizes["fsdp"])
+      rest if sizes["fsdp"] == -1 else sizes["fsdp"]
+    )
     rows = self.packing_shape()[1]
     if rows % shards:
       # Not an error (it runs), but each chip then computes every row of a micro-batch.
-      log.warning("config.train: %d model rows per micro-batch / log-prob call are not "
-                  "divisible by data x fsdp = %d, so the rows are replicated over it and "
-                  "every chip computes all of them; set train.pack_rows (or "
-                  "train.micro_batch_size) to a multiple of %d, or move devices to "
-                  "mesh.tensor", rows, shards, shards)
+      log.warning(
+        "config.train: %d model rows per micro-batch / log-prob call are not "
+        "divisible by data x fsdp = %d, so the rows are replicated over it and "
+        "every chip computes all of them; set train.pack_rows (or "
+        "train.micro_batch_size) to a multiple of %d, or move devices to "
+        "mesh.tensor",
+        rows,
+        shards,
+        shards,
+      )
 
   # ------------------------------------------------------- derived settings
 
@@ -373,8 +447,11 @@ class RunSpec:
     names = [t.strip() for t in str(m.lora_targets).split(",") if t.strip()]
     bad = [t for t in names if t not in lora.TARGETS]
     if bad or not names:
-      fail("model.lora_targets", m.lora_targets, f"unknown target(s) {bad}; expected a "
-            f"comma-separated subset of {lora.ALL_TARGETS}")
+      fail(
+        "model.lora_targets",
+        m.lora_targets,
+        f"unknown target(s) {bad}; expected a comma-separated subset of {lora.ALL_TARGETS}",
+      )
     return lora.LoraConfig(int(m.lora_rank), float(m.lora_alpha), tuple(names))
 
   def packing_shape(self) -> tuple[int, int]:
@@ -391,8 +468,12 @@ class RunSpec:
     if t.pack_len < 0 or t.pack_rows < 0:
       fail("train.pack_len / pack_rows", (t.pack_len, t.pack_rows), "must be >= 0 (0: default)")
     if t.pack_len and t.pack_len < longest:
-      fail("train.pack_len", t.pack_len, f"a packed row must hold the longest sequence, "
-            f"rollout.max_prompt_len + max_new_tokens = {longest}")
+      fail(
+        "train.pack_len",
+        t.pack_len,
+        f"a packed row must hold the longest sequence, "
+        f"rollout.max_prompt_len + max_new_tokens = {longest}",
+      )
     return t.pack_len or longest, t.pack_rows or t.micro_batch_size
 
   @property
@@ -407,32 +488,58 @@ class RunSpec:
     l, o = self.loss, self.optim
     try:
       loss_cfg = losses.LossConfig(
-          eps_low=l.eps_low, eps_high=l.eps_high, agg=self.loss_aggregation, beta=l.beta,
-          kl_estimator=l.kl_estimator, max_len=self.rollout.max_new_tokens)
-      optim = OptimConfig(learning_rate=o.lr, warmup_steps=o.warmup_steps, schedule=o.schedule,
-                          total_steps=self.num_updates, weight_decay=o.weight_decay, b1=o.b1,
-                          b2=o.b2, grad_clip=o.grad_clip)
+        eps_low=l.eps_low,
+        eps_high=l.eps_high,
+        agg=self.loss_aggregation,
+        beta=l.beta,
+        kl_estimator=l.kl_estimator,
+        max_len=self.rollout.max_new_tokens,
+      )
+      optim = OptimConfig(
+        learning_rate=o.lr,
+        warmup_steps=o.warmup_steps,
+        schedule=o.schedule,
+        total_steps=self.num_updates,
+        weight_decay=o.weight_decay,
+        b1=o.b1,
+        b2=o.b2,
+        grad_clip=o.grad_clip,
+      )
     except ValueError as e:
       raise ConfigError(f"config.loss / config.optim: {e}") from e
-    return TrainConfig(policy_loss=self.policy_loss(), loss=loss_cfg, optim=optim,
-                       logprob_chunk_size=self.train.logprob_chunk, lora=self.lora_config())
+    return TrainConfig(
+      policy_loss=self.policy_loss(),
+      loss=loss_cfg,
+      optim=optim,
+      logprob_chunk_size=self.train.logprob_chunk,
+      lora=self.lora_config(),
+    )
 
   def advantage_spec(self) -> rollout.AdvantageSpec:
     """The static configuration of ``rollout.score_rollout``."""
     a = self.algo
     return rollout.AdvantageSpec(
-        estimator=self.estimator(), noise_mask=self.uses_noise_mask, mask_high=a.mask_high,
-        mask_low=a.mask_low, mask_mode=a.mask_mode, num_steps=self.train.num_steps)
+      estimator=self.estimator(),
+      noise_mask=self.uses_noise_mask,
+      mask_high=a.mask_high,
+      mask_low=a.mask_low,
+      mask_mode=a.mask_mode,
+      num_steps=self.train.num_steps,
+    )
 
   def rollout_spec(self) -> rollout.RolloutSpec:
     """What ``rollout.collect`` needs besides the programs: advantages, log-probs, draws."""
     r = self.rollout
     return rollout.RolloutSpec(
-        num_samples=r.num_samples, max_prompt_len=r.max_prompt_len, adv=self.advantage_spec(),
-        old_from_sampler=r.old_logprobs == "sampler", simko_k=self.simko_k,
-        prompts_per_call=r.prompts_per_call,
-        dynamic_max_draws=r.dynamic_max_draws if r.dynamic_sampling else 1,
-        mismatch=self.mismatch_spec())
+      num_samples=r.num_samples,
+      max_prompt_len=r.max_prompt_len,
+      adv=self.advantage_spec(),
+      old_from_sampler=r.old_logprobs == "sampler",
+      simko_k=self.simko_k,
+      prompts_per_call=r.prompts_per_call,
+      dynamic_max_draws=r.dynamic_max_draws if r.dynamic_sampling else 1,
+      mismatch=self.mismatch_spec(),
+    )
 
   def mismatch_spec(self) -> mismatch.MismatchSpec:
     """The mismatch metrics (measured unless the old log-probs are the sampler's), the
@@ -441,33 +548,49 @@ class RunSpec:
     if r.is_correction not in mismatch.CORRECTIONS:
       fail("rollout.is_correction", r.is_correction, f"expected one of {mismatch.CORRECTIONS}")
     if r.is_correction != "none" and r.old_logprobs == "sampler":
-      fail("rollout.is_correction", r.is_correction, "needs rollout.old_logprobs='trainer' "
-           "(with the sampler's old log-probs rho = 1: nothing to correct)")
+      fail(
+        "rollout.is_correction",
+        r.is_correction,
+        "needs rollout.old_logprobs='trainer' "
+        "(with the sampler's old log-probs rho = 1: nothing to correct)",
+      )
     if not r.is_cap > 0:
       fail("rollout.is_cap", r.is_cap, "must be > 0")
     if not isinstance(r.mis_two_sided, bool):
       fail("rollout.mis_two_sided", r.mis_two_sided, "must be true or false")
     if r.is_correction.startswith("mis") and r.mis_two_sided and not r.is_cap > 1:
-      fail("rollout.is_cap", r.is_cap, "two-sided MIS keeps rho in [1/is_cap, is_cap]: "
-           "needs is_cap > 1 (or rollout.mis_two_sided=False)")
+      fail(
+        "rollout.is_cap",
+        r.is_cap,
+        "two-sided MIS keeps rho in [1/is_cap, is_cap]: "
+        "needs is_cap > 1 (or rollout.mis_two_sided=False)",
+      )
     if not 0 <= r.icepop_low < r.icepop_high:
-      fail("rollout.icepop_low / icepop_high", (r.icepop_low, r.icepop_high),
-           "need 0 <= icepop_low < icepop_high")
+      fail(
+        "rollout.icepop_low / icepop_high",
+        (r.icepop_low, r.icepop_high),
+        "need 0 <= icepop_low < icepop_high",
+      )
     return mismatch.MismatchSpec(
-        measure=r.old_logprobs == "trainer", correction=r.is_correction, cap=float(r.is_cap),
-        mis_two_sided=r.mis_two_sided, low=float(r.icepop_low), high=float(r.icepop_high),
-        mask_truncated=bool(r.mask_truncated))
+      measure=r.old_logprobs == "trainer",
+      correction=r.is_correction,
+      cap=float(r.is_cap),
+      mis_two_sided=r.mis_two_sided,
+      low=float(r.icepop_low),
+      high=float(r.icepop_high),
+      mask_truncated=bool(r.mask_truncated),
+    )
 
   def model_config(self) -> Qwen2Config:
     """The policy's architecture: from ``model.hf_path`` when set (it wins over
     ``model.preset``, which the run configs set for shape checks), else the preset."""
     m = self.model
-    kw = dict(param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat,
-              attention=m.attention)
+    kw = dict(
+      param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, attention=m.attention
+    )
     try:
       if m.hf_path:  # config.json alone: the AOT compile needs no weights
-        return Qwen2Config.from_hf(fs.local_copy(hub.resolve_file(m.hf_path, "config.json")),
-                                   **kw)
+        return Qwen2Config.from_hf(fs.local_copy(hub.resolve_file(m.hf_path, "config.json")), **kw)
       return PRESETS[m.preset](**{**dict(m.preset_overrides or {}), **kw})
     except (ValueError, TypeError) as e:
       raise ConfigError(f"config.model: {e}") from e
@@ -481,9 +604,13 @@ class RunSpec:
     if not isinstance(kwargs, Mapping) or not all(isinstance(k, str) for k in kwargs):
       fail("prompt.chat_template_kwargs", kwargs, "expected a dict of keyword arguments")
     try:
-      return PromptFormat(system=str(p.system), template=str(p.template),
-                          chat_template=p.chat_template, enable_thinking=p.enable_thinking,
-                          chat_template_kwargs=tuple(sorted(dict(kwargs).items())))
+      return PromptFormat(
+        system=str(p.system),
+        template=str(p.template),
+        chat_template=p.chat_template,
+        enable_thinking=p.enable_thinking,
+        chat_template_kwargs=tuple(sorted(dict(kwargs).items())),
+      )
     except PromptError as e:
       fail(f"prompt.{e.field}", getattr(p, e.field), e.why)
       raise  # unreachable: fail raises

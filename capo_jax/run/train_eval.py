@@ -21,8 +21,7 @@ import jax
 
 from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer
-from capo_jax.eval import evaluate
-from capo_jax.eval import report
+from capo_jax.eval import evaluate, report
 from capo_jax.run.sections import ConfigError
 from capo_jax.run.spec import Eval, RunSpec
 from capo_jax.runtime import fs
@@ -45,8 +44,15 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
       for k, value in r[kind].items():
         if value is not None:
           out[f"{bench}/{kind[:-1]}{k}"] = value
-    for key in ("auc_mean", "auc_n_used", "pooled_auc", "aurc", "ece", "mean_length",
-                "grouping_timeouts"):
+    for key in (
+      "auc_mean",
+      "auc_n_used",
+      "pooled_auc",
+      "aurc",
+      "ece",
+      "mean_length",
+      "grouping_timeouts",
+    ):
       if r.get(key) is not None:
         out[f"{bench}/{key}"] = r[key]
     for label, b in r["auc_by_bucket"].items():
@@ -55,8 +61,7 @@ def flat_metrics(results: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
-def eval_benchmarks(spec: RunSpec, val: Sequence[data.Example]
-                    ) -> dict[str, list[data.Example]]:
+def eval_benchmarks(spec: RunSpec, val: Sequence[data.Example]) -> dict[str, list[data.Example]]:
   """The validation split (when there is one) and the ``data.eval`` benchmarks."""
   limit = spec.eval.limit
   out = {VAL_BENCHMARK: list(val[:limit] if limit > 0 else val)} if val else {}
@@ -72,24 +77,33 @@ def eval_benchmarks(spec: RunSpec, val: Sequence[data.Example]
 def _missing_benchmarks(spec: RunSpec, names: Sequence[str], error: Exception) -> str:
   """Why the ``data.eval`` benchmarks did not load, naming the data directory searched."""
   data_dir = spec.data.data_dir or os.environ.get("CAPO_DATA_DIR", "")
-  where = (f"the data directory {data_dir!r}" if data_dir else
-           "no data directory (config.data.data_dir and $CAPO_DATA_DIR are both unset)")
+  where = (
+    f"the data directory {data_dir!r}"
+    if data_dir
+    else "no data directory (config.data.data_dir and $CAPO_DATA_DIR are both unset)"
+  )
   # Registry names not found as files there (the loader then tried the hub).
-  missing = [n for n in names if n in data.REGISTRY
-             and isinstance(data.resolve(n, data_dir or None), data.DatasetSpec)]
+  missing = [
+    n
+    for n in names
+    if n in data.REGISTRY and isinstance(data.resolve(n, data_dir or None), data.DatasetSpec)
+  ]
   files = ", ".join(data.REGISTRY[n].filenames[0] for n in missing)
-  return (f"config.eval.every_steps={spec.eval.every_steps} evaluates config.data.eval "
-          f"{tuple(names)} during training, but {', '.join(missing) or 'a benchmark'} could "
-          f"not be loaded from {where} ({error}). Put {files or 'the files'} there "
-          "(--config.data.data_dir=DIR, local or gs://), or evaluate less: "
-          "--config.data.eval=\"()\" (the validation split only) or "
-          "--config.eval.every_steps=0.")
+  return (
+    f"config.eval.every_steps={spec.eval.every_steps} evaluates config.data.eval "
+    f"{tuple(names)} during training, but {', '.join(missing) or 'a benchmark'} could "
+    f"not be loaded from {where} ({error}). Put {files or 'the files'} there "
+    "(--config.data.data_dir=DIR, local or gs://), or evaluate less: "
+    "--config.data.eval=\"()\" (the validation split only) or "
+    "--config.eval.every_steps=0."
+  )
 
 
 @dataclasses.dataclass(frozen=True)
 class EvalSetup:
   """What the evaluator needs of the run: its ``eval`` settings and the objects the
   trainer has already built (model, tokenizer, the sampling layout, grader)."""
+
   spec: Eval
   model_cfg: Qwen2Config
   tokenizer: Tokenizer
@@ -97,27 +111,38 @@ class EvalSetup:
   grader: Any = None
 
 
-def make_eval_fn(setup: EvalSetup, benchmarks: Mapping[str, Sequence[data.Example]],
-                 workdir: str, to_sampling: Callable[[Any], Any]) -> EvalFn:
+def make_eval_fn(
+  setup: EvalSetup,
+  benchmarks: Mapping[str, Sequence[data.Example]],
+  workdir: str,
+  to_sampling: Callable[[Any], Any],
+) -> EvalFn:
   """``eval_fn(step, params) -> {"<benchmark>/<metric>": value}``, as the trainer calls it.
 
   ``to_sampling`` casts and reshards the train params for the sampler; every
   process samples its share and grades all rows, process 0 writes results.
   """
   if not benchmarks:
-    raise ValueError("config.eval.every_steps > 0 but there is nothing to evaluate: "
-                     "config.data.val_size is 0 and config.data.eval is empty")
+    raise ValueError(
+      "config.eval.every_steps > 0 but there is nothing to evaluate: "
+      "config.data.val_size is 0 and config.data.eval is empty"
+    )
   e = setup.spec
-  eval_cfg = evaluate.EvalConfig(num_samples=e.num_samples, max_new_tokens=e.max_new_tokens,
-                                 temperature=e.temperature, batch_size=e.batch_size,
-                                 max_active_rows=e.max_active_rows,
-                                 progress=is_main_process())
+  eval_cfg = evaluate.EvalConfig(
+    num_samples=e.num_samples,
+    max_new_tokens=e.max_new_tokens,
+    temperature=e.temperature,
+    batch_size=e.batch_size,
+    max_active_rows=e.max_active_rows,
+    progress=is_main_process(),
+  )
   rcfg = evaluate.results_config(eval_cfg.num_samples)
   rng = jax.random.key(e.seed)
 
   def eval_fn(step: int, params: Any) -> dict[str, float]:
-    policy = evaluate.EvalPolicy(to_sampling(params), setup.model_cfg, setup.tokenizer,
-                                 setup.layout)
+    policy = evaluate.EvalPolicy(
+      to_sampling(params), setup.model_cfg, setup.tokenizer, setup.layout
+    )
     records = evaluate.evaluate_policy(policy, benchmarks, eval_cfg, rng, grader=setup.grader)
     results = report.compute_results(records, rcfg, run=f"step {step}")
     if is_main_process():

@@ -28,11 +28,9 @@ from capo_jax.run import setup as setup_lib
 from capo_jax.run import train_eval
 from capo_jax.run.spec import ConfigError, RunSpec
 from capo_jax.runtime import checkpoint as ckpt_lib
-from capo_jax.runtime import fs
+from capo_jax.runtime import fs, metrics, run_record
 from capo_jax.runtime import lease as lease_lib
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.runtime import metrics
-from capo_jax.runtime import run_record
 from capo_jax.runtime.distributed import is_main_process
 from models.config import Qwen2Config
 
@@ -57,6 +55,7 @@ class Given:
     eval_fn: ``eval_fn(step, params) -> metrics``, else ``train_eval``'s.
     grader: grades every rollout and evaluation, else ``config.checker``'s.
   """
+
   policy: setup_lib.Policy | None = None
   tokenizer: Tokenizer | None = None
   train_examples: Sequence[data.Example] | None = None
@@ -84,6 +83,7 @@ class Run:
     start: the steps already done (the restored checkpoint's step, else 0).
     lease: the workdir's lease (process 0), else None.
   """
+
   spec: RunSpec
   workdir: str
   model_cfg: Qwen2Config
@@ -107,14 +107,16 @@ class Run:
 @dataclasses.dataclass(frozen=True)
 class StepOut:
   """What ``rl_step`` hands the hooks: the rollout, the metrics row, the updates skipped."""
+
   rollout: rollout.Rollout
   row: dict[str, float]
   skipped: int
   updates: int
 
 
-def setup(spec: RunSpec, workdir: str, given: Given = Given(),
-          lease: lease_lib.Lease | None = None) -> tuple[Run, ts.TrainState]:
+def setup(
+  spec: RunSpec, workdir: str, given: Given = Given(), lease: lease_lib.Lease | None = None
+) -> tuple[Run, ts.TrainState]:
   """The run ``spec`` in ``workdir`` ready for its next step, and its train state.
 
   Config changes are checked before anything slow is loaded; ``config.json`` is
@@ -126,50 +128,74 @@ def setup(spec: RunSpec, workdir: str, given: Given = Given(),
   tokenizer = given.tokenizer or setup_lib.tokenizer_for(spec)
   if tokenizer.vocab_size > model_cfg.vocab_size:
     raise ConfigError(
-        f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
-        f"{model_cfg.vocab_size} (config.model / config.tokenizer_path)")
+      f"the tokenizer has {tokenizer.vocab_size} tokens but the model's vocab_size is "
+      f"{model_cfg.vocab_size} (config.model / config.tokenizer_path)"
+    )
   fs.makedirs(workdir)
-  checkpointer = ckpt_lib.Checkpointer(workdir, every_steps=spec.checkpoint.every_steps,
-                                       keep=spec.checkpoint.keep)
+  checkpointer = ckpt_lib.Checkpointer(
+    workdir, every_steps=spec.checkpoint.every_steps, keep=spec.checkpoint.keep
+  )
   fs.check_writable(checkpointer.directory, "the checkpoint folder")  # not a save later
-  record = run_record.record(spec.raw, workdir, resuming=checkpointer.latest_step() is not None,
-                             write=False)
+  record = run_record.record(
+    spec.raw, workdir, resuming=checkpointer.latest_step() is not None, write=False
+  )
   val_examples: list[data.Example] = []
   train_examples, source = given.train_examples, "the given training questions"
   if train_examples is None:
     split = setup_lib.training_data(spec.data, workdir)
     train_examples, val_examples, source = split.train, split.val, str(spec.data.train)
-  train_examples = setup_lib.drop_long_prompts(train_examples, tokenizer,
-                                               spec.rollout.max_prompt_len, source)
-  iterator = data.PromptIterator(train_examples, spec.rollout.num_prompts, spec.seed,
-                                 process_index=jax.process_index(),
-                                 process_count=jax.process_count())
+  train_examples = setup_lib.drop_long_prompts(
+    train_examples, tokenizer, spec.rollout.max_prompt_len, source
+  )
+  iterator = data.PromptIterator(
+    train_examples,
+    spec.rollout.num_prompts,
+    spec.seed,
+    process_index=jax.process_index(),
+    process_count=jax.process_count(),
+  )
   # A caller's grader (tests, the demo's noisy one) grades everything.
-  grader = given.grader or reward_fns.grader_for(spec.checker, spec.reward.timeout_s,
-                                                 spec.reward.worker_max_calls,
-                                                 spec.reward.worker_max_rss_mb)
-  params0, w = setup_lib.policy_weights(spec, model_cfg, given.policy, progs.tcfg, mesh,
-                                        mesh_lib.TRAIN_RULES)
+  grader = given.grader or reward_fns.grader_for(
+    spec.checker, spec.reward.timeout_s, spec.reward.worker_max_calls, spec.reward.worker_max_rss_mb
+  )
+  params0, w = setup_lib.policy_weights(
+    spec, model_cfg, given.policy, progs.tcfg, mesh, mesh_lib.TRAIN_RULES
+  )
   ctx = rollout.RolloutContext(
-      spec=spec.rollout_spec(), model_cfg=model_cfg, tokenizer=tokenizer, grader=grader,
-      sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tokenizer.stop_ids),
-                                   pad_id=tokenizer.pad_id),
-      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs,
-      batches=progs.batch_layout, reward_fns=spec.reward_fns())
+    spec=spec.rollout_spec(),
+    model_cfg=model_cfg,
+    tokenizer=tokenizer,
+    grader=grader,
+    sampling=dataclasses.replace(
+      progs.sampling, stop_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id
+    ),
+    sampling_layout=progs.sampling_layout,
+    logprobs=progs.logprobs,
+    batches=progs.batch_layout,
+    reward_fns=spec.reward_fns(),
+  )
   eval_fn = given.eval_fn
   if eval_fn is None and spec.eval.every_steps > 0:
     eval_fn = train_eval.make_eval_fn(
-        train_eval.EvalSetup(spec=spec.eval, model_cfg=model_cfg, tokenizer=tokenizer,
-                             layout=progs.sampling_layout,
-                             # data.eval benchmarks: their own checkers (evaluate_policy)
-                             grader=given.grader or {train_eval.VAL_BENCHMARK: grader}),
-        train_eval.eval_benchmarks(spec, val_examples), workdir, w.to_sampling)
+      train_eval.EvalSetup(
+        spec=spec.eval,
+        model_cfg=model_cfg,
+        tokenizer=tokenizer,
+        layout=progs.sampling_layout,
+        # data.eval benchmarks: their own checkers (evaluate_policy)
+        grader=given.grader or {train_eval.VAL_BENCHMARK: grader},
+      ),
+      train_eval.eval_benchmarks(spec, val_examples),
+      workdir,
+      w.to_sampling,
+    )
 
   rng = jax.random.key(spec.seed)
   abstract_state = jax.tree.map(
-      lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
-      jax.eval_shape(lambda p: ts.init_train_state(p, progs.tcfg), params0),
-      progs.state_shardings)
+    lambda x, sh: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=sh),
+    jax.eval_shape(lambda p: ts.init_train_state(p, progs.tcfg), params0),
+    progs.state_shardings,
+  )
   try:
     restored = checkpointer.restore_latest(abstract_state)
   except ckpt_lib.TreeMismatch as e:
@@ -183,12 +209,26 @@ def setup(spec: RunSpec, workdir: str, given: Given = Given(),
     log.info("resuming at step %d from %s", start, checkpointer.directory)
   else:
     start = 0
-    state = ts.train_state_from_params(params0, model_cfg, progs.tcfg, mesh,
-                                       mesh_lib.TRAIN_RULES)
-  writer = metrics.MetricsWriter(workdir, enabled=is_main_process(), resume_step=start,
-                                 wandb=_wandb_config(spec))
-  return Run(spec, workdir, model_cfg, tokenizer, progs, w, ctx, iterator, checkpointer,
-             writer, eval_fn, rng, start, lease), state
+    state = ts.train_state_from_params(params0, model_cfg, progs.tcfg, mesh, mesh_lib.TRAIN_RULES)
+  writer = metrics.MetricsWriter(
+    workdir, enabled=is_main_process(), resume_step=start, wandb=_wandb_config(spec)
+  )
+  return Run(
+    spec,
+    workdir,
+    model_cfg,
+    tokenizer,
+    progs,
+    w,
+    ctx,
+    iterator,
+    checkpointer,
+    writer,
+    eval_fn,
+    rng,
+    start,
+    lease,
+  ), state
 
 
 def rl_step(run: Run, state: ts.TrainState, step: int) -> tuple[ts.TrainState, StepOut]:
@@ -196,11 +236,19 @@ def rl_step(run: Run, state: ts.TrainState, step: int) -> tuple[ts.TrainState, S
   spec, w = run.spec, run.weights
   t0 = time.perf_counter()
   policy = rollout.PolicyArgs(
-      sampling=w.to_sampling(state.params), train=w.base if w.lora else state.params,
-      reference=w.reference, adapters=state.params if w.lora else None)
-  ro = rollout.collect(run.iterator.next_batch(), run.rollout, policy, step=step,
-                       rng=jax.random.fold_in(run.rng, step),
-                       draw_more=run.iterator.next_batch)  # used only with dynamic sampling
+    sampling=w.to_sampling(state.params),
+    train=w.base if w.lora else state.params,
+    reference=w.reference,
+    adapters=state.params if w.lora else None,
+  )
+  ro = rollout.collect(
+    run.iterator.next_batch(),
+    run.rollout,
+    policy,
+    step=step,
+    rng=jax.random.fold_in(run.rng, step),
+    draw_more=run.iterator.next_batch,
+  )  # used only with dynamic sampling
   del policy  # the sampler's weights, before the updates need the memory
   t1 = time.perf_counter()
   updates = []
@@ -215,16 +263,26 @@ def rl_step(run: Run, state: ts.TrainState, step: int) -> tuple[ts.TrainState, S
   # update's (or the rollout's) metrics back at once would stall the dispatch.
   updates, ro_metrics = jax.device_get((updates, ro.metrics))
   t3 = time.perf_counter()
-  row = {k: v for k, v in ro_metrics.items()
-         if k not in _ROLLOUT_PHASES and k != _ROLLOUT_SAMPLE_TIME}
+  row = {
+    k: v for k, v in ro_metrics.items() if k not in _ROLLOUT_PHASES and k != _ROLLOUT_SAMPLE_TIME
+  }
   phases = {new: float(ro_metrics[old]) for old, new in _ROLLOUT_PHASES.items()}
-  phases = {"time/rollout_s": t1 - t0 - sum(phases.values()), **phases,
-            "time/update_dispatch_s": t2 - t1, "time/update_wait_s": t3 - t2}
+  phases = {
+    "time/rollout_s": t1 - t0 - sum(phases.values()),
+    **phases,
+    "time/update_dispatch_s": t2 - t1,
+    "time/update_wait_s": t3 - t2,
+  }
   skipped = int(sum(float(u["skipped"]) for u in updates))
-  n_train_tokens = (int(ro.prompt_mask_BP.sum()) + int(ro.completion_mask_BC.sum())) * \
-      spec.train.ppo_epochs
-  row.update(_mean_metrics(updates), skipped_updates=skipped, **phases,
-             train_tokens_per_s=n_train_tokens / max(t3 - t1, 1e-9))
+  n_train_tokens = (
+    int(ro.prompt_mask_BP.sum()) + int(ro.completion_mask_BC.sum())
+  ) * spec.train.ppo_epochs
+  row.update(
+    _mean_metrics(updates),
+    skipped_updates=skipped,
+    **phases,
+    train_tokens_per_s=n_train_tokens / max(t3 - t1, 1e-9),
+  )
   return state, StepOut(ro, row, skipped, len(updates))
 
 
@@ -233,21 +291,30 @@ def _mean_metrics(rows: Sequence[dict[str, Any]]) -> dict[str, float]:
   return {k: float(np.mean([float(r[k]) for r in rows])) for k in keys}
 
 
-def _config_changed(e: ckpt_lib.TreeMismatch, record: dict[str, Any], workdir: str
-                    ) -> run_record.ConfigChanged:
+def _config_changed(
+  e: ckpt_lib.TreeMismatch, record: dict[str, Any], workdir: str
+) -> run_record.ConfigChanged:
   """The config fields that changed since the checkpoint's run, as the reason for ``e``."""
   previous = record.get("previous") or {}
   diff = run_record.changed_fields(previous.get("config") or record["config"], record["config"])
   fields = "; ".join(f"{k}: {a!r} -> {b!r}" for k, (a, b) in diff.items())
-  why = (f"the config changed since it was saved: {fields}" if fields else
-         f"no config field changed ({run_record.CONFIG_FILE} of the checkpoint's run: git "
-         f"commit {previous.get('git_commit') or record.get('git_commit')}); did the code?")
+  why = (
+    f"the config changed since it was saved: {fields}"
+    if fields
+    else f"no config field changed ({run_record.CONFIG_FILE} of the checkpoint's run: git "
+    f"commit {previous.get('git_commit') or record.get('git_commit')}); did the code?"
+  )
   return run_record.ConfigChanged(
-      f"{workdir}: {e}; {why}. Resume with the recorded values or use another --workdir.")
+    f"{workdir}: {e}; {why}. Resume with the recorded values or use another --workdir."
+  )
 
 
 def _wandb_config(spec: RunSpec) -> metrics.WandbConfig | None:
   if not spec.log.wandb_project:
     return None
-  return metrics.WandbConfig(project=spec.log.wandb_project, entity=spec.log.wandb_entity,
-                             name=spec.log.wandb_name, config=dict(spec.raw))
+  return metrics.WandbConfig(
+    project=spec.log.wandb_project,
+    entity=spec.log.wandb_entity,
+    name=spec.log.wandb_name,
+    config=dict(spec.raw),
+  )

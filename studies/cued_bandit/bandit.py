@@ -37,10 +37,10 @@ Array = jax.Array
 Estimator = Callable[[Array, Array, Array], Array]
 
 METHODS: dict[str, Estimator] = {
-    "grpo": lambda r, s, v: advantages.grpo(r, v),
-    "dr_grpo": lambda r, s, v: advantages.dr_grpo(r, v),
-    "capo_tau0.6": lambda r, s, v: advantages.capo(r, s, v, tau=0.6),
-    "capo_tau1": lambda r, s, v: advantages.capo(r, s, v, tau=1.0),
+  "grpo": lambda r, s, v: advantages.grpo(r, v),
+  "dr_grpo": lambda r, s, v: advantages.dr_grpo(r, v),
+  "capo_tau0.6": lambda r, s, v: advantages.capo(r, s, v, tau=0.6),
+  "capo_tau1": lambda r, s, v: advantages.capo(r, s, v, tau=1.0),
 }
 
 
@@ -53,6 +53,7 @@ class Task:
   theta0: the base policy's (w_true, w_cue). questions / samples: Q and G of a step.
   lr: SGD step size. steps: RL steps.
   """
+
   answers: int = 6
   cue_right: float = 0.8
   skill_max: float = 2.0
@@ -65,8 +66,9 @@ class Task:
 
   def __post_init__(self):
     if self.answers < 2:
-      raise ValueError(f"Task.answers must be >= 2 (a decoy needs a wrong answer), "
-                       f"got {self.answers}")
+      raise ValueError(
+        f"Task.answers must be >= 2 (a decoy needs a wrong answer), got {self.answers}"
+      )
     if not 0.0 <= self.cue_right <= 1.0:
       raise ValueError(f"Task.cue_right must lie in [0, 1], got {self.cue_right}")
 
@@ -75,13 +77,13 @@ class Task:
 class Questions:
   """A batch of questions: ``x_QAF`` the features of each answer (evidence, cue),
   ``cue_Q`` the cued answer, ``trap_Q`` whether the cue is a decoy."""
+
   x_QAF: Array
   cue_Q: Array
   trap_Q: Array
 
 
-def make_questions(key: Array, task: Task, n: int, trap_share: float | None = None
-                   ) -> Questions:
+def make_questions(key: Array, task: Task, n: int, trap_share: float | None = None) -> Questions:
   """n questions; each a trap with probability ``trap_share`` (default 1 - cue_right).
 
   A trap's decoy is uniform over the wrong answers 1..A-1.
@@ -93,10 +95,12 @@ def make_questions(key: Array, task: Task, n: int, trap_share: float | None = No
   cue_Q = jnp.where(trap_Q, decoy_Q, 0)
   skill_Q = jax.random.uniform(k_skill, (n,), maxval=task.skill_max)
   answer_A = jnp.arange(task.answers)
-  evidence_QA = ((answer_A == 0)[None, :] * skill_Q[:, None]
-                 + task.noise * jax.random.normal(k_noise, (n, task.answers)))
-  x_QAF = jnp.stack([evidence_QA,
-                     (answer_A[None, :] == cue_Q[:, None]).astype(jnp.float32)], axis=-1)
+  evidence_QA = (answer_A == 0)[None, :] * skill_Q[:, None] + task.noise * jax.random.normal(
+    k_noise, (n, task.answers)
+  )
+  x_QAF = jnp.stack(
+    [evidence_QA, (answer_A[None, :] == cue_Q[:, None]).astype(jnp.float32)], axis=-1
+  )
   return Questions(x_QAF, cue_Q, trap_Q)
 
 
@@ -114,14 +118,17 @@ def sample(key: Array, theta_F: Array, q: Questions, g: int) -> tuple[Array, Arr
 
 def pg_grad(theta_F: Array, q: Questions, a_QG: Array, adv_QG: Array) -> Array:
   """The ascent direction ``mean_{q,g} A_qg grad log pi(a_qg)`` (advantages held fixed)."""
+
   def objective(th: Array) -> Array:
     logp_QG = jnp.take_along_axis(log_policy(th, q), a_QG, axis=1)
     return jnp.mean(jax.lax.stop_gradient(adv_QG) * logp_QG)
+
   return jax.grad(objective)(theta_F)
 
 
-def train_step(theta_F: Array, key: Array, task: Task, estimator: Estimator,
-               fixed_F: Array | None = None) -> tuple[Array, Array]:
+def train_step(
+  theta_F: Array, key: Array, task: Task, estimator: Estimator, fixed_F: Array | None = None
+) -> tuple[Array, Array]:
   """One RL step on fresh questions: (new theta, the step's accuracy).
 
   ``fixed_F``: bool per weight; a True weight is not updated (e.g. w_cue held at 0).
@@ -137,19 +144,21 @@ def train_step(theta_F: Array, key: Array, task: Task, estimator: Estimator,
   return theta_F + task.lr * grad_F, r_QG.mean()
 
 
-def train(key: Array, task: Task, estimator: Estimator, fixed_F: Array | None = None
-          ) -> Array:
+def train(key: Array, task: Task, estimator: Estimator, fixed_F: Array | None = None) -> Array:
   """theta after every step, [steps + 1, F] (row 0: theta0), one jitted scan."""
+
   def body(theta_F, k):
     theta_F, _ = train_step(theta_F, k, task, estimator, fixed_F)
     return theta_F, theta_F
+
   theta0_F = jnp.asarray(task.theta0, jnp.float32)
   _, path_TF = jax.lax.scan(body, theta0_F, jax.random.split(key, task.steps))
   return jnp.concatenate([theta0_F[None], path_TF], axis=0)
 
 
-def train_seeds(seeds: list[int], task: Task, estimator: Estimator,
-                fixed_F: Array | None = None) -> Array:
+def train_seeds(
+  seeds: list[int], task: Task, estimator: Estimator, fixed_F: Array | None = None
+) -> Array:
   """``train`` for several seeds at once (vmapped): [S, steps + 1, F]."""
   keys_S = jnp.stack([jax.random.key_data(jax.random.key(s)) for s in seeds])
   run = lambda k: train(jax.random.wrap_key_data(k), task, estimator, fixed_F)  # noqa: E731

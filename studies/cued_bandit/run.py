@@ -21,8 +21,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from studies.cued_bandit import bandit
-from studies.cued_bandit import metrics
+from studies.cued_bandit import bandit, metrics
 
 HELDOUT = {"questions": 400, "samples": 64, "trap_share": 0.5, "seed": 10_000}
 EVAL_EVERY = 10
@@ -30,14 +29,20 @@ EVAL_EVERY = 10
 
 def evaluate(path_STF: Any, task: bandit.Task, steps: list[int]) -> list[list[dict]]:
   """Held-out metrics of each seed's checkpoint at ``steps``: [seed][step] dicts."""
-  q = bandit.make_questions(jax.random.key(HELDOUT["seed"]), task, HELDOUT["questions"],
-                            HELDOUT["trap_share"])
-  draw = jax.jit(jax.vmap(lambda th: bandit.sample(jax.random.key(HELDOUT["seed"] + 1), th, q,
-                                                   HELDOUT["samples"])))
+  q = bandit.make_questions(
+    jax.random.key(HELDOUT["seed"]), task, HELDOUT["questions"], HELDOUT["trap_share"]
+  )
+  draw = jax.jit(
+    jax.vmap(
+      lambda th: bandit.sample(jax.random.key(HELDOUT["seed"] + 1), th, q, HELDOUT["samples"])
+    )
+  )
   a_NQG, s_NQG = draw(np.asarray(path_STF)[:, steps].reshape(-1, path_STF.shape[-1]))
-  rows = [metrics.heldout_metrics(a, s, q.cue_Q, q.trap_Q)
-          for a, s in zip(np.asarray(a_NQG), np.asarray(s_NQG))]
-  return [rows[i:i + len(steps)] for i in range(0, len(rows), len(steps))]
+  rows = [
+    metrics.heldout_metrics(a, s, q.cue_Q, q.trap_Q)
+    for a, s in zip(np.asarray(a_NQG), np.asarray(s_NQG))
+  ]
+  return [rows[i : i + len(steps)] for i in range(0, len(rows), len(steps))]
 
 
 def summarise(per_seed: list[list[dict]]) -> dict[str, list[float]]:
@@ -59,28 +64,41 @@ def study(task: bandit.Task, seeds: list[int]) -> dict[str, Any]:
   for name, estimator in bandit.METHODS.items():
     path_STF = np.asarray(bandit.train_seeds(seeds, task, estimator))
     per_seed = evaluate(path_STF, task, steps)
-    methods[name] = {"theta_final": path_STF[:, -1].round(4).tolist(),
-                     "mean": summarise(per_seed),
-                     "per_seed": [{k: [round(r[k], 4) for r in rows] for k in rows[0]}
-                                  for rows in per_seed]}
-  return {"task": dataclasses.asdict(task), "heldout": HELDOUT, "seeds": seeds,
-          "steps": steps, "methods": methods,
-          "wall_s": round(time.perf_counter() - start, 1),
-          "backend": jax.default_backend()}
+    methods[name] = {
+      "theta_final": path_STF[:, -1].round(4).tolist(),
+      "mean": summarise(per_seed),
+      "per_seed": [{k: [round(r[k], 4) for r in rows] for k in rows[0]} for rows in per_seed],
+    }
+  return {
+    "task": dataclasses.asdict(task),
+    "heldout": HELDOUT,
+    "seeds": seeds,
+    "steps": steps,
+    "methods": methods,
+    "wall_s": round(time.perf_counter() - start, 1),
+    "backend": jax.default_backend(),
+  }
 
 
-PANELS = (("accuracy", "accuracy"), ("auc_mean", "AUC-mean (mixed questions)"),
-          ("pooled_auc", "pooled AUC"), ("trap_accuracy", "trap accuracy"),
-          ("trap_auc", "trap AUC (pooled)"), ("trap_gap", "trap gap: s copy - s correct"),
-          ("confidently_wrong", "share all wrong, mean p >= 1/2"))
+PANELS = (
+  ("accuracy", "accuracy"),
+  ("auc_mean", "AUC-mean (mixed questions)"),
+  ("pooled_auc", "pooled AUC"),
+  ("trap_accuracy", "trap accuracy"),
+  ("trap_auc", "trap AUC (pooled)"),
+  ("trap_gap", "trap gap: s copy - s correct"),
+  ("confidently_wrong", "share all wrong, mean p >= 1/2"),
+)
 
 
 def plot(res: dict[str, Any], path: str) -> str:
   """One panel per metric against the step (mean over seeds, a band of one sd), and
   trap AUC and AUC-mean against accuracy (the matched-accuracy reading)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   fig, axes = plt.subplots(3, 3, figsize=(11, 9))
   flat = axes.ravel()
   steps = np.array(res["steps"])
@@ -92,14 +110,16 @@ def plot(res: dict[str, Any], path: str) -> str:
       ax.fill_between(steps, y - sd, y + sd, color=f"C{i}", alpha=0.2, lw=0)
       ax.set_title(title, fontsize=9)
       ax.set_xlabel("RL step", fontsize=8)
-    for ax, key in zip(flat[len(PANELS):], ("trap_auc", "auc_mean")):
+    for ax, key in zip(flat[len(PANELS) :], ("trap_auc", "auc_mean")):
       ax.plot(mean["accuracy"], mean[key], "o-", ms=2, color=f"C{i}", lw=1, label=name)
       ax.set_title(f"{key} against accuracy", fontsize=9)
       ax.set_xlabel("held-out accuracy", fontsize=8)
   flat[0].legend(fontsize=7)
-  fig.suptitle(f"Cued bandit: {len(res['seeds'])} seeds, cue right on "
-               f"{res['task']['cue_right']:.0%} of training questions, held-out half traps",
-               fontsize=10)
+  fig.suptitle(
+    f"Cued bandit: {len(res['seeds'])} seeds, cue right on "
+    f"{res['task']['cue_right']:.0%} of training questions, held-out half traps",
+    fontsize=10,
+  )
   fig.tight_layout()
   fig.savefig(path, dpi=100)
   plt.close(fig)
@@ -108,14 +128,26 @@ def plot(res: dict[str, Any], path: str) -> str:
 
 def table(res: dict[str, Any]) -> str:
   """Markdown: each method at step 0 and at the last step (mean over seeds)."""
-  keys = ("accuracy", "auc_mean", "mixed", "pooled_auc", "trap_accuracy", "trap_auc",
-          "decoy_copied", "trap_gap", "confidently_wrong")
+  keys = (
+    "accuracy",
+    "auc_mean",
+    "mixed",
+    "pooled_auc",
+    "trap_accuracy",
+    "trap_auc",
+    "decoy_copied",
+    "trap_gap",
+    "confidently_wrong",
+  )
   lines = ["| method | step | " + " | ".join(keys) + " |", "|---|---|" + "---|" * len(keys)]
   first = next(iter(res["methods"].values()))["mean"]
   lines.append("| base | 0 | " + " | ".join(f"{first[k][0]:.3f}" for k in keys) + " |")
   for name, m in res["methods"].items():
-    lines.append(f"| {name} | {res['steps'][-1]} | "
-                 + " | ".join(f"{m['mean'][k][-1]:.3f}" for k in keys) + " |")
+    lines.append(
+      f"| {name} | {res['steps'][-1]} | "
+      + " | ".join(f"{m['mean'][k][-1]:.3f}" for k in keys)
+      + " |"
+    )
   return "\n".join(lines)
 
 
@@ -132,8 +164,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     json.dump(res, f)  # one line: the per-seed curves are long
   plot(res, os.path.join(args.out, "cued_bandit.png"))
   print(table(res))
-  print(f"{len(res['seeds'])} seeds x {len(res['methods'])} methods x {task.steps} steps: "
-        f"{res['wall_s']} s ({res['backend']}); wrote {args.out}")
+  print(
+    f"{len(res['seeds'])} seeds x {len(res['methods'])} methods x {task.steps} steps: "
+    f"{res['wall_s']} s ({res['backend']}); wrote {args.out}"
+  )
   return res
 
 

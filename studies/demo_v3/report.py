@@ -44,13 +44,16 @@ def _runs(root: pathlib.Path) -> dict[tuple[int, str], dict[str, Any]]:
   for path in sorted(root.glob("ws*/*_seed0/evals.json")):
     w = int(path.parent.parent.name[2:])
     out[(w, path.parent.name.rsplit("_seed", 1)[0])] = {
-        "evals": json.loads(path.read_text()), "dir": path.parent}
+      "evals": json.loads(path.read_text()),
+      "dir": path.parent,
+    }
   return out
 
 
 def _selected(root: pathlib.Path, w: int, design: dict[str, Any]) -> np.ndarray:
-  return study.select_questions(_load_npz(root / f"ws{w}" / "selection.npz")["correct_QG"],
-                                *design["band"])
+  return study.select_questions(
+    _load_npz(root / f"ws{w}" / "selection.npz")["correct_QG"], *design["band"]
+  )
 
 
 def _at(run: dict[str, Any], step: int, keep_Q: np.ndarray) -> dict[str, Any]:
@@ -58,8 +61,12 @@ def _at(run: dict[str, Any], step: int, keep_Q: np.ndarray) -> dict[str, Any]:
   z = _load_npz(run["dir"] / "heldout" / f"step_{step:06d}.npz")
   s_QG, c_QG = z["s_QG"][keep_Q], z["correct_QG"][keep_Q]
   auc_Q = calibration.auc_per_question(s_QG, c_QG)
-  return {"auc_Q": auc_Q, "accuracy_sel": float(c_QG.mean()),
-          "auc_mean_sel": float(np.nanmean(auc_Q)), "aurc_sel": calibration.aurc(s_QG, c_QG)}
+  return {
+    "auc_Q": auc_Q,
+    "accuracy_sel": float(c_QG.mean()),
+    "auc_mean_sel": float(np.nanmean(auc_Q)),
+    "aurc_sel": calibration.aurc(s_QG, c_QG),
+  }
 
 
 def _scaling(path: pathlib.Path, design: dict[str, Any]) -> dict[str, Any] | None:
@@ -69,10 +76,12 @@ def _scaling(path: pathlib.Path, design: dict[str, Any]) -> dict[str, Any] | Non
   qs = []
   for q in range(z["s_QG"].shape[0]):
     group_G = scaling.group_answers([a or None for a in z["answers_QG"][q]], str.__eq__)
-    qs.append(scaling.QuestionSamples(group_G, z["s_QG"][q], z["correct_QG"][q],
-                                      z["completion_QG"][q]))
-  cfg = scaling.ScalingConfig(ns=tuple(design["scaling_ks"]),
-                              n_subsets=design["scaling_subsets"], seed=0)
+    qs.append(
+      scaling.QuestionSamples(group_G, z["s_QG"][q], z["correct_QG"][q], z["completion_QG"][q])
+    )
+  cfg = scaling.ScalingConfig(
+    ns=tuple(design["scaling_ks"]), n_subsets=design["scaling_subsets"], seed=0
+  )
   return scaling.scaling_curves(qs, cfg)
 
 
@@ -84,15 +93,23 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   for w in warm_starts:
     info = json.loads((root / f"ws{w}" / "warm_start_eval.json").read_text())
     ws_sc = _scaling(root / f"ws{w}" / "warm_start_scaling.npz", design)
-    res["warm_starts"][w] = {"accuracy": info["accuracy"], "auc_mean": info["auc_mean"],
-                             "selected": int(keep[w].sum()), "scaling": ws_sc}
+    res["warm_starts"][w] = {
+      "accuracy": info["accuracy"],
+      "auc_mean": info["auc_mean"],
+      "selected": int(keep[w].sum()),
+      "scaling": ws_sc,
+    }
   for (w, variant), run in runs.items():
     last = run["evals"][-1]
     sel = _at(run, last["step"], keep[w])
     res["final"].setdefault(variant, {})[w] = {
-        "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
-        "aurc": last["aurc"], "entropy": last["entropy"],
-        **{k: v for k, v in sel.items() if k != "auc_Q"}}
+      "step": last["step"],
+      "accuracy": last["accuracy"],
+      "auc_mean": last["auc_mean"],
+      "aurc": last["aurc"],
+      "entropy": last["entropy"],
+      **{k: v for k, v in sel.items() if k != "auc_Q"},
+    }
     res["scaling"].setdefault(variant, {})[w] = _scaling(run["dir"] / "scaling_final.npz", design)
   base = PRIMARY[1]
   for variant in sorted({v for _, v in runs}):
@@ -109,110 +126,176 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
       if m is None:
         notes.append({"warm_start": w, "matched": None})
         continue
-      matched.append((_at(a, m["step_a"], keep[w])["auc_Q"],
-                      _at(b, m["step_b"], keep[w])["auc_Q"]))
+      matched.append((_at(a, m["step_a"], keep[w])["auc_Q"], _at(b, m["step_b"], keep[w])["auc_Q"]))
       notes.append({"warm_start": w, "matched": m})
     if final:
       res["paired"][variant] = {
-          "matched": study.hierarchical_delta(matched) if matched else None,
-          "final": study.hierarchical_delta(final), "checkpoints": notes}
+        "matched": study.hierarchical_delta(matched) if matched else None,
+        "final": study.hierarchical_delta(final),
+        "checkpoints": notes,
+      }
   res["frontier"] = _frontier(runs, keep, design)
   return res
 
 
-def _frontier(runs: dict[tuple[int, str], dict[str, Any]], keep: dict[int, np.ndarray],
-              design: dict[str, Any]) -> dict[str, Any]:
+def _frontier(
+  runs: dict[tuple[int, str], dict[str, Any]], keep: dict[int, np.ndarray], design: dict[str, Any]
+) -> dict[str, Any]:
   """Per learning rate: CAPO's checkpoints against GRPO's interpolated accuracy-AUC
   frontier (selected questions, same warm start; ``study.frontier_gaps``)."""
+
   def points(run: dict[str, Any], w: int) -> list[tuple[float, float]]:
-    return [(e["accuracy"], _at(run, e["step"], keep[w])["auc_mean_sel"])
-            for e in run["evals"] if e["step"]]
+    return [
+      (e["accuracy"], _at(run, e["step"], keep[w])["auc_mean_sel"])
+      for e in run["evals"]
+      if e["step"]
+    ]
+
   out: dict[str, Any] = {}
   capo, grpo = PRIMARY
   for lr_name, lr in design["lrs"].items():
-    per_ws = {w: study.frontier_gaps(points(runs[(w, capo + lr_name)], w),
-                                     points(runs[(w, grpo + lr_name)], w))
-              for w in sorted(keep)
-              if (w, capo + lr_name) in runs and (w, grpo + lr_name) in runs}
+    per_ws = {
+      w: study.frontier_gaps(
+        points(runs[(w, capo + lr_name)], w), points(runs[(w, grpo + lr_name)], w)
+      )
+      for w in sorted(keep)
+      if (w, capo + lr_name) in runs and (w, grpo + lr_name) in runs
+    }
     gaps = [g for v in per_ws.values() for g in v]
     if per_ws:
-      out[f"{lr:.0e}".replace("e-0", "e-")] = {"per_warm_start": per_ws, "points": len(gaps),
-                        "above": sum(g > 0 for g in gaps),
-                        "mean_gap": float(np.mean(gaps)) if gaps else None}
+      out[f"{lr:.0e}".replace("e-0", "e-")] = {
+        "per_warm_start": per_ws,
+        "points": len(gaps),
+        "above": sum(g > 0 for g in gaps),
+        "mean_gap": float(np.mean(gaps)) if gaps else None,
+      }
   return out
 
 
 def _interval(d: dict[str, Any] | None) -> str:
   if not d:
     return "- (no matched checkpoints)"
-  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
-          f"{t_note(d, 'warm starts')} ({d['pairs']} q, {d['warm_starts']} ws)")
+  return (
+    f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
+    f"{t_note(d, 'warm starts')} ({d['pairs']} q, {d['warm_starts']} ws)"
+  )
 
 
 def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
   k_max = max(design["scaling_ks"])
-  head = ["method", "warm starts", "accuracy", "AUC-mean", "AURC", "accuracy (sel.)",
-          "AUC-mean (sel.)", f"PC@{k_max} (sel.)", f"maj@{k_max} (sel.)", "entropy"]
+  head = [
+    "method",
+    "warm starts",
+    "accuracy",
+    "AUC-mean",
+    "AURC",
+    "accuracy (sel.)",
+    "AUC-mean (sel.)",
+    f"PC@{k_max} (sel.)",
+    f"maj@{k_max} (sel.)",
+    "entropy",
+  ]
   lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   ws = res["warm_starts"]
-  lines.append("| warm start | " + str(len(ws)) + " | " + " | ".join(
-      [mean_sd([v["accuracy"] for v in ws.values()]),
-       mean_sd([v["auc_mean"] for v in ws.values()]),
-       "-", "-", "-",
-       mean_sd([v["scaling"]["pc"][-1] for v in ws.values() if v["scaling"]]),
-       mean_sd([v["scaling"]["majority"][-1] for v in ws.values() if v["scaling"]]), "-"]) + " |")
+  lines.append(
+    "| warm start | "
+    + str(len(ws))
+    + " | "
+    + " | ".join(
+      [
+        mean_sd([v["accuracy"] for v in ws.values()]),
+        mean_sd([v["auc_mean"] for v in ws.values()]),
+        "-",
+        "-",
+        "-",
+        mean_sd([v["scaling"]["pc"][-1] for v in ws.values() if v["scaling"]]),
+        mean_sd([v["scaling"]["majority"][-1] for v in ws.values() if v["scaling"]]),
+        "-",
+      ]
+    )
+    + " |"
+  )
   order = [m for m in METHODS if m in res["final"]] + sorted(
-      v for v in res["final"] if v not in METHODS)
+    v for v in res["final"] if v not in METHODS
+  )
   for v in order:
     per = res["final"][v]
     sc = [s for s in res["scaling"].get(v, {}).values() if s]
     label = f"{v} (large-tau control)" if v == "dr_grpo" else v
-    lines.append(f"| {label} | {len(per)} | " + " | ".join(
-        [mean_sd([r[k] for r in per.values()]) for k in
-         ("accuracy", "auc_mean", "aurc", "accuracy_sel", "auc_mean_sel")]
-        + [mean_sd([s["pc"][-1] for s in sc]), mean_sd([s["majority"][-1] for s in sc]),
-           mean_sd([r["entropy"] for r in per.values()])]) + " |")
+    lines.append(
+      f"| {label} | {len(per)} | "
+      + " | ".join(
+        [
+          mean_sd([r[k] for r in per.values()])
+          for k in ("accuracy", "auc_mean", "aurc", "accuracy_sel", "auc_mean_sel")
+        ]
+        + [
+          mean_sd([s["pc"][-1] for s in sc]),
+          mean_sd([s["majority"][-1] for s in sc]),
+          mean_sd([r["entropy"] for r in per.values()]),
+        ]
+      )
+      + " |"
+    )
   out = "\n".join(lines)
-  out += ("\n\nPaired per-question ΔAUC against grpo on the selected questions "
-          "(hierarchical bootstrap 95%):\n\n| method | at matched accuracy (primary for capo) "
-          "| at the final step | matched steps (method / grpo, per warm start) |\n"
-          "|---|---|---|---|\n")
+  out += (
+    "\n\nPaired per-question ΔAUC against grpo on the selected questions "
+    "(hierarchical bootstrap 95%):\n\n| method | at matched accuracy (primary for capo) "
+    "| at the final step | matched steps (method / grpo, per warm start) |\n"
+    "|---|---|---|---|\n"
+  )
   for v, p in res["paired"].items():
-    steps = ", ".join(f"ws{c['warm_start']}: " + (
-        f"{c['matched']['step_a']}/{c['matched']['step_b']}" if c["matched"] else "none")
-        for c in p["checkpoints"])
+    steps = ", ".join(
+      f"ws{c['warm_start']}: "
+      + (f"{c['matched']['step_a']}/{c['matched']['step_b']}" if c["matched"] else "none")
+      for c in p["checkpoints"]
+    )
     out += f"| {v} | {_interval(p['matched'])} | {_interval(p['final'])} | {steps} |\n"
   if res.get("frontier"):
-    out += ("\nFrontier, descriptive (no interval): each CAPO checkpoint inside its GRPO "
-            "run's accuracy range (same warm start and learning rate) against GRPO's "
-            "checkpoints linearly interpolated at its accuracy, AUC-mean on the selected "
-            "questions:\n\n| lr | CAPO checkpoints in range | above GRPO's frontier "
-            "| mean gap | per warm start (mean gap, checkpoints) |\n|---|---|---|---|---|\n")
+    out += (
+      "\nFrontier, descriptive (no interval): each CAPO checkpoint inside its GRPO "
+      "run's accuracy range (same warm start and learning rate) against GRPO's "
+      "checkpoints linearly interpolated at its accuracy, AUC-mean on the selected "
+      "questions:\n\n| lr | CAPO checkpoints in range | above GRPO's frontier "
+      "| mean gap | per warm start (mean gap, checkpoints) |\n|---|---|---|---|---|\n"
+    )
     for lr, f in res["frontier"].items():
-      per = ", ".join(f"ws{w}: {fmt(np.mean(g) if g else None, True)} ({len(g)})"
-                      for w, g in f["per_warm_start"].items())
-      out += (f"| {lr} | {f['points']} | {f['above']} | {fmt(f['mean_gap'], True)} "
-              f"| {per} |\n")
-  out += "\nConfidence-weighted voting on the selected questions at the last step, mean over " \
-         f"warm starts ({design['scaling_samples']} samples per question, each k averaged " \
-         f"over {design['scaling_subsets']} random subsets):\n\n| method | " + " | ".join(
-             f"{m}@{k}" for m in ("majority", "pc", "rpc") for k in design["scaling_ks"]) + \
-         " |\n|---|" + "---|" * (3 * len(design["scaling_ks"])) + "\n"
+      per = ", ".join(
+        f"ws{w}: {fmt(np.mean(g) if g else None, True)} ({len(g)})"
+        for w, g in f["per_warm_start"].items()
+      )
+      out += f"| {lr} | {f['points']} | {f['above']} | {fmt(f['mean_gap'], True)} | {per} |\n"
+  out += (
+    "\nConfidence-weighted voting on the selected questions at the last step, mean over "
+    f"warm starts ({design['scaling_samples']} samples per question, each k averaged "
+    f"over {design['scaling_subsets']} random subsets):\n\n| method | "
+    + " | ".join(f"{m}@{k}" for m in ("majority", "pc", "rpc") for k in design["scaling_ks"])
+    + " |\n|---|"
+    + "---|" * (3 * len(design["scaling_ks"]))
+    + "\n"
+  )
   rows = {"warm start": [v["scaling"] for v in ws.values() if v["scaling"]]}
   rows.update({v: [s for s in res["scaling"].get(v, {}).values() if s] for v in order})
   for v, sc in rows.items():
     if sc:
-      out += f"| {v} | " + " | ".join(
-          mean_sd([s[m][i] for s in sc]) for m in ("majority", "pc", "rpc")
-          for i in range(len(design["scaling_ks"]))) + " |\n"
+      out += (
+        f"| {v} | "
+        + " | ".join(
+          mean_sd([s[m][i] for s in sc])
+          for m in ("majority", "pc", "rpc")
+          for i in range(len(design["scaling_ks"]))
+        )
+        + " |\n"
+      )
   return out
 
 
-def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, Any]
-           ) -> None:
+def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, Any]) -> None:
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   runs = _runs(root)
   fig, axes = plt.subplots(1, 3, figsize=(13, 3.6))
   for v in [m for m in METHODS if m in res["final"]]:
@@ -225,9 +308,9 @@ def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, 
       keep = _selected(root, w, design)
       curves["accuracy"].append([e["accuracy"] for e in r["evals"]])
       curves["entropy"].append([e["entropy"] for e in r["evals"]])
-      curves["auc_mean_sel"].append([
-          _at(r, e["step"], keep)["auc_mean_sel"] if e["step"] else np.nan
-          for e in r["evals"]])
+      curves["auc_mean_sel"].append(
+        [_at(r, e["step"], keep)["auc_mean_sel"] if e["step"] else np.nan for e in r["evals"]]
+      )
     for ax, (k, c) in zip(axes, curves.items()):
       ax.plot(steps, np.nanmean(np.array(c, float), 0), "o-", ms=3, label=v)
       ax.set_title(k + " (mean over warm starts)")
@@ -244,9 +327,15 @@ def _plots(root: pathlib.Path, res: dict[str, Any], out: str, design: dict[str, 
     keep = _selected(root, w, design)
     xs = [e["accuracy"] for e in r["evals"] if e["step"]]
     ys = [_at(r, e["step"], keep)["auc_mean_sel"] for e in r["evals"] if e["step"]]
-    ax.plot(xs, ys, "o-" if method == "capo" else "s--", ms=3,
-            color="C1" if method == "capo" else "C0", alpha=0.4 + 0.2 * ("_lr" in name),
-            label=f"{name} ws{w}")
+    ax.plot(
+      xs,
+      ys,
+      "o-" if method == "capo" else "s--",
+      ms=3,
+      color="C1" if method == "capo" else "C0",
+      alpha=0.4 + 0.2 * ("_lr" in name),
+      label=f"{name} ws{w}",
+    )
   ax.set_xlabel("held-out accuracy")
   ax.set_ylabel("AUC-mean, selected questions")
   ax.legend(fontsize=5)
@@ -261,10 +350,17 @@ def report(root: str, out: str) -> str:
   design = json.loads((root_p / "design.json").read_text())
   res = analyse(root_p, design)
   dirs = sorted(p.parent for p in root_p.glob("ws*/*_seed*/evals.json"))
-  text = (header("Demo study v3", dirs) + " Warm starts (SFT seeds): "
-          + ", ".join(f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
-                      f"{v['selected']} selected questions"
-                      for w, v in res["warm_starts"].items()) + ".\n\n" + tables(res, design))
+  text = (
+    header("Demo study v3", dirs)
+    + " Warm starts (SFT seeds): "
+    + ", ".join(
+      f"ws{w} accuracy {fmt(v['accuracy'])}, AUC-mean {fmt(v['auc_mean'])}, "
+      f"{v['selected']} selected questions"
+      for w, v in res["warm_starts"].items()
+    )
+    + ".\n\n"
+    + tables(res, design)
+  )
   write_report(out, "study_v3", text, {"design": design, "ran_on": ran_on(dirs), **res})
   _plots(root_p, res, out, design)  # into the folder write_report made
   return text
@@ -284,7 +380,11 @@ def record(reports: list[str], path: pathlib.Path = RECORDED) -> pathlib.Path:
   entries = []
   for r in reports:
     p = pathlib.Path(r).resolve()
-    entries.append({"report": p.relative_to(REPO).as_posix(),
-                    **recorded_summary(json.loads(p.read_text(encoding="utf-8")))})
+    entries.append(
+      {
+        "report": p.relative_to(REPO).as_posix(),
+        **recorded_summary(json.loads(p.read_text(encoding="utf-8"))),
+      }
+    )
   path.write_text(json.dumps(entries, indent=1) + "\n", encoding="utf-8")
   return path

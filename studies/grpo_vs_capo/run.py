@@ -25,6 +25,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as the launcher
   from capo_jax import hugepages
+
   hugepages.reexec_with_hugepages()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
@@ -42,6 +43,7 @@ def make_spec(variant: str, seed: int, overrides: list[str]):
   """The run spec of one study run: the demo config, the variant, the study's steps."""
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from configs import demo  # pylint: disable=import-outside-toplevel
+
   c = demo.get_config()
   c.seed = seed
   for key, value in compare.VARIANTS[variant].items():
@@ -61,8 +63,12 @@ def make_spec(variant: str, seed: int, overrides: list[str]):
 
 def run_all(args: argparse.Namespace) -> None:
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-  names = args.runs.split(",") if args.runs else [
-      f"{v}_seed{s}" for s in args.seeds for v in args.variants]
+
+  names = (
+    args.runs.split(",")
+    if args.runs
+    else [f"{v}_seed{s}" for s in args.seeds for v in args.variants]
+  )
   # <workdir>/jax_cache (configs/demo.py): a run finds the programs an earlier run of
   # the same shapes compiled (every seed of a variant; the variants of one loss).
   compile_cache.enable(make_spec("capo", 0, args.set).compilation_cache_dir, args.workdir)
@@ -73,8 +79,9 @@ def run_all(args: argparse.Namespace) -> None:
   for name in names:
     variant, seed = name.rsplit("_seed", 1)
     print(f"=== {name}", flush=True)
-    demo_run.run_rl(make_spec(variant, int(seed), args.set), args.workdir, ws, run_name=name,
-                    initial_eval=initial)
+    demo_run.run_rl(
+      make_spec(variant, int(seed), args.set), args.workdir, ws, run_name=name, initial_eval=initial
+    )
 
 
 def main() -> None:
@@ -84,12 +91,19 @@ def main() -> None:
   p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
   p.add_argument("--variants", type=lambda s: s.split(","), default=list(compare.VARIANTS))
   p.add_argument("--runs", default="", help="comma list of <variant>_seed<k> to run")
-  p.add_argument("--set", action="append", default=[],
-                 help="config override section.field=value (e.g. train.num_steps=100)")
+  p.add_argument(
+    "--set",
+    action="append",
+    default=[],
+    help="config override section.field=value (e.g. train.num_steps=100)",
+  )
   p.add_argument("--baseline", default="grpo", help="the variant ΔAUC is paired against")
   p.add_argument("--report_only", action="store_true")
-  p.add_argument("--plot", default="", help="comma list of variants in the figure "
-                 "(default: those with the most seeds)")
+  p.add_argument(
+    "--plot",
+    default="",
+    help="comma list of variants in the figure (default: those with the most seeds)",
+  )
   args = p.parse_args()
   if not args.report_only:
     run_all(args)

@@ -48,13 +48,25 @@ def verdict(paired: dict[str, Any], n_seeds: int) -> dict[str, str]:
   so ("... (1 of 3 seeds)"), so a partial study is never read as the verdict.
   """
   d = paired["selected"]
-  calib = ("inconclusive" if not np.isfinite(d["lo"]) or d["lo"] <= 0 <= d["hi"]
-           else "helps" if d["lo"] > 0 else "hurts")
+  calib = (
+    "inconclusive"
+    if not np.isfinite(d["lo"]) or d["lo"] <= 0 <= d["hi"]
+    else "helps"
+    if d["lo"] > 0
+    else "hurts"
+  )
   seeds = paired["per_seed"]
   claim = [s["d_entropy"] < 0 and s["d_accuracy"] > 0 for s in seeds]  # mask minus no mask
   against = [s["d_entropy"] >= 0 and s["d_accuracy"] <= 0 for s in seeds]
-  paper = ("-" if not seeds else "reproduced" if all(claim) else
-           "contradicted" if all(against) else "mixed")
+  paper = (
+    "-"
+    if not seeds
+    else "reproduced"
+    if all(claim)
+    else "contradicted"
+    if all(against)
+    else "mixed"
+  )
   if seeds and len(seeds) < n_seeds:
     partial = f" ({len(seeds)} of {n_seeds} seeds)"
     calib, paper = calib + partial, paper + partial
@@ -67,20 +79,31 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   keep_Q = ws0.selection(root, design["v3"]["band"])
   warm = json.loads((ws_dir / "warm_start_eval.json").read_text())
   res: dict[str, Any] = {
-      "warm_start": {"accuracy": warm["accuracy"], "auc_mean": warm["auc_mean"],
-                     "selected": int(keep_Q.sum())},
-      "thresholds": [json.loads(p.read_text()) for p in sorted(ws_dir.glob(
-          "mask_thresholds_q*.json"))],
-      "final": {}, "paired": {}}
+    "warm_start": {
+      "accuracy": warm["accuracy"],
+      "auc_mean": warm["auc_mean"],
+      "selected": int(keep_Q.sum()),
+    },
+    "thresholds": [
+      json.loads(p.read_text()) for p in sorted(ws_dir.glob("mask_thresholds_q*.json"))
+    ],
+    "final": {},
+    "paired": {},
+  }
   auc: dict[tuple[str, int], dict[str, Any]] = {}
   for (variant, seed), run in runs.items():
     last = run["evals"][-1]
     auc[(variant, seed)] = h = ws0.heldout_at(run["dir"], last["step"], keep_Q)
     res["final"].setdefault(variant, {})[seed] = {
-        "step": last["step"], "accuracy": last["accuracy"], "auc_mean": last["auc_mean"],
-        "auc_questions": last["auc_questions"], "entropy_heldout": last["entropy"],
-        "accuracy_sel": h["accuracy_sel"],
-        "auc_mean_sel": h["auc_mean_sel"], **_train_summary(run["train"])}
+      "step": last["step"],
+      "accuracy": last["accuracy"],
+      "auc_mean": last["auc_mean"],
+      "auc_questions": last["auc_questions"],
+      "entropy_heldout": last["entropy"],
+      "accuracy_sel": h["accuracy_sel"],
+      "auc_mean_sel": h["auc_mean_sel"],
+      **_train_summary(run["train"]),
+    }
   for noise in NOISES:
     for a, b in (design["primary"], design["secondary"]):
       va, vb = f"{a}_{noise}", f"{b}_{noise}"
@@ -88,65 +111,111 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
       if not seeds:
         continue
       fa, fb = res["final"][va], res["final"][vb]
-      p = {"seeds": seeds, **{
-          where: compare.paired_delta_auc(np.stack([auc[(va, s)][key] for s in seeds]),
-                                          np.stack([auc[(vb, s)][key] for s in seeds]),
-                                          n_boot=design["n_boot"])
-          for where, key in (("selected", "auc_sel_Q"), ("all", "auc_Q"))},
-          "per_seed": [{"seed": s, "d_accuracy": fa[s]["accuracy"] - fb[s]["accuracy"],
-                        "d_entropy": fa[s]["entropy_last"] - fb[s]["entropy_last"]}
-                       for s in seeds]}
+      p = {
+        "seeds": seeds,
+        **{
+          where: compare.paired_delta_auc(
+            np.stack([auc[(va, s)][key] for s in seeds]),
+            np.stack([auc[(vb, s)][key] for s in seeds]),
+            n_boot=design["n_boot"],
+          )
+          for where, key in (("selected", "auc_sel_Q"), ("all", "auc_Q"))
+        },
+        "per_seed": [
+          {
+            "seed": s,
+            "d_accuracy": fa[s]["accuracy"] - fb[s]["accuracy"],
+            "d_entropy": fa[s]["entropy_last"] - fb[s]["entropy_last"],
+          }
+          for s in seeds
+        ],
+      }
       p["verdict"] = verdict(p, len(design["seeds"]))
       res["paired"][f"{va} - {vb}"] = p
   return res
 
 
 def _interval(d: dict[str, Any]) -> str:
-  return (f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
-          f"{t_note(d)} ({d['pairs']} cells)")
+  return (
+    f"{fmt(d['delta'], True)} [{fmt(d['lo'], True)}, {fmt(d['hi'], True)}]"
+    f"{t_note(d)} ({d['pairs']} cells)"
+  )
 
 
 def tables(res: dict[str, Any]) -> str:
   out = []
   for t in res["thresholds"]:
     q = t["key"]["quantiles"]
-    out.append(f"Mask thresholds on the warm start's {t['samples']} samples of "
-               f"{t['key']['questions']} training questions (accuracy {fmt(t['accuracy'])}): "
-               f"at quantiles ({q[0]:g}, {q[1]:g}) low {t['low']:.4f}, high {t['high']:.4f}, "
-               f"masking {fmt(t['masked']['wrong'])} of the wrong and "
-               f"{fmt(t['masked']['right'])} of the correct samples; the paper's thresholds "
-               f"mask {fmt(t['paper_masked']['wrong'])} and {fmt(t['paper_masked']['right'])}.")
+    out.append(
+      f"Mask thresholds on the warm start's {t['samples']} samples of "
+      f"{t['key']['questions']} training questions (accuracy {fmt(t['accuracy'])}): "
+      f"at quantiles ({q[0]:g}, {q[1]:g}) low {t['low']:.4f}, high {t['high']:.4f}, "
+      f"masking {fmt(t['masked']['wrong'])} of the wrong and "
+      f"{fmt(t['masked']['right'])} of the correct samples; the paper's thresholds "
+      f"mask {fmt(t['paper_masked']['wrong'])} and {fmt(t['paper_masked']['right'])}."
+    )
   # AUC-mean is a mean over the questions with right and wrong samples: a collapsed run
   # has few, so its AUC-mean says little; the count is printed beside it.
-  head = ["variant", "seeds", "accuracy", "AUC-mean", "over questions", "accuracy (sel.)",
-          "AUC-mean (sel.)",
-          "held-out entropy", f"train entropy (first / last {TAIL})",
-          "masked of wrong", "masked of right"]
+  head = [
+    "variant",
+    "seeds",
+    "accuracy",
+    "AUC-mean",
+    "over questions",
+    "accuracy (sel.)",
+    "AUC-mean (sel.)",
+    "held-out entropy",
+    f"train entropy (first / last {TAIL})",
+    "masked of wrong",
+    "masked of right",
+  ]
   for noise in NOISES:
-    out.append(f"\n**{'10% random flips' if noise == 'noise' else 'structured false negatives'}"
-               f"** (final step, mean ± sd over seeds; masked: mean over the run's steps)\n")
+    out.append(
+      f"\n**{'10% random flips' if noise == 'noise' else 'structured false negatives'}"
+      f"** (final step, mean ± sd over seeds; masked: mean over the run's steps)\n"
+    )
     out += ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for m in METHODS:
       per = list(res["final"].get(f"{m}_{noise}", {}).values())
       if not per:
         continue
       ms = lambda k: mean_sd([r[k] for r in per])  # noqa: E731
-      out.append(f"| {m}_{noise} | {len(per)} | " + " | ".join(
-          [ms("accuracy"), ms("auc_mean"), " / ".join(f"{r['auc_questions']:.0f}" for r in per),
-           ms("accuracy_sel"), ms("auc_mean_sel"),
-           ms("entropy_heldout"), f"{ms('entropy_first')} / {ms('entropy_last')}",
-           ms("masked_frac_wrong_mean"), ms("masked_frac_correct_mean")]) + " |")
-  out.append("\nPaired per-question ΔAUC (mask minus no mask) at the final step, bootstrap "
-             "95% over seeds and questions; Δ accuracy and Δ train entropy (last "
-             f"{TAIL} steps) per seed:\n")
-  out += ["| pair | ΔAUC, selected | ΔAUC, all held-out | Δ accuracy | Δ train entropy "
-          "| calibration | paper's claim |", "|---|---|---|---|---|---|---|"]
+      out.append(
+        f"| {m}_{noise} | {len(per)} | "
+        + " | ".join(
+          [
+            ms("accuracy"),
+            ms("auc_mean"),
+            " / ".join(f"{r['auc_questions']:.0f}" for r in per),
+            ms("accuracy_sel"),
+            ms("auc_mean_sel"),
+            ms("entropy_heldout"),
+            f"{ms('entropy_first')} / {ms('entropy_last')}",
+            ms("masked_frac_wrong_mean"),
+            ms("masked_frac_correct_mean"),
+          ]
+        )
+        + " |"
+      )
+  out.append(
+    "\nPaired per-question ΔAUC (mask minus no mask) at the final step, bootstrap "
+    "95% over seeds and questions; Δ accuracy and Δ train entropy (last "
+    f"{TAIL} steps) per seed:\n"
+  )
+  out += [
+    "| pair | ΔAUC, selected | ΔAUC, all held-out | Δ accuracy | Δ train entropy "
+    "| calibration | paper's claim |",
+    "|---|---|---|---|---|---|---|",
+  ]
   for name, p in res["paired"].items():
     per = p["per_seed"]
-    out.append(f"| {name} | {_interval(p['selected'])} | {_interval(p['all'])} | " + ", ".join(
-        fmt(s["d_accuracy"], True) for s in per) + " | " + ", ".join(
-            fmt(s["d_entropy"], True) for s in per) +
-               f" | {p['verdict']['calibration']} | {p['verdict']['paper_claim']} |")
+    out.append(
+      f"| {name} | {_interval(p['selected'])} | {_interval(p['all'])} | "
+      + ", ".join(fmt(s["d_accuracy"], True) for s in per)
+      + " | "
+      + ", ".join(fmt(s["d_entropy"], True) for s in per)
+      + f" | {p['verdict']['calibration']} | {p['verdict']['paper_claim']} |"
+    )
   return "\n".join(out) + "\n"
 
 
@@ -154,13 +223,21 @@ def plot(root: pathlib.Path, path: str) -> str:
   """Per noise (rows): held-out accuracy and AUC-mean, training entropy and masked
   fractions against the RL step, one line per variant (mean over seeds)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
+
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
+
   runs = ws0.load_runs(root, "mask")
-  panels = (("evals", "accuracy"), ("evals", "auc_mean"), ("train", "entropy"),
-            ("train", "masked_frac_wrong"), ("train", "masked_frac_correct"))
-  fig, axes = plt.subplots(len(NOISES), len(panels), figsize=(3.3 * len(panels), 5.6),
-                           squeeze=False)
+  panels = (
+    ("evals", "accuracy"),
+    ("evals", "auc_mean"),
+    ("train", "entropy"),
+    ("train", "masked_frac_wrong"),
+    ("train", "masked_frac_correct"),
+  )
+  fig, axes = plt.subplots(
+    len(NOISES), len(panels), figsize=(3.3 * len(panels), 5.6), squeeze=False
+  )
   for row, noise in enumerate(NOISES):
     for i, m in enumerate(METHODS):
       seeds = [r for (v, _), r in runs.items() if v == f"{m}_{noise}"]
@@ -184,9 +261,11 @@ def report(root: str, out: str) -> str:
   res = analyse(root_p, design)
   w = res["warm_start"]
   dirs = list(ws0.finished_runs(root_p, "mask").values())
-  text = (header("Mask study", dirs) + " Warm start 0 of the v3 study: held-out "
-          f"accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
-          f"{w['selected']} selected questions.\n\n" + tables(res))
+  text = (
+    header("Mask study", dirs) + " Warm start 0 of the v3 study: held-out "
+    f"accuracy {fmt(w['accuracy'])}, AUC-mean {fmt(w['auc_mean'])}, "
+    f"{w['selected']} selected questions.\n\n" + tables(res)
+  )
   write_report(out, "mask_study", text, {"design": design, "ran_on": ran_on(dirs), **res})
   plot(root_p, os.path.join(out, "mask_study_curves.png"))
   return text

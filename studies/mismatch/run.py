@@ -46,37 +46,56 @@ from capo_jax.run import programs as programs_lib
 from configs import demo as demo_config
 
 CONFIGS = (("float32", "float32"), ("bfloat16", "float32"), ("bfloat16", "bfloat16"))
-KEYS = ("abs_log_ratio", "seq_abs_log_ratio", "k3_kl", "ratio_p01", "ratio_p50", "ratio_p99",
-        "ratio_min", "ratio_max")
+KEYS = (
+  "abs_log_ratio",
+  "seq_abs_log_ratio",
+  "k3_kl",
+  "ratio_p01",
+  "ratio_p50",
+  "ratio_p99",
+  "ratio_min",
+  "ratio_max",
+)
 
 
-def measure(spec, ws, examples, sampler_dtype: str, trainer_dtype: str, batches: int,
-            seed: int) -> dict[str, float]:
+def measure(
+  spec, ws, examples, sampler_dtype: str, trainer_dtype: str, batches: int, seed: int
+) -> dict[str, float]:
   """Mean over ``batches`` rollouts of the logged mismatch metrics (and the accuracy)."""
-  spec = spec.with_overrides({"model.compute_dtype": trainer_dtype,
-                              "rollout.old_logprobs": "trainer"}, policy_given=True)
+  spec = spec.with_overrides(
+    {"model.compute_dtype": trainer_dtype, "rollout.old_logprobs": "trainer"}, policy_given=True
+  )
   trainer_cfg = ws.cfg.replace(compute_dtype=trainer_dtype)
   sampler_cfg = ws.cfg.replace(compute_dtype=sampler_dtype)
   progs = programs_lib.build(spec, trainer_cfg, spec.make_mesh())
   tok = ws.tokenizer
   ctx = rollout.RolloutContext(
-      spec=spec.rollout_spec(), model_cfg=sampler_cfg, tokenizer=tok,
-      grader=rewards.default_grader(),
-      sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tok.stop_ids),
-                                   pad_id=tok.pad_id),
-      sampling_layout=progs.sampling_layout, logprobs=progs.logprobs,
-      batches=progs.batch_layout)
+    spec=spec.rollout_spec(),
+    model_cfg=sampler_cfg,
+    tokenizer=tok,
+    grader=rewards.default_grader(),
+    sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id),
+    sampling_layout=progs.sampling_layout,
+    logprobs=progs.logprobs,
+    batches=progs.batch_layout,
+  )
   cast = lambda dt: jax.tree.map(lambda x: x.astype(dt), ws.params)  # noqa: E731
-  policy = rollout.PolicyArgs(sampling=cast(sampler_cfg.dtype), train=cast("float32"),
-                              reference=cast(trainer_cfg.dtype) if spec.needs_reference else None)
+  policy = rollout.PolicyArgs(
+    sampling=cast(sampler_cfg.dtype),
+    train=cast("float32"),
+    reference=cast(trainer_cfg.dtype) if spec.needs_reference else None,
+  )
   Q = spec.rollout.num_prompts
   rows = []
   for i in range(batches):
-    ro = rollout.collect(examples[i * Q:(i + 1) * Q], ctx, policy, step=0,
-                         rng=jax.random.key(seed + i))
+    ro = rollout.collect(
+      examples[i * Q : (i + 1) * Q], ctx, policy, step=0, rng=jax.random.key(seed + i)
+    )
     m = jax.device_get(ro.metrics)
-    rows.append({k: float(m[f"mismatch/{k}"]) for k in KEYS} |
-                {"accuracy": m["accuracy"], "response_len": m["response_len"]})
+    rows.append(
+      {k: float(m[f"mismatch/{k}"]) for k in KEYS}
+      | {"accuracy": m["accuracy"], "response_len": m["response_len"]}
+    )
   out = {k: float(np.mean([r[k] for r in rows])) for k in rows[0]}
   out["ratio_min"] = min(r["ratio_min"] for r in rows)
   out["ratio_max"] = max(r["ratio_max"] for r in rows)
@@ -86,28 +105,46 @@ def measure(spec, ws, examples, sampler_dtype: str, trainer_dtype: str, batches:
 def rl_steps(spec, ws, examples, workdir: str, steps: int, correction: str) -> None:
   """``steps`` RL steps per compute dtype; prints the logged mismatch of each step."""
   for dt in ("float32", "bfloat16"):
-    run = spec.with_overrides({"model.compute_dtype": dt, "rollout.old_logprobs": "trainer",
-                               "rollout.is_correction": correction, "train.num_steps": steps,
-                               "eval.every_steps": 0, "checkpoint.export_hf": False,
-                               "checkpoint.every_steps": steps}, policy_given=True)
+    run = spec.with_overrides(
+      {
+        "model.compute_dtype": dt,
+        "rollout.old_logprobs": "trainer",
+        "rollout.is_correction": correction,
+        "train.num_steps": steps,
+        "eval.every_steps": 0,
+        "checkpoint.export_hf": False,
+        "checkpoint.every_steps": steps,
+      },
+      policy_given=True,
+    )
     out = os.path.join(workdir, f"mismatch_rl_{dt}_{correction}")
-    loop.train(run, out, policy=loop.Policy(ws.cfg.replace(compute_dtype=dt), ws.params),
-               tokenizer=ws.tokenizer, train_examples=examples)
+    loop.train(
+      run,
+      out,
+      policy=loop.Policy(ws.cfg.replace(compute_dtype=dt), ws.params),
+      tokenizer=ws.tokenizer,
+      train_examples=examples,
+    )
     with open(os.path.join(out, "metrics.jsonl"), encoding="utf-8") as f:
       rows = [json.loads(line) for line in f]
     keys = [k for k in rows[0] if k.startswith("mismatch/")]
     print(f"\n{dt} sampler and trainer, is_correction={correction} ({out})")
-    print("| step | accuracy | " + " | ".join(k[len("mismatch/"):] for k in keys) + " |")
+    print("| step | accuracy | " + " | ".join(k[len("mismatch/") :] for k in keys) + " |")
     print("|---" * (len(keys) + 2) + "|")
     for r in rows:
-      print(f"| {r['step']} | {r['accuracy']:.3f} | " +
-            " | ".join(f"{r[k]:.3g}" for k in keys) + " |", flush=True)
+      print(
+        f"| {r['step']} | {r['accuracy']:.3f} | " + " | ".join(f"{r[k]:.3g}" for k in keys) + " |",
+        flush=True,
+      )
 
 
 def main() -> None:
   ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-  ap.add_argument("--workdir", default="/tmp/capo_demo",
-                  help="the demo's workdir: its warm start is loaded (or trained) and cached")
+  ap.add_argument(
+    "--workdir",
+    default="/tmp/capo_demo",
+    help="the demo's workdir: its warm start is loaded (or trained) and cached",
+  )
   ap.add_argument("--batches", type=int, default=4, help="rollouts of Q x G per configuration")
   ap.add_argument("--seed", type=int, default=0)
   ap.add_argument("--small", action="store_true", help="the demo's shrunk config (smoke)")
@@ -120,20 +157,32 @@ def main() -> None:
   ws = demo_run.get_warm_start(spec, args.workdir)
   train, _ = task_lib.make_splits(demo_run.Demo.of(spec).task)
   if args.rl_steps:
-    rl_steps(spec.with_overrides(demo_run.compare.VARIANTS["capo"], policy_given=True), ws,
-             train, args.workdir, args.rl_steps, args.correction)
+    rl_steps(
+      spec.with_overrides(demo_run.compare.VARIANTS["capo"], policy_given=True),
+      ws,
+      train,
+      args.workdir,
+      args.rl_steps,
+      args.correction,
+    )
     return
   batches = 2 if args.small else args.batches
   Q, G = spec.rollout.num_prompts, spec.rollout.num_samples
-  print(f"warm start {ws.info.get('path')} ({time.perf_counter() - t0:.0f} s); {batches} "
-        f"rollouts of {Q} x {G} per configuration, max_new_tokens "
-        f"{spec.rollout.max_new_tokens}, jax {jax.__version__} on {jax.devices()[0].platform}")
+  print(
+    f"warm start {ws.info.get('path')} ({time.perf_counter() - t0:.0f} s); {batches} "
+    f"rollouts of {Q} x {G} per configuration, max_new_tokens "
+    f"{spec.rollout.max_new_tokens}, jax {jax.__version__} on {jax.devices()[0].platform}"
+  )
   print("| sampler / trainer | " + " | ".join(KEYS) + " | accuracy |")
   print("|---" * (len(KEYS) + 2) + "|")
   for s_dt, t_dt in CONFIGS:
     m = measure(spec, ws, train, s_dt, t_dt, batches, args.seed)
-    print(f"| {s_dt} / {t_dt} | " + " | ".join(f"{m[k]:.3g}" for k in KEYS) +
-          f" | {m['accuracy']:.3f} |", flush=True)
+    print(
+      f"| {s_dt} / {t_dt} | "
+      + " | ".join(f"{m[k]:.3g}" for k in KEYS)
+      + f" | {m['accuracy']:.3f} |",
+      flush=True,
+    )
 
 
 if __name__ == "__main__":

@@ -25,8 +25,15 @@ def variant_names() -> list[str]:
 def make_design() -> dict[str, Any]:
   """The pre-registered design; reads v3's DESIGN, so after ``--shrink`` it is the shrunk one."""
   from capo_jax.demo import compare  # pylint: disable=import-outside-toplevel
-  return {"warm_start": 0, "v3": v3.warm_start_design(), **_SETTINGS, "grid": GRID,
-          "paper_tau": PAPER_TAU, "variants": {v: compare.VARIANTS[v] for v in variant_names()}}
+
+  return {
+    "warm_start": 0,
+    "v3": v3.warm_start_design(),
+    **_SETTINGS,
+    "grid": GRID,
+    "paper_tau": PAPER_TAU,
+    "variants": {v: compare.VARIANTS[v] for v in variant_names()},
+  }
 
 
 def run_names() -> list[str]:

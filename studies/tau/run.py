@@ -21,6 +21,7 @@ from __future__ import annotations
 
 if __name__ == "__main__":  # before JAX is imported (capo_jax/hugepages.py), as the launcher
   from capo_jax import hugepages
+
   hugepages.reexec_with_hugepages()
 
 # pylint: disable=g-import-not-at-top,wrong-import-position
