@@ -3,8 +3,8 @@
 Each such study is a ``Ws0Study`` (``studies/mask/run.py``, ``studies/tau/run.py``):
 its variants (``capo_jax/demo/compare.py`` ``VARIANTS``), its pre-registered design
 (``<root>/<name>_design.json``; the warm start's own, v3's, in
-``<root>/design.json``),
-the configuration of one run and its report. The runs are ordinary RL workdirs under ``<root>/ws0/<name>/``,
+``<root>/design.json``), the configuration of one run and its report. The runs are
+ordinary RL workdirs under ``<root>/ws0/<name>/``,
 named ``ws0/<name>/<variant>_seed<k>``; they resume where they stopped, and
 ``--runs`` splits them over processes. Given the v3 study's root, a study reuses
 its cached warm start 0, held-out evaluation and question selection.
