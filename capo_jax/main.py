@@ -38,20 +38,22 @@ def main(argv: list[str]) -> None:
   logging.getLogger().setLevel(logging.INFO)
   logging.getLogger("absl").setLevel(logging.WARNING)  # orbax's per-save chatter
   distributed.maybe_initialize()
-  config = _CONFIG.value
+  config, workdir = _CONFIG.value, _WORKDIR.value
+  if workdir is None:  # a required flag: absl rejects its absence before main
+    raise app.UsageError("--workdir is required")
   # The one translation of the config: everything below takes the spec.
   if "demo" in config:  # the embedded demo: warm start, then RL, then the report
     from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
 
     spec = demo_run.spec_of(config)
-    compile_cache.enable(spec.compilation_cache_dir, _WORKDIR.value)
-    demo_run.run(spec, _WORKDIR.value)
+    compile_cache.enable(spec.compilation_cache_dir, workdir)
+    demo_run.run(spec, workdir)
     return
   spec = RunSpec.from_config(config)
-  compile_cache.enable(spec.compilation_cache_dir, _WORKDIR.value)
+  compile_cache.enable(spec.compilation_cache_dir, workdir)
   from capo_jax.run import loop  # pylint: disable=import-outside-toplevel
 
-  loop.train(spec, _WORKDIR.value)
+  loop.train(spec, workdir)
 
 
 if __name__ == "__main__":

@@ -47,5 +47,8 @@ are spelled out.
 from __future__ import annotations
 
 import jax
+import numpy as np
 
 Array = jax.Array
+# Containers the host fills with NumPy arrays and then uploads as they are.
+HostOrDeviceArray = np.ndarray | jax.Array

@@ -131,10 +131,10 @@ def value_at_accuracy(evals: Sequence[dict[str, float]], target: float, key: str
 
 def value_at(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
   """``ys`` linear in ``xs`` (increasing) at ``x``; NaN outside their range."""
-  xs, ys = np.asarray(xs, float), np.asarray(ys, float)
-  if not len(xs) or x < xs[0] or x > xs[-1]:
+  xp, fp = np.asarray(xs, float), np.asarray(ys, float)
+  if not len(xp) or x < xp[0] or x > xp[-1]:
     return float("nan")
-  return float(np.interp(x, xs, ys))
+  return float(np.interp(x, xp, fp))
 
 
 def summary(

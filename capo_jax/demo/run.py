@@ -287,7 +287,7 @@ def mask_thresholds(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> di
 def _evals_from_metrics(path: str) -> list[dict[str, float]]:
   """The held-out evaluations in a run's ``metrics.jsonl``, in the order written (a
   step evaluated again after a resume appears twice); [] without the file."""
-  out = []
+  out: list[dict[str, float]] = []
   if not os.path.exists(path):
     return out
   with open(path, encoding="utf-8") as f:

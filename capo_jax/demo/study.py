@@ -56,7 +56,7 @@ def matched_checkpoints(
   Returns ``{"step_a", "step_b", "acc_a", "acc_b", "gap"}`` or None when no pair of
   checkpoints is that close (the report counts such run pairs as unmatched).
   """
-  best: tuple[float, int, int] | None = None
+  best: tuple[float, float, float] | None = None
   for ea in evals_a:
     for eb in evals_b:
       if ea["step"] == 0 or eb["step"] == 0 or abs(ea[key] - eb[key]) > tol:

@@ -80,11 +80,11 @@ class GroupBatch:
     shapes = {k: np.shape(a) for k, a in arrays.items() if a is not None}
     if len(set(shapes.values())) != 1 or len(shapes["rewards_QG"]) != 2:
       raise ValueError(f"GroupBatch: inputs must all have one shape [Q, G]; got {shapes}")
-    r, v = self.labels_QG, self.valid_QG
+    r = self.labels_QG
     label = "rewards_QG" if self.correct_QG is None else "correct_QG"
-    if any(isinstance(a, jax.core.Tracer) for a in (r, v, self.rewards_QG)):
+    if any(isinstance(a, jax.core.Tracer) for a in (r, self.valid_QG, self.rewards_QG)):
       return
-    v = np.asarray(v).astype(bool)
+    v = np.asarray(self.valid_QG).astype(bool)
     for what, arr, bad in (
       (f"{label} must be 0 or 1", r, ~np.isin(np.asarray(r), (0.0, 1.0)) & v),
       ("rewards_QG must be finite", self.rewards_QG, ~np.isfinite(self.rewards_QG) & v),
@@ -165,6 +165,7 @@ def _capo_group(r_G: Array, s_G: Array, v_G: Array, u_G: Array, tau: Array, norm
   w_GG = jax.nn.sigmoid((s_G[None, :] - s_G[:, None]) / tau)
   w_GG = jnp.where(pos_G[:, None] & neg_G[None, :], w_GG, 0.0)
   a_G = jnp.where(pos_G, w_GG.sum(axis=1), 0.0) - jnp.where(neg_G, w_GG.sum(axis=0), 0.0)
+  denom: Array | int
   if norm == "group":
     denom = jnp.maximum(v_G.sum(), 1)
   elif norm == "pairs":

@@ -97,7 +97,7 @@ class Capo(Estimator):
     self, batch: GroupBatch, step: int | Array = 0, total_steps: int | Array = 1
   ) -> Array:
     s_QG = self.confidence(batch.s_QG)
-    tau = self.tau
+    tau: float | Array = self.tau
     if self.adaptive_tau > 0:
       tau = adv.adaptive_tau_value(
         s_QG, batch.labels_QG, batch.valid_QG, scale=self.adaptive_tau, fallback=self.tau

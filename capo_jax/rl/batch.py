@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capo_jax.types import Array
+from capo_jax.types import Array, HostOrDeviceArray
 
 
 @jax.tree_util.register_dataclass
@@ -44,13 +44,13 @@ class ModelRows:
   policy's top-K of the token predicted there), or None.
   """
 
-  tokens_YT: Array
-  segment_ids_YT: Array
-  positions_YT: Array
-  target_col_YZ: Array
-  targets_YZ: Array
-  target_mask_YZ: Array
-  topk_ids_YZJ: Array | None = None
+  tokens_YT: HostOrDeviceArray
+  segment_ids_YT: HostOrDeviceArray
+  positions_YT: HostOrDeviceArray
+  target_col_YZ: HostOrDeviceArray
+  targets_YZ: HostOrDeviceArray
+  target_mask_YZ: HostOrDeviceArray
+  topk_ids_YZJ: HostOrDeviceArray | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -87,7 +87,7 @@ class TrainBatch:
   """
 
   rows: ModelRows
-  index_MBC: Array
+  index_MBC: HostOrDeviceArray
   seqs: Sequences
 
 

@@ -47,7 +47,10 @@ def upload(
   """The step's planned updates placed on the devices in one transfer; ``sharding``:
   the train batches' ([M, rows or slots, ...] on axis 1)."""
   put = put_global([(p.rows, p.index_MBC, p.take_MB) for p in plans], sharding)
-  return [UpdateRows(*arrays, filled=p.filled) for arrays, p in zip(put, plans)]
+  return [
+    UpdateRows(rows, index_MBC, take_MB, p.filled)
+    for (rows, index_MBC, take_MB), p in zip(put, plans)
+  ]
 
 
 _Z_FIELDS = ("target_col_YZ", "targets_YZ", "target_mask_YZ", "topk_ids_YZJ")
@@ -135,7 +138,7 @@ class LogprobPass:
 
   fn: Callable[..., dict[str, Array]]
   layout: packing.RowLayout
-  rows_sharding: jax.sharding.Sharding
+  rows_sharding: NamedSharding
   index_sharding: jax.sharding.Sharding
 
   def upload(

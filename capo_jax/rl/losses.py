@@ -281,34 +281,39 @@ class Simko(PolicyLoss):
   def top_k(self) -> int:
     return self.k
 
-  def _check(self, batch: PolicyBatch) -> None:
-    for field in ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC", "correct_B"):
-      if getattr(batch, field) is None:
+  def _check(self, batch: PolicyBatch) -> tuple[Array, Array, Array, Array, Array]:
+    """The inputs SimKO needs, checked: (entropy_BC, topk_logp_BCJ,
+    old_topk_logp_BCJ, is_argmax_BC, correct_B)."""
+    fields = ("entropy_BC", "topk_logp_BCJ", "old_topk_logp_BCJ", "is_argmax_BC", "correct_B")
+    got: list[Array] = []
+    for field in fields:
+      x = getattr(batch, field)
+      if x is None:
         raise ValueError(
           f"Simko: PolicyBatch.{field} is required, got None (a train step "
           "fills it from Sequences.correct_B, old_topk_ids_BCJ and "
           "old_topk_logp_BCJ: the old pass's make_logprob_fn(top_k=Simko.k))"
         )
-    if (
-      batch.topk_logp_BCJ.shape[-1] != self.k
-      or batch.old_topk_logp_BCJ.shape != batch.topk_logp_BCJ.shape
-    ):
+      got.append(x)
+    entropy_BC, topk_BCJ, old_topk_BCJ, is_argmax_BC, correct_B = got
+    if topk_BCJ.shape[-1] != self.k or old_topk_BCJ.shape != topk_BCJ.shape:
       raise ValueError(
-        f"Simko: topk_logp_BCJ {batch.topk_logp_BCJ.shape} and "
-        f"old_topk_logp_BCJ {batch.old_topk_logp_BCJ.shape} must end in "
+        f"Simko: topk_logp_BCJ {topk_BCJ.shape} and "
+        f"old_topk_logp_BCJ {old_topk_BCJ.shape} must end in "
         f"Simko.k={self.k}"
       )
+    return entropy_BC, topk_BCJ, old_topk_BCJ, is_argmax_BC, correct_B
 
   def loss(self, batch: PolicyBatch, cfg: LossConfig) -> tuple[Array, dict[str, Array]]:
-    self._check(batch)
+    entropy_BC, topk_BCJ, old_topk_BCJ, is_argmax_BC, correct_B = self._check(batch)
     rho_BC = jnp.exp(batch.logp_BC - batch.old_logp_BC)
-    rho_BCJ = jnp.exp(batch.topk_logp_BCJ - batch.old_topk_logp_BCJ)
+    rho_BCJ = jnp.exp(topk_BCJ - old_topk_BCJ)
     lifted_BC = (rho_BCJ * jax.lax.stop_gradient(rho_BC[..., None] / rho_BCJ)).mean(-1)
-    fork_BC = forked_tokens(batch.entropy_BC, batch.mask_BC, self.quantile)
-    correct_B1 = batch.correct_B.astype(bool)[:, None]
+    fork_BC = forked_tokens(entropy_BC, batch.mask_BC, self.quantile)
+    correct_B1 = correct_B.astype(bool)[:, None]
     alpha_BC = jnp.where(fork_BC & correct_B1, self.alpha, 0.0)
     ratio_BC = (1.0 - alpha_BC) * rho_BC + alpha_BC * lifted_BC
-    boost_BC = fork_BC & ~correct_B1 & batch.is_argmax_BC.astype(bool)
+    boost_BC = fork_BC & ~correct_B1 & is_argmax_BC.astype(bool)
     adv_BC = _weighted(batch.adv_B[:, None] * jnp.where(boost_BC, self.lam, 1.0), batch)
     loss, aux = _clipped(ratio_BC, adv_BC, batch.mask_BC, cfg.eps_low, cfg.eps_high, cfg)
     aux["forked_frac"] = masked_mean(fork_BC.astype(rho_BC.dtype), batch.mask_BC)
@@ -347,17 +352,19 @@ def _check_batch(batch: PolicyBatch) -> None:
 def _zero_padding(batch: PolicyBatch) -> PolicyBatch:
   """Zeroes per-token inputs on padding so inf / NaN there cannot reach the gradient."""
   m_BC = batch.mask_BC > 0
-  fix = lambda x: (
-    None if x is None else jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x, 0)
-  )
+
+  def fix(x: Array) -> Array:
+    return jnp.where(m_BC.reshape(m_BC.shape + (1,) * (x.ndim - 2)), x, 0)
+
+  fix_opt = lambda x: None if x is None else fix(x)  # noqa: E731
   return batch._replace(
     logp_BC=fix(batch.logp_BC),
     old_logp_BC=fix(batch.old_logp_BC),
-    entropy_BC=fix(batch.entropy_BC),
-    ref_logp_BC=fix(batch.ref_logp_BC),
-    topk_logp_BCJ=fix(batch.topk_logp_BCJ),
-    old_topk_logp_BCJ=fix(batch.old_topk_logp_BCJ),
-    is_weight_BC=fix(batch.is_weight_BC),
+    entropy_BC=fix_opt(batch.entropy_BC),
+    ref_logp_BC=fix_opt(batch.ref_logp_BC),
+    topk_logp_BCJ=fix_opt(batch.topk_logp_BCJ),
+    old_topk_logp_BCJ=fix_opt(batch.old_topk_logp_BCJ),
+    is_weight_BC=fix_opt(batch.is_weight_BC),
   )
 
 

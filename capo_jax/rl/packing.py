@@ -184,7 +184,7 @@ def plan(
     targets[r, cols] = completion_tokens_BC[b, :c]
     tmask[r, cols] = 1
     index_BC[b, :c] = r * T + cols
-    if topk is not None:
+    if topk is not None and topk_ids_BCJ is not None:  # both or neither
       topk[r, cols] = topk_ids_BCJ[b, :c]
   return Plan(FullRows(tokens, seg, pos, targets, tmask, topk), row_B, start_B, index_BC)
 
@@ -244,6 +244,8 @@ def scatter_topk(rows: ModelRows, index_MBC: Any, seqs_MB: Sequences) -> ModelRo
   """The rows' ``topk_ids_YZJ`` [M, Y, Z, J]: each target's old top-K ids (SimKO), from the
   regrouped sequences' ``old_topk_ids_BCJ`` [M, B, C, J]."""
   ids_MBCJ = seqs_MB.old_topk_ids_BCJ
+  if ids_MBCJ is None:
+    raise ValueError("packing.scatter_topk: Sequences.old_topk_ids_BCJ is None (SimKO's old pass)")
   M, Y, Z = rows.targets_YZ.shape
   J = ids_MBCJ.shape[-1]
   xp = np if isinstance(ids_MBCJ, np.ndarray) else jnp

@@ -106,6 +106,8 @@ def score_rollout(
   receive_QG = None
   metrics: dict[str, Array] = {}
   if spec.noise_mask:
+    if ref_s_QG is None:
+      raise ValueError("score_rollout: AdvantageSpec.noise_mask needs the reference's ref_s_QG")
     noisy_QG = advantages.noise_mask(
       labels_QG, advantages.ref_ppl(ref_s_QG), high=spec.mask_high, low=spec.mask_low
     )
@@ -300,16 +302,21 @@ def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Gr
   rows_B = (idx_Q[:, None] * G + np.arange(G)).reshape(-1)
   health = {k: sum(p.health[k] for p in parts) for k in parts[0].health}
   dev = [jnp.concatenate([getattr(p, f) for p in parts])[rows_B] for f in ("logp_dev", "cmask_dev")]
+  comp_BC, cmask_BC, lengths_B, truncated_B = (
+    cat(lambda p, f=f: getattr(p, f))[rows_B]
+    for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")
+  )
   return _Graded(
-    cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
-    cat(lambda p: left(p.mask_QP, 0))[idx_Q],
-    *(
-      cat(lambda p, f=f: getattr(p, f))[rows_B]
-      for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")
-    ),
-    cat(lambda p: p.rewards_QG)[idx_Q],
-    health,
-    *dev,
+    tokens_QP=cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
+    mask_QP=cat(lambda p: left(p.mask_QP, 0))[idx_Q],
+    comp_BC=comp_BC,
+    cmask_BC=cmask_BC,
+    lengths_B=lengths_B,
+    truncated_B=truncated_B,
+    rewards_QG=cat(lambda p: p.rewards_QG)[idx_Q],
+    health=health,
+    logp_dev=dev[0],
+    cmask_dev=dev[1],
     reward_QG=None if parts[0].reward_QG is None else cat(lambda p: p.reward_QG)[idx_Q],
   )
 
@@ -416,7 +423,7 @@ def collect(
   correct_QG = rewards_QG > 0.5
   rewards_dev, correct_dev = put_global((rewards_QG, correct_QG), replicated)
   labels_dev = None if sel.reward_QG is None else rewards_dev  # plug-ins: reward != labels
-  if labels_dev is not None:
+  if sel.reward_QG is not None:
     rewards_QG, rewards_dev = sel.reward_QG, put_global(sel.reward_QG, replicated)
   adv_QG, adv_metrics = score_rollout(
     rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv, correct_QG=labels_dev

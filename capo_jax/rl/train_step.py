@@ -159,7 +159,8 @@ def state_shardings(
     p_sh,
     transform_non_params=lambda _: rep,
   )
-  return TrainState(step=rep, params=p_sh, opt_state=opt_sh, num_skipped=rep)
+  # The state's tree with a sharding at each leaf (a prefix for jit), not a state of arrays.
+  return dataclasses.replace(jax.tree.map(lambda _: rep, abstract), params=p_sh, opt_state=opt_sh)
 
 
 def train_state_from_params(
@@ -295,9 +296,12 @@ def loss_and_grads(
   combined with the same weights (``*_min`` / ``*_max`` keys with min / max): exact
   with one micro-batch, weighted means of the per-micro-batch values otherwise.
   """
-  grad_fn = jax.value_and_grad(
-    lambda p, mb: microbatch_loss(p, *mb, model_cfg, tcfg, base), has_aux=True
-  )
+
+  def mb_loss(p: Params, mb: tuple[ModelRows, Array, Sequences]) -> tuple[Array, dict[str, Array]]:
+    rows, index_BC, seqs = mb
+    return microbatch_loss(p, rows, index_BC, seqs, model_cfg, tcfg, base)
+
+  grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
   mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
   if batch.index_MBC.shape[0] == 1:  # no accumulator: the gradient is the only copy
     (loss, aux), grads = grad_fn(params, mb_at(0))
@@ -380,7 +384,7 @@ def make_train_step(
   Metrics come back replicated (scalars).
   """
   state_sh = state_shardings(model_cfg, tcfg, mesh, rules)
-  in_sh = (state_sh, batch_sharding(mesh, rules, rows_per_microbatch))
+  in_sh: tuple[Any, ...] = (state_sh, batch_sharding(mesh, rules, rows_per_microbatch))
   if tcfg.lora is not None:
     in_sh += (mesh_lib.param_shardings(model_cfg, mesh, rules),)
   layout = sharding.Layout.of(mesh, rules)

@@ -247,6 +247,8 @@ def save(run: Run, state: Any, step: int, force: bool = False) -> None:
 
 def evaluate(run: Run, state: Any, step: int) -> None:
   log.info("evaluating the policy of step %d", step)
+  if run.eval_fn is None:
+    raise ValueError("hooks.evaluate: the run has no eval_fn (no held-out evaluation set up)")
   run.writer.write(step, {f"eval/{k}": v for k, v in run.eval_fn(step, state.params).items()})
 
 
@@ -266,12 +268,11 @@ def sample_records(
 ) -> list[dict[str, Any]]:
   """The first ``n`` completions of this process's groups, for a human to read."""
   adv_QG, s_QG = to_host(ro.adv_QG), to_host(ro.s_QG)  # a few rows, on logging steps
-  rows = [q * G + g for q, e in enumerate(ro.examples_Q) if e is not None for g in range(G)][:n]
+  picks = [(q, g, e) for q, e in enumerate(ro.examples_Q) if e is not None for g in range(G)][:n]
+  rows = [q * G + g for q, g, _ in picks]
   texts = tokenizer.decode_completions(ro.completion_tokens_BC[rows], ro.completion_mask_BC[rows])
   recs = []
-  for i, text in zip(rows, texts):
-    q, g = divmod(i, G)
-    e = ro.examples_Q[q]
+  for (q, g, e), text in zip(picks, texts):
     recs.append(
       {
         "question": e.problem,

@@ -98,6 +98,8 @@ def _front_matter(spec: RunSpec) -> str:
 
 def _run_rows(spec: RunSpec, workdir: str, step: int) -> list[tuple[str, str]]:
   est = spec.estimator()
+  if not dataclasses.is_dataclass(est):
+    raise TypeError(f"model_card: estimator {type(est).__name__} is not a dataclass (Estimator)")
   hp = ", ".join(f"{f.name}={getattr(est, f.name)}" for f in dataclasses.fields(est))
   method = (
     f"{METHODS.get(spec.algo.name, spec.algo.name)}: `algo.name={spec.algo.name}`"

@@ -21,10 +21,7 @@ def fail(field: str, value: Any, why: str) -> None:
   raise ConfigError(f"config.{field}={value!r}: {why}")
 
 
-_frozen = dataclasses.dataclass(frozen=True)
-
-
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Model:
   hf_path: str
   preset: str
@@ -39,7 +36,7 @@ class Model:
   random_init: bool  # issue 31: random weights only when asked for
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Data:
   train: str
   data_dir: str
@@ -50,7 +47,7 @@ class Data:
   eval: tuple[str, ...]
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Rollout:
   num_prompts: int
   num_samples: int
@@ -73,7 +70,7 @@ class Rollout:
   mask_truncated: bool
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Algo:
   name: str
   tau: float
@@ -90,7 +87,7 @@ class Algo:
   std: str  # GRPO's group std: "unbiased" (ddof 1) or "population"
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Loss:
   eps_low: float
   eps_high: float
@@ -105,7 +102,7 @@ class Loss:
   simko_quantile: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Optim:
   lr: float
   warmup_steps: int
@@ -116,7 +113,7 @@ class Optim:
   grad_clip: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Train:
   num_steps: int
   mini_batch_prompts: int
@@ -130,7 +127,7 @@ class Train:
   pack_rows: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Mesh:
   data: int
   fsdp: int
@@ -140,7 +137,7 @@ class Mesh:
     return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Checkpoint:
   every_steps: int
   keep: int
@@ -148,7 +145,7 @@ class Checkpoint:
   export_hf_every: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Log:
   every_steps: int
   samples_every_steps: int
@@ -159,7 +156,7 @@ class Log:
   profile_steps: tuple[int, ...]  # (first, last) step traced by jax.profiler, or ()
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Eval:
   every_steps: int
   num_samples: int
@@ -171,7 +168,7 @@ class Eval:
   seed: int
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Reward:
   """Rewards from the config (docs/rewards.md): what decides ``correct`` and the scalar reward.
 
@@ -188,7 +185,7 @@ class Reward:
   worker_max_rss_mb: float
 
 
-@_frozen
+@dataclasses.dataclass(frozen=True)
 class Prompt:
   """How a question becomes a prompt (``capo_jax.data.prompts.PromptFormat``)."""
 

@@ -244,7 +244,7 @@ def export_policy(
   if is_main_process():
     with fs.staged_dir(path, last=("config.json",)) as local:
       hf_weights.save_pretrained(model_cfg, host_params, local)
-      if hasattr(tokenizer, "hf"):
+      if tokenizer is not None and hasattr(tokenizer, "hf"):
         tokenizer.hf.save_pretrained(local)
       for name, text in (files() if files else {}).items():
         with open(os.path.join(local, name), "w", encoding="utf-8") as f:

@@ -28,7 +28,8 @@ import ml_collections
 
 from capo_jax.data import reward_fns as reward_lib
 from capo_jax.data.prompts import PromptError, PromptFormat
-from capo_jax.rl import advantages, algorithms, losses, mismatch, rollout
+from capo_jax.rl import advantages, algorithms, losses, mismatch
+from capo_jax.rl import rollout as rollout_lib  # the name rollout is a RunSpec field
 from capo_jax.rl.algorithms import ALGORITHMS
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
@@ -515,10 +516,10 @@ class RunSpec:
       lora=self.lora_config(),
     )
 
-  def advantage_spec(self) -> rollout.AdvantageSpec:
+  def advantage_spec(self) -> rollout_lib.AdvantageSpec:
     """The static configuration of ``rollout.score_rollout``."""
     a = self.algo
-    return rollout.AdvantageSpec(
+    return rollout_lib.AdvantageSpec(
       estimator=self.estimator(),
       noise_mask=self.uses_noise_mask,
       mask_high=a.mask_high,
@@ -527,10 +528,10 @@ class RunSpec:
       num_steps=self.train.num_steps,
     )
 
-  def rollout_spec(self) -> rollout.RolloutSpec:
+  def rollout_spec(self) -> rollout_lib.RolloutSpec:
     """What ``rollout.collect`` needs besides the programs: advantages, log-probs, draws."""
     r = self.rollout
-    return rollout.RolloutSpec(
+    return rollout_lib.RolloutSpec(
       num_samples=r.num_samples,
       max_prompt_len=r.max_prompt_len,
       adv=self.advantage_spec(),
