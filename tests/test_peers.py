@@ -14,6 +14,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 REPO = pathlib.Path(__file__).resolve().parent.parent
 SCRIPT = r"""
 import logging, os, sys, time
@@ -74,6 +76,7 @@ def _run(dies: int) -> tuple[subprocess.Popen, list[subprocess.Popen], str, floa
   return survivor, procs, err, time.monotonic() - start
 
 
+@pytest.mark.slow  # ~25 s: two processes and JAX's 20 s heartbeat timeout (.ci/run runs it)
 def test_process_0_names_a_dead_peer_before_jax_aborts_it():
   survivor, procs, err, took = _run(dies=1)
   lines = [line for line in err.splitlines() if "process 1 (" in line]
@@ -86,6 +89,7 @@ def test_process_0_names_a_dead_peer_before_jax_aborts_it():
   assert took < 60
 
 
+@pytest.mark.slow  # two processes (.ci/run runs it)
 def test_when_the_coordinator_dies_the_others_abort_at_once_saying_so():
   """Process 0 hosts the coordination service: the others lose it at once and JAX aborts
   them with its own line naming the leader, before any heartbeat could be missed."""
