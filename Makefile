@@ -27,7 +27,7 @@ demo: $(VENV)/.runtime
 	$(PY) -m capo_jax.main --config=configs/demo.py --workdir=$(WORKDIR)
 
 test: $(VENV)/.test
-	$(PY) -m pytest -q tests
+	$(PY) -m pytest -q -n 2 tests
 
 clean-venv:
 	rm -rf $(VENV)

@@ -137,6 +137,7 @@ def _config(assets: dict[str, str], steps: int):
   return c
 
 
+@pytest.mark.slow  # ~30 s: two real runs (.ci/run runs it)
 def test_a_changed_optimizer_tree_is_config_changed_naming_the_field(assets, tmp_path):
   workdir = tmp_path / "run"
   rl_driver.train(_config(assets, 1), str(workdir), grader=rl_driver.HashGrader())

@@ -114,6 +114,7 @@ def test_heldout_metrics_name_the_misfit_shapes():
     metrics.heldout_metrics(np.zeros((2, 3)), np.zeros((2, 3)), np.zeros(3), np.zeros(2))
 
 
+@pytest.mark.slow  # ~17 s: the whole study, shrunk (.ci/run runs it)
 def test_the_command_writes_the_json_and_the_plot(tmp_path, monkeypatch):
   monkeypatch.setitem(run.HELDOUT, "questions", 20)
   monkeypatch.setitem(run.HELDOUT, "samples", 8)

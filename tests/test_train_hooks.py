@@ -234,6 +234,7 @@ def assets(tmp_path_factory) -> dict[str, str]:
   return rl_driver.write_assets(tmp_path_factory.mktemp("hooks_run"))
 
 
+@pytest.mark.slow  # ~30 s: a real run with a profile (.ci/run runs it)
 def test_rows_carry_every_phase_and_the_profile_is_written(assets, tmp_path):
   """3 tiny steps, evaluation at step 2, a profile of steps 2-3: every row holds each
   phase's time, non-negative, summing to at most the step's wall time; the trace exists."""
