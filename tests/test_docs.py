@@ -86,8 +86,8 @@ def test_two_commands_are_the_makefile_targets() -> None:
   # What the README says each one runs.
   assert "-m capo_jax.main --config=configs/demo.py --workdir=$(WORKDIR)" in recipes["demo"]
   assert "python -m capo_jax.main\n--config=configs/demo.py --workdir=$WORKDIR" in block
-  assert "-m pytest -q tests" in recipes["test"]
-  assert "`python -m pytest -q tests`" in block
+  assert "-m pytest -q -n 2 tests" in recipes["test"]
+  assert "`python -m pytest -q -n 2 tests`" in block
   default_workdir = re.search(r"^WORKDIR \?= (\S+)", makefile, re.M).group(1)
   assert f"WORKDIR={default_workdir} by default" in block
 
