@@ -25,7 +25,7 @@ RESULT_PAGES = sorted((ROOT / "docs" / "results").glob("*.md"))
 # machines and work sessions of those figures are the records'. benchmarks.md is a page of
 # records; the pages in PENDING are being converted elsewhere (drop a name once it is).
 RECORD_PAGES = {"benchmarks.md"}
-PENDING = {"training.md", "algorithms.md", "demo.md"}
+PENDING: set[str] = set()
 MANUAL_PAGES = [p for p in DOCS if p.name not in RECORD_PAGES | PENDING]
 # A date, the machine as "box", a work session ("this session", "session's"); `\boxed{}`
 # and an OS session ("its own session") are not matched.
