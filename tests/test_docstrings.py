@@ -31,7 +31,7 @@ def _docstrings() -> list[tuple[str, str]]:
   out = []
   for root in ROOTS:
     for path in sorted((REPO / root).rglob("*.py")):
-      if ".venv" in path.parts:
+      if any(part.startswith(".venv") for part in path.parts):
         continue
       tree = ast.parse(path.read_text(encoding="utf-8"))
       for node in ast.walk(tree):
