@@ -1,4 +1,4 @@
-"""PC / RPC / majority / best-of-N against hand-worked cases and brute force;
+"""PC / RPC / majority / weighted vote / best-of-N against hand-worked cases and brute force;
 compute_results on a synthetic samples.jsonl; plots and comparison files."""
 
 from __future__ import annotations
@@ -70,6 +70,17 @@ def test_pc_hand_case_duplicates_once_and_ties_split():
   assert _select_accuracy(q, "pc") == pytest.approx(0.5)
   assert _select_accuracy(q, "majority") == 1.0  # A has 3 votes
   assert _select_accuracy(q, "best_of_n") == 0.0  # B has the top answered p
+
+
+def test_weighted_vote_counts_repeated_completions_and_pc_reduces_to_best_of_n():
+  # A: c1 twice (0.4 + 0.4) = 0.8 beats B's 0.6 in the weighted vote; PC counts c1 once
+  # (0.4 < 0.6) and picks B, as best-of-N does: with every answer written one way, PC
+  # is best-of-N over the distinct answers.
+  q = _question(["A", "A", "B"], ["c1", "c1", "c2"], [0.4, 0.4, 0.6], [1, 1, 0])
+  assert _select_accuracy(q, "weighted") == 1.0
+  assert _select_accuracy(q, "pc") == 0.0
+  assert _select_accuracy(q, "best_of_n") == 0.0
+  assert _select_accuracy(q, "majority") == 1.0
 
 
 def test_pc_groups_equivalent_answers_with_callable():

@@ -17,7 +17,13 @@ import matplotlib.pyplot as plt  # noqa: E402  pylint: disable=wrong-import-posi
 import numpy as np  # noqa: E402  pylint: disable=wrong-import-position
 
 _LINESTYLES = ("-", "--", ":", "-.")
-METHOD_LABELS = {"pc": "PC", "rpc": "RPC", "majority": "majority vote", "best_of_n": "best-of-N"}
+METHOD_LABELS = {
+  "pc": "PC",
+  "rpc": "RPC",
+  "majority": "majority vote",
+  "weighted": "weighted vote",
+  "best_of_n": "best-of-N",
+}
 
 
 def _save(fig: plt.Figure, path: str | os.PathLike[str]) -> str:

@@ -1,7 +1,9 @@
 """Confidence-based inference-time scaling, host-side NumPy.
 
 Over a set of N responses to one question (docs/algorithms.md, "Confidence-
-based scaling"): majority vote; best-of-N (highest confidence s wins); PC
+based scaling"): majority vote; best-of-N (highest confidence s wins); a
+confidence-weighted vote (an answer scores the sum of ``p = exp(s)`` over all
+its responses, identical completions included); PC
 (perplexity consistency: answers grouped by equivalence, identical
 completions count once, an answer scores the sum of ``p = exp(s)`` over its
 distinct completions); RPC (PC after dropping a response whose p is below the
@@ -45,7 +47,7 @@ import numpy as np
 # group_answers and resolve_same_answer moved to grouping; re-exported for existing callers.
 from capo_jax.eval.grouping import AnswerGrouper, group_answers, resolve_same_answer  # noqa: F401
 
-METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "best_of_n")
+METHODS: tuple[str, ...] = ("pc", "rpc", "majority", "weighted", "best_of_n")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -354,6 +356,8 @@ def subset_accuracy(
   correct_A = _group_correct(question.group_G, correct)
   if method == "majority":
     return _pick_groups(g, np.ones(g.shape), answered, correct_A, 0.0)
+  if method == "weighted":  # PC without de-duplication: a repeated completion votes again
+    return _pick_groups(g, np.exp(s), answered, correct_A, tie_rtol)
   if method not in ("pc", "rpc"):
     raise ValueError(f"unknown method {method!r}; known: {METHODS}")
   include = answered & _first_occurrence(question.completion_G[idx_EU])
