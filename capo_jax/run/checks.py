@@ -1,39 +1,42 @@
 """The checks of a ``RunSpec`` as a whole: the fields that bound each other, the plug-ins
 and weights a run loads, the mesh against the devices.
 
-``RunSpec.validate`` runs them (``RunSpec.from_config`` calls it); each raises a
-ConfigError that names the field and the value.
+``RunSpec.validate`` runs them, section by section (``RunSpec.from_config`` calls it);
+each raises a ConfigError that names the field and the value. They read sections, never
+the spec, which derives the rest (``mismatch_spec``, ``packing_shape``, ...) itself.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from typing import TYPE_CHECKING
-
-import jax
+from collections.abc import Mapping
 
 from capo_jax.data import reward_fns as reward_lib
 from capo_jax.rl import advantages
-from capo_jax.rl.algorithms import ALGORITHMS
-from capo_jax.run.sections import build, estimator_fields, fail, loss_fields
+from capo_jax.run.sections import (
+  Algo,
+  Checkpoint,
+  Data,
+  Eval,
+  Log,
+  Model,
+  Reward,
+  Rollout,
+  Train,
+  fail,
+)
 from capo_jax.runtime import model_files
 from models import hub
 from models.config import PRESETS
-
-if TYPE_CHECKING:
-  from capo_jax.run.spec import RunSpec
 
 log = logging.getLogger(__name__)
 # Estimators whose advantage reads only the binary label, never the shaped reward.
 PAIRS_ON_CORRECT = ("capo",)
 
 
-def validate(spec: RunSpec, *, num_devices: int | None = None, policy_given: bool = False) -> None:
-  """Raises ConfigError naming the first bad field."""
-  if spec.algo.name not in ALGORITHMS:
-    fail("algo.name", spec.algo.name, f"unknown algorithm; expected one of {tuple(ALGORITHMS)}")
-  r, t = spec.rollout, spec.train
+def batch(r: Rollout, t: Train) -> None:
+  """The rollout's and the train step's sizes, which must divide each other."""
   if r.num_samples < 2:
     fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
   if r.num_prompts < 1:
@@ -83,19 +86,17 @@ def validate(spec: RunSpec, *, num_devices: int | None = None, policy_given: boo
     fail("train.num_steps", t.num_steps, "must be >= 0")
   if r.old_logprobs not in ("trainer", "sampler"):
     fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
-  _algo(spec)
-  _reward(spec)
-  spec.mismatch_spec()
-  _model(spec, policy_given)
-  spec.prompt_format()
+
+
+def outputs(data: Data, e: Eval, lg: Log, ckpt: Checkpoint) -> None:
+  """The data splits, evaluation, logging and checkpoint counts."""
   for field in ("train_size", "val_size"):
-    if getattr(spec.data, field) < 0:
+    if getattr(data, field) < 0:
       fail(
         f"data.{field}",
-        getattr(spec.data, field),
+        getattr(data, field),
         "must be >= 0 (0: all the rest / no validation)",
       )
-  e = spec.eval
   if e.every_steps < 0:
     fail("eval.every_steps", e.every_steps, "must be >= 0 (0: no evaluation)")
   for field in ("num_samples", "max_new_tokens", "batch_size"):
@@ -104,31 +105,21 @@ def validate(spec: RunSpec, *, num_devices: int | None = None, policy_given: boo
   if e.limit < 0:
     fail("eval.limit", e.limit, "must be >= 0 (0: every question)")
   for field in ("every_steps", "samples_every_steps"):
-    if getattr(spec.log, field) < 0:
-      fail(f"log.{field}", getattr(spec.log, field), "must be >= 0")
-  steps = spec.log.profile_steps
+    if getattr(lg, field) < 0:
+      fail(f"log.{field}", getattr(lg, field), "must be >= 0")
+  steps = lg.profile_steps
   if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
     fail(
       "log.profile_steps",
       steps,
       "expected () or (first, last) with 1 <= first <= last (steps as logged)",
     )
-  if spec.checkpoint.export_hf_every < 0:
-    fail("checkpoint.export_hf_every", spec.checkpoint.export_hf_every, "must be >= 0")
-  _mesh(spec, jax.device_count() if num_devices is None else num_devices)
-  spec.packing_shape()
-  # The typed algorithms check their fields: every one the config sets, used or not.
-  for part, fields in (
-    ("algo", estimator_fields(spec.algo)),
-    ("loss", loss_fields(spec.loss)),
-  ):
-    for cls, kwargs in fields.items():
-      build(cls, kwargs, part)
-  spec.train_config()  # dataclass checks (loss, optimizer) with field names
+  if ckpt.export_hf_every < 0:
+    fail("checkpoint.export_hf_every", ckpt.export_hf_every, "must be >= 0")
 
 
-def _algo(spec: RunSpec) -> None:
-  a = spec.algo
+def algo(a: Algo) -> None:
+  """The advantage and noise-mask fields of ``config.algo``."""
   if a.mask not in ("auto", "on", "off"):
     fail("algo.mask", a.mask, "expected 'auto', 'on' or 'off'")
   if a.tau <= 0:
@@ -143,10 +134,9 @@ def _algo(spec: RunSpec) -> None:
     fail("algo.std", a.std, f"GRPO's group std: expected one of {advantages.STDS}")
 
 
-def _reward(spec: RunSpec) -> None:
+def reward(w: Reward, checker: str, algo_name: str, max_new_tokens: int) -> None:
   """Plug-ins are imported here (in this process), so a typo fails at the start."""
-  w = spec.reward
-  for field, names in (("reward.correct", (spec.checker,)), ("reward.fns", w.fns)):
+  for field, names in (("reward.correct", (checker,)), ("reward.fns", w.fns)):
     for name in names:
       if name in reward_lib.CHECKERS or (field == "reward.fns" and name == reward_lib.CORRECT):
         continue
@@ -165,13 +155,13 @@ def _reward(spec: RunSpec) -> None:
     fail("reward.worker_max_calls", calls, "must be an integer >= 0 (0: no limit)")
   if not (isinstance(w.worker_max_rss_mb, (int, float)) and w.worker_max_rss_mb >= 0):
     fail("reward.worker_max_rss_mb", w.worker_max_rss_mb, "must be MiB >= 0 (0: no limit)")
-  if not 0 <= w.overlong_buffer <= spec.rollout.max_new_tokens:
+  if not 0 <= w.overlong_buffer <= max_new_tokens:
     fail(
       "reward.overlong_buffer",
       w.overlong_buffer,
-      f"must be 0 (off) or in [1, rollout.max_new_tokens={spec.rollout.max_new_tokens}]",
+      f"must be 0 (off) or in [1, rollout.max_new_tokens={max_new_tokens}]",
     )
-  if spec.algo.name in PAIRS_ON_CORRECT and (w.fns or w.overlong_buffer):
+  if algo_name in PAIRS_ON_CORRECT and (w.fns or w.overlong_buffer):
     # A comparison with shaping on would treat CAPO and the baselines differently.
     log.warning(
       "config.reward.fns=%s / reward.overlong_buffer=%d shape the scalar reward, "
@@ -180,14 +170,13 @@ def _reward(spec: RunSpec) -> None:
       "(docs/rewards.md)",
       tuple(w.fns),
       w.overlong_buffer,
-      spec.algo.name,
+      algo_name,
     )
 
 
-def _model(spec: RunSpec, policy_given: bool) -> None:
+def model(m: Model, tokenizer_path: str, policy_given: bool) -> None:
   """A run loads weights from ``model.hf_path``, or asks for random ones with
   ``model.random_init``; no weights and no ask is an error naming ``model.hf_path``."""
-  m = spec.model
   if not policy_given and not m.hf_path:
     if not m.random_init:
       fail(
@@ -207,14 +196,13 @@ def _model(spec: RunSpec, policy_given: bool) -> None:
     try:  # a hub id is fetched here (once, into the hub cache): its files are checked next
       hf_dir = hub.resolve(m.hf_path)
       # The tokenizer comes from the same directory unless tokenizer_path names another.
-      model_files.check_model_dir(hf_dir, tokenizer=not spec.tokenizer_path)
+      model_files.check_model_dir(hf_dir, tokenizer=not tokenizer_path)
     except FileNotFoundError as e:
       fail("model.hf_path", m.hf_path, str(e))
-  spec.lora_config()
 
 
-def _mesh(spec: RunSpec, n: int) -> None:
-  sizes = spec.mesh.sizes()
+def mesh(sizes: Mapping[str, int], n: int) -> int:
+  """The mesh's axis sizes against ``n`` devices; returns the rows' shards, data x fsdp."""
   fixed = 1
   for ax, size in sizes.items():
     if size == 0 or size < -1:
@@ -226,7 +214,11 @@ def _mesh(spec: RunSpec, n: int) -> None:
   shards = (rest if sizes["data"] == -1 else sizes["data"]) * (
     rest if sizes["fsdp"] == -1 else sizes["fsdp"]
   )
-  rows = spec.packing_shape()[1]
+  return shards
+
+
+def row_shards(rows: int, shards: int) -> None:
+  """Warns where ``rows`` per micro-batch do not divide over the ``shards`` of the mesh."""
   if rows % shards:
     # Not an error (it runs), but each chip then computes every row of a micro-batch.
     log.warning(

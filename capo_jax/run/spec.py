@@ -133,8 +133,28 @@ class RunSpec:
     return RunSpec.from_config(raw, **kwargs)
 
   def validate(self, *, num_devices: int | None = None, policy_given: bool = False) -> None:
-    """Raises ConfigError naming the first bad field (``capo_jax.run.checks``)."""
-    checks.validate(self, num_devices=num_devices, policy_given=policy_given)
+    """Raises ConfigError naming the first bad field (the checks: ``capo_jax.run.checks``)."""
+    if self.algo.name not in ALGORITHMS:
+      fail("algo.name", self.algo.name, f"unknown algorithm; expected one of {tuple(ALGORITHMS)}")
+    checks.batch(self.rollout, self.train)
+    checks.algo(self.algo)
+    checks.reward(self.reward, self.checker, self.algo.name, self.rollout.max_new_tokens)
+    self.mismatch_spec()
+    checks.model(self.model, self.tokenizer_path, policy_given)
+    self.lora_config()
+    self.prompt_format()
+    checks.outputs(self.data, self.eval, self.log, self.checkpoint)
+    n = jax.device_count() if num_devices is None else num_devices
+    shards = checks.mesh(self.mesh.sizes(), n)
+    checks.row_shards(self.packing_shape()[1], shards)
+    # The typed algorithms check their fields: every one the config sets, used or not.
+    for part, fields in (
+      ("algo", estimator_fields(self.algo)),
+      ("loss", loss_fields(self.loss)),
+    ):
+      for cls, kwargs in fields.items():
+        build(cls, kwargs, part)
+    self.train_config()  # dataclass checks (loss, optimizer) with field names
 
   @property
   def checker(self) -> str:
