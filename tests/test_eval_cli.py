@@ -15,7 +15,7 @@ from sklearn.metrics import roc_auc_score
 import eval_files
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import cli as eval_cli
-from capo_jax.eval import grouping, report
+from capo_jax.eval import comparison, grouping, report
 from capo_jax.eval.inputs import InputError
 from models.config import Qwen2Config
 
@@ -174,7 +174,7 @@ def test_benchmark_names_that_are_paths_are_rejected(tmp_path, name):
     eval_cli.main(["--compare", str(run), f"--out={root / 'cmp'}"])
   assert _files_under(tmp_path) == before
   with pytest.raises(ValueError, match="plot_benchmark: benchmark name"):
-    report.plot_benchmark(name, {}, str(root / "out"))
+    comparison.plot_benchmark(name, {}, str(root / "out"))
 
 
 def test_grouping_budget_flag_and_the_timeout_count(tmp_path, monkeypatch, capsys):

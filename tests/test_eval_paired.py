@@ -16,7 +16,7 @@ from sklearn.metrics import roc_auc_score
 
 from capo_jax.demo import compare as demo_compare
 from capo_jax.eval import cli as eval_cli
-from capo_jax.eval import paired, report
+from capo_jax.eval import comparison, paired, report
 from capo_jax.eval import scaling as sc
 from capo_jax.eval.report import SampleRecord
 
@@ -288,7 +288,7 @@ def test_old_results_without_question_ids_say_so(tmp_path):
   report.write_results(old, tmp_path / "old")
   assert "question_ids" not in report.load_results(tmp_path / "old")["benchmarks"]["aime"]
   md = pathlib.Path(
-    report.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
+    comparison.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
   ).read_text(encoding="utf-8")
   assert f"| aime | new | {paired.MISSING} |" in md
 

@@ -36,8 +36,8 @@ import jax
 import jax.numpy as jnp
 
 from capo_jax.data import prompts, reward_fns
+from capo_jax.eval import comparison, inputs, report
 from capo_jax.eval import grouping as grouping_lib
-from capo_jax.eval import inputs, report
 from capo_jax.eval.evaluate import (
   EvalConfig,
   EvalPolicy,
@@ -66,14 +66,14 @@ def summary_table(results: Mapping[str, Any], run: str, num_samples: int) -> str
     ("pooled AUC", "pooled_auc"),
     (f"PC@{g}", "scaling/pc/-1"),
     (f"maj@{g}", f"maj@k/{g}"),
-  )  # no ECE: report.ECE_NOTE
+  )  # no ECE: comparison.ECE_NOTE
   notes = [
     f"{bench}: {res['grouping_timeouts']} answer pairs timed out in grouping and "
     "count as different answers (maj@k, PC, RPC)\n"
     for bench, res in results["benchmarks"].items()
     if res.get("grouping_timeouts")
   ]
-  return report.comparison_table({run: results}, columns) + "".join(notes)
+  return comparison.comparison_table({run: results}, columns) + "".join(notes)
 
 
 def _read_samples(path: str) -> list[SampleRecord]:
@@ -197,7 +197,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
         report.load_results(d)
     except (OSError, ValueError) as e:
       raise InputError(f"--compare: {e}") from None
-    path = report.compare(args.compare, args.out, args.names)
+    path = comparison.compare(args.compare, args.out, args.names)
     print(path)
     return path
   run = args.run or fs.path(args.out).name

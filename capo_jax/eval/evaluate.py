@@ -27,8 +27,8 @@ from tqdm import auto as tqdm
 from capo_jax.data import datasets as data
 from capo_jax.data import reward_fns, rewards
 from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.eval import comparison, report, scaling
 from capo_jax.eval import grouping as grouping_lib
-from capo_jax.eval import report, scaling
 from capo_jax.eval.report import SampleRecord
 from capo_jax.masked import mean_logprob
 from capo_jax.runtime import fs
@@ -279,7 +279,7 @@ def write_outputs(
     if plots:
       for bench, res in results["benchmarks"].items():
         # With one run, the overlay helper draws this run's curves.
-        report.plot_benchmark(bench, {run or "policy": res}, local)
+        comparison.plot_benchmark(bench, {run or "policy": res}, local)
   return results
 
 
