@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import advantage_refs
 from capo_jax.rl import advantages as adv
 from capo_jax.rl import algorithms, losses
 from capo_jax.rl.algorithms import ALGORITHMS
@@ -27,35 +28,6 @@ METHODS = ("grpo", "dr_grpo", "capo", "codapo", "cde", "gspo", "simko")
 def _adv(method: str, batch: adv.GroupBatch, step: int = 0, total_steps: int = 1, **fields):
   """Algorithm ``method``'s estimator, built with ``fields``, on ``batch``."""
   return ALGORITHMS[method].estimator(**fields).advantages(batch, step, total_steps)
-
-
-def _capo_loop(
-  r: np.ndarray, s: np.ndarray, v: np.ndarray, u: np.ndarray, tau: float, norm: str = "group"
-) -> np.ndarray:
-  """CAPO's formula, one pair at a time, in float64: for i correct,
-  A_i = (1/(n tau)) sum_{j wrong} sigmoid((s_j - s_i)/tau); for j wrong, minus the sum over i."""
-  out = np.zeros(r.shape)
-  for q in range(r.shape[0]):
-    pos = [i for i in range(r.shape[1]) if v[q, i] and r[q, i] == 1]
-    neg = [j for j in range(r.shape[1]) if v[q, j] and r[q, j] == 0]
-    n = {"group": v[q].sum(), "pairs": len(pos) * len(neg), "none": 1}[norm]
-    for i in pos:
-      for j in neg:
-        w = 1.0 / (1.0 + math.exp(-(s[q, j] - s[q, i]) / tau))
-        out[q, i] += w / (n * tau)
-        out[q, j] -= w / (n * tau)
-  return np.where(u & v, out, 0.0)
-
-
-def _random_batch(seed: int, q: int = 12, g: int = 8, p_valid: float = 0.85):
-  rng = np.random.default_rng(seed)
-  r = (rng.random((q, g)) < 0.5).astype(np.float64)
-  r[0] = 1.0  # all correct
-  r[1] = 0.0  # all wrong
-  s = -rng.gamma(2.0, 0.4, size=(q, g))
-  v = rng.random((q, g)) < p_valid
-  v[:2] = True
-  return r, s, v
 
 
 def _logistic_surrogate(s_G, r_G, v_G, tau: float, norm: str):
@@ -74,7 +46,7 @@ def _logistic_surrogate(s_G, r_G, v_G, tau: float, norm: str):
 @pytest.mark.parametrize("norm", adv.NORMS)
 @pytest.mark.parametrize("tau", [0.1, 0.6, 2.0])
 def test_capo_is_minus_grad_of_logistic_surrogate_float64(norm: str, tau: float) -> None:
-  r, s, v = _random_batch(seed=int(tau * 10) + len(norm))
+  r, s, v = advantage_refs.random_batch(seed=int(tau * 10) + len(norm))
   with jax.enable_x64(True):
     a = np.asarray(adv.capo(r, jnp.asarray(s, jnp.float64), v, tau=tau, norm=norm))
     assert a.dtype == np.float64
@@ -85,17 +57,17 @@ def test_capo_is_minus_grad_of_logistic_surrogate_float64(norm: str, tau: float)
 
 @pytest.mark.parametrize("norm", adv.NORMS)
 def test_capo_matches_numpy_double_loop_float32(norm: str) -> None:
-  r, s, v = _random_batch(seed=7, q=20, g=16)
+  r, s, v = advantage_refs.random_batch(seed=7, q=20, g=16)
   rng = np.random.default_rng(1)
   u = v & (rng.random(v.shape) < 0.8)
   got = adv.capo(r.astype(np.float32), s.astype(np.float32), v, tau=0.6, norm=norm, receive_QG=u)
   assert got.dtype == jnp.float32
-  want = _capo_loop(r, s.astype(np.float32).astype(np.float64), v, u, 0.6, norm)
+  want = advantage_refs.capo_loop(r, s.astype(np.float32).astype(np.float64), v, u, 0.6, norm)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
 
 
 def test_capo_signs() -> None:
-  r, s, v = _random_batch(seed=3, q=30, g=8, p_valid=1.0)
+  r, s, v = advantage_refs.random_batch(seed=3, q=30, g=8, p_valid=1.0)
   a = np.asarray(adv.capo(r, s, v, tau=0.6))
   live = (r.max(1) == 1) & (r.min(1) == 0)
   assert live.sum() >= 20
@@ -129,7 +101,7 @@ def test_exact_zeros_degenerate_invalid_and_masked(method: str) -> None:
 
 
 def test_capo_permutation_equivariant() -> None:
-  r, s, v = _random_batch(seed=11, q=10, g=16)
+  r, s, v = advantage_refs.random_batch(seed=11, q=10, g=16)
   a = np.asarray(adv.capo(r, s, v, tau=0.5))
   rng = np.random.default_rng(0)
   for _ in range(3):
@@ -156,7 +128,7 @@ def test_capo_misranked_pairs_weigh_more() -> None:
 
 
 def test_capo_large_tau_tends_to_dr_grpo_over_2tau() -> None:
-  r, s, v = _random_batch(seed=5)
+  r, s, v = advantage_refs.random_batch(seed=5)
   dr = _dr_grpo_loop(r, v)
   errs = []
   for tau in (1e1, 1e2, 1e3):
@@ -176,7 +148,7 @@ def _dr_grpo_loop(r: np.ndarray, v: np.ndarray) -> np.ndarray:
 
 @pytest.mark.parametrize("std,ddof", [("unbiased", 1), ("population", 0)])
 def test_grpo_and_dr_grpo_against_numpy(std: str, ddof: int) -> None:
-  r, s, v = _random_batch(seed=9, q=16, g=8)
+  r, s, v = advantage_refs.random_batch(seed=9, q=16, g=8)
   dr = _dr_grpo_loop(r, v)
   want = np.zeros(r.shape)
   for q in range(r.shape[0]):
@@ -268,7 +240,7 @@ def test_adding_an_estimator_as_docs_algorithms_md_shows(monkeypatch) -> None:
     {**ns, "Algorithm": algorithms.Algorithm},
   ).items()
   monkeypatch.setitem(ALGORITHMS, name, algo)
-  r, s, v = _random_batch(seed=31, p_valid=0.8)
+  r, s, v = advantage_refs.random_batch(seed=31, p_valid=0.8)
   want = np.zeros(r.shape)
   for q, g in itertools.product(*map(range, r.shape)):
     others = [r[q, j] for j in range(r.shape[1]) if v[q, j] and j != g]
@@ -340,7 +312,7 @@ def test_grpo_gradient_is_linear_pairwise_surrogate_gradient() -> None:
   With A as a stop-gradient weight, the policy gradient -sum_i A_i grad s_i
   then equals the gradient of the surrogate composed with s(theta).
   """
-  r, s, v = _random_batch(seed=13)
+  r, s, v = advantage_refs.random_batch(seed=13)
   with jax.enable_x64(True):
     a_dr = np.asarray(adv.dr_grpo(r, v))
     a_grpo = np.asarray(adv.grpo(r, v))
@@ -351,174 +323,8 @@ def test_grpo_gradient_is_linear_pairwise_surrogate_gradient() -> None:
       np.testing.assert_allclose(a_grpo[q], g / (np.std(r[q][v[q]], ddof=1) + 1e-6), atol=1e-9)
 
 
-def test_noise_mask_thresholds() -> None:
-  r = np.array([[1, 1, 1, 0, 0, 0]], np.float32)
-  ppl = np.array([[2.6, 2.5, 1.01, 1.04, 1.05, 3.0]], np.float32)
-  want = np.array([[True, False, False, True, False, False]])
-  np.testing.assert_array_equal(np.asarray(adv.noise_mask(r, ppl)), want)
-  np.testing.assert_array_equal(
-    np.asarray(adv.noise_mask(r, ppl, high=1.0, low=1.5)),
-    np.array([[True, True, True, True, True, False]]),
-  )
-  np.testing.assert_allclose(np.asarray(adv.ref_ppl(np.log([[0.5, 1.0]]))), [[2.0, 1.0]], rtol=1e-6)
-
-
-def test_capo_noise_mask_partner_and_drop_modes() -> None:
-  r, s, v = _random_batch(seed=17, q=16, g=8, p_valid=1.0)
-  mask = np.random.default_rng(2).random(r.shape) < 0.25
-  # partner: masked rows keep their place in the pair sums, get 0 themselves.
-  valid, receive = adv.split_masks(v, mask, mode="partner")
-  got = np.asarray(adv.capo(r, s, valid, receive_QG=receive, tau=0.6))
-  np.testing.assert_allclose(got, _capo_loop(r, s, v, v & ~mask, 0.6), rtol=1e-5, atol=1e-6)
-  # drop: exactly CAPO on the group with the masked rows deleted.
-  valid, receive = adv.split_masks(v, mask, mode="drop")
-  got = np.asarray(adv.capo(r, s, valid, receive_QG=receive, tau=0.6))
-  for q in range(r.shape[0]):
-    keep = ~mask[q]
-    sub = _capo_loop(
-      r[q : q + 1, keep],
-      s[q : q + 1, keep],
-      np.ones((1, keep.sum()), bool),
-      np.ones((1, keep.sum()), bool),
-      0.6,
-    )[0]
-    np.testing.assert_allclose(got[q, keep], sub, rtol=1e-5, atol=1e-6)
-    assert (got[q, ~keep] == 0).all()
-  frac = adv.masked_fraction(mask, r, v)
-  np.testing.assert_allclose(float(frac["masked_frac"]), mask.mean(), rtol=1e-6)
-  np.testing.assert_allclose(float(frac["masked_frac_correct"]), mask[r == 1].mean(), rtol=1e-6)
-
-
-@pytest.mark.parametrize("mode", adv.MASK_MODES)
-def test_lone_correct_sample_masked_as_lucky_guess(mode: str) -> None:
-  """One correct sample, masked (reference perplexity 3 > 2.5), and seven wrong ones.
-
-  partner (the paper's A = m * A~, A~ over the whole group): the masked sample receives 0
-  but stays the wrong samples' partner, so each wrong j still gets
-  A_j = -sigmoid((s_j - s_0) / tau) / (G tau) with G = 8. drop: the group left is all
-  wrong, hence degenerate: every advantage is 0."""
-  tau = 0.6
-  r = np.array([[1, 0, 0, 0, 0, 0, 0, 0]], np.float32)
-  s = np.array([[-0.4, -0.9, -0.6, -0.5, -0.4, -0.3, -0.2, -0.1]], np.float32)
-  ppl = np.array([[3.0, 1.2, 1.3, 1.4, 1.5, 1.6, 1.7, 1.8]], np.float32)
-  mask = adv.noise_mask(r, ppl)
-  np.testing.assert_array_equal(np.asarray(mask), [[True] + [False] * 7])
-  valid, receive = adv.split_masks(np.ones_like(r, bool), mask, mode=mode)
-  got = np.asarray(algorithms.Capo(tau=tau).advantages(adv.GroupBatch(r, s, valid, receive)))[0]
-  if mode == "drop":
-    assert (got == 0).all()
-    return
-  want = [0.0] + [-1 / (1 + math.exp(-(s[0, j] - s[0, 0]) / tau)) / (8 * tau) for j in range(1, 8)]
-  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
-  # Every wrong sample pushed down, the more confident ones (s rises with j) the more.
-  assert got[0] == 0 and (got[1:] < 0).all() and (np.diff(got[1:]) < 0).all()
-
-
-def test_codapo_hand_computed() -> None:
-  r = np.array([[1, 0, 0, 0]], np.float32)
-  s = np.array([[-0.2, -0.4, -0.6, -0.8]], np.float32)
-  # acc = 1/4, d = 3/4, w = 1 - 4 (1/4)^2 = 3/4, c = exp(-0.5), unbiased std(R) =
-  # sqrt((0.75^2 + 3 * 0.25^2) / 3) = 1/2.
-  scale = math.exp(-0.5) * 0.75 + 0.1
-  base = np.array([0.75, -0.25, -0.25, -0.25]) / (0.5 + 1e-6)
-  got = algorithms.Codapo().advantages(adv.GroupBatch(r, s, np.ones_like(r, bool)))
-  np.testing.assert_allclose(np.asarray(got)[0], base * scale, rtol=1e-5)
-
-
-def _grpo_norm(x: np.ndarray, ddof: int = 1) -> np.ndarray:
-  """GRPO's normalisation of one group in NumPy: (x - mean) / (std + 1e-6)."""
-  return (x - x.mean()) / (x.std(ddof=ddof) + 1e-6)
-
-
-def test_cde_hand_computed_and_omega_schedule() -> None:
-  r = np.array([[1, 0, 1]], np.float32)
-  s = np.array([[-0.1, -0.5, -2.0]], np.float32)
-  v = np.ones_like(r, bool)
-  # rewards -> [1, -1, 1]; bonus min(1/3, -s) = [0.1, 1/3, 1/3].
-  shaped = np.array([1.1, -1 + 1 / 3, 1 + 1 / 3])
-  early = algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=4, total_steps=10)
-  np.testing.assert_allclose(np.asarray(early)[0], _grpo_norm(shaped), rtol=1e-5)
-  late = algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=5, total_steps=10)
-  np.testing.assert_allclose(np.asarray(late)[0], _grpo_norm(np.array([1, -1, 1.0])), rtol=1e-5)
-  # omega scales the first half's bonus.
-  half = algorithms.Cde(omega=0.5).advantages(adv.GroupBatch(r, s, v))
-  shaped = np.array([1.05, -1 + 1 / 6, 1 + 1 / 6])
-  np.testing.assert_allclose(np.asarray(half)[0], _grpo_norm(shaped), rtol=1e-5)
-  # alpha reaches the bonus: alpha = 0.1 -> bonus = 0.1 * (-s).
-  got = algorithms.Cde(alpha=0.1).advantages(adv.GroupBatch(r, s, v))
-  np.testing.assert_allclose(
-    np.asarray(got)[0], _grpo_norm(np.array([1.01, -0.95, 1.2])), rtol=1e-5
-  )
-  pop = algorithms.Cde(alpha=0.1, std="population").advantages(adv.GroupBatch(r, s, v))
-  np.testing.assert_allclose(
-    np.asarray(pop)[0], _grpo_norm(np.array([1.01, -0.95, 1.2]), 0), rtol=1e-5
-  )
-
-
-def test_cde_all_correct_group_keeps_its_bonus() -> None:
-  """All correct: r = 1 everywhere, so only the bonus min(1/3, -s) spreads the group, and
-  the less confident (lower s, higher perplexity) samples go up. All wrong likewise.
-  Degenerate only when the shaped rewards are all equal (every bonus capped at 1/3)."""
-  s = np.array(
-    [
-      [-0.05, -0.3, -0.1, -0.2, -0.9],
-      [-0.05, -0.3, -0.1, -0.2, -0.9],
-      [-0.5, -0.4, -1.0, -2.0, -0.7],
-    ],
-    np.float32,
-  )
-  r = np.array([[1] * 5, [0] * 5, [1] * 5], np.float32)
-  v = np.ones_like(r, bool)
-  got = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), total_steps=10))
-  bonus = np.array([0.05, 0.3, 0.1, 0.2, 1 / 3])
-  np.testing.assert_allclose(got[0], _grpo_norm(1 + bonus), rtol=1e-4)
-  np.testing.assert_allclose(got[1], _grpo_norm(-1 + bonus), rtol=1e-4)
-  for q in (0, 1):  # the order of the advantages is the reverse order of s
-    np.testing.assert_array_equal(np.argsort(got[q]), np.argsort(-s[q]))
-  assert (got[2] == 0).all()  # every bonus capped: all r~ equal
-  late = np.asarray(algorithms.Cde().advantages(adv.GroupBatch(r, s, v), step=5, total_steps=10))
-  assert (late == 0).all()  # omega = 0: r~ = r, uniform groups are degenerate
-
-
-def test_cde_shaped_reward_against_numpy() -> None:
-  """reward = c + shaping (an overlong penalty): r = 2c - 1 + shaping, so a penalty of
-  -1 on a wrong sample gives r = -2, not 2 * (-1) - 1 = -3."""
-  c = np.array([[1, 1, 0, 0, 1, 0]], np.float32)
-  penalty = np.array([[0, -0.5, 0, -1, -0.25, 0]], np.float32)
-  s = np.array([[-0.2, -0.6, -0.1, -0.05, -1.5, -0.4]], np.float32)
-  v = np.ones_like(c, bool)
-  batch = adv.GroupBatch(c + penalty, s, v, correct_QG=c)
-  r = np.array([1, 0.5, -1, -2, 0.75, -1])  # by hand
-  late = np.asarray(algorithms.Cde().advantages(batch, step=1, total_steps=2))[0]
-  np.testing.assert_allclose(late, _grpo_norm(r), rtol=1e-5)
-  # First half: bonus min(|r| / 3, -s) = [0.2, 1/6, 0.1, 0.05, 0.25, 1/3].
-  bonus = np.array([0.2, 1 / 6, 0.1, 0.05, 0.25, 1 / 3])
-  np.testing.assert_allclose(np.minimum(np.abs(r) / 3, -s[0]), bonus, rtol=1e-6)
-  early = np.asarray(algorithms.Cde().advantages(batch, step=0, total_steps=2))[0]
-  np.testing.assert_allclose(early, _grpo_norm(r + bonus), rtol=1e-5)
-
-
-def test_score_transform_spread_and_adaptive_tau() -> None:
-  s = np.array([[-0.1, -0.5, -0.9, -0.3], [-0.2, -0.4, -1.0, -2.0], [-1.0, -2.0, -3.0, -4.0]])
-  r = np.array([[1, 0, 1, 0], [1, 1, 1, 1], [1, 0, 0, 0]], np.float32)
-  v = np.array([[1, 1, 1, 1], [1, 1, 1, 1], [1, 1, 1, 0]], bool)
-  np.testing.assert_allclose(np.asarray(adv.to_score(s, "neg_ppl")), -np.exp(-s), rtol=1e-6)
-  np.testing.assert_array_equal(np.asarray(adv.to_score(s, "mean_logprob")), s.astype(np.float32))
-  # Group 1 is degenerate: skipped. Group 2 uses its 3 valid rows.
-  spread = (np.std(s[0]) + np.std(s[2, :3])) / 2
-  np.testing.assert_allclose(float(adv.score_spread(s, r, v)), spread, rtol=1e-6)
-  for score, conv in (("mean_logprob", lambda x: x), ("neg_ppl", lambda x: -np.exp(-x))):
-    z = conv(s)
-    tau = 0.5 * (np.std(z[0]) + np.std(z[2, :3])) / 2
-    got = algorithms.Capo(score=score, adaptive_tau=0.5).advantages(adv.GroupBatch(r, s, v))
-    np.testing.assert_allclose(np.asarray(got), _capo_loop(r, z, v, v, tau), rtol=2e-5, atol=1e-6)
-  # No spread anywhere: adaptive tau falls back to the fixed tau.
-  tau = adv.adaptive_tau_value(s[1:2], r[1:2], v[1:2], scale=0.5, fallback=0.6)
-  assert float(tau) == pytest.approx(0.6)
-
-
 def test_entry_point_is_jittable_with_traced_step() -> None:
-  r, s, v = _random_batch(seed=21, p_valid=1.0)
+  r, s, v = advantage_refs.random_batch(seed=21, p_valid=1.0)
   fn = jax.jit(
     lambda r, s, v, step: algorithms.Cde().advantages(
       adv.GroupBatch(r, s, v), step=step, total_steps=100
@@ -558,7 +364,7 @@ def test_score_rollout_is_one_program_matching_numpy(mode: str) -> None:
   the step is traced, so a new step reuses the compiled program."""
   from capo_jax.rl import rollout  # pylint: disable=import-outside-toplevel
 
-  r, s, _ = _random_batch(7)
+  r, s, _ = advantage_refs.random_batch(7)
   ref_s = -np.random.default_rng(8).gamma(1.0, 0.6, size=r.shape)  # ppl from 1 to ~10
   ppl = np.exp(-ref_s)
   noisy = ((r == 1) & (ppl > 2.5)) | ((r == 0) & (ppl < 1.05))
@@ -569,7 +375,7 @@ def test_score_rollout_is_one_program_matching_numpy(mode: str) -> None:
     estimator=algorithms.Capo(tau=0.6, norm="group"), noise_mask=True, mask_mode=mode, num_steps=10
   )
   got, met = rollout.score_rollout(r.astype(np.float32), s, ref_s, 3, spec=spec)
-  want = _capo_loop(r, s, v, u, 0.6)
+  want = advantage_refs.capo_loop(r, s, v, u, 0.6)
   np.testing.assert_allclose(np.asarray(got), want, rtol=1e-5, atol=1e-6)
   c = r == 1
   np.testing.assert_allclose(float(met["masked_frac"]), noisy.mean(), rtol=1e-6)

@@ -12,7 +12,7 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from capo_jax.eval import calibration as cal
-from capo_jax.eval import report
+from capo_jax.eval import comparison, report
 
 
 def _ragged_batch(seed: int, q: int = 40, g: int = 12):
@@ -227,8 +227,8 @@ def test_comparison_table_layout():
     "grpo": {"benchmarks": {"math500": bench(0.70, 0.80, 0.2), "aime25": bench(0.10, None, 0.8)}},
     "capo": {"benchmarks": {"math500": bench(0.72, 0.85, 0.1)}},
   }
-  lines = report.comparison_table(runs).strip().split("\n")
-  # The paper's metrics lead; ECE of exp(s) is in no table (report.ECE_NOTE).
+  lines = comparison.comparison_table(runs).strip().split("\n")
+  # The paper's metrics lead; ECE of exp(s) is in no table (comparison.ECE_NOTE).
   assert lines[0] == (
     "| benchmark | grpo acc | grpo AUC | grpo AURC | capo acc | capo AUC | capo AURC |"
   )
@@ -237,7 +237,7 @@ def test_comparison_table_layout():
   assert lines[3] == "| aime25 | 10.0 | - | 0.800 | - | - | - |"
   assert lines[4] == "| average | 40.0 | 0.800 | 0.500 | 72.0 | 0.850 | 0.100 |"
   assert len(lines) == 5
-  for columns in (report.MAIN_COLUMNS, report.EXTRA_COLUMNS):
+  for columns in (comparison.MAIN_COLUMNS, comparison.EXTRA_COLUMNS):
     assert "ece" not in {key for _, key in columns} and "brier" not in {k for _, k in columns}
 
 

@@ -9,6 +9,7 @@ import logging
 
 import pytest
 
+from capo_jax.run import checks
 from capo_jax.run import spec as spec_lib
 from configs import common
 
@@ -33,14 +34,14 @@ def _notes(caplog) -> list[str]:
   return [
     r.getMessage()
     for r in caplog.records
-    if r.name == spec_lib.__name__ and "change no advantage" in r.getMessage()
+    if r.name == checks.__name__ and "change no advantage" in r.getMessage()
   ]
 
 
 @pytest.mark.parametrize("kind", sorted(SHAPING))
 def test_a_capo_run_with_reward_shaping_logs_one_line(kind, caplog):
   field, value = SHAPING[kind]
-  with caplog.at_level(logging.WARNING, logger=spec_lib.__name__):
+  with caplog.at_level(logging.WARNING, logger=checks.__name__):
     _spec("capo", field, value)
   notes = _notes(caplog)
   assert len(notes) == 1, notes
@@ -50,6 +51,6 @@ def test_a_capo_run_with_reward_shaping_logs_one_line(kind, caplog):
 @pytest.mark.parametrize("algo, kind", [("grpo", "overlong"), ("cde", "plug-in"), ("capo", None)])
 def test_no_line_where_the_fields_act_or_are_unset(algo, kind, caplog):
   field, value = SHAPING[kind] if kind else (None, None)
-  with caplog.at_level(logging.WARNING, logger=spec_lib.__name__):
+  with caplog.at_level(logging.WARNING, logger=checks.__name__):
     _spec(algo, field, value)
   assert _notes(caplog) == []

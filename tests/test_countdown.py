@@ -107,7 +107,7 @@ def test_checker_grader_runs_in_the_pool(monkeypatch) -> None:
 def test_shrink_run_then_calibration_report(tmp_path) -> None:
   import hf_utils  # pylint: disable=import-outside-toplevel
   import rl_driver  # pylint: disable=import-outside-toplevel
-  from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
+  from capo_jax.eval import cli as eval_cli  # pylint: disable=import-outside-toplevel
   from configs import countdown as run_file  # pylint: disable=import-outside-toplevel
 
   c = run_file.get_config("shrink")
@@ -125,7 +125,7 @@ def test_shrink_run_then_calibration_report(tmp_path) -> None:
   # correct + 0.1 * format + overlong penalty, never above 1.1 or below -1.
   assert -1.0 <= rows[-1]["reward_mean"] <= 1.1
   out = tmp_path / "eval"
-  results = evaluate.main(
+  results = eval_cli.main(
     [
       f"--policy={workdir}",
       "--benchmarks=countdown",

@@ -60,7 +60,7 @@ def _top_level_names(path: pathlib.Path) -> set[str]:
 
 
 def _module_exists(name: str) -> bool:
-  """A module of the checkout, or a top-level name of one (``capo_jax.eval.report.compare``)."""
+  """A module of the checkout, or a top-level name of one (``capo_jax.eval.comparison.compare``)."""
   parts = name.split(".")
   for n in range(len(parts), 0, -1):
     base = REPO.joinpath(*parts[:n])

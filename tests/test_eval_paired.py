@@ -15,7 +15,8 @@ import pytest
 from sklearn.metrics import roc_auc_score
 
 from capo_jax.demo import compare as demo_compare
-from capo_jax.eval import evaluate, paired, report
+from capo_jax.eval import cli as eval_cli
+from capo_jax.eval import comparison, paired, report
 from capo_jax.eval import scaling as sc
 from capo_jax.eval.report import SampleRecord
 
@@ -208,7 +209,7 @@ def test_compare_end_to_end_against_an_independent_computation(tmp_path):
   for name, recs in runs.items():
     report.write_results(report.compute_results(recs, config, run=name), tmp_path / name)
     dirs.append(str(tmp_path / name))
-  md = pathlib.Path(evaluate.main(["--compare", *dirs, f"--out={tmp_path / 'cmp'}"])).read_text(
+  md = pathlib.Path(eval_cli.main(["--compare", *dirs, f"--out={tmp_path / 'cmp'}"])).read_text(
     encoding="utf-8"
   )
 
@@ -287,7 +288,7 @@ def test_old_results_without_question_ids_say_so(tmp_path):
   report.write_results(old, tmp_path / "old")
   assert "question_ids" not in report.load_results(tmp_path / "old")["benchmarks"]["aime"]
   md = pathlib.Path(
-    report.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
+    comparison.compare([tmp_path / "old", tmp_path / "new"], tmp_path / "cmp")
   ).read_text(encoding="utf-8")
   assert f"| aime | new | {paired.MISSING} |" in md
 

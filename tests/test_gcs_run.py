@@ -139,7 +139,7 @@ def test_a_run_on_cloud_storage_resumes_and_evaluates(gcs, tmp_path, monkeypatch
   _run(
     [
       "-m",
-      "capo_jax.eval.evaluate",
+      "capo_jax.eval",
       f"--policy={run}",
       f"--out={out}",
       f"--benchmarks={base}/assets/data/bench.jsonl",

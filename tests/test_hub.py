@@ -22,7 +22,7 @@ import numpy as np
 import pytest
 
 import hf_utils
-from capo_jax.eval import evaluate
+from capo_jax.eval import cli as eval_cli
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import fs, policy_io
@@ -157,7 +157,7 @@ def test_evaluate_policy_by_hub_id(repo, stand_in, tmp_path):
   jax.tree.map(np.testing.assert_array_equal, pol.params, hf_weights.load_pretrained(repo[1])[1])
   bench = tmp_path / "one.jsonl"
   bench.write_text(json.dumps({"id": "q", "problem": "What is 1 + 2?", "answer": "3"}) + "\n")
-  results = evaluate.main(
+  results = eval_cli.main(
     [
       f"--policy={HUB_ID}",
       f"--benchmarks={bench}",

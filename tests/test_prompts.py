@@ -14,7 +14,7 @@ import transformers
 import hf_utils
 from capo_jax.data import prompts
 from capo_jax.data import tokenizer as tk
-from capo_jax.eval import evaluate
+from capo_jax.eval import cli as eval_cli
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import run_record
@@ -185,13 +185,13 @@ def test_evaluator_uses_the_recorded_prompt_unless_flags_say_otherwise(tok_dirs,
     "--no_progress",
     "--no_plots",
   ]
-  got = evaluate.main(flags + [f"--out={tmp_path / 'a'}"])["config"]["prompt"]
+  got = eval_cli.main(flags + [f"--out={tmp_path / 'a'}"])["config"]["prompt"]
   assert prompts.PromptFormat.from_json(got) == recorded
-  got = evaluate.main(
+  got = eval_cli.main(
     flags + [f"--out={tmp_path / 'b'}", "--system_prompt=", "--enable_thinking=auto"]
   )["config"]["prompt"]
   assert prompts.PromptFormat.from_json(got) == prompts.PromptFormat(
     system="", template="Q: {question}"
   )
   with pytest.raises(ValueError, match=r"--prompt_template: .*\{question\}"):
-    evaluate.main(flags + [f"--out={tmp_path / 'c'}", "--prompt_template=Solve."])
+    eval_cli.main(flags + [f"--out={tmp_path / 'c'}", "--prompt_template=Solve."])

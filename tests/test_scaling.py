@@ -15,7 +15,7 @@ from sklearn.metrics import roc_auc_score
 
 import capo_jax.data
 from capo_jax.eval import calibration as cal
-from capo_jax.eval import plots, report
+from capo_jax.eval import comparison, plots, report
 from capo_jax.eval import scaling as sc
 
 EXACT = sc.resolve_same_answer("exact")
@@ -372,7 +372,7 @@ def test_compute_results_on_samples_file_and_plots(tmp_path):
   json.loads(open(run_a, encoding="utf-8").read())  # strict JSON, no NaN
   results["run"] = "toy2"
   report.write_results(results, tmp_path / "run_b")
-  md = report.compare([tmp_path / "run_a", tmp_path / "run_b"], tmp_path / "cmp")
+  md = comparison.compare([tmp_path / "run_a", tmp_path / "run_b"], tmp_path / "cmp")
   text = open(md, encoding="utf-8").read()
   assert "| benchmark | toy acc | toy AUC | toy AURC | toy2 acc | toy2 AUC | toy2 AURC |" in text
   for bench in ("aime25", "math500"):

@@ -3,8 +3,9 @@
 ``python -m capo_jax.eval`` is the evaluator's command line (``capo_jax.eval.evaluate``).
 """
 
+from capo_jax.eval.comparison import compare
 from capo_jax.eval.evaluate import EvalConfig, EvalPolicy, evaluate_policy
-from capo_jax.eval.report import compare, compute_results, load_results
+from capo_jax.eval.report import compute_results, load_results
 
 __all__ = [
   "EvalConfig",

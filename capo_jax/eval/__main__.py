@@ -1,6 +1,6 @@
 """``python -m capo_jax.eval``: the evaluator's command line."""
 
-from capo_jax.eval import evaluate
+from capo_jax.eval import cli
 
 if __name__ == "__main__":
-  evaluate.cli()
+  cli.cli()

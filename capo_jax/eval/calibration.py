@@ -34,7 +34,7 @@ Definitions (docs/algorithms.md, "Evaluation metrics"):
   uses ``n_bins`` equal-width bins on [0, 1], right-open except the last. Not the
   paper's metrics: exp(s) is the geometric-mean token probability, ~0.9-1.0 for
   every chain-of-thought sample, so ECE is close to 1 - accuracy. Reports keep them
-  out of their tables (``capo_jax.eval.report.ECE_NOTE``).
+  out of their tables (``capo_jax.eval.comparison.ECE_NOTE``).
 """
 
 from __future__ import annotations

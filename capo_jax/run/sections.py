@@ -10,6 +10,7 @@ import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
+from capo_jax.rl import algorithms, losses
 from capo_jax.runtime import mesh as mesh_lib
 
 
@@ -239,3 +240,31 @@ def section(name: str, cls: type, values: Mapping[str, Any]) -> Any:
     as_tuple = lambda v: ((v,) if v else ()) if isinstance(v, str) else tuple(v)  # noqa: E731
     values = {**values, "fns": as_tuple(values["fns"]), "weights": as_tuple(values["weights"])}
   return cls(**values)
+
+
+# The typed algorithms' fields from the config, whose names stay as they are (run files
+# and recorded config.json files use them). A class not listed takes its defaults.
+def estimator_fields(a: Algo) -> dict[type[algorithms.Estimator], dict[str, Any]]:
+  return {
+    algorithms.Grpo: dict(std=a.std),
+    algorithms.Codapo: dict(std=a.std),
+    algorithms.Capo: dict(tau=a.tau, norm=a.norm, score=a.score, adaptive_tau=a.adaptive_tau),
+    algorithms.Cde: dict(kappa=a.cde_kappa, alpha=a.cde_alpha, omega=a.cde_omega, std=a.std),
+  }
+
+
+def loss_fields(l: Loss) -> dict[type[losses.PolicyLoss], dict[str, Any]]:
+  return {
+    losses.Gspo: dict(eps_low=l.gspo_eps_low, eps_high=l.gspo_eps_high),
+    losses.Simko: dict(
+      alpha=l.simko_alpha, k=l.simko_k, lam=l.simko_lambda, quantile=l.simko_quantile
+    ),
+  }
+
+
+def build(cls: type, fields: Mapping[str, Any], section: str) -> Any:
+  """``cls(**fields)``; a bad value is a ConfigError naming ``config.<section>``."""
+  try:
+    return cls(**fields)
+  except ValueError as e:
+    raise ConfigError(f"config.{section}: {e}") from e

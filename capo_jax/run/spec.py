@@ -3,7 +3,8 @@
 ``RunSpec.from_config`` is called at the run's entry point (``capo_jax.main``,
 ``tools/aot_tpu.py``, the demo's study); everything below takes the spec,
 or the section of it it needs, never the ConfigDict. Every check of the
-configuration happens here, with a message that names the field and the value:
+configuration happens at that call (a field's own here, the checks across fields in
+``capo_jax.run.checks``), with a message that names the field and the value:
 nothing fails an hour into a run because of a typo in a config file.
 
 The sections mirror the config's (``configs/common.py`` documents each field):
@@ -18,8 +19,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import logging
-import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,11 +27,12 @@ import ml_collections
 
 from capo_jax.data import reward_fns as reward_lib
 from capo_jax.data.prompts import PromptError, PromptFormat
-from capo_jax.rl import advantages, algorithms, losses, mismatch
+from capo_jax.rl import algorithms, losses, mismatch
 from capo_jax.rl import rollout as rollout_lib  # the name rollout is a RunSpec field
 from capo_jax.rl.algorithms import ALGORITHMS
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.rl.train_step import TrainConfig
+from capo_jax.run import checks
 from capo_jax.run.sections import (
   SECTIONS,
   TOP_LEVEL,
@@ -50,45 +50,16 @@ from capo_jax.run.sections import (
   Reward,
   Rollout,
   Train,
+  build,
+  estimator_fields,
   fail,
+  loss_fields,
   section,
 )
-from capo_jax.runtime import fs, model_files
+from capo_jax.runtime import fs
 from capo_jax.runtime import mesh as mesh_lib
 from models import hub, lora
 from models.config import PRESETS, Qwen2Config
-
-log = logging.getLogger(__name__)
-# Estimators whose advantage reads only the binary label, never the shaped reward.
-PAIRS_ON_CORRECT = ("capo",)
-
-
-# The typed algorithms' fields from the config, whose names stay as they are (run files
-# and recorded config.json files use them). A class not listed takes its defaults.
-def _estimator_fields(a: Algo) -> dict[type[algorithms.Estimator], dict[str, Any]]:
-  return {
-    algorithms.Grpo: dict(std=a.std),
-    algorithms.Codapo: dict(std=a.std),
-    algorithms.Capo: dict(tau=a.tau, norm=a.norm, score=a.score, adaptive_tau=a.adaptive_tau),
-    algorithms.Cde: dict(kappa=a.cde_kappa, alpha=a.cde_alpha, omega=a.cde_omega, std=a.std),
-  }
-
-
-def _loss_fields(l: Loss) -> dict[type[losses.PolicyLoss], dict[str, Any]]:
-  return {
-    losses.Gspo: dict(eps_low=l.gspo_eps_low, eps_high=l.gspo_eps_high),
-    losses.Simko: dict(
-      alpha=l.simko_alpha, k=l.simko_k, lam=l.simko_lambda, quantile=l.simko_quantile
-    ),
-  }
-
-
-def _build(cls: type, fields: Mapping[str, Any], section: str) -> Any:
-  """``cls(**fields)``; a bad value is a ConfigError naming ``config.<section>``."""
-  try:
-    return cls(**fields)
-  except ValueError as e:
-    raise ConfigError(f"config.{section}: {e}") from e
 
 
 @dataclasses.dataclass(frozen=True)
@@ -161,159 +132,29 @@ class RunSpec:
       node[last] = list(value) if isinstance(value, tuple) else value
     return RunSpec.from_config(raw, **kwargs)
 
-  # ------------------------------------------------------------------ checks
-
   def validate(self, *, num_devices: int | None = None, policy_given: bool = False) -> None:
-    """Raises ConfigError naming the first bad field."""
+    """Raises ConfigError naming the first bad field (the checks: ``capo_jax.run.checks``)."""
     if self.algo.name not in ALGORITHMS:
       fail("algo.name", self.algo.name, f"unknown algorithm; expected one of {tuple(ALGORITHMS)}")
-    r, t = self.rollout, self.train
-    if r.num_samples < 2:
-      fail("rollout.num_samples", r.num_samples, "G must be >= 2 (advantages compare samples)")
-    if r.num_prompts < 1:
-      fail("rollout.num_prompts", r.num_prompts, "must be >= 1")
-    if t.mini_batch_prompts < 1 or r.num_prompts % t.mini_batch_prompts:
-      fail(
-        "train.mini_batch_prompts",
-        t.mini_batch_prompts,
-        f"must divide rollout.num_prompts={r.num_prompts}",
-      )
-    rows = t.mini_batch_prompts * r.num_samples
-    if t.micro_batch_size < 1 or rows % t.micro_batch_size:
-      fail(
-        "train.micro_batch_size",
-        t.micro_batch_size,
-        f"must divide the mini-batch rows mini_batch_prompts * num_samples = {rows}",
-      )
-    B = r.num_prompts * r.num_samples
-    if t.logprob_rows < 0 or (t.logprob_rows and B % t.logprob_rows):
-      fail(
-        "train.logprob_rows",
-        t.logprob_rows,
-        f"must be 0 (all rows at once) or divide num_prompts * num_samples = {B}",
-      )
-    if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
-      fail(
-        "rollout.prompts_per_call",
-        r.prompts_per_call,
-        f"must be 0 (all at once) or divide rollout.num_prompts={r.num_prompts}",
-      )
-    if r.max_active_rows < 0:
-      fail(
-        "rollout.max_active_rows",
-        r.max_active_rows,
-        "must be 0 (all rows at once) or the number of rows decoded at once",
-      )
-    if r.dynamic_sampling and r.dynamic_max_draws < 2:
-      fail(
-        "rollout.dynamic_max_draws",
-        r.dynamic_max_draws,
-        "must be >= 2 with rollout.dynamic_sampling (1 draw per step is no filter)",
-      )
-    for field in ("max_prompt_len", "max_new_tokens"):
-      if getattr(r, field) < 1:
-        fail(f"rollout.{field}", getattr(r, field), "must be >= 1")
-    if t.num_steps < 0:
-      fail("train.num_steps", t.num_steps, "must be >= 0")
-    if r.old_logprobs not in ("trainer", "sampler"):
-      fail("rollout.old_logprobs", r.old_logprobs, "expected 'trainer' or 'sampler'")
-    self._validate_algo()
-    self._validate_reward()
+    checks.batch(self.rollout, self.train)
+    checks.algo(self.algo)
+    checks.reward(self.reward, self.checker, self.algo.name, self.rollout.max_new_tokens)
     self.mismatch_spec()
-    self._validate_model(policy_given)
+    checks.model(self.model, self.tokenizer_path, policy_given)
+    self.lora_config()
     self.prompt_format()
-    for field in ("train_size", "val_size"):
-      if getattr(self.data, field) < 0:
-        fail(
-          f"data.{field}",
-          getattr(self.data, field),
-          "must be >= 0 (0: all the rest / no validation)",
-        )
-    e = self.eval
-    if e.every_steps < 0:
-      fail("eval.every_steps", e.every_steps, "must be >= 0 (0: no evaluation)")
-    for field in ("num_samples", "max_new_tokens", "batch_size"):
-      if getattr(e, field) < 1:
-        fail(f"eval.{field}", getattr(e, field), "must be >= 1")
-    if e.limit < 0:
-      fail("eval.limit", e.limit, "must be >= 0 (0: every question)")
-    for field in ("every_steps", "samples_every_steps"):
-      if getattr(self.log, field) < 0:
-        fail(f"log.{field}", getattr(self.log, field), "must be >= 0")
-    steps = self.log.profile_steps
-    if steps and (len(steps) != 2 or not 1 <= steps[0] <= steps[1]):
-      fail(
-        "log.profile_steps",
-        steps,
-        "expected () or (first, last) with 1 <= first <= last (steps as logged)",
-      )
-    if self.checkpoint.export_hf_every < 0:
-      fail("checkpoint.export_hf_every", self.checkpoint.export_hf_every, "must be >= 0")
-    self._validate_mesh(jax.device_count() if num_devices is None else num_devices)
-    self.packing_shape()
+    checks.outputs(self.data, self.eval, self.log, self.checkpoint)
+    n = jax.device_count() if num_devices is None else num_devices
+    shards = checks.mesh(self.mesh.sizes(), n)
+    checks.row_shards(self.packing_shape()[1], shards)
     # The typed algorithms check their fields: every one the config sets, used or not.
     for part, fields in (
-      ("algo", _estimator_fields(self.algo)),
-      ("loss", _loss_fields(self.loss)),
+      ("algo", estimator_fields(self.algo)),
+      ("loss", loss_fields(self.loss)),
     ):
       for cls, kwargs in fields.items():
-        _build(cls, kwargs, part)
+        build(cls, kwargs, part)
     self.train_config()  # dataclass checks (loss, optimizer) with field names
-
-  def _validate_algo(self) -> None:
-    a = self.algo
-    if a.mask not in ("auto", "on", "off"):
-      fail("algo.mask", a.mask, "expected 'auto', 'on' or 'off'")
-    if a.tau <= 0:
-      fail("algo.tau", a.tau, "must be > 0")
-    if a.norm not in advantages.NORMS:
-      fail("algo.norm", a.norm, f"expected one of {advantages.NORMS}")
-    if a.score not in advantages.SCORES:
-      fail("algo.score", a.score, f"expected one of {advantages.SCORES}")
-    if a.mask_mode not in advantages.MASK_MODES:
-      fail("algo.mask_mode", a.mask_mode, f"expected one of {advantages.MASK_MODES}")
-    if a.std not in advantages.STDS:
-      fail("algo.std", a.std, f"GRPO's group std: expected one of {advantages.STDS}")
-
-  def _validate_reward(self) -> None:
-    """Plug-ins are imported here (in this process), so a typo fails at the start."""
-    w = self.reward
-    for field, names in (("reward.correct", (self.checker,)), ("reward.fns", w.fns)):
-      for name in names:
-        if name in reward_lib.CHECKERS or (field == "reward.fns" and name == reward_lib.CORRECT):
-          continue
-        try:
-          reward_lib.load(reward_lib.target_of(name))
-        except Exception as e:  # noqa: BLE001 -- any import failure is the config's
-          fail(field, name, f"cannot load the plug-in: {type(e).__name__}: {e}")
-    if w.weights and len(w.weights) != len(w.fns):
-      fail("reward.weights", w.weights, f"needs one weight per reward.fns entry ({len(w.fns)})")
-    if not all(isinstance(x, (int, float)) and math.isfinite(x) for x in w.weights):
-      fail("reward.weights", w.weights, "must be finite numbers")
-    if not w.timeout_s > 0:
-      fail("reward.timeout_s", w.timeout_s, "must be > 0")
-    calls = w.worker_max_calls
-    if isinstance(calls, bool) or not isinstance(calls, int) or calls < 0:
-      fail("reward.worker_max_calls", calls, "must be an integer >= 0 (0: no limit)")
-    if not (isinstance(w.worker_max_rss_mb, (int, float)) and w.worker_max_rss_mb >= 0):
-      fail("reward.worker_max_rss_mb", w.worker_max_rss_mb, "must be MiB >= 0 (0: no limit)")
-    if not 0 <= w.overlong_buffer <= self.rollout.max_new_tokens:
-      fail(
-        "reward.overlong_buffer",
-        w.overlong_buffer,
-        f"must be 0 (off) or in [1, rollout.max_new_tokens={self.rollout.max_new_tokens}]",
-      )
-    if self.algo.name in PAIRS_ON_CORRECT and (w.fns or w.overlong_buffer):
-      # A comparison with shaping on would treat CAPO and the baselines differently.
-      log.warning(
-        "config.reward.fns=%s / reward.overlong_buffer=%d shape the scalar reward, "
-        "which algo.name=%r does not read (it pairs on `correct`, the checker's "
-        "label): they are logged but change no advantage; the baselines use them "
-        "(docs/rewards.md)",
-        tuple(w.fns),
-        w.overlong_buffer,
-        self.algo.name,
-      )
 
   @property
   def checker(self) -> str:
@@ -334,61 +175,6 @@ class RunSpec:
       worker_max_calls=w.worker_max_calls,
       worker_max_rss_mb=float(w.worker_max_rss_mb),
     )
-
-  def _validate_model(self, policy_given: bool) -> None:
-    """A run loads weights from ``model.hf_path``, or asks for random ones with
-    ``model.random_init``; no weights and no ask is an error naming ``model.hf_path``."""
-    m = self.model
-    if not policy_given and not m.hf_path:
-      if not m.random_init:
-        fail(
-          "model.hf_path",
-          m.hf_path,
-          "no weights to start from: set model.hf_path (a HF checkpoint directory, gs:// "
-          "path or hub id such as Qwen/Qwen2.5-Math-1.5B), or model.random_init=True with "
-          f"model.preset (one of {sorted(PRESETS)}) for random weights",
-        )
-      if m.preset not in PRESETS:
-        fail(
-          "model.preset",
-          m.preset,
-          f"model.random_init=True needs a preset, one of {sorted(PRESETS)}",
-        )
-    if m.hf_path and not policy_given:
-      try:  # a hub id is fetched here (once, into the hub cache): its files are checked next
-        hf_dir = hub.resolve(m.hf_path)
-        # The tokenizer comes from the same directory unless tokenizer_path names another.
-        model_files.check_model_dir(hf_dir, tokenizer=not self.tokenizer_path)
-      except FileNotFoundError as e:
-        fail("model.hf_path", m.hf_path, str(e))
-    self.lora_config()
-
-  def _validate_mesh(self, n: int) -> None:
-    sizes = self.mesh.sizes()
-    fixed = 1
-    for ax, size in sizes.items():
-      if size == 0 or size < -1:
-        fail(f"mesh.{ax}", size, "must be a positive size or -1 (the remaining devices)")
-      fixed *= max(size, 1)
-    if fixed > n or (n % fixed):
-      fail("mesh", sizes, f"the mesh needs a multiple of {fixed} devices; {n} are available")
-    rest = n // fixed  # the -1 axis
-    shards = (rest if sizes["data"] == -1 else sizes["data"]) * (
-      rest if sizes["fsdp"] == -1 else sizes["fsdp"]
-    )
-    rows = self.packing_shape()[1]
-    if rows % shards:
-      # Not an error (it runs), but each chip then computes every row of a micro-batch.
-      log.warning(
-        "config.train: %d model rows per micro-batch / log-prob call are not "
-        "divisible by data x fsdp = %d, so the rows are replicated over it and "
-        "every chip computes all of them; set train.pack_rows (or "
-        "train.micro_batch_size) to a multiple of %d, or move devices to "
-        "mesh.tensor",
-        rows,
-        shards,
-        shards,
-      )
 
   # ------------------------------------------------------- derived settings
 
@@ -416,12 +202,12 @@ class RunSpec:
   def estimator(self) -> algorithms.Estimator:
     """``algo.name``'s advantage estimator, its fields from ``config.algo``."""
     cls = ALGORITHMS[self.algo.name].estimator
-    return _build(cls, _estimator_fields(self.algo).get(cls, {}), "algo")
+    return build(cls, estimator_fields(self.algo).get(cls, {}), "algo")
 
   def policy_loss(self) -> losses.PolicyLoss:
     """``algo.name``'s policy loss, its fields from ``config.loss``."""
     cls = ALGORITHMS[self.algo.name].loss
-    return _build(cls, _loss_fields(self.loss).get(cls, {}), "loss")
+    return build(cls, loss_fields(self.loss).get(cls, {}), "loss")
 
   @property
   def num_updates(self) -> int:
