@@ -41,7 +41,7 @@ from ml_collections import config_flags
 from capo_jax.run import aot
 from capo_jax.run.spec import RunSpec
 from capo_jax.sampling import engine
-from tools import memory_plan, step_estimate
+from tools import memory_terms, step_estimate, tpu_chips
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
 _ACCEL = flags.DEFINE_string("accelerator", None, "TPU slice: v4-32, v5e-16, v5p-64, v6e-16, ...")
@@ -76,7 +76,7 @@ def report(
   resident: dict[str, int],
   trips: step_estimate.Trips,
 ) -> dict:
-  chip = memory_plan.CHIPS[acc.gen]
+  chip = tpu_chips.CHIPS[acc.gen]
   hbm = chip.hbm_gib * GiB
   rows, result = (
     [],
@@ -243,11 +243,11 @@ def estimate(
 
 def plan_terms(c, acc: aot.Accelerator) -> dict[str, float]:
   """memory_plan.py's GiB per chip for this config's mesh, for the side-by-side."""
-  run = memory_plan.Run.from_config(c)
+  run = memory_terms.Run.from_config(c)
   sizes = {ax: c.mesh[ax] for ax in ("data", "fsdp", "tensor")}
   fsdp = sizes["fsdp"] if sizes["fsdp"] > 0 else acc.chips // (sizes["data"] * sizes["tensor"])
   chunks = c.rollout.num_prompts // (c.rollout.prompts_per_call or c.rollout.num_prompts)
-  terms = memory_plan.memory_terms(run, sizes["data"], fsdp, sizes["tensor"], chunks)
+  terms = memory_terms.memory_terms(run, sizes["data"], fsdp, sizes["tensor"], chunks)
   return {k: v / GiB for k, v in terms.items()}
 
 
