@@ -16,8 +16,11 @@ them by what the rollout would do:
   packed first-fit into the run's rows (``packing.first_fit``), give the calls of a
   pass and the micro-batches of each update.
 
-Per program, time = max(FLOPs / peak, bytes / HBM bandwidth) per device, summed over
-its calls: a roofline, no overlap, communication as its HBM traffic only.
+Per program, the time is a range (``tools/aot_tpu.py`` prints both ends): optimistic,
+max(FLOPs / peak, HBM bytes / HBM bandwidth) per device, summed over its calls (the
+whole program one roofline, on-chip traffic free, collectives hidden); honest, each
+operation's own roofline with on-chip, host and inter-chip traffic timed, summed
+(``hlo_cost``'s ``op_honest_s``).
 """
 
 from __future__ import annotations
@@ -110,16 +113,19 @@ def _pad(xs: list[float], n: int) -> np.ndarray:
 
 
 def _add(acc: dict[str, float], cost: dict[str, float], w: float) -> None:
-  for k in ("flops", "bytes", "collective_bytes", "onchip_bytes"):
+  for k in hlo_cost.KEYS:
     acc[k] = acc.get(k, 0.0) + w * cost.get(k, 0.0)
 
 
-def weighted_cost(name: str, text: str, t: Trips) -> dict[str, float]:
+def weighted_cost(
+  name: str, text: str, t: Trips, rates: hlo_cost.Rates | None = None
+) -> dict[str, float]:
   """Per-device FLOPs, bytes and collective bytes of one call of program ``name`` with its
   unbounded loops at their expected trips; for decode also ``step_bytes`` (HBM bytes of
   one step of the first loop, its blocks included), ``step_onchip_bytes`` (what that step
-  moves on chip, ``hlo_cost``) and ``blocks_per_step``."""
-  rest, loops = hlo_cost.loop_tree(text)
+  moves on chip, ``hlo_cost``) and ``blocks_per_step``. ``rates``: also the
+  per-operation roofline sums (``hlo_cost.hlo_cost``)."""
+  rest, loops = hlo_cost.loop_tree(text, rates)
   out: dict[str, float] = {}
   _add(out, rest, 1.0)
   if name == "decode":

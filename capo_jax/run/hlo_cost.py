@@ -19,13 +19,24 @@ What is counted, per device (the SPMD program):
          nothing (tuples, bitcasts, parameters); an operand a fusion only slices or
          gathers from costs what is sliced or gathered, and a buffer updated in place
          (dynamic-update-slice, scatter: the loop-carried KV cache) costs the update;
-         only arrays in HBM (memory space 0) count: the TPU compiler places some
-         buffers on chip (``S(n)`` in their layout: VMEM, and on v4 the 128 MiB CMEM,
-         which holds e.g. a KV block it cut out of the cache for two dots, or a layer's
-         weights across the decode loop), and what moves there is ``onchip_bytes``,
-         reported but not timed (its bandwidth is higher and not published); the
-         asynchronous copies that fill and drain those buffers (copy-start,
-         slice-start) count on both sides.
+         split by where the array lives (``hlo_text.space_class``): ``bytes`` in
+         HBM (memory space 0); ``onchip_bytes`` in the buffers the TPU compiler
+         places on chip (``S(n)`` in their layout: VMEM, and on v4 the 128 MiB CMEM,
+         which holds e.g. a KV block it cut out of the cache for two dots, or a
+         layer's weights across the decode loop); ``host_bytes`` in the host's
+         memory (``S(5)``, offloaded buffers, moved over PCIe). The asynchronous
+         copies between spaces (copy-start, slice-start) count on both sides;
+  collectives  ``collective_bytes``, each collective's result (the older count),
+         and ``ici_bytes``, what one device sends over the inter-chip links by the
+         ring algorithms (``_ici_bytes``), like for like across kinds.
+
+The cost model (``times``; rates per chip from ``Rates``): the per-program roofline
+max(FLOP time, HBM time) beside the per-operation one, each instruction outside fusions
+(a fusion with the matmuls inside it) timed by its own bound and the times summed:
+``op_s`` = sum of max(FLOP time, HBM time), on-chip traffic free and collectives hidden
+(the optimistic end); ``op_honest_s`` = sum of max(FLOP time, HBM + on-chip + host time,
+inter-chip time), on-chip traffic at the assumed bandwidth and nothing overlapped (the
+honest end). On-chip time alone is the range [0, ``onchip_bytes`` / on-chip rate].
 With ``trip_counts=False`` each body counts once, XLA's usual convention: the
 matmul FLOPs then come within ~10% under ``cost_analysis()`` (which adds the
 elementwise work). XLA's own figures are not used for totals because, for the
