@@ -167,7 +167,8 @@ def test_host_memory_space_is_host_traffic_not_on_chip():
 
 
 # One collective of each kind, per device: groups of 4 (a list), of 4 (the iota form),
-# of all 8 partitions (empty groups) and a permute.
+# of all 8 partitions (empty groups), a permute, and one over the mesh axis "b" of 2
+# (the mesh form libtpu prints).
 _COLLECTIVES = """HloModule m, num_partitions=8
 
 %add (x: f32[], y: f32[]) -> f32[] {
@@ -182,7 +183,8 @@ ENTRY %main (w: bf16[128,8], g: f32[64]) -> f32[64] {
   %ag = bf16[512,8]{1,0} all-gather(%w), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
   %rs = f32[16]{0} reduce-scatter(%g), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
   %ar = f32[64]{0} all-reduce(%g), channel_id=3, replica_groups={}, to_apply=%add
-  ROOT %cp = f32[64]{0} collective-permute(%ar), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  %cp = f32[64]{0} collective-permute(%ar), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  ROOT %ag2 = f32[128]{0} all-gather(%cp), channel_id=5, replica_groups=mesh['a'=4,'b'=2] {'b'}, dimensions={0}
 }
 """  # noqa: E501  (HLO lines as the compiler prints them)
 
@@ -196,12 +198,13 @@ def test_collectives_are_timed_by_the_bytes_each_chip_sends():
     "reduce-scatter": GRAD * 3 / 4,
     "all-reduce": 2 * GRAD * 7 / 8,  # reduce-scatter + all-gather over all 8
     "collective-permute": GRAD,
+    "all-gather over b": GRAD,  # the other half comes in, its own goes out once
   }
   assert cost["ici_bytes"] == sum(sent.values())
   assert hlo_cost.times(cost, RATES)["ici_s"] == sum(sent.values()) / RATES.ici
   # The older count, each collective's result: the all-gather whole, the
   # reduce-scatter by its shard.
-  assert cost["collective_bytes"] == 4 * WEIGHT + GRAD / 4 + GRAD + GRAD
+  assert cost["collective_bytes"] == 4 * WEIGHT + GRAD / 4 + GRAD + GRAD + 2 * GRAD
   # Honest, op by op, a collective takes the longer of its HBM traffic and its sending
   # (here always the sending); the optimistic end counts only the HBM side.
   hbm = {
@@ -209,6 +212,7 @@ def test_collectives_are_timed_by_the_bytes_each_chip_sends():
     "reduce-scatter": GRAD + GRAD / 4,
     "all-reduce": 2 * GRAD,
     "collective-permute": 2 * GRAD,
+    "all-gather over b": GRAD + 2 * GRAD,
   }
   assert cost["op_s"] == sum(hbm.values())
   assert cost["op_honest_s"] == sum(max(hbm[k], sent[k] / RATES.ici) for k in sent)

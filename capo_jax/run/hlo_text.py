@@ -135,8 +135,13 @@ def operands(rest: str) -> list[str]:
 
 def group_size(ins: Instr, devices: int) -> int:
   """Devices in each group a collective runs over: ``replica_groups={{0,1},{2,3}}``
-  (explicit lists), ``replica_groups=[G,N]<=[...]`` (the iota form: G groups of N), or
-  every one of ``devices`` when the groups are empty."""
+  (explicit lists), ``replica_groups=[G,N]<=[...]`` (the iota form: G groups of N),
+  ``replica_groups=mesh['a'=2,'b'=8] {'b'}`` (the mesh form: the named axes' sizes
+  multiplied), or every one of ``devices`` when the groups are empty."""
+  m = re.search(r"replica_groups=mesh\[([^\]]*)\] \{([^}]*)\}", ins.rest)
+  if m:
+    sizes = {k: int(v) for k, v in re.findall(r"'([^']+)'=(\d+)", m[1])}
+    return math.prod(sizes[k] for k in re.findall(r"'([^']+)'", m[2]))
   m = re.search(r"replica_groups=\[(\d+),(\d+)\]<=", ins.rest)
   if m:
     return int(m[2])
