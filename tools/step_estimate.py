@@ -9,7 +9,7 @@ them by what the rollout would do:
 
 * decode: the scheduler simulation (``tools.rollout_sim.simulate``) of one
   sampler call's rows at the length model (lognormal median 550, sigma 0.7,
-  per-prompt sigma 0.4, ``--trunc`` of the samples at the cap) gives each phase's
+  per-prompt sigma 0.4, ``--trunc`` of the samples forced to the cap) gives each phase's
   steps and KV blocks read (the block loops' trip counts, summed); each row is
   copied into a slot once (the refill loop).
 * log-prob passes and train step: the same lengths plus ``prompt_tokens`` a prompt,
