@@ -64,6 +64,12 @@ _JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON fil
 _DUMP = flags.DEFINE_string(
   "dump_hlo", "", "Write each compiled program's HLO text to this directory (<program>.hlo.txt)."
 )
+_FROM_HLO = flags.DEFINE_string(
+  "from_hlo",
+  "",
+  "Estimate the step from the HLO a --dump_hlo run wrote to this directory, compiling "
+  "nothing (no memory table).",
+)
 flags.mark_flags_as_required(["config", "accelerator"])
 
 GiB = 1024**3
@@ -217,8 +223,8 @@ def estimate(
     ["step"] + [""] * 11 + [f"{sums[k]:.1f}" for k in ("program_s", "op_s", "op_honest_s")]
   )
   widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
-  for r in rows:
-    print("  " + _row(r, widths))
+  for cells in rows:
+    print("  " + _row(cells, widths))
   out["step_s"], out["step_honest_s"] = sums["program_s"], sums["op_honest_s"]
   out["step_op_s"] = sums["op_s"]
   out["collective_gb_per_update"] = sums["coll"] / 1e9 / spec.updates_per_step
@@ -296,6 +302,29 @@ def plan_terms(c, acc: aot.Accelerator) -> dict[str, float]:
   return {k: v / GiB for k, v in terms.items()}
 
 
+@dataclasses.dataclass
+class _Text:
+  """A dumped program's HLO text where ``estimate`` reads a compiled program's."""
+
+  text: str
+
+  def as_text(self) -> str:
+    return self.text
+
+
+def _dumped(folder: str) -> list[aot.Compiled]:
+  """The programs a ``--dump_hlo`` run wrote, in the step's order."""
+  names = ("prefill", "decode", "logprobs", "logprobs_ref", "train")
+  paths = {n: os.path.join(folder, f"{n}.hlo.txt") for n in names}
+  if not any(os.path.exists(p) for p in paths.values()):
+    raise app.UsageError(f"--from_hlo: no <program>.hlo.txt in {folder}")
+  return [
+    aot.Compiled(n, _Text(open(p).read()), 0.0, 0, (), 0)
+    for n, p in paths.items()
+    if os.path.exists(p)
+  ]
+
+
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
@@ -311,7 +340,12 @@ def main(argv: list[str]) -> None:
     f"C={c.rollout.max_new_tokens}",
     flush=True,
   )
-  progs = aot.compile_step(spec, mesh, only=tuple(_ONLY.value), log=lambda s: print(s, flush=True))
+  if _FROM_HLO.value:
+    progs = _dumped(_FROM_HLO.value)
+  else:
+    progs = aot.compile_step(
+      spec, mesh, only=tuple(_ONLY.value), log=lambda s: print(s, flush=True)
+    )
   if _DUMP.value:
     os.makedirs(_DUMP.value, exist_ok=True)
     for p in progs:
@@ -327,7 +361,12 @@ def main(argv: list[str]) -> None:
     spec.updates_per_step,
     step_estimate.Lengths(_PROMPT_TOKENS.value, _TRUNC.value),
   )
-  result = report(spec, mesh, acc, progs, aot.resident_bytes(spec, mesh), trips)
+  resident = aot.resident_bytes(spec, mesh)
+  if _FROM_HLO.value:
+    result = {"accelerator": acc.name, "from_hlo": _FROM_HLO.value}
+    result.update(estimate(spec, mesh, tpu_chips.CHIPS[acc.gen], progs, resident, trips))
+  else:
+    result = report(spec, mesh, acc, progs, resident, trips)
   result["mesh"] = dict(mesh.shape)
   result["shapes"] = dataclasses.asdict(aot.Shapes.from_spec(spec))
   if c.model.preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):
