@@ -98,3 +98,121 @@ def test_an_async_prefetch_reads_hbm_once_and_writes_on_chip():
   # result written to HBM; copy-done moves nothing of its own.
   assert cost["bytes"] == WEIGHT + WEIGHT
   assert cost["onchip_bytes"] == WEIGHT + WEIGHT
+
+
+# Rates of 1 FLOP / byte a second make a time equal to its count: on chip 2 bytes/s
+# (the estimate's 2x HBM), host 0.5, ICI 0.25.
+RATES = hlo_cost.Rates(flops=1.0, hbm=1.0, onchip=2.0, host=0.5, ici=0.25)
+
+# A compute-bound dot and a memory-bound negate, both on HBM.
+_DOT_THEN_NEGATE = """HloModule m
+
+ENTRY %main (a: bf16[4,128], b: bf16[128,8], w: bf16[128,8]) -> (f32[4,8], bf16[128,8]) {
+  %a = bf16[4,128]{1,0} parameter(0)
+  %b = bf16[128,8]{1,0} parameter(1)
+  %w = bf16[128,8]{1,0} parameter(2)
+  %d = f32[4,8]{1,0} dot(%a, %b), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+  %n = bf16[128,8]{1,0} negate(%w)
+  ROOT %t = (f32[4,8]{1,0}, bf16[128,8]{1,0}) tuple(%d, %n)
+}
+"""
+
+
+def test_per_operation_roofline_sums_each_operations_bound():
+  cost = hlo_cost.hlo_cost(_DOT_THEN_NEGATE, rates=RATES)
+  t = hlo_cost.times(cost, RATES)
+  flops = 2 * 4 * 8 * 128  # 8,192: the dot's bound (its bytes: 1,024 + 2,048 + 128)
+  assert t["flop_s"] == flops and t["hbm_s"] == BLOCK + WEIGHT + OUT + 2 * WEIGHT
+  # The program as a whole: max(8,192, 7,296); op by op: the dot's FLOPs, then the
+  # negate's 4,096 bytes, which the whole-program roofline hid under the FLOPs.
+  assert t["program_s"] == flops
+  assert t["op_s"] == t["op_honest_s"] == flops + 2 * WEIGHT
+
+
+def test_on_chip_traffic_is_a_range_from_free_to_its_assumed_bandwidth():
+  cost = hlo_cost.hlo_cost(_SLICE_THEN_DOT, rates=RATES)
+  t = hlo_cost.times(cost, RATES)
+  assert t["onchip_s"] == 2 * BLOCK / RATES.onchip  # the top of [0, bytes / on-chip rate]
+  flops = 2 * 4 * 8 * 128
+  # Optimistic, op by op: the slice's HBM read, then the dot's FLOPs.
+  assert cost["op_s"] == BLOCK + flops
+  # Honest: the slice also writes the block on chip (1,024 / 2); the dot stays
+  # compute-bound (2,176 HBM + 1,024 / 2 on chip < 8,192).
+  assert cost["op_honest_s"] == BLOCK + BLOCK / 2 + flops
+
+
+# A weight offloaded to the host's memory (space 5) and brought back.
+_HOST_OFFLOAD = """HloModule m
+
+ENTRY %main (p0: bf16[128,8]) -> bf16[128,8] {
+  %p0 = bf16[128,8]{1,0:T(8,128)(2,1)} parameter(0)
+  %cs = (bf16[128,8]{1,0:T(8,128)(2,1)S(5)}, bf16[128,8]{1,0:T(8,128)(2,1)}, u32[]{:S(2)}) copy-start(%p0)
+  %cd = bf16[128,8]{1,0:T(8,128)(2,1)S(5)} copy-done(%cs)
+  %back = (bf16[128,8]{1,0:T(8,128)(2,1)}, bf16[128,8]{1,0:T(8,128)(2,1)S(5)}, u32[]{:S(2)}) copy-start(%cd)
+  ROOT %bd = bf16[128,8]{1,0:T(8,128)(2,1)} copy-done(%back)
+}
+"""  # noqa: E501  (HLO lines as the compiler prints them)
+
+
+def test_host_memory_space_is_host_traffic_not_on_chip():
+  cost = hlo_cost.hlo_cost(_HOST_OFFLOAD, rates=RATES)
+  # Out: read from HBM, written to the host; back: read from the host, written to HBM.
+  assert cost["bytes"] == 2 * WEIGHT
+  assert cost["host_bytes"] == 2 * WEIGHT
+  assert cost["onchip_bytes"] == 0
+  assert hlo_cost.times(cost, RATES)["host_s"] == 2 * WEIGHT / RATES.host
+  # Each copy: its HBM side, then its host side over PCIe.
+  assert cost["op_honest_s"] == 2 * (WEIGHT + WEIGHT / RATES.host)
+  assert cost["op_s"] == 2 * WEIGHT  # the optimistic end leaves the host link out
+
+
+# One collective of each kind, per device: groups of 4 (a list), of 4 (the iota form),
+# of all 8 partitions (empty groups), a permute, and one over the mesh axis "b" of 2
+# (the mesh form libtpu prints).
+_COLLECTIVES = """HloModule m, num_partitions=8
+
+%add (x: f32[], y: f32[]) -> f32[] {
+  %x = f32[] parameter(0)
+  %y = f32[] parameter(1)
+  ROOT %s = f32[] add(%x, %y)
+}
+
+ENTRY %main (w: bf16[128,8], g: f32[64]) -> f32[64] {
+  %w = bf16[128,8]{1,0} parameter(0)
+  %g = f32[64]{0} parameter(1)
+  %ag = bf16[512,8]{1,0} all-gather(%w), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, dimensions={0}
+  %rs = f32[16]{0} reduce-scatter(%g), channel_id=2, replica_groups=[2,4]<=[8], dimensions={0}, to_apply=%add
+  %ar = f32[64]{0} all-reduce(%g), channel_id=3, replica_groups={}, to_apply=%add
+  %cp = f32[64]{0} collective-permute(%ar), channel_id=4, source_target_pairs={{0,1},{1,0}}
+  ROOT %ag2 = f32[128]{0} all-gather(%cp), channel_id=5, replica_groups=mesh['a'=4,'b'=2] {'b'}, dimensions={0}
+}
+"""  # noqa: E501  (HLO lines as the compiler prints them)
+
+GRAD = 64 * 4  # f32 [64]
+
+
+def test_collectives_are_timed_by_the_bytes_each_chip_sends():
+  cost = hlo_cost.hlo_cost(_COLLECTIVES, rates=RATES)
+  sent = {
+    "all-gather": 3 * WEIGHT,  # the 3 other shards of its group come in, its own goes out 3x
+    "reduce-scatter": GRAD * 3 / 4,
+    "all-reduce": 2 * GRAD * 7 / 8,  # reduce-scatter + all-gather over all 8
+    "collective-permute": GRAD,
+    "all-gather over b": GRAD,  # the other half comes in, its own goes out once
+  }
+  assert cost["ici_bytes"] == sum(sent.values())
+  assert hlo_cost.times(cost, RATES)["ici_s"] == sum(sent.values()) / RATES.ici
+  # The older count, each collective's result: the all-gather whole, the
+  # reduce-scatter by its shard.
+  assert cost["collective_bytes"] == 4 * WEIGHT + GRAD / 4 + GRAD + GRAD + 2 * GRAD
+  # Honest, op by op, a collective takes the longer of its HBM traffic and its sending
+  # (here always the sending); the optimistic end counts only the HBM side.
+  hbm = {
+    "all-gather": WEIGHT + 4 * WEIGHT,
+    "reduce-scatter": GRAD + GRAD / 4,
+    "all-reduce": 2 * GRAD,
+    "collective-permute": 2 * GRAD,
+    "all-gather over b": GRAD + 2 * GRAD,
+  }
+  assert cost["op_s"] == sum(hbm.values())
+  assert cost["op_honest_s"] == sum(max(hbm[k], sent[k] / RATES.ici) for k in sent)

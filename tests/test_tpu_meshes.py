@@ -20,6 +20,8 @@ import sys
 
 import pytest
 
+from tools import memory_terms, tpu_chips
+
 REPO = pathlib.Path(__file__).resolve().parents[1]
 MODELS = ("1.5B", "7B")
 # Chips by hand: v4-N and v5p-N count TensorCores (2 per chip), v5e-N counts chips.
@@ -224,7 +226,7 @@ def test_lockstep_rollout_seconds_by_hand():
   # The old sampler: every one of the 1024 rows reads all 1024 + 3072 columns for
   # as many steps as the longest row (3072: the length model truncates some).
   run = mp.load_run("1.5B")
-  chip = mp.CHIPS["v5e"]
+  chip = tpu_chips.CHIPS["v5e"]
   got = mp.rollout_seconds(run, chip, fsdp=16, tensor=1, chunks=1, slots=0, read="kv_read_full")
   steps, rows, kv = 3072, 1024 // 16, 28672
   weights = 2 * mp.param_counts(run.model)[0]
@@ -315,4 +317,4 @@ def test_reference_copy_only_when_the_mask_or_kl_needs_it(name, mask, beta, expe
 
   c = common.get_base_config()  # the trainer's rule reads a whole (validated) run config
   c.algo.name, c.algo.mask, c.loss.beta = name, mask, beta
-  assert mp._uses_reference(c) is expected
+  assert memory_terms._uses_reference(c) is expected

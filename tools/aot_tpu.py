@@ -14,17 +14,19 @@ reference, sampler weights), the total against the chip's HBM, and the FLOPs
 and bytes of XLA's cost analysis with loop bodies counted per iteration
 (``capo_jax.run.hlo_cost``). ``--check`` exits 1 when a program does not fit.
 
-Then a roofline estimate of the step (``tools/step_estimate.py``): per program
-max(FLOPs / peak bfloat16 FLOP/s, bytes / HBM bandwidth) per device with every loop
-at its own trip count: the engine's decode loops by the scheduler simulation at the
-README's length model (``--trunc`` at the cap), the log-prob calls and micro-batches
-by packing those lengths plus ``--prompt_tokens`` a prompt; the HBM-time / FLOP-time
-ratio and collectives per program, collectives per update, and how much a decode
-step reads against the weights plus the filled KV blocks. Communication beyond its
-HBM traffic, host work (grading) and overlap are left out: an estimate, not a
-measurement.
+Then the step estimate (``tools/step_estimate.py``), every loop at its own trip count:
+the engine's decode loops by the scheduler simulation at the README's length model
+(``--trunc`` forced to the cap), the log-prob calls and micro-batches by packing those
+lengths plus ``--prompt_tokens`` a prompt. Per program and device (``hlo_cost``'s cost
+model, the chip's rates from ``tools/tpu_chips.py``): FLOP time, HBM time, on-chip time as
+a range (free .. at the assumed on-chip bandwidth), host and inter-chip (ICI) time, the
+per-program roofline max(FLOP, HBM time) beside the per-operation one summed, and the
+honest per-operation sum (every traffic timed, nothing overlapped); the step as
+optimistic .. honest; collectives per update at the length model and at full lengths;
+how much a decode step reads against the weights plus the filled KV blocks. Host work
+(grading) is left out: an estimate, not a measurement.
 
-Peer: ``memory_plan.py``'s terms for the same mesh, printed alongside.
+Peer: ``memory_terms.py``'s terms for the same mesh, printed alongside.
 """
 
 from __future__ import annotations
@@ -38,10 +40,10 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-from capo_jax.run import aot
+from capo_jax.run import aot, hlo_cost
 from capo_jax.run.spec import RunSpec
 from capo_jax.sampling import engine
-from tools import memory_plan, step_estimate
+from tools import memory_terms, step_estimate, tpu_chips
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
 _ACCEL = flags.DEFINE_string("accelerator", None, "TPU slice: v4-32, v5e-16, v5p-64, v6e-16, ...")
@@ -53,11 +55,20 @@ _PROMPT_TOKENS = flags.DEFINE_integer(
   "prompt_tokens", 200, "Prompt tokens per question in the packing estimate."
 )
 _TRUNC = flags.DEFINE_float(
-  "trunc", 0.045, "Fraction of samples at max_new_tokens in the length model."
+  "trunc",
+  0.045,
+  "Fraction of samples forced to max_new_tokens in the length model (the lognormal's "
+  "tail clips more there: 6.1% at the cap in all at 0.045).",
 )
 _JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
 _DUMP = flags.DEFINE_string(
   "dump_hlo", "", "Write each compiled program's HLO text to this directory (<program>.hlo.txt)."
+)
+_FROM_HLO = flags.DEFINE_string(
+  "from_hlo",
+  "",
+  "Estimate the step from the HLO a --dump_hlo run wrote to this directory, compiling "
+  "nothing (no memory table).",
 )
 flags.mark_flags_as_required(["config", "accelerator"])
 
@@ -76,7 +87,7 @@ def report(
   resident: dict[str, int],
   trips: step_estimate.Trips,
 ) -> dict:
-  chip = memory_plan.CHIPS[acc.gen]
+  chip = tpu_chips.CHIPS[acc.gen]
   hbm = chip.hbm_gib * GiB
   rows, result = (
     [],
@@ -168,45 +179,70 @@ def estimate(
     "logprobs_ref": t.logprob_calls,
     "train": spec.updates_per_step,
   }
-  seconds = lambda c: max(
-    c["flops"] / (chip.bf16_tflops * 1e12),  # noqa: E731
-    c["bytes"] / (chip.hbm_gb_s * 1e9),
-  )
-  out: dict[str, Any] = {"trips": dataclasses.asdict(t), "estimate": {}}
+  rates = tpu_chips.rates(chip)
+  out: dict[str, Any] = {"trips": dataclasses.asdict(t), "estimate": {}, "rates": vars(rates)}
   print(
-    f"step estimate (roofline; {chip.bf16_tflops:g} bf16 TFLOP/s, {chip.hbm_gb_s:g} GB/s HBM "
-    f"per chip), loops at the length model: decode steps per loop "
+    "step estimate per chip, loops at the length model: decode steps per loop "
     + "/".join(f"{x:.0f}" for x in t.phase_steps)
-    + f" per call, {t.microbatches:.1f} "
-    f"micro-batches an update, {t.logprob_calls:.1f} log-prob calls a pass, packed rows "
-    f"{t.real_token_fraction:.0%} real tokens:"
+    + f" per call, {t.microbatches:.1f} micro-batches an update, {t.logprob_calls:.1f} "
+    f"log-prob calls a pass, packed rows {t.real_token_fraction:.0%} real tokens. Rates: "
+    f"{chip.bf16_tflops:g} bf16 TFLOP/s, HBM {chip.hbm_gb_s:g} GB/s, on chip "
+    f"{tpu_chips.ONCHIP_OVER_HBM:g}x HBM (assumed), host {chip.host_gb_s:g} GB/s, ICI "
+    f"{tpu_chips.ICI_LINKS_USED} x {chip.ici_link_gb_s:g} GB/s (a ring on one axis of "
+    f"the {chip.ici_links}-link {chip.topology}); seconds per step:"
   )
-  print(
-    f"  {'program':13s} {'calls':>6s} {'TFLOP':>8s} {'GB':>8s} {'HBM/FLOP':>9s} "
-    f"{'coll GB/step':>12s} {'seconds':>8s}  bound"
-  )
-  total, coll = 0.0, 0.0
+  head = ["program", "calls", "TFLOP", "HBM GB", "chip GB", "host GB", "ICI GB"]
+  head += ["FLOP s", "HBM s", "on-chip s", "host s", "ICI s", "program", "per-op", "honest"]
+  rows, sums = [head], dict.fromkeys(("program_s", "op_s", "op_honest_s", "coll", "ici"), 0.0)
   for p in progs:
     if p.compiled is None:
-      print(f"  {p.name:13s} (not compiled)")
+      print(f"  {p.name}: not compiled")
       continue
-    c = step_estimate.weighted_cost(p.name, p.compiled.as_text(), t)
+    c = step_estimate.weighted_cost(p.name, p.compiled.as_text(), t, rates)
     n = calls[p.name]
-    secs = seconds(c) * n
-    t_flops, t_bytes = c["flops"] / (chip.bf16_tflops * 1e12), c["bytes"] / (chip.hbm_gb_s * 1e9)
-    total, coll = total + secs, coll + c["collective_bytes"] * n
+    secs = {k: v * n for k, v in hlo_cost.times(c, rates).items()}
+    for k in ("program_s", "op_s", "op_honest_s"):
+      sums[k] += secs[k]
+    sums["coll"] += c["collective_bytes"] * n
+    sums["ici"] += c["ici_bytes"] * n
     out["estimate"][p.name] = dict(
-      c, calls=n, seconds=secs, hbm_over_flop_time=t_bytes / t_flops if t_flops else None
+      c,
+      calls=n,
+      seconds=secs["program_s"],
+      times=secs,
+      hbm_over_flop_time=secs["hbm_s"] / secs["flop_s"] if secs["flop_s"] else None,
     )
-    print(
-      f"  {p.name:13s} {n:6.1f} {c['flops'] / 1e12:8.2f} {c['bytes'] / 1e9:8.1f} "
-      f"{(t_bytes / t_flops if t_flops else float('inf')):8.2f}x "
-      f"{c['collective_bytes'] * n / 1e9:12.1f} {secs:8.1f}  "
-      f"{'compute' if t_flops > t_bytes else 'HBM'}"
+    gb = [c[k] * n / 1e9 for k in ("bytes", "onchip_bytes", "host_bytes", "ici_bytes")]
+    rows.append(
+      [p.name, f"{n:.1f}", f"{c['flops'] * n / 1e12:.1f}", *(f"{x:.1f}" for x in gb)]
+      + [f"{secs[k]:.2f}" for k in ("flop_s", "hbm_s")]
+      + [f"0..{secs['onchip_s']:.2f}"]
+      + [f"{secs[k]:.2f}" for k in ("host_s", "ici_s", "program_s", "op_s", "op_honest_s")]
     )
-  print(f"  {'step':13s} {'':6s} {'':8s} {'':8s} {'':9s} {coll / 1e9:12.1f} {total:8.1f}")
-  out["step_s"], out["collective_gb_per_update"] = total, coll / 1e9 / spec.updates_per_step
-  print(f"  collectives per update and chip: {coll / 1e12 / spec.updates_per_step:.2f} TB")
+  rows.append(
+    ["step"] + [""] * 11 + [f"{sums[k]:.1f}" for k in ("program_s", "op_s", "op_honest_s")]
+  )
+  widths = [max(len(r[i]) for r in rows) for i in range(len(head))]
+  for cells in rows:
+    print("  " + _row(cells, widths))
+  out["step_s"], out["step_honest_s"] = sums["program_s"], sums["op_honest_s"]
+  out["step_op_s"] = sums["op_s"]
+  out["collective_gb_per_update"] = sums["coll"] / 1e9 / spec.updates_per_step
+  out["ici_gb_per_step"] = sums["ici"] / 1e9
+  print(
+    f"  step {sums['program_s']:.1f} .. {sums['op_honest_s']:.1f} s: optimistic (each program "
+    "one roofline of FLOPs and HBM) .. honest (each operation its own, on-chip traffic at "
+    "the assumed bandwidth, host and inter-chip traffic timed, nothing overlapped)"
+  )
+  full = _full_length_collectives(progs, t, calls, aot.Shapes.from_spec(spec))
+  out["collective_gb_per_update_full_lengths"] = full / 1e9 / spec.updates_per_step
+  print(
+    f"  collectives per update and chip (results, the older count): "
+    f"{out['collective_gb_per_update'] / 1e3:.2f} TB at the length model; log-prob passes "
+    f"and train at full lengths (every sequence at its longest, as the 1452f23 comparison "
+    f"counted): {out['collective_gb_per_update_full_lengths'] / 1e3:.2f} TB; sent over ICI "
+    f"per step: {out['ici_gb_per_step'] / 1e3:.2f} TB"
+  )
   dec = out["estimate"].get("decode")
   if dec:
     cfg = spec.model_config()
@@ -233,22 +269,60 @@ def estimate(
       f"refill copy moves {dec['refill_bytes'] / 1e9:.2f} GB "
       f"({dec['refill_collective_bytes'] / 1e9:.2f} GB of it collectives)"
     )
-  flop_s = sum(v["flops"] * v["calls"] for v in out["estimate"].values()) / (
-    chip.bf16_tflops * 1e12
-  )
+  flop_s = sum(v["times"]["flop_s"] for v in out["estimate"].values())
   out["flop_s"] = flop_s
   print(f"  FLOP time alone: {flop_s:.1f} s. An estimate, not a measurement.")
   return out
 
 
+def _full_length_collectives(
+  progs: list[aot.Compiled], t: step_estimate.Trips, calls: dict[str, float], sh: aot.Shapes
+) -> float:
+  """Collective bytes (results) per step of the log-prob passes and the train updates
+  with every sequence at its longest: the calls and micro-batches of ``sh`` (upper
+  bounds) in place of the length model's."""
+  full = dataclasses.replace(t, logprob_calls=sh.logprob_calls, microbatches=sh.microbatches)
+  total = 0.0
+  for p in progs:
+    if p.compiled is not None and p.name in ("logprobs", "logprobs_ref", "train"):
+      n = sh.logprob_calls if p.name != "train" else calls["train"]
+      total += (
+        step_estimate.weighted_cost(p.name, p.compiled.as_text(), full)["collective_bytes"] * n
+      )
+  return total
+
+
 def plan_terms(c, acc: aot.Accelerator) -> dict[str, float]:
   """memory_plan.py's GiB per chip for this config's mesh, for the side-by-side."""
-  run = memory_plan.Run.from_config(c)
+  run = memory_terms.Run.from_config(c)
   sizes = {ax: c.mesh[ax] for ax in ("data", "fsdp", "tensor")}
   fsdp = sizes["fsdp"] if sizes["fsdp"] > 0 else acc.chips // (sizes["data"] * sizes["tensor"])
   chunks = c.rollout.num_prompts // (c.rollout.prompts_per_call or c.rollout.num_prompts)
-  terms = memory_plan.memory_terms(run, sizes["data"], fsdp, sizes["tensor"], chunks)
+  terms = memory_terms.memory_terms(run, sizes["data"], fsdp, sizes["tensor"], chunks)
   return {k: v / GiB for k, v in terms.items()}
+
+
+@dataclasses.dataclass
+class _Text:
+  """A dumped program's HLO text where ``estimate`` reads a compiled program's."""
+
+  text: str
+
+  def as_text(self) -> str:
+    return self.text
+
+
+def _dumped(folder: str) -> list[aot.Compiled]:
+  """The programs a ``--dump_hlo`` run wrote, in the step's order."""
+  names = ("prefill", "decode", "logprobs", "logprobs_ref", "train")
+  paths = {n: os.path.join(folder, f"{n}.hlo.txt") for n in names}
+  if not any(os.path.exists(p) for p in paths.values()):
+    raise app.UsageError(f"--from_hlo: no <program>.hlo.txt in {folder}")
+  return [
+    aot.Compiled(n, _Text(open(p).read()), 0.0, 0, (), 0)
+    for n, p in paths.items()
+    if os.path.exists(p)
+  ]
 
 
 def main(argv: list[str]) -> None:
@@ -266,7 +340,12 @@ def main(argv: list[str]) -> None:
     f"C={c.rollout.max_new_tokens}",
     flush=True,
   )
-  progs = aot.compile_step(spec, mesh, only=tuple(_ONLY.value), log=lambda s: print(s, flush=True))
+  if _FROM_HLO.value:
+    progs = _dumped(_FROM_HLO.value)
+  else:
+    progs = aot.compile_step(
+      spec, mesh, only=tuple(_ONLY.value), log=lambda s: print(s, flush=True)
+    )
   if _DUMP.value:
     os.makedirs(_DUMP.value, exist_ok=True)
     for p in progs:
@@ -282,7 +361,12 @@ def main(argv: list[str]) -> None:
     spec.updates_per_step,
     step_estimate.Lengths(_PROMPT_TOKENS.value, _TRUNC.value),
   )
-  result = report(spec, mesh, acc, progs, aot.resident_bytes(spec, mesh), trips)
+  resident = aot.resident_bytes(spec, mesh)
+  if _FROM_HLO.value:
+    result = {"accelerator": acc.name, "from_hlo": _FROM_HLO.value}
+    result.update(estimate(spec, mesh, tpu_chips.CHIPS[acc.gen], progs, resident, trips))
+  else:
+    result = report(spec, mesh, acc, progs, resident, trips)
   result["mesh"] = dict(mesh.shape)
   result["shapes"] = dataclasses.asdict(aot.Shapes.from_spec(spec))
   if c.model.preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):

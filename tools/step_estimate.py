@@ -9,15 +9,18 @@ them by what the rollout would do:
 
 * decode: the scheduler simulation (``tools.rollout_sim.simulate``) of one
   sampler call's rows at the length model (lognormal median 550, sigma 0.7,
-  per-prompt sigma 0.4, ``--trunc`` of the samples at the cap) gives each phase's
+  per-prompt sigma 0.4, ``--trunc`` of the samples forced to the cap) gives each phase's
   steps and KV blocks read (the block loops' trip counts, summed); each row is
   copied into a slot once (the refill loop).
 * log-prob passes and train step: the same lengths plus ``prompt_tokens`` a prompt,
   packed first-fit into the run's rows (``packing.first_fit``), give the calls of a
   pass and the micro-batches of each update.
 
-Per program, time = max(FLOPs / peak, bytes / HBM bandwidth) per device, summed over
-its calls: a roofline, no overlap, communication as its HBM traffic only.
+Per program, the time is a range (``tools/aot_tpu.py`` prints both ends): optimistic,
+max(FLOPs / peak, HBM bytes / HBM bandwidth) per device, summed over its calls (the
+whole program one roofline, on-chip traffic free, collectives hidden); honest, each
+operation's own roofline with on-chip, host and inter-chip traffic timed, summed
+(``hlo_cost``'s ``op_honest_s``).
 """
 
 from __future__ import annotations
@@ -110,16 +113,19 @@ def _pad(xs: list[float], n: int) -> np.ndarray:
 
 
 def _add(acc: dict[str, float], cost: dict[str, float], w: float) -> None:
-  for k in ("flops", "bytes", "collective_bytes", "onchip_bytes"):
+  for k in hlo_cost.KEYS:
     acc[k] = acc.get(k, 0.0) + w * cost.get(k, 0.0)
 
 
-def weighted_cost(name: str, text: str, t: Trips) -> dict[str, float]:
+def weighted_cost(
+  name: str, text: str, t: Trips, rates: hlo_cost.Rates | None = None
+) -> dict[str, float]:
   """Per-device FLOPs, bytes and collective bytes of one call of program ``name`` with its
   unbounded loops at their expected trips; for decode also ``step_bytes`` (HBM bytes of
   one step of the first loop, its blocks included), ``step_onchip_bytes`` (what that step
-  moves on chip, ``hlo_cost``) and ``blocks_per_step``."""
-  rest, loops = hlo_cost.loop_tree(text)
+  moves on chip, ``hlo_cost``) and ``blocks_per_step``. ``rates``: also the
+  per-operation roofline sums (``hlo_cost.hlo_cost``)."""
+  rest, loops = hlo_cost.loop_tree(text, rates)
   out: dict[str, float] = {}
   _add(out, rest, 1.0)
   if name == "decode":

@@ -25,7 +25,7 @@ from capo_jax.rl.losses import LossConfig
 from models import qwen2
 from models.config import Qwen2Config
 from tests.batches import HostBatch
-from tools import memory_plan
+from tools import memory_terms
 
 MiB = 1024**2
 
@@ -60,7 +60,7 @@ def plan_terms(cfg: Qwen2Config, T: int, chunk: int) -> dict[str, float]:
     cfg.vocab_size,
   )
   act = 2
-  block = memory_plan.ATTN_BLOCK
+  block = memory_terms.ATTN_BLOCK
   common = T * F * act * 4 + T * D * act * 8
   return {
     "boundary activations": L * T * D * act,

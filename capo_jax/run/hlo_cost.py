@@ -19,13 +19,24 @@ What is counted, per device (the SPMD program):
          nothing (tuples, bitcasts, parameters); an operand a fusion only slices or
          gathers from costs what is sliced or gathered, and a buffer updated in place
          (dynamic-update-slice, scatter: the loop-carried KV cache) costs the update;
-         only arrays in HBM (memory space 0) count: the TPU compiler places some
-         buffers on chip (``S(n)`` in their layout: VMEM, and on v4 the 128 MiB CMEM,
-         which holds e.g. a KV block it cut out of the cache for two dots, or a layer's
-         weights across the decode loop), and what moves there is ``onchip_bytes``,
-         reported but not timed (its bandwidth is higher and not published); the
-         asynchronous copies that fill and drain those buffers (copy-start,
-         slice-start) count on both sides.
+         split by where the array lives (``hlo_text.space_class``): ``bytes`` in
+         HBM (memory space 0); ``onchip_bytes`` in the buffers the TPU compiler
+         places on chip (``S(n)`` in their layout: VMEM, and on v4 the 128 MiB CMEM,
+         which holds e.g. a KV block it cut out of the cache for two dots, or a
+         layer's weights across the decode loop); ``host_bytes`` in the host's
+         memory (``S(5)``, offloaded buffers, moved over PCIe). The asynchronous
+         copies between spaces (copy-start, slice-start) count on both sides;
+  collectives  ``collective_bytes``, each collective's result (the older count),
+         and ``ici_bytes``, what one device sends over the inter-chip links by the
+         ring algorithms (``_ici_bytes``), like for like across kinds.
+
+The cost model (``times``; rates per chip from ``Rates``): the per-program roofline
+max(FLOP time, HBM time) beside the per-operation one, each instruction outside fusions
+(a fusion with the matmuls inside it) timed by its own bound and the times summed:
+``op_s`` = sum of max(FLOP time, HBM time), on-chip traffic free and collectives hidden
+(the optimistic end); ``op_honest_s`` = sum of max(FLOP time, HBM + on-chip + host time,
+inter-chip time), on-chip traffic at the assumed bandwidth and nothing overlapped (the
+honest end). On-chip time alone is the range [0, ``onchip_bytes`` / on-chip rate].
 With ``trip_counts=False`` each body counts once, XLA's usual convention: the
 matmul FLOPs then come within ~10% under ``cost_analysis()`` (which adds the
 elementwise work). XLA's own figures are not used for totals because, for the
@@ -41,29 +52,9 @@ import dataclasses
 import math
 import re
 
-_HEADER = re.compile(r"^(ENTRY )?%(\S+) \(.*\) -> .* \{$")
-_INSTR = re.compile(r"^\s+(?:ROOT )?%(\S+) = (.*?) ([a-z][a-z0-9\-]*)\((.*)$")
-_ARRAY = re.compile(r"\b(pred|token|[a-z]+\d+(?:e\d+m\d+\w*)?)\[([\d,]*)\](\{[^}]*\})?")
-_SPACE = re.compile(r"S\((\d+)\)")
-_BITS = {
-  "pred": 8,
-  "s4": 4,
-  "u4": 4,
-  "s8": 8,
-  "u8": 8,
-  "bf16": 16,
-  "f16": 16,
-  "s16": 16,
-  "u16": 16,
-  "f32": 32,
-  "s32": 32,
-  "u32": 32,
-  "f64": 64,
-  "s64": 64,
-  "u64": 64,
-  "c64": 64,
-  "c128": 128,
-}
+from capo_jax.run import hlo_text as ht
+from capo_jax.run.hlo_text import Instr as _Instr
+
 _FREE = {
   "parameter",
   "constant",
@@ -82,86 +73,12 @@ _FREE = {
 _COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
 
 
-@dataclasses.dataclass
-class _Instr:
-  name: str
-  shape: str
-  op: str
-  rest: str
-
-
-def _group(pattern: str, ins: _Instr) -> str:
-  """Group 1 of ``pattern`` in the instruction's operands and attributes; an HLO
-  instruction without it (a new XLA text format) fails here, naming both."""
-  m = re.search(pattern, ins.rest)
-  if m is None:
-    raise ValueError(f"hlo_cost: {ins.op} %{ins.name} has no {pattern!r} in {ins.rest!r}")
-  return m[1]
-
-
-def _called(ins: _Instr, attr: str = "calls") -> str:
-  """The computation an instruction's ``calls=`` / ``condition=`` / ``body=`` names."""
-  return _group(rf"{attr}=%([\w.\-]+)", ins)
-
-
-def _arrays(shape: str) -> list[tuple[str, tuple[int, ...]]]:
-  return [
-    (dt, tuple(int(d) for d in dims.split(",") if d)) for dt, dims, _ in _ARRAY.findall(shape)
-  ]
-
-
-def _space(layout: str) -> int:
-  """The memory space of an array's layout: 0 (HBM) unless the layout says ``S(n)``."""
-  m = _SPACE.search(layout or "")
-  return int(m[1]) if m else 0
-
-
-def _bytes(shape: str, where: str = "all", space_of: str | None = None) -> float:
-  """Bytes of the arrays in ``shape``; ``where`` "hbm" keeps those in memory space 0,
-  "onchip" the others (on TPU the compiler places buffers in VMEM, or CMEM on v4,
-  with ``S(n)`` in their layout). ``space_of``: take the memory space from this shape
-  instead (a slice read from a fusion's parameter is read where the parameter lives)."""
-  spaces = [_space(lay) for _, _, lay in _ARRAY.findall(space_of)] if space_of else None
-  total = 0.0
-  for i, (dt, dims, lay) in enumerate(_ARRAY.findall(shape)):
-    sp = spaces[min(i, len(spaces) - 1)] if spaces else _space(lay)
-    if where == "all" or (where == "hbm") == (sp == 0):
-      total += _BITS.get(dt, 32) / 8 * math.prod(int(d) for d in dims.split(",") if d)
-  return total
-
-
-def _parse(text: str) -> tuple[dict[str, list[_Instr]], str]:
-  comps: dict[str, list[_Instr]] = {}
-  entry, current = "", None
-  for line in text.splitlines():
-    m = _HEADER.match(line)
-    if m:
-      current = comps.setdefault(m[2], [])
-      entry = m[2] if m[1] else entry
-      continue
-    m = _INSTR.match(line)
-    if m and current is not None:
-      current.append(_Instr(m[1], m[2], m[3], m[4]))
-  return comps, entry
-
-
-def _operands(rest: str) -> list[str]:
-  # Operands are the %names before the closing parenthesis of the op call.
-  depth, end = 1, len(rest)
-  for i, ch in enumerate(rest):
-    depth += {"(": 1, ")": -1}.get(ch, 0)
-    if depth == 0:
-      end = i
-      break
-  return re.findall(r"%([\w.\-]+)", rest[:end])
-
-
 def _matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
-  out = _arrays(ins.shape)
-  ops = _operands(ins.rest)
+  out = ht.arrays(ins.shape)
+  ops = ht.operands(ins.rest)
   if not out or len(ops) < 2:
     return 0.0
-  lhs, rhs = (_arrays(shapes.get(o, "")) for o in ops[:2])
+  lhs, rhs = (ht.arrays(shapes.get(o, "")) for o in ops[:2])
   if not lhs or not rhs:
     return 0.0
   out_elems = math.prod(out[0][1])
@@ -200,45 +117,21 @@ def _matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
   return 2.0 * macs
 
 
-def _trip_count(cond: list[_Instr]) -> int | None:
-  consts = {
-    i.name: int(m[1]) for i in cond if i.op == "constant" and (m := re.match(r"(-?\d+)\)", i.rest))
-  }
-  for i in cond:
-    if i.op == "compare" and "direction=LT" in i.rest:
-      bounds = [consts[o] for o in _operands(i.rest) if o in consts]
-      if len(bounds) == 1:
-        return bounds[0]
-  return None
-
-
-def _users(fused: list[_Instr]) -> dict[str, list[_Instr]]:
-  users: dict[str, list[_Instr]] = collections.defaultdict(list)
-  for i in fused:
-    for o in _operands(i.rest):
-      users[o].append(i)
-  return users
-
-
-def _params(fused: list[_Instr]) -> dict[str, int]:
-  return {i.name: int(_group(r"^(\d+)\)", i)) for i in fused if i.op == "parameter"}
-
-
 def _read_by_slices(
   pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]], where: str = "all"
 ) -> float | None:
   """Bytes of parameter ``pname`` a fusion reads when it only slices or gathers from it
   (also through a nested fusion that does), else None."""
   total = 0.0
-  uses = _users(fused).get(pname, [])
+  uses = ht.users(fused).get(pname, [])
   pshape = next((i.shape for i in fused if i.name == pname), None)
   for u in uses:
-    if u.op in ("slice", "dynamic-slice") or (u.op == "gather" and _operands(u.rest)[0] == pname):
-      total += _bytes(u.shape, where, space_of=pshape)
+    if u.op in ("slice", "dynamic-slice") or (u.op == "gather" and ht.operands(u.rest)[0] == pname):
+      total += ht.nbytes(u.shape, where, space_of=pshape)
     elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
-      inner = comps.get(_called(u), [])
-      idx = _operands(u.rest).index(pname)
-      names = [n for n, i in _params(inner).items() if i == idx]
+      inner = comps.get(ht.called(u), [])
+      idx = ht.operands(u.rest).index(pname)
+      names = [n for n, i in ht.params(inner).items() if i == idx]
       got = _read_by_slices(names[0], inner, comps, where) if names else None
       if got is None:
         return None
@@ -258,18 +151,18 @@ def _fusion_bytes(
   """Bytes a fusion moves: each operand once, except that an operand read only
   through slices or gathers costs what they read, and a buffer updated in place
   (dynamic-update-slice, scatter) costs the update, read and written, not the buffer."""
-  params = _params(fused)
-  users = _users(fused)
-  operands = _operands(ins.rest)
+  params = ht.params(fused)
+  users = ht.users(fused)
+  operands = ht.operands(ins.rest)
   total = 0.0
   for pname, idx in params.items():
-    full = _bytes(shapes.get(operands[idx], ""), where) if idx < len(operands) else 0.0
+    full = ht.nbytes(shapes.get(operands[idx], ""), where) if idx < len(operands) else 0.0
     uses = users.get(pname, [])
     sliced = _read_by_slices(pname, fused, comps, where)
     if sliced is not None:
       total += min(full, sliced)
     elif uses and all(
-      u.op in ("dynamic-update-slice", "scatter") and _operands(u.rest)[0] == pname for u in uses
+      u.op in ("dynamic-update-slice", "scatter") and ht.operands(u.rest)[0] == pname for u in uses
     ):
       total += 0.0  # the buffer itself is neither read nor rewritten
     else:
@@ -281,11 +174,11 @@ def _fusion_bytes(
     # dynamic-update-slice(buffer, update, ...); scatter(buffer, indices, updates): the
     # update is written (and the indices read), the rest of the buffer stays in place.
     return total + sum(
-      _bytes(fshapes.get(o, ""), where)
+      ht.nbytes(fshapes.get(o, ""), where)
       for u in updates
-      for o in _operands(u.rest)[1 : (2 if u.op == "dynamic-update-slice" else 3)]
+      for o in ht.operands(u.rest)[1 : (2 if u.op == "dynamic-update-slice" else 3)]
     )
-  return total + _bytes(ins.shape, where)
+  return total + ht.nbytes(ins.shape, where)
 
 
 def _moved(
@@ -300,21 +193,21 @@ def _moved(
     # and evictions): shaped (destination, source, context) for a copy and ((source),
     # destination, context) for a slice; the destination's bytes are read where the
     # source lives and written where the destination does.
-    arrays = [f"{dt}[{dims}]{lay}" for dt, dims, lay in _ARRAY.findall(ins.shape)]
-    dst, src = (arrays[0], arrays[1]) if ins.op == "copy-start" else (arrays[1], arrays[0])
-    return _bytes(dst, where, space_of=src) + _bytes(dst, where)
+    arr = ht.array_texts(ins.shape)
+    dst, src = (arr[0], arr[1]) if ins.op == "copy-start" else (arr[1], arr[0])
+    return ht.nbytes(dst, where, space_of=src) + ht.nbytes(dst, where)
   if ins.op == "dynamic-slice":  # read where the source lives, written where it goes
-    return _bytes(ins.shape, where, space_of=shapes.get(_operands(ins.rest)[0])) + _bytes(
+    return ht.nbytes(ins.shape, where, space_of=shapes.get(ht.operands(ins.rest)[0])) + ht.nbytes(
       ins.shape, where
     )
   if ins.op == "dynamic-update-slice":
-    ops = _operands(ins.rest)
+    ops = ht.operands(ins.rest)
     update = shapes.get(ops[1], "")
-    return _bytes(update, where) + _bytes(update, where, space_of=shapes.get(ops[0]))
+    return ht.nbytes(update, where) + ht.nbytes(update, where, space_of=shapes.get(ops[0]))
   if ins.op == "fusion":
-    return _fusion_bytes(ins, shapes, comps[_called(ins)], comps, where)
-  return _bytes(ins.shape, where) + sum(
-    _bytes(shapes.get(o, ""), where) for o in _operands(ins.rest)
+    return _fusion_bytes(ins, shapes, comps[ht.called(ins)], comps, where)
+  return ht.nbytes(ins.shape, where) + sum(
+    ht.nbytes(shapes.get(o, ""), where) for o in ht.operands(ins.rest)
   )
 
 
@@ -339,14 +232,14 @@ def _walk(
       walk.fused.add(name)
     for ins in comps.get(name, []):
       if ins.op == "while":
-        cond, body = _called(ins, "condition"), _called(ins, "body")
-        n = _trip_count(comps.get(cond, []))
+        cond, body = ht.called(ins, "condition"), ht.called(ins, "body")
+        n = ht.trip_count(comps.get(cond, []))
         if n is None and not enter_unbounded:
           walk.unbounded.append((body, in_cond))
           continue
         visit(body, w * (n if n and trip_counts else 1), in_fusion, looped or n is None, in_cond)
       elif ins.op == "fusion":
-        visit(_called(ins), w, True, looped, in_cond)
+        visit(ht.called(ins), w, True, looped, in_cond)
       elif ins.op == "call" or ins.op.endswith("-start"):
         for callee in re.findall(r"(?:to_apply|calls)=%([\w.\-]+)", ins.rest):
           visit(callee, w, in_fusion, looped, in_cond)
@@ -359,10 +252,80 @@ def _walk(
   return walk
 
 
-def _sum(comps: dict[str, list[_Instr]], walk: _Walk) -> dict[str, float]:
-  out = dict.fromkeys(
-    ("flops", "bytes", "collective_bytes", "loop_flops", "loop_bytes", "onchip_bytes"), 0.0
-  )
+@dataclasses.dataclass(frozen=True)
+class Rates:
+  """Per-chip rates an operation is timed by (units per second); the figures and their
+  sources are the chip table's (``tools/tpu_chips.py``)."""
+
+  flops: float  # peak dense bfloat16 FLOP/s
+  hbm: float  # HBM bytes/s
+  onchip: float  # on-chip memory (CMEM / VMEM) bytes/s: an assumption, not published
+  host: float  # host memory (space 5) bytes/s, over PCIe
+  ici: float  # bytes/s a chip sends in a collective over the inter-chip links
+
+
+KEYS = (
+  "flops",
+  "bytes",
+  "onchip_bytes",
+  "host_bytes",
+  "collective_bytes",
+  "ici_bytes",
+  "loop_flops",
+  "loop_bytes",
+  "op_s",
+  "op_honest_s",
+)
+
+
+def _ici_bytes(ins: _Instr, shapes: dict[str, str], devices: int) -> float:
+  """Bytes one device sends for a collective over groups of n devices, by the ring
+  algorithms (the operand's bytes x): all-gather n - 1, reduce-scatter and all-to-all
+  (n - 1) / n, all-reduce 2 (n - 1) / n (a reduce-scatter then an all-gather),
+  collective-permute 1. Like for like across kinds, where ``collective_bytes`` (each
+  collective's result, the older count) counts an all-gather whole and a reduce-scatter
+  by its shard."""
+  n = ht.group_size(ins, devices)
+  size = sum(ht.nbytes(shapes.get(o, "")) for o in ht.operands(ins.rest))
+  if ins.op.startswith("collective-permute"):
+    return size
+  if ins.op.startswith("all-gather"):
+    return size * (n - 1)
+  return size * (n - 1) / n * (2 if ins.op.startswith("all-reduce") else 1)
+
+
+def _fused_flops(comp: str, comps: dict[str, list[_Instr]], memo: dict[str, float]) -> float:
+  """Matmul FLOPs of a fused computation, its nested fusions included."""
+  if comp not in memo:
+    instrs = comps.get(comp, [])
+    shapes = {i.name: i.shape for i in instrs}
+    memo[comp] = sum(
+      _matmul_flops(i, shapes)
+      if i.op in ("dot", "convolution")
+      else _fused_flops(ht.called(i), comps, memo)
+      if i.op == "fusion"
+      else 0.0
+      for i in instrs
+    )
+  return memo[comp]
+
+
+def _op_seconds(
+  flops: float, moved: dict[str, float], ici: float, rates: Rates
+) -> tuple[float, float]:
+  """One operation's roofline: optimistic, max(FLOP time, HBM time) (on-chip traffic
+  free, collectives hidden behind it); honest, the slowest of its FLOP time, its memory
+  time (HBM + on-chip + host, one after another) and its inter-chip time."""
+  t_flop, t_hbm = flops / rates.flops, moved["hbm"] / rates.hbm
+  t_mem = t_hbm + moved["onchip"] / rates.onchip + moved["host"] / rates.host
+  return max(t_flop, t_hbm), max(t_flop, t_mem, ici / rates.ici)
+
+
+def _sum(
+  comps: dict[str, list[_Instr]], walk: _Walk, devices: int, rates: Rates | None
+) -> dict[str, float]:
+  out = dict.fromkeys(KEYS, 0.0)
+  memo: dict[str, float] = {}
   for name, w in walk.weight.items():
     instrs = comps[name]
     shapes = {i.name: i.shape for i in instrs}
@@ -373,30 +336,60 @@ def _sum(comps: dict[str, list[_Instr]], walk: _Walk) -> dict[str, float]:
         out["loop_flops"] += walk.in_loop[name] * f
       if name in walk.fused or ins.op in _FREE or ins.op.endswith("-done"):
         continue
-      moved, onchip = _moved(ins, shapes, comps, "hbm"), _moved(ins, shapes, comps, "onchip")
-      out["bytes"] += w * moved
-      out["loop_bytes"] += walk.in_loop[name] * moved
-      out["onchip_bytes"] += w * onchip
+      moved = {sp: _moved(ins, shapes, comps, sp) for sp in ht.SPACES}
+      out["bytes"] += w * moved["hbm"]
+      out["loop_bytes"] += walk.in_loop[name] * moved["hbm"]
+      out["onchip_bytes"] += w * moved["onchip"]
+      out["host_bytes"] += w * moved["host"]
+      ici = 0.0
       if ins.op.startswith(_COLLECTIVES):
-        out["collective_bytes"] += w * _bytes(ins.shape)
+        out["collective_bytes"] += w * ht.nbytes(ins.shape)
+        ici = _ici_bytes(ins, shapes, devices)
+        out["ici_bytes"] += w * ici
+      if rates is not None:
+        own = _matmul_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
+        f = _fused_flops(ht.called(ins), comps, memo) if ins.op == "fusion" else own
+        op_s, honest_s = _op_seconds(f, moved, ici, rates)
+        out["op_s"] += w * op_s
+        out["op_honest_s"] += w * honest_s
   return out
 
 
-def hlo_cost(text: str, trip_counts: bool = True) -> dict[str, float]:
-  """Per-device ``flops``, ``bytes`` and ``collective_bytes`` of one HLO module.
+def times(cost: dict[str, float], rates: Rates) -> dict[str, float]:
+  """Seconds of a cost (``hlo_cost``'s keys, summed over calls as the caller likes):
+  FLOP and HBM time, the per-program roofline max of the two, on-chip time at the
+  assumed on-chip bandwidth (the top of its range; the bottom is 0), host and
+  inter-chip time, and the per-operation sums (``op_s`` optimistic, ``op_honest_s``
+  honest: ``_op_seconds``) when the cost was counted with rates."""
+  t = {
+    "flop_s": cost["flops"] / rates.flops,
+    "hbm_s": cost["bytes"] / rates.hbm,
+    "onchip_s": cost.get("onchip_bytes", 0.0) / rates.onchip,
+    "host_s": cost.get("host_bytes", 0.0) / rates.host,
+    "ici_s": cost.get("ici_bytes", 0.0) / rates.ici,
+  }
+  t["program_s"] = max(t["flop_s"], t["hbm_s"])
+  t["op_s"], t["op_honest_s"] = cost.get("op_s", 0.0), cost.get("op_honest_s", 0.0)
+  return t
+
+
+def hlo_cost(text: str, trip_counts: bool = True, rates: Rates | None = None) -> dict[str, float]:
+  """Per-device ``flops``, HBM ``bytes``, ``onchip_bytes``, ``host_bytes``,
+  ``collective_bytes`` (results), ``ici_bytes`` (sent over the links) of one HLO module;
+  with ``rates`` also the per-operation roofline sums ``op_s`` and ``op_honest_s``.
 
   Loops without a constant bound count once; ``loop_flops`` / ``loop_bytes``
   are the part inside them (one iteration), ``unbounded_loops`` their number.
   """
-  comps, entry = _parse(text)
+  comps, entry = ht.parse(text)
   walk = _walk(comps, entry, trip_counts, enter_unbounded=True)
-  out = _sum(comps, walk)
+  out = _sum(comps, walk, ht.num_partitions(text), rates)
   out["unbounded_loops"] = float(
     sum(
       1
       for name in walk.weight
       for ins in comps[name]
-      if ins.op == "while" and _trip_count(comps.get(_called(ins, "condition"), [])) is None
+      if ins.op == "while" and ht.trip_count(comps.get(ht.called(ins, "condition"), [])) is None
     )
   )
   return out
@@ -412,11 +405,12 @@ class Loop:
   in_conditional: bool
 
 
-def loop_tree(text: str) -> tuple[dict[str, float], list[Loop]]:
+def loop_tree(text: str, rates: Rates | None = None) -> tuple[dict[str, float], list[Loop]]:
   """The cost outside every unbounded loop, and the unbounded loops of the program in
   order, each with the unbounded loops nested in it: for the caller to weight each by
   its own expected trip count (bounded loops are counted by theirs, as in ``hlo_cost``)."""
-  comps, entry = _parse(text)
+  comps, entry = ht.parse(text)
+  devices = ht.num_partitions(text)
 
   def loops(root: str) -> tuple[dict[str, float], list[Loop]]:
     walk = _walk(comps, root, True, enter_unbounded=False)
@@ -424,6 +418,6 @@ def loop_tree(text: str) -> tuple[dict[str, float], list[Loop]]:
     for body, in_cond in walk.unbounded:
       cost, nested = loops(body)
       inner.append(Loop(cost, nested, in_cond))
-    return _sum(comps, walk), inner
+    return _sum(comps, walk, devices, rates), inner
 
   return loops(entry)
