@@ -33,7 +33,7 @@ EARLIER = {"sampler": "sampler_vs_transformers", "train": "train_step_vs_torch"}
 
 
 def _machine(load_before: float, box: str) -> str:
-  """"<n>-core <CPU model>, <box> (load average a-b)" for the record's machine field."""
+  """ "<n>-core <CPU model>, <box> (load average a-b)" for the record's machine field."""
   model = "CPU"
   with open("/proc/cpuinfo", encoding="utf-8") as f:
     for line in f:
@@ -151,7 +151,7 @@ def main(argv: list[str] | None = None) -> None:
   ap.add_argument("--only", choices=("sampler", "train"), help="one of the two benchmarks")
   ap.add_argument("--no-record", action="store_true", help="print, write no record")
   args = ap.parse_args(argv)
-  load_before = os.getloadavg()[0]
+  load_before, commit = os.getloadavg()[0], _commit()
   results: dict[str, dict[str, Any]] = {}
   t = ["--threads", str(args.threads)]
   with tempfile.TemporaryDirectory() as tmp:
@@ -164,7 +164,7 @@ def main(argv: list[str] | None = None) -> None:
   command = f"python -m benchmarks.cpu_fair --tag {args.tag} --threads {args.threads}"
   base = dict(
     tag=args.tag,
-    commit=_commit(),
+    commit=commit,
     command=command,
     date=datetime.date.today().isoformat(),
     machine=_machine(load_before, args.box),

@@ -169,9 +169,7 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--tunix", action="store_true", help="also time Tunix (needs its venv)")
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
-  ap.add_argument(
-    "--threads", type=int, default=2, help="CPUs and intra-op threads of each side"
-  )
+  ap.add_argument("--threads", type=int, default=2, help="CPUs and intra-op threads of each side")
   ap.add_argument("--json", help="write the medians here")
   args = ap.parse_args()
   if args.small:
