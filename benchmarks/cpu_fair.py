@@ -132,6 +132,12 @@ def train_record(res: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
   )
 
 
+def with_result_in_notes(record: dict[str, Any]) -> dict[str, Any]:
+  """The record with its notes opening on its result (tests/test_docs.py: a result cell's
+  figures are in the notes)."""
+  return {**record, "notes": f"{record['result']}. {record['notes']}"}
+
+
 def upsert(records: list[dict[str, Any]], new: dict[str, Any], before_id: str) -> None:
   """Replaces the record with ``new``'s id, or files ``new`` in front of ``before_id``."""
   ids = [r["id"] for r in records]
@@ -172,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
   writers = {"sampler": sampler_record, "train": train_record}
   records = json.loads(RECORDS.read_text(encoding="utf-8"))
   for name, res in results.items():
-    rec = writers[name](res, base)
+    rec = with_result_in_notes(writers[name](res, base))
     print(json.dumps(rec, indent=1))
     upsert(records, rec, EARLIER[name])
   if not args.no_record:
