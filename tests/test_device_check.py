@@ -154,3 +154,15 @@ def test_threads_pin_refuses_after_jax_started():
     [sys.executable, "-c", code], cwd=REPO, env=env, capture_output=True, text=True, check=True
   )
   assert "refused: benchmarks.threads.pin: JAX's backend already started" in out.stdout
+
+
+def test_shell_script_refuses_a_missing_python_clearly(tmp_path):
+  out = subprocess.run(
+    [os.path.join(REPO, "benchmarks", "device_check.sh"), str(tmp_path / "no" / "python")],
+    env=dict(os.environ, OUT=str(tmp_path)),
+    capture_output=True,
+    text=True,
+    check=False,
+  )
+  assert out.returncode == 2
+  assert "no Python at" in out.stderr and "jax[cuda]" in out.stderr
