@@ -167,7 +167,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.only in (None, "train"):
       repeats = ["--repeats", str(args.repeats)]
       results["train"] = _run("benchmarks.train_step", t + repeats, f"{tmp}/t.json")
-  command = f"python -m benchmarks.cpu_fair --tag {args.tag} --threads {args.threads}"
+  command = (
+    f"python -m benchmarks.cpu_fair --tag {args.tag} --threads {args.threads} --rounds "
+    f"{args.rounds} --repeats {args.repeats}"
+  )
   base = dict(
     tag=args.tag,
     commit=commit,
