@@ -12,7 +12,9 @@ the two workers round by round (A, B, B, A, ... so neither always goes first)
 and times one call per round: a ``generate`` of 32 prompts x 64 tokens, 128
 new tokens at T = 1 (no stop id, so every row generates all of them) and a
 greedy one; a train step on 8 x (64 + 192) tokens (PPO token-mean loss,
-AdamW). Compilation happens in an untimed warm-up. Reported: medians per
+AdamW). Both workers run on the same ``--threads`` CPUs (default 2), which
+sizes XLA:CPU's thread pool (``benchmarks/threads.py``). Compilation happens in
+an untimed warm-up. Reported: medians per
 checkout and the ratio this / baseline of throughput (> 1: this checkout is
 faster), with the range of the per-round paired ratios.
 
@@ -123,7 +125,7 @@ _WORKER = textwrap.dedent("""
 
 
 class _Worker:
-  def __init__(self, root: pathlib.Path, small: bool):
+  def __init__(self, root: pathlib.Path, small: bool, cpus: list[int]):
     env = dict(os.environ, PYTHONPATH=str(root), JAX_PLATFORMS="cpu")
     self.proc = subprocess.Popen(
       [sys.executable, "-c", _WORKER, "small" if small else "full"],
@@ -132,6 +134,8 @@ class _Worker:
       stdin=subprocess.PIPE,
       stdout=subprocess.PIPE,
       text=True,
+      # The same CPUs for both checkouts, set before JAX starts (benchmarks/threads.py).
+      preexec_fn=lambda: os.sched_setaffinity(0, cpus),
     )
     self.tokens = self._read()["tokens"]
 
@@ -157,11 +161,16 @@ def main(argv: list[str] | None = None) -> dict:
   ap.add_argument("--rounds", type=int, default=10)
   ap.add_argument("--small", action="store_true", help="tiny shapes: a seconds-long smoke run")
   ap.add_argument("--json", help="write the result here")
+  ap.add_argument("--threads", type=int, default=2, help="CPUs of each worker (the same ones)")
   args = ap.parse_args(argv)
   baseline = pathlib.Path(args.baseline).resolve()
   if not (baseline / "models" / "qwen2.py").is_file():
     raise SystemExit(f"--baseline={baseline}: not a capo-jax checkout (no models/qwen2.py)")
-  workers = {"this": _Worker(REPO, args.small), "baseline": _Worker(baseline, args.small)}
+  cpus = sorted(os.sched_getaffinity(0))[: args.threads]
+  workers = {
+    "this": _Worker(REPO, args.small, cpus),
+    "baseline": _Worker(baseline, args.small, cpus),
+  }
   times: dict[tuple[str, str], list[float]] = {}
   try:
     for r in range(args.rounds):
@@ -180,7 +189,12 @@ def main(argv: list[str] | None = None) -> dict:
   finally:
     for w in workers.values():
       w.close()
-  result: dict = {"rounds": args.rounds, "baseline": str(baseline), "small": args.small}
+  result: dict = {
+    "rounds": args.rounds,
+    "baseline": str(baseline),
+    "small": args.small,
+    "cpus": cpus,
+  }
   print(f"\n{'workload':9s} {'this s':>8s} {'baseline s':>10s} {'this/baseline':>14s}  rounds")
   for name in ("sample", "greedy", "train"):
     ours, base = times["this", name], times["baseline", name]

@@ -11,7 +11,8 @@ step with probability about 1/100: geometric lengths, capped at 1,024. 16
 prompts x 8 samples. Contenders, alternated round by round after a warm-up:
 ``generate(max_active_rows=B/4)`` (the engine), ``generate()`` (all B rows
 decode at once until the last stops) and transformers ``generate`` on the
-same rows and weights. Reported: the length distribution, then useful
+same rows and weights, all on ``--threads`` CPUs and as many threads each
+(``benchmarks/threads.py``). Reported: the length distribution, then useful
 (generated, unpadded: up to and including the stop) tokens/s and the ratios.
 The engine's and the all-rows samples must be identical (same rng).
 
@@ -60,9 +61,12 @@ def measure(args: argparse.Namespace) -> None:
   import transformers  # pylint: disable=g-import-not-at-top
 
   from benchmarks import sampling as sampling_bench  # pylint: disable=g-import-not-at-top
+  from benchmarks import threads  # pylint: disable=g-import-not-at-top
   from capo_jax.sampling import sampler as sampling  # pylint: disable=g-import-not-at-top
   from models import hf_weights, qwen2  # pylint: disable=g-import-not-at-top
 
+  threads.pin(args.threads)  # before JAX's backend starts: both sides on as many CPUs
+  threads.check(args.threads)
   cfg = sampling_bench.bench_config(args.small)
   params = qwen2.init_params(cfg, jax.random.key(0))
   Q, G, C = args.prompts, args.samples, args.cap
@@ -98,7 +102,6 @@ def measure(args: argparse.Namespace) -> None:
 
     return run
 
-  torch.set_num_threads(args.torch_threads)
   with tempfile.TemporaryDirectory() as tmp:
     hf_weights.save_pretrained(cfg, params, tmp)
     model = transformers.Qwen2ForCausalLM.from_pretrained(tmp, dtype=torch.float32).eval()
@@ -229,12 +232,7 @@ def main() -> None:
   ap.add_argument("--prompt-len", type=int, default=32)
   ap.add_argument("--cap", type=int, default=1024)
   ap.add_argument("--rounds", type=int, default=2)
-  ap.add_argument(
-    "--torch-threads",
-    type=int,
-    default=1,
-    help="torch intra-op threads (1: faster than torch's default on a shared box)",
-  )
+  ap.add_argument("--threads", type=int, default=2, help="CPUs and intra-op threads of each side")
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
   ap.add_argument("--no-transformers", action="store_true", help="our two decodes only")
   ap.add_argument("--simulate", action="store_true", help="the simulation only")

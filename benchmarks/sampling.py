@@ -13,9 +13,11 @@ greedy) the samplers take turns, round after round, after one untimed warm-up
 (compilation); reported are medians and the ratio of our tokens/s to each
 peer's. transformers is told ``top_k=0, top_p=1.0`` (its default top_k is 50).
 
-On a machine shared with other jobs, torch's default (one intra-op thread per
-core) ran 5-10x slower than with ``--torch-threads 1``, while JAX ran about as
-fast with one thread as with two: report both settings.
+Both samplers run on ``--threads`` CPUs (default 2): the process is pinned to
+that many CPUs before JAX starts, which sizes XLA:CPU's thread pool, and torch
+gets as many intra-op threads (``benchmarks/threads.py``, which also prints how
+many threads each side kept busy). The order within a round alternates (A B,
+then B A), so neither sampler always runs first.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from typing import Callable
 import jax
 import numpy as np
 
+from benchmarks import threads
 from capo_jax.sampling import sampler as sampling
 from capo_jax.sampling import strategies
 from models import hf_weights, qwen2
@@ -85,14 +88,10 @@ def ours_runner(params, cfg, prompts: np.ndarray, new_tokens: int) -> Callable:
   return run
 
 
-def transformers_runner(
-  ckpt: str, prompts: np.ndarray, new_tokens: int, threads: int | None
-) -> Callable:
+def transformers_runner(ckpt: str, prompts: np.ndarray, new_tokens: int) -> Callable:
   import torch  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
 
-  if threads:
-    torch.set_num_threads(threads)
   model = transformers.Qwen2ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
   ids = torch.as_tensor(prompts, dtype=torch.long)
   mask = torch.ones_like(ids)
@@ -170,17 +169,13 @@ def main() -> None:
   ap.add_argument("--rounds", type=int, default=5)
   ap.add_argument("--tunix", action="store_true", help="also time Tunix (needs its venv)")
   ap.add_argument("--small", action="store_true", help="tiny model and batch: a smoke run")
-  ap.add_argument(
-    "--torch-threads",
-    type=int,
-    default=None,
-    help="torch intra-op threads (default: torch's, one per core); on a "
-    "machine shared with other jobs 1 thread can be faster than 2",
-  )
+  ap.add_argument("--threads", type=int, default=2, help="CPUs and intra-op threads of each side")
   ap.add_argument("--json", help="write the medians here")
   args = ap.parse_args()
   if args.small:
     args.batch, args.prompt_len, args.new_tokens, args.rounds = 4, 8, 16, 2
+  threads.pin(args.threads)  # before JAX's backend starts
+  thread_check = threads.check(args.threads)
   cfg = bench_config(args.small)
   params = qwen2.init_params(cfg, jax.random.key(0))
   prompts = (
@@ -201,7 +196,7 @@ def main() -> None:
     hf_weights.save_pretrained(cfg, params, ckpt)
     runners: dict[str, Callable] = {
       "capo_jax": ours_runner(params, cfg, prompts, args.new_tokens),
-      "transformers": transformers_runner(ckpt, prompts, args.new_tokens, args.torch_threads),
+      "transformers": transformers_runner(ckpt, prompts, args.new_tokens),
     }
     tunix = None
     if args.tunix:
@@ -219,9 +214,12 @@ def main() -> None:
         for name, run in runners.items():
           firsts[name, mode] = run(mode, 0)
       times: dict[tuple[str, str], list[float]] = {k: [] for k in firsts}
+      names = list(runners)
       for r in range(args.rounds):
+        order = names[r % len(names) :] + names[: r % len(names)]  # who goes first rotates
         for mode in MODES:
-          for name, run in runners.items():
+          for name in order:
+            run = runners[name]
             t0 = time.perf_counter()
             tokens = run(mode, r + 1)
             dt = time.perf_counter() - t0
@@ -249,7 +247,7 @@ def main() -> None:
     "prompt_len": args.prompt_len,
     "new_tokens": args.new_tokens,
     "rounds": args.rounds,
-    "torch_threads": args.torch_threads,
+    "threads": thread_check,
     "greedy_row0_agreement": agree,
   }
   print(f"\n{'sampler':14s} {'mode':7s} {'median s':>9s} {'tokens/s':>9s} {'ours / it':>9s}")
@@ -264,6 +262,7 @@ def main() -> None:
       # shows how much of the ratio is the machine's drift.
       paired = [t / o for t, o in zip(times[name, mode], times["capo_jax", mode])]
       result[f"ratio_range_vs_{name}_{mode}"] = [min(paired), max(paired)]
+      result[f"ratio_rounds_vs_{name}_{mode}"] = paired
       spread = "" if name == "capo_jax" else f"  (rounds {min(paired):.2f}-{max(paired):.2f}x)"
       print(f"{name:14s} {mode:7s} {med:9.3f} {n_tokens / med:9.0f} {ratio:8.2f}x{spread}")
   print("greedy tokens of row 0 equal to ours (fraction):", agree)

@@ -21,11 +21,14 @@ printed and written as JSON to ``--out``. About 2-3 minutes on an H200.
 
 ``--lengths``: long-tailed lengths at the 1.5B shape instead (``long_tailed``):
 the engine's useful tokens/s next to the bandwidth bound.
+
+  python -m benchmarks.sampling_gpu --lengths --out l.json --prompt-len 512 --mean-length 867
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import pathlib
 import time
@@ -110,10 +113,14 @@ def time_choice(strategy, rows: int, vocab: int) -> float:
 def long_tailed(args: argparse.Namespace) -> None:
   """Useful tokens/s of the engine on geometric lengths, next to the bandwidth bound.
 
-  The Qwen2.5-1.5B shape in bfloat16, 128 prompts x 8 samples = 1,024 rows,
-  cap 3,072; random weights (a near-uniform next-token distribution) with
-  V / 600 stop ids: geometric lengths of mean about 600. The bound is the
-  bandwidth model of tools/rollout_sim.py on the lengths the run
+  The Qwen2.5-1.5B shape in bfloat16, 128 prompts x 8 samples = 1,024 rows of
+  ``--prompt-len`` (default 128) tokens, cap ``--new-tokens`` (default 3,072);
+  random weights (a near-uniform next-token distribution) with V / m stop ids,
+  m = ``--mean-length`` (default 600): geometric lengths of mean about m. The
+  length model of ``tools/rollout_sim.py`` (lognormal, median 550, mean 867)
+  cannot be imposed on random weights, as token choice sees no row or step:
+  ``--mean-length 867`` gives its mean and cap with a geometric shape. The
+  bound is the bandwidth model of tools/rollout_sim.py on the lengths the run
   produced, for the same W: every step reads the weights once plus each
   active row's own cache ("own"), or, as the engine reads it, every slot up to
   the longest active row ("engine reads").
@@ -127,13 +134,15 @@ def long_tailed(args: argparse.Namespace) -> None:
     if small
     else Qwen2Config.qwen2p5_1p5b(param_dtype="bfloat16", compute_dtype="bfloat16")
   )
-  Q, G, P, C = (4, 4, 16, 256) if small else (128, 8, 128, 3072)
+  Q, G = (4, 4) if small else (args.prompts or 128, args.num_samples)
+  P, C = (16, 256) if small else (args.prompt_len or 128, args.new_tokens or 3072)
+  mean = args.mean_length or (50 if small else 600)
   W = min(args.max_active_rows, Q * G)
   params = jax.jit(qwen2.init_params, static_argnums=0)(cfg, jax.random.key(0))
   prompts = np.random.default_rng(0).integers(3, cfg.vocab_size, (Q, P))
   stops = (
     np.random.default_rng(1)
-    .choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // (50 if small else 600), replace=False)
+    .choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // mean, replace=False)
     .tolist()
   )
   gen = lambda seed: sampling.generate(
@@ -156,7 +165,19 @@ def long_tailed(args: argparse.Namespace) -> None:
     kv_bytes=step_bytes(cfg, 1, 1)["kv"],
     bandwidth=args.bandwidth,
   )
-  result = {"rows": Q * G, "max_active_rows": W, "cap": C, "rounds": []}
+  dev = jax.devices()[0]
+  result = {
+    "device": dev.device_kind,
+    "platform": dev.platform,
+    "jax": jax.__version__,
+    "rows": Q * G,
+    "max_active_rows": W,
+    "prompt_len": P,
+    "cap": C,
+    "stop_ids": len(stops),
+    "shape": dataclasses.asdict(shape),
+    "rounds": [],
+  }
   for r in range(args.rounds):
     t0 = time.perf_counter()
     lengths = np.asarray(gen(r + 1).lengths_B)
@@ -167,6 +188,7 @@ def long_tailed(args: argparse.Namespace) -> None:
       "useful_tokens_per_s": lengths.sum() / dt,
       "bound_own_tokens_per_s": lengths.sum() / rollout_sim.seconds(sim, shape, "kv_read_own"),
       "bound_engine_reads_tokens_per_s": lengths.sum() / rollout_sim.seconds(sim, shape),
+      "lengths": lengths.tolist(),
     }
     result["rounds"].append(row)
     print(
@@ -190,10 +212,11 @@ def main() -> None:
     default=4.8e12,
     help="memory bandwidth, bytes/s (H200: 4.8e12, H100 SXM: 3.35e12)",
   )
-  ap.add_argument("--prompts", type=int, default=32)
+  ap.add_argument("--prompts", type=int, help="default 32 (--lengths: 128)")
   ap.add_argument("--num-samples", type=int, default=8)
-  ap.add_argument("--prompt-len", type=int, default=128)
-  ap.add_argument("--new-tokens", type=int, default=512)
+  ap.add_argument("--prompt-len", type=int, help="default 128")
+  ap.add_argument("--new-tokens", type=int, help="default 512 (--lengths: the cap, 3,072)")
+  ap.add_argument("--mean-length", type=int, help="--lengths: mean completion (default 600)")
   ap.add_argument("--rounds", type=int, default=3)
   ap.add_argument("--modes", default="sample,greedy")
   ap.add_argument("--small", action="store_true", help="tiny model and batch (CPU smoke run)")
@@ -207,6 +230,8 @@ def main() -> None:
   if args.lengths:
     long_tailed(args)
     return
+  args.prompts, args.prompt_len = args.prompts or 32, args.prompt_len or 128
+  args.new_tokens = args.new_tokens or 512
   if args.small:
     cfg = Qwen2Config.tiny(param_dtype="bfloat16", compute_dtype="bfloat16")
     args.prompts, args.num_samples, args.prompt_len, args.new_tokens = 2, 2, 16, 32

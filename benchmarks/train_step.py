@@ -11,12 +11,18 @@ clipping (1.0) and one AdamW update. The peer is transformers'
 completion positions) with ``torch.optim.AdamW`` and
 ``clip_grad_norm_``.
 
+Both sides run on ``--threads`` CPUs (default 2): the process is pinned to
+that many CPUs before JAX starts, which sizes XLA:CPU's thread pool, and torch
+gets as many intra-op threads (``benchmarks/threads.py``).
+
 Timing: ``--repeats`` rounds, each a block of ``--block`` consecutive steps of
-capo_jax then of torch (the machines are shared, so the two alternate). A real
+capo_jax and one of torch, capo_jax first in even rounds and torch first in odd
+ones (the machines are shared, so the two alternate). A real
 run takes the same step back to back, so the ratio compares the steady-state
 steps, each block's first step left out; those first steps are printed beside
 it (the first capo_jax step after any other computation, the torch block or the
 matmul-peak probe that ends each round, has run slower: docs/benchmarks.md).
+The ratio comes with the range of the per-round ratios (block medians).
 Like ``python -m capo_jax.main``, the benchmark first re-executes
 itself with glibc's transparent huge pages for the host heap
 (``capo_jax/hugepages.py``; both peers get them; ``CAPO_HUGEPAGES=0`` runs
@@ -34,6 +40,7 @@ float32 matmul peak measured in the same run (``jnp.dot`` 2048 x 2048).
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import statistics
@@ -49,6 +56,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from benchmarks import threads
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.losses import LossConfig
 from capo_jax.rl.optim import OptimConfig
@@ -112,6 +120,10 @@ def main(argv: list[str] | None = None) -> None:
     "--block", type=int, default=3, help="consecutive steps per framework and round (>= 2)"
   )
   parser.add_argument("--attention", default="auto", help="model.attention of capo_jax")
+  parser.add_argument(
+    "--threads", type=int, default=2, help="CPUs and intra-op threads of each side"
+  )
+  parser.add_argument("--json", help="write the medians and ratios here")
   args = parser.parse_args(argv)
   if args.block < 2 or args.repeats < 1:
     parser.error(
@@ -119,6 +131,8 @@ def main(argv: list[str] | None = None) -> None:
       f"{args.block} and {args.repeats}"
     )
   B, P, C = args.batch, args.prompt, args.completion
+  threads.pin(args.threads)  # before JAX's backend starts
+  thread_check = threads.check(args.threads)
 
   import torch  # pylint: disable=g-import-not-at-top
 
@@ -192,14 +206,17 @@ def main(argv: list[str] | None = None) -> None:
   first: dict[str, list[float]] = {"capo_jax": [], "torch": []}  # each block's first step
   faults: dict[str, list[int]] = {"capo_jax": [], "torch": []}
   peaks = []
-  for _ in range(args.repeats):
-    for name, fn in (("capo_jax", jax_step), ("torch", torch_step)):
+  sides = (("capo_jax", jax_step), ("torch", torch_step))
+  rounds: dict[str, list[float]] = {"capo_jax": [], "torch": []}  # each block's median
+  for r in range(args.repeats):
+    for name, fn in sides if r % 2 == 0 else sides[::-1]:
       for i in range(args.block):
         f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
         t0 = time.perf_counter()
         fn()
         (first if i == 0 else times)[name].append(time.perf_counter() - t0)
         faults[name].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+      rounds[name].append(statistics.median(times[name][-(args.block - 1) :]))
     peaks.append(matmul_peak(reps=3))
   med = {k: statistics.median(v) for k, v in times.items()}
   peak = statistics.median(peaks)
@@ -233,7 +250,29 @@ def main(argv: list[str] | None = None) -> None:
     f"first step of each block: capo_jax {after['capo_jax']:.2f} s, torch "
     f"{after['torch']:.2f} s (ratio {after['torch'] / after['capo_jax']:.2f}x)"
   )
-  print(f"ratio capo_jax / torch tokens/s: {med['torch'] / med['capo_jax']:.2f}x")
+  paired = [t / j for t, j in zip(rounds["torch"], rounds["capo_jax"])]
+  ratio = med["torch"] / med["capo_jax"]
+  print(
+    f"ratio capo_jax / torch tokens/s: {ratio:.2f}x (rounds {min(paired):.2f}-{max(paired):.2f}x)"
+  )
+  if args.json:
+    result = {
+      "batch": B,
+      "prompt": P,
+      "completion": C,
+      "repeats": args.repeats,
+      "block": args.block,
+      "threads": thread_check,
+      "step_s": med,
+      "ratio_vs_torch": ratio,
+      "ratio_range_vs_torch": [min(paired), max(paired)],
+      "ratio_rounds_vs_torch": paired,
+      "matmul_peak_flops": peak,
+      "model_flops_per_step": flops,
+      "loss_diff": abs(loss_jax - loss_torch),
+    }
+    with open(args.json, "w", encoding="utf-8") as f:
+      json.dump(result, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -202,6 +202,9 @@ def main(argv: list[str] | None = None) -> None:
     "attention": args.attention,
     "pack": args.pack,
     "pack_rows": args.pack_rows,
+    # The sequences' real lengths: the model FLOPs above can be recomputed from them.
+    "prompt_lengths": prompt_mask.sum(1).tolist(),
+    "completion_lengths": completion_mask.sum(1).tolist(),
     "compute_dtype": cfg.compute_dtype,
     "param_dtype": cfg.param_dtype,
     "init_s": init_s,
