@@ -44,12 +44,14 @@ import dataclasses
 import functools
 import itertools
 import re
+from typing import Any
 
 import numpy as np
 
 from capo_jax.data.datasets import Example
 from capo_jax.demo.char_tokenizer import PIECES, CharTokenizer
 from capo_jax.demo.task import format_expression, solve_steps
+from capo_jax.eval import traps
 
 CHECKER = "capo_jax.demo.cued:is_correct"  # the run file's reward.correct
 PIECES_CUED: tuple[str, ...] = (*PIECES, "?")  # appended: the arithmetic task's ids stay
@@ -250,3 +252,15 @@ def answer_of(completion: str) -> str:
 def tokenizer() -> CharTokenizer:
   """The arithmetic task's tokenizer with ``?`` appended (its other ids unchanged)."""
   return CharTokenizer(PIECES_CUED)
+
+
+def trap_metrics(
+  examples: list[Example], answers_QG: Any, s_QG: Any, correct_QG: Any
+) -> dict[str, float]:
+  """``capo_jax.eval.traps.TRAP_KEYS`` of held-out samples: a sample copies the
+  decoy when its answer (``answer_of``) is the trap's cue."""
+  cue_Q = np.array([ex.meta["cue"] for ex in examples], dtype=str)
+  trap_Q = np.array([ex.meta["trap"] for ex in examples], bool)
+  copy_QG = np.asarray(answers_QG, dtype=str) == cue_Q[:, None]
+  m = traps.heldout_metrics(s_QG, correct_QG, copy_QG, trap_Q)
+  return {k: m[k] for k in traps.TRAP_KEYS}
