@@ -14,7 +14,7 @@ seconds-long smoke version (tests). The pre-registered study on this testbed is
 
 Why lr 5e-4 and not the demo's 1e-4: on a prototype of this task GRPO adopted the
 shortcut (decoy copies as confident as correct answers) at 5e-4 and not at 1e-4
-within 150 steps (the numbers: docs/demo.md, "The cued testbed").
+within 150 steps (the numbers: docs/studies/cued/README.md, "Why this testbed").
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 arms, the warm starts and seeds, the premise check M and the comparisons P1 and P2.
 
 ``DESIGN`` is fixed before any run; the runs record it in ``<root>/design.json`` and refuse
-another (``studies/records.check_design``). Changing it is a new study.
+another (``studies.records.check_design``). Changing it is a new study.
 """
 
 from __future__ import annotations
