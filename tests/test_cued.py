@@ -148,3 +148,16 @@ def test_heldout_evaluation_grades_with_the_examples_checker(monkeypatch):
   # The bare-integer checker (through the plug-in pool), not the boxed-answer grader.
   rewards, _ = seen["grader"].score(["7", "\\boxed{7}", "8"], ["7", "7", "7"])
   assert list(rewards) == [1.0, 0.0, 0.0]
+
+
+def test_the_arithmetic_task_reads_as_before_through_tasks():
+  from capo_jax.demo import task as task_lib  # pylint: disable=import-outside-toplevel
+
+  cfg = tasks.config_of({"num_train": 300, "num_heldout": 20, "min_operands": 3})
+  assert cfg == task_lib.TaskConfig(num_train=300, num_heldout=20, min_operands=3)
+  assert tasks.splits(cfg) == task_lib.make_splits(cfg)
+  assert tasks.sft_examples(cfg) == task_lib.make_splits(cfg)[0]
+  assert tasks.tokenizer(cfg).pieces == PIECES
+  ex = tasks.splits(cfg)[1][:2]
+  assert not tasks.is_cued(ex) and tasks.is_cued(cued.make_splits(CFG)[1][:1])
+  assert tasks.answers(ex, ["x \\boxed{12}", "12"]) == ["12", ""]

@@ -107,7 +107,7 @@ def test_design_orders_the_premise_stage_first_and_covers_every_run():
     design_lib.parse_name("ws0/capo_seed0")
 
 
-@pytest.mark.slow  # a shrunk study: 2 warm starts x 2 arms x 2 RL steps (~1-4 min on 2 cores)
+@pytest.mark.slow  # a shrunk study: 2 warm starts x 2 arms x 2 RL steps (minutes on 2 cores)
 def test_shrunk_runner_runs_reports_and_resumes(tmp_path, monkeypatch):
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
   from studies.cued import run  # pylint: disable=import-outside-toplevel
