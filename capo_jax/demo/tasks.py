@@ -4,7 +4,7 @@ answers) and the cued task (``cued.py``, bare answers after a cue).
 A run file's ``demo.task`` picks one: ``kind="cued"`` the cued task, no ``kind`` the
 arithmetic one. The warm start (``warm_start.py``) and the demo's runs (``run.py``)
 ask here for the config, the tokenizer, the SFT data, the RL and held-out splits,
-and how to read a completion's answer.
+the grader and how to read a completion's answer.
 """
 
 from __future__ import annotations
@@ -50,6 +50,12 @@ def sft_examples(cfg: AnyTask) -> list[Example]:
 
 def is_cued(examples: list[Example]) -> bool:
   return bool(examples) and "cue" in examples[0].meta
+
+
+def grader(examples: list[Example]) -> Any:
+  """The grader of these examples: the cued checker in process (``cued.Grader``) for
+  cued questions, the math grader (boxed answers) otherwise."""
+  return cued.Grader() if is_cued(examples) else rewards.default_grader()
 
 
 def answers(examples: list[Example], completions: list[str]) -> list[str]:

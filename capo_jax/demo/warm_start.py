@@ -31,7 +31,6 @@ import numpy as np
 import optax
 from tqdm.auto import tqdm
 
-from capo_jax.data import reward_fns
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.demo import tasks
 from capo_jax.demo.char_tokenizer import CharTokenizer
@@ -235,9 +234,8 @@ def evaluate_policy(
     batch_size=-(-len(examples) // n_batches),
     progress=sampling.progress,
   )
-  # The cued task's examples name their checker (capo_jax/demo/cued.py); the arithmetic
-  # task's boxed answers take the math grader.
-  grader = reward_fns.grader_for(examples[0].meta.get("checker", "math"))
+  # The math grader for boxed answers, the cued task's checker for its bare ones.
+  grader = tasks.grader(examples)
   records = evaluate.evaluate_policy(
     policy, examples, eval_cfg, rng, benchmark="demo", grader=grader
   )
