@@ -145,9 +145,26 @@ def test_heldout_evaluation_grades_with_the_examples_checker(monkeypatch):
   heldout = cued.make_splits(CFG)[1][:2]
   with pytest.raises(StopIteration):
     warm_start.evaluate_policy(None, heldout, warm_start.DemoSampling(max_new_tokens=4))
-  # The bare-integer checker (through the plug-in pool), not the boxed-answer grader.
-  rewards, _ = seen["grader"].score(["7", "\\boxed{7}", "8"], ["7", "7", "7"])
-  assert list(rewards) == [1.0, 0.0, 0.0]
+  # The bare-integer checker, not the boxed-answer grader.
+  rewards, health = seen["grader"].score(["7", "\\boxed{7}", "8"], ["7", "7", "7"])
+  assert list(rewards) == [1.0, 0.0, 0.0] and rewards.dtype == np.float32
+  assert (health.total, health.correct) == (3, 1)
+
+
+def test_in_process_grader_is_the_checker():
+  completions = ["7", "-3", "07", " 7", "\\boxed{7}", "", "12"]
+  golds = ["7", "-3", "7", "7", "7", "7", "21"]
+  grader = cued.Grader()
+  rewards, _ = grader.score(completions, golds)
+  assert list(rewards) == [float(cued.is_correct(c, g)) for c, g in zip(completions, golds)]
+  grader.score(["1"], ["1"])
+  assert (grader.cumulative.total, grader.cumulative.correct) == (8, 4)
+  with pytest.raises(ValueError, match="gold"):
+    grader.score(["1"], [])
+  from capo_jax.data import rewards as rewards_lib  # pylint: disable=import-outside-toplevel
+
+  assert tasks.grader(cued.make_splits(CFG)[1][:1]).__class__ is cued.Grader
+  assert tasks.grader([]) is rewards_lib.default_grader()
 
 
 def test_the_arithmetic_task_reads_as_before_through_tasks():
