@@ -19,6 +19,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from capo_jax.data import rewards
 from capo_jax.demo import compare, cued, study, tasks, warm_start
 from capo_jax.demo import mask as mask_lib
 from capo_jax.eval import calibration, evaluate, traps
@@ -237,13 +238,13 @@ def run_rl(
     spec = spec.with_overrides(mask_thresholds(spec, workdir, ws), policy_given=True)
   # The faulty-verifier variants grade the training rewards only (eval_fn: the true grader).
   grader = compare.training_grader(
-    tasks.grader(train),
+    tasks.grader(train) or rewards.default_grader(),
     reward_flip=demo.reward_flip,
     false_negative=demo.false_negative,
     false_negative_rate=demo.false_negative_rate,
     seed=spec.seed,
   )
-  if grader is None and tasks.is_cued(train):  # its checker in process, not the plug-in pool
+  if grader is None:  # the cued task's checker in process; else reward.correct's grader
     grader = tasks.grader(train)
   loop.train(
     spec,

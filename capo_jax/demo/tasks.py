@@ -52,10 +52,11 @@ def is_cued(examples: list[Example]) -> bool:
   return bool(examples) and "cue" in examples[0].meta
 
 
-def grader(examples: list[Example]) -> Any:
+def grader(examples: list[Example]) -> cued.Grader | None:
   """The grader of these examples: the cued checker in process (``cued.Grader``) for
-  cued questions, the math grader (boxed answers) otherwise."""
-  return cued.Grader() if is_cued(examples) else rewards.default_grader()
+  cued questions; None otherwise, which leaves the boxed answers to the math grader
+  (the evaluator's and the trainer's default)."""
+  return cued.Grader() if is_cued(examples) else None
 
 
 def answers(examples: list[Example], completions: list[str]) -> list[str]:

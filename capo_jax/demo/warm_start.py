@@ -234,7 +234,7 @@ def evaluate_policy(
     batch_size=-(-len(examples) // n_batches),
     progress=sampling.progress,
   )
-  # The math grader for boxed answers, the cued task's checker for its bare ones.
+  # The cued task's checker for its bare answers; None: the math grader.
   grader = tasks.grader(examples)
   records = evaluate.evaluate_policy(
     policy, examples, eval_cfg, rng, benchmark="demo", grader=grader
