@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from sklearn.metrics import roc_auc_score
 
-from studies.cued_bandit import bandit, metrics, run
+from studies.cued_bandit import bandit, run
 
 
 def _two_questions() -> bandit.Questions:
@@ -92,7 +92,7 @@ def test_heldout_metrics_against_loops_and_sklearn():
   a_QG = np.array([[0, 1, 0], [2, 2, 3], [2, 0, 2], [1, 1, 1]])
   s_QG = np.array([[-0.2, -1.5, -0.2], [-0.9, -0.9, -2.0], [-0.3, -1.2, -0.3], [-0.1, -0.1, -0.1]])
   cue_Q, trap_Q = np.array([0, 0, 2, 1]), np.array([False, False, True, True])
-  got = metrics.heldout_metrics(a_QG, s_QG, cue_Q, trap_Q)
+  got = run.heldout_metrics(a_QG, s_QG, cue_Q, trap_Q)
   c_QG = a_QG == 0
   assert got["accuracy"] == pytest.approx(3 / 12)
   # Mixed: q0 (correct -0.2, -0.2 above wrong -1.5: AUC 1) and q2 (correct -1.2 below
@@ -111,7 +111,7 @@ def test_heldout_metrics_against_loops_and_sklearn():
 
 def test_heldout_metrics_name_the_misfit_shapes():
   with pytest.raises(ValueError, match="heldout_metrics"):
-    metrics.heldout_metrics(np.zeros((2, 3)), np.zeros((2, 3)), np.zeros(3), np.zeros(2))
+    run.heldout_metrics(np.zeros((2, 3)), np.zeros((2, 3)), np.zeros(3), np.zeros(2))
 
 
 @pytest.mark.slow  # ~17 s: the whole study, shrunk (.ci/run runs it)

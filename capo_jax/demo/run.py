@@ -20,10 +20,9 @@ import ml_collections
 import numpy as np
 
 from capo_jax.data import rewards
-from capo_jax.demo import compare, study, warm_start
+from capo_jax.demo import compare, cued, study, tasks, warm_start
 from capo_jax.demo import mask as mask_lib
-from capo_jax.demo import task as task_lib
-from capo_jax.eval import calibration, evaluate
+from capo_jax.eval import calibration, evaluate, traps
 from capo_jax.run import loop
 from capo_jax.run.spec import RunSpec
 
@@ -41,7 +40,7 @@ REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entrop
 class Demo:
   """The config's ``demo`` section (``configs/demo.py`` documents each field)."""
 
-  task: task_lib.TaskConfig
+  task: tasks.AnyTask
   model: dict[str, Any]
   sft: warm_start.SFTConfig
   eval_questions: int
@@ -69,6 +68,12 @@ class Demo:
         "paper's thresholds, algo.mask_low / mask_high) or (q_wrong, q_right) "
         "in (0, 1)"
       )
+    # The cued task lists its validation questions first (capo_jax/demo/cued.py).
+    if isinstance(self.task, cued.CuedConfig) and self.sft.eval_questions != self.task.sft_val:
+      raise ValueError(
+        f"config.demo.sft.eval_questions={self.sft.eval_questions} must equal "
+        f"config.demo.task.sft_val={self.task.sft_val} on the cued task"
+      )
 
   @classmethod
   def of(cls, spec: RunSpec) -> Demo:
@@ -76,7 +81,7 @@ class Demo:
     return cls(
       **{
         **d,
-        "task": task_lib.TaskConfig(**d["task"]),
+        "task": tasks.config_of(d["task"]),
         "sft": warm_start.SFTConfig(**d["sft"]),
         "model": dict(d["model"]),
         "mask_quantiles": tuple(d.get("mask_quantiles", ())),
@@ -89,17 +94,16 @@ def spec_of(config: ml_collections.ConfigDict) -> RunSpec:
   written solution plus slack (``warm_start.completion_budget``), the policy given."""
   c = ml_collections.ConfigDict(config.to_dict())
   if c.rollout.max_new_tokens == 0:
-    train, heldout = task_lib.make_splits(task_lib.TaskConfig(**c.demo.task.to_dict()))
+    task = tasks.config_of(c.demo.task.to_dict())
+    train, heldout = tasks.splits(task)
     heldout = heldout[: c.demo.eval_questions]
-    c.rollout.max_new_tokens = warm_start.completion_budget(
-      warm_start.CharTokenizer(), train + heldout
-    )
+    c.rollout.max_new_tokens = warm_start.completion_budget(tasks.tokenizer(task), train + heldout)
   return RunSpec.from_config(c, policy_given=True)
 
 
 def get_warm_start(spec: RunSpec, workdir: str) -> warm_start.WarmStart:
   demo = Demo.of(spec)
-  model_cfg = warm_start.default_model_config(warm_start.CharTokenizer(), **demo.model)
+  model_cfg = warm_start.default_model_config(tasks.tokenizer(demo.task), **demo.model)
   return warm_start.get_or_train(workdir, demo.task, model_cfg, demo.sft)
 
 
@@ -141,8 +145,11 @@ def heldout_metrics(
   """Held-out accuracy and calibration of ``params`` (``docs/algorithms.md``, "Evaluation
   metrics"), also on the questions the policy mostly gets wrong.
 
+  On the cued task (``capo_jax/demo/cued.py``) it adds the trap metrics
+  (``cued.trap_metrics``).
+
   ``save_to``: an ``.npz`` path for the per-sample scores and verdicts (``s_QG``,
-  ``correct_QG``, ``lengths_QG``, ``answers_QG``: the boxed answer, "" for none, and
+  ``correct_QG``, ``lengths_QG``, ``answers_QG``: the answer (``tasks.answers``), "" for none, and
   ``completion_QG``: equal ids within a question mark identical completions, which
   the voting methods read), which the paired comparisons read.
   """
@@ -153,12 +160,10 @@ def heldout_metrics(
     jax.random.key(seed),
   )
   s_QG, correct_QG = ev["s"], ev["correct"]
+  answers_QG = np.array(tasks.answers(examples, ev["completions"]), dtype=str).reshape(s_QG.shape)
   if save_to:
     os.makedirs(os.path.dirname(save_to), exist_ok=True)
     tmp = f"{save_to}.{os.getpid()}.tmp.npz"  # parallel processes may write it at once
-    answers_QG = np.array(
-      [rewards.extract_boxed(c) or "" for c in ev["completions"]], dtype=str
-    ).reshape(s_QG.shape)
     np.savez_compressed(
       tmp,
       s_QG=s_QG,
@@ -183,6 +188,10 @@ def heldout_metrics(
     "mean_length": ev["mean_length"],
     "aurc": calibration.aurc(s_QG, correct_QG),
     "rule_share": rule_share(ev["completions"], examples, correct_QG),
+    "confidently_wrong": traps.confidently_wrong(s_QG, correct_QG),
+    **(
+      cued.trap_metrics(examples, answers_QG, s_QG, correct_QG) if tasks.is_cued(examples) else {}
+    ),
   }
 
 
@@ -203,7 +212,7 @@ def run_rl(
   study's extra evaluations, e.g. more samples at the last step).
   """
   demo = Demo.of(spec)
-  train, heldout = task_lib.make_splits(demo.task)
+  train, heldout = tasks.splits(demo.task)
   heldout = heldout[: demo.eval_questions]
   run_dir = os.path.join(workdir, run_name or f"{spec.algo.name}_seed{spec.seed}")
   evals: list[dict[str, float]] = []
@@ -229,12 +238,14 @@ def run_rl(
     spec = spec.with_overrides(mask_thresholds(spec, workdir, ws), policy_given=True)
   # The faulty-verifier variants grade the training rewards only (eval_fn: the true grader).
   grader = compare.training_grader(
-    rewards.default_grader(),
+    tasks.grader(train) or rewards.default_grader(),
     reward_flip=demo.reward_flip,
     false_negative=demo.false_negative,
     false_negative_rate=demo.false_negative_rate,
     seed=spec.seed,
   )
+  if grader is None:  # the cued task's checker in process; else reward.correct's grader
+    grader = tasks.grader(train)
   loop.train(
     spec,
     run_dir,
@@ -261,7 +272,7 @@ def mask_thresholds(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> di
   ``workdir`` and logged. The run's config then records the values it used."""
   demo = Demo.of(spec)
   q_wrong, q_right = demo.mask_quantiles
-  train = task_lib.make_splits(demo.task)[0][: demo.mask_questions]
+  train = tasks.splits(demo.task)[0][: demo.mask_questions]
   res = mask_lib.calibrate(
     ws,
     train,
@@ -342,7 +353,7 @@ def warm_start_eval(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> di
       cached = json.load(f)
     if "key" not in cached or warm_start.same_cache_key(cached["key"], key):
       return {k: v for k, v in cached.items() if k != "key"}
-  heldout = task_lib.make_splits(demo.task)[1][: demo.eval_questions]
+  heldout = tasks.splits(demo.task)[1][: demo.eval_questions]
   m = heldout_metrics(
     ws,
     ws.params,
@@ -393,9 +404,14 @@ def side_by_side(
   cols = ["warm start"] + [f"{n} @{runs[n][-1]['step']}" for n in names]
   lines = [f"{'held-out metric':<24}" + "".join(f"{col:>14}" for col in cols)]
   first = runs[names[0]][0]
-  for k in ("accuracy", "auc_mean", "pooled_auc", "aurc", "entropy", "rule_share"):
+  # AUC-mean with its mixed questions, pooled AUC and the confidently-wrong share beside
+  # it; then the rule's share on the arithmetic task, the trap metrics on the cued one.
+  keys = ("accuracy", "auc_mean", "auc_questions", "pooled_auc", "confidently_wrong", "aurc")
+  extra = traps.TRAP_KEYS if "trap_gap" in first else ("rule_share",)
+  for k in (*keys, "entropy", *extra):
     vals = [first.get(k)] + [runs[n][-1].get(k) for n in names]
-    lines.append(f"{k:<24}" + "".join(f"{_fmt(v):>14}" for v in vals))
+    cells = [f"{v:.0f}" if k == "auc_questions" and v is not None else _fmt(v) for v in vals]
+    lines.append(f"{k:<24}" + "".join(f"{c:>14}" for c in cells))
   hard = cmp["labels"][0]
   vals = [cmp["warm start"]["buckets"][0][0]] + [cmp[n]["buckets"][0][0] for n in names]
   lines.append(f"{'auc, hard ' + hard:<24}" + "".join(f"{_fmt(v):>14}" for v in vals))
@@ -476,5 +492,6 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
     "\nThis run is one warm start and one RL seed: an illustration, not evidence "
     "(docs/demo.md says how much warm starts differ)."
   )
-  print("\n" + recorded_study())
+  if not isinstance(demo.task, cued.CuedConfig):  # the recorded study is the arithmetic task's
+    print("\n" + recorded_study())
   return runs

@@ -32,8 +32,9 @@ import optax
 from tqdm.auto import tqdm
 
 from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.demo import tasks
 from capo_jax.demo.char_tokenizer import CharTokenizer
-from capo_jax.demo.task import Example, TaskConfig, make_splits
+from capo_jax.demo.task import Example, TaskConfig
 from capo_jax.eval import calibration, evaluate
 from capo_jax.rl.optim import OptimConfig, make_optimizer
 from models import hf_weights, qwen2
@@ -233,7 +234,11 @@ def evaluate_policy(
     batch_size=-(-len(examples) // n_batches),
     progress=sampling.progress,
   )
-  records = evaluate.evaluate_policy(policy, examples, eval_cfg, rng, benchmark="demo")
+  # The cued task's checker for its bare answers; None: the math grader.
+  grader = tasks.grader(examples)
+  records = evaluate.evaluate_policy(
+    policy, examples, eval_cfg, rng, benchmark="demo", grader=grader
+  )
   Q, G = len(examples), sampling.num_samples
   s_QG = np.array([r.s for r in records], np.float64).reshape(Q, G)
   correct_QG = np.array([r.correct for r in records], bool).reshape(Q, G)
@@ -266,7 +271,7 @@ def completion_budget(tokenizer: Tokenizer, examples: list[Example], slack: int 
 _RECIPE = 2
 
 
-def _settings(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
+def _settings(task_cfg: tasks.AnyTask, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
   return {
     "recipe": _RECIPE,
     "task": dataclasses.asdict(task_cfg),
@@ -276,7 +281,7 @@ def _settings(task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig) 
 
 
 def cache_dir(
-  workdir: str, task_cfg: TaskConfig, model_cfg: Qwen2Config, sft_cfg: SFTConfig
+  workdir: str, task_cfg: tasks.AnyTask, model_cfg: Qwen2Config, sft_cfg: SFTConfig
 ) -> str:
   """``<workdir>/warm_start/<hash of every setting>``: new settings train anew."""
   blob = json.dumps(_settings(task_cfg, model_cfg, sft_cfg), sort_keys=True)
@@ -327,7 +332,7 @@ def _save(path: str, model_cfg: Qwen2Config, params: Params, info: dict[str, Any
 
 def get_or_train(
   workdir: str,
-  task_cfg: TaskConfig | None = None,
+  task_cfg: tasks.AnyTask | None = None,
   model_cfg: Qwen2Config | None = None,
   sft_cfg: SFTConfig | None = None,
   *,
@@ -336,11 +341,11 @@ def get_or_train(
   """The warm-start policy: loaded from the cache, else trained and cached.
 
   ``model_cfg`` defaults to ``default_model_config``; its vocabulary must
-  match the char tokenizer.
+  match the task's char tokenizer (``tasks.tokenizer``).
   """
   task_cfg = task_cfg or TaskConfig()
   sft_cfg = sft_cfg or SFTConfig()
-  tokenizer = CharTokenizer()
+  tokenizer = tasks.tokenizer(task_cfg)
   model_cfg = model_cfg or default_model_config(tokenizer)
   if model_cfg.vocab_size != tokenizer.vocab_size:
     raise ValueError(
@@ -358,7 +363,7 @@ def get_or_train(
 
 
 def train_sft(
-  task_cfg: TaskConfig,
+  task_cfg: tasks.AnyTask,
   model_cfg: Qwen2Config,
   sft_cfg: SFTConfig,
   tokenizer: CharTokenizer,
@@ -367,7 +372,7 @@ def train_sft(
 ) -> tuple[Params, dict[str, Any]]:
   """Runs SFT from random init; returns params and a JSON-able history."""
   t0 = time.perf_counter()
-  train, _ = make_splits(task_cfg)
+  train = tasks.sft_examples(task_cfg)
   if len(train) <= sft_cfg.eval_questions:
     raise ValueError(
       f"TaskConfig.num_train={len(train)} must exceed "

@@ -21,10 +21,22 @@ from typing import Any
 import jax
 import numpy as np
 
-from studies.cued_bandit import bandit, metrics
+from capo_jax.eval import traps
+from studies.cued_bandit import bandit
 
 HELDOUT = {"questions": 400, "samples": 64, "trap_share": 0.5, "seed": 10_000}
 EVAL_EVERY = 10
+
+
+def heldout_metrics(a_QG: Any, s_QG: Any, cue_Q: Any, trap_Q: Any) -> dict[str, float]:
+  """``capo_jax.eval.traps.heldout_metrics`` of answers ``a_QG`` (0 = the true one)
+  to questions whose cue is answer ``cue_Q``."""
+  a_QG, cue_Q = np.asarray(a_QG), np.asarray(cue_Q)
+  if a_QG.ndim != 2 or cue_Q.shape != a_QG.shape[:1]:
+    raise ValueError(
+      f"heldout_metrics: a_QG {a_QG.shape} and cue_Q {cue_Q.shape} do not fit [Q, G], [Q]"
+    )
+  return traps.heldout_metrics(s_QG, a_QG == 0, a_QG == cue_Q[:, None], trap_Q)
 
 
 def evaluate(path_STF: Any, task: bandit.Task, steps: list[int]) -> list[list[dict]]:
@@ -39,8 +51,7 @@ def evaluate(path_STF: Any, task: bandit.Task, steps: list[int]) -> list[list[di
   )
   a_NQG, s_NQG = draw(np.asarray(path_STF)[:, steps].reshape(-1, path_STF.shape[-1]))
   rows = [
-    metrics.heldout_metrics(a, s, q.cue_Q, q.trap_Q)
-    for a, s in zip(np.asarray(a_NQG), np.asarray(s_NQG))
+    heldout_metrics(a, s, q.cue_Q, q.trap_Q) for a, s in zip(np.asarray(a_NQG), np.asarray(s_NQG))
   ]
   return [rows[i : i + len(steps)] for i in range(0, len(rows), len(steps))]
 
