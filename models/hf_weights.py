@@ -6,7 +6,8 @@ directory (float32 / bfloat16 / float16 tensors) lazily through
 ``jax.make_array_from_callback``, so every device (and host) only reads the
 slices its shard needs, one layer at a time, stacked on the leading L axis.
 Writes the same layout back, so ``transformers.AutoModelForCausalLM`` loads
-an exported directory.
+an exported directory. Which HF tensor each param is, and in what layout:
+``models.hf_layout``.
 
     cfg, params = load_pretrained("/ckpt/Qwen2.5-Math-1.5B", dtype=jnp.bfloat16)
     save_pretrained(cfg, params, "/out/step_100")
@@ -15,13 +16,12 @@ an exported directory.
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import json
 import logging
 import os
 import re
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import jax
@@ -30,7 +30,7 @@ import numpy as np
 from safetensors import safe_open
 from safetensors.numpy import save_file
 
-from models import hub, qwen2, sharding
+from models import hf_layout, hub, qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 
@@ -41,91 +41,6 @@ INDEX_FILE = "model.safetensors.index.json"
 # Non-persistent buffers some old checkpoints still carry; recomputed, never loaded.
 _IGNORED = re.compile(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq")
 _LOG_BYTES = 256 * 2**20  # loads above this size log per-parameter progress
-
-
-@dataclasses.dataclass(frozen=True)
-class _Map:
-  """How one of our params relates to a HF tensor (per layer for stacked params).
-
-  The HF tensor, with each dim split into ``groups[i]`` factors, is the "view";
-  our array is ``view.transpose(perm)``.
-  """
-
-  hf_name: str  # "{l}" is the layer index
-  view: Callable[[Qwen2Config], tuple[int, ...]]
-  groups: tuple[int, ...]
-  perm: tuple[int, ...]
-
-
-def _maps(cfg: Qwen2Config) -> dict[str, Any]:
-  """Our param tree with a ``_Map`` at each leaf."""
-  attn = "model.layers.{l}.self_attn."
-  mlp = "model.layers.{l}.mlp."
-  D, F, N, K, H, V = (
-    cfg.hidden_size,
-    cfg.intermediate_size,
-    cfg.num_heads,
-    cfg.num_kv_heads,
-    cfg.head_dim,
-    cfg.vocab_size,
-  )
-  layers = {
-    "attn_norm": _Map("model.layers.{l}.input_layernorm.weight", lambda c: (D,), (1,), (0,)),
-    "mlp_norm": _Map(
-      "model.layers.{l}.post_attention_layernorm.weight", lambda c: (D,), (1,), (0,)
-    ),
-    "q_kernel": _Map(attn + "q_proj.weight", lambda c: (N, H, D), (2, 1), (2, 0, 1)),
-    "k_kernel": _Map(attn + "k_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
-    "v_kernel": _Map(attn + "v_proj.weight", lambda c: (K, H, D), (2, 1), (2, 0, 1)),
-    "o_kernel": _Map(attn + "o_proj.weight", lambda c: (D, N, H), (1, 2), (1, 2, 0)),
-    "gate_kernel": _Map(mlp + "gate_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
-    "up_kernel": _Map(mlp + "up_proj.weight", lambda c: (F, D), (1, 1), (1, 0)),
-    "down_kernel": _Map(mlp + "down_proj.weight", lambda c: (D, F), (1, 1), (1, 0)),
-  }
-  if cfg.qkv_bias:  # Qwen2
-    layers["q_bias"] = _Map(attn + "q_proj.bias", lambda c: (N, H), (2,), (0, 1))
-    layers["k_bias"] = _Map(attn + "k_proj.bias", lambda c: (K, H), (2,), (0, 1))
-    layers["v_bias"] = _Map(attn + "v_proj.bias", lambda c: (K, H), (2,), (0, 1))
-  if cfg.qk_norm:  # Qwen3
-    layers["q_norm"] = _Map(attn + "q_norm.weight", lambda c: (H,), (1,), (0,))
-    layers["k_norm"] = _Map(attn + "k_norm.weight", lambda c: (H,), (1,), (0,))
-  maps: dict[str, Any] = {
-    "embed": _Map("model.embed_tokens.weight", lambda c: (V, D), (1, 1), (0, 1)),
-    "layers": layers,
-    "final_norm": _Map("model.norm.weight", lambda c: (D,), (1,), (0,)),
-  }
-  if not cfg.tie_word_embeddings:
-    maps["lm_head"] = _Map("lm_head.weight", lambda c: (V, D), (1, 1), (1, 0))
-  return maps
-
-
-def _hf_shape(m: _Map, cfg: Qwen2Config) -> tuple[int, ...]:
-  view, shape, i = m.view(cfg), [], 0
-  for g in m.groups:
-    shape.append(int(np.prod(view[i : i + g])))
-    i += g
-  return tuple(shape)
-
-
-def _leaves(cfg: Qwen2Config) -> list[tuple[tuple[str, ...], _Map]]:
-  """(tree path, map) of every param, in canonical order."""
-  maps = _maps(cfg)
-  out: list[tuple[tuple[str, ...], _Map]] = [(("embed",), maps["embed"])]
-  out += [(("layers", k), m) for k, m in maps["layers"].items()]
-  out.append((("final_norm",), maps["final_norm"]))
-  if "lm_head" in maps:
-    out.append((("lm_head",), maps["lm_head"]))
-  return out
-
-
-def expected_tensors(cfg: Qwen2Config) -> dict[str, tuple[int, ...]]:
-  """HF tensor name -> shape of a checkpoint of ``cfg`` (lm_head only when untied)."""
-  out = {}
-  for path, m in _leaves(cfg):
-    layers = range(cfg.num_layers) if path[0] == "layers" else [None]
-    for l in layers:
-      out[m.hf_name.format(l=l)] = _hf_shape(m, cfg)
-  return out
 
 
 # --- reading -----------------------------------------------------------------
@@ -146,7 +61,7 @@ class _ArraySlice:
 
 def _check_tensors(cfg: Qwen2Config, tensors: Mapping[str, Any], source: str) -> None:
   """Raises naming every missing, unexpected or mis-shaped tensor."""
-  expected = expected_tensors(cfg)
+  expected = hf_layout.expected_tensors(cfg)
   problems = []
   for name, shape in expected.items():
     if name not in tensors:
@@ -188,7 +103,9 @@ def _check_tied(cfg: Qwen2Config, tensors: Mapping[str, Any], source: str) -> No
       )
 
 
-def _read_view(src: Any, m: _Map, cfg: Qwen2Config, our_idx: tuple[slice, ...]) -> np.ndarray:
+def _read_view(
+  src: Any, m: hf_layout.TensorMap, cfg: Qwen2Config, our_idx: tuple[slice, ...]
+) -> np.ndarray:
   """Our-layout slice ``our_idx`` of one HF tensor, reading only a covering slice."""
   view = m.view(cfg)
   view_idx: list[slice] = [slice(None)] * len(view)
@@ -223,9 +140,12 @@ def _build(cfg: Qwen2Config, tensors: Mapping[str, Any], shardings: Any, source:
       f"tree {jax.tree.structure(shapes)}"
     )
   dtype = np.dtype(cfg.weight_dtype)
-  leaves = _leaves(cfg)
+  leaves = hf_layout.leaves(cfg)
   total = (
-    sum(np.prod(_hf_shape(m, cfg)) * (cfg.num_layers if p[0] == "layers" else 1) for p, m in leaves)
+    sum(
+      np.prod(hf_layout.hf_shape(m, cfg)) * (cfg.num_layers if p[0] == "layers" else 1)
+      for p, m in leaves
+    )
     * dtype.itemsize
   )
   level = logging.INFO if total >= _LOG_BYTES else logging.DEBUG
@@ -359,11 +279,11 @@ def state_dict_from_params(
   """HF-named numpy arrays (in ``dtype``, default ``cfg.param_dtype``) of params."""
   np_dtype = np.dtype(dtype or cfg.weight_dtype)
   out = {}
-  for path, m in _leaves(cfg):
+  for path, m in hf_layout.leaves(cfg):
     x = params[path[0]] if len(path) == 1 else params["layers"][path[1]]
     inverse = tuple(np.argsort(m.perm))
     x = sharding.to_host(x).astype(np_dtype)
-    hf_shape = _hf_shape(m, cfg)
+    hf_shape = hf_layout.hf_shape(m, cfg)
     if path[0] == "layers":
       for l in range(cfg.num_layers):
         out[m.hf_name.format(l=l)] = np.ascontiguousarray(x[l].transpose(inverse).reshape(hf_shape))

@@ -1,4 +1,4 @@
-"""Tests of capo_jax.data.datasets: loaders, registry, bad rows, the resumable prompt iterator."""
+"""Tests of capo_jax.data: loading and registry (datasets), bad rows (rows), iterator (order)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from capo_jax.data import datasets as data
+from capo_jax.data import order
 
 
 def _readme_counts(shared_data) -> dict[str, int]:
@@ -168,35 +169,36 @@ def _ids(batch: list[data.Example]) -> list[int]:
 
 def test_each_epoch_is_a_fresh_permutation() -> None:
   n, bs = 10, 4  # batches straddle epoch ends
-  it = data.PromptIterator(_examples(n), bs, seed=3)
+  it = order.PromptIterator(_examples(n), bs, seed=3)
   stream = [i for _ in range(15) for i in _ids(it.next_batch())]  # 60 items = 6 epochs
   epochs = [stream[k * n : (k + 1) * n] for k in range(6)]
   for ep in epochs:
     assert sorted(ep) == list(range(n))
   assert len({tuple(ep) for ep in epochs}) > 1
   assert it.state() == {"epoch": 6, "position": 0, "seed": 3, "num_examples": n}
-  other = data.PromptIterator(_examples(n), bs, seed=4)
+  other = order.PromptIterator(_examples(n), bs, seed=4)
   assert [_ids(other.next_batch()) for _ in range(3)] != [stream[0:4], stream[4:8], stream[8:12]]
 
 
 def test_state_restore_is_exact_across_epochs() -> None:
-  it = data.PromptIterator(_examples(13), 5, seed=11)
+  it = order.PromptIterator(_examples(13), 5, seed=11)
   for _ in range(7):
     it.next_batch()
   saved = json.loads(json.dumps(it.state()))  # as stored in a checkpoint
   expected = [_ids(it.next_batch()) for _ in range(9)]
-  fresh = data.PromptIterator(_examples(13), 5, seed=0)
+  fresh = order.PromptIterator(_examples(13), 5, seed=0)
   fresh.restore(saved)
   assert [_ids(fresh.next_batch()) for _ in range(9)] == expected
   with pytest.raises(ValueError, match="for 13 examples, this dataset has 12"):
-    data.PromptIterator(_examples(12), 5, seed=11).restore(saved)
+    order.PromptIterator(_examples(12), 5, seed=11).restore(saved)
 
 
 def test_multi_host_shares_form_the_global_batch() -> None:
   exs, bs, procs = _examples(37), 8, 4
-  single = data.PromptIterator(exs, bs, seed=5)
+  single = order.PromptIterator(exs, bs, seed=5)
   hosts = [
-    data.PromptIterator(exs, bs, seed=5, process_index=p, process_count=procs) for p in range(procs)
+    order.PromptIterator(exs, bs, seed=5, process_index=p, process_count=procs)
+    for p in range(procs)
   ]
   for _ in range(12):
     shares = [_ids(h.next_batch()) for h in hosts]
@@ -204,4 +206,4 @@ def test_multi_host_shares_form_the_global_batch() -> None:
     assert [i for s in shares for i in s] == _ids(single.next_batch())
   assert len({str(h.state()) for h in hosts}) == 1
   with pytest.raises(ValueError, match="multiple of process_count"):
-    data.PromptIterator(exs, 6, seed=0, process_count=4)
+    order.PromptIterator(exs, 6, seed=0, process_count=4)

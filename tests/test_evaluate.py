@@ -13,7 +13,7 @@ import pytest
 
 import eval_files
 import hf_utils
-from capo_jax.data import rewards
+from capo_jax.data import answers, rewards
 from capo_jax.eval import calibration as cal
 from capo_jax.eval import cli as eval_cli
 from capo_jax.eval import evaluate, report
@@ -161,7 +161,7 @@ def test_evaluate_policy_uses_the_reward_grader(policy, tmp_path):
   golds = [e.answer for e in exs + exs[::-1] for _ in range(G)]
   want, _ = rewards.score_serial([r.completion for r in recs], golds)
   assert [r.correct for r in recs] == (want > 0).tolist()
-  assert all(r.answer == rewards.extract_answer(r.completion)[0] for r in recs)
+  assert all(r.answer == answers.extract_answer(r.completion)[0] for r in recs)
 
 
 def test_load_policy_prefers_export_then_checkpoint(policy, tmp_path):

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import hf_utils
-from models import hf_weights, qwen2
+from models import hf_layout, hf_weights, qwen2
 from models.config import Qwen2Config
 
 forward = jax.jit(qwen2.forward, static_argnums=1)
@@ -93,7 +93,7 @@ def test_save_sharded_and_transformers_loads_it(tmp_path):
   index = json.loads((tmp_path / hf_weights.INDEX_FILE).read_text())
   files = sorted(set(index["weight_map"].values()))
   assert len(files) > 2 and all(os.path.getsize(tmp_path / f) < 80_000 for f in files)
-  assert set(index["weight_map"]) == set(hf_weights.expected_tensors(cfg))
+  assert set(index["weight_map"]) == set(hf_layout.expected_tensors(cfg))
   reloaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path).eval()
   tokens, mask = _batch()
   np.testing.assert_array_equal(

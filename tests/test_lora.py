@@ -15,6 +15,7 @@ import pytest
 import hf_utils
 import rl_driver
 from batches import HostBatch
+from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import TrainBatch
 from capo_jax.rl.optim import OptimConfig
@@ -117,7 +118,7 @@ def _train_batch(B: int, P: int = 5, C: int = 6) -> TrainBatch:
 
 
 def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp_path):
-  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, weight_decay=0.0), lora=LCFG)
+  tcfg = state_lib.TrainConfig(optim=OptimConfig(learning_rate=1e-2, weight_decay=0.0), lora=LCFG)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 1, "tensor": 1}, devices=jax.devices()[:1])
   base = jax.device_put(
     qwen2.init_params(CFG, jax.random.key(0)),
@@ -125,14 +126,14 @@ def test_a_train_step_changes_only_the_adapters_with_the_chain_rule_gradient(tmp
   )
   base_before = jax.tree.map(np.array, base)
   ad = _nonzero_adapters(qwen2.param_shapes(CFG), seed=7)
-  state = ts.train_state_from_params(ad, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
+  state = state_lib.train_state_from_params(ad, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
   batch = _train_batch(4)
 
   # The LoRA gradient against the chain rule through the full-weight gradient
   # at the merged weights: dA = s * dW B^T, dB = s * A^T dW.
   # Jitted: one compile each instead of an eager op-by-op run.
   g_lora = jax.jit(lambda a, b: ts.loss_and_grads(a, batch, CFG, tcfg, base=b)[2])(ad, base)
-  full = ts.TrainConfig(optim=tcfg.optim)
+  full = state_lib.TrainConfig(optim=tcfg.optim)
   g_full = jax.jit(lambda p: ts.loss_and_grads(p, batch, CFG, full)[2])(merge(base, ad, LCFG))
   s = LCFG.scale
   for kernel, n_in in (("q_kernel", 1), ("o_kernel", 2), ("down_kernel", 1)):

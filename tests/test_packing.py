@@ -12,6 +12,7 @@ import pytest
 
 from batches import HostBatch, padded_pass, run_pass
 from capo_jax.rl import logprob_pass, losses, packing
+from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs, token_logprobs
@@ -143,7 +144,7 @@ def test_every_loss_and_gradient_packed_equals_unpacked(setup):
   apply = jax.jit(lambda vjp, cot: vjp(cot)[0])  # one backward compile per layout
   kinds = (losses.Ppo(), losses.Gspo(), losses.Simko(k=J))
   for agg, kind in itertools.product(losses.AGGS, kinds):
-    tcfg = ts.TrainConfig(policy_loss=kind, loss=losses.LossConfig(agg=agg, beta=0.05))
+    tcfg = state_lib.TrainConfig(policy_loss=kind, loss=losses.LossConfig(agg=agg, beta=0.05))
     loss_of = lambda lp: losses.policy_loss(kind, ts.policy_batch(lp, b.seqs(), tcfg), tcfg.loss)[0]
     results = []
     for packed in (False, True):
@@ -169,7 +170,7 @@ def _two_steps(
 ):
   step = ts.make_train_step(cfg, tcfg, mesh, mesh_lib.TRAIN_RULES, rows_per_microbatch)
   trainable = params if base is None else base
-  state = ts.train_state_from_params(trainable, cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
+  state = state_lib.train_state_from_params(trainable, cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
   metrics = []
   for _ in range(2):
     b = batch.train_batch(rows_per_microbatch, pack=pack, row_len=ROW if pack else 0)
@@ -182,7 +183,7 @@ def _two_steps(
 def test_two_training_steps_packed_equal_unpacked(setup):
   params, batch = setup
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  base = ts.TrainConfig(
+  base = state_lib.TrainConfig(
     policy_loss=losses.Simko(k=J),
     loss=losses.LossConfig(agg="token-mean"),
     # eps 1e-4: Adam's 1 / sqrt(v) would blow float noise in
@@ -246,7 +247,7 @@ def test_two_lora_capo_steps_packed_equal_unpacked(setup):
   params, batch = setup
   lcfg, adapters = _lora(params)
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
-  tcfg = ts.TrainConfig(
+  tcfg = state_lib.TrainConfig(
     policy_loss=losses.Ppo(), lora=lcfg, optim=OptimConfig(learning_rate=1e-3, eps=1e-4)
   )
   p0, m0 = _two_steps(

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from capo_jax.data import reward_fns
-from capo_jax.data.datasets import Example
+from capo_jax.data.rows import Example
 
 pytestmark = pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="reads /proc (Linux)")
 

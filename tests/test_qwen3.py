@@ -18,10 +18,11 @@ import pytest
 
 import hf_utils
 from batches import HostBatch
+from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.sampling import sampler as sampling
 from capo_jax.sampling import strategies
-from models import hf_weights, qwen2
+from models import hf_layout, hf_weights, qwen2
 from models.config import Qwen2Config
 from models.kv_cache import init_cache
 
@@ -117,7 +118,7 @@ def test_qwen3_load_export_transformers_round_trip(tmp_path, tied):
   )
   cfg, params = hf_weights.load_pretrained(path)
   assert cfg == Qwen2Config.from_hf(hf_model.config.to_dict())
-  assert set(hf_weights.expected_tensors(cfg)) == set(hf_model.state_dict()) - (
+  assert set(hf_layout.expected_tensors(cfg)) == set(hf_model.state_dict()) - (
     {"lm_head.weight"} if tied else set()
   )
   tokens, mask = hf_utils.left_padded_batch(np.random.default_rng(0), [9, 5], 256)
@@ -255,11 +256,11 @@ def test_qwen3_train_step_matches_torch_gradient():
     jnp.asarray(logp.detach().numpy()),
     jnp.asarray(adv),
   ).train_batch(B)
-  tcfg = ts.TrainConfig(
+  tcfg = state_lib.TrainConfig(
     optim=OptimConfig(learning_rate=1.0, eps=1.0, weight_decay=0.0, grad_clip=0.0)
   )
   step = jax.jit(ts.train_step, static_argnames=("model_cfg", "tcfg"))
-  state, metrics = step(ts.init_train_state(params, tcfg), batch, model_cfg=cfg, tcfg=tcfg)
+  state, metrics = step(state_lib.init_train_state(params, tcfg), batch, model_cfg=cfg, tcfg=tcfg)
   assert int(metrics["skipped"]) == 0
   np.testing.assert_allclose(
     float(metrics["grad_norm"]),

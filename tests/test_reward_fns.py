@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from capo_jax.data import example_rewards, reward_fns, rewards
-from capo_jax.data.datasets import Example
+from capo_jax.data.rows import Example
 from capo_jax.rl import advantages as adv
 from capo_jax.rl import algorithms
 from capo_jax.run import spec as spec_lib

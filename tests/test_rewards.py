@@ -10,7 +10,7 @@ import time
 import numpy as np
 import pytest
 
-from capo_jax.data import rewards
+from capo_jax.data import answers, rewards
 
 BENCHMARKS = ("math500", "aime24", "aime25", "amc23", "minerva_math", "olympiadbench")
 
@@ -44,7 +44,7 @@ def _boxed(s: str) -> str:
   ],
 )
 def test_extract_last_box_with_nested_braces(text: str, expected: str) -> None:
-  assert rewards.extract_answer(text) == (expected, True)
+  assert answers.extract_answer(text) == (expected, True)
 
 
 @pytest.mark.parametrize(
@@ -57,15 +57,15 @@ def test_extract_last_box_with_nested_braces(text: str, expected: str) -> None:
   ],
 )
 def test_fallback_used_only_without_a_box(text: str, expected: str) -> None:
-  assert rewards.extract_answer(text) == (expected, False)
+  assert answers.extract_answer(text) == (expected, False)
   # With a box anywhere, the box wins over any phrase after it.
-  assert rewards.extract_answer(r"\boxed{99} " + text) == ("99", True)
+  assert answers.extract_answer(r"\boxed{99} " + text) == ("99", True)
 
 
 def test_unclosed_or_empty_box_and_no_answer() -> None:
-  assert rewards.extract_answer(r"so \boxed{\frac{1}{2} and then it stopped") == (None, True)
-  assert rewards.extract_answer(r"\boxed{}") == (None, True)
-  assert rewards.extract_answer("I do not know.") == (None, False)
+  assert answers.extract_answer(r"so \boxed{\frac{1}{2} and then it stopped") == (None, True)
+  assert answers.extract_answer(r"\boxed{}") == (None, True)
+  assert answers.extract_answer("I do not know.") == (None, False)
 
 
 # -- equivalence ------------------------------------------------------------------------------
@@ -231,7 +231,7 @@ def test_math500_reference_solutions_match_gold(shared_data, grader: rewards.Gra
   rows = _rows(shared_data, "math500")
   rew, health = grader.score([r["solution"] for r in rows], [r["answer"] for r in rows])
   bad = [
-    (r["id"], r["answer"], rewards.extract_boxed(r["solution"])) for r, x in zip(rows, rew) if not x
+    (r["id"], r["answer"], answers.extract_boxed(r["solution"])) for r, x in zip(rows, rew) if not x
   ]
   for row in bad:
     print("MATH500 disagreement (id, gold, boxed):", row)
@@ -277,7 +277,7 @@ def test_gold_answers_equal_their_forms_and_not_perturbations(
   got, health = grader.score(comps, golds)
   want_arr = np.array(want, np.float32)
   wrong = [
-    (golds[i], rewards.extract_boxed(comps[i]), want[i]) for i in np.flatnonzero(got != want_arr)
+    (golds[i], answers.extract_boxed(comps[i]), want[i]) for i in np.flatnonzero(got != want_arr)
   ]
   assert not wrong, f"{len(wrong)} misjudged (gold, form, expected): {wrong[:20]}"
   assert health.timeout == 0 and len(comps) > 3000

@@ -14,6 +14,7 @@ import host_utils
 import rl_driver
 from batches import padded_pass, run_pass
 from capo_jax.data import datasets as data
+from capo_jax.data import order
 from capo_jax.run import setup
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import metrics, run_record
@@ -137,15 +138,15 @@ def test_metrics_writer_drops_rows_past_the_restored_step(tmp_path):
 def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
   ds = data.load_examples("deepscaler", data_dir=shared_data)
   n = len(ds.examples)
-  split = data.split_train_val(ds.examples, 1000, 240, seed=0)
+  split = order.split_train_val(ds.examples, 1000, 240, seed=0)
   assert len(split.val) == 240 and len(split.train) == 1000
   val, train = set(split.ids()["val_ids"]), set(split.ids()["train_ids"])
   assert not val & train and len(val) == 240 and len(train) == 1000
-  again = data.split_train_val(list(ds.examples), 1000, 240, seed=0)
+  again = order.split_train_val(list(ds.examples), 1000, 240, seed=0)
   assert again.ids() == split.ids()  # fixed seed: the same split every time
-  other = data.split_train_val(ds.examples, 1000, 240, seed=1)
+  other = order.split_train_val(ds.examples, 1000, 240, seed=1)
   assert other.ids()["val_ids"] != split.ids()["val_ids"]
-  everything = data.split_train_val(ds.examples, 0, 240, seed=0)
+  everything = order.split_train_val(ds.examples, 0, 240, seed=0)
   assert len(everything.train) == n - 240  # train_size 0: all the rest
   # Through the trainer's loader: the ids land in the workdir.
   c = common.get_base_config()
@@ -157,7 +158,7 @@ def test_paper_split_of_the_deepscaler_sample(shared_data, tmp_path):
   assert rec["val_ids"] == [e.id for e in got.val] == split.ids()["val_ids"]
   assert rec["train_ids"] == split.ids()["train_ids"]
   with pytest.raises(data.DataError, match="not enough"):
-    data.split_train_val(ds.examples[:100], 0, 240, seed=0)
+    order.split_train_val(ds.examples[:100], 0, 240, seed=0)
 
 
 def test_an_empty_training_file_is_named_as_empty(assets, tmp_path):

@@ -26,6 +26,7 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
 
   from batches import HostBatch, padded_pass, run_pass
   from capo_jax.rl import packing
+  from capo_jax.rl import train_state as state_lib
   from capo_jax.rl import train_step as ts
   from capo_jax.rl.optim import OptimConfig
   from capo_jax.runtime import mesh as mesh_lib
@@ -36,7 +37,7 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
   cfg = Qwen2Config.tiny()  # D 64, N 4, K 2, F 128, V 256: every axis divides by 2
   B, P, C, Y = 8, 6, 10, 4
   lcfg = lora_lib.LoraConfig(rank=4, alpha=8.0) if use_lora else None
-  tcfg = ts.TrainConfig(
+  tcfg = state_lib.TrainConfig(
     optim=OptimConfig(learning_rate=1e-3, eps=1e-2), lora=lcfg, logprob_chunk_size=4
   )
   rules = mesh_lib.TRAIN_RULES
@@ -62,7 +63,7 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
   ):
     mesh = mesh_lib.make_mesh(axes, devices=devs)
     trained = adapters if lcfg is not None else base
-    state = ts.train_state_from_params(trained, cfg, tcfg, mesh, rules)
+    state = state_lib.train_state_from_params(trained, cfg, tcfg, mesh, rules)
     p_sh = mesh_lib.param_shardings(cfg, mesh, rules)
     base_dev = jax.device_put(base, p_sh)
     lp = padded_pass(cfg, mesh, rules, Y, chunk_size=4, lora=lcfg, layout=layout)

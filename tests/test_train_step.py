@@ -1,4 +1,5 @@
-"""Train step: optimizer, gradient accumulation, non-finite skip, 8-device sharding."""
+"""Train step: gradient accumulation, non-finite skip, 8-device sharding (the optimizer:
+tests/test_optim.py)."""
 
 from __future__ import annotations
 
@@ -15,10 +16,11 @@ import pytest
 
 from batches import HostBatch, padded_pass, run_pass
 from capo_jax.rl import losses
+from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.rl.losses import LossConfig
-from capo_jax.rl.optim import OptimConfig, lr_schedule, make_optimizer
+from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
@@ -44,73 +46,6 @@ def _old_pass(cfg, mesh, params, batch, top_k=0):
     ),
     keys,
   )
-
-
-# --------------------------------------------------------------------------
-# Optimizer.
-# --------------------------------------------------------------------------
-
-
-def test_lr_schedules_by_hand():
-  peak, warm, total, end = 1e-3, 4, 10, 0.1
-  for kind in ("constant", "cosine", "linear"):
-    f = lr_schedule(
-      OptimConfig(
-        learning_rate=peak, warmup_steps=warm, schedule=kind, total_steps=total, end_lr_frac=end
-      )
-    )
-    for step in range(14):
-      if step < warm:
-        want = peak * (step + 1) / warm
-      elif kind == "constant":
-        want = peak
-      else:
-        frac = min((step - warm) / (total - warm), 1.0)
-        shape = 0.5 * (1 + math.cos(math.pi * frac)) if kind == "cosine" else 1 - frac
-        want = peak * end + (peak - peak * end) * shape
-      assert float(f(step)) == pytest.approx(want, rel=1e-5), (kind, step)
-  with pytest.raises(ValueError, match="total_steps"):
-    OptimConfig(schedule="cosine", total_steps=0)
-  with pytest.raises(ValueError, match="schedule"):
-    OptimConfig(schedule="step")
-
-
-def test_adamw_matches_numpy():
-  cfg = OptimConfig(
-    learning_rate=0.1,
-    weight_decay=0.05,
-    grad_clip=1.0,
-    b1=0.8,
-    b2=0.9,
-    decay_norms_and_biases=False,
-  )
-  rng = np.random.default_rng(0)
-  params = {
-    "w_kernel": rng.normal(size=(3, 2)),
-    "w_bias": rng.normal(size=(2,)),
-    "final_norm": rng.normal(size=(2,)),
-  }
-  opt = make_optimizer(cfg)
-  p_jax = jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params)
-  state = opt.init(p_jax)
-  m = {k: np.zeros_like(v) for k, v in params.items()}
-  v = {k: np.zeros_like(x) for k, x in params.items()}
-  p_np = dict(params)
-  for t in range(1, 4):
-    grads = {k: rng.normal(size=x.shape) * (3.0 if t == 2 else 0.1) for k, x in params.items()}
-    norm = math.sqrt(sum((g**2).sum() for g in grads.values()))
-    scale = min(1.0, cfg.grad_clip / norm)
-    for k in p_np:
-      g = grads[k] * scale
-      m[k] = cfg.b1 * m[k] + (1 - cfg.b1) * g
-      v[k] = cfg.b2 * v[k] + (1 - cfg.b2) * g * g
-      step = (m[k] / (1 - cfg.b1**t)) / (np.sqrt(v[k] / (1 - cfg.b2**t)) + cfg.eps)
-      decay = cfg.weight_decay * p_np[k] if k == "w_kernel" else 0.0
-      p_np[k] = p_np[k] - cfg.learning_rate * (step + decay)
-    upd, state = opt.update(jax.tree.map(jnp.asarray, grads), state, p_jax)
-    p_jax = jax.tree.map(lambda a, b: a + b, p_jax, upd)
-  for k in params:
-    np.testing.assert_allclose(np.asarray(p_jax[k]), p_np[k], rtol=2e-5, atol=2e-6)
 
 
 # --------------------------------------------------------------------------
@@ -189,7 +124,7 @@ def _assert_tree_close(got, want, atol=1e-4):
 )
 def test_accumulated_gradient_equals_full_batch(data, agg, micro, remat, chunk):
   params, batch, _ = data
-  tcfg = ts.TrainConfig(loss=LossConfig(agg=agg), logprob_chunk_size=chunk)
+  tcfg = state_lib.TrainConfig(loss=LossConfig(agg=agg), logprob_chunk_size=chunk)
   loss, aux, grads = _loss_and_grads(
     params, batch.train_batch(B // micro), CFG.replace(remat=remat), tcfg
   )
@@ -203,7 +138,7 @@ def test_policy_gradient_at_old_policy(data):
   """At theta = theta_old, grad L = -(1/R) sum_i A_i grad s_i (seq-mean-token-mean)."""
   params, batch, logp = data
   batch = dataclasses.replace(batch, old_logp_BC=jnp.asarray(logp))
-  _, _, grads = _loss_and_grads(params, batch.train_batch(B), CFG, ts.TrainConfig())
+  _, _, grads = _loss_and_grads(params, batch.train_batch(B), CFG, state_lib.TrainConfig())
   m = batch.completion_mask_BC
 
   def weighted_scores(p):
@@ -217,7 +152,7 @@ def test_policy_gradient_at_old_policy(data):
 def test_bfloat16_compute_gradients_are_close(data):
   params, batch, _ = data
   cfg16 = CFG.replace(compute_dtype="bfloat16", remat=True)
-  tcfg = ts.TrainConfig(logprob_chunk_size=4)
+  tcfg = state_lib.TrainConfig(logprob_chunk_size=4)
   loss, _, grads = _loss_and_grads(params, batch.train_batch(B // 2), cfg16, tcfg)
   assert all(g.dtype == jnp.float32 for g in jax.tree.leaves(grads))
   g16 = np.concatenate([np.ravel(g) for g in jax.tree.leaves(grads)])
@@ -243,7 +178,7 @@ def test_bfloat16_gradient_keeps_no_bfloat16_copy_of_the_model():
   )
   shapes = qwen2.param_shapes(cfg)
   layers_bf16 = sum(2 * s.size for s in jax.tree.leaves(shapes["layers"]))
-  tcfg = ts.TrainConfig(logprob_chunk_size=32)
+  tcfg = state_lib.TrainConfig(logprob_chunk_size=32)
   spec = lambda dt, *s: jax.ShapeDtypeStruct(s, dt)  # noqa: E731
   i32, f32 = jnp.int32, jnp.float32
   batch = TrainBatch(  # one micro-batch of two 128-token rows, 96 completion tokens each
@@ -274,7 +209,7 @@ def test_bfloat16_gradient_equals_the_cast_up_front_gradient(data):
   two uses) is now summed in float32 and agrees to bfloat16 precision."""
   params, batch, _ = data
   cfg16 = CFG.replace(compute_dtype="bfloat16", remat=True)
-  tcfg = ts.TrainConfig(logprob_chunk_size=4)
+  tcfg = state_lib.TrainConfig(logprob_chunk_size=4)
   tb = batch.train_batch(B)
   _, _, ours = _loss_and_grads(params, tb, cfg16, tcfg)
   _, _, first = _loss_and_grads(ts.compute_params(params, cfg16), tb, cfg16, tcfg)
@@ -292,7 +227,7 @@ def test_bfloat16_gradient_equals_the_cast_up_front_gradient(data):
 
 def test_simko_needs_old_topk_and_runs(data):
   params, batch, _ = data
-  tcfg = ts.TrainConfig(policy_loss=losses.Simko())
+  tcfg = state_lib.TrainConfig(policy_loss=losses.Simko())
   with pytest.raises(ValueError, match="old_topk_ids_BCJ|correct_B"):
     ts.loss_and_grads(params, batch.train_batch(B), CFG, tcfg)
   mesh = mesh_lib.make_mesh({"data": 1}, devices=jax.devices()[:1])
@@ -321,8 +256,8 @@ def test_step_skips_non_finite_then_updates(data):
   # Adam's first update is lr * g / (|g| + eps): with eps = 1e-8 it is sign(g), which turns
   # float rounding in near-zero entries into visible differences and hides g's scale.
   ocfg = OptimConfig(learning_rate=1e-2, weight_decay=0.1, grad_clip=1e9, eps=1e-2)
-  tcfg = ts.TrainConfig(optim=ocfg)
-  state = ts.train_state_from_params(params, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
+  tcfg = state_lib.TrainConfig(optim=ocfg)
+  state = state_lib.train_state_from_params(params, CFG, tcfg, mesh, mesh_lib.TRAIN_RULES)
   step = ts.make_train_step(CFG, tcfg, mesh, mesh_lib.TRAIN_RULES, B // 2)
   p0 = jax.tree.map(np.asarray, params)
   bad = dataclasses.replace(batch, adv_B=batch.adv_B.at[2].set(jnp.nan))
@@ -356,7 +291,7 @@ def _sharded_check() -> None:
   assert len(jax.devices()) == 8
   cfg = Qwen2Config.tiny()  # D 64, N 4, K 2, F 128, V 256: all divisible by 2
   # eps 1e-2: see test_step_skips_non_finite_then_updates (first Adam step ~ sign(g)).
-  tcfg = ts.TrainConfig(optim=OptimConfig(learning_rate=1e-2, eps=1e-2))
+  tcfg = state_lib.TrainConfig(optim=OptimConfig(learning_rate=1e-2, eps=1e-2))
   rules = mesh_lib.TRAIN_RULES
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, 256, (B, P)).astype(np.int32)
@@ -370,7 +305,7 @@ def _sharded_check() -> None:
     ("eight", {"data": 2, "fsdp": 2, "tensor": 2}, None),
   ):
     mesh = mesh_lib.make_mesh(axes, devices=devs)
-    state = ts.create_train_state(cfg, tcfg, jax.random.key(1), mesh, rules)
+    state = state_lib.create_train_state(cfg, tcfg, jax.random.key(1), mesh, rules)
     if old is None:  # one device; the same host array feeds both runs
       old = (
         np.asarray(

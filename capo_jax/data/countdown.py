@@ -30,8 +30,8 @@ import random
 from fractions import Fraction
 from typing import Callable
 
-from capo_jax.data.datasets import Example
-from capo_jax.data.rewards import extract_answer
+from capo_jax.data.answers import extract_answer
+from capo_jax.data.rows import Example
 
 MAX_EXPR_LEN = 200  # longer answers are wrong without being parsed
 _OPS: dict[type, Callable[[Fraction, Fraction], Fraction]] = {

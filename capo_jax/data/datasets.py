@@ -1,4 +1,4 @@
-"""Math datasets: loading with a field mapping, a named registry, and a resumable iterator.
+"""Math datasets: a named registry, and loading a file or registry name with a field mapping.
 
 Local files are JSON Lines (one object per line), JSON (a list of objects, or an object holding
 one) or parquet (needs pyarrow). A name from `REGISTRY` resolves to a file in the data dir
@@ -9,36 +9,16 @@ Cloud Storage (``gs://``; see `capo_jax.runtime.fs`).
 
 from __future__ import annotations
 
-import collections
 import dataclasses
 import importlib
-import json
-import logging
 import os
-from typing import Any, Iterator, Sequence
+from typing import Any, Iterator
 
-import numpy as np
-
+# The split and the iterator live in capo_jax.data.order; run/setup.py and run/trainer.py
+# still reach them here as `data.Split`, `data.split_train_val`, `data.PromptIterator`.
+from capo_jax.data.order import PromptIterator, Split, split_train_val  # noqa: F401
+from capo_jax.data.rows import DataError, Example, read_rows, to_example
 from capo_jax.runtime import fs
-
-log = logging.getLogger(__name__)
-
-# Our field -> the source keys tried in order, unless a field map says otherwise.
-DEFAULT_FIELDS: dict[str, tuple[str, ...]] = {
-  "id": ("id", "unique_id", "idx"),
-  "problem": ("problem", "question"),
-  "answer": ("answer", "final_answer"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Example:
-  """One question: `meta` holds every other field of the source row (solution, level...)."""
-
-  id: str
-  problem: str
-  answer: str
-  meta: dict = dataclasses.field(default_factory=dict, compare=False, hash=False)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,10 +80,6 @@ REGISTRY: dict[str, DatasetSpec] = {
 }
 
 
-class DataError(ValueError):
-  """A bad row or file; the message names the file and line (or row)."""
-
-
 @dataclasses.dataclass
 class Dataset:
   """Loaded examples plus what was skipped (only with ``skip_bad=True``)."""
@@ -147,93 +123,6 @@ def resolve(
       if (d / fname).is_file():
         return d / fname
   return spec
-
-
-def _text(value: Any) -> str:
-  """Source values as strings: 27.0 -> "27"; a list (OlympiadBench) -> ", "-joined."""
-  if isinstance(value, bool):
-    return str(value)
-  if isinstance(value, float) and value.is_integer():
-    return str(int(value))
-  if isinstance(value, (list, tuple)):
-    return ", ".join(_text(v) for v in value)
-  return value.strip() if isinstance(value, str) else str(value)
-
-
-def _to_example(
-  row: Any,
-  where: str,
-  default_id: str,
-  field_map: dict[str, str] | None,
-  answer_from: str | None = None,
-) -> Example:
-  if not isinstance(row, dict):
-    raise DataError(f"{where}: expected a JSON object, got {type(row).__name__}")
-  used, values = set(), {}
-  for field, keys in DEFAULT_FIELDS.items():
-    keys = (field_map[field],) if field_map and field in field_map else keys
-    key = next((k for k in keys if k in row and row[k] is not None), None)
-    if key is None and field == "answer" and answer_from and answer_from in row:
-      from capo_jax.data.rewards import extract_boxed  # noqa: PLC0415
-
-      key, value = answer_from, extract_boxed(_text(row[answer_from])) or ""
-    elif key is None:
-      if field == "id":
-        values[field] = default_id
-        continue
-      raise DataError(f"{where}: missing field {field!r} (looked for {', '.join(keys)})")
-    else:
-      used.add(key)
-      value = _text(row[key])
-    if not value and field != "id":
-      raise DataError(f"{where}: empty {field!r} (field {key!r})")
-    values[field] = value or default_id
-  meta = {k: v for k, v in row.items() if k not in used}
-  return Example(id=values["id"], problem=values["problem"], answer=values["answer"], meta=meta)
-
-
-def _read_rows(path: fs.Path) -> Iterator[tuple[str, Any]]:
-  """(location, row or the exception that made it unreadable) for each row of a file."""
-  suffix = path.suffix.lower()
-  if suffix in (".jsonl", ".ndjson"):
-    with path.open("rb") as f:
-      for lineno, raw in enumerate(f, 1):
-        if not raw.strip():
-          continue
-        where = f"{path}:{lineno}"
-        try:
-          yield where, json.loads(raw.decode("utf-8"))
-        except (UnicodeDecodeError, json.JSONDecodeError) as e:
-          yield where, DataError(f"{where}: invalid JSON ({e})")
-  elif suffix == ".json":
-    try:
-      data = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
-      line = getattr(e, "lineno", "?")
-      raise DataError(f"{path}:{line}: invalid JSON ({e})") from e
-    if isinstance(data, dict):
-      lists = [v for v in data.values() if isinstance(v, list)]
-      if len(lists) != 1:
-        raise DataError(f"{path}: expected a list of rows, or an object holding exactly one")
-      data = lists[0]
-    if not isinstance(data, list):
-      raise DataError(f"{path}: expected a list of rows, got {type(data).__name__}")
-    for i, row in enumerate(data):
-      yield f"{path}: row {i}", row
-  elif suffix == ".parquet":
-    try:
-      import pyarrow.parquet as pq  # noqa: PLC0415 -- optional dependency
-    except ImportError as e:
-      raise ImportError(
-        f"reading {path} needs the package 'pyarrow' (pip install pyarrow), "
-        "which is not installed; or convert the file to JSONL"
-      ) from e
-    with path.open("rb") as f:
-      rows = pq.read_table(f).to_pylist()
-    for i, row in enumerate(rows):
-      yield f"{path}: row {i}", row
-  else:
-    raise DataError(f"{path}: unknown format {suffix!r} (use .jsonl, .json or .parquet)")
 
 
 def _hub_rows(spec: DatasetSpec) -> Iterator[tuple[str, Any]]:
@@ -285,13 +174,13 @@ def load_examples(
     field_map = field_map or target.field_map
     answer_from = target.answer_from
   else:
-    rows, stem, source, answer_from = _read_rows(target), target.stem, str(target), None
+    rows, stem, source, answer_from = read_rows(target), target.stem, str(target), None
   out = Dataset(source=source, examples=[])
   for n, (where, row) in enumerate(rows):
     try:
       if isinstance(row, Exception):
         raise row
-      out.examples.append(_to_example(row, where, f"{stem}/{n}", field_map, answer_from))
+      out.examples.append(to_example(row, where, f"{stem}/{n}", field_map, answer_from))
     except DataError as e:
       if not skip_bad:
         raise
@@ -299,142 +188,3 @@ def load_examples(
       if len(out.skipped) < 20:
         out.skipped.append(str(e))
   return out
-
-
-@dataclasses.dataclass(frozen=True)
-class Split:
-  """A training set and the held-out validation set drawn from the same file."""
-
-  train: list[Example]
-  val: list[Example]
-
-  def ids(self) -> dict[str, list[str]]:
-    return {"train_ids": [e.id for e in self.train], "val_ids": [e.id for e in self.val]}
-
-
-def split_train_val(
-  examples: Sequence[Example],
-  train_size: int,
-  val_size: int,
-  seed: int,
-  source: str = "the training data",
-) -> Split:
-  """A fixed-seed split: ``val_size`` held-out questions, then ``train_size`` for training.
-
-  The paper trains on 20,000 DeepScaleR problems and validates on 240 others.
-  One permutation of (seed) orders the file; the first ``val_size`` are the
-  validation set and the next ``train_size`` (0: all the rest) the training
-  set, so the two never overlap. Ids must be unique (they name the split).
-  """
-  if train_size < 0 or val_size < 0:
-    raise ValueError(f"train_size ({train_size}) and val_size ({val_size}) must be >= 0")
-  counts = collections.Counter(e.id for e in examples)
-  dup = next((i for i, n in counts.items() if n > 1), None)
-  if dup is not None:
-    raise DataError(
-      f"{source}: question id {dup!r} appears more than once; the split needs unique ids"
-    )
-  if val_size >= len(examples):
-    raise DataError(
-      f"{source}: {len(examples)} questions, not enough for a validation set "
-      f"of {val_size} plus training questions (config.data.val_size)"
-    )
-  order = np.random.default_rng(seed).permutation(len(examples))
-  val = [examples[i] for i in order[:val_size]]
-  rest = order[val_size:]
-  if train_size and train_size > len(rest):
-    log.warning(
-      "%s: %d questions left after the %d held out, fewer than "
-      "config.data.train_size=%d; training on all of them",
-      source,
-      len(rest),
-      val_size,
-      train_size,
-    )
-  train = [examples[i] for i in (rest[:train_size] if train_size else rest)]
-  return Split(train=train, val=val)
-
-
-class PromptIterator:
-  """Endless batches over shuffled epochs; its state restores the stream exactly.
-
-  The stream is the concatenation of per-epoch permutations, each drawn from (seed, epoch),
-  so a batch may span two epochs and every example is seen once per epoch. With several
-  processes, all advance through the same global batch of `batch_size` and each returns only
-  its contiguous share [process_index * b, (process_index + 1) * b), b = batch_size /
-  process_count.
-  """
-
-  def __init__(
-    self,
-    examples: Sequence[Example],
-    batch_size: int,
-    seed: int,
-    *,
-    process_index: int = 0,
-    process_count: int = 1,
-  ) -> None:
-    if not examples:
-      raise ValueError("PromptIterator needs at least one example")
-    if batch_size < 1 or process_count < 1 or batch_size % process_count:
-      raise ValueError(
-        f"batch_size {batch_size} must be a positive multiple of process_count {process_count}"
-      )
-    if not 0 <= process_index < process_count:
-      raise ValueError(f"process_index {process_index} not in [0, {process_count})")
-    self.examples = list(examples)
-    self.batch_size = batch_size
-    self.process_index = process_index
-    self.process_count = process_count
-    self.seed = int(seed)
-    self.epoch = 0
-    self.position = 0
-    self._perm: tuple[int, np.ndarray] | None = None
-
-  def _order(self, epoch: int) -> np.ndarray:
-    if self._perm is None or self._perm[0] != epoch:
-      rng = np.random.default_rng([self.seed, epoch])
-      self._perm = (epoch, rng.permutation(len(self.examples)))
-    return self._perm[1]
-
-  def next_global_indices(self) -> list[int]:
-    """Advances one global batch; returns all its example indices (every process's share)."""
-    out: list[int] = []
-    while len(out) < self.batch_size:
-      order = self._order(self.epoch)
-      take = min(self.batch_size - len(out), len(order) - self.position)
-      out.extend(int(i) for i in order[self.position : self.position + take])
-      self.position += take
-      if self.position == len(order):
-        self.epoch, self.position = self.epoch + 1, 0
-    return out
-
-  def next_batch(self) -> list[Example]:
-    """This process's share of the next global batch."""
-    share = self.batch_size // self.process_count
-    idx = self.next_global_indices()[self.process_index * share : (self.process_index + 1) * share]
-    return [self.examples[i] for i in idx]
-
-  def __iter__(self) -> Iterator[list[Example]]:
-    while True:
-      yield self.next_batch()
-
-  def state(self) -> dict[str, int]:
-    """JSON-friendly state for checkpoints."""
-    return {
-      "epoch": self.epoch,
-      "position": self.position,
-      "seed": self.seed,
-      "num_examples": len(self.examples),
-    }
-
-  def restore(self, state: dict[str, Any]) -> None:
-    """Continues exactly where `state()` was taken (same dataset required)."""
-    n = int(state.get("num_examples", len(self.examples)))
-    if n != len(self.examples):
-      raise ValueError(f"iterator state is for {n} examples, this dataset has {len(self.examples)}")
-    epoch, position = int(state["epoch"]), int(state["position"])
-    if epoch < 0 or not 0 <= position < n:
-      raise ValueError(f"bad iterator state: epoch {epoch}, position {position} (n={n})")
-    self.seed, self.epoch, self.position = int(state["seed"]), epoch, position
-    self._perm = None

@@ -12,8 +12,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from capo_jax.data.datasets import Example
-from capo_jax.data.rewards import extract_answer
+from capo_jax.data.answers import extract_answer
+from capo_jax.data.rows import Example
 
 MAX_CHARS = 2000
 

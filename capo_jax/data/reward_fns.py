@@ -46,7 +46,8 @@ import numpy as np
 
 from capo_jax.data import rewards
 from capo_jax.data._grader_pool import ERROR, OK, TIMEOUT, DeadlinePool
-from capo_jax.data.datasets import REGISTRY, Example
+from capo_jax.data.datasets import REGISTRY
+from capo_jax.data.rows import Example
 
 CHECKERS = {"math": None, "countdown": "capo_jax.data.countdown:is_correct"}
 CORRECT = "correct"  # in reward.fns: the binary label itself, weighted like any f_k

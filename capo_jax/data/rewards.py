@@ -1,4 +1,4 @@
-"""Math rewards: final-answer extraction, answer equivalence and safe, parallel scoring.
+"""Math rewards: answer equivalence and safe, parallel scoring.
 
 A completion is correct when its final answer (the last ``\\boxed{...}`` or ``\\fbox{...}``)
 is mathematically equivalent to the gold answer. Equivalence is decided in two stages:
@@ -11,9 +11,7 @@ is mathematically equivalent to the gold answer. Equivalence is decided in two s
    run in worker processes that the parent kills past a per-item deadline (``_grader_pool``).
    A timed-out item is incorrect and counted in ``RewardHealth.timeout``.
 
-Answer extraction fallbacks, used only when the completion has no box: the last
-"final answer is X", "the answer is X" or "answer: X" (X: the first ``$...$`` after it, else the
-rest of the sentence) in the last 2,000 characters.
+The final answer is found by `capo_jax.data.answers` (the last box, else a fallback phrase).
 """
 
 from __future__ import annotations
@@ -35,11 +33,13 @@ from capo_jax.data._grader_pool import OK as _POOL_OK
 from capo_jax.data._grader_pool import TIMEOUT as _POOL_TIMEOUT
 from capo_jax.data._grader_pool import DeadlinePool
 
+# extract_boxed is also reached here as `rewards.extract_boxed` (demo/, benchmarks/rewards.py).
+from capo_jax.data.answers import extract_answer, extract_boxed  # noqa: F401
+
 logger = logging.getLogger(__name__)
 
 # Answers longer than this skip the fast path (its regexes stay cheap in the parent process).
 _MAX_FAST_LEN = 1000
-_FALLBACK_TAIL = 2000
 
 
 class Status(enum.IntEnum):
@@ -82,72 +82,6 @@ class RewardHealth:
 
   def as_dict(self) -> dict[str, int]:
     return dataclasses.asdict(self)
-
-
-# -- answer extraction ------------------------------------------------------------------------
-
-_BOX_RE = re.compile(r"\\(?:boxed|fbox)(?![a-zA-Z])")
-_BRACE_RE = re.compile(r"\\[{}]|[{}]")
-_FALLBACK_RE = re.compile(r"(?:final answer|\banswer)\s*(?:is\b|:)\s*:?", re.IGNORECASE)
-_INLINE_MATH_RE = re.compile(r"^[^$\n]{0,20}\$([^$]+)\$")
-
-
-def _read_group(text: str, start: int) -> str | None:
-  """Content of the brace group opening at or after `start`; None if unclosed or absent."""
-  i = start
-  while i < len(text) and text[i].isspace():
-    i += 1
-  if i >= len(text):
-    return None
-  if text[i] != "{":  # `\boxed 5`: one token
-    m = re.match(r"[^\s$]+", text[i:])
-    return m.group(0) if m else None
-  depth = 0
-  for m in _BRACE_RE.finditer(text, i):
-    tok = m.group(0)
-    if tok == "{":
-      depth += 1
-    elif tok == "}":
-      depth -= 1
-      if depth == 0:
-        return text[i + 1 : m.start()]
-  return None
-
-
-def _fallback_answer(text: str) -> str | None:
-  tail = text[-_FALLBACK_TAIL:]
-  matches = list(_FALLBACK_RE.finditer(tail))
-  if not matches:
-    return None
-  rest = tail[matches[-1].end() :].replace("**", "")
-  m = _INLINE_MATH_RE.match(rest)
-  if m:
-    return m.group(1).strip()
-  line = rest.strip().split("\n", 1)[0]
-  line = re.split(r"\.\s|\.$", line, maxsplit=1)[0]
-  return line.strip().strip("$").strip() or None
-
-
-def extract_answer(completion: str) -> tuple[str | None, bool]:
-  """Returns (answer, has_box): the last box's content, else a fallback phrase's answer.
-
-  A last box that is never closed (a truncated completion) or empty gives (None, True).
-  """
-  last = None
-  for last in _BOX_RE.finditer(completion):
-    pass
-  if last is not None:
-    content = _read_group(completion, last.end())
-    if content is None or not content.strip():
-      return None, True
-    return content.strip(), True
-  return _fallback_answer(completion), False
-
-
-def extract_boxed(text: str) -> str | None:
-  """Content of the last ``\\boxed{}`` / ``\\fbox{}`` (nested braces kept), or None."""
-  answer, has_box = extract_answer(text)
-  return answer if has_box else None
 
 
 # -- normalisation and the fast path ----------------------------------------------------------

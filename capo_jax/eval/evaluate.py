@@ -24,8 +24,8 @@ import jax
 import numpy as np
 from tqdm import auto as tqdm
 
+from capo_jax.data import answers, reward_fns
 from capo_jax.data import datasets as data
-from capo_jax.data import reward_fns, rewards
 from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.eval import comparison, report, scaling
 from capo_jax.eval import grouping as grouping_lib
@@ -151,7 +151,7 @@ def _evaluate_benchmark(
           question_id=examples[q].id,
           sample_index=r % G,
           completion=texts[r],
-          answer=rewards.extract_answer(texts[r])[0],
+          answer=answers.extract_answer(texts[r])[0],
           correct=bool(correct_B[r]),
           s=min(float(s_B[r]), 0.0),
           length=int(length_B[r]),

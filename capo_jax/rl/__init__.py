@@ -4,7 +4,8 @@ from capo_jax.rl.algorithms import ALGORITHMS, Estimator
 from capo_jax.rl.batch import TrainBatch
 from capo_jax.rl.losses import LossConfig, PolicyLoss, policy_loss
 from capo_jax.rl.optim import OptimConfig
-from capo_jax.rl.train_step import TrainConfig, TrainState, make_train_step
+from capo_jax.rl.train_state import TrainConfig, TrainState
+from capo_jax.rl.train_step import make_train_step
 
 __all__ = [
   "ALGORITHMS",

@@ -16,6 +16,7 @@ from typing import Any
 
 import jax
 
+from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.rl.packing import RowLayout
@@ -44,7 +45,7 @@ class StepPrograms:
   """
 
   model_cfg: Qwen2Config
-  tcfg: ts.TrainConfig
+  tcfg: state_lib.TrainConfig
   sampling: sampling.SamplingSpec
   sampling_layout: Layout
   logprobs: LogprobPass
@@ -91,7 +92,7 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
     logprobs=logprobs,
     batch_layout=batch_layout,
     train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
-    state_shardings=ts.state_shardings(model_cfg, tcfg, mesh, rules),
+    state_shardings=state_lib.state_shardings(model_cfg, tcfg, mesh, rules),
   )
 
 

@@ -31,7 +31,7 @@ from capo_jax.rl import algorithms, losses, mismatch
 from capo_jax.rl import rollout as rollout_lib  # the name rollout is a RunSpec field
 from capo_jax.rl.algorithms import ALGORITHMS
 from capo_jax.rl.optim import OptimConfig
-from capo_jax.rl.train_step import TrainConfig
+from capo_jax.rl.train_state import TrainConfig
 from capo_jax.run import checks
 from capo_jax.run.sections import (
   SECTIONS,
