@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from capo_jax.sampling import decode
+from capo_jax.sampling import decode, ragged
 from capo_jax.sampling.strategies import Strategy
 from models import kv_cache, qwen2
 from models.config import Qwen2Config
@@ -60,6 +60,11 @@ TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 # blocks. Smaller blocks read less past the longest row; each block is one
 # iteration of a loop inside every layer. Read at each ``generate`` call.
 KV_BLOCK = 128
+# The decode attention (decode.ATTENTION: "auto" is the ragged kernel on TPU, the
+# blocks above elsewhere) and the ragged kernel's columns per copy (a row reads its
+# own length rounded up to it). Read at each ``generate`` call.
+ATTENTION = "auto"
+RAGGED_BLOCK = ragged.BLOCK
 
 
 @jax.tree_util.register_dataclass
@@ -119,6 +124,8 @@ class Plan:
   min_slots: int = 1
   # Move the tail to smaller caches once no row waits (see the module docstring).
   shrink: bool = False
+  attention: str = "auto"  # decode.resolve: ragged on TPU, blocks elsewhere
+  ragged_block: int = ragged.BLOCK
 
   @property
   def prefill_plan(self) -> PrefillPlan:
@@ -354,6 +361,7 @@ def decode_loop(
   B = Q * G
   S = num_columns(P, C, plan.block)
   w = decode.prepare(params, cfg, S)
+  attention = decode.resolve(plan.attention, layout)
   stop0_B = is_stop(first.token_B, stop_ids)
   done0_B = stop0_B | (max_new_tokens <= 1)
   # Rows still going after token 0, in row order, then the finished ones.
@@ -402,8 +410,16 @@ def decode_loop(
     col_W = P + jnp.maximum(s.t_W, 1) - 1
     pos_W = prompts.length_Q[q_W] + jnp.maximum(s.t_W, 1) - 1
     longest = jnp.max(jnp.where(s.active_W, col_W + 1, 1))
+    # A row's real columns: its left-padded prompt's, then its completion's from P on.
+    start_W = jnp.where(s.active_W, P - prompts.length_Q[q_W], col_W + 1)
     where = decode.Where(
-      col_W=col_W, pos_W=pos_W, block=plan.block, num_blocks=-(-longest // plan.block)
+      col_W=col_W,
+      pos_W=pos_W,
+      block=plan.ragged_block if attention == "ragged" else plan.block,
+      num_blocks=-(-longest // plan.block),
+      start_W=start_W,
+      attention=attention,
+      layout=layout,
     )
     logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
     logits_VW = _constrain(layout, logits_VW, ("vocab", "batch"))
