@@ -1,0 +1,95 @@
+"""The ragged decode-attention kernel (Pallas, interpreted on CPU) against the reference.
+
+Reference: ``decode.attend_full`` (the softmax over every column) under the
+mask ``start <= s < end`` per slot. Slots of one token, of the whole cache, a
+left-padded prompt's range, ranges across block edges and an idle slot; grouped
+queries (K kv heads of R query heads each); a cache whose length is not a
+multiple of the block (the last copy moves back). And the kernel never uses a
+block outside a slot's own range: those are NaN here, and the result stays
+finite and equal. The engine's use of it (same samples as the blocked XLA
+attention) is in tests/test_engine.py; its TPU lowering in test_aot_tpu.py.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from capo_jax.sampling import decode, ragged
+
+W, K, R, H = 7, 2, 3, 16
+
+
+def qkv(S: int, dtype=jnp.float32, seed: int = 0):
+  rng = np.random.default_rng(seed)
+  x = lambda *s: jnp.asarray(rng.normal(size=s), dtype)
+  return x(W, K, R, H), x(W, K, H, S), x(W, K, S, H)
+
+
+def reference(q, k, v, start_W, end_W) -> np.ndarray:
+  S = k.shape[-1]
+  cols = np.arange(S)
+  mask_WS = (cols >= np.asarray(start_W)[:, None]) & (cols < np.asarray(end_W)[:, None])
+  return np.asarray(decode.attend_full(q, k, v, jnp.asarray(mask_WS)), np.float32)
+
+
+# (start, end) per slot over S = 40 columns, blocks of 16: one token at column 0,
+# at the last column, in the middle; the whole cache; a prompt from 13 on whose
+# completion crosses two block edges; a range inside one block; an idle slot.
+RANGES_40 = [(0, 1), (39, 40), (20, 21), (0, 40), (13, 35), (17, 30), (25, 25)]
+
+
+@pytest.mark.parametrize("S, block", [(40, 16), (48, 16), (40, 64)])
+def test_ragged_equals_reference_attention(S, block):
+  q, k, v = qkv(S)
+  ranges = [(min(a, S - 1), min(b, S)) if b > a else (a, b) for a, b in RANGES_40]
+  ranges[3] = (0, S)  # the whole cache
+  start_W, end_W = (jnp.asarray(x, jnp.int32) for x in zip(*ranges))
+  got = np.asarray(ragged.attend(q, k, v, start_W, end_W, block=block))
+  want = reference(q, k, v, start_W, end_W)
+  live = np.asarray(end_W > start_W)
+  np.testing.assert_allclose(got[live], want[live], atol=2e-6, rtol=2e-6)
+  np.testing.assert_array_equal(got[~live], 0.0)  # an idle slot reads nothing
+
+
+def test_ragged_never_reads_other_blocks():
+  """Blocks outside a slot's own (whole blocks of 16 columns) are NaN: results unchanged."""
+  S, block = 64, 16
+  q, k, v = qkv(S, seed=1)
+  start_W = jnp.asarray([0, 16, 5, 40, 63, 0, 30], jnp.int32)
+  end_W = jnp.asarray([3, 32, 40, 64, 64, 64, 30], jnp.int32)
+  col_S = np.arange(S)
+  own_WS = (col_S // block >= np.asarray(start_W)[:, None] // block) & (
+    col_S // block <= (np.asarray(end_W)[:, None] - 1) // block
+  )
+  own_WS &= np.asarray(end_W > start_W)[:, None]
+  k_bad = jnp.where(jnp.asarray(own_WS)[:, None, None, :], k, jnp.nan)
+  v_bad = jnp.where(jnp.asarray(own_WS)[:, None, :, None], v, jnp.nan)
+  got = np.asarray(ragged.attend(q, k_bad, v_bad, start_W, end_W, block=block))
+  assert np.isfinite(got).all()
+  live = np.asarray(end_W > start_W)
+  want = reference(q, k, v, start_W, end_W)
+  np.testing.assert_allclose(got[live], want[live], atol=2e-6, rtol=2e-6)
+
+
+def test_ragged_bfloat16_and_many_query_heads():
+  """The model's dtype, and R = 7 query heads per kv head (padded to 8 inside)."""
+  S, block = 96, 32
+  rng = np.random.default_rng(2)
+  q = jnp.asarray(rng.normal(size=(3, 4, 7, 32)), jnp.bfloat16)
+  k = jnp.asarray(rng.normal(size=(3, 4, 32, S)), jnp.bfloat16)
+  v = jnp.asarray(rng.normal(size=(3, 4, S, 32)), jnp.bfloat16)
+  start_W, end_W = jnp.asarray([0, 50, 95]), jnp.asarray([96, 70, 96])
+  got = ragged.attend(q, k, v, start_W, end_W, block=block)
+  assert got.dtype == jnp.bfloat16 and got.shape == q.shape
+  want = reference(q, k, v, start_W, end_W)
+  np.testing.assert_allclose(np.asarray(got, np.float32), want, atol=2e-2, rtol=2e-2)
+
+
+def test_resolve_picks_by_platform():
+  assert decode.resolve("auto") == ("ragged" if jax.default_backend() == "tpu" else "blocks")
+  assert decode.resolve("ragged") == "ragged"
+  with pytest.raises(ValueError, match="decode attention 'paged'"):
+    decode.resolve("paged")
