@@ -12,6 +12,8 @@ attention) is in tests/test_engine.py; its TPU lowering in test_aot_tpu.py.
 
 from __future__ import annotations
 
+import importlib.util
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -93,3 +95,40 @@ def test_resolve_picks_by_platform():
   assert decode.resolve("ragged") == "ragged"
   with pytest.raises(ValueError, match="decode attention 'paged'"):
     decode.resolve("paged")
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.skipif(
+  importlib.util.find_spec("libtpu") is None,
+  reason="libtpu is not installed; run from tools/.venv-tpu (tools/setup_aot_tpu.sh)",
+)
+def test_ragged_kernel_compiles_for_tpu_under_a_layout():
+  """The kernel lowers through Mosaic for a v5e-8 (compiled from this CPU host), in a
+  shard_map over 4 slot shards x 2 kv-head shards: one kernel call per device program,
+  the cache never gathered (the program's arguments are each device's own share)."""
+  from capo_jax.run import aot  # pylint: disable=import-outside-toplevel
+  from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  from models.sharding import Layout  # pylint: disable=import-outside-toplevel
+
+  acc = aot.parse_accelerator("v5e-8")
+  aot.set_tpu_env(acc)
+  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices=aot.topology_devices(acc))
+  layout = Layout.of(mesh, mesh_lib.SAMPLING_RULES)
+  Wn, Kn, Rn, Hn, S = 32, 2, 6, 128, 3328  # 1.5B's heads, a 3,072-token completion
+  cache = layout.sharding(("batch", "kv_heads", None, None), (Wn, Kn, Hn, S))
+  rows = layout.sharding(("batch",), (Wn,))
+  sds = lambda shape, dt, sh: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+  args = (
+    sds((Wn, Kn, Rn, Hn), jnp.bfloat16, cache),
+    sds((Wn, Kn, Hn, S), jnp.bfloat16, cache),
+    sds((Wn, Kn, S, Hn), jnp.bfloat16, cache),
+    sds((Wn,), jnp.int32, rows),
+    sds((Wn,), jnp.int32, rows),
+  )
+  fn = jax.jit(lambda *a: ragged.attend(*a, layout=layout))
+  compiled = fn.lower(*args).compile()
+  text = compiled.as_text()
+  assert text.count("tpu_custom_call") == 1
+  assert "all-gather" not in text and "all-to-all" not in text
+  per_device = Wn // 4 * Kn // 2 * Hn * S * 2  # bytes of one device's keys
+  assert compiled.memory_analysis().temp_size_in_bytes < per_device

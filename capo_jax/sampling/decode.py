@@ -267,7 +267,7 @@ def step(
     q_WKRH, k_WKH, v_WKH = _attention_inputs(w, cfg, p, x_WD, rope_W1)
     ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
     vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
-    if where.attention == "ragged":
+    if where.attention == "ragged" and blocked:  # one block: attend_full reads it all
       assert where.start_W is not None
       out_WKRH = ragged.attend(
         q_WKRH,

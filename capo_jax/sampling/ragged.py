@@ -40,6 +40,7 @@ from models.sharding import Layout
 
 BLOCK = 512  # columns per copy: 256 KiB of bfloat16 keys per kv-head pair at H = 128
 _SUBLANES = 8  # the query heads of a group are padded to whole sublane tiles
+_LANES = 128
 
 
 def _kernel(
@@ -138,6 +139,11 @@ def _local(
   W, K, R, H = q_WKRH.shape
   S = k_WKHS.shape[-1]
   block = min(block, S)
+  if not interpret and (S % _LANES or block % _LANES):
+    # Mosaic copies whole lane tiles: a column offset must be a multiple of 128.
+    raise ValueError(
+      f"ragged.attend on TPU: cache columns ({S}) and block ({block}) must be multiples of {_LANES}"
+    )
   R_pad = -(-R // _SUBLANES) * _SUBLANES
   q = jnp.pad(q_WKRH, ((0, 0), (0, 0), (0, R_pad - R), (0, 0)))
   dt = v_WKSH.dtype
