@@ -26,8 +26,8 @@ import pytest
 
 import hf_utils
 from capo_jax.sampling import decode, engine, strategies
-from capo_jax.sampling.ragged import attend
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling.ragged import attend
 from models import qwen2
 from models.config import Qwen2Config
 
