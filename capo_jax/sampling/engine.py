@@ -10,7 +10,8 @@ columns. Each iteration
    cache (a ``lax.cond``: no copy on steps where no slot frees up, and then
    one slot-sized copy per refilled slot);
 2. decodes one token in all W slots (capo_jax.sampling.decode.step), each at
-   its own column, reading only the cache blocks up to the longest active row;
+   its own column; attention reads each row's own columns (the ragged kernel,
+   on TPU) or the cache blocks up to the longest active row (elsewhere);
 3. writes each active slot's token into the [B, C] outputs at (row, t).
 
 So a rollout costs about (tokens generated) / W steps of W rows instead of
