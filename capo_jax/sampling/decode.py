@@ -220,8 +220,7 @@ def resolve(attention: str, layout: Layout | None = None) -> str:
     raise ValueError(f"decode attention {attention!r} is not one of {ATTENTION}")
   if attention != "auto":
     return attention
-  platform = jax.default_backend() if layout is None else layout.mesh.devices.flat[0].platform
-  return "ragged" if platform == "tpu" else "blocks"
+  return "ragged" if ragged.platform(layout) == "tpu" else "blocks"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -43,6 +43,12 @@ _SUBLANES = 8  # the query heads of a group are padded to whole sublane tiles
 _LANES = 128
 
 
+def platform(layout: Layout | None) -> str:
+  """The platform a program is for: the layout's devices' (a TPU topology compiled ahead
+  of time from a CPU host), else JAX's default backend."""
+  return jax.default_backend() if layout is None else layout.mesh.devices.flat[0].platform
+
+
 def _kernel(
   start_ref,  # SMEM [W] int32
   end_ref,  # SMEM [W] int32
@@ -187,8 +193,7 @@ def attend(
   a CPU host gets the kernel).
   """
   if interpret is None:
-    platform = jax.default_backend() if layout is None else layout.mesh.devices.flat[0].platform
-    interpret = platform != "tpu"
+    interpret = platform(layout) != "tpu"
   local = functools.partial(_local, block=block, interpret=interpret)
   if layout is None:
     return local(q_WKRH, k_WKHS, v_WKSH, start_W, end_W)
