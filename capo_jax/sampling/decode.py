@@ -63,18 +63,21 @@ ATTENTION = ("auto", "blocks", "ragged")  # ``Where.attention``; auto: ``resolve
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotCache:
-  k: tuple[jax.Array, ...]  # per layer [W, K, H, S]
-  v: tuple[jax.Array, ...]  # per layer [W, K, S, H]
+  """Per layer keys [W, K, H, S] and values [W, K, S, H] (blocked attention), or both
+  [W, S, K*H] (ragged attention: capo_jax.sampling.ragged says why)."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   mask_WS: jax.Array  # bool: column holds a real token of the slot's row
 
   @classmethod
-  def empty(cls, cfg: Qwen2Config, num_slots: int, num_cols: int) -> SlotCache:
+  def empty(
+    cls, cfg: Qwen2Config, num_slots: int, num_cols: int, attention: str = "blocks"
+  ) -> SlotCache:
     W, K, H, S = num_slots, cfg.num_kv_heads, cfg.head_dim, num_cols
-    return cls(
-      k=tuple(jnp.zeros((W, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
-      v=tuple(jnp.zeros((W, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
-      mask_WS=jnp.zeros((W, S), jnp.bool_),
-    )
+    shapes = [(W, S, K * H)] * 2 if attention == "ragged" else [(W, K, H, S), (W, K, S, H)]
+    k, v = (tuple(jnp.zeros(s, cfg.dtype) for _ in range(cfg.num_layers)) for s in shapes)
+    return cls(k=k, v=v, mask_WS=jnp.zeros((W, S), jnp.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -264,9 +267,13 @@ def step(
   for l, p in enumerate(w.layers):
     # Each slot writes its token's key / value at its own column, in place.
     q_WKRH, k_WKH, v_WKH = _attention_inputs(w, cfg, p, x_WD, rope_W1)
-    ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
-    vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
-    if where.attention == "ragged" and blocked:  # one block: attend_full reads it all
+    if where.attention == "ragged":
+      ks[l] = ks[l].at[slot_W, where.col_W].set(k_WKH.reshape(W, -1))
+      vs[l] = vs[l].at[slot_W, where.col_W].set(v_WKH.reshape(W, -1))
+    else:
+      ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
+      vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
+    if where.attention == "ragged":
       assert where.start_W is not None
       out_WKRH = ragged.attend(
         q_WKRH,

@@ -46,6 +46,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
 from capo_jax.sampling import decode, ragged
 from capo_jax.sampling.strategies import Strategy
@@ -71,10 +72,10 @@ RAGGED_BLOCK = ragged.BLOCK
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PromptCache:
-  """The prefilled prompts, in the slot cache's per-layer layouts."""
+  """The prefilled prompts, in the slot cache's per-layer layouts (decode.SlotCache)."""
 
-  k: tuple[jax.Array, ...]  # per layer [Q, K, H, P]
-  v: tuple[jax.Array, ...]  # per layer [Q, K, P, H]
+  k: tuple[jax.Array, ...]  # per layer [Q, K, H, P], or [Q, P, K*H] for ragged attention
+  v: tuple[jax.Array, ...]  # per layer [Q, K, P, H], or [Q, P, K*H]
   mask_QP: jax.Array  # bool
   length_Q: jax.Array  # int32: real prompt tokens (the RoPE position of token 0)
 
@@ -96,6 +97,7 @@ class PrefillPlan:
   strategy: Strategy
   num_samples: int  # G
   layout: Layout | None = None
+  attention: str = "blocks"  # the decode's (resolved): it sets the prompt cache's layout
 
 
 @jax.tree_util.register_dataclass
@@ -131,7 +133,8 @@ class Plan:
   @property
   def prefill_plan(self) -> PrefillPlan:
     """The plan of the ``prefill`` whose output this program decodes."""
-    return PrefillPlan(self.cfg, self.strategy, self.num_samples, self.layout)
+    attention = decode.resolve(self.attention, self.layout)
+    return PrefillPlan(self.cfg, self.strategy, self.num_samples, self.layout, attention)
 
   @property
   def phases(self) -> tuple[int, ...]:
@@ -192,8 +195,14 @@ def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]
 
 
 def _constrain_cache(
-  layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]
+  layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], num_kv_heads: int
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  if layout is None:
+    return k, v
+  if k[0].ndim == 3:  # ragged attention's [W, S, K*H]: whole kv heads per device
+    spec = ragged.cache_spec(layout, k[0].shape[0], num_kv_heads)
+    put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    return tuple(map(put, k)), tuple(map(put, v))
   ax = ("batch", "kv_heads", None, None)
   return (tuple(_constrain(layout, x, ax) for x in k), tuple(_constrain(layout, x, ax) for x in v))
 
@@ -242,11 +251,13 @@ def prefill(
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
   token_B, logprob_B = strategy.choose(logits_VB, u_B)
   L = cfg.num_layers
-  k, v = _constrain_cache(
-    layout,
-    tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L)),
-    tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L)),
-  )
+  if plan.attention == "ragged":  # [Q, P, K, H] -> [Q, P, K*H]: a reshape, no copy
+    k_L = tuple(cache.k_LBSKH[l].reshape(Q, P, -1) for l in range(L))
+    v_L = tuple(cache.v_LBSKH[l].reshape(Q, P, -1) for l in range(L))
+  else:
+    k_L = tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L))
+    v_L = tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L))
+  k, v = _constrain_cache(layout, k_L, v_L, cfg.num_kv_heads)
   prompts = PromptCache(k=k, v=v, mask_QP=mask_QP, length_Q=mask_QP.sum(-1, dtype=jnp.int32))
   return prompts, _constrain_rows(layout, FirstTokens(token_B, logprob_B))
 
@@ -315,13 +326,14 @@ def _refill(
 
 
 def _compact(
-  layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out], n: int, num_rows: int
+  plan: Plan, carry: tuple[_Slots, decode.SlotCache, _Out], n: int, num_rows: int
 ) -> tuple[_Slots, decode.SlotCache, _Out]:
   """The active slots (at most ``n``) gathered into a cache of ``n`` slots, in slot order.
 
   A row's cache columns, token count and last token move with it, so its
   next steps compute what they would have in the larger cache.
   """
+  layout = plan.layout
   s, cache, out = carry
   idx_W = jnp.nonzero(s.active_W, size=n, fill_value=0)[0]
   valid_W = jnp.arange(n) < s.active_W.sum(dtype=jnp.int32)
@@ -333,7 +345,10 @@ def _compact(
     next=s.next,
   )
   k, v = _constrain_cache(
-    layout, tuple(x[idx_W] for x in cache.k), tuple(x[idx_W] for x in cache.v)
+    layout,
+    tuple(x[idx_W] for x in cache.k),
+    tuple(x[idx_W] for x in cache.v),
+    plan.cfg.num_kv_heads,
   )
   cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS[idx_W], ("batch", None)))
   return _constrain_rows(layout, slots), cache, out
@@ -360,9 +375,11 @@ def decode_loop(
   W = plan.phases[0]
   Q, P = prompts.mask_QP.shape
   B = Q * G
-  S = num_columns(P, C, plan.block)
-  w = decode.prepare(params, cfg, S)
   attention = decode.resolve(plan.attention, layout)
+  S = num_columns(P, C, plan.block)
+  if attention == "ragged":  # the kernel copies whole 128-column tiles
+    S = -(-S // ragged.LANES) * ragged.LANES
+  w = decode.prepare(params, cfg, S)
   stop0_B = is_stop(first.token_B, stop_ids)
   done0_B = stop0_B | (max_new_tokens <= 1)
   # Rows still going after token 0, in row order, then the finished ones.
@@ -384,8 +401,8 @@ def decode_loop(
     last_W=jnp.zeros((W,), jnp.int32),
     next=jnp.zeros((), jnp.int32),
   )
-  empty = decode.SlotCache.empty(cfg, W, S)
-  k, v = _constrain_cache(layout, empty.k, empty.v)
+  empty = decode.SlotCache.empty(cfg, W, S, attention)
+  k, v = _constrain_cache(layout, empty.k, empty.v, cfg.num_kv_heads)
   cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_WS, ("batch", None)))
   refill = functools.partial(_refill, plan, prompts, first, order_B, num_waiting)
 
@@ -442,7 +459,7 @@ def decode_loop(
       last_W=token_W,
       next=s.next,
     )
-    k, v = _constrain_cache(layout, cache.k, cache.v)
+    k, v = _constrain_cache(layout, cache.k, cache.v, cfg.num_kv_heads)
     cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS, ("batch", None)))
     return _constrain_rows(layout, s), cache, _constrain_rows(layout, out)
 
@@ -450,7 +467,7 @@ def decode_loop(
   phases = plan.phases
   for i, n in enumerate(phases):
     if i:
-      carry = _compact(layout, carry, n, B)
+      carry = _compact(plan, carry, n, B)
     smaller = phases[i + 1] if i + 1 < len(phases) else 0
     carry = jax.lax.while_loop(
       functools.partial(cond, smaller), functools.partial(body, i == 0), carry
