@@ -208,6 +208,19 @@ def test_ragged_attention_gives_the_same_samples(rollouts, monkeypatch, n):
   assert len(calls) == cfg.num_layers and calls[0]["block"] == 32  # the kernel ran
 
 
+@pytest.mark.slow  # ~40 s: two more decode programs
+def test_ragged_attention_through_the_tail_loops(rollouts, monkeypatch):
+  """16 slots, then 4, then 1 (the caches gathered in the ragged [W, S, K*H] layout):
+  the ragged kernel's samples equal the blocked attention's."""
+  cfg, params, tokens, mask, stops, outs = rollouts
+  monkeypatch.setattr(decode, "MIN_ROWS_CPU", 1)
+  ref = run(cfg, params, tokens, mask, Q * G, stops, key=6)
+  assert min(loop_steps(np.asarray(ref.lengths_B), C, (16, 4, 1))) > 0
+  monkeypatch.setattr(engine, "ATTENTION", "ragged")
+  monkeypatch.setattr(engine, "RAGGED_BLOCK", 32)
+  assert_same(ref, run(cfg, params, tokens, mask, 16, stops, key=6))
+
+
 def test_one_token_and_compile_count(rollouts):
   cfg, params, tokens, mask, stops, outs = rollouts
   before = dict(engine.TRACE_COUNTS)
