@@ -17,11 +17,13 @@ advances all W slots by one token (``step``):
   an online softmax. A block past a slot's end is all masked and changes
   nothing (max unchanged, rescale exactly 1, weights exactly 0). Either way a
   row's result does not depend on the other rows in the step.
-- keys as [W, K, H, S] and values as [W, K, S, H], the operand layouts of the
-  two attention matmuls, so no step transposes the cache (with the model's
-  [B, S, K, H] layout XLA transposed every layer's whole cache every step),
-  and one buffer per layer, not a slice of a stacked array (inside the
-  model's layer scan XLA copies every layer's cache slice in and out).
+- blocks: keys as [W, K, H, S] and values as [W, K, S, H], the operand layouts
+  of the two attention matmuls, so no step transposes the cache (with the
+  model's [B, S, K, H] layout XLA:CPU transposed every layer's whole cache every
+  step); ragged: both as [W, S, K*H] (the kernel's layout, and the one the TPU
+  compiler keeps a one-column-per-step cache in; capo_jax.sampling.ragged). One
+  buffer per layer, not a slice of a stacked array (inside the model's layer
+  scan XLA copies every layer's cache slice in and out).
 
 Row-count invariance: a row's logits must not depend on how many slots
 share the step (the engine's samples are the same whatever W). XLA:CPU's
@@ -231,8 +233,8 @@ class Where:
   """Per slot: the column its token is written at and that token's RoPE position;
   ``num_blocks``: the blocks of ``block`` columns that hold any active slot's tokens
   (blocks only; ignored when the cache is one block or less: then attention reads it
-  all). ``start_W``: the slot's first real column (ragged only; an idle slot gives
-  col_W + 1, nothing to read). ``attention``: "blocks" or "ragged" (``resolve``);
+  all). ``start_W``: the slot's first real column (ragged only, which reads through
+  the kernel whatever the cache's size; an idle slot gives col_W + 1, nothing to read). ``attention``: "blocks" or "ragged" (``resolve``);
   ``layout``: the cache's, which the ragged kernel's ``shard_map`` follows."""
 
   col_W: jax.Array
