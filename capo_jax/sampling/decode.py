@@ -234,8 +234,9 @@ class Where:
   ``num_blocks``: the blocks of ``block`` columns that hold any active slot's tokens
   (blocks only; ignored when the cache is one block or less: then attention reads it
   all). ``start_W``: the slot's first real column (ragged only, which reads through
-  the kernel whatever the cache's size; an idle slot gives col_W + 1, nothing to read). ``attention``: "blocks" or "ragged" (``resolve``);
-  ``layout``: the cache's, which the ragged kernel's ``shard_map`` follows."""
+  the kernel whatever the cache's size; an idle slot gives col_W + 1, nothing to
+  read). ``attention``: "blocks" or "ragged" (``resolve``); ``layout``: the
+  cache's, which the ragged kernel's ``shard_map`` follows."""
 
   col_W: jax.Array
   pos_W: jax.Array
