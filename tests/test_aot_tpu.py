@@ -27,6 +27,7 @@ from capo_jax.rl import train_step as ts
 from capo_jax.run import aot, hlo_cost
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
+from capo_jax.sampling import ragged
 from configs import capo_qwen2p5_math_1p5b
 from models import sharding
 
@@ -118,12 +119,14 @@ def test_decode_input_shardings_follow_the_rules(compiled):
   want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
   _assert_same_shardings(params_sh, want, aot.qwen2.param_shapes(model_cfg), "sampling params")
   Q = spec.rollout.prompts_per_call or spec.rollout.num_prompts
-  k_QKHP = prompts_sh.k[0]  # the prompt cache the engine's slots are filled from
-  shape = (Q, model_cfg.num_kv_heads, model_cfg.head_dim, 1)
-  spec = sharding.logical_to_spec(
-    ("batch", "kv_heads", None, None), mesh_lib.SAMPLING_RULES, shape, mesh
-  )
-  assert k_QKHP.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), 4), k_QKHP
+  # The prompt cache the engine's slots are filled from: on TPU in the ragged decode
+  # attention's [Q, P, K*H] layout, prompts over the batch axes and whole kv heads over
+  # the tensor axis (capo_jax.sampling.ragged).
+  k_QPX = prompts_sh.k[0]
+  layout = sharding.Layout.of(mesh, mesh_lib.SAMPLING_RULES)
+  spec = ragged.cache_spec(layout, Q, model_cfg.num_kv_heads)
+  assert "tensor" in jax.tree.leaves(tuple(spec)), spec
+  assert k_QPX.is_equivalent_to(jax.sharding.NamedSharding(mesh, spec), 3), k_QPX
 
 
 def test_hlo_cost_counts_scan_bodies_per_iteration():

@@ -6,7 +6,8 @@ slots) and draws with the uniform of (rng, row, t); teacher-forced log-probs;
 and the same rollout at other slot counts W (all rows, a quarter, 3, which
 does not divide B), unsharded and on 8 fake CPU devices (a subprocess, since
 XLA_FLAGS must be set before jax is imported). Attention blocks of 16 columns
-make the engine's blocked (filled-part only) attention run at these sizes.
+make the engine's blocked (filled-part only) attention run at these sizes; the
+ragged kernel (capo_jax.sampling.ragged, interpreted) gives the same samples.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import pytest
 import hf_utils
 from capo_jax.sampling import decode, engine, strategies
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling.ragged import attend
 from models import qwen2
 from models.config import Qwen2Config
 
@@ -186,6 +188,36 @@ def test_tail_phases_give_the_same_samples(rollouts, monkeypatch):
   ref = run(cfg, params, tokens, mask, Q * G, stops, key=6)
   steps = loop_steps(np.asarray(ref.lengths_B), C, (16, 4, 1))
   assert min(steps) > 0, steps
+  assert_same(ref, run(cfg, params, tokens, mask, 16, stops, key=6))
+
+
+@pytest.mark.parametrize("n", [1, 3, Q * G])
+def test_ragged_attention_gives_the_same_samples(rollouts, monkeypatch, n):
+  """The ragged kernel (decode.resolve's TPU choice, interpreted here) in place of the
+  blocked XLA attention: the same tokens at float32 with one, a few and all rows active.
+
+  Its 32-column copies differ from the 16-column blocks of the reference run (and
+  do not divide the 48-column cache), so the sums are not the same ones.
+  """
+  cfg, params, tokens, mask, stops, outs = rollouts
+  monkeypatch.setattr(engine, "ATTENTION", "ragged")
+  monkeypatch.setattr(engine, "RAGGED_BLOCK", 32)
+  calls = []
+  monkeypatch.setattr(decode.ragged, "attend", lambda *a, **k: calls.append(k) or attend(*a, **k))
+  assert_same(outs[Q * G], run(cfg, params, tokens, mask, n, stops))
+  assert len(calls) == cfg.num_layers and calls[0]["block"] == 32  # the kernel ran
+
+
+@pytest.mark.slow  # ~40 s: two more decode programs
+def test_ragged_attention_through_the_tail_loops(rollouts, monkeypatch):
+  """16 slots, then 4, then 1 (the caches gathered in the ragged [W, S, K*H] layout):
+  the ragged kernel's samples equal the blocked attention's."""
+  cfg, params, tokens, mask, stops, outs = rollouts
+  monkeypatch.setattr(decode, "MIN_ROWS_CPU", 1)
+  ref = run(cfg, params, tokens, mask, Q * G, stops, key=6)
+  assert min(loop_steps(np.asarray(ref.lengths_B), C, (16, 4, 1))) > 0
+  monkeypatch.setattr(engine, "ATTENTION", "ragged")
+  monkeypatch.setattr(engine, "RAGGED_BLOCK", 32)
   assert_same(ref, run(cfg, params, tokens, mask, 16, stops, key=6))
 
 

@@ -8,16 +8,22 @@ advances all W slots by one token (``step``):
 - slot w holds one row: its left-padded prompt in columns [0, P), then its
   completion, token t's key / value at column P + t - 1. Each slot writes at
   its own column (a scatter), so rows of different ages share a step.
-- attention reads only the filled part of the cache: blocks of ``block``
-  columns up to the longest active slot (``num_blocks``, a traced value), with
+- attention reads only the filled part of the cache, one of two ways
+  (``Where.attention``; ``resolve`` picks per platform):
+  ``ragged`` (TPU): a Pallas kernel (capo_jax.sampling.ragged) reads each
+  slot's own columns [``start_W``, col_W] only, in blocks, and an idle slot
+  nothing; ``blocks`` (CPU, GPU): blocks of ``block`` columns up to the longest
+  active slot (``num_blocks``, a traced value) for all slots, an XLA loop with
   an online softmax. A block past a slot's end is all masked and changes
-  nothing (max unchanged, rescale exactly 1, weights exactly 0), so a row's
-  result does not depend on the other rows in the step.
-- keys as [W, K, H, S] and values as [W, K, S, H], the operand layouts of the
-  two attention matmuls, so no step transposes the cache (with the model's
-  [B, S, K, H] layout XLA transposed every layer's whole cache every step),
-  and one buffer per layer, not a slice of a stacked array (inside the
-  model's layer scan XLA copies every layer's cache slice in and out).
+  nothing (max unchanged, rescale exactly 1, weights exactly 0). Either way a
+  row's result does not depend on the other rows in the step.
+- blocks: keys as [W, K, H, S] and values as [W, K, S, H], the operand layouts
+  of the two attention matmuls, so no step transposes the cache (with the
+  model's [B, S, K, H] layout XLA:CPU transposed every layer's whole cache every
+  step); ragged: both as [W, S, K*H] (the kernel's layout, and the one the TPU
+  compiler keeps a one-column-per-step cache in; capo_jax.sampling.ragged). One
+  buffer per layer, not a slice of a stacked array (inside the model's layer
+  scan XLA copies every layer's cache slice in and out).
 
 Row-count invariance: a row's logits must not depend on how many slots
 share the step (the engine's samples are the same whatever W). XLA:CPU's
@@ -45,29 +51,35 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from capo_jax.sampling import ragged
 from models import qwen2
 from models.config import Qwen2Config
 from models.qwen2 import Params
+from models.sharding import Layout
 
 _NEG = float(jnp.finfo(jnp.float32).min)  # finite: a fully masked block stays NaN-free
 MIN_ROWS_CPU = 8  # from 8 rows up every row of a step is computed the same way on CPU
+ATTENTION = ("auto", "blocks", "ragged")  # ``Where.attention``; auto: ``resolve``
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class SlotCache:
-  k: tuple[jax.Array, ...]  # per layer [W, K, H, S]
-  v: tuple[jax.Array, ...]  # per layer [W, K, S, H]
+  """Per layer keys [W, K, H, S] and values [W, K, S, H] (blocked attention), or both
+  [W, S, K*H] (ragged attention: capo_jax.sampling.ragged says why)."""
+
+  k: tuple[jax.Array, ...]
+  v: tuple[jax.Array, ...]
   mask_WS: jax.Array  # bool: column holds a real token of the slot's row
 
   @classmethod
-  def empty(cls, cfg: Qwen2Config, num_slots: int, num_cols: int) -> SlotCache:
+  def empty(
+    cls, cfg: Qwen2Config, num_slots: int, num_cols: int, attention: str = "blocks"
+  ) -> SlotCache:
     W, K, H, S = num_slots, cfg.num_kv_heads, cfg.head_dim, num_cols
-    return cls(
-      k=tuple(jnp.zeros((W, K, H, S), cfg.dtype) for _ in range(cfg.num_layers)),
-      v=tuple(jnp.zeros((W, K, S, H), cfg.dtype) for _ in range(cfg.num_layers)),
-      mask_WS=jnp.zeros((W, S), jnp.bool_),
-    )
+    shapes = [(W, S, K * H)] * 2 if attention == "ragged" else [(W, K, H, S), (W, K, S, H)]
+    k, v = (tuple(jnp.zeros(s, cfg.dtype) for _ in range(cfg.num_layers)) for s in shapes)
+    return cls(k=k, v=v, mask_WS=jnp.zeros((W, S), jnp.bool_))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,16 +218,33 @@ def attend_blocks(
   return (acc_WKRH / l_WKR[..., None]).astype(v_WKSH.dtype)
 
 
+def resolve(attention: str, layout: Layout | None = None) -> str:
+  """The attention ``auto`` stands for: ragged on TPU (the layout's devices' platform
+  when given, so an ahead-of-time TPU compile from a CPU host gets it), else blocks."""
+  if attention not in ATTENTION:
+    raise ValueError(f"decode attention {attention!r} is not one of {ATTENTION}")
+  if attention != "auto":
+    return attention
+  return "ragged" if ragged.platform(layout) == "tpu" else "blocks"
+
+
 @dataclasses.dataclass(frozen=True)
 class Where:
   """Per slot: the column its token is written at and that token's RoPE position;
   ``num_blocks``: the blocks of ``block`` columns that hold any active slot's tokens
-  (ignored when the cache is one block or less: then attention reads it all)."""
+  (blocks only; ignored when the cache is one block or less: then attention reads it
+  all). ``start_W``: the slot's first real column (ragged only, which reads through
+  the kernel whatever the cache's size; an idle slot gives col_W + 1, nothing to
+  read). ``attention``: "blocks" or "ragged" (``resolve``); ``layout``: the
+  cache's, which the ragged kernel's ``shard_map`` follows."""
 
   col_W: jax.Array
   pos_W: jax.Array
   num_blocks: jax.Array
   block: int
+  start_W: jax.Array | None = None
+  attention: str = "blocks"
+  layout: Layout | None = None
 
 
 def step(
@@ -234,12 +263,31 @@ def step(
   x_WD = w.embed_VD.astype(cfg.dtype)[tokens_W]
   ks, vs = list(cache.k), list(cache.v)
   blocked = S > where.block
+  if where.attention not in ("blocks", "ragged"):
+    raise ValueError(f"decode.step: attention {where.attention!r} is not 'blocks' or 'ragged'")
+  if where.attention == "ragged" and where.start_W is None:
+    raise ValueError("decode.step: ragged attention needs Where.start_W")
   for l, p in enumerate(w.layers):
     # Each slot writes its token's key / value at its own column, in place.
     q_WKRH, k_WKH, v_WKH = _attention_inputs(w, cfg, p, x_WD, rope_W1)
-    ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
-    vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
-    if blocked:
+    if where.attention == "ragged":
+      ks[l] = ks[l].at[slot_W, where.col_W].set(k_WKH.reshape(W, -1))
+      vs[l] = vs[l].at[slot_W, where.col_W].set(v_WKH.reshape(W, -1))
+    else:
+      ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
+      vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
+    if where.attention == "ragged":
+      assert where.start_W is not None
+      out_WKRH = ragged.attend(
+        q_WKRH,
+        ks[l],
+        vs[l],
+        where.start_W,
+        where.col_W + 1,
+        block=where.block,
+        layout=where.layout,
+      )
+    elif blocked:
       out_WKRH = attend_blocks(q_WKRH, ks[l], vs[l], mask_WS, where.num_blocks, where.block)
     else:
       out_WKRH = attend_full(q_WKRH, ks[l], vs[l], mask_WS)

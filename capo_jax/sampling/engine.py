@@ -10,7 +10,8 @@ columns. Each iteration
    cache (a ``lax.cond``: no copy on steps where no slot frees up, and then
    one slot-sized copy per refilled slot);
 2. decodes one token in all W slots (capo_jax.sampling.decode.step), each at
-   its own column, reading only the cache blocks up to the longest active row;
+   its own column; attention reads each row's own columns (the ragged kernel,
+   on TPU) or the cache blocks up to the longest active row (elsewhere);
 3. writes each active slot's token into the [B, C] outputs at (row, t).
 
 So a rollout costs about (tokens generated) / W steps of W rows instead of
@@ -45,8 +46,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
-from capo_jax.sampling import decode
+from capo_jax.sampling import decode, ragged
 from capo_jax.sampling.strategies import Strategy
 from models import kv_cache, qwen2
 from models.config import Qwen2Config
@@ -60,15 +62,20 @@ TRACE_COUNTS: collections.Counter[str] = collections.Counter()
 # blocks. Smaller blocks read less past the longest row; each block is one
 # iteration of a loop inside every layer. Read at each ``generate`` call.
 KV_BLOCK = 128
+# The decode attention (decode.ATTENTION: "auto" is the ragged kernel on TPU, the
+# blocks above elsewhere) and the ragged kernel's columns per copy (a row reads its
+# own length rounded up to it). Read at each ``generate`` call.
+ATTENTION = "auto"
+RAGGED_BLOCK = ragged.BLOCK
 
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PromptCache:
-  """The prefilled prompts, in the slot cache's per-layer layouts."""
+  """The prefilled prompts, in the slot cache's per-layer layouts (decode.SlotCache)."""
 
-  k: tuple[jax.Array, ...]  # per layer [Q, K, H, P]
-  v: tuple[jax.Array, ...]  # per layer [Q, K, P, H]
+  k: tuple[jax.Array, ...]  # per layer [Q, K, H, P], or [Q, P, K*H] for ragged attention
+  v: tuple[jax.Array, ...]  # per layer [Q, K, P, H], or [Q, P, K*H]
   mask_QP: jax.Array  # bool
   length_Q: jax.Array  # int32: real prompt tokens (the RoPE position of token 0)
 
@@ -90,6 +97,7 @@ class PrefillPlan:
   strategy: Strategy
   num_samples: int  # G
   layout: Layout | None = None
+  attention: str = "blocks"  # the decode's (resolved): it sets the prompt cache's layout
 
 
 @jax.tree_util.register_dataclass
@@ -119,11 +127,14 @@ class Plan:
   min_slots: int = 1
   # Move the tail to smaller caches once no row waits (see the module docstring).
   shrink: bool = False
+  attention: str = "auto"  # decode.resolve: ragged on TPU, blocks elsewhere
+  ragged_block: int = ragged.BLOCK
 
   @property
   def prefill_plan(self) -> PrefillPlan:
     """The plan of the ``prefill`` whose output this program decodes."""
-    return PrefillPlan(self.cfg, self.strategy, self.num_samples, self.layout)
+    attention = decode.resolve(self.attention, self.layout)
+    return PrefillPlan(self.cfg, self.strategy, self.num_samples, self.layout, attention)
 
   @property
   def phases(self) -> tuple[int, ...]:
@@ -184,8 +195,14 @@ def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]
 
 
 def _constrain_cache(
-  layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...]
+  layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], num_kv_heads: int
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
+  if layout is None:
+    return k, v
+  if k[0].ndim == 3:  # ragged attention's [W, S, K*H]: whole kv heads per device
+    spec = ragged.cache_spec(layout, k[0].shape[0], num_kv_heads)
+    put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
+    return tuple(map(put, k)), tuple(map(put, v))
   ax = ("batch", "kv_heads", None, None)
   return (tuple(_constrain(layout, x, ax) for x in k), tuple(_constrain(layout, x, ax) for x in v))
 
@@ -234,11 +251,13 @@ def prefill(
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
   token_B, logprob_B = strategy.choose(logits_VB, u_B)
   L = cfg.num_layers
-  k, v = _constrain_cache(
-    layout,
-    tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L)),
-    tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L)),
-  )
+  if plan.attention == "ragged":  # [Q, P, K, H] -> [Q, P, K*H]: a reshape, no copy
+    k_L = tuple(cache.k_LBSKH[l].reshape(Q, P, -1) for l in range(L))
+    v_L = tuple(cache.v_LBSKH[l].reshape(Q, P, -1) for l in range(L))
+  else:
+    k_L = tuple(cache.k_LBSKH[l].transpose(0, 2, 3, 1) for l in range(L))
+    v_L = tuple(cache.v_LBSKH[l].transpose(0, 2, 1, 3) for l in range(L))
+  k, v = _constrain_cache(layout, k_L, v_L, cfg.num_kv_heads)
   prompts = PromptCache(k=k, v=v, mask_QP=mask_QP, length_Q=mask_QP.sum(-1, dtype=jnp.int32))
   return prompts, _constrain_rows(layout, FirstTokens(token_B, logprob_B))
 
@@ -307,13 +326,14 @@ def _refill(
 
 
 def _compact(
-  layout: Layout | None, carry: tuple[_Slots, decode.SlotCache, _Out], n: int, num_rows: int
+  plan: Plan, carry: tuple[_Slots, decode.SlotCache, _Out], n: int, num_rows: int
 ) -> tuple[_Slots, decode.SlotCache, _Out]:
   """The active slots (at most ``n``) gathered into a cache of ``n`` slots, in slot order.
 
   A row's cache columns, token count and last token move with it, so its
   next steps compute what they would have in the larger cache.
   """
+  layout = plan.layout
   s, cache, out = carry
   idx_W = jnp.nonzero(s.active_W, size=n, fill_value=0)[0]
   valid_W = jnp.arange(n) < s.active_W.sum(dtype=jnp.int32)
@@ -325,7 +345,10 @@ def _compact(
     next=s.next,
   )
   k, v = _constrain_cache(
-    layout, tuple(x[idx_W] for x in cache.k), tuple(x[idx_W] for x in cache.v)
+    layout,
+    tuple(x[idx_W] for x in cache.k),
+    tuple(x[idx_W] for x in cache.v),
+    plan.cfg.num_kv_heads,
   )
   cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS[idx_W], ("batch", None)))
   return _constrain_rows(layout, slots), cache, out
@@ -352,7 +375,10 @@ def decode_loop(
   W = plan.phases[0]
   Q, P = prompts.mask_QP.shape
   B = Q * G
+  attention = decode.resolve(plan.attention, layout)
   S = num_columns(P, C, plan.block)
+  if attention == "ragged":  # the kernel copies whole 128-column tiles
+    S = -(-S // ragged.LANES) * ragged.LANES
   w = decode.prepare(params, cfg, S)
   stop0_B = is_stop(first.token_B, stop_ids)
   done0_B = stop0_B | (max_new_tokens <= 1)
@@ -375,8 +401,8 @@ def decode_loop(
     last_W=jnp.zeros((W,), jnp.int32),
     next=jnp.zeros((), jnp.int32),
   )
-  empty = decode.SlotCache.empty(cfg, W, S)
-  k, v = _constrain_cache(layout, empty.k, empty.v)
+  empty = decode.SlotCache.empty(cfg, W, S, attention)
+  k, v = _constrain_cache(layout, empty.k, empty.v, cfg.num_kv_heads)
   cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_WS, ("batch", None)))
   refill = functools.partial(_refill, plan, prompts, first, order_B, num_waiting)
 
@@ -402,8 +428,16 @@ def decode_loop(
     col_W = P + jnp.maximum(s.t_W, 1) - 1
     pos_W = prompts.length_Q[q_W] + jnp.maximum(s.t_W, 1) - 1
     longest = jnp.max(jnp.where(s.active_W, col_W + 1, 1))
+    # A row's real columns: its left-padded prompt's, then its completion's from P on.
+    start_W = jnp.where(s.active_W, P - prompts.length_Q[q_W], col_W + 1)
     where = decode.Where(
-      col_W=col_W, pos_W=pos_W, block=plan.block, num_blocks=-(-longest // plan.block)
+      col_W=col_W,
+      pos_W=pos_W,
+      block=plan.ragged_block if attention == "ragged" else plan.block,
+      num_blocks=-(-longest // plan.block),
+      start_W=start_W,
+      attention=attention,
+      layout=layout,
     )
     logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
     logits_VW = _constrain(layout, logits_VW, ("vocab", "batch"))
@@ -425,7 +459,7 @@ def decode_loop(
       last_W=token_W,
       next=s.next,
     )
-    k, v = _constrain_cache(layout, cache.k, cache.v)
+    k, v = _constrain_cache(layout, cache.k, cache.v, cfg.num_kv_heads)
     cache = decode.SlotCache(k, v, _constrain(layout, cache.mask_WS, ("batch", None)))
     return _constrain_rows(layout, s), cache, _constrain_rows(layout, out)
 
@@ -433,7 +467,7 @@ def decode_loop(
   phases = plan.phases
   for i, n in enumerate(phases):
     if i:
-      carry = _compact(layout, carry, n, B)
+      carry = _compact(plan, carry, n, B)
     smaller = phases[i + 1] if i + 1 < len(phases) else 0
     carry = jax.lax.while_loop(
       functools.partial(cond, smaller), functools.partial(body, i == 0), carry

@@ -161,6 +161,8 @@ def engine_plan(
     block=engine.KV_BLOCK,
     min_slots=decode.MIN_ROWS_CPU if cpu else 1,
     shrink=W < B,
+    attention=engine.ATTENTION,
+    ragged_block=engine.RAGGED_BLOCK,
   )
 
 
