@@ -179,6 +179,14 @@ class _Out:
   stopped_B: jax.Array  # bool: emitted a stop token
 
 
+# The logits a token is drawn from: whole vocabulary rows, the rows over every device
+# (the sampling rules' "choice_rows"). With the weights split over a tensor group the
+# step's logits come out vocab-split; the strategies' two-level draw reshapes the
+# vocabulary into blocks of 128, which a vocab split need not keep whole, so the rows
+# are exchanged first (all-to-all: each chip gets 1 / group of its rows, whole).
+CHOICE_AXES = (None, "choice_rows")
+
+
 def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   return x if layout is None else layout.constrain(x, axes)
 
@@ -229,7 +237,7 @@ def prefill(
   h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
-  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T, ("vocab", "batch"))
+  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T, CHOICE_AXES)
   B = Q * num_samples
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
   token_B, logprob_B = strategy.choose(logits_VB, u_B)
@@ -406,7 +414,7 @@ def decode_loop(
       col_W=col_W, pos_W=pos_W, block=plan.block, num_blocks=-(-longest // plan.block)
     )
     logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
-    logits_VW = _constrain(layout, logits_VW, ("vocab", "batch"))
+    logits_VW = _constrain(layout, logits_VW, CHOICE_AXES)
     token_W, logprob_W = plan.strategy.choose(logits_VW, row_uniforms(rng, s.row_W, s.t_W))
     # Inactive slots write to row B: out of range, dropped.
     row_W = jnp.where(s.active_W, s.row_W, B)
