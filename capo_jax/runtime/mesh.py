@@ -12,8 +12,10 @@ activations and batches use ``"batch"``, and a rule list maps logical names
 to mesh axes (``models.sharding``, on Flax's ``nn.logical_to_mesh_axes``).
 Activations carry names of their own (``models.qwen2.ACT_*``), resolved under the
 program's layout (``models.sharding.activations``). ``TRAIN_RULES`` shard params
-over fsdp and tensor; ``SAMPLING_RULES`` keep params whole on every data /
-fsdp replica (no all-gather per decode step) and split them over tensor only.
+over fsdp and tensor. The sampler has a mesh of its own over the same devices
+(``sampling_mesh``: data x a tensor group of tensor x tensor_q chips), on which
+``SAMPLING_RULES`` split each weight over the tensor group (no all-gather per
+decode step: each chip reads 1 / group of the weights a step) and the rows over data.
 A mesh axis that does not divide a dimension is dropped with a log line
 (``models.sharding``), so a tiny model on a big mesh replicates.
 
@@ -45,9 +47,6 @@ from models.sharding import Rules
 log = logging.getLogger(__name__)
 
 MESH_AXES = ("data", "fsdp", "tensor")
-# Every mesh has it too (size 1 unless a sampling mesh splits query heads over it),
-# so the sampling rules resolve on the train mesh as well.
-SAMPLING_AXES = MESH_AXES + ("tensor_q",)
 
 # Logical names: params use those of models.qwen2.param_axes; "batch" is the
 # row axis of every batch / activation array.
@@ -133,7 +132,6 @@ def make_mesh(
       left out are added with size 1, so every rule list resolves.
     devices: devices to use (default: all of ``jax.devices()``, every host's).
       A mesh smaller than this list takes its first devices and logs it.
-      Axes of ``SAMPLING_AXES`` left out are added with size 1 as well.
 
   Raises:
     ValueError: naming the axis and value when the sizes do not fit the devices.
@@ -159,7 +157,7 @@ def make_mesh(
   if total < len(devices):
     log.warning("mesh %s uses %d of %d devices", dict(items), total, len(devices))
     devices = devices[:total]
-  items += [(name, 1) for name in SAMPLING_AXES if name not in dict(items)]
+  items += [(name, 1) for name in MESH_AXES if name not in dict(items)]
   names = tuple(n for n, _ in items)
   shape = tuple(s for _, s in items)
   # Auto axes: shardings are stated at jit boundaries and propagated by XLA.
@@ -214,14 +212,21 @@ def sampling_mesh(mesh: Mesh, model_cfg: Any, tensor: int = 0) -> Mesh:
   if n % tensor:
     raise ValueError(f"sampling tensor group of {tensor} chips: does not divide {n} devices")
   t_kv, t_q = tensor_split(model_cfg, tensor)
-  data = n // tensor
-  one_host = lambda g_TD: all(len({d.process_index for d in g}) == 1 for g in g_TD.T)
   auto = (AxisType.Auto,) * 4
-  if one_host(devices.reshape(data, tensor).T) or not one_host(devices.reshape(tensor, data)):
-    grid = devices.reshape(data, 1, t_kv, t_q)
-    return Mesh(grid, ("data", "fsdp", "tensor", "tensor_q"), axis_types=auto)
-  grid = devices.reshape(t_kv, t_q, data, 1)
-  return Mesh(grid, ("tensor", "tensor_q", "data", "fsdp"), axis_types=auto)
+  if strided_groups([d.process_index for d in devices], tensor):
+    grid = devices.reshape(t_kv, t_q, n // tensor, 1)
+    return Mesh(grid, ("tensor", "tensor_q", "data", "fsdp"), axis_types=auto)
+  grid = devices.reshape(n // tensor, 1, t_kv, t_q)
+  return Mesh(grid, ("data", "fsdp", "tensor", "tensor_q"), axis_types=auto)
+
+
+def strided_groups(process_ids: Sequence[int], tensor: int) -> bool:
+  """Whether groups of ``tensor`` devices, in this order, lie on one host only when
+  taken every n / tensor devices (a train mesh that interleaves the hosts) rather
+  than consecutively."""
+  p = np.asarray(process_ids)
+  one_host = lambda g_GT: bool((g_GT == g_GT[:, :1]).all())
+  return not one_host(p.reshape(-1, tensor)) and one_host(p.reshape(tensor, -1).T)
 
 
 def spec(
