@@ -58,7 +58,6 @@ from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
 from models import hub, qwen2, sharding
-from models.sharding import Layout
 
 # Chips per slice -> the topology string libtpu takes ("<gen>:<chip grid>").
 # v4 and v5p are 3-D tori counted in TensorCores (2 per chip); v5e and v6e are
