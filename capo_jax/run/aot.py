@@ -270,7 +270,8 @@ def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerab
   """The prefill, and a function of its compiled form giving the decode loop."""
   sh = Shapes.from_spec(spec)
   plan = sampler_plan(spec, model_cfg, mesh)
-  mesh, rules = plan.layout.mesh, plan.layout.rules  # the sampler's own mesh
+  layout = programs_lib.sampling_layout(spec, model_cfg, mesh)
+  mesh, rules = layout.mesh, layout.rules  # the sampler's own mesh
   rep = mesh_lib.replicated(mesh)
   params = _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
   key = jax.eval_shape(lambda: jax.random.key(0))
