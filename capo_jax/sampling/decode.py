@@ -45,7 +45,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from models import qwen2
+from models import qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 
@@ -237,6 +237,9 @@ def step(
   for l, p in enumerate(w.layers):
     # Each slot writes its token's key / value at its own column, in place.
     q_WKRH, k_WKH, v_WKH = _attention_inputs(w, cfg, p, x_WD, rope_W1)
+    # Whole on the chips that share a kv head (a sampling mesh's tensor_q): split over
+    # them, the cache update would split too and gather the layer's cache every step.
+    k_WKH, v_WKH = (sharding.constrain(x, ("batch", "act_kv_heads", None)) for x in (k_WKH, v_WKH))
     ks[l] = ks[l].at[slot_W, :, :, where.col_W].set(k_WKH)
     vs[l] = vs[l].at[slot_W, :, where.col_W, :].set(v_WKH)
     if blocked:

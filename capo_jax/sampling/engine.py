@@ -48,7 +48,7 @@ import jax.numpy as jnp
 
 from capo_jax.sampling import decode
 from capo_jax.sampling.strategies import Strategy
-from models import kv_cache, qwen2
+from models import kv_cache, qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout
@@ -151,6 +151,10 @@ def tail_phases(num_slots: int, shards: int = 1, min_slots: int = 1) -> tuple[in
   return tuple(sizes)
 
 
+def _platform(layout: Layout | None) -> str:
+  return jax.default_backend() if layout is None else layout.mesh.devices.flat[0].platform
+
+
 def _batch_shards(layout: Layout | None) -> int:
   """Devices the slot axis is split over: a phase keeps whole shards."""
   if layout is None:
@@ -179,16 +183,22 @@ class _Out:
   stopped_B: jax.Array  # bool: emitted a stop token
 
 
-# The logits a token is drawn from: whole vocabulary rows, the rows over every device
-# (the sampling rules' "choice_rows"). With the weights split over a tensor group the
-# step's logits come out vocab-split; the strategies' two-level draw reshapes the
-# vocabulary into blocks of 128, which a vocab split need not keep whole, so the rows
-# are exchanged first (all-to-all: each chip gets 1 / group of its rows, whole).
-CHOICE_AXES = (None, "choice_rows")
-
-
 def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   return x if layout is None else layout.constrain(x, axes)
+
+
+def _choice_rows(layout: Layout | None, logits_VB: jax.Array) -> jax.Array:
+  """The logits a token is drawn from: whole vocabulary rows, the rows over every device
+  (the sampling rules' "choice_rows").
+
+  With the weights split over a tensor group the logits come out vocab-split; the
+  strategies' two-level draw reshapes the vocabulary into blocks of 128, which a vocab
+  split need not keep whole, so the rows are exchanged first (all-to-all: each chip
+  gets 1 / group of its rows, whole). Pinned vocab-split first: else XLA moves the
+  exchange into the unembedding and gathers the whole table every step.
+  """
+  logits_VB = _constrain(layout, logits_VB, ("vocab", "batch"))
+  return _constrain(layout, logits_VB, (None, "choice_rows"))
 
 
 def _constrain_cache(
@@ -237,7 +247,7 @@ def prefill(
   h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
-  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T, CHOICE_AXES)
+  logits_VB = _choice_rows(layout, jnp.repeat(logits_QV, num_samples, axis=0).T)
   B = Q * num_samples
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
   token_B, logprob_B = strategy.choose(logits_VB, u_B)
@@ -361,7 +371,9 @@ def decode_loop(
   Q, P = prompts.mask_QP.shape
   B = Q * G
   S = num_columns(P, C, plan.block)
-  w = decode.prepare(params, cfg, S)
+  # The program's own platform: a TPU program compiled ahead of time on a CPU host
+  # reads its kernels as stored (decode.prepare), as it will on the chip.
+  w = decode.prepare(params, cfg, S, out_major=_platform(layout) == "cpu")
   stop0_B = is_stop(first.token_B, stop_ids)
   done0_B = stop0_B | (max_new_tokens <= 1)
   # Rows still going after token 0, in row order, then the finished ones.
@@ -413,8 +425,9 @@ def decode_loop(
     where = decode.Where(
       col_W=col_W, pos_W=pos_W, block=plan.block, num_blocks=-(-longest // plan.block)
     )
-    logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
-    logits_VW = _constrain(layout, logits_VW, CHOICE_AXES)
+    with sharding.activations(layout):  # the step's activation constraints
+      logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
+    logits_VW = _choice_rows(layout, logits_VW)
     token_W, logprob_W = plan.strategy.choose(logits_VW, row_uniforms(rng, s.row_W, s.t_W))
     # Inactive slots write to row B: out of range, dropped.
     row_W = jnp.where(s.active_W, s.row_W, B)
