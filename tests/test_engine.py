@@ -252,7 +252,8 @@ _SHARDED = textwrap.dedent("""
     assert plan.phases == (16, 4), plan.phases
     assert min(te.loop_steps(ref["lengths"], te.C, plan.phases)) > 0
     eight[16] = te.run(cfg, params, tokens, mask, 16, stops, layout)
-    assert eight[3].tokens_BC.sharding.spec[0] in ("data", ("data", "fsdp")), eight[3].tokens_BC.sharding
+    rows = eight[3].tokens_BC.sharding
+    assert rows.spec[0] in ("data", ("data", "fsdp")), rows
     for n, out in eight.items():
       np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref["tokens"])
       np.testing.assert_array_equal(np.asarray(out.mask_BC), ref["mask"])
