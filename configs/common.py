@@ -169,6 +169,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
+  # The sampler's own mesh over the same devices: data x a tensor group of this many chips
+  # that split its weights (heads / MLP / vocab). 0: the chips of a host that split the kv heads.
+  c.mesh.sampling_tensor = 0
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 50

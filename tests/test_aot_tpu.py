@@ -24,7 +24,7 @@ import jax.numpy as jnp
 import pytest
 
 from capo_jax.rl import train_step as ts
-from capo_jax.run import aot, hlo_cost
+from capo_jax.run import aot, hlo_cost, programs
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import ragged
@@ -116,6 +116,8 @@ def test_decode_input_shardings_follow_the_rules(compiled):
   model_cfg = spec.model_config()
   args_sh, _ = progs["decode"].compiled.input_shardings
   params_sh, prompts_sh = args_sh[:2]
+  mesh = programs.sampling_layout(spec, model_cfg, mesh).mesh  # the sampler's own
+  assert mesh.devices.size == 8 and mesh.shape["tensor"] > 1, mesh.shape
   want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
   _assert_same_shardings(params_sh, want, aot.qwen2.param_shapes(model_cfg), "sampling params")
   Q = spec.rollout.prompts_per_call or spec.rollout.num_prompts

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import logging
+import math
 import os
 import subprocess
 import sys
 import textwrap
+import types
 
 import jax
 import pytest
@@ -61,15 +63,91 @@ def test_train_rules_shard_params_over_fsdp_and_tensor():
   assert lay["attn_norm"] == P(None, None)
 
 
-def test_sampling_rules_replicate_over_data_and_fsdp():
-  cfg = Qwen2Config.tiny()
-  specs = qwen2.param_specs(cfg, mesh_lib.SAMPLING_RULES, MESH_222)
-  assert specs["embed"] == P("tensor", None)
-  assert specs["layers"]["q_kernel"] == P(None, None, "tensor", None)
-  assert specs["layers"]["down_kernel"] == P(None, "tensor", None)
-  for s in jax.tree.leaves(specs, is_leaf=lambda x: isinstance(x, P)):
-    flat = [a for d in s if d is not None for a in ((d,) if isinstance(d, str) else d)]
-    assert "data" not in flat and "fsdp" not in flat
+# A sampling mesh: 2 rows shards x a group of 4 chips (2 kv-head halves x 2 query halves).
+SAMPLING_2122 = AbstractMesh((2, 1, 2, 2), ("data", "fsdp", "tensor", "tensor_q"))
+GROUP = ("tensor", "tensor_q")
+
+
+def test_sampling_rule_table_splits_each_weight_over_the_tensor_group():
+  cfg = Qwen2Config.tiny(num_heads=8, num_kv_heads=2, tie_word_embeddings=False)
+  specs = qwen2.param_specs(cfg, mesh_lib.SAMPLING_RULES, SAMPLING_2122)
+  want = {
+    "embed": P(GROUP, None),  # [V, D]
+    "lm_head": P(None, GROUP),  # [D, V]
+    "final_norm": P(None),
+    "layers": {
+      "q_kernel": P(None, None, GROUP, None),  # [L, D, N, H]: 2 query heads a chip
+      "k_kernel": P(None, None, "tensor", None),  # [L, D, K, H]: one kv head a chip pair
+      "v_kernel": P(None, None, "tensor", None),
+      "o_kernel": P(None, GROUP, None, None),  # [L, N, H, D]
+      "q_bias": P(None, GROUP, None),
+      "k_bias": P(None, "tensor", None),
+      "v_bias": P(None, "tensor", None),
+      "gate_kernel": P(None, None, GROUP),  # [L, D, F]
+      "up_kernel": P(None, None, GROUP),
+      "down_kernel": P(None, GROUP, None),  # [L, F, D]
+      "attn_norm": P(None, None),
+      "mlp_norm": P(None, None),
+    },
+  }
+  assert specs == want
+  # Per chip: 1 / 4 of every weight but the kv projections (1 / 2) and the norms.
+  shapes = qwen2.param_shapes(cfg)
+  mesh = {"data": 2, "fsdp": 1, "tensor": 2, "tensor_q": 2}
+  split = lambda s: math.prod(  # noqa: E731
+    mesh[a] for d in s if d is not None for a in ((d,) if isinstance(d, str) else d)
+  )
+  per_chip = jax.tree.map(lambda x, s: x.size // split(s), shapes, specs)
+  assert per_chip["layers"]["q_kernel"] == shapes["layers"]["q_kernel"].size // 4
+  assert per_chip["layers"]["k_kernel"] == shapes["layers"]["k_kernel"].size // 2
+
+
+def test_sampling_rules_need_a_sampling_mesh():
+  with pytest.raises(ValueError, match="no axis 'tensor_q'"):
+    qwen2.param_specs(Qwen2Config.tiny(), mesh_lib.SAMPLING_RULES, MESH_222)
+
+
+@pytest.mark.parametrize(
+  "heads, tensor, want",
+  [
+    ((12, 2), 1, (1, 1)),
+    ((12, 2), 2, (2, 1)),  # Qwen2.5-1.5B: a kv head a chip
+    ((12, 2), 4, (2, 2)),  # ... then 3 of its 6 query heads a chip
+    ((12, 2), 12, (2, 6)),
+    ((28, 4), 4, (4, 1)),  # Qwen2.5-7B
+    ((28, 4), 2, (2, 1)),  # two kv heads a chip
+  ],
+)
+def test_tensor_split(heads, tensor, want):
+  cfg = Qwen2Config.tiny(num_heads=heads[0], num_kv_heads=heads[1], hidden_size=8 * heads[0])
+  assert mesh_lib.tensor_split(cfg, tensor) == want
+
+
+@pytest.mark.parametrize("heads, tensor", [((12, 2), 8), ((12, 2), 3), ((28, 4), 8), ((28, 4), 6)])
+def test_tensor_split_refuses_groups_the_heads_do_not_fill(heads, tensor):
+  cfg = Qwen2Config.tiny(num_heads=heads[0], num_kv_heads=heads[1], hidden_size=8 * heads[0])
+  with pytest.raises(ValueError, match=f"group of {tensor} chips"):
+    mesh_lib.tensor_split(cfg, tensor)
+
+
+def test_auto_sampling_tensor_takes_a_hosts_chips_that_split_the_kv_heads():
+  host = lambda i: types.SimpleNamespace(process_index=i)  # noqa: E731
+  v4_32 = [host(i // 4) for i in range(16)]  # 4 hosts of 4 chips
+  cfg = lambda K: Qwen2Config.tiny(num_heads=4 * K, num_kv_heads=K, hidden_size=32 * K)  # noqa: E731
+  assert mesh_lib.auto_sampling_tensor(cfg(2), v4_32) == 2
+  assert mesh_lib.auto_sampling_tensor(cfg(4), v4_32) == 4
+  assert mesh_lib.auto_sampling_tensor(cfg(8), v4_32) == 4  # never past one host
+  assert mesh_lib.auto_sampling_tensor(cfg(3), v4_32) == 1
+  assert mesh_lib.auto_sampling_tensor(cfg(4), [host(i) for i in range(8)]) == 1
+
+
+def test_strided_groups_keep_a_group_on_one_host():
+  # v4-32's train mesh order interleaves the 4 hosts (tools: make_mesh on its topology).
+  interleaved = [0, 1, 2, 3] * 4
+  assert mesh_lib.strided_groups(interleaved, 4)  # devices 0, 4, 8, 12: host 0
+  assert not mesh_lib.strided_groups(sorted(interleaved), 4)  # consecutive already
+  assert not mesh_lib.strided_groups([0] * 8, 4)  # one host: consecutive
+  assert not mesh_lib.strided_groups([0, 1, 1, 0], 2)  # neither: consecutive
 
 
 def test_non_dividing_axes_replicate_with_a_log_line(caplog):
@@ -108,6 +186,13 @@ _EIGHT_DEVICES = textwrap.dedent("""
     for s in shards:  # each device holds the rows its (data, fsdp) index names
       np.testing.assert_array_equal(np.asarray(s.data), batch["x_BC"][s.index])
     np.testing.assert_array_equal(np.asarray(out["y_B"]), batch["y_B"])
+    # The sampler's mesh: the same devices in the same order, as rows x a group of 4.
+    from models.config import Qwen2Config
+    cfg = Qwen2Config.tiny(num_heads=8, num_kv_heads=2)
+    sm = mesh_lib.sampling_mesh(m, cfg, 4)
+    assert dict(sm.shape) == {"data": 2, "fsdp": 1, "tensor": 2, "tensor_q": 2}, sm.shape
+    assert list(sm.devices.flat) == list(m.devices.flat)
+    assert dict(mesh_lib.sampling_mesh(m, cfg).shape)["tensor"] == 2  # auto: the kv heads
     print("OK")
 """)
 

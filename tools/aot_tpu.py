@@ -40,7 +40,7 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-from capo_jax.run import aot, hlo_cost
+from capo_jax.run import aot, hlo_cost, programs
 from capo_jax.run.spec import RunSpec
 from capo_jax.sampling import engine
 from tools import memory_terms, step_estimate, tpu_chips
@@ -246,8 +246,9 @@ def estimate(
   dec = out["estimate"].get("decode")
   if dec:
     cfg = spec.model_config()
-    shards = mesh.shape["data"] * mesh.shape["fsdp"]  # the sampler's slots split over them
-    tensor = mesh.shape["tensor"]
+    smesh = programs.sampling_layout(spec, cfg, mesh).mesh  # the sampler's own mesh
+    shards = smesh.shape["data"] * smesh.shape["fsdp"]  # the sampler's slots split over them
+    tensor = smesh.shape["tensor"]  # its kv-head split
     kv_pos = (
       2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * 2 / min(tensor, cfg.num_kv_heads)
     )

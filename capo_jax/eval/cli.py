@@ -50,6 +50,7 @@ from capo_jax.eval.inputs import InputError
 from capo_jax.eval.report import SampleRecord
 from capo_jax.runtime import fs
 from capo_jax.runtime.policy_io import load_policy
+from models.config import Qwen2Config
 from models.sharding import Layout
 
 log = logging.getLogger(__name__)
@@ -141,8 +142,9 @@ def _parser() -> argparse.ArgumentParser:
   p.add_argument(
     "--tensor_parallel",
     type=int,
-    default=1,
-    help="tensor axis of the sampling mesh when several devices are visible",
+    default=0,
+    help="chips that split the sampler's weights when several devices are visible "
+    "(capo_jax.runtime.mesh.sampling_mesh; 0: the chips of a host that split the kv heads)",
   )
   p.add_argument(
     "--checker",
@@ -172,14 +174,16 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
-def _sampling_layout(tensor: int) -> Layout | None:
+def _sampling_layout(tensor: int, cfg: Qwen2Config) -> Layout | None:
   if jax.device_count() == 1:
     return None
   from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
 
-  return Layout.of(
-    mesh_lib.make_mesh({"data": -1, "fsdp": 1, "tensor": tensor}), mesh_lib.SAMPLING_RULES
-  )
+  try:
+    mesh = mesh_lib.sampling_mesh(mesh_lib.make_mesh({"data": -1}), cfg, tensor)
+  except ValueError as e:
+    raise ValueError(f"--tensor_parallel={tensor}: {e}") from e
+  return Layout.of(mesh, mesh_lib.SAMPLING_RULES)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
@@ -256,7 +260,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | str:
       )
     log.info("policy %s (%s), tokenizer %s", policy.source, args.dtype, tok_dir)
     sampler = EvalPolicy(
-      policy.params, policy.cfg, tokenizer, _sampling_layout(args.tensor_parallel)
+      policy.params, policy.cfg, tokenizer, _sampling_layout(args.tensor_parallel, policy.cfg)
     )
     records = evaluate_policy(
       sampler, benchmarks, eval_cfg, jax.random.key(args.seed), grader=grader

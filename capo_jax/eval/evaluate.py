@@ -81,7 +81,8 @@ class EvalPolicy:
     params, cfg: the policy (params in any dtype; ``cfg.compute_dtype`` is used).
     tokenizer: renders the chat prompt, pads prompts, decodes completions.
     layout: device mesh and sampling rules for the sampler (e.g.
-      ``Layout.of(mesh, mesh_lib.SAMPLING_RULES)``); None: one device.
+      ``Layout.of(mesh_lib.sampling_mesh(mesh, cfg), mesh_lib.SAMPLING_RULES)``);
+      None: one device.
   """
 
   params: Params

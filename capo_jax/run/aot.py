@@ -58,7 +58,6 @@ from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import engine
 from capo_jax.sampling import sampler as sampling
 from models import hub, qwen2, sharding
-from models.sharding import Layout
 
 # Chips per slice -> the topology string libtpu takes ("<gen>:<chip grid>").
 # v4 and v5p are 3-D tori counted in TensorCores (2 per chip); v5e and v6e are
@@ -262,7 +261,7 @@ def sampler_plan(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> engine.Plan:
   return sampling.engine_plan(
     model_cfg,
     programs_lib.sampling_spec(spec),
-    Layout.of(mesh, mesh_lib.SAMPLING_RULES),
+    programs_lib.sampling_layout(spec, model_cfg, mesh),
     Shapes.from_spec(spec).prompts_per_call,
   )
 
@@ -270,10 +269,11 @@ def sampler_plan(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> engine.Plan:
 def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerable, Any]:
   """The prefill, and a function of its compiled form giving the decode loop."""
   sh = Shapes.from_spec(spec)
-  rules = mesh_lib.SAMPLING_RULES
+  plan = sampler_plan(spec, model_cfg, mesh)
+  layout = programs_lib.sampling_layout(spec, model_cfg, mesh)
+  mesh, rules = layout.mesh, layout.rules  # the sampler's own mesh
   rep = mesh_lib.replicated(mesh)
   params = _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
-  plan = sampler_plan(spec, model_cfg, mesh)
   key = jax.eval_shape(lambda: jax.random.key(0))
   rng, stops, pad = _sds((), key.dtype, rep), _sds((8,), jnp.int32, rep), _sds((), jnp.int32, rep)
   QP = (sh.prompts_per_call, sh.prompt_len)
@@ -426,7 +426,12 @@ def resident_bytes(spec: RunSpec, mesh: Mesh) -> dict[str, int]:
     if spec.needs_reference or tcfg.lora
     else 0,
     "sampling params": _device_bytes(
-      _abstract_params(model_cfg, mesh, mesh_lib.SAMPLING_RULES, model_cfg.dtype)
+      _abstract_params(
+        model_cfg,
+        programs_lib.sampling_layout(spec, model_cfg, mesh).mesh,
+        mesh_lib.SAMPLING_RULES,
+        model_cfg.dtype,
+      )
     ),
   }
 

@@ -21,7 +21,7 @@ from capo_jax.rl import train_step as ts
 from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.rl.packing import RowLayout
 from capo_jax.rl.rollout import BatchLayout
-from capo_jax.run.spec import RunSpec
+from capo_jax.run.spec import ConfigError, RunSpec
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import sampler as sampling
 from capo_jax.sampling import strategies
@@ -37,7 +37,7 @@ class StepPrograms:
     model_cfg: the policy's architecture.
     tcfg: the train step's static configuration.
     sampling: the rollout's sampler calls (``sampling.SamplingSpec``).
-    sampling_layout: the mesh and the sampling rules the engine shards by.
+    sampling_layout: the sampler's mesh and rules (``sampling_layout``).
     logprobs: the old / reference log-prob pass.
     batch_layout: how an update's sequences become a train batch.
     train_step: ``step(state, batch[, base]) -> (state, metrics)``, jitted, state donated.
@@ -88,12 +88,22 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
     model_cfg=model_cfg,
     tcfg=tcfg,
     sampling=sampling_spec(spec),
-    sampling_layout=Layout.of(mesh, mesh_lib.SAMPLING_RULES),
+    sampling_layout=sampling_layout(spec, model_cfg, mesh),
     logprobs=logprobs,
     batch_layout=batch_layout,
     train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
     state_shardings=state_lib.state_shardings(model_cfg, tcfg, mesh, rules),
   )
+
+
+def sampling_layout(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Layout:
+  """The sampler's own mesh over ``mesh``'s devices (a tensor group of
+  ``config.mesh.sampling_tensor`` chips splits the weights) and the sampling rules."""
+  try:
+    sampling_mesh = mesh_lib.sampling_mesh(mesh, model_cfg, spec.mesh.sampling_tensor)
+  except ValueError as e:
+    raise ConfigError(f"config.mesh.sampling_tensor={spec.mesh.sampling_tensor}: {e}") from e
+  return Layout.of(sampling_mesh, mesh_lib.SAMPLING_RULES)
 
 
 def sampling_spec(spec: RunSpec) -> sampling.SamplingSpec:

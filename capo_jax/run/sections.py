@@ -133,6 +133,8 @@ class Mesh:
   data: int
   fsdp: int
   tensor: int
+  # The sampler's tensor group (capo_jax.runtime.mesh.sampling_mesh); 0: auto.
+  sampling_tensor: int
 
   def sizes(self) -> dict[str, int]:
     return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}

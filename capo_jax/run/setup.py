@@ -21,6 +21,7 @@ import jax.numpy as jnp
 from capo_jax.data import datasets as data
 from capo_jax.data.tokenizer import Tokenizer, load_tokenizer
 from capo_jax.rl import train_step as ts
+from capo_jax.run import programs
 from capo_jax.run.spec import ConfigError, Data, RunSpec
 from capo_jax.runtime import fs, model_files
 from capo_jax.runtime import mesh as mesh_lib
@@ -130,7 +131,8 @@ def policy_weights(
   train state's start, which the caller drops once the state exists) and the rest.
   """
   p_sh = mesh_lib.param_shardings(model_cfg, mesh, rules)
-  sampling_sh = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
+  # The sampler's mesh holds the same devices in the same order: one program reshards.
+  sampling_sh = qwen2.param_shardings(model_cfg, programs.sampling_layout(spec, model_cfg, mesh))
   cast = lambda p, dt: jax.tree.map(lambda x: x.astype(dt), p)  # noqa: E731
   params0 = initial_params(spec, model_cfg, policy, p_sh)
   lcfg = tcfg.lora

@@ -12,8 +12,10 @@ activations and batches use ``"batch"``, and a rule list maps logical names
 to mesh axes (``models.sharding``, on Flax's ``nn.logical_to_mesh_axes``).
 Activations carry names of their own (``models.qwen2.ACT_*``), resolved under the
 program's layout (``models.sharding.activations``). ``TRAIN_RULES`` shard params
-over fsdp and tensor; ``SAMPLING_RULES`` keep params whole on every data /
-fsdp replica (no all-gather per decode step) and split them over tensor only.
+over fsdp and tensor. The sampler has a mesh of its own over the same devices
+(``sampling_mesh``: data x a tensor group of tensor x tensor_q chips), on which
+``SAMPLING_RULES`` split each weight over the tensor group (no all-gather per
+decode step: each chip reads 1 / group of the weights a step) and the rows over data.
 A mesh axis that does not divide a dimension is dropped with a log line
 (``models.sharding``), so a tiny model on a big mesh replicates.
 
@@ -66,11 +68,35 @@ TRAIN_RULES: Rules = (
   ("act_kv_heads", "tensor"),
   ("act_mlp", "tensor"),
   ("act_vocab", "tensor"),
+  ("choice_rows", ("data", "fsdp", "tensor")),
 )
 
-# The train rules with "embed" whole: no fsdp all-gather of the weights per decode step.
-SAMPLING_RULES: Rules = tuple(
-  (name, None if name == "embed" else axes) for name, axes in TRAIN_RULES
+# Where each weight goes in sampling: on a sampling mesh of its own over the same
+# devices (``sampling_mesh``): rows over data, nothing over fsdp (no all-gather of
+# the weights per decode step), heads / MLP columns / vocab over the tensor group
+# tensor x tensor_q. The kv heads (and the KV cache's kv-head axis) go over tensor
+# only: a tensor group larger than the kv heads splits each kv head's query heads
+# over tensor_q and keeps a copy of that kv head on each (Megatron's kv_heads < tp).
+TENSOR_GROUP = ("tensor", "tensor_q")
+SAMPLING_RULES: Rules = (
+  ("batch", ("data", "fsdp")),
+  ("vocab", TENSOR_GROUP),
+  ("embed", None),
+  ("q_heads", TENSOR_GROUP),
+  ("kv_heads", "tensor"),
+  ("mlp", TENSOR_GROUP),
+  ("head_dim", None),
+  ("layers", None),
+  ("norm", None),
+  ("length", None),
+  ("act_embed", None),
+  ("act_heads", TENSOR_GROUP),
+  ("act_kv_heads", "tensor"),
+  ("act_mlp", TENSOR_GROUP),
+  ("act_vocab", TENSOR_GROUP),
+  # The rows a token is chosen for: over every device, so each chip draws from whole
+  # vocabulary rows (the step's vocab-split logits are exchanged, all-to-all, first).
+  ("choice_rows", ("data", "fsdp") + TENSOR_GROUP),
 )
 
 RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES}
@@ -136,6 +162,71 @@ def make_mesh(
   shape = tuple(s for _, s in items)
   # Auto axes: shardings are stated at jit boundaries and propagated by XLA.
   return jax.make_mesh(shape, names, axis_types=(AxisType.Auto,) * len(names), devices=devices)
+
+
+def tensor_split(model_cfg: Any, tensor: int) -> tuple[int, int]:
+  """(tensor, tensor_q) sizes of a sampling tensor group of ``tensor`` chips.
+
+  The kv heads split over gcd(tensor, K) chips; the rest of the group splits
+  each kv head's R = N / K query heads, which needs every kv head split apart
+  first and R divisible by the rest.
+
+  Raises:
+    ValueError: when the group cannot split the heads that way.
+  """
+  N, K = model_cfg.num_heads, model_cfg.num_kv_heads
+  t_kv = math.gcd(tensor, K)
+  t_q = tensor // t_kv
+  if tensor < 1 or (t_q > 1 and (t_kv != K or (N // K) % t_q)):
+    raise ValueError(
+      f"sampling tensor group of {tensor} chips: {N} query / {K} kv heads do not split "
+      f"over it (it must divide the kv heads, or be kv heads x a divisor of {N // K})"
+    )
+  return t_kv, t_q
+
+
+def auto_sampling_tensor(model_cfg: Any, devices: Sequence[Any]) -> int:
+  """The sampling tensor group's size: the most chips of one host that split the kv
+  heads, so weights are read 1 / t per chip while the KV cache per chip stays what
+  pure data parallelism gives (no kv head is copied)."""
+  host = sum(d.process_index == devices[0].process_index for d in devices)
+  fits = lambda t: host % t == 0 and len(devices) % t == 0 and model_cfg.num_kv_heads % t == 0
+  return max(t for t in range(1, host + 1) if fits(t))
+
+
+def sampling_mesh(mesh: Mesh, model_cfg: Any, tensor: int = 0) -> Mesh:
+  """The sampler's mesh: ``mesh``'s devices as data x (tensor x tensor_q) groups.
+
+  Rows split over data; a group of ``tensor`` chips (0: ``auto_sampling_tensor``)
+  shares each weight, each chip holding 1 / tensor of it (``SAMPLING_RULES``). The
+  devices keep ``mesh``'s order, so one jitted program may take arrays of both
+  (the train params in, the sampling params out). A group is one host's chips
+  when that order allows it (consecutive or strided), else consecutive devices.
+
+  Raises:
+    ValueError: naming ``tensor`` when it does not divide the devices or the heads.
+  """
+  devices = np.asarray(mesh.devices).reshape(-1)
+  n = devices.size
+  tensor = tensor or auto_sampling_tensor(model_cfg, list(devices))
+  if n % tensor:
+    raise ValueError(f"sampling tensor group of {tensor} chips: does not divide {n} devices")
+  t_kv, t_q = tensor_split(model_cfg, tensor)
+  auto = (AxisType.Auto,) * 4
+  if strided_groups([d.process_index for d in devices], tensor):
+    grid = devices.reshape(t_kv, t_q, n // tensor, 1)
+    return Mesh(grid, ("tensor", "tensor_q", "data", "fsdp"), axis_types=auto)
+  grid = devices.reshape(n // tensor, 1, t_kv, t_q)
+  return Mesh(grid, ("data", "fsdp", "tensor", "tensor_q"), axis_types=auto)
+
+
+def strided_groups(process_ids: Sequence[int], tensor: int) -> bool:
+  """Whether groups of ``tensor`` devices, in this order, lie on one host only when
+  taken every n / tensor devices (a train mesh that interleaves the hosts) rather
+  than consecutively."""
+  p = np.asarray(process_ids)
+  one_host = lambda g_GT: bool((g_GT == g_GT[:, :1]).all())
+  return not one_host(p.reshape(-1, tensor)) and one_host(p.reshape(tensor, -1).T)
 
 
 def spec(

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from capo_jax.sampling import ragged
-from models import qwen2
+from models import qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout
@@ -270,6 +270,9 @@ def step(
   for l, p in enumerate(w.layers):
     # Each slot writes its token's key / value at its own column, in place.
     q_WKRH, k_WKH, v_WKH = _attention_inputs(w, cfg, p, x_WD, rope_W1)
+    # Whole on the chips that share a kv head (a sampling mesh's tensor_q): split over
+    # them, the cache update would split too and gather the layer's cache every step.
+    k_WKH, v_WKH = (sharding.constrain(x, ("batch", "act_kv_heads", None)) for x in (k_WKH, v_WKH))
     if where.attention == "ragged":
       ks[l] = ks[l].at[slot_W, where.col_W].set(k_WKH.reshape(W, -1))
       vs[l] = vs[l].at[slot_W, where.col_W].set(v_WKH.reshape(W, -1))

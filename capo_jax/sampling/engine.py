@@ -50,7 +50,7 @@ from jax.sharding import NamedSharding
 
 from capo_jax.sampling import decode, ragged
 from capo_jax.sampling.strategies import Strategy
-from models import kv_cache, qwen2
+from models import kv_cache, qwen2, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout
@@ -194,6 +194,20 @@ def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]
   return x if layout is None else layout.constrain(x, axes)
 
 
+def _choice_rows(layout: Layout | None, logits_VB: jax.Array) -> jax.Array:
+  """The logits a token is drawn from: whole vocabulary rows, the rows over every device
+  (the sampling rules' "choice_rows").
+
+  With the weights split over a tensor group the logits come out vocab-split; the
+  strategies' two-level draw reshapes the vocabulary into blocks of 128, which a vocab
+  split need not keep whole, so the rows are exchanged first (all-to-all: each chip
+  gets 1 / group of its rows, whole). Pinned vocab-split first: else XLA moves the
+  exchange into the unembedding and gathers the whole table every step.
+  """
+  logits_VB = _constrain(layout, logits_VB, ("vocab", "batch"))
+  return _constrain(layout, logits_VB, (None, "choice_rows"))
+
+
 def _constrain_cache(
   layout: Layout | None, k: tuple[jax.Array, ...], v: tuple[jax.Array, ...], num_kv_heads: int
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
@@ -246,7 +260,7 @@ def prefill(
   h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
-  logits_VB = _constrain(layout, jnp.repeat(logits_QV, num_samples, axis=0).T, ("vocab", "batch"))
+  logits_VB = _choice_rows(layout, jnp.repeat(logits_QV, num_samples, axis=0).T)
   B = Q * num_samples
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
   token_B, logprob_B = strategy.choose(logits_VB, u_B)
@@ -379,7 +393,9 @@ def decode_loop(
   S = num_columns(P, C, plan.block)
   if attention == "ragged":  # the kernel copies whole 128-column tiles
     S = -(-S // ragged.LANES) * ragged.LANES
-  w = decode.prepare(params, cfg, S)
+  # The program's own platform: a TPU program compiled ahead of time on a CPU host
+  # reads its kernels as stored (decode.prepare), as it will on the chip.
+  w = decode.prepare(params, cfg, S, out_major=ragged.platform(layout) == "cpu")
   stop0_B = is_stop(first.token_B, stop_ids)
   done0_B = stop0_B | (max_new_tokens <= 1)
   # Rows still going after token 0, in row order, then the finished ones.
@@ -439,8 +455,9 @@ def decode_loop(
       attention=attention,
       layout=layout,
     )
-    logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
-    logits_VW = _constrain(layout, logits_VW, ("vocab", "batch"))
+    with sharding.activations(layout):  # the step's activation constraints
+      logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
+    logits_VW = _choice_rows(layout, logits_VW)
     token_W, logprob_W = plan.strategy.choose(logits_VW, row_uniforms(rng, s.row_W, s.t_W))
     # Inactive slots write to row B: out of range, dropped.
     row_W = jnp.where(s.active_W, s.row_W, B)
