@@ -124,6 +124,14 @@ def apply_rope(x_BTNH: jax.Array, cos_BTh: jax.Array, sin_BTh: jax.Array) -> jax
 attention = attention_lib.reference
 
 
+def _rows_dot(x_BTI: jax.Array, w_IO: jax.Array) -> jax.Array:
+  """``x @ w`` over the tokens as [B * T, I] rows. Written "btd,df->btf", XLA's CPU
+  backend fused the MLP gradient's elementwise ops into a strided transpose of each
+  [B, T, F] activation: over half of the demo model's train step, 1.7x its time."""
+  B, T, I = x_BTI.shape
+  return (x_BTI.reshape(B * T, I) @ w_IO).reshape(B, T, -1)
+
+
 class DecoderLayer(nn.Module):
   """One pre-norm decoder layer, split where attention plugs in.
 
@@ -203,15 +211,11 @@ class DecoderLayer(nn.Module):
     )
     x_BTD = _c(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
-    gate = _c(
-      self._lora("gate_kernel", h, jnp.einsum("btd,df->btf", h, self._w("gate_kernel"))), ACT_BTF
-    )
-    up = _c(self._lora("up_kernel", h, jnp.einsum("btd,df->btf", h, self._w("up_kernel"))), ACT_BTF)
+    gate = _c(self._lora("gate_kernel", h, _rows_dot(h, self._w("gate_kernel"))), ACT_BTF)
+    up = _c(self._lora("up_kernel", h, _rows_dot(h, self._w("up_kernel"))), ACT_BTF)
     act = jax.nn.silu(gate) * up
     return _c(
-      x_BTD
-      + self._lora("down_kernel", act, jnp.einsum("btf,fd->btd", act, self._w("down_kernel"))),
-      ACT_BTD,
+      x_BTD + self._lora("down_kernel", act, _rows_dot(act, self._w("down_kernel"))), ACT_BTD
     )
 
   def __call__(

@@ -293,7 +293,7 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   from jax._src import array as array_lib  # pylint: disable=import-outside-toplevel
 
   import rl_driver  # pylint: disable=import-outside-toplevel
-  from capo_jax.rl import mismatch, rollout  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import drawing, mismatch, rollout  # pylint: disable=import-outside-toplevel
   from capo_jax.run import programs  # pylint: disable=import-outside-toplevel
   from configs import common  # pylint: disable=import-outside-toplevel
 
@@ -356,7 +356,7 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
 
   monkeypatch.setattr(jax, "device_get", reader(jax.device_get))
   # The rollout's other read: np.asarray inside, which ``_value`` does not see on CPU.
-  monkeypatch.setattr(rollout, "to_host", reader(rollout.to_host))
+  monkeypatch.setattr(drawing, "to_host", reader(drawing.to_host))
   value = array_lib.ArrayImpl._value
 
   def read(self):

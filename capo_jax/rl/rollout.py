@@ -3,9 +3,13 @@
 For a batch of Q questions and G samples each (B = Q * G rows, grouped by
 question), ``collect`` orchestrates:
 
-  sampling (jit) -> rewards (host, process pool) -> old / reference log-probs
-  (jit, trainer forward) -> ``score_rollout`` (one jitted program: noise mask,
-  advantages, their metrics) -> ``Rollout.minibatches``: the PPO updates' batches.
+  ``Drawer.draw``: sampling (jit) and rewards (host, process pool), ``drawing``
+  -> old / reference log-probs (jit, trainer forward) -> ``score_rollout`` (one
+  jitted program: noise mask, advantages, their metrics; ``scoring``) ->
+  ``Rollout.minibatches``: the PPO updates' batches.
+
+The run's setup builds the ``RolloutContext`` once (its sampler and grader, the
+log-prob pass, the updates' layout); ``collect`` only calls them.
 
 What crosses between host and device: the completion tokens, their lengths
 and truncation flags come to the host (to decode, grade and plan the rows);
@@ -31,95 +35,21 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from capo_jax.data import reward_fns
 from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
-from capo_jax.eval import calibration
-from capo_jax.masked import mean_logprob
-from capo_jax.rl import advantages, algorithms, dynamic_sampling, logprob_pass, mismatch, packing
+from capo_jax.rl import dynamic_sampling, logprob_pass, mismatch, packing
 from capo_jax.rl.batch import Sequences, TrainBatch
+from capo_jax.rl.drawing import Drawer, Graded, bucketed
 from capo_jax.rl.logprob_pass import LogprobPass, UpdateRows
-from capo_jax.runtime.host import gather_rows, put_global
+from capo_jax.rl.scoring import AdvantageSpec, score_metrics, score_rollout, scores
+from capo_jax.runtime.host import put_global
 from capo_jax.sampling import sampler as sampling
 from capo_jax.types import Array
 from models.config import Qwen2Config
-from models.sharding import Layout, to_host
-
-LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of this
-
-
-def _trim_left(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-  """Drops all-padding columns of a left-padded batch, keeping a bucketed width."""
-  width = max(int(mask.sum(1).max()), 1)
-  width = min(-(-width // LENGTH_BUCKET) * LENGTH_BUCKET, tokens.shape[1])
-  return tokens[:, -width:], mask[:, -width:]
-
-
-@dataclasses.dataclass(frozen=True)
-class AdvantageSpec:
-  """The static half of ``score_rollout`` (hashable: a jit static argument).
-
-  Attributes:
-    estimator: the advantage estimator with its hyper-parameters (``algorithms.Capo()``, ...).
-    noise_mask: apply CAPO's noise mask (needs the reference's scores).
-    mask_high, mask_low: reference-perplexity thresholds of the mask.
-    mask_mode: "partner" or "drop" (``advantages.split_masks``).
-    num_steps: the run's planned steps (CDE's bonus schedule).
-  """
-
-  estimator: algorithms.Estimator
-  noise_mask: bool = False
-  mask_high: float = 2.5
-  mask_low: float = 1.05
-  mask_mode: str = "partner"
-  num_steps: int = 1
-
-
-@functools.partial(jax.jit, static_argnames="spec")
-def score_rollout(
-  rewards_QG: Array,
-  s_QG: Array,
-  ref_s_QG: Array | None,
-  step: Array,
-  *,
-  spec: AdvantageSpec,
-  correct_QG: Array | None = None,
-) -> tuple[Array, dict[str, Array]]:
-  """One step's advantages and their metrics, as one pure jitted program.
-
-  Noise mask (when ``spec.noise_mask``: from the reference's scores
-  ``ref_s_QG``), split into valid / receiving rows, the estimator, the masked
-  fractions and the within-group spread of the score. ``step`` is traced (CDE's
-  schedule), so every step runs the same compiled program. ``correct_QG``: the binary
-  labels when the rewards are not (reward plug-ins); the mask and CAPO's pairs read them.
-
-  Returns:
-    (adv_QG, metrics): float32 advantages and scalar metrics ``s_spread``,
-    ``adv_abs_mean`` and, with the mask, ``masked_frac{,_correct,_wrong}``.
-  """
-  labels_QG = rewards_QG if correct_QG is None else correct_QG
-  valid_QG = jnp.ones(rewards_QG.shape, bool)
-  receive_QG = None
-  metrics: dict[str, Array] = {}
-  if spec.noise_mask:
-    if ref_s_QG is None:
-      raise ValueError("score_rollout: AdvantageSpec.noise_mask needs the reference's ref_s_QG")
-    noisy_QG = advantages.noise_mask(
-      labels_QG, advantages.ref_ppl(ref_s_QG), high=spec.mask_high, low=spec.mask_low
-    )
-    metrics.update(advantages.masked_fraction(noisy_QG, labels_QG, valid_QG))
-    valid_QG, receive_QG = advantages.split_masks(valid_QG, noisy_QG, mode=spec.mask_mode)
-  adv_QG = spec.estimator.advantages(
-    advantages.GroupBatch(rewards_QG, s_QG, valid_QG, receive_QG, correct_QG), step, spec.num_steps
-  )
-  score_QG = spec.estimator.confidence(s_QG)
-  metrics["s_spread"] = advantages.score_spread(score_QG, labels_QG, valid_QG)
-  metrics["adv_abs_mean"] = jnp.abs(adv_QG).mean()
-  return adv_QG, metrics
+from models.sharding import Layout
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +65,13 @@ class RolloutSpec:
   dynamic_max_draws: int = 1  # > 1: dynamic sampling, at most this many batches of Q prompts
   # The sampler / trainer mismatch metrics, IS correction and truncated rows (default: none).
   mismatch: mismatch.MismatchSpec = mismatch.MismatchSpec(measure=False)
+
+  @property
+  def old_keys(self) -> tuple[str, ...]:
+    """What the old policy's pass returns: nothing when the sampler's log-probs serve."""
+    return (() if self.old_from_sampler else ("logp_BC",)) + (
+      ("topk_ids_BCJ", "topk_logp_BCJ") if self.simko_k else ()
+    )
 
 
 @dataclasses.dataclass
@@ -195,7 +132,8 @@ def _device_batch(
 
 @dataclasses.dataclass(frozen=True)
 class RolloutContext:
-  """The fixed parts of a run that every step's rollout uses."""
+  """The fixed parts of a run that every step's rollout uses (the run's setup builds it;
+  ``drawer`` and ``replicated`` are made from it once, at the first step)."""
 
   spec: RolloutSpec
   model_cfg: Qwen2Config
@@ -207,132 +145,26 @@ class RolloutContext:
   batches: BatchLayout  # the updates' micro-batches: planned and uploaded by ``collect``
   reward_fns: Any = None  # data.reward_fns.RewardFns: the scalar reward; None: reward = correct
 
-
-@dataclasses.dataclass
-class _Graded:
-  """One batch of drawn prompts, sampled and graded (host arrays; ``*_dev`` on devices)."""
-
-  tokens_QP: np.ndarray
-  mask_QP: np.ndarray
-  comp_BC: np.ndarray
-  cmask_BC: np.ndarray
-  lengths_B: np.ndarray
-  truncated_B: np.ndarray
-  rewards_QG: np.ndarray  # the binary labels (correct)
-  health: dict[str, int]
-  logp_dev: Array
-  cmask_dev: Array
-  time_reward: float = 0.0
-  reward_QG: np.ndarray | None = None  # the scalar reward (None: the labels)
-
-
-def _sample_and_grade(
-  examples: Sequence[Example], ctx: RolloutContext, params_sampling: Any, rng: jax.Array
-) -> _Graded:
-  spec, tokenizer = ctx.spec, ctx.tokenizer
-  G = spec.num_samples
-  tok_local, mask_local = tokenizer.encode_prompts(
-    [e.problem for e in examples], spec.max_prompt_len
-  )
-  # Equal widths on every process, so the all-gather stacks cleanly.
-  pad = spec.max_prompt_len - tok_local.shape[1]
-  tok_local = np.pad(tok_local, ((0, 0), (pad, 0)), constant_values=tokenizer.pad_id)
-  mask_local = np.pad(mask_local, ((0, 0), (pad, 0)))
-  tokens_QP, mask_QP = _trim_left(gather_rows(tok_local), gather_rows(mask_local))
-  Q = tokens_QP.shape[0]
-
-  # Several sampler calls bound the KV cache when the whole rollout does not fit.
-  per_call = spec.prompts_per_call or Q
-  host, dev = [], []
-  for i, start in enumerate(range(0, Q, per_call)):
-    samples = sampling.generate(
-      params_sampling,
-      ctx.model_cfg,
-      tokens_QP[start : start + per_call],
-      mask_QP[start : start + per_call],
-      jax.random.fold_in(rng, i),
-      ctx.sampling,
-      layout=ctx.sampling_layout,
+  @functools.cached_property
+  def drawer(self) -> Drawer:
+    """The configured sampler and grader of one draw of prompts."""
+    s = self.spec
+    return Drawer(
+      s.num_samples,
+      s.max_prompt_len,
+      s.prompts_per_call,
+      self.model_cfg,
+      self.tokenizer,
+      self.grader,
+      self.sampling,
+      self.sampling_layout,
+      self.reward_fns,
     )
-    # The host needs the tokens (to decode), lengths and truncation; the sampler's
-    # log-probs and mask stay on the devices (the mask is 1 up to each row's length).
-    host.append([to_host(x) for x in (samples.tokens_BC, samples.lengths_B, samples.truncated_B)])
-    dev.append((samples.logprobs_BC, samples.mask_BC))
-  comp_BC, lengths_B, truncated_B = (np.concatenate(xs) for xs in zip(*host))
-  cmask_BC = (np.arange(comp_BC.shape[1])[None] < lengths_B[:, None]).astype(np.int32)
-  logp_dev, cmask_dev = (x[0] if len(x) == 1 else jnp.concatenate(x) for x in zip(*dev))
 
-  # Grade this process's own rows only; share the rewards.
-  t0 = time.perf_counter()
-  n_local = len(examples) * G
-  local_rows = slice(jax.process_index() * n_local, (jax.process_index() + 1) * n_local)
-  texts = tokenizer.decode_completions(comp_BC[local_rows], cmask_BC[local_rows])
-  correct_local, reward_local, health = reward_fns.grade(
-    ctx.grader,
-    ctx.reward_fns,
-    texts,
-    [e for e in examples for _ in range(G)],
-    lengths_B[local_rows],
-  )
-  rewards_QG, reward_QG = (
-    gather_rows(np.asarray(x, np.float32)).reshape(Q, G) for x in (correct_local, reward_local)
-  )
-  health_counts = gather_rows(np.asarray([list(health.values())], np.int64)).sum(0)
-  return _Graded(
-    tokens_QP,
-    mask_QP,
-    comp_BC,
-    cmask_BC,
-    lengths_B,
-    truncated_B,
-    rewards_QG,
-    dict(zip(health.keys(), health_counts.tolist())),
-    logp_dev,
-    cmask_dev,
-    time.perf_counter() - t0,
-    reward_QG if ctx.reward_fns is not None else None,
-  )
-
-
-def _select(parts: list[_Graded], idx_Q: np.ndarray, G: int, pad_id: int) -> _Graded:
-  """The chosen groups (indices into the draws' concatenated groups), prompts re-padded."""
-  P = max(p.tokens_QP.shape[1] for p in parts)
-  left = lambda x, v: np.pad(x, ((0, 0), (P - x.shape[1], 0)), constant_values=v)  # noqa: E731
-  cat = lambda f: np.concatenate([f(p) for p in parts])  # noqa: E731
-  rows_B = (idx_Q[:, None] * G + np.arange(G)).reshape(-1)
-  health = {k: sum(p.health[k] for p in parts) for k in parts[0].health}
-  dev = [jnp.concatenate([getattr(p, f) for p in parts])[rows_B] for f in ("logp_dev", "cmask_dev")]
-  comp_BC, cmask_BC, lengths_B, truncated_B = (
-    cat(lambda p, f=f: getattr(p, f))[rows_B]
-    for f in ("comp_BC", "cmask_BC", "lengths_B", "truncated_B")
-  )
-  return _Graded(
-    tokens_QP=cat(lambda p: left(p.tokens_QP, pad_id))[idx_Q],
-    mask_QP=cat(lambda p: left(p.mask_QP, 0))[idx_Q],
-    comp_BC=comp_BC,
-    cmask_BC=cmask_BC,
-    lengths_B=lengths_B,
-    truncated_B=truncated_B,
-    rewards_QG=cat(lambda p: p.rewards_QG)[idx_Q],
-    health=health,
-    logp_dev=dev[0],
-    cmask_dev=dev[1],
-    reward_QG=None if parts[0].reward_QG is None else cat(lambda p: p.reward_QG)[idx_Q],
-  )
-
-
-@jax.jit
-def _scores(logp_BC: Array, mask_BC: Array) -> Array:
-  return mean_logprob(logp_BC, mask_BC)
-
-
-@jax.jit
-def _score_metrics(s_QG: Array, correct_QG: Array) -> dict[str, Array]:
-  """The logged statistics of the scores, on the devices: AUC-mean (over the finite
-  scores: a diverged policy must not crash the logging) and the mean."""
-  finite_QG = jnp.isfinite(s_QG)
-  auc, n = calibration.auc_mean_traced(jnp.where(finite_QG, s_QG, 0.0), correct_QG, finite_QG)
-  return {"auc_mean": auc, "auc_questions": n, "s_mean": s_QG.mean()}
+  @functools.cached_property
+  def replicated(self) -> NamedSharding:
+    """The per-group arrays' sharding (rewards, labels: small, on every device)."""
+    return NamedSharding(self.sampling_layout.mesh, PartitionSpec())
 
 
 def collect(
@@ -352,11 +184,11 @@ def collect(
   while fewer than Q drawn groups are mixed (``dynamic_sampling``). The
   reward-health counts cover every graded sample, the other metrics the Q groups kept.
   """
-  spec, tokenizer = ctx.spec, ctx.tokenizer
+  spec, drawer = ctx.spec, ctx.drawer
   G = spec.num_samples
   t0 = time.perf_counter()
   drawn = [list(examples)]
-  parts = [_sample_and_grade(examples, ctx, policy.sampling, rng)]
+  parts = [drawer.draw(examples, policy.sampling, rng)]
   Q = parts[0].rewards_QG.shape[0]
   while draw_more is not None and dynamic_sampling.needs_more(
     np.concatenate([p.rewards_QG for p in parts]), Q, len(parts), spec.dynamic_max_draws
@@ -364,15 +196,12 @@ def collect(
     drawn.append(list(draw_more()))
     # Extra draws get their own keys; the first draw's stay those of a run without the filter.
     parts.append(
-      _sample_and_grade(
-        drawn[-1],
-        ctx,
-        policy.sampling,
-        jax.random.fold_in(jax.random.fold_in(rng, 1 << 30), len(parts)),
+      drawer.draw(
+        drawn[-1], policy.sampling, jax.random.fold_in(jax.random.fold_in(rng, 1 << 30), len(parts))
       )
     )
   idx_Q, n_mixed = dynamic_sampling.select_groups(np.concatenate([p.rewards_QG for p in parts]), Q)
-  sel = parts[0] if len(parts) == 1 else _select(parts, idx_Q, G, tokenizer.pad_id)
+  sel: Graded = parts[0] if len(parts) == 1 else drawer.select(parts, idx_Q)
   t_reward = sum(p.time_reward for p in parts)
   t_sample = time.perf_counter() - t0 - t_reward
   # This process's examples of the chosen groups (None: another process's group).
@@ -382,9 +211,7 @@ def collect(
   ]
 
   # Completion width: the longest sample of the step, bucketed (bounded compiles).
-  C = min(
-    -(-max(int(sel.lengths_B.max()), 1) // LENGTH_BUCKET) * LENGTH_BUCKET, sel.comp_BC.shape[1]
-  )
+  C = bucketed(int(sel.lengths_B.max()), sel.comp_BC.shape[1])
   comp_BC, cmask_BC = sel.comp_BC[:, :C], sel.cmask_BC[:, :C]
   sampler_logp_BC, cmask_dev = sel.logp_dev[:, :C], sel.cmask_dev[:, :C]
   rewards_QG, lengths_B = sel.rewards_QG, sel.lengths_B
@@ -397,9 +224,7 @@ def collect(
   t2 = time.perf_counter()
   prompt_BP = np.repeat(sel.tokens_QP, G, axis=0)
   pmask_BP = np.repeat(sel.mask_QP, G, axis=0)
-  old_keys = (() if spec.old_from_sampler else ("logp_BC",)) + (
-    ("topk_ids_BCJ", "topk_logp_BCJ") if spec.simko_k else ()
-  )
+  old_keys = spec.old_keys
   # One plan and one upload of the step's rows: the passes and the updates read them.
   updates = logprob_pass.upload(
     packing.plan_step(
@@ -417,9 +242,9 @@ def collect(
   if policy.reference is not None:
     ref_logp_BC = ctx.logprobs.run(policy.reference, updates, cmask_dev, ("logp_BC",))["logp_BC"]
 
-  s_QG = _scores(old_logp_BC, cmask_dev).reshape(Q, G)
-  ref_s_QG = _scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
-  replicated = NamedSharding(ctx.sampling_layout.mesh, PartitionSpec())
+  s_QG = scores(old_logp_BC, cmask_dev).reshape(Q, G)
+  ref_s_QG = scores(ref_logp_BC, cmask_dev).reshape(Q, G) if spec.adv.noise_mask else None
+  replicated = ctx.replicated
   correct_QG = rewards_QG > 0.5
   rewards_dev, correct_dev = put_global((rewards_QG, correct_QG), replicated)
   labels_dev = None if sel.reward_QG is None else rewards_dev  # plug-ins: reward != labels
@@ -429,7 +254,7 @@ def collect(
     rewards_dev, s_QG, ref_s_QG, step, spec=spec.adv, correct_QG=labels_dev
   )
   # Device scalars: the caller reads them with the updates' (no sync here).
-  adv_metrics = {**adv_metrics, **_score_metrics(s_QG, correct_dev)}
+  adv_metrics = {**adv_metrics, **score_metrics(s_QG, correct_dev)}
   t_logp = time.perf_counter() - t2
 
   seqs = Sequences(
