@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import re
 import threading
 import time
@@ -334,3 +335,31 @@ def test_deadline_pool_timeout_error_crash_and_close() -> None:
   assert all(p.poll() is not None for p in procs)
   assert pool.map([(0.0,)]) == [(OK, None)]  # a closed pool starts afresh
   pool.close()
+
+
+def test_recycling_waits_while_another_worker_starts(tmp_path, monkeypatch) -> None:
+  """Both workers reach max_calls in one map: the second keeps working until the first's
+  replacement (a 3 s import here) is ready, instead of both restarting at once."""
+  from capo_jax.data._grader_pool import DeadlinePool
+
+  (tmp_path / "slow_start.py").write_text("import time\n\ndef warm():\n  time.sleep(3)\n")
+  monkeypatch.setenv(
+    "PYTHONPATH", os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])
+  )
+  pool = DeadlinePool(
+    "os:getpid", num_workers=2, timeout_s=60.0, warmup="slow_start:warm", max_calls=2
+  )
+  try:
+    assert pool.wait_ready(120.0)
+    pool.map([()])  # one worker 1 item from its limit
+    second = pool.map([()] * 8)
+    assert all(k == "ok" for k, _ in second)
+    # One worker recycled at its 2nd item; the other, at its limit too, answered the rest
+    # while the replacement was importing.
+    assert pool.num_recycled == 1
+    assert len({v for _, v in second}) == 2
+    assert pool.wait_ready(120.0)  # the replacement is ready: the deferred recycle happens
+    pool.map([()] * 16)
+    assert pool.num_recycled == 2
+  finally:
+    pool.close()

@@ -20,7 +20,10 @@ Optional recycling (`max_calls`, `max_rss_mb`; 0: off): after each item the pare
 worker's items and reads its resident memory from /proc/<pid>/statm (Linux; elsewhere the
 memory limit does nothing); a worker at either limit is replaced, the rest of its chunk
 requeued. This bounds what a target that leaks (a growing cache, a module-level list) can
-take.
+take. Workers answer about equally many items, so they reach `max_calls` together: one at
+`max_calls` waits (keeps working) while another worker is still starting, so grading never
+stalls on a fresh interpreter's imports while a ready worker could go on. The memory limit
+replaces at once.
 """
 
 from __future__ import annotations
@@ -204,6 +207,24 @@ class DeadlinePool:
 
   # -- the scheduling loop ------------------------------------------------------------------
 
+  def wait_ready(self, timeout_s: float) -> bool:
+    """Starts the missing workers and waits until every worker reported ready; False if
+    some had not within ``timeout_s``. Grading does not need it (``map`` starts them);
+    it lets a caller pay the start-up before timing work."""
+    with self._lock:
+      while len(self._workers) < self.num_workers:
+        self._workers.append(self._start_worker())
+      end = time.monotonic() + timeout_s
+      while not all(w.ready for w in self._workers):
+        left = end - time.monotonic()
+        if left <= 0:
+          return False
+        for conn in wait([w.from_worker for w in self._workers if not w.ready], timeout=left):
+          w = next((w for w in self._workers if w.from_worker is conn), None)
+          if w is not None:
+            self._drain(w, [], collections.deque())
+      return True
+
   def map(self, items: Sequence[tuple]) -> list[tuple[str, Any]]:
     """Returns one (kind, value) per item, in order: (OK, result), (TIMEOUT, None) when the
     item ran past `timeout_s`, or (ERROR, message) when it raised or killed its worker."""
@@ -301,6 +322,8 @@ class DeadlinePool:
       self._replace(w)
       return
     why = self._worn_out(w) if w.items_done > answered else None
+    if why and why.endswith(" items") and any(not o.ready for o in self._workers if o is not w):
+      why = None  # another worker is starting: this one goes on, and recycles at a later item
     if why:
       # Once per worker, so quiet unless a worker is near the limit from its first item.
       log = logger.warning if w.items_done == 1 and self.max_calls != 1 else logger.info
