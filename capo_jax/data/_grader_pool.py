@@ -21,9 +21,9 @@ worker's items and reads its resident memory from /proc/<pid>/statm (Linux; else
 memory limit does nothing); a worker at either limit is replaced, the rest of its chunk
 requeued. This bounds what a target that leaks (a growing cache, a module-level list) can
 take. Workers answer about equally many items, so they reach `max_calls` together: one at
-`max_calls` waits (keeps working) while another worker is still starting, so grading never
-stalls on a fresh interpreter's imports while a ready worker could go on. The memory limit
-replaces at once.
+`max_calls` keeps working past it while another worker is still starting, so grading never
+stalls on a fresh interpreter's imports while a ready worker could go on. `max_calls=1` (a
+fresh worker per item, for isolation) and the memory limit replace at once.
 """
 
 from __future__ import annotations
@@ -322,7 +322,8 @@ class DeadlinePool:
       self._replace(w)
       return
     why = self._worn_out(w) if w.items_done > answered else None
-    if why and why.endswith(" items") and any(not o.ready for o in self._workers if o is not w):
+    starting = any(not o.ready for o in self._workers if o is not w)
+    if why and why.endswith(" items") and self.max_calls > 1 and starting:
       why = None  # another worker is starting: this one goes on, and recycles at a later item
     if why:
       # Once per worker, so quiet unless a worker is near the limit from its first item.
