@@ -42,7 +42,7 @@ from ml_collections import config_flags
 
 from capo_jax.run import aot, aot_programs, hlo_cost, programs, tpu_topology
 from capo_jax.run.spec import RunSpec
-from capo_jax.sampling import engine
+from capo_jax.sampling import plans
 from tools import memory_terms, step_estimate, tpu_chips
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
@@ -256,7 +256,7 @@ def estimate(
       min(r.max_active_rows or 10**9, r.num_samples * (r.prompts_per_call or r.num_prompts))
       / shards
     )
-    kv = slots * dec["blocks_per_step"] * engine.KV_BLOCK * kv_pos
+    kv = slots * dec["blocks_per_step"] * plans.KV_BLOCK * kv_pos
     ideal = resident["sampling params"] + kv
     out["decode_read_ratio"] = dec["step_bytes"] / ideal
     # The old count, HBM and on-chip traffic together (before the memory spaces were read).

@@ -24,7 +24,7 @@ from capo_jax.run import programs as programs_lib
 from capo_jax.run.programs import StepPrograms
 from capo_jax.run.spec import RunSpec
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.sampling import engine
+from capo_jax.sampling import engine, plans
 from capo_jax.sampling import sampler as sampling
 from models import qwen2, sharding
 
@@ -35,7 +35,7 @@ from models import qwen2, sharding
 
 def _sds(shape: tuple[int, ...], dtype: Any, sh: jax.sharding.Sharding) -> Any:
   """An abstract array to lower with. Typed Any: it fills the ``jax.Array`` fields of the
-  containers the programs take (ModelRows, TrainBatch, engine.Ends)."""
+  containers the programs take (ModelRows, TrainBatch, plans.Ends)."""
   return jax.ShapeDtypeStruct(shape, dtype, sharding=sh)
 
 
@@ -119,7 +119,7 @@ class Lowerable:
   resident: tuple[str, ...]  # live device buffers that are not among its arguments
 
 
-def sampler_plan(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> engine.Plan:
+def sampler_plan(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> plans.Plan:
   """The engine's plan of one sampler call at the run's largest prompts (``generate``'s)."""
   return sampling.engine_plan(
     model_cfg,
@@ -154,7 +154,7 @@ def sampler_programs(spec: RunSpec, model_cfg: Any, mesh: Mesh) -> tuple[Lowerab
     prompts, first = jax.tree.map(
       lambda s, o: _sds(s.shape, s.dtype, o), out, prefill_compiled.output_shardings
     )
-    ends = engine.Ends(stops, pad, _sds((), jnp.int32, rep))
+    ends = plans.Ends(stops, pad, _sds((), jnp.int32, rep))
     return Lowerable(
       "decode",
       engine.decode_loop,
