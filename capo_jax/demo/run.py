@@ -20,7 +20,7 @@ import ml_collections
 import numpy as np
 
 from capo_jax.data import rewards
-from capo_jax.demo import compare, cued, report, tasks, warm_start
+from capo_jax.demo import compare, cued, policy_eval, report, tasks, warm_start
 from capo_jax.demo import mask as mask_lib
 from capo_jax.eval import calibration, evaluate, traps
 from capo_jax.run import loop
@@ -84,13 +84,13 @@ class Demo:
 
 def spec_of(config: ml_collections.ConfigDict) -> RunSpec:
   """The demo's run spec: ``rollout.max_new_tokens`` = 0 resolved to the task's longest
-  written solution plus slack (``warm_start.completion_budget``), the policy given."""
+  written solution plus slack (``policy_eval.completion_budget``), the policy given."""
   c = ml_collections.ConfigDict(config.to_dict())
   if c.rollout.max_new_tokens == 0:
     task = tasks.config_of(c.demo.task.to_dict())
     train, heldout = tasks.splits(task)
     heldout = heldout[: c.demo.eval_questions]
-    c.rollout.max_new_tokens = warm_start.completion_budget(tasks.tokenizer(task), train + heldout)
+    c.rollout.max_new_tokens = policy_eval.completion_budget(tasks.tokenizer(task), train + heldout)
   return RunSpec.from_config(c, policy_given=True)
 
 
@@ -146,10 +146,10 @@ def heldout_metrics(
   ``completion_QG``: equal ids within a question mark identical completions, which
   the voting methods read), which the paired comparisons read.
   """
-  ev = warm_start.evaluate_policy(
+  ev = policy_eval.evaluate_policy(
     evaluate.EvalPolicy(params, ws.cfg, ws.tokenizer),
     examples,
-    warm_start.DemoSampling(num_samples=num_samples),
+    policy_eval.DemoSampling(num_samples=num_samples),
     jax.random.key(seed),
   )
   s_QG, correct_QG = ev["s"], ev["correct"]
