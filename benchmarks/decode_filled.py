@@ -4,7 +4,7 @@
   python -m benchmarks.decode_filled --small    # a seconds-long smoke run
 
 The engine's step (capo_jax.sampling.decode.step) reads the cache in blocks
-of ``engine.KV_BLOCK`` columns up to the longest active row. Timed, one jitted
+of ``plans.KV_BLOCK`` columns up to the longest active row. Timed, one jitted
 step each (the benchmark model of benchmarks/sampling.py: hidden 512, 4
 layers, vocab 32,000), alternated round by round after a warm-up:
 
@@ -28,7 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import sampling as sampling_bench
-from capo_jax.sampling import decode, engine
+from capo_jax.sampling import decode, plans
 from models import qwen2
 
 
@@ -56,7 +56,7 @@ def main() -> None:
   params = qwen2.init_params(cfg, jax.random.key(0))
   W, S = args.slots, args.cols
   tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, W), jnp.int32)
-  blk = engine.KV_BLOCK
+  blk = plans.KV_BLOCK
   cases = {
     f"filled {args.filled} of {S}": (args.filled, blk),
     f"full {S} of {S}": (S, blk),

@@ -37,7 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capo_jax.sampling import engine, strategies
+from capo_jax.sampling import engine, plans, strategies
 from capo_jax.sampling import sampler as sampling
 from models import kv_cache, qwen2
 from models.config import Qwen2Config
@@ -271,7 +271,7 @@ def main() -> None:
       t,
       m,
       jax.random.key(seed),
-      plan=engine.PrefillPlan(cfg=cfg, strategy=strategy, num_samples=G),
+      plan=plans.PrefillPlan(cfg=cfg, strategy=strategy, num_samples=G),
     )
     return first.token_B
 

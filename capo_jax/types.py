@@ -2,7 +2,7 @@
 
 Array names end in the letters of their axes (``adv_QG``, ``logp_BC``,
 ``k_LBSKH``), and einsum strings use the same letters in lower case. Each
-letter names one axis, everywhere (capo_jax and models); ``models/qwen2.py``
+letter names one axis, everywhere (capo_jax and models); ``models/decoder.py``
 repeats the model's letters.
 
 The model (``models``):

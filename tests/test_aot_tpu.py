@@ -24,12 +24,12 @@ import jax.numpy as jnp
 import pytest
 
 from capo_jax.rl import train_step as ts
-from capo_jax.run import aot, hlo_cost, programs
+from capo_jax.run import aot, aot_programs, hlo_cost, programs, tpu_topology
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import ragged
 from configs import capo_qwen2p5_math_1p5b
-from models import sharding
+from models import qwen2, sharding
 
 pytestmark = [
   pytest.mark.tpu_aot,
@@ -45,14 +45,14 @@ ACCELERATOR = "v5e-8"
 
 @pytest.fixture(scope="module")
 def compiled():
-  acc = aot.parse_accelerator(ACCELERATOR)
-  aot.set_tpu_env(acc)
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
   c = capo_qwen2p5_math_1p5b.get_config("shrink")
   c.mesh.fsdp, c.mesh.tensor = -1, 2
   spec = spec_lib.RunSpec.from_config(
-    c, num_devices=len(aot.topology_devices(acc)), policy_given=True
+    c, num_devices=len(tpu_topology.topology_devices(acc)), policy_given=True
   )
-  mesh = aot.topology_mesh(spec, acc)
+  mesh = tpu_topology.topology_mesh(spec, acc)
   progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("decode", "train"))}
   return spec, mesh, progs
 
@@ -65,12 +65,12 @@ def _assert_same_shardings(got, want, shapes, what: str) -> None:
 
 
 def test_topology_devices_are_tpu_chips():
-  acc = aot.parse_accelerator(ACCELERATOR)
-  aot.set_tpu_env(acc)
-  devices = aot.topology_devices(acc)
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  devices = tpu_topology.topology_devices(acc)
   assert len(devices) == 8 and all(d.platform == "tpu" for d in devices)
-  assert aot.parse_accelerator("v4-32").chips == 16
-  assert aot.parse_accelerator("v5p-64").topology == "v5p:2x4x4"
+  assert tpu_topology.parse_accelerator("v4-32").chips == 16
+  assert tpu_topology.parse_accelerator("v5p-64").topology == "v5p:2x4x4"
 
 
 def test_memory_and_cost_analysis(compiled):
@@ -99,7 +99,7 @@ def test_train_step_input_shardings_follow_the_rules(compiled):
   (state_sh, batch_sh), _ = progs["train"].compiled.input_shardings
   want_state = ts.state_shardings(model_cfg, tcfg, mesh, mesh_lib.TRAIN_RULES)
   state_shapes = jax.eval_shape(
-    lambda p: ts.init_train_state(p, tcfg), aot.qwen2.param_shapes(model_cfg)
+    lambda p: ts.init_train_state(p, tcfg), qwen2.param_shapes(model_cfg)
   )
   _assert_same_shardings(state_sh, want_state, state_shapes, "train state")
   # Params really are split over fsdp and tensor (a tiny model could replicate).
@@ -119,7 +119,7 @@ def test_decode_input_shardings_follow_the_rules(compiled):
   mesh = programs.sampling_layout(spec, model_cfg, mesh).mesh  # the sampler's own
   assert mesh.devices.size == 8 and mesh.shape["tensor"] > 1, mesh.shape
   want = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.SAMPLING_RULES)
-  _assert_same_shardings(params_sh, want, aot.qwen2.param_shapes(model_cfg), "sampling params")
+  _assert_same_shardings(params_sh, want, qwen2.param_shapes(model_cfg), "sampling params")
   Q = spec.rollout.prompts_per_call or spec.rollout.num_prompts
   # The prompt cache the engine's slots are filled from: on TPU in the ragged decode
   # attention's [Q, P, K*H] layout, prompts over the batch axes and whole kv heads over
@@ -132,9 +132,9 @@ def test_decode_input_shardings_follow_the_rules(compiled):
 
 
 def test_hlo_cost_counts_scan_bodies_per_iteration():
-  acc = aot.parse_accelerator(ACCELERATOR)
-  aot.set_tpu_env(acc)
-  mesh = jax.sharding.Mesh(aot.topology_devices(acc), ("x",))
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  mesh = jax.sharding.Mesh(tpu_topology.topology_devices(acc), ("x",))
   w = jax.ShapeDtypeStruct(
     (6, 256, 256),
     "bfloat16",
@@ -157,9 +157,9 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
   loop: ``loop_tree`` splits them, and the estimate weights each by its own count."""
   from tools import step_estimate  # pylint: disable=import-outside-toplevel
 
-  acc = aot.parse_accelerator(ACCELERATOR)
-  aot.set_tpu_env(acc)
-  mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  mesh = jax.sharding.Mesh(tpu_topology.topology_devices(acc)[:1], ("x",))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
   w = jax.ShapeDtypeStruct((5, 256, 256), "float32", sharding=rep)
   x = jax.ShapeDtypeStruct((128, 256), "float32", sharding=rep)
@@ -202,9 +202,9 @@ def test_splash_attention_kernel_compiles_for_tpu():
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_kernel as splash  # pylint: disable=import-outside-toplevel
   from jax.experimental.pallas.ops.tpu.splash_attention import splash_attention_mask as masks
 
-  acc = aot.parse_accelerator(ACCELERATOR)
-  aot.set_tpu_env(acc)
-  mesh = jax.sharding.Mesh(aot.topology_devices(acc)[:1], ("x",))
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  mesh = jax.sharding.Mesh(tpu_topology.topology_devices(acc)[:1], ("x",))
   B, N, T, H = 2, 4, 512, 128
   kernel = splash.make_splash_mha(
     masks.MultiHeadMask([masks.CausalMask((T, T))] * N), head_shards=1, q_seq_shards=1
@@ -233,16 +233,16 @@ def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:
 def test_activations_stay_split_by_rows():
   """Per device, the MLP activations and the logits chunk hold rows / (data x fsdp) rows:
   no program gathers the rows (as XLA did when only the params were sharded)."""
-  acc = aot.parse_accelerator(ACCELERATOR)
-  aot.set_tpu_env(acc)
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
   c = capo_qwen2p5_math_1p5b.get_config("shrink")
   c.mesh.fsdp, c.mesh.tensor = -1, 2
   F, V = 192, 512  # distinctive sizes: nothing else in the program has them
   c.model.preset_overrides.intermediate_size = F
   spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
-  mesh = aot.topology_mesh(spec, acc)
+  mesh = tpu_topology.topology_mesh(spec, acc)
   progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("logprobs", "train"))}
-  shapes = aot.Shapes.from_spec(spec)
+  shapes = aot_programs.Shapes.from_spec(spec)
   shards = mesh.shape["data"] * mesh.shape["fsdp"]
   T, Z = shapes.row_len, shapes.targets_per_row
   for name, rows in (("logprobs", shapes.rows_per_call), ("train", shapes.rows_per_microbatch)):

@@ -132,7 +132,7 @@ def test_run_file_names_the_checker_and_fits_the_task():
 
 
 def test_heldout_evaluation_grades_with_the_examples_checker(monkeypatch):
-  from capo_jax.demo import warm_start  # pylint: disable=import-outside-toplevel
+  from capo_jax.demo import policy_eval  # pylint: disable=import-outside-toplevel
   from capo_jax.eval import evaluate  # pylint: disable=import-outside-toplevel
 
   seen = {}
@@ -144,7 +144,7 @@ def test_heldout_evaluation_grades_with_the_examples_checker(monkeypatch):
   monkeypatch.setattr(evaluate, "evaluate_policy", fake_evaluate)
   heldout = cued.make_splits(CFG)[1][:2]
   with pytest.raises(StopIteration):
-    warm_start.evaluate_policy(None, heldout, warm_start.DemoSampling(max_new_tokens=4))
+    policy_eval.evaluate_policy(None, heldout, policy_eval.DemoSampling(max_new_tokens=4))
   # The bare-integer checker, not the boxed-answer grader.
   rewards, health = seen["grader"].score(["7", "\\boxed{7}", "8"], ["7", "7", "7"])
   assert list(rewards) == [1.0, 0.0, 0.0] and rewards.dtype == np.float32

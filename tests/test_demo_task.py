@@ -13,7 +13,7 @@ import pytest
 
 from capo_jax.data import rewards
 from capo_jax.data.tokenizer import Tokenizer
-from capo_jax.demo import task, warm_start
+from capo_jax.demo import policy_eval, task, warm_start
 from capo_jax.demo.char_tokenizer import CharTokenizer
 from capo_jax.eval import evaluate
 from models import qwen2
@@ -249,8 +249,8 @@ def test_evaluate_policy_scores_match_reference(tiny_run):
   examples = heldout[:16]
   budget = first.info["max_new_tokens"]
   policy = evaluate.EvalPolicy(first.params, first.cfg, first.tokenizer)
-  sampling = warm_start.DemoSampling(num_samples=2, max_new_tokens=budget, batch_questions=8)
-  ev = warm_start.evaluate_policy(policy, examples, sampling, rng=jax.random.key(0))
+  sampling = policy_eval.DemoSampling(num_samples=2, max_new_tokens=budget, batch_questions=8)
+  ev = policy_eval.evaluate_policy(policy, examples, sampling, rng=jax.random.key(0))
   assert ev["s"].shape == ev["correct"].shape == ev["lengths"].shape == (16, 2)
   tok = first.tokenizer
   checked = 0

@@ -25,7 +25,7 @@ import numpy as np
 import pytest
 
 import hf_utils
-from capo_jax.sampling import decode, engine, strategies
+from capo_jax.sampling import decode, engine, plans, strategies
 from capo_jax.sampling import sampler as sampling
 from capo_jax.sampling.ragged import attend
 from models import qwen2
@@ -52,11 +52,11 @@ def tiny_policy():
 @contextlib.contextmanager
 def small_blocks():
   """16-column attention blocks: the engine's blocked attention at these sizes."""
-  old, engine.KV_BLOCK = engine.KV_BLOCK, 16
+  old, plans.KV_BLOCK = plans.KV_BLOCK, 16
   try:
     yield
   finally:
-    engine.KV_BLOCK = old
+    plans.KV_BLOCK = old
 
 
 def run(
@@ -168,7 +168,7 @@ def test_engine_equals_brute_force_sampler(rollouts):
 
 
 def test_tail_phases_schedule():
-  plan = lambda n, **kw: engine.Plan(
+  plan = lambda n, **kw: plans.Plan(
     cfg=None, strategy=None, num_samples=1, num_slots=n, gen_len=8, **kw
   )
   assert plan(128, shrink=True).phases == (128, 32, 8)  # at most three loops
@@ -200,8 +200,8 @@ def test_ragged_attention_gives_the_same_samples(rollouts, monkeypatch, n):
   do not divide the 48-column cache), so the sums are not the same ones.
   """
   cfg, params, tokens, mask, stops, outs = rollouts
-  monkeypatch.setattr(engine, "ATTENTION", "ragged")
-  monkeypatch.setattr(engine, "RAGGED_BLOCK", 32)
+  monkeypatch.setattr(plans, "ATTENTION", "ragged")
+  monkeypatch.setattr(plans, "RAGGED_BLOCK", 32)
   calls = []
   monkeypatch.setattr(decode.ragged, "attend", lambda *a, **k: calls.append(k) or attend(*a, **k))
   assert_same(outs[Q * G], run(cfg, params, tokens, mask, n, stops))
@@ -216,8 +216,8 @@ def test_ragged_attention_through_the_tail_loops(rollouts, monkeypatch):
   monkeypatch.setattr(decode, "MIN_ROWS_CPU", 1)
   ref = run(cfg, params, tokens, mask, Q * G, stops, key=6)
   assert min(loop_steps(np.asarray(ref.lengths_B), C, (16, 4, 1))) > 0
-  monkeypatch.setattr(engine, "ATTENTION", "ragged")
-  monkeypatch.setattr(engine, "RAGGED_BLOCK", 32)
+  monkeypatch.setattr(plans, "ATTENTION", "ragged")
+  monkeypatch.setattr(plans, "RAGGED_BLOCK", 32)
   assert_same(ref, run(cfg, params, tokens, mask, 16, stops, key=6))
 
 
@@ -279,7 +279,7 @@ _SHARDED = textwrap.dedent("""
     eight = te.schedules(cfg, params, tokens, mask, stops, layout, slots=(5, 3))
     # 16 slots, then a tail loop of 4 (whole shards of the 4 batch shards).
     te.decode.MIN_ROWS_CPU = 1
-    plan = te.engine.Plan(cfg=cfg, strategy=None, num_samples=te.G, num_slots=16, gen_len=8,
+    plan = te.plans.Plan(cfg=cfg, strategy=None, num_samples=te.G, num_slots=16, gen_len=8,
                           layout=layout, shrink=True)
     assert plan.phases == (16, 4), plan.phases
     assert min(te.loop_steps(ref["lengths"], te.C, plan.phases)) > 0
@@ -360,7 +360,7 @@ def test_samples_do_not_depend_on_slots_on_a_flat_wide_model():
 
   ref = rollout(None)
   assert np.asarray(ref.lengths_B).min() < 24 < np.asarray(ref.lengths_B).max()  # refills happen
-  # W = 32 of 40 rows ends in a loop of 8 slots (engine.Plan.phases).
+  # W = 32 of 40 rows ends in a loop of 8 slots (plans.Plan.phases).
   assert min(loop_steps(np.asarray(ref.lengths_B), 48, (32, 8))) > 0
   for n in (32, B // 4, 3):
     out = rollout(n)

@@ -1,7 +1,7 @@
 """One builder of a step's programs: the ahead-of-time compile lowers what the trainer runs.
 
 A one-step run of the shrunk 1.5B config records what its programs were called
-with; ``capo_jax.run.aot`` builds its own from the same spec. The lowered HLO of
+with; ``capo_jax.run.aot_programs`` builds its own from the same spec. The lowered HLO of
 each log-prob pass and of the train step must be the same text for the same
 arguments, the AOT's abstract arguments must have the structure and dtypes of
 the real ones, and the engine's plan must be the one the sampler ran. Were the
@@ -17,7 +17,7 @@ import jax
 import pytest
 
 import rl_driver
-from capo_jax.run import aot
+from capo_jax.run import aot_programs
 from capo_jax.run import programs as programs_lib
 from capo_jax.run.spec import RunSpec
 from capo_jax.sampling import engine
@@ -89,7 +89,7 @@ def test_aot_lowers_the_programs_the_trainer_ran(tmp_path, monkeypatch, override
   assert spec.train.pack and spec.needs_reference
   assert len(seen["train"]) == spec.updates_per_step and len(seen["logprobs"]) >= 2
   mesh = spec.make_mesh()
-  lowerables = {p.name: p for p in aot.trainer_programs(spec, mesh)}
+  lowerables = {p.name: p for p in aot_programs.trainer_programs(spec, mesh)}
   # The old-policy pass runs first (with LoRA's adapters when set), then the reference's.
   old = seen["logprobs"][0]
   ref = next(
@@ -116,7 +116,7 @@ def test_aot_lowers_the_programs_the_trainer_ran(tmp_path, monkeypatch, override
     assert lw.fn.lower(*real[0], **real[1]).as_text() == fn.lower(*args, **kwargs).as_text(), name
 
   # The engine: the AOT compiles the plan the sampler ran (slots, tail loops, strategy).
-  aot_prefill, _ = aot.sampler_programs(spec, progs.model_cfg, mesh)
+  aot_prefill, _ = aot_programs.sampler_programs(spec, progs.model_cfg, mesh)
   ran = seen["decode"][0][1]["plan"]
   assert aot_prefill.kwargs["plan"] == ran.prefill_plan
-  assert aot.sampler_plan(spec, progs.model_cfg, mesh) == ran
+  assert aot_programs.sampler_plan(spec, progs.model_cfg, mesh) == ran

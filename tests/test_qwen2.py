@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import hf_utils
-from models import hf_weights, qwen2
+from models import decoder, hf_weights, qwen2
 from models.config import PRESETS, Qwen2Config
 from models.kv_cache import KVCache, init_cache
 
@@ -306,7 +306,7 @@ def test_flax_module_is_pure_and_remat_is_real():
   tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
   mask_BTS = jnp.tril(jnp.ones((5, 5), bool))[None].repeat(2, 0)
   positions = jnp.broadcast_to(jnp.arange(5), (2, 5))
-  variables = qwen2.Qwen2(cfg).init(jax.random.key(0), tokens, positions, mask_BTS)
+  variables = decoder.Qwen2(cfg).init(jax.random.key(0), tokens, positions, mask_BTS)
   assert set(variables) == {"params"}  # no state collections: apply is a pure function
   # Stacked layers: one leading axis of num_layers on every layer param.
   assert all(x.shape[0] == 3 for x in jax.tree.leaves(nn.unbox(variables["params"]["layers"])))

@@ -120,13 +120,15 @@ def test_ragged_decode_loop_compiles_for_tpu_without_cache_copies():
   lowers through Mosaic in a shard_map, nothing is gathered, and the compiler keeps the
   carried cache in the kernel's layout (with [W, K, H, S] keys it copied every layer's
   cache every step)."""
-  from capo_jax.run import aot  # pylint: disable=import-outside-toplevel
+  from capo_jax.run import tpu_topology  # pylint: disable=import-outside-toplevel
   from capo_jax.runtime import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
   from models.sharding import Layout  # pylint: disable=import-outside-toplevel
 
-  acc = aot.parse_accelerator("v5e-8")
-  aot.set_tpu_env(acc)
-  mesh = mesh_lib.make_mesh({"data": 1, "fsdp": 4, "tensor": 2}, devices=aot.topology_devices(acc))
+  acc = tpu_topology.parse_accelerator("v5e-8")
+  tpu_topology.set_tpu_env(acc)
+  mesh = mesh_lib.make_mesh(
+    {"data": 1, "fsdp": 4, "tensor": 2}, devices=tpu_topology.topology_devices(acc)
+  )
   layout = Layout.of(mesh, mesh_lib.SAMPLING_RULES)
   Wn, Kn, Rn, Hn, S = 32, 2, 6, 128, 3328  # 1.5B's heads, a 3,072-token completion
   heads = layout.sharding(("batch", "kv_heads", None, None), (Wn, Kn, Rn, Hn))

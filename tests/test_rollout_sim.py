@@ -6,12 +6,12 @@ import dataclasses
 
 import numpy as np
 
-from capo_jax.sampling import engine
+from capo_jax.sampling import plans
 from tools import rollout_sim as rl
 
 
 def test_simulation_mirrors_the_engines_tail_loops():
-  assert (rl.Shape.shrink, rl.Shape.max_loops) == (engine.SHRINK, engine.MAX_PHASES)
+  assert (rl.Shape.shrink, rl.Shape.max_loops) == (plans.SHRINK, plans.MAX_PHASES)
 
 
 def test_tail_loop_reads_counted_by_hand():

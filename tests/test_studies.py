@@ -12,7 +12,7 @@ import tomllib
 
 import pytest
 
-from capo_jax.demo import run as demo_run
+from capo_jax.demo import report as demo_report
 from capo_jax.demo import study
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
@@ -21,7 +21,7 @@ REPORTS = ("docs/studies/demo_v3/run1/study_v3.json", "docs/studies/demo_v3/run2
 
 
 def _recorded() -> list[dict]:
-  return json.loads(pathlib.Path(demo_run.STUDY_RESULTS).read_text(encoding="utf-8"))
+  return json.loads(pathlib.Path(demo_report.STUDY_RESULTS).read_text(encoding="utf-8"))
 
 
 def test_recorded_study_matches_the_reports_it_summarises():
@@ -48,7 +48,7 @@ def test_record_writes_the_packaged_file(tmp_path):
   from studies.demo_v3 import report  # pylint: disable=import-outside-toplevel
 
   out = report.record([str(REPO / r) for r in REPORTS], tmp_path / "recorded.json")
-  assert out.read_bytes() == pathlib.Path(demo_run.STUDY_RESULTS).read_bytes()
+  assert out.read_bytes() == pathlib.Path(demo_report.STUDY_RESULTS).read_bytes()
   with pytest.raises(ValueError, match="lacks"):
     report.recorded_summary({"date": "d"})
 
@@ -66,14 +66,14 @@ def test_main_command_reads_nothing_from_docs(monkeypatch):
 
   monkeypatch.setattr(builtins, "open", guarded(builtins.open))
   monkeypatch.setattr(io, "open", guarded(io.open))
-  text = demo_run.recorded_study()
+  text = demo_report.recorded_study()
   assert text.count("capo - grpo at matched accuracy") == len(REPORTS)
 
 
 def test_installed_package_carries_the_recorded_study():
   cfg = tomllib.loads((REPO / "pyproject.toml").read_text(encoding="utf-8"))
   data = cfg["tool"]["setuptools"]["package-data"]["capo_jax.demo"]
-  path = pathlib.Path(demo_run.STUDY_RESULTS)
+  path = pathlib.Path(demo_report.STUDY_RESULTS)
   assert path.parent == REPO / "capo_jax" / "demo" and path.name in data
 
 

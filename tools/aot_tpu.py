@@ -40,9 +40,9 @@ from typing import Any
 from absl import app, flags
 from ml_collections import config_flags
 
-from capo_jax.run import aot, hlo_cost, programs
+from capo_jax.run import aot, aot_programs, hlo_cost, programs, tpu_topology
 from capo_jax.run.spec import RunSpec
-from capo_jax.sampling import engine
+from capo_jax.sampling import plans
 from tools import memory_terms, step_estimate, tpu_chips
 
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (configs/*.py).")
@@ -82,7 +82,7 @@ def _row(cells: list[str], widths: list[int]) -> str:
 def report(
   spec: RunSpec,
   mesh: Any,
-  acc: aot.Accelerator,
+  acc: tpu_topology.Accelerator,
   progs: list[aot.Compiled],
   resident: dict[str, int],
   trips: step_estimate.Trips,
@@ -173,8 +173,8 @@ def estimate(
   """The step-time roofline from the programs' loops at their expected trip counts."""
   r = spec.rollout
   calls = {
-    "prefill": aot.Shapes.from_spec(spec).num_calls,
-    "decode": aot.Shapes.from_spec(spec).num_calls,
+    "prefill": aot_programs.Shapes.from_spec(spec).num_calls,
+    "decode": aot_programs.Shapes.from_spec(spec).num_calls,
     "logprobs": t.logprob_calls,
     "logprobs_ref": t.logprob_calls,
     "train": spec.updates_per_step,
@@ -234,7 +234,7 @@ def estimate(
     "one roofline of FLOPs and HBM) .. honest (each operation its own, on-chip traffic at "
     "the assumed bandwidth, host and inter-chip traffic timed, nothing overlapped)"
   )
-  full = _full_length_collectives(progs, t, calls, aot.Shapes.from_spec(spec))
+  full = _full_length_collectives(progs, t, calls, aot_programs.Shapes.from_spec(spec))
   out["collective_gb_per_update_full_lengths"] = full / 1e9 / spec.updates_per_step
   print(
     f"  collectives per update and chip (results, the older count): "
@@ -256,7 +256,7 @@ def estimate(
       min(r.max_active_rows or 10**9, r.num_samples * (r.prompts_per_call or r.num_prompts))
       / shards
     )
-    kv = slots * dec["blocks_per_step"] * engine.KV_BLOCK * kv_pos
+    kv = slots * dec["blocks_per_step"] * plans.KV_BLOCK * kv_pos
     ideal = resident["sampling params"] + kv
     out["decode_read_ratio"] = dec["step_bytes"] / ideal
     # The old count, HBM and on-chip traffic together (before the memory spaces were read).
@@ -277,7 +277,10 @@ def estimate(
 
 
 def _full_length_collectives(
-  progs: list[aot.Compiled], t: step_estimate.Trips, calls: dict[str, float], sh: aot.Shapes
+  progs: list[aot.Compiled],
+  t: step_estimate.Trips,
+  calls: dict[str, float],
+  sh: aot_programs.Shapes,
 ) -> float:
   """Collective bytes (results) per step of the log-prob passes and the train updates
   with every sequence at its longest: the calls and micro-batches of ``sh`` (upper
@@ -293,7 +296,7 @@ def _full_length_collectives(
   return total
 
 
-def plan_terms(c, acc: aot.Accelerator) -> dict[str, float]:
+def plan_terms(c, acc: tpu_topology.Accelerator) -> dict[str, float]:
   """memory_plan.py's GiB per chip for this config's mesh, for the side-by-side."""
   run = memory_terms.Run.from_config(c)
   sizes = {ax: c.mesh[ax] for ax in ("data", "fsdp", "tensor")}
@@ -329,12 +332,14 @@ def _dumped(folder: str) -> list[aot.Compiled]:
 def main(argv: list[str]) -> None:
   if len(argv) > 1:
     raise app.UsageError(f"unexpected arguments: {argv[1:]}")
-  acc = aot.parse_accelerator(_ACCEL.value)
-  aot.set_tpu_env(acc)  # before anything initialises a jax backend
+  acc = tpu_topology.parse_accelerator(_ACCEL.value)
+  tpu_topology.set_tpu_env(acc)  # before anything initialises a jax backend
   c = _CONFIG.value
-  spec = RunSpec.from_config(c, num_devices=len(aot.topology_devices(acc)), policy_given=True)
+  spec = RunSpec.from_config(
+    c, num_devices=len(tpu_topology.topology_devices(acc)), policy_given=True
+  )
   spec = aot.architecture_spec(spec)  # offline: the run file's preset for an uncached hub id
-  mesh = aot.topology_mesh(spec, acc)
+  mesh = tpu_topology.topology_mesh(spec, acc)
   print(
     f"mesh {dict(mesh.shape)} over {acc.name}; config {c.model.preset or c.model.hf_path}, "
     f"Q={c.rollout.num_prompts} G={c.rollout.num_samples} P={c.rollout.max_prompt_len} "
@@ -353,8 +358,8 @@ def main(argv: list[str]) -> None:
       if p.compiled is not None:
         with open(os.path.join(_DUMP.value, f"{p.name}.hlo.txt"), "w") as f:
           f.write(p.compiled.as_text())
-  sh = aot.Shapes.from_spec(spec)
-  plan = aot.sampler_plan(spec, spec.model_config(), mesh)
+  sh = aot_programs.Shapes.from_spec(spec)
+  plan = aot_programs.sampler_plan(spec, spec.model_config(), mesh)
   trips = step_estimate.trips(
     sh,
     len(plan.phases),
@@ -362,14 +367,14 @@ def main(argv: list[str]) -> None:
     spec.updates_per_step,
     step_estimate.Lengths(_PROMPT_TOKENS.value, _TRUNC.value),
   )
-  resident = aot.resident_bytes(spec, mesh)
+  resident = aot_programs.resident_bytes(spec, mesh)
   if _FROM_HLO.value:
     result = {"accelerator": acc.name, "from_hlo": _FROM_HLO.value}
     result.update(estimate(spec, mesh, tpu_chips.CHIPS[acc.gen], progs, resident, trips))
   else:
     result = report(spec, mesh, acc, progs, resident, trips)
   result["mesh"] = dict(mesh.shape)
-  result["shapes"] = dataclasses.asdict(aot.Shapes.from_spec(spec))
+  result["shapes"] = dataclasses.asdict(aot_programs.Shapes.from_spec(spec))
   if c.model.preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):
     terms = plan_terms(c, acc)
     result["plan_gib"] = terms

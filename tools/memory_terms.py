@@ -52,7 +52,7 @@ import importlib
 import math
 from typing import Any
 
-from capo_jax.sampling import engine
+from capo_jax.sampling import plans
 from capo_jax.sampling.sampler import bucket_length
 from models import lora, qwen2
 from models.config import Qwen2Config
@@ -156,7 +156,7 @@ def kv_slots(run: Run) -> int:
 
 def tail_phases(slots: int, rows: int, shards: int) -> tuple[int, ...]:
   """The engine's loops on an accelerator: tail loops only with W < B rows."""
-  return engine.tail_phases(slots, shards) if slots < rows else (slots,)
+  return plans.tail_phases(slots, shards) if slots < rows else (slots,)
 
 
 def memory_terms(
@@ -208,7 +208,7 @@ def memory_terms(
   m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
   m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
   # With W < B the engine gathers the tail's rows into a cache of W/4 slots
-  # (engine.Plan.phases). The caches are one buffer per layer and per k / v, so
+  # (plans.Plan.phases). The caches are one buffer per layer and per k / v, so
   # each large one is freed once gathered: one small buffer beside the large
   # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
   tail = tail_phases(min(slots or B, B), B, data * fsdp)

@@ -12,7 +12,7 @@ which puts more at it: 6.1% in all at the default 0.045. Per decode step
 ``simulate`` counts the rows decoded and the KV positions read, as the engine
 reads them (every slot, up to the longest active row in ``block`` columns; once
 no row waits, the active rows move to a quarter of the slots as they fit, at most
-twice, as ``engine.Plan.phases`` does) and, for the lockstep decode, every row over
+twice, as ``plans.Plan.phases`` does) and, for the lockstep decode, every row over
 the whole cache (the old sampler) or up to the longest row; ``seconds`` turns them
 into time: (weight bytes x replicas + KV bytes read + refill copies) / HBM
 bandwidth, a decode step being bandwidth-bound on accelerators.
@@ -39,8 +39,8 @@ class Shape:
   kv_bytes: float = 28_672  # per position: 2 x 28 layers x 2 kv heads x 128 x 2 bytes
   bandwidth: float = 819e9  # bytes/s (one v5e chip)
   replicas: int = 1  # weight copies read per step (data-parallel sampler replicas)
-  shrink: int = 4  # engine.SHRINK: each tail loop has a quarter of the slots
-  max_loops: int = 3  # engine.MAX_PHASES (1: no tail loops)
+  shrink: int = 4  # plans.SHRINK: each tail loop has a quarter of the slots
+  max_loops: int = 3  # plans.MAX_PHASES (1: no tail loops)
 
 
 def sample_lengths(
@@ -90,7 +90,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   ends: list[tuple[int, int]] = []  # (step the row ends at, slot)
   start: dict[int, int] = {}  # active slot -> the step its row started after
   free, nxt, k, kv = list(range(slots)), 0, 0, 0
-  cur, loops, gathered = slots, 1, 0  # the engine's tail loops (engine.Plan.phases)
+  cur, loops, gathered = slots, 1, 0  # the engine's tail loops (plans.Plan.phases)
   # Per loop of the engine: its decode steps, and the KV blocks its steps read per layer
   # (the trip counts of the step's per-layer block loops, summed over its steps).
   phase_steps, phase_blocks = [0] * shape.max_loops, [0] * shape.max_loops

@@ -57,7 +57,7 @@ class Trips:
 
 
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
-  """``sh``: ``capo_jax.run.aot.Shapes`` of the run."""
+  """``sh``: ``capo_jax.run.aot_programs.Shapes`` of the run."""
   rows_call = sh.prompts_per_call * sh.num_samples
   shape = rollout_sim.Shape(
     rows=rows_call,

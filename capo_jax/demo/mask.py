@@ -28,7 +28,7 @@ import jax
 import numpy as np
 
 from capo_jax.data.datasets import Example
-from capo_jax.demo import warm_start
+from capo_jax.demo import policy_eval, warm_start
 from capo_jax.eval import evaluate
 
 
@@ -91,10 +91,10 @@ def calibrate(
       cached = json.load(f)
     if warm_start.same_cache_key(cached.get("key", {}), key):
       return cached
-  ev = warm_start.evaluate_policy(
+  ev = policy_eval.evaluate_policy(
     evaluate.EvalPolicy(ws.params, ws.cfg, ws.tokenizer),
     examples,
-    warm_start.DemoSampling(num_samples=num_samples),
+    policy_eval.DemoSampling(num_samples=num_samples),
     jax.random.key(seed),
   )
   # s is the mean token log-prob of the sample (EOS included), as the trainer's: ppl = e^-s.

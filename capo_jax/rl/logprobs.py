@@ -69,7 +69,7 @@ def _chunk_stats(
 ) -> dict[str, Array]:
   """Log-prob, entropy and top-k of one chunk; logits live only inside."""
   logits = sharding.constrain(
-    jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32), qwen2.ACT_BTV
+    jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32), sharding.ACT_BTV
   )
   if temperature != 1.0:
     logits = logits / temperature
@@ -160,7 +160,7 @@ def packed_token_logprobs(
     params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0, rows.positions_YT, rows.segment_ids_YT
   )
   h_YZD = jnp.take_along_axis(h_YTD, rows.target_col_YZ[..., None], axis=1)
-  h_YZD = sharding.constrain(h_YZD, qwen2.ACT_BTD)
+  h_YZD = sharding.constrain(h_YZD, sharding.ACT_BTD)
   out = logprobs_from_hidden(
     params,
     cfg,

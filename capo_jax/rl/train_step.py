@@ -55,7 +55,7 @@ from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs
 from capo_jax.rl.optim import current_lr, make_optimizer
 
-# The state lives in capo_jax.rl.train_state; run/setup.py, run/trainer.py, run/aot.py,
+# The state lives in capo_jax.rl.train_state; run/setup.py, run/trainer.py, run/aot_programs.py,
 # tools/ and benchmarks/ still reach it here as `ts.<name>`.
 from capo_jax.rl.train_state import (  # noqa: F401
   TrainConfig,

@@ -10,7 +10,7 @@ Sharding is data: params carry logical axis names (Flax's
 ``nn.with_logical_partitioning``, listed by ``models.qwen2.param_axes``),
 activations and batches use ``"batch"``, and a rule list maps logical names
 to mesh axes (``models.sharding``, on Flax's ``nn.logical_to_mesh_axes``).
-Activations carry names of their own (``models.qwen2.ACT_*``), resolved under the
+Activations carry names of their own (``models.sharding.ACT_*``), resolved under the
 program's layout (``models.sharding.activations``). ``TRAIN_RULES`` shard params
 over fsdp and tensor. The sampler has a mesh of its own over the same devices
 (``sampling_mesh``: data x a tensor group of tensor x tensor_q chips), on which
@@ -60,7 +60,7 @@ TRAIN_RULES: Rules = (
   ("head_dim", None),
   ("layers", None),
   ("norm", None),
-  # Activations (models.qwen2.ACT_*): rows over data x fsdp ("batch" above), the
+  # Activations (models.sharding.ACT_*): rows over data x fsdp ("batch" above), the
   # model dim whole, heads / MLP columns / vocab over tensor.
   ("length", None),
   ("act_embed", None),

@@ -52,7 +52,7 @@ import jax
 import jax.numpy as jnp
 
 from capo_jax.sampling import ragged
-from models import qwen2, sharding
+from models import decoder, sharding
 from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout
@@ -136,7 +136,7 @@ def prepare(
     unembed = params["embed"] if out_major else params["embed"].T
   else:
     unembed = params["lm_head"].T if out_major else params["lm_head"]
-  cos, sin = qwen2.rope_tables(jnp.arange(num_cols)[None], cfg.head_dim, cfg.rope_theta)
+  cos, sin = decoder.rope_tables(jnp.arange(num_cols)[None], cfg.head_dim, cfg.rope_theta)
   layers, unembed = [layer(l) for l in range(cfg.num_layers)], unembed.astype(dt)
   if out_major:
     # XLA folds a transpose feeding a dot back into the dot's dimension numbers,
@@ -295,7 +295,7 @@ def step(
     else:
       out_WKRH = attend_full(q_WKRH, ks[l], vs[l], mask_WS)
     x_WD = _attention_output(w, cfg, p, x_WD, out_WKRH.reshape(W, -1))
-  h_WD = qwen2.rms_norm(x_WD, w.final_norm_D, cfg.rms_norm_eps).astype(cfg.dtype)
+  h_WD = decoder.rms_norm(x_WD, w.final_norm_D, cfg.rms_norm_eps).astype(cfg.dtype)
   if w.out_major:
     # The barrier stops XLA from turning the transpose into a [V, D] x [W, D]
     # dot, the row-count-dependent form again.
@@ -314,30 +314,30 @@ def _attention_inputs(
   x_WD: jax.Array,
   rope_W1: tuple[jax.Array, jax.Array],
 ) -> tuple[jax.Array, jax.Array, jax.Array]:
-  """``qwen2.DecoderLayer.attention_inputs`` for one token per slot, on 2-D kernels.
+  """``decoder.DecoderLayer.attention_inputs`` for one token per slot, on 2-D kernels.
 
   q as [W, K, R, H] (R query heads per kv head), k / v as [W, K, H].
   """
   W, dt = x_WD.shape[0], cfg.dtype
   K, H = cfg.num_kv_heads, cfg.head_dim
-  h_WD = qwen2.rms_norm(x_WD, p["attn_norm"], cfg.rms_norm_eps)
+  h_WD = decoder.rms_norm(x_WD, p["attn_norm"], cfg.rms_norm_eps)
   q, k, v = (
     _proj(w, h_WD, p[n]).reshape(W, 1, -1, H) for n in ("q_kernel", "k_kernel", "v_kernel")
   )
   if cfg.qkv_bias:
     q, k, v = q + p["q_bias"].astype(dt), k + p["k_bias"].astype(dt), v + p["v_bias"].astype(dt)
   if cfg.qk_norm:
-    q = qwen2.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
-    k = qwen2.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
-  q, k = qwen2.apply_rope(q, *rope_W1), qwen2.apply_rope(k, *rope_W1)
+    q = decoder.rms_norm(q, p["q_norm"], cfg.rms_norm_eps)
+    k = decoder.rms_norm(k, p["k_norm"], cfg.rms_norm_eps)
+  q, k = decoder.apply_rope(q, *rope_W1), decoder.apply_rope(k, *rope_W1)
   return q.reshape(W, K, -1, H), k[:, 0], v[:, 0]
 
 
 def _attention_output(
   w: DecodeWeights, cfg: Qwen2Config, p: Params, x_WD: jax.Array, attn: jax.Array
 ) -> jax.Array:
-  """``qwen2.DecoderLayer.attention_output`` for one token per slot, on 2-D kernels."""
+  """``decoder.DecoderLayer.attention_output`` for one token per slot, on 2-D kernels."""
   x_WD = x_WD + _proj(w, attn, p["o_kernel"])
-  h_WD = qwen2.rms_norm(x_WD, p["mlp_norm"], cfg.rms_norm_eps)
+  h_WD = decoder.rms_norm(x_WD, p["mlp_norm"], cfg.rms_norm_eps)
   act_WF = jax.nn.silu(_proj(w, h_WD, p["gate_kernel"])) * _proj(w, h_WD, p["up_kernel"])
   return x_WD + _proj(w, act_WF, p["down_kernel"])

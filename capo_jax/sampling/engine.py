@@ -34,6 +34,9 @@ of ``fold_in(fold_in(rng, b), t)``, from logits that depend only on row b's
 own prompt and tokens (attention masks everything else, and the blocked
 softmax is exact over the blocks it skips), so which slot or step a row ran
 in does not change its sample (tests/test_engine.py checks it).
+
+The plans (the programs' static shapes), their phases and the containers the two
+programs pass each other are ``capo_jax.sampling.plans``'s.
 """
 
 from __future__ import annotations
@@ -41,7 +44,6 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-import math
 from typing import Any
 
 import jax
@@ -49,126 +51,21 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from capo_jax.sampling import decode, ragged
-from capo_jax.sampling.strategies import Strategy
+from capo_jax.sampling.plans import (
+  Ends,
+  FirstTokens,
+  Plan,
+  PrefillPlan,
+  PromptCache,
+  batch_shards,
+  num_columns,
+)
 from models import kv_cache, qwen2, sharding
-from models.config import Qwen2Config
 from models.qwen2 import Params
 from models.sharding import Layout
 
 # Traces of each jitted function (one per compilation), for tests and logs.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
-# Columns per attention block: a step reads ceil(longest active row / KV_BLOCK)
-# blocks. Smaller blocks read less past the longest row; each block is one
-# iteration of a loop inside every layer. Read at each ``generate`` call.
-KV_BLOCK = 128
-# The decode attention (decode.ATTENTION: "auto" is the ragged kernel on TPU, the
-# blocks above elsewhere) and the ragged kernel's columns per copy (a row reads its
-# own length rounded up to it). Read at each ``generate`` call.
-ATTENTION = "auto"
-RAGGED_BLOCK = ragged.BLOCK
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class PromptCache:
-  """The prefilled prompts, in the slot cache's per-layer layouts (decode.SlotCache)."""
-
-  k: tuple[jax.Array, ...]  # per layer [Q, K, H, P], or [Q, P, K*H] for ragged attention
-  v: tuple[jax.Array, ...]  # per layer [Q, K, P, H], or [Q, P, K*H]
-  mask_QP: jax.Array  # bool
-  length_Q: jax.Array  # int32: real prompt tokens (the RoPE position of token 0)
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class FirstTokens:
-  """Token 0 of every row, chosen from the prefill's logits."""
-
-  token_B: jax.Array  # int32
-  logprob_B: jax.Array  # float32
-
-
-@dataclasses.dataclass(frozen=True)
-class PrefillPlan:
-  """The static shape of one ``prefill`` program (a jit static argument)."""
-
-  cfg: Qwen2Config
-  strategy: Strategy
-  num_samples: int  # G
-  layout: Layout | None = None
-  attention: str = "blocks"  # the decode's (resolved): it sets the prompt cache's layout
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class Ends:
-  """Where rows end (traced: a new value does not compile anew)."""
-
-  stop_ids: jax.Array  # int32 [8k]: a row ends at any of them (-1 matches nothing)
-  pad_id: jax.Array  # int32 scalar: written after a row's end
-  max_new_tokens: jax.Array  # int32 scalar: a row ends at this many tokens
-
-
-@dataclasses.dataclass(frozen=True)
-class Plan:
-  """The static shape of one ``decode_loop`` program (a jit static argument)."""
-
-  cfg: Qwen2Config
-  strategy: Strategy
-  num_samples: int  # G
-  num_slots: int  # W
-  gen_len: int  # C, the output width (>= max_new_tokens)
-  layout: Layout | None = None
-  block: int = KV_BLOCK
-  # Slots the cache has: max(W, min_slots). Slots past W never take a row;
-  # they are there because on CPU a step of fewer than 8 rows rounds its
-  # reductions differently (decode.MIN_ROWS_CPU).
-  min_slots: int = 1
-  # Move the tail to smaller caches once no row waits (see the module docstring).
-  shrink: bool = False
-  attention: str = "auto"  # decode.resolve: ragged on TPU, blocks elsewhere
-  ragged_block: int = ragged.BLOCK
-
-  @property
-  def prefill_plan(self) -> PrefillPlan:
-    """The plan of the ``prefill`` whose output this program decodes."""
-    attention = decode.resolve(self.attention, self.layout)
-    return PrefillPlan(self.cfg, self.strategy, self.num_samples, self.layout, attention)
-
-  @property
-  def phases(self) -> tuple[int, ...]:
-    """Slot counts of the program's successive decode loops."""
-    W = max(self.num_slots, self.min_slots)
-    return tail_phases(W, _batch_shards(self.layout), self.min_slots) if self.shrink else (W,)
-
-
-# Tail phases: each a quarter of the previous slots, at most three loops in all
-# (each loop compiles its own copy of the decode step).
-SHRINK, MAX_PHASES = 4, 3
-
-
-def tail_phases(num_slots: int, shards: int = 1, min_slots: int = 1) -> tuple[int, ...]:
-  """W, W/4, W/16 while a phase keeps whole batch shards and ``min_slots`` slots.
-
-  tools/memory_plan.py sizes its tail term with it.
-  """
-  sizes = [num_slots]
-  while len(sizes) < MAX_PHASES:
-    n = sizes[-1] // SHRINK
-    if n < max(min_slots, 1) or n % shards:
-      break
-    sizes.append(n)
-  return tuple(sizes)
-
-
-def _batch_shards(layout: Layout | None) -> int:
-  """Devices the slot axis is split over: a phase keeps whole shards."""
-  if layout is None:
-    return 1
-  axes = layout.spec(("batch",))[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(layout.mesh.shape[a] for a in axes)
 
 
 @jax.tree_util.register_dataclass
@@ -276,12 +173,6 @@ def prefill(
   return prompts, _constrain_rows(layout, FirstTokens(token_B, logprob_B))
 
 
-def num_columns(prompt_len: int, gen_len: int, block: int) -> int:
-  """S: prompt + completion columns, whole blocks when more than one block."""
-  S = prompt_len + gen_len
-  return S if S <= block else -(-S // block) * block
-
-
 def _refill(
   plan: Plan,
   prompts: PromptCache,
@@ -303,7 +194,7 @@ def _refill(
   P = prompts.mask_QP.shape[1]
   mask_QS = jnp.pad(prompts.mask_QP, ((0, 0), (0, S - P)))
 
-  sharded = _batch_shards(plan.layout) > 1
+  sharded = batch_shards(plan.layout) > 1
 
   def row(src: jax.Array, q: jax.Array) -> jax.Array:
     """Prompt q of ``src`` [Q, ...] as [1, ...]. With the prompts split over devices, a

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import AxisType
 
-from capo_jax.sampling import decode, engine
+from capo_jax.sampling import decode, engine, plans
 from capo_jax.sampling.strategies import Strategy, Temperature
 from models import qwen2
 from models.config import Qwen2Config
@@ -116,7 +116,7 @@ class SamplingSpec:
   max_active_rows: W, the rows decoded at once and the KV cache's slots
     (continuous batching: a stopped row's slot takes the next waiting row;
     once none waits, the active rows move to caches of W/4 and W/16 slots as
-    they fit, ``engine.Plan.phases``). None: all Q*G rows at once. The samples
+    they fit, ``plans.Plan.phases``). None: all Q*G rows at once. The samples
     are the same whatever W.
   """
 
@@ -141,7 +141,7 @@ class SamplingSpec:
 
 def engine_plan(
   cfg: Qwen2Config, spec: SamplingSpec, layout: Layout | None, num_prompts: int
-) -> engine.Plan:
+) -> plans.Plan:
   """The static shape of the engine's programs for one call of ``num_prompts`` prompts:
   what ``generate`` runs, and what the ahead-of-time compile lowers."""
   B = num_prompts * spec.num_samples
@@ -151,18 +151,18 @@ def engine_plan(
   cpu = next(iter(devices)).platform == "cpu"
   # The tail moves to smaller caches only under continuous batching: None stays
   # the lockstep decode.
-  return engine.Plan(
+  return plans.Plan(
     cfg=cfg,
     strategy=spec.strategy,
     num_samples=spec.num_samples,
     num_slots=W,
     gen_len=bucket_length(spec.max_new_tokens, GEN_BUCKET_MIN),
     layout=layout,
-    block=engine.KV_BLOCK,
+    block=plans.KV_BLOCK,
     min_slots=decode.MIN_ROWS_CPU if cpu else 1,
     shrink=W < B,
-    attention=engine.ATTENTION,
-    ragged_block=engine.RAGGED_BLOCK,
+    attention=plans.ATTENTION,
+    ragged_block=plans.RAGGED_BLOCK,
   )
 
 
@@ -227,7 +227,7 @@ def generate(
   # (a jit argument) fixed across stop sets.
   width = max(8, -(-stops.size // 8) * 8)
   stops = np.pad(stops, (0, width - stops.size), constant_values=-1)
-  ends = engine.Ends(
+  ends = plans.Ends(
     stop_ids=jnp.asarray(stops),
     pad_id=jnp.asarray(pad_id, jnp.int32),
     max_new_tokens=jnp.asarray(max_new_tokens, jnp.int32),

@@ -26,7 +26,7 @@ from capo_jax.eval.paired import t_note
 from studies.demo_v3.design import METHODS, PRIMARY
 from studies.records import REPO, fmt, header, mean_sd, ran_on, write_report
 
-# The recorded study as the main command prints it (``capo_jax/demo/run.py``): package
+# The recorded study as the main command prints it (``capo_jax/demo/report.py``): package
 # data, one summary per box, written by ``record``.
 RECORDED = REPO / "capo_jax" / "demo" / "study_v3_recorded.json"
 # What ``study.held_across_warm_starts`` reads of a ``study_v3.json``.

@@ -1,0 +1,205 @@
+"""What one HLO instruction costs: matmul FLOPs, bytes moved, bytes sent between chips.
+
+The per-instruction rules of ``capo_jax.run.hlo_cost`` (which weights them by how many
+times each computation runs): ``matmul_flops`` of a ``dot`` / ``convolution`` (TPU's
+dilated, padded convolutions counted by the window positions that land on real input),
+``moved_bytes`` of an instruction outside fusions in one memory space (a fusion's
+operands read only through slices cost the slices, an in-place update its update),
+``ici_bytes`` of a collective by the ring algorithms, and ``fused_flops`` of a fused
+computation.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+
+from capo_jax.run import hlo_text as ht
+from capo_jax.run.hlo_text import Instr as _Instr
+
+FREE = {
+  "parameter",
+  "constant",
+  "get-tuple-element",
+  "tuple",
+  "bitcast",
+  "while",
+  "call",
+  "conditional",
+  "after-all",
+  "opt-barrier",
+  "partition-id",
+  "replica-id",
+  "iota",
+}
+COLLECTIVES = ("all-gather", "all-reduce", "reduce-scatter", "collective-permute", "all-to-all")
+
+
+def matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
+  out = ht.arrays(ins.shape)
+  ops = ht.operands(ins.rest)
+  if not out or len(ops) < 2:
+    return 0.0
+  lhs, rhs = (ht.arrays(shapes.get(o, "")) for o in ops[:2])
+  if not lhs or not rhs:
+    return 0.0
+  out_elems = math.prod(out[0][1])
+  if ins.op == "dot":
+    m = re.search(r"lhs_contracting_dims=\{([\d,]*)\}", ins.rest)
+    k = math.prod(lhs[0][1][int(d)] for d in m[1].split(",") if d) if m else 1
+    return 2.0 * out_elems * k
+  m = re.search(r"dim_labels=(\w+)_(\w+)->(\w+)", ins.rest)
+  if not m:
+    return 0.0
+  lhs_l, rhs_l, out_l = m[1], m[2], m[3]
+  kernel, in_dims, out_dims = rhs[0][1], lhs[0][1], out[0][1]
+  # TPU lowers batched matmuls to convolutions that put batch dims in spatial
+  # windows with dilation and padding, so count, per spatial dim, the (output,
+  # window) position pairs that land on a real input element, as XLA does.
+  window = re.search(r"window=\{([^}]*)\}", ins.rest)
+  attrs = dict(kv.split("=") for kv in window[1].split()) if window else {}
+  spatial = sorted(c for c in rhs_l if c.isdigit())
+  field = lambda key, d, default: attrs[key].split("x")[d] if key in attrs else default
+  pairs = 1
+  for d, c in enumerate(spatial):
+    size = kernel[rhs_l.index(c)]
+    n_in, n_out = in_dims[lhs_l.index(c)], out_dims[out_l.index(c)]
+    stride, lhs_dil, rhs_dil = (
+      int(field(k, d, "1")) for k in ("stride", "lhs_dilate", "rhs_dilate")
+    )
+    lo = int(field("pad", d, "0_0").split("_")[0])
+    span = (n_in - 1) * lhs_dil + 1
+    pairs *= sum(
+      1
+      for o in range(n_out)
+      for w in range(size)
+      if 0 <= (p := o * stride + w * rhs_dil - lo) < span and p % lhs_dil == 0
+    )
+  macs = out_dims[out_l.index("b")] * kernel[rhs_l.index("o")] * kernel[rhs_l.index("i")] * pairs
+  return 2.0 * macs
+
+
+def _read_by_slices(
+  pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]], where: str = "all"
+) -> float | None:
+  """Bytes of parameter ``pname`` a fusion reads when it only slices or gathers from it
+  (also through a nested fusion that does), else None."""
+  total = 0.0
+  uses = ht.users(fused).get(pname, [])
+  pshape = next((i.shape for i in fused if i.name == pname), None)
+  for u in uses:
+    if u.op in ("slice", "dynamic-slice") or (u.op == "gather" and ht.operands(u.rest)[0] == pname):
+      total += ht.nbytes(u.shape, where, space_of=pshape)
+    elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
+      inner = comps.get(ht.called(u), [])
+      idx = ht.operands(u.rest).index(pname)
+      names = [n for n, i in ht.params(inner).items() if i == idx]
+      got = _read_by_slices(names[0], inner, comps, where) if names else None
+      if got is None:
+        return None
+      total += got
+    else:
+      return None
+  return total if uses else None
+
+
+def _fusion_bytes(
+  ins: _Instr,
+  shapes: dict[str, str],
+  fused: list[_Instr],
+  comps: dict[str, list[_Instr]],
+  where: str = "all",
+) -> float:
+  """Bytes a fusion moves: each operand once, except that an operand read only
+  through slices or gathers costs what they read, and a buffer updated in place
+  (dynamic-update-slice, scatter) costs the update, read and written, not the buffer."""
+  params = ht.params(fused)
+  users = ht.users(fused)
+  operands = ht.operands(ins.rest)
+  total = 0.0
+  for pname, idx in params.items():
+    full = ht.nbytes(shapes.get(operands[idx], ""), where) if idx < len(operands) else 0.0
+    uses = users.get(pname, [])
+    sliced = _read_by_slices(pname, fused, comps, where)
+    if sliced is not None:
+      total += min(full, sliced)
+    elif uses and all(
+      u.op in ("dynamic-update-slice", "scatter") and ht.operands(u.rest)[0] == pname for u in uses
+    ):
+      total += 0.0  # the buffer itself is neither read nor rewritten
+    else:
+      total += full
+  updates = [i for i in fused if i.op in ("dynamic-update-slice", "scatter")]
+  root_in_place = fused and fused[-1].op in ("dynamic-update-slice", "scatter", "tuple") and updates
+  if root_in_place:
+    fshapes = {i.name: i.shape for i in fused}
+    # dynamic-update-slice(buffer, update, ...); scatter(buffer, indices, updates): the
+    # update is written (and the indices read), the rest of the buffer stays in place.
+    return total + sum(
+      ht.nbytes(fshapes.get(o, ""), where)
+      for u in updates
+      for o in ht.operands(u.rest)[1 : (2 if u.op == "dynamic-update-slice" else 3)]
+    )
+  return total + ht.nbytes(ins.shape, where)
+
+
+def moved_bytes(
+  ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]], where: str = "all"
+) -> float:
+  """Bytes ``ins`` reads and writes, in the memory spaces ``where`` names (``hlo_text.nbytes``)."""
+  # TPU views: slices and concatenations the compiler lays out as bitcasts.
+  if "bitcast_fusion" in ins.name or 'custom_call_target="ConcatBitcast"' in ins.rest:
+    return 0.0
+  if ins.op in ("copy-start", "slice-start"):
+    # TPU's asynchronous moves between memory spaces (HBM <-> VMEM / CMEM: prefetches
+    # and evictions): shaped (destination, source, context) for a copy and ((source),
+    # destination, context) for a slice; the destination's bytes are read where the
+    # source lives and written where the destination does.
+    arr = ht.array_texts(ins.shape)
+    dst, src = (arr[0], arr[1]) if ins.op == "copy-start" else (arr[1], arr[0])
+    return ht.nbytes(dst, where, space_of=src) + ht.nbytes(dst, where)
+  if ins.op == "dynamic-slice":  # read where the source lives, written where it goes
+    return ht.nbytes(ins.shape, where, space_of=shapes.get(ht.operands(ins.rest)[0])) + ht.nbytes(
+      ins.shape, where
+    )
+  if ins.op == "dynamic-update-slice":
+    ops = ht.operands(ins.rest)
+    update = shapes.get(ops[1], "")
+    return ht.nbytes(update, where) + ht.nbytes(update, where, space_of=shapes.get(ops[0]))
+  if ins.op == "fusion":
+    return _fusion_bytes(ins, shapes, comps[ht.called(ins)], comps, where)
+  return ht.nbytes(ins.shape, where) + sum(
+    ht.nbytes(shapes.get(o, ""), where) for o in ht.operands(ins.rest)
+  )
+
+
+def ici_bytes(ins: _Instr, shapes: dict[str, str], devices: int) -> float:
+  """Bytes one device sends for a collective over groups of n devices, by the ring
+  algorithms (the operand's bytes x): all-gather n - 1, reduce-scatter and all-to-all
+  (n - 1) / n, all-reduce 2 (n - 1) / n (a reduce-scatter then an all-gather),
+  collective-permute 1. Like for like across kinds, where ``collective_bytes`` (each
+  collective's result, the older count) counts an all-gather whole and a reduce-scatter
+  by its shard."""
+  n = ht.group_size(ins, devices)
+  size = sum(ht.nbytes(shapes.get(o, "")) for o in ht.operands(ins.rest))
+  if ins.op.startswith("collective-permute"):
+    return size
+  if ins.op.startswith("all-gather"):
+    return size * (n - 1)
+  return size * (n - 1) / n * (2 if ins.op.startswith("all-reduce") else 1)
+
+
+def fused_flops(comp: str, comps: dict[str, list[_Instr]], memo: dict[str, float]) -> float:
+  """Matmul FLOPs of a fused computation, its nested fusions included."""
+  if comp not in memo:
+    instrs = comps.get(comp, [])
+    shapes = {i.name: i.shape for i in instrs}
+    memo[comp] = sum(
+      matmul_flops(i, shapes)
+      if i.op in ("dot", "convolution")
+      else fused_flops(ht.called(i), comps, memo)
+      if i.op == "fusion"
+      else 0.0
+      for i in instrs
+    )
+  return memo[comp]
