@@ -194,14 +194,13 @@ def test_padding_does_not_enter_the_sequence_sums(correction):
 def _corrected_batch(
   correction: str, mask_truncated: bool = False, truncated=(False, False)
 ) -> PolicyBatch:
-  """The hand case through the rollout's ``mismatch.correct``, as the loss sees it."""
+  """The hand case through the rollout's ``MismatchSpec.correct``, as the loss sees it."""
   old, sampler = _hand_logps()
   seqs = Sequences(
     completion_mask_BC=jnp.asarray(MASK_BC), old_logp_BC=old, adv_B=jnp.asarray(ADV_B)
   )
-  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  seqs, metrics = mismatch.correct(
-    seqs, sampler, np.asarray(truncated), _spec(correction, mask_truncated=mask_truncated), sh
+  seqs, metrics = _spec(correction, mask_truncated=mask_truncated).correct(
+    seqs, sampler, jnp.asarray(~np.asarray(truncated))
   )
   assert "mismatch/abs_log_ratio" in metrics
   return PolicyBatch(
@@ -266,13 +265,8 @@ def test_mask_truncated_three_rows_by_hand():
   seqs = Sequences(
     completion_mask_BC=jnp.asarray(mask), old_logp_BC=logp, adv_B=jnp.asarray([2.0, -1.0, 0.5])
   )
-  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  seqs, metrics = mismatch.correct(
-    seqs,
-    logp,
-    np.array([True, False, False]),
-    mismatch.MismatchSpec(measure=False, mask_truncated=True),
-    sh,
+  seqs, metrics = mismatch.MismatchSpec(measure=False, mask_truncated=True).correct(
+    seqs, logp, jnp.asarray([False, True, True])
   )
   assert jax.device_get(metrics) == {"mismatch/loss_token_frac": pytest.approx(5 / 9)}
   batch = PolicyBatch(logp, logp, seqs.completion_mask_BC, seqs.adv_B)

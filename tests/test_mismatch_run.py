@@ -69,8 +69,7 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
   seqs = Sequences(
     completion_mask_BC=jnp.asarray(cmask), old_logp_BC=jnp.asarray(old), adv_B=jnp.asarray(adv)
   )
-  sh = jax.sharding.SingleDeviceSharding(jax.devices()[0])
-  seqs, metrics = mismatch.correct(seqs, jnp.asarray(sampler), truncated, spec, sh)
+  seqs, metrics = spec.correct(seqs, jnp.asarray(sampler), jnp.asarray(~truncated))
   assert 0 < metrics["mismatch/reject_frac"] < 1
 
   # Reference: every token written out in [B, C], no aggregate() and no packing.

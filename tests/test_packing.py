@@ -293,7 +293,7 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   from jax._src import array as array_lib  # pylint: disable=import-outside-toplevel
 
   import rl_driver  # pylint: disable=import-outside-toplevel
-  from capo_jax.rl import drawing, mismatch, rollout  # pylint: disable=import-outside-toplevel
+  from capo_jax.rl import drawing, rollout, uploader  # pylint: disable=import-outside-toplevel
   from capo_jax.run import programs  # pylint: disable=import-outside-toplevel
   from configs import common  # pylint: disable=import-outside-toplevel
 
@@ -324,7 +324,7 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
       )
     ),
   )
-  for mod in (rollout, logprob_pass, mismatch):
+  for mod in (uploader, logprob_pass):
     monkeypatch.setattr(mod, "put_global", spy("put", mod.put_global, has_rows))
   monkeypatch.setattr(rollout, "collect", spy("collect", rollout.collect))
   build = programs.build

@@ -1,18 +1,18 @@
-"""One draw of a rollout: Q prompts -> G samples each -> their grades (``Drawer``).
+"""A step's draws: Q prompts -> G samples each -> their grades (``Drawer``).
 
 ``Drawer.draw`` encodes this process's prompts, samples them (the sampler's
 tokens, lengths and truncation come to the host; its log-probs and mask stay
 on the devices), grades this process's own rows and shares the rewards, so
-every process holds the same global host arrays. ``select`` keeps the groups
-that dynamic sampling chose out of several draws. ``rollout.collect`` builds
-the step from what they return.
+every process holds the same global host arrays. ``Drawer.draw_groups`` draws
+until dynamic sampling has its groups (``dynamic_sampling``) and keeps them
+(``select``). ``rollout.collect`` builds the step from what it returns.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import jax
@@ -22,6 +22,7 @@ import numpy as np
 from capo_jax.data import reward_fns
 from capo_jax.data.datasets import Example
 from capo_jax.data.tokenizer import Tokenizer
+from capo_jax.rl import dynamic_sampling
 from capo_jax.runtime.host import gather_rows
 from capo_jax.sampling import sampler as sampling
 from capo_jax.types import Array
@@ -34,6 +35,12 @@ LENGTH_BUCKET = 16  # prompt / completion widths are rounded up to a multiple of
 def bucketed(width: int, limit: int) -> int:
   """``width`` (at least 1) rounded up to ``LENGTH_BUCKET``, at most ``limit``: few shapes."""
   return min(-(-max(width, 1) // LENGTH_BUCKET) * LENGTH_BUCKET, limit)
+
+
+def draw_key(rng: jax.Array, i: int) -> jax.Array:
+  """The key of a step's draw ``i``: the first draw's is the step's own (as in a run
+  without dynamic sampling); the extra draws get keys of their own."""
+  return rng if i == 0 else jax.random.fold_in(jax.random.fold_in(rng, 1 << 30), i)
 
 
 def _trim_left(tokens: np.ndarray, mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -59,6 +66,39 @@ class Graded:
   time_reward: float = 0.0
   reward_QG: np.ndarray | None = None  # the scalar reward (None: the labels)
 
+  def trimmed(self) -> Graded:
+    """The completions cut to the longest sample's width, bucketed (bounded compiles)."""
+    C = bucketed(int(self.lengths_B.max()), self.comp_BC.shape[1])
+    return dataclasses.replace(
+      self,
+      comp_BC=self.comp_BC[:, :C],
+      cmask_BC=self.cmask_BC[:, :C],
+      logp_dev=self.logp_dev[:, :C],
+      cmask_dev=self.cmask_dev[:, :C],
+    )
+
+  def prompts_BP(self) -> tuple[np.ndarray, np.ndarray]:
+    """(tokens, mask) of each row's prompt: each group's prompt repeated G times."""
+    G = self.comp_BC.shape[0] // self.tokens_QP.shape[0]
+    return np.repeat(self.tokens_QP, G, axis=0), np.repeat(self.mask_QP, G, axis=0)
+
+
+@dataclasses.dataclass(frozen=True)
+class Draws:
+  """A step's draws (``Drawer.draw_groups``).
+
+  Attributes:
+    parts: every draw, in order.
+    selected: the Q groups the step trains on (``parts[0]`` itself without extra draws).
+    examples_Q: each kept group's example where this process drew it, else None.
+    num_mixed: how many of the kept groups are mixed.
+  """
+
+  parts: list[Graded]
+  selected: Graded
+  examples_Q: list[Example | None]
+  num_mixed: int
+
 
 @dataclasses.dataclass(frozen=True)
 class Drawer:
@@ -74,6 +114,7 @@ class Drawer:
     sampling: the sampler's calls, stop and pad ids the tokenizer's.
     layout: the mesh and the sampling rules.
     reward_fns: ``data.reward_fns.RewardFns``, the scalar reward; None: reward = correct.
+    max_draws: > 1: dynamic sampling, at most this many batches of Q prompts a step.
   """
 
   num_samples: int
@@ -85,6 +126,38 @@ class Drawer:
   sampling: sampling.SamplingSpec
   layout: Layout
   reward_fns: Any = None
+  max_draws: int = 1
+
+  def draw_groups(
+    self,
+    examples: Sequence[Example],
+    params: Any,
+    rng: jax.Array,
+    draw_more: Callable[[], Sequence[Example]] | None = None,
+  ) -> Draws:
+    """Draws ``examples`` (this process's share) and, with dynamic sampling, the batches
+    ``draw_more`` returns while fewer than Q of the groups drawn are mixed; keeps Q."""
+    drawn: list[list[Example]] = []
+    parts: list[Graded] = []
+    batch = examples
+    while True:
+      drawn.append(list(batch))
+      parts.append(self.draw(batch, params, draw_key(rng, len(parts))))
+      rewards_QG = np.concatenate([p.rewards_QG for p in parts])
+      Q = parts[0].rewards_QG.shape[0]
+      if draw_more is None or not dynamic_sampling.needs_more(
+        rewards_QG, Q, len(parts), self.max_draws
+      ):
+        break
+      batch = draw_more()
+    idx_Q, n_mixed = dynamic_sampling.select_groups(rewards_QG, Q)
+    # This process's examples of the chosen groups (None: another process's group).
+    Ql, p0 = len(examples), jax.process_index() * len(examples)
+    examples_Q = [
+      drawn[d][q - p0] if p0 <= q < p0 + Ql else None for d, q in (divmod(int(i), Q) for i in idx_Q)
+    ]
+    selected = parts[0] if len(parts) == 1 else self.select(parts, idx_Q)
+    return Draws(parts, selected, examples_Q, n_mixed)
 
   def draw(self, examples: Sequence[Example], params: Any, rng: jax.Array) -> Graded:
     """Samples and grades this process's ``examples`` under the sampler's ``params``."""

@@ -6,7 +6,7 @@ zero there (every pairwise term of CAPO compares a right with a wrong sample,
 and there are none). Without the filter such groups still cost a full rollout,
 their log-prob passes and their share of the train step.
 
-With ``rollout.dynamic_sampling``, ``rollout.collect`` samples and grades the
+With ``rollout.dynamic_sampling``, ``Drawer.draw_groups`` samples and grades the
 step's Q prompts, and while fewer than Q of all the groups drawn so far are
 *mixed*, draws the next Q prompts from the data stream, at most
 ``rollout.dynamic_max_draws`` batches of Q per step (the bound on extra
@@ -16,7 +16,7 @@ groups fill the batch (zero advantage; the step keeps its static shape).
 Everything drawn is consumed from the stream, so the data position in a
 checkpoint covers the extra draws and a resumed run continues exactly.
 
-This module holds the host-side choice; ``rollout.collect`` does the drawing.
+This module holds the host-side choice; ``drawing.Drawer.draw_groups`` does the drawing.
 """
 
 from __future__ import annotations

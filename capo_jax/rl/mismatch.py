@@ -44,11 +44,9 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from capo_jax.masked import masked_mean
 from capo_jax.rl.batch import Sequences
-from capo_jax.runtime.host import put_global
 from capo_jax.types import Array
 
 CORRECTIONS = (
@@ -111,6 +109,28 @@ class MismatchSpec:
   def active(self) -> bool:
     """Whether the rollout does anything here at all (the default run: measure only)."""
     return self.measure or self.correction != "none" or self.mask_truncated
+
+  def correct(
+    self, seqs: Sequences, sampler_logp_BC: Array, keep_B: Array | None = None
+  ) -> tuple[Sequences, dict[str, Array]]:
+    """The rollout's sequences with the correction and ``mask_truncated`` folded in, and
+    the logged metrics (``mismatch/...``: device scalars, left for the caller to read with
+    the step's other metrics after the updates are dispatched; nothing here waits on them).
+
+    ``keep_B``: the device flags of the rows that did not hit ``max_new_tokens``; needed
+    with ``mask_truncated`` only.
+    """
+    if not self.active:
+      return seqs, {}
+    if self.correction == "none" and not self.mask_truncated:  # measured only (the default)
+      metrics = _measure(seqs.old_logp_BC, sampler_logp_BC, seqs.completion_mask_BC)
+    else:
+      if self.mask_truncated and keep_B is None:
+        raise ValueError("MismatchSpec.correct: mask_truncated needs the kept rows keep_B")
+      seqs, metrics = _correct(
+        seqs, sampler_logp_BC, keep_B if self.mask_truncated else None, spec=self
+      )
+    return seqs, {f"mismatch/{k}": v for k, v in metrics.items()}
 
 
 def log_ratio(old_logp_BC: Array, sampler_logp_BC: Array, mask_BC: Array) -> Array:
@@ -220,27 +240,3 @@ def _correct(
     seqs, completion_mask_BC=keep_BC.astype(mask_BC.dtype), is_weight_BC=w_BC
   )
   return seqs, metrics
-
-
-def correct(
-  seqs: Sequences,
-  sampler_logp_BC: Array,
-  truncated_B: np.ndarray,
-  spec: MismatchSpec,
-  sharding: jax.sharding.Sharding,
-) -> tuple[Sequences, dict[str, Array]]:
-  """The rollout's sequences with the correction and ``mask_truncated`` folded in, and the
-  logged metrics (``mismatch/...``: device scalars, left for the caller to read with the
-  step's other metrics after the updates are dispatched; nothing here waits on them).
-
-  ``truncated_B``: host flags of the rows that hit ``max_new_tokens``; ``sharding``:
-  where a [B] array goes (the log-prob pass's index sharding).
-  """
-  if not spec.active:
-    return seqs, {}
-  if spec.correction == "none" and not spec.mask_truncated:  # measured only (the default)
-    metrics = _measure(seqs.old_logp_BC, sampler_logp_BC, seqs.completion_mask_BC)
-  else:
-    keep_B = put_global(~np.asarray(truncated_B, bool), sharding) if spec.mask_truncated else None
-    seqs, metrics = _correct(seqs, sampler_logp_BC, keep_B, spec=spec)
-  return seqs, {f"mismatch/{k}": v for k, v in metrics.items()}

@@ -15,12 +15,16 @@ from collections.abc import Callable
 from typing import Any
 
 import jax
+from jax.sharding import NamedSharding, PartitionSpec
 
+from capo_jax.data.tokenizer import Tokenizer
 from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
+from capo_jax.rl.drawing import Drawer
 from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.rl.packing import RowLayout
-from capo_jax.rl.rollout import BatchLayout
+from capo_jax.rl.rollout import RolloutContext
+from capo_jax.rl.uploader import BatchLayout, Uploader
 from capo_jax.run.spec import ConfigError, RunSpec
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import sampler as sampling
@@ -94,6 +98,37 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
     train_step=ts.make_train_step(model_cfg, tcfg, mesh, rules, rows_per_mb),
     state_shardings=state_lib.state_shardings(model_cfg, tcfg, mesh, rules),
   )
+
+
+def rollout_context(
+  spec: RunSpec, progs: StepPrograms, model_cfg: Qwen2Config, tokenizer: Tokenizer, grader: Any
+) -> RolloutContext:
+  """What every step's rollout calls, built once: the sampler (``model_cfg``: its
+  architecture) and the grader, the step's upload and the log-prob pass."""
+  r = spec.rollout_spec()
+  layout = progs.sampling_layout
+  drawer = Drawer(
+    r.num_samples,
+    r.max_prompt_len,
+    r.prompts_per_call,
+    model_cfg,
+    tokenizer,
+    grader,
+    dataclasses.replace(
+      progs.sampling, stop_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id
+    ),
+    layout,
+    spec.reward_fns(),
+    r.dynamic_max_draws,
+  )
+  uploader = Uploader(
+    progs.batch_layout,
+    per_group=NamedSharding(layout.mesh, PartitionSpec()),
+    per_row=progs.logprobs.index_sharding,
+    row_labels=bool(r.simko_k),
+    keep_rows=r.mismatch.mask_truncated,
+  )
+  return RolloutContext(r, drawer, uploader, progs.logprobs)
 
 
 def sampling_layout(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Layout:

@@ -74,7 +74,8 @@ class Run:
     tokenizer: renders prompts and decodes completions.
     programs: the jitted train step, log-prob pass and layouts (``programs.build``).
     weights: the frozen weights and their casts (``setup.PolicyWeights``).
-    rollout: what ``rollout.collect`` needs besides the weights.
+    rollout: what ``rollout.collect`` calls: the sampler and grader, the upload, the
+      log-prob pass (``programs.rollout_context``).
     iterator: the prompt stream (its state goes into each checkpoint).
     checkpointer: saves and restores ``<workdir>/checkpoints``.
     writer: metrics and samples (process 0 writes).
@@ -161,19 +162,7 @@ def setup(
   params0, w = setup_lib.policy_weights(
     spec, model_cfg, given.policy, progs.tcfg, mesh, mesh_lib.TRAIN_RULES
   )
-  ctx = rollout.RolloutContext(
-    spec=spec.rollout_spec(),
-    model_cfg=model_cfg,
-    tokenizer=tokenizer,
-    grader=grader,
-    sampling=dataclasses.replace(
-      progs.sampling, stop_ids=tuple(tokenizer.stop_ids), pad_id=tokenizer.pad_id
-    ),
-    sampling_layout=progs.sampling_layout,
-    logprobs=progs.logprobs,
-    batches=progs.batch_layout,
-    reward_fns=spec.reward_fns(),
-  )
+  ctx = programs_lib.rollout_context(spec, progs, model_cfg, tokenizer, grader)
   eval_fn = given.eval_fn
   if eval_fn is None and spec.eval.every_steps > 0:
     eval_fn = train_eval.make_eval_fn(

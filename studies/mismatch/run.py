@@ -29,7 +29,6 @@ The figures and what they mean: ``docs/mismatch.md``.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import os
 import time
@@ -69,16 +68,7 @@ def measure(
   sampler_cfg = ws.cfg.replace(compute_dtype=sampler_dtype)
   progs = programs_lib.build(spec, trainer_cfg, spec.make_mesh())
   tok = ws.tokenizer
-  ctx = rollout.RolloutContext(
-    spec=spec.rollout_spec(),
-    model_cfg=sampler_cfg,
-    tokenizer=tok,
-    grader=rewards.default_grader(),
-    sampling=dataclasses.replace(progs.sampling, stop_ids=tuple(tok.stop_ids), pad_id=tok.pad_id),
-    sampling_layout=progs.sampling_layout,
-    logprobs=progs.logprobs,
-    batches=progs.batch_layout,
-  )
+  ctx = programs_lib.rollout_context(spec, progs, sampler_cfg, tok, rewards.default_grader())
   cast = lambda dt: jax.tree.map(lambda x: x.astype(dt), ws.params)  # noqa: E731
   policy = rollout.PolicyArgs(
     sampling=cast(sampler_cfg.dtype),
