@@ -71,9 +71,10 @@ def test_every_config_file_loads_and_validates(name, monkeypatch, tmp_path):
     hf_utils.stub_snapshot_of_preset(
       tmp_path / "hub", mod.get_config().model.hf_path, mod.get_config().model.preset
     )
-  if name == "demo":  # the warm start supplies the policy; "shrink" is its smoke variant
+  if name in ("demo", "cued"):  # the warm start supplies the policy; "shrink": smoke variant
     full, tiny = mod.get_config(), mod.get_config("shrink")
-    full.rollout.max_new_tokens = tiny.rollout.max_new_tokens = 40
+    for c in (full, tiny):
+      c.rollout.max_new_tokens = c.rollout.max_new_tokens or 40  # 0: the demo sets it
     spec_lib.RunSpec.from_config(full, num_devices=1, policy_given=True)
     spec_lib.RunSpec.from_config(tiny, num_devices=1, policy_given=True)
     assert tiny.train.num_steps < full.train.num_steps
