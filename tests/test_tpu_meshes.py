@@ -57,21 +57,25 @@ for model, slice_name in json.loads(sys.argv[2]):
   mesh = mesh_lib.make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor})
   shapes = qwen2.param_shapes(run.model)
   leaves = {}
-  for rules_name in ("train", "sampling"):
+  # The sampler's own mesh, its weights split over the plan's tensor group (the plan's
+  # model; the run's default group, mesh.sampling_tensor=0, only lowers the weights term).
+  smesh = mesh_lib.sampling_mesh(mesh, run.model, p.tensor)
+  for rules_name, m in (("train", mesh), ("sampling", smesh)):
     rules = mesh_lib.RULES[rules_name]
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
     got = jax.tree_util.tree_leaves_with_path(
-      qwen2.param_specs(run.model, rules, mesh), is_leaf=is_spec
+      qwen2.param_specs(run.model, rules, m), is_leaf=is_spec
     )
     wanted = jax.tree_util.tree_leaves(qwen2.param_specs(run.model, rules), is_leaf=is_spec)
     leaves[rules_name] = [
         dict(path=jax.tree_util.keystr(path), shape=list(s.shape), spec=[
             None if a is None else [a] if isinstance(a, str) else list(a) for a in sp],
              wanted=[None if a is None else [a] if isinstance(a, str) else list(a) for a in w],
-             shard=list(NamedSharding(mesh, sp).shard_shape(s.shape)))
+             shard=list(NamedSharding(m, sp).shard_shape(s.shape)))
         for (path, sp), w, s in zip(got, wanted, jax.tree_util.tree_leaves(shapes))]
   out.append(dict(model=model, slice=slice_name, devices=jax.device_count(),
                   mesh={k: int(v) for k, v in mesh.shape.items()}, plan_tensor=p.tensor,
+                  smesh={k: int(v) for k, v in smesh.shape.items()},
                   fits=p.fits, terms=p.terms, hbm=p.slice.chip.hbm_gib * mp.GiB,
                   params=mp.param_counts(run.model)[0], reference=run.reference,
                   leaves=leaves))
@@ -128,7 +132,7 @@ def test_param_shardings_divide_and_drop_nothing(meshes, model, slice_name):
       where = f"{model} {slice_name} {rules_name} {leaf['path']}"
       assert leaf["spec"] == leaf["wanted"], f"{where}: a mesh axis was dropped (replicated)"
       for dim, axes, shard in zip(leaf["shape"], leaf["spec"], leaf["shard"]):
-        ways = math.prod(r["mesh"][a] for a in axes or [])
+        ways = math.prod(r["mesh" if rules_name == "train" else "smesh"][a] for a in axes or [])
         assert dim % ways == 0 and shard == dim // ways, where
         sharded += ways > 1
     if rules_name == "train":
