@@ -164,12 +164,14 @@ class DeadlinePool:
       self.num_restarts += 1
 
   def _worn_out(self, w: _Worker) -> str | None:
-    """Why `w` is due for recycling (`max_calls` items or `max_rss_mb` resident), else None."""
-    if self.max_calls and w.items_done >= self.max_calls:
-      return f"{w.items_done} items"
+    """Why `w` is due for recycling now (`max_rss_mb` resident, or `max_calls` items
+    unless another worker is still starting: module docstring), else None."""
     rss = rss_mb(w.proc.pid) if self.max_rss_mb else None
     if rss is not None and rss > self.max_rss_mb:
       return f"{rss:.0f} MiB resident"
+    if self.max_calls and w.items_done >= self.max_calls:
+      starting = self.max_calls > 1 and any(not o.ready for o in self._workers if o is not w)
+      return None if starting else f"{w.items_done} items"
     return None
 
   def _start_failed(self, w: _Worker, why: str) -> None:
@@ -322,9 +324,6 @@ class DeadlinePool:
       self._replace(w)
       return
     why = self._worn_out(w) if w.items_done > answered else None
-    starting = any(not o.ready for o in self._workers if o is not w)
-    if why and why.endswith(" items") and self.max_calls > 1 and starting:
-      why = None  # another worker is starting: this one goes on, and recycles at a later item
     if why:
       # Once per worker, so quiet unless a worker is near the limit from its first item.
       log = logger.warning if w.items_done == 1 and self.max_calls != 1 else logger.info
