@@ -4,9 +4,11 @@ padded arrays (tests, benchmarks and tools)."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from capo_jax.rl import packing
@@ -14,6 +16,7 @@ from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences, TrainBatch
 from capo_jax.rl.logprob_pass import LogprobPass
 from capo_jax.runtime import mesh as mesh_lib
+from models import qwen2
 
 
 @jax.tree_util.register_dataclass
@@ -90,3 +93,20 @@ def run_pass(
   xs = [np.asarray(x) for x in xs]
   out = lp.run(params, lp.upload(*xs), jax.numpy.asarray(xs[3]), keys, adapters=adapters)
   return {k: np.asarray(v) for k, v in out.items()}
+
+
+@functools.partial(jax.jit, static_argnums=1)
+def ref_completion_logp(
+  params: Any, cfg: Any, prompt_BP: Any, prompt_mask_BP: Any, completion_BC: Any
+):
+  """Log-probs of the completion tokens from one unpacked full forward of the model (the
+  reference the packed and chunked passes are checked against)."""
+  P, C = prompt_BP.shape[1], completion_BC.shape[1]
+  logits = qwen2.forward(
+    params,
+    cfg,
+    jnp.concatenate([prompt_BP, completion_BC], 1),
+    jnp.concatenate([prompt_mask_BP, jnp.ones_like(completion_BC)], 1),
+  )
+  logp_BCV = jax.nn.log_softmax(logits[:, P - 1 : P - 1 + C], -1)
+  return jnp.take_along_axis(logp_BCV, completion_BC[..., None], -1)[..., 0]

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 import rl_driver
+from batches import ref_completion_logp
 from capo_jax.rl import mismatch, packing
 from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
@@ -28,18 +29,6 @@ from models.config import Qwen2Config
 
 CFG = Qwen2Config.tiny(vocab_size=128)
 B, P, C = 8, 4, 6
-
-
-@jax.jit
-def _ref_logp(params, prompt, prompt_mask, completion):
-  logits = qwen2.forward(
-    params,
-    CFG,
-    jnp.concatenate([prompt, completion], 1),
-    jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1),
-  )
-  logp_BCV = jax.nn.log_softmax(logits[:, P - 1 : P - 1 + C], -1)
-  return jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
 
 
 @pytest.mark.parametrize(
@@ -60,7 +49,7 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
   cmask = (np.arange(C)[None] < np.array([6, 1, 3, 6, 6, 2, 5, 4])[:, None]).astype(np.int32)
   truncated = np.array([1, 0, 0, 1, 0, 0, 0, 0], bool)
   adv = rng.normal(size=(B,)).astype(np.float32)
-  old = np.asarray(_ref_logp(params, prompt, pmask, comp))
+  old = np.asarray(ref_completion_logp(params, CFG, prompt, pmask, comp))
   old = old + rng.normal(scale=0.1, size=old.shape).astype(np.float32)  # some ratios clip
   sampler = old - rng.normal(scale=0.6, size=old.shape).astype(np.float32)
   spec = mismatch.MismatchSpec(
@@ -78,7 +67,7 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
   w = np.where(keep, rho, 0.0)
 
   def ref_loss(p):
-    ratio = jnp.exp(_ref_logp(p, prompt, pmask, comp) - old)
+    ratio = jnp.exp(ref_completion_logp(p, CFG, prompt, pmask, comp) - old)
     a = adv[:, None]
     obj = jnp.minimum(ratio * a, jnp.clip(ratio, 0.8, 1.2) * a) * w * keep
     if agg == "token-mean":

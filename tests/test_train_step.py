@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from batches import HostBatch, padded_pass, run_pass
+from batches import HostBatch, padded_pass, ref_completion_logp, run_pass
 from capo_jax.rl import losses
 from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
@@ -64,7 +64,7 @@ def data():
   lengths = np.array([6, 1, 3, 0, 6, 2, 5, 4])  # uneven, one empty row
   completion_mask = (np.arange(C)[None] < lengths[:, None]).astype(np.int32)
   adv = rng.normal(size=(B,)).astype(np.float32)
-  logp = np.asarray(_ref_logp(params, prompt, prompt_mask, completion))
+  logp = np.asarray(ref_completion_logp(params, CFG, prompt, prompt_mask, completion))
   old = logp + rng.normal(scale=0.3, size=logp.shape).astype(np.float32)  # some ratios clip
   batch = HostBatch(
     prompt, prompt_mask, completion, completion_mask, jnp.asarray(old), jnp.asarray(adv)
@@ -72,21 +72,11 @@ def data():
   return params, batch, logp
 
 
-@jax.jit
-def _ref_logp(params, prompt, prompt_mask, completion):
-  logits = qwen2.forward(
-    params,
-    CFG,
-    jnp.concatenate([prompt, completion], 1),
-    jnp.concatenate([prompt_mask, jnp.ones_like(completion)], 1),
-  )
-  logp_BCV = jax.nn.log_softmax(logits[:, P - 1 : P - 1 + C], -1)
-  return jnp.take_along_axis(logp_BCV, completion[..., None], -1)[..., 0]
-
-
 def _ref_losses(params, batch):
   """Clipped PPO loss under the three aggregations, written out by hand."""
-  logp = _ref_logp(params, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC)
+  logp = ref_completion_logp(
+    params, CFG, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC
+  )
   m = batch.completion_mask_BC.astype(jnp.float32)
   ratio = jnp.exp(logp - batch.old_logp_BC)
   a = batch.adv_B[:, None]
@@ -142,7 +132,9 @@ def test_policy_gradient_at_old_policy(data):
   m = batch.completion_mask_BC
 
   def weighted_scores(p):
-    lp = _ref_logp(p, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC)
+    lp = ref_completion_logp(
+      p, CFG, batch.prompt_tokens_BP, batch.prompt_mask_BP, batch.completion_tokens_BC
+    )
     s_B = (lp * m).sum(1) / jnp.maximum(m.sum(1), 1)
     return -(batch.adv_B * s_B).sum() / (m.sum(1) > 0).sum()
 
