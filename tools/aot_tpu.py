@@ -257,6 +257,9 @@ def estimate(
       / shards
     )
     kv = slots * dec["blocks_per_step"] * plans.KV_BLOCK * kv_pos
+    if dec["step_ragged_bytes"]:  # the ragged kernel: each slot its own blocks
+      kv = dec["step_ragged_bytes"]
+      _print_ragged(dec, t, spec)
     ideal = resident["sampling params"] + kv
     out["decode_read_ratio"] = dec["step_bytes"] / ideal
     # The old count, HBM and on-chip traffic together (before the memory spaces were read).
@@ -274,6 +277,20 @@ def estimate(
   out["flop_s"] = flop_s
   print(f"  FLOP time alone: {flop_s:.1f} s. An estimate, not a measurement.")
   return out
+
+
+def _print_ragged(dec: dict, t: step_estimate.Trips, spec: RunSpec) -> None:
+  """How the ragged decode attention (a Pallas kernel) was counted: its length model."""
+  sh = aot_programs.Shapes.from_spec(spec)
+  print(
+    "  ragged decode attention (Pallas, reads each slot's own blocks): counted by the "
+    "columns a slot copies a step at the length model, "
+    + " / ".join(f"{c:.0f}" for c in t.phase_cols)
+    + f" in the engine's loops (prompts of {_PROMPT_TOKENS.value} tokens left-padded to "
+    f"{sh.prompt_len}, blocks of {plans.RAGGED_BLOCK} columns, idle slots none): "
+    f"{dec['step_ragged_bytes'] / 1e9:.2f} GB of keys and values a step of the first loop "
+    f"where every slot's whole cache would be {dec['step_ragged_whole_bytes'] / 1e9:.2f}"
+  )
 
 
 def _full_length_collectives(
