@@ -3,7 +3,7 @@
 A kernel that declares its cost (``pl.CostEstimate``) counts what it declares; the
 ragged decode attention (capo_jax/sampling/ragged.py) counts its keys and values by the
 columns each slot copies, which the rows' lengths decide: the length model's
-(``tools/rollout_sim.ragged_prefix``) in the step estimate. Expected figures are counted
+(``tools.rollout_sim.ragged_prefix``) in the step estimate. Expected figures are counted
 by hand below; the length model against a loop over every column of every step.
 """
 
