@@ -216,3 +216,39 @@ def test_collectives_are_timed_by_the_bytes_each_chip_sends():
   }
   assert cost["op_s"] == sum(hbm.values())
   assert cost["op_honest_s"] == sum(max(hbm[k], sent[k] / RATES.ici) for k in sent)
+
+
+# The engine's refill, as the TPU compiler fuses it: a slot's old block is read (kept
+# where the row is not copied, by a select), and the result written back in place.
+_SELECT_IN_PLACE = """HloModule m
+
+%fused_refill (param_0: bf16[4,64,256], param_1: s32[], param_2: bf16[1,16,256], param_3: pred[]) -> bf16[4,64,256] {
+  %param_0 = bf16[4,64,256]{2,1,0} parameter(0)
+  %param_3 = pred[]{:T(512)S(6)} parameter(3)
+  %b = pred[1,16,256]{2,1,0} broadcast(%param_3), dimensions={}
+  %param_2 = bf16[1,16,256]{2,1,0} parameter(2)
+  %param_1 = s32[]{:T(128)S(6)} parameter(1)
+  %zero = s32[] constant(0)
+  %old = bf16[1,16,256]{2,1,0} dynamic-slice(%param_0, %param_1, %zero, %zero), dynamic_slice_sizes={1,16,256}
+  %new = bf16[1,16,256]{2,1,0} select(%b, %param_2, %old)
+  ROOT %dus = bf16[4,64,256]{2,1,0} dynamic-update-slice(%param_0, %new, %param_1, %zero, %zero)
+}
+
+ENTRY %main (cache: bf16[4,64,256], i: s32[], row: bf16[1,16,256], p: pred[]) -> bf16[4,64,256] {
+  %cache = bf16[4,64,256]{2,1,0} parameter(0)
+  %i = s32[]{:T(128)S(6)} parameter(1)
+  %row = bf16[1,16,256]{2,1,0} parameter(2)
+  %p = pred[]{:T(512)S(6)} parameter(3)
+  ROOT %f = bf16[4,64,256]{2,1,0} fusion(%cache, %i, %row, %p), kind=kLoop, calls=%fused_refill
+}
+"""  # noqa: E501  (HLO lines as the compiler prints them)
+
+ROW = 16 * 256 * 2  # bf16 [1, 16, 256]: one slot's block
+
+
+def test_an_in_place_update_that_reads_its_old_block_costs_the_block_not_the_cache():
+  cost = hlo_cost.hlo_cost(_SELECT_IN_PLACE)
+  # HBM: the old block read, the new row read, the block written; not the 131,072-byte
+  # cache (4 x 64 x 256 bf16), which stays in place.
+  assert cost["bytes"] == ROW + ROW + ROW
+  assert cost["onchip_bytes"] == SCALAR + 1  # the offset and the predicate, scalar memory

@@ -57,9 +57,9 @@ for model, slice_name in json.loads(sys.argv[2]):
   mesh = mesh_lib.make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor})
   shapes = qwen2.param_shapes(run.model)
   leaves = {}
-  # The sampler's own mesh, its weights split over the plan's tensor group (the plan's
-  # model; the run's default group, mesh.sampling_tensor=0, only lowers the weights term).
-  smesh = mesh_lib.sampling_mesh(mesh, run.model, p.tensor)
+  # The sampler's own mesh as the run builds it (mesh.sampling_tensor: 0, auto), which
+  # the plan sizes the rollout by.
+  smesh = mesh_lib.sampling_mesh(mesh, run.model, c.mesh.sampling_tensor)
   for rules_name, m in (("train", mesh), ("sampling", smesh)):
     rules = mesh_lib.RULES[rules_name]
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
@@ -75,6 +75,7 @@ for model, slice_name in json.loads(sys.argv[2]):
         for (path, sp), w, s in zip(got, wanted, jax.tree_util.tree_leaves(shapes))]
   out.append(dict(model=model, slice=slice_name, devices=jax.device_count(),
                   mesh={k: int(v) for k, v in mesh.shape.items()}, plan_tensor=p.tensor,
+                  plan_group=p.sampling_tensor,
                   smesh={k: int(v) for k, v in smesh.shape.items()},
                   fits=p.fits, terms=p.terms, hbm=p.slice.chip.hbm_gib * mp.GiB,
                   params=mp.param_counts(run.model)[0], reference=run.reference,
@@ -150,9 +151,10 @@ def test_sharded_params_fit_the_chip(meshes, model, slice_name):
   shards = r["mesh"]["fsdp"] * r["mesh"]["tensor"]
   # The plan divides P evenly; the few replicated norms / biases add < 1%.
   assert r["params"] / shards <= train_elems <= 1.01 * r["params"] / shards
-  assert (
-    r["params"] / r["mesh"]["tensor"] <= sample_elems <= 1.01 * r["params"] / r["mesh"]["tensor"]
-  )
+  # The sampler's weights split over its own tensor group, the one the plan sized them by.
+  group = r["smesh"]["tensor"] * r["smesh"]["tensor_q"]
+  assert group == r["plan_group"] == {"1.5B": 2, "7B": 4}[model]  # its kv heads, one host's
+  assert r["params"] / group <= sample_elems <= 1.01 * r["params"] / group
   terms = r["terms"]
   planned = sum(
     terms[k]
@@ -304,6 +306,37 @@ def test_main_prints_a_table_per_model(capsys, monkeypatch):
   text = capsys.readouterr().out
   assert text.count("== Qwen2.5-Math-") == 2
   assert "TODO(measured)" in text and "v5e-16" in text and "v4-32" in text
+  assert "sampler tensor group" in text
+
+
+def test_the_samplers_group_is_the_runs_choice():
+  """mesh.sampling_tensor 0: the most chips of one host that split the kv heads (1.5B:
+  2 kv heads, 7B: 4), on 4-chip hosts and on one 8-chip host; else the run's own."""
+  small, big = mp.load_run("1.5B"), mp.load_run("7B")
+  assert mp.sampling_group(small, 16, 4) == 2 and mp.sampling_group(big, 16, 4) == 4
+  assert mp.sampling_group(small, 8, 1) == 2 and mp.sampling_group(big, 8, 1) == 4
+  assert mp.sampling_group(dataclasses.replace(big, sampling_tensor=1), 16, 4) == 1
+  # 7B's 28 query heads are 7 per kv head: a group of 8 would split them in halves.
+  with pytest.raises(ValueError, match="group of 8"):
+    mp.sampling_group(dataclasses.replace(big, sampling_tensor=8), 16, 4)
+  assert mp.plan(big, mp.parse_slice("v4-32")).sampling_tensor == 4
+
+
+def test_rollout_terms_follow_the_samplers_mesh_by_hand():
+  run = mp.load_run("1.5B")
+  P, S = mp.param_counts(run.model)[0], mp.kv_slots(run)
+  # 16 chips, train tensor 1, sampler group 2: rows over 8 groups, kv heads over 2.
+  t = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=512, group=2)
+  assert t["sampling weights (bf16)"] == 2 * P / 2
+  assert t["KV cache (W slots)"] == (512 // 8) * S * 28672 / 2
+  assert t["prompt cache (Q rows)"] == (128 // 8) * 1024 * 28672 / 2
+  assert t["prefill scores"] == (128 // 8) * (12 / 2 * 1024 * 1024 * 6 + 151936 / 2 * 4)
+  assert t["params (f32 master)"] == 4 * P / 16  # the train mesh's, unchanged
+  # A group of 4: 2 kv heads x 2 query halves, each kv head kept on 2 chips: the cache
+  # per chip doubles against pure data parallelism over the 16 chips.
+  four = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=512, group=4)
+  assert four["sampling weights (bf16)"] == 2 * P / 4
+  assert four["KV cache (W slots)"] == (512 // 4) * S * 28672 / 2 == 2 * (512 // 16) * S * 28672
 
 
 @pytest.mark.parametrize(

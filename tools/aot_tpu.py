@@ -257,6 +257,9 @@ def estimate(
       / shards
     )
     kv = slots * dec["blocks_per_step"] * plans.KV_BLOCK * kv_pos
+    if dec["step_ragged_bytes"]:  # the ragged kernel: each slot its own blocks
+      kv = dec["step_ragged_bytes"]
+      _print_ragged(dec, t, spec)
     ideal = resident["sampling params"] + kv
     out["decode_read_ratio"] = dec["step_bytes"] / ideal
     # The old count, HBM and on-chip traffic together (before the memory spaces were read).
@@ -274,6 +277,20 @@ def estimate(
   out["flop_s"] = flop_s
   print(f"  FLOP time alone: {flop_s:.1f} s. An estimate, not a measurement.")
   return out
+
+
+def _print_ragged(dec: dict, t: step_estimate.Trips, spec: RunSpec) -> None:
+  """How the ragged decode attention (a Pallas kernel) was counted: its length model."""
+  sh = aot_programs.Shapes.from_spec(spec)
+  print(
+    "  ragged decode attention (Pallas, reads each slot's own blocks): counted by the "
+    "columns a slot copies a step at the length model, "
+    + " / ".join(f"{c:.0f}" for c in t.phase_cols)
+    + f" in the engine's loops (prompts of {_PROMPT_TOKENS.value} tokens left-padded to "
+    f"{sh.prompt_len}, blocks of {plans.RAGGED_BLOCK} columns, idle slots none): "
+    f"{dec['step_ragged_bytes'] / 1e9:.2f} GB of keys and values a step of the first loop "
+    f"where every slot's whole cache would be {dec['step_ragged_whole_bytes'] / 1e9:.2f}"
+  )
 
 
 def _full_length_collectives(
@@ -296,13 +313,15 @@ def _full_length_collectives(
   return total
 
 
-def plan_terms(c, acc: tpu_topology.Accelerator) -> dict[str, float]:
-  """memory_plan.py's GiB per chip for this config's mesh, for the side-by-side."""
+def plan_terms(c, acc: tpu_topology.Accelerator, group: int) -> dict[str, float]:
+  """memory_plan.py's GiB per chip for this config's mesh and the sampler's tensor group
+  ``group``, for the side-by-side."""
   run = memory_terms.Run.from_config(c)
   sizes = {ax: c.mesh[ax] for ax in ("data", "fsdp", "tensor")}
   fsdp = sizes["fsdp"] if sizes["fsdp"] > 0 else acc.chips // (sizes["data"] * sizes["tensor"])
   chunks = c.rollout.num_prompts // (c.rollout.prompts_per_call or c.rollout.num_prompts)
-  terms = memory_terms.memory_terms(run, sizes["data"], fsdp, sizes["tensor"], chunks)
+  slots = c.rollout.max_active_rows or 0  # the engine's W (0: every row of a call)
+  terms = memory_terms.memory_terms(run, sizes["data"], fsdp, sizes["tensor"], chunks, slots, group)
   return {k: v / GiB for k, v in terms.items()}
 
 
@@ -376,10 +395,11 @@ def main(argv: list[str]) -> None:
   result["mesh"] = dict(mesh.shape)
   result["shapes"] = dataclasses.asdict(aot_programs.Shapes.from_spec(spec))
   if c.model.preset in ("qwen2p5_math_1p5b", "qwen2p5_math_7b"):
-    terms = plan_terms(c, acc)
+    smesh = programs.sampling_layout(spec, spec.model_config(), mesh).mesh
+    terms = plan_terms(c, acc, smesh.shape["tensor"] * smesh.shape["tensor_q"])
     result["plan_gib"] = terms
     print(
-      "memory_plan.py for this mesh (GiB per chip): "
+      "memory_plan.py for this mesh and the sampler's (GiB per chip): "
       + ", ".join(f"{k} {v:.2f}" for k, v in terms.items())
     )
   if _JSON.value:

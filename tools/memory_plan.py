@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
+import math
 from typing import Any
 
 import numpy as np
@@ -35,6 +36,7 @@ from tools.memory_terms import (
   memory_terms,
   param_counts,
   rows_per_chip,
+  sampling_group,
   tail_phases,
   with_lora,
 )
@@ -55,6 +57,7 @@ class Plan:
   notes: tuple[str, ...]
   slots: int = 0  # the engine's W (rollout.max_active_rows) per generate call
   rollout_s: float = 0.0  # expected (bandwidth-bound) rollout seconds
+  sampling_tensor: int = 1  # the sampler's tensor group (memory_terms.sampling_group)
 
   @property
   def mesh_overrides(self) -> str:
@@ -78,24 +81,35 @@ def _simulated(
 
 
 def rollout_seconds(
-  run: Run, chip: Chip, fsdp: int, tensor: int, chunks: int, slots: int, read: str = "kv_read"
+  run: Run,
+  chip: Chip,
+  fsdp: int,
+  tensor: int,
+  chunks: int,
+  slots: int,
+  read: str = "kv_read",
+  group: int = 0,
 ) -> float:
   """Expected rollout seconds per chip: the scheduler simulation of
   tools/rollout_sim.py (long-tailed lengths) through its bandwidth
-  model, with this chip's share of the weights and of the W slots' cache.
+  model, with this chip's share of the weights and of the W slots' cache on the
+  sampler's mesh (``group``: its tensor group, 0: ``tensor``).
   ``read="kv_read_full"`` with W = B: the old lockstep sampler."""
   cfg, B = run.model, run.num_prompts * run.num_samples // chunks
-  W = min(slots or B, B)
+  W, g = min(slots or B, B), group or tensor
+  groups = fsdp * tensor // g  # the sampler's row shards
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
-  sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, fsdp)))
-  t_kv = tensor if cfg.num_kv_heads % tensor == 0 else 1
+  sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, groups)))
   shape = rollout_sim.Shape(
     rows=B,
     samples=run.num_samples,
     prompt_len=P_len,
     cap=C,
-    weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / tensor,
-    kv_bytes=kv_bytes_per_token(cfg) / t_kv * rows_per_chip(W, 1, fsdp) / W,
+    weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / g,
+    kv_bytes=kv_bytes_per_token(cfg)
+    / math.gcd(g, cfg.num_kv_heads)
+    * rows_per_chip(W, 1, groups)
+    / W,
     bandwidth=chip.hbm_gb_s * 1e9,
   )
   return chunks * rollout_sim.seconds(sim, shape, read)
@@ -108,7 +122,9 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
   heads), fsdp = the rest; the first that fits wins, trying every tensor size
   with one rollout call before splitting the rollout into 2, 4 or 8
   sequential calls. Per mesh, W is the one of B, B/2, ... B/16 that fits
-  with the least ``rollout_seconds``. A mesh whose fsdp leaves the micro-batch rows undivided
+  with the least ``rollout_seconds``. The sampler's weights, heads and rows follow its own
+  mesh, its tensor group the run's (``sampling_group``), whatever the train mesh. A mesh
+  whose fsdp leaves the micro-batch rows undivided
   (so they replicate) only wins when nothing else fits. With nothing
   fitting, the smallest peak is returned with ``fits`` False.
   """
@@ -121,22 +137,23 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
   )
   if not options:
     raise ValueError(f"no tensor size divides {sl.chips} chips and {cfg.num_heads} heads")
+  g = sampling_group(run, sl.chips, sl.hosts)
   best = None
   for chunks in (1, 2, 4, 8):
     for t in options:
       fsdp = sl.chips // t
       rows = run.num_prompts * run.num_samples // chunks
       fitting = [
-        (rollout_seconds(run, sl.chip, fsdp, t, chunks, n), n)
+        (rollout_seconds(run, sl.chip, fsdp, t, chunks, n, group=g), n)
         for n in (rows >> k for k in range(5))
-        if memory_terms(run, 1, fsdp, t, chunks, n)["peak"] <= limit
+        if memory_terms(run, 1, fsdp, t, chunks, n, g)["peak"] <= limit
       ]
       secs, slots = (
         min(fitting)
         if fitting
-        else (rollout_seconds(run, sl.chip, fsdp, t, chunks, rows >> 4), rows >> 4)
+        else (rollout_seconds(run, sl.chip, fsdp, t, chunks, rows >> 4, group=g), rows >> 4)
       )
-      terms = memory_terms(run, 1, fsdp, t, chunks, slots)
+      terms = memory_terms(run, 1, fsdp, t, chunks, slots, g)
       notes = []
       if chunks > 1:
         notes.append(
@@ -149,9 +166,12 @@ def plan(run: Run, sl: Slice, headroom: float = 0.9, tensor: int | None = None) 
           f" rows replicate; use --config.train.micro_batch_size={fsdp}"
         )
       if cfg.num_kv_heads % t:
-        notes.append(f"tensor={t} does not divide the {cfg.num_kv_heads} KV heads: KV replicated")
+        notes.append(
+          f"tensor={t} does not divide the {cfg.num_kv_heads} KV heads: the train mesh "
+          "replicates their weights"
+        )
       candidate = Plan(
-        sl, 1, fsdp, t, chunks, terms, terms["peak"] <= limit, tuple(notes), slots, secs
+        sl, 1, fsdp, t, chunks, terms, terms["peak"] <= limit, tuple(notes), slots, secs, g
       )
       if candidate.fits and (chunks > 1 or not notes):
         return candidate
@@ -188,7 +208,7 @@ def step_time_bounds(run: Run, p: Plan) -> dict[str, float]:
   return {
     "rollout": p.rollout_s,
     "rollout, lockstep": rollout_seconds(
-      run, chip, p.fsdp, p.tensor, p.rollout_chunks, 0, "kv_read_full"
+      run, chip, p.fsdp, p.tensor, p.rollout_chunks, 0, "kv_read_full", p.sampling_tensor
     ),
     "log-probs": passes * B * T * fwd / peak,
     "train": run.ppo_epochs * B * T * train / peak,
@@ -241,6 +261,7 @@ def _table(model: str, run: Run, plans: list[Plan], headroom: float, rates: dict
   row("slice", cols)
   row("chips / hosts", [f"{p.slice.chips}/{p.slice.hosts}" for p in plans])
   row("mesh data x fsdp x tensor", [f"{p.data}x{p.fsdp}x{p.tensor}" for p in plans])
+  row("sampler tensor group", [str(p.sampling_tensor) for p in plans])
   row("rollout calls per step", [str(p.rollout_chunks) for p in plans])
   row("active rows W (KV slots)", [str(p.slots) for p in plans])
   for key in plans[0].terms:

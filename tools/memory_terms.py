@@ -7,10 +7,13 @@ Assumptions (the code this mirrors, where it exists):
   gathers one layer at a time under ``lax.scan`` (2 layers in flight). The
   frozen reference policy (CAPO noise mask, or KL with beta > 0) is kept in
   bfloat16, sharded like the policy.
-* Train rules shard params over fsdp x tensor; sampling rules keep bfloat16
-  params whole on every fsdp replica and split them over tensor only
-  (capo_jax/runtime/mesh.py). Batch rows split over data x fsdp (an axis that does
-  not divide the rows is replicated, as models/sharding.py does).
+* Train rules shard params over fsdp x tensor. The sampler has a mesh of its own over
+  the same chips (``capo_jax.runtime.mesh.sampling_mesh``): its bfloat16 weights split
+  over a tensor group of g chips (``config.mesh.sampling_tensor``, 0: the most chips of
+  one host that split the kv heads, ``mesh.auto_sampling_tensor``: 2 for 1.5B, 4 for
+  7B), whole on each of the n / g groups, which split the rollout's rows; the kv heads
+  split over gcd(g, K) chips (``sampling_group``). Batch rows split over data x fsdp
+  (an axis that does not divide the rows is replicated, as models/sharding.py does).
 * Rollout (capo_jax/sampling/engine.py): one prefill of the Q prompts (their
   prompt cache, Q x P, stays while decoding), then W = ``rollout.max_active_rows``
   rows decode at once over a cache of W slots x (P + C) (continuous batching);
@@ -50,8 +53,10 @@ import dataclasses
 import functools
 import importlib
 import math
+import types
 from typing import Any
 
+from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import plans
 from capo_jax.sampling.sampler import bucket_length
 from models import lora, qwen2
@@ -77,6 +82,7 @@ class Run:
   ppo_epochs: int = 1
   decode_copies_cache: bool = False  # the engine's loop keeps one cache (module docstring)
   lora: lora.LoraConfig | None = None  # adapters on a frozen base (module docstring)
+  sampling_tensor: int = 0  # config.mesh.sampling_tensor: the sampler's group (0: auto)
 
   @classmethod
   def from_config(cls, c: Any, preset: str = "") -> Run:
@@ -94,6 +100,7 @@ class Run:
       logprob_chunk=c.train.logprob_chunk,
       reference=_uses_reference(c),
       ppo_epochs=c.train.ppo_epochs,
+      sampling_tensor=c.mesh.sampling_tensor,
     )
 
 
@@ -154,19 +161,40 @@ def kv_slots(run: Run) -> int:
   return bucket_length(run.max_prompt_len, 16) + bucket_length(run.max_new_tokens, 16)
 
 
+def sampling_group(run: Run, chips: int, hosts: int) -> int:
+  """The sampler's tensor group on a slice of ``chips`` over ``hosts``: the run's
+  ``mesh.sampling_tensor``, or with 0 what the run picks on those chips
+  (``mesh.auto_sampling_tensor``). Raises ValueError when the group cannot split the
+  heads or the chips (``mesh.tensor_split``)."""
+  per_host = chips // hosts
+  devices = [types.SimpleNamespace(process_index=i // per_host) for i in range(chips)]
+  g = run.sampling_tensor or mesh_lib.auto_sampling_tensor(run.model, devices)
+  mesh_lib.tensor_split(run.model, g)
+  if chips % g:
+    raise ValueError(f"sampling tensor group of {g} chips: does not divide {chips} chips")
+  return g
+
+
 def tail_phases(slots: int, rows: int, shards: int) -> tuple[int, ...]:
   """The engine's loops on an accelerator: tail loops only with W < B rows."""
   return plans.tail_phases(slots, shards) if slots < rows else (slots,)
 
 
 def memory_terms(
-  run: Run, data: int, fsdp: int, tensor: int, rollout_chunks: int = 1, slots: int = 0
+  run: Run,
+  data: int,
+  fsdp: int,
+  tensor: int,
+  rollout_chunks: int = 1,
+  slots: int = 0,
+  group: int = 0,
 ) -> dict[str, float]:
   """Bytes per chip of each term, plus the phase totals and the peak.
 
   ``rollout_chunks`` > 1: the Q prompts are sampled in that many sequential
   ``generate`` calls, dividing the rollout terms. ``slots``: the engine's W
-  (0: all rows of a call).
+  (0: all rows of a call). ``group``: the sampler's tensor group (``sampling_group``;
+  0: ``tensor``), which splits the rollout's weights, heads and vocabulary.
   """
   cfg = run.model
   P, P_layer = param_counts(cfg)
@@ -179,15 +207,15 @@ def memory_terms(
   )
   V, act = cfg.vocab_size, cfg.dtype.dtype.itemsize
   master = cfg.weight_dtype.dtype.itemsize
-  t = tensor
-  t_kv = t if K % t == 0 else 1
+  t, g = tensor, group or tensor
   shard = fsdp * t
+  groups = data * fsdp * t // g  # the sampler's data axis: its rows split over it
   Q = run.num_prompts // rollout_chunks
   B = Q * run.num_samples
   P_len = bucket_length(run.max_prompt_len, 16)
   S_len = kv_slots(run)
-  kv_tok = kv_bytes_per_token(cfg) / t_kv
-  q_rows, b_rows = rows_per_chip(Q, data, fsdp), rows_per_chip(min(slots or B, B), data, fsdp)
+  kv_tok = kv_bytes_per_token(cfg) / math.gcd(g, K)
+  q_rows, b_rows = rows_per_chip(Q, 1, groups), rows_per_chip(min(slots or B, B), 1, groups)
   r = rows_per_chip(run.micro_batch_size, data, fsdp)
   T = run.max_prompt_len + run.max_new_tokens
   m: dict[str, float] = {}
@@ -202,22 +230,22 @@ def memory_terms(
   m["reference (bf16)"] = act * P / shard if run.reference else 0.0
   persistent = sum(m.values())
   # Rollout.
-  m["sampling weights (bf16)"] = act * P / t
+  m["sampling weights (bf16)"] = act * P / g
   m["KV cache (W slots)"] = b_rows * S_len * kv_tok
   m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
-  m["prefill scores"] = q_rows * (N / t * P_len * P_len * 6 + V / t * 4)
+  m["prefill scores"] = q_rows * (N / g * P_len * P_len * 6 + V / g * 4)
   m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
   # With W < B the engine gathers the tail's rows into a cache of W/4 slots
   # (plans.Plan.phases). The caches are one buffer per layer and per k / v, so
   # each large one is freed once gathered: one small buffer beside the large
   # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
-  tail = tail_phases(min(slots or B, B), B, data * fsdp)
+  tail = tail_phases(min(slots or B, B), B, groups)
   m["tail loop gather (1 layer)"] = (
     m["KV cache (W slots)"] * tail[1] / tail[0] / (2 * L) if len(tail) > 1 else 0.0
   )
-  decode = 3 * b_rows * V / t * 4
+  decode = 3 * b_rows * V / g * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
-  m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / t if run.lora else 0.0
+  m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / g if run.lora else 0.0
   # The prefill's stacked cache and its per-layer copy, then the slots beside it.
   rollout = (
     m["sampling weights (bf16)"]

@@ -13,7 +13,8 @@ which puts more at it: 6.1% in all at the default 0.045. Per decode step
 reads them (every slot, up to the longest active row in ``block`` columns; once
 no row waits, the active rows move to a quarter of the slots as they fit, at most
 twice, as ``plans.Plan.phases`` does) and, for the lockstep decode, every row over
-the whole cache (the old sampler) or up to the longest row; ``seconds`` turns them
+the whole cache (the old sampler) or up to the longest row; and the columns the ragged
+kernel copies on TPU, each row its own blocks (``ragged_prefix``); ``seconds`` turns them
 into time: (weight bytes x replicas + KV bytes read + refill copies) / HBM
 bandwidth, a decode step being bandwidth-bound on accelerators.
 """
@@ -41,6 +42,8 @@ class Shape:
   replicas: int = 1  # weight copies read per step (data-parallel sampler replicas)
   shrink: int = 4  # plans.SHRINK: each tail loop has a quarter of the slots
   max_loops: int = 3  # plans.MAX_PHASES (1: no tail loops)
+  ragged_block: int = 512  # plans.RAGGED_BLOCK: the ragged kernel's columns per copy
+  prompt_tokens: int = 0  # a prompt's real tokens, left-padded to prompt_len (0: all of it)
 
 
 def sample_lengths(
@@ -63,6 +66,19 @@ def _blocks(cols: np.ndarray, block: int) -> np.ndarray:
   return -(-cols // block) * block
 
 
+def ragged_prefix(shape: Shape) -> np.ndarray:
+  """[cap + 1]: the columns the ragged kernel copies for one row over its first t decode
+  steps, t = 0 .. cap. At step t (0-based) the engine's slot attends to columns
+  [P - p, P + max(t, 1)) (``capo_jax.sampling.engine``: prompt of p real tokens
+  left-padded to P, then the completion); the kernel copies every ``ragged_block`` of
+  columns that range touches, whole (``capo_jax.sampling.ragged``)."""
+  P, blk = shape.prompt_len, shape.ragged_block
+  start = P - (min(shape.prompt_tokens, P) or P)
+  end_T = P + np.maximum(np.arange(shape.cap), 1)
+  cols_T = ((end_T - 1) // blk - start // blk + 1) * blk
+  return np.concatenate([[0], np.cumsum(cols_T)])
+
+
 def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, float]:
   """Steps, row-steps, KV positions read and prompt copies of one rollout.
 
@@ -75,6 +91,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   """
   P, blk, B = shape.prompt_len, shape.block, lengths.size
   own_total = int((P * lengths + lengths * (lengths + 1) // 2).sum())  # each row its own
+  F = ragged_prefix(shape)
   if slots is None or slots >= B:
     steps = int(lengths.max())
     t = np.arange(1, steps + 1)
@@ -84,6 +101,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
       "kv_read": B * int(_blocks(P + t, blk).sum()),
       "kv_read_full": steps * B * (P + shape.cap),
       "kv_read_own": own_total,
+      "ragged_cols": int(F[lengths].sum()),
       "copies": B,
       "gathered": 0,
     }
@@ -94,6 +112,8 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   # Per loop of the engine: its decode steps, and the KV blocks its steps read per layer
   # (the trip counts of the step's per-layer block loops, summed over its steps).
   phase_steps, phase_blocks = [0] * shape.max_loops, [0] * shape.max_loops
+  # And the columns the ragged kernel copies in each loop, over its slots and steps.
+  phase_ragged, phase_slots = [0] * shape.max_loops, [slots] * shape.max_loops
   while True:
     while free and nxt < B:
       n = free.pop()
@@ -110,6 +130,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
     ):
       cur //= shape.shrink
       loops += 1
+      phase_slots[loops - 1] = cur
       gathered += cur * (P + shape.cap)  # the smaller cache, copied whole
     k1 = ends[0][0]
     ks = np.arange(k + 1, k1 + 1)
@@ -117,6 +138,8 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
     kv += cur * cols
     phase_steps[loops - 1] += len(ks)
     phase_blocks[loops - 1] += cols // blk
+    began = np.fromiter(start.values(), np.int64)  # a row's step t = step - began - 1
+    phase_ragged[loops - 1] += int((F[k1 - began] - F[k - began]).sum())
     k = k1
     while ends and ends[0][0] == k:
       n = heapq.heappop(ends)[1]
@@ -128,10 +151,13 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
     "kv_read": kv,
     "kv_read_full": kv,
     "kv_read_own": own_total,
+    "ragged_cols": sum(phase_ragged),
     "copies": B,
     "gathered": gathered,
     "phase_steps": phase_steps[:loops],
     "phase_blocks": phase_blocks[:loops],
+    "phase_ragged_cols": phase_ragged[:loops],
+    "phase_slots": phase_slots[:loops],
   }
 
 
@@ -139,8 +165,8 @@ def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float
   """The bandwidth model: every byte a step reads, over the HBM bandwidth.
 
   ``read``: "kv_read" (the engine: all slots up to the longest active row),
-  "kv_read_full" (the whole cache) or "kv_read_own" (each row its own length,
-  as a ragged paged-attention kernel would read).
+  "kv_read_full" (the whole cache), "kv_read_own" (each row its own length) or
+  "ragged_cols" (each row its own blocks, as the ragged kernel copies them).
   """
   kv = sim[read]
   weights = sim["steps"] * shape.weight_bytes * shape.replicas

@@ -11,7 +11,11 @@ them by what the rollout would do:
   sampler call's rows at the length model (lognormal median 550, sigma 0.7,
   per-prompt sigma 0.4, ``--trunc`` of the samples forced to the cap) gives each phase's
   steps and KV blocks read (the block loops' trip counts, summed); each row is
-  copied into a slot once (the refill loop).
+  copied into a slot once (the refill loop). On TPU the ragged kernel reads each
+  slot's own blocks: the same simulation, every prompt ``prompt_tokens`` long
+  left-padded to the compiled P, gives the columns a slot copies per step in each
+  loop (idle slots none), by which ``hlo_cost.with_ragged_cols`` counts its keys and
+  values.
 * log-prob passes and train step: the same lengths plus ``prompt_tokens`` a prompt,
   packed first-fit into the run's rows (``packing.first_fit``), give the calls of a
   pass and the micro-batches of each update.
@@ -32,6 +36,7 @@ import numpy as np
 
 from capo_jax.rl import packing
 from capo_jax.run import hlo_cost
+from capo_jax.sampling import plans
 from tools import rollout_sim
 
 
@@ -54,6 +59,9 @@ class Trips:
   logprob_calls: float  # calls of one log-prob pass per step
   microbatches: float  # micro-batches per update
   real_token_fraction: float  # real tokens / the rows' token slots
+  # Columns the ragged kernel copies per slot and step in each engine loop (its slots'
+  # mean, idle ones included): () when the length model gives none.
+  phase_cols: tuple[float, ...] = ()
 
 
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
@@ -65,8 +73,10 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     prompt_len=sh.prompt_len,
     cap=sh.max_new_tokens,
     max_loops=phases,
+    ragged_block=plans.RAGGED_BLOCK,
+    prompt_tokens=lengths.prompt_tokens,
   )
-  steps, blocks, calls, mbs, fill = [], [], [], [], []
+  steps, blocks, cols, calls, mbs, fill = [], [], [], [], [], []
   for seed in range(lengths.seeds):
     rng = np.random.default_rng(seed)
     per_call = [
@@ -84,6 +94,16 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
       )
       / sh.num_calls
     )
+    slot_steps = np.sum(
+      [
+        _pad(s.get("phase_steps", [s["steps"]]), phases)
+        * _pad(s.get("phase_slots", [rows_call]), phases)
+        for s in sims
+      ],
+      0,
+    )
+    copied = np.sum([_pad(s.get("phase_ragged_cols", [s["ragged_cols"]]), phases) for s in sims], 0)
+    cols.append(copied / np.maximum(slot_steps, 1))
     steps[-1] = steps[-1] / sh.num_calls
     seq = min(lengths.prompt_tokens, sh.max_prompt_len) + np.concatenate(per_call)
     row_B, _ = packing.first_fit(seq, sh.row_len)
@@ -105,6 +125,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     float(np.mean(calls)),
     float(np.mean(mbs)),
     float(np.mean(fill)),
+    tuple(np.mean(cols, 0)),
   )
 
 
@@ -117,6 +138,21 @@ def _add(acc: dict[str, float], cost: dict[str, float], w: float) -> None:
     acc[k] = acc.get(k, 0.0) + w * cost.get(k, 0.0)
 
 
+def _ragged(
+  cost: dict[str, float], t: Trips, loop: int, rates: hlo_cost.Rates | None
+) -> dict[str, float]:
+  """One iteration of decode loop ``loop`` with its ragged calls' keys and values at the
+  length model's columns per slot (``Trips.phase_cols``)."""
+  if not any(cost.get(k) for k in hlo_cost.COL_KEYS):
+    return cost
+  if loop >= len(t.phase_cols):
+    raise ValueError(
+      f"decode loop {loop}: ragged attention calls, but Trips.phase_cols has no columns "
+      "per slot for it (step_estimate.trips gives them)"
+    )
+  return hlo_cost.with_ragged_cols(cost, t.phase_cols[loop], rates)
+
+
 def weighted_cost(
   name: str, text: str, t: Trips, rates: hlo_cost.Rates | None = None
 ) -> dict[str, float]:
@@ -124,7 +160,9 @@ def weighted_cost(
   unbounded loops at their expected trips; for decode also ``step_bytes`` (HBM bytes of
   one step of the first loop, its blocks included), ``step_onchip_bytes`` (what that step
   moves on chip, ``hlo_cost``) and ``blocks_per_step``. ``rates``: also the
-  per-operation roofline sums (``hlo_cost.hlo_cost``)."""
+  per-operation roofline sums (``hlo_cost.hlo_cost``). Ragged decode attention: each
+  loop's calls at ``Trips.phase_cols``; ``step_ragged_bytes`` what they read in that
+  step, ``step_ragged_whole_bytes`` what they would with every slot's whole cache."""
   rest, loops = hlo_cost.loop_tree(text, rates)
   out: dict[str, float] = {}
   _add(out, rest, 1.0)
@@ -132,17 +170,21 @@ def weighted_cost(
     if len(loops) > len(t.phase_steps):
       raise ValueError(f"decode: {len(loops)} unbounded loops, {len(t.phase_steps)} phases")
     for i, loop in enumerate(loops):
-      _add(out, loop.cost, t.phase_steps[i])
+      _add(out, _ragged(loop.cost, t, i, rates), t.phase_steps[i])
       for inner in loop.nested:
         _add(out, inner.cost, t.refills if inner.in_conditional else t.phase_blocks[i])
     blocks = t.phase_blocks[0] / max(t.phase_steps[0], 1.0)
     step = {}
-    _add(step, loops[0].cost, 1.0)
+    _add(step, _ragged(loops[0].cost, t, 0, rates), 1.0)
     for inner in loops[0].nested:
       if not inner.in_conditional:
         _add(step, inner.cost, blocks)
     out["step_bytes"], out["blocks_per_step"] = step["bytes"], blocks
     out["step_onchip_bytes"] = step["onchip_bytes"]
+    out["step_ragged_bytes"] = step["ragged_bytes"]
+    whole = loops[0].cost.get("ragged_cache_cols", 0.0)  # every slot its whole cache
+    out["step_ragged_whole_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * whole
+    out["ragged_cols_per_step"] = t.phase_cols[0] if step["ragged_bytes"] else 0.0
     refill = {}
     for inner in loops[0].nested:
       if inner.in_conditional:

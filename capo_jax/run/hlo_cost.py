@@ -29,7 +29,13 @@ What is counted, per device (the SPMD program):
          copies between spaces (copy-start, slice-start) count on both sides;
   collectives  ``collective_bytes``, each collective's result (the older count),
          and ``ici_bytes``, what one device sends over the inter-chip links by the
-         ring algorithms (``hlo_ops.ici_bytes``), like for like across kinds.
+         ring algorithms (``hlo_ops.ici_bytes``), like for like across kinds;
+  kernels  a Pallas TPU kernel (``tpu_custom_call``) by the FLOPs and bytes it
+         declares (``pl.CostEstimate``), else by its operands and results once each
+         (no FLOPs); the ragged decode attention (``hlo_ops.ragged_kv``) by the
+         columns each slot copies, which only the rows' lengths decide: ``cols``
+         given by the caller's length model (``tools/step_estimate.py``), else every
+         slot's whole cache, the most it can read. ``ragged_bytes`` is that read.
 
 The cost model (``times``; rates per chip from ``Rates``): the per-program roofline
 max(FLOP time, HBM time) beside the per-operation one, each instruction outside fusions
@@ -121,7 +127,11 @@ KEYS = (
   "loop_bytes",
   "op_s",
   "op_honest_s",
+  "ragged_bytes",
 )
+# Per column each slot of a ragged decode-attention call copies (``hlo_ops.ragged_kv``),
+# the bytes by memory space its calls would add: ``with_ragged_cols`` adds them.
+COL_KEYS = tuple(f"ragged_col_{sp}" for sp in ht.SPACES)
 
 
 def _op_seconds(
@@ -136,21 +146,36 @@ def _op_seconds(
 
 
 def _sum(
-  comps: dict[str, list[_Instr]], walk: _Walk, devices: int, rates: Rates | None
+  comps: dict[str, list[_Instr]],
+  walk: _Walk,
+  devices: int,
+  rates: Rates | None,
+  cols: float | None,
 ) -> dict[str, float]:
-  out = dict.fromkeys(KEYS, 0.0)
+  """``cols``: the columns each slot of a ragged call copies (None: its whole cache)."""
+  out = dict.fromkeys(KEYS + COL_KEYS + ("ragged_cache_cols",), 0.0)
   memo: dict[str, float] = {}
   for name, w in walk.weight.items():
     instrs = comps[name]
     shapes = {i.name: i.shape for i in instrs}
     for ins in instrs:
-      if ins.op in ("dot", "convolution"):
-        f = hlo_ops.matmul_flops(ins, shapes)
+      declared = hlo_ops.declared_cost(ins)
+      if ins.op in ("dot", "convolution") or declared:
+        f = declared[0] if declared else hlo_ops.matmul_flops(ins, shapes)
         out["flops"] += w * f
         out["loop_flops"] += walk.in_loop[name] * f
       if name in walk.fused or ins.op in hlo_ops.FREE or ins.op.endswith("-done"):
         continue
       moved = {sp: hlo_ops.moved_bytes(ins, shapes, comps, sp) for sp in ht.SPACES}
+      ragged = hlo_ops.ragged_kv(ins, shapes)
+      if ragged:
+        per_col = hlo_ops.ragged_col_bytes(ins, shapes, *ragged)
+        n = ragged[1] if cols is None else cols
+        for sp in ht.SPACES:
+          out[f"ragged_col_{sp}"] += w * per_col[sp]
+          moved[sp] += n * per_col[sp]
+        out["ragged_bytes"] += w * n * per_col["hbm"]
+        out["ragged_cache_cols"] = max(out["ragged_cache_cols"], ragged[1])
       out["bytes"] += w * moved["hbm"]
       out["loop_bytes"] += walk.in_loop[name] * moved["hbm"]
       out["onchip_bytes"] += w * moved["onchip"]
@@ -162,6 +187,7 @@ def _sum(
         out["ici_bytes"] += w * ici
       if rates is not None:
         own = hlo_ops.matmul_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
+        own = declared[0] if declared else own
         f = hlo_ops.fused_flops(ht.called(ins), comps, memo) if ins.op == "fusion" else own
         op_s, honest_s = _op_seconds(f, moved, ici, rates)
         out["op_s"] += w * op_s
@@ -187,17 +213,40 @@ def times(cost: dict[str, float], rates: Rates) -> dict[str, float]:
   return t
 
 
-def hlo_cost(text: str, trip_counts: bool = True, rates: Rates | None = None) -> dict[str, float]:
+def with_ragged_cols(
+  cost: dict[str, float], cols: float, rates: Rates | None = None
+) -> dict[str, float]:
+  """``cost`` with each slot of its ragged calls copying ``cols`` more columns: their
+  bytes per column (``COL_KEYS``) times ``cols`` added to the bytes of each memory
+  space, to ``ragged_bytes`` and, with ``rates``, to the per-operation sums (a kernel's
+  FLOPs are not counted, so its time is its memory time, which grows by as much)."""
+  out = dict(cost)
+  moved = {sp: cols * cost.get(f"ragged_col_{sp}", 0.0) for sp in ht.SPACES}
+  for sp, key in zip(ht.SPACES, ("bytes", "onchip_bytes", "host_bytes")):
+    out[key] = out.get(key, 0.0) + moved[sp]
+  out["ragged_bytes"] = out.get("ragged_bytes", 0.0) + moved["hbm"]
+  if rates is not None:
+    op_s, honest_s = _op_seconds(0.0, moved, 0.0, rates)
+    out["op_s"] = out.get("op_s", 0.0) + op_s
+    out["op_honest_s"] = out.get("op_honest_s", 0.0) + honest_s
+  return out
+
+
+def hlo_cost(
+  text: str, trip_counts: bool = True, rates: Rates | None = None, cols: float | None = None
+) -> dict[str, float]:
   """Per-device ``flops``, HBM ``bytes``, ``onchip_bytes``, ``host_bytes``,
   ``collective_bytes`` (results), ``ici_bytes`` (sent over the links) of one HLO module;
   with ``rates`` also the per-operation roofline sums ``op_s`` and ``op_honest_s``.
 
   Loops without a constant bound count once; ``loop_flops`` / ``loop_bytes``
   are the part inside them (one iteration), ``unbounded_loops`` their number.
+  Ragged decode-attention calls copy ``cols`` columns per slot (None: the whole cache,
+  ``ragged_cache_cols``, the most they can read); ``ragged_bytes`` is what that reads.
   """
   comps, entry = ht.parse(text)
   walk = _walk(comps, entry, trip_counts, enter_unbounded=True)
-  out = _sum(comps, walk, ht.num_partitions(text), rates)
+  out = _sum(comps, walk, ht.num_partitions(text), rates, cols)
   out["unbounded_loops"] = float(
     sum(
       1
@@ -222,7 +271,9 @@ class Loop:
 def loop_tree(text: str, rates: Rates | None = None) -> tuple[dict[str, float], list[Loop]]:
   """The cost outside every unbounded loop, and the unbounded loops of the program in
   order, each with the unbounded loops nested in it: for the caller to weight each by
-  its own expected trip count (bounded loops are counted by theirs, as in ``hlo_cost``)."""
+  its own expected trip count (bounded loops are counted by theirs, as in ``hlo_cost``).
+  Ragged calls are counted without their keys and values, for the caller to add its
+  columns per slot (``with_ragged_cols``)."""
   comps, entry = ht.parse(text)
   devices = ht.num_partitions(text)
 
@@ -232,6 +283,6 @@ def loop_tree(text: str, rates: Rates | None = None) -> tuple[dict[str, float], 
     for body, in_cond in walk.unbounded:
       cost, nested = loops(body)
       inner.append(Loop(cost, nested, in_cond))
-    return _sum(comps, walk, devices, rates), inner
+    return _sum(comps, walk, devices, rates, 0.0), inner
 
   return loops(entry)

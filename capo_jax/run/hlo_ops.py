@@ -6,7 +6,9 @@ dilated, padded convolutions counted by the window positions that land on real i
 ``moved_bytes`` of an instruction outside fusions in one memory space (a fusion's
 operands read only through slices cost the slices, an in-place update its update),
 ``ici_bytes`` of a collective by the ring algorithms, and ``fused_flops`` of a fused
-computation.
+computation. Pallas TPU kernels: ``declared_cost`` (what a kernel declares), and the
+ragged decode attention's keys and values (``ragged_kv``, ``ragged_col_bytes``), which
+it reads per slot up to that slot's length.
 """
 
 from __future__ import annotations
@@ -79,15 +81,27 @@ def matmul_flops(ins: _Instr, shapes: dict[str, str]) -> float:
   return 2.0 * macs
 
 
+def _updates_in_place(u: _Instr, pname: str) -> bool:
+  return u.op in ("dynamic-update-slice", "scatter") and ht.operands(u.rest)[0] == pname
+
+
 def _read_by_slices(
-  pname: str, fused: list[_Instr], comps: dict[str, list[_Instr]], where: str = "all"
+  pname: str,
+  fused: list[_Instr],
+  comps: dict[str, list[_Instr]],
+  where: str = "all",
+  in_place: bool = False,
 ) -> float | None:
   """Bytes of parameter ``pname`` a fusion reads when it only slices or gathers from it
-  (also through a nested fusion that does), else None."""
+  (also through a nested fusion that does), else None. ``in_place``: a use that updates
+  it in place (the buffer of a dynamic-update-slice or scatter) reads nothing (a slot's
+  old block read, then written back over the cache: the buffer is not read whole)."""
   total = 0.0
   uses = ht.users(fused).get(pname, [])
   pshape = next((i.shape for i in fused if i.name == pname), None)
   for u in uses:
+    if in_place and _updates_in_place(u, pname):
+      continue
     if u.op in ("slice", "dynamic-slice") or (u.op == "gather" and ht.operands(u.rest)[0] == pname):
       total += ht.nbytes(u.shape, where, space_of=pshape)
     elif u.op == "fusion":  # a nested fusion: its own parameter must be sliced only
@@ -112,23 +126,17 @@ def _fusion_bytes(
 ) -> float:
   """Bytes a fusion moves: each operand once, except that an operand read only
   through slices or gathers costs what they read, and a buffer updated in place
-  (dynamic-update-slice, scatter) costs the update, read and written, not the buffer."""
+  (dynamic-update-slice, scatter) costs the update, read and written, not the buffer
+  (plus what is sliced from it: the old block a select keeps where a row is not copied)."""
   params = ht.params(fused)
-  users = ht.users(fused)
   operands = ht.operands(ins.rest)
   total = 0.0
   for pname, idx in params.items():
     full = ht.nbytes(shapes.get(operands[idx], ""), where) if idx < len(operands) else 0.0
-    uses = users.get(pname, [])
-    sliced = _read_by_slices(pname, fused, comps, where)
-    if sliced is not None:
-      total += min(full, sliced)
-    elif uses and all(
-      u.op in ("dynamic-update-slice", "scatter") and ht.operands(u.rest)[0] == pname for u in uses
-    ):
-      total += 0.0  # the buffer itself is neither read nor rewritten
-    else:
-      total += full
+    # Slices (and an in-place update's buffer, neither read nor rewritten) cost what
+    # they read.
+    sliced = _read_by_slices(pname, fused, comps, where, in_place=True)
+    total += full if sliced is None else min(full, sliced)
   updates = [i for i in fused if i.op in ("dynamic-update-slice", "scatter")]
   root_in_place = fused and fused[-1].op in ("dynamic-update-slice", "scatter", "tuple") and updates
   if root_in_place:
@@ -143,10 +151,64 @@ def _fusion_bytes(
   return total + ht.nbytes(ins.shape, where)
 
 
+def declared_cost(ins: _Instr) -> tuple[float, float] | None:
+  """(FLOPs, bytes) a Pallas TPU kernel declares (``pl.CostEstimate``, printed in its
+  backend config's ``cost_estimate``), or None when it declares none."""
+  if 'custom_call_target="tpu_custom_call"' not in ins.rest:
+    return None
+  m = re.search(r'"cost_estimate":\{([^}]*)\}', ins.rest)
+  if m is None:
+    return None
+  got = dict(re.findall(r'"(\w+)":"?(\d+)', m[1]))
+  return float(got.get("flops", 0)), float(got.get("bytes_accessed", 0))
+
+
+def ragged_kv(ins: _Instr, shapes: dict[str, str]) -> tuple[list[str], int] | None:
+  """The keys and values a ragged decode-attention call reads by the rows' lengths, and
+  their columns S; None for any other instruction.
+
+  The call is ``capo_jax.sampling.ragged``'s Pallas kernel, known by its signature: a
+  ``tpu_custom_call`` (declaring no cost) of (start s32[W], end s32[W], queries
+  [W, K, R, H], keys [W, S, K*H], values alike) -> [W, K, R, H]. Its queries, lengths
+  and output move whole (block specs over the slots); the keys and values stay where
+  they live (``memory_space=ANY``) and the kernel copies, per slot, the blocks of
+  columns its own range covers, which the HLO cannot say: ``hlo_cost`` counts them by
+  the columns the caller's length model gives.
+  """
+  if ins.op != "custom-call" or 'custom_call_target="tpu_custom_call"' not in ins.rest:
+    return None
+  ops = ht.operands(ins.rest)
+  arrs = [ht.arrays(shapes.get(o, "")) for o in ops]
+  out = ht.arrays(ins.shape)
+  if len(ops) != 5 or len(out) != 1 or any(len(a) != 1 for a in arrs) or declared_cost(ins):
+    return None
+  (ds, start), (de, end), (_, q), (_, k), (_, v) = (a[0] for a in arrs)
+  ok = (ds, de) == ("s32", "s32") and len(start) == 1 and end == start and len(q) == 4
+  ok = ok and out[0][1] == q and q[0] == start[0] and k == v and len(k) == 3
+  if not ok or k[0] != q[0] or k[2] != q[1] * q[3]:
+    return None
+  return ops[3:], k[1]
+
+
+def ragged_col_bytes(
+  ins: _Instr, shapes: dict[str, str], kv: list[str], cols: int
+) -> dict[str, float]:
+  """Bytes per memory space a ragged call (``ragged_kv``) moves per column each slot
+  copies: one column of every slot's keys and values read where they live, and written
+  into the kernel's VMEM buffers (on chip), as a copy between spaces counts."""
+  one = {sp: sum(ht.nbytes(shapes.get(o, ""), sp) for o in kv) / cols for sp in ht.SPACES}
+  one["onchip"] += sum(ht.nbytes(shapes.get(o, "")) for o in kv) / cols
+  return one
+
+
 def moved_bytes(
   ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]], where: str = "all"
 ) -> float:
-  """Bytes ``ins`` reads and writes, in the memory spaces ``where`` names (``hlo_text.nbytes``)."""
+  """Bytes ``ins`` reads and writes, in the memory spaces ``where`` names (``hlo_text.nbytes``).
+
+  A Pallas TPU kernel (``tpu_custom_call``) moves what it declares (HBM), else its
+  operands and results once each (a kernel that re-reads a block counts it once), the
+  ragged decode attention's keys and values left out (``ragged_kv``)."""
   # TPU views: slices and concatenations the compiler lays out as bitcasts.
   if "bitcast_fusion" in ins.name or 'custom_call_target="ConcatBitcast"' in ins.rest:
     return 0.0
@@ -168,8 +230,13 @@ def moved_bytes(
     return ht.nbytes(update, where) + ht.nbytes(update, where, space_of=shapes.get(ops[0]))
   if ins.op == "fusion":
     return _fusion_bytes(ins, shapes, comps[ht.called(ins)], comps, where)
+  declared = declared_cost(ins)
+  if declared is not None:
+    return declared[1] if where in ("all", "hbm") else 0.0
+  ragged = ragged_kv(ins, shapes)
+  skip = ragged[0] if ragged else []
   return ht.nbytes(ins.shape, where) + sum(
-    ht.nbytes(shapes.get(o, ""), where) for o in ht.operands(ins.rest)
+    ht.nbytes(shapes.get(o, ""), where) for o in ht.operands(ins.rest) if o not in skip
   )
 
 
