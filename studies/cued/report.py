@@ -27,6 +27,7 @@ from capo_jax.demo import cued_checks
 from capo_jax.demo.cued_checks import (  # noqa: F401  the study's names, re-exported
   Runs,
   compare,
+  interval_text,
   matched_gap,
   premise,
   verdict,
@@ -115,11 +116,11 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
   if primary:
     out += [
       f"\n## P1 and P2: {design['primary']} - {design['reference']} at matched accuracy\n",
-      f"- P1, AUC-mean: {cued_checks.interval_text(primary['p1'])}; {verdict(primary['p1'])}",
-      f"- P2, pooled trap AUC: {cued_checks.interval_text(primary['p2'])}; {verdict(primary['p2'])}",
+      f"- P1, AUC-mean: {interval_text(primary['p1'])}; {verdict(primary['p1'])}",
+      f"- P2, pooled trap AUC: {interval_text(primary['p2'])}; {verdict(primary['p2'])}",
     ]
     out += [
-      f"- {k} (secondary; lower is better): {cued_checks.interval_text(c)}; {verdict(c, -1)}"
+      f"- {k} (secondary; lower is better): {interval_text(c)}; {verdict(c, -1)}"
       for k, c in primary.items()
       if k not in ("p1", "p2")
     ]
