@@ -62,6 +62,9 @@ def test_single_run_checks_by_hand():
   assert own["premise"]["trap_accuracy_drop"] == pytest.approx(0.04)
   assert own["premise"]["trap_gap_rise"] == pytest.approx(0.20)
   assert not own["premise"]["holds"]
+  assert report.premise_marks(grpo, recorded) == pytest.approx(
+    {"trap_accuracy": 0.25 - 0.05, "trap_gap": -0.10 + 0.03}
+  )
   # GRPO at accuracy 0.35: AUC-mean 0.62, trap AUC 0.75; at 0.45: 0.65, 0.65.
   assert own["p1"] == pytest.approx(((0.70 - 0.62) + (0.61 - 0.65)) / 2)
   assert own["p2"] == pytest.approx(((0.76 - 0.75) + (0.70 - 0.65)) / 2)

@@ -113,8 +113,10 @@ def plot_curves(
   runs: dict[str, list[dict[str, float]]],
   path: str,
   keys: tuple[str, ...] = DEMO_CURVES,
+  marks: dict[str, float] | None = None,
 ) -> str:
-  """Held-out metrics over RL steps, one line per method, one panel per metric."""
+  """Held-out metrics over RL steps, one line per method, one panel per metric;
+  ``marks``: a dashed level on a metric's panel (the premise's margins)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
@@ -127,6 +129,10 @@ def plot_curves(
       ax.plot(steps, [np.nan if e.get(k) is None else e[k] for e in evals], "o-", label=name)
       ax.set_title(k)
       ax.set_xlabel("RL step")
+  for ax, k in zip(axes, keys):
+    if k in (marks or {}):
+      ax.axhline((marks or {})[k], color="gray", linestyle="--", linewidth=1, label="M's margin")
+      ax.legend()
   axes[0].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -156,6 +162,16 @@ def cued_estimates(
   cmp = recorded["design"]["compare"]
   keys = {"p1": cmp["p1"], "p2": cmp["p2"], **{k: k for k in cmp["secondary"]}}
   return cued_checks.single_run(runs["grpo"], runs["capo"], recorded["design"]["premise"], keys)
+
+
+def premise_marks(evals: list[dict[str, float]], recorded: dict[str, Any]) -> dict[str, float]:
+  """Where GRPO's final trap accuracy and trap gap must reach for M (the recorded
+  margins from the warm start's values): the curves' dashed levels."""
+  m, start = recorded["design"]["premise"], evals[0]
+  return {
+    "trap_accuracy": cued_checks.value(start, "trap_accuracy") - m["trap_accuracy_drop"],
+    "trap_gap": cued_checks.value(start, "trap_gap") + m["trap_gap_rise"],
+  }
 
 
 def _seeds_per_warm_start(c: dict[str, Any]) -> str:

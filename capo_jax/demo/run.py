@@ -373,8 +373,14 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
     )
   cmp = report.compare_runs(workdir, runs)
   is_cued = isinstance(demo.task, cued.CuedConfig)
-  curves = report.CUED_CURVES if is_cued else report.DEMO_CURVES
-  png = report.plot_curves(runs, os.path.join(workdir, "demo_curves.png"), curves)
+  checks = is_cued and {"grpo", "capo"} <= set(runs)
+  recorded = report.recorded_cued() if checks else {}
+  png = report.plot_curves(
+    runs,
+    os.path.join(workdir, "demo_curves.png"),
+    report.CUED_CURVES if is_cued else report.DEMO_CURVES,
+    report.premise_marks(runs["grpo"], recorded) if checks else None,
+  )
   print(
     f"\n{', '.join(methods)} from one warm start, {demo.eval_questions} held-out "
     f"questions x {demo.eval_samples} samples (evaluation seed {demo.eval_seed}):"
@@ -387,7 +393,6 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
   )
   if not is_cued:
     print("\n" + report.recorded_study())
-  elif {"grpo", "capo"} <= set(runs):
-    recorded = report.recorded_cued()
+  elif checks:
     print("\n" + report.cued_checks_text(report.cued_estimates(runs, recorded), recorded))
   return runs
