@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from capo_jax.demo import report, tasks
+from capo_jax.demo import cued_checks, report, tasks
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -186,6 +186,34 @@ def _frontier_gap(arm: list[dict[str, float]], ref: list[dict[str, float]], key:
     (x0, y0), (x1, y1) = next((p, q) for p, q in zip(pts, pts[1:]) if p[0] < x < q[0])
     gaps.append(y - (y0 + (x - x0) / (x1 - x0) * (y1 - y0)))
   return sum(gaps) / len(gaps) if gaps else float("nan")
+
+
+def test_single_run_matches_the_loop_reference_on_random_curves():
+  """``single_run``'s gaps against ``_frontier_gap`` on random curves: accuracies with
+  ties (multiples of 1/16), NaN metrics, arms outside GRPO's range."""
+  rng = np.random.default_rng(0)
+  margins = {"trap_accuracy_drop": 0.05, "trap_gap_rise": 0.03}
+  keys = {"p1": "auc_mean", "p2": "trap_auc"}
+  for _ in range(300):
+    n = int(rng.integers(2, 8))
+
+    def curve(start: dict[str, float] | None = None) -> list[dict[str, float]]:
+      out = [start] if start else []
+      for step in range(len(out), n):
+        m = {k: float(rng.random()) for k in ("auc_mean", "trap_auc", "trap_accuracy")}
+        m["trap_gap"] = float(rng.normal())
+        if rng.random() < 0.2:
+          m[str(rng.choice(list(m)))] = float("nan")
+        out.append(_ev(25 * step, float(rng.integers(0, 17)) / 16, **m))
+      return out
+
+    grpo = curve()
+    capo = curve(grpo[0])
+    got = cued_checks.single_run(grpo, capo, margins, keys)
+    for name, key in keys.items():
+      assert _close(got[name], _frontier_gap(capo, grpo, key), 1e-12), (name, grpo, capo)
+    drop = grpo[0]["trap_accuracy"] - grpo[-1]["trap_accuracy"]
+    assert _close(got["premise"]["trap_accuracy_drop"], drop, 1e-12)
 
 
 def _printed(text: str, label: str) -> float:
