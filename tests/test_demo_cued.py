@@ -118,7 +118,8 @@ def test_recorded_cued_study_is_the_latest_indexed_report(tmp_path):
   )
 
 
-def test_cued_report_reads_nothing_from_docs(monkeypatch):
+def _refuse_docs(monkeypatch: pytest.MonkeyPatch) -> None:
+  """Every open() of a file under docs/ raises from now on (``make demo`` reads none)."""
   docs = (REPO / "docs").resolve()
 
   def guarded(open_fn):
@@ -131,6 +132,10 @@ def test_cued_report_reads_nothing_from_docs(monkeypatch):
 
   monkeypatch.setattr(builtins, "open", guarded(builtins.open))
   monkeypatch.setattr(io, "open", guarded(io.open))
+
+
+def test_cued_report_reads_nothing_from_docs(monkeypatch):
+  _refuse_docs(monkeypatch)
   recorded = report.recorded_cued()
   runs = {m: [_ev(0, 0.3, trap_accuracy=0.2, trap_gap=0.0)] * 2 for m in ("grpo", "capo")}
   text = report.cued_checks_text(report.cued_estimates(runs, recorded), recorded)
@@ -229,10 +234,11 @@ def _close(got: float, want: float, tol: float) -> bool:
 
 
 @pytest.mark.slow  # a warm start and two shrunk runs (minutes on 2 cores)
-def test_shrunk_demo_prints_checks_equal_to_its_saved_samples(tmp_path, capsys):
+def test_shrunk_demo_prints_checks_equal_to_its_saved_samples(tmp_path, capsys, monkeypatch):
   """The cued demo end to end, shrunk to a task small enough that a 1-layer warm start
   answers some questions right (finite AUCs and trap gaps): every trap metric, M, P1
-  and P2 it prints and returns, recomputed from the per-sample files it saved."""
+  and P2 it prints and returns, recomputed from the per-sample files it saved; nothing
+  read from docs/."""
   import matplotlib.pyplot as plt  # pylint: disable=import-outside-toplevel
 
   from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
@@ -244,7 +250,9 @@ def test_shrunk_demo_prints_checks_equal_to_its_saved_samples(tmp_path, capsys):
   c.demo.task.update(max_operand=2, num_sft=150, num_rl=64, num_heldout=32)
   c.demo.sft.max_steps, c.demo.eval_samples = 80, 8
   spec = demo_run.spec_of(c)
+  _refuse_docs(monkeypatch)  # the run and its report read nothing from docs/
   runs = demo_run.run(spec, str(tmp_path))
+  monkeypatch.undo()
   out = capsys.readouterr().out
   for key in ("auc_questions", "pooled_auc", "confidently_wrong", *traps.TRAP_KEYS):
     assert re.search(rf"^{key}\s", out, re.M), key
