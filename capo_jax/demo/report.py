@@ -219,7 +219,7 @@ def cued_checks_text(own: dict[str, Any], recorded: dict[str, Any]) -> str:
       + (
         f"{sg(own_v)} (one warm start, one seed: a point estimate, no interval)"
         if np.isfinite(own_v)
-        else "not measured (no CAPO checkpoint within GRPO's accuracy range)"
+        else "not measured (no CAPO checkpoint with a value within GRPO's accuracy range)"
       ),
       f"  the study: {cued_checks.interval_text(c)}, {_seeds_per_warm_start(c)} seed(s) "
       f"per warm start; {cued_checks.verdict(c, better)}",
