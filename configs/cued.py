@@ -1,6 +1,6 @@
 r"""The cued testbed: GRPO vs CAPO where RL is rewarded for trusting a cue that is sometimes a trap.
 
-  python -m capo_jax.main --config=configs/cued.py --workdir=/tmp/capo_cued
+  python -m capo_jax.main --config=configs/cued.py --workdir=/tmp/capo_demo_cued   # make demo
 
 The task (``capo_jax/demo/cued.py``): ``3+4*2=?11``, an arithmetic question and a
 cue, answered with the bare integer. A warm start is supervised on questions whose
@@ -10,7 +10,9 @@ RL is rewarded for trusting the cue; the held-out questions are half traps. The
 report adds the trap metrics (``capo_jax/eval/traps.py``): trap accuracy, trap AUC,
 decoy copies and the trap confidence gap. ``configs/cued.py:shrink`` is a
 seconds-long smoke version (tests). The pre-registered study on this testbed is
-``studies/cued`` (docs/studies/cued/README.md).
+``studies/cued`` (docs/studies/cued/README.md); this file's GRPO and CAPO are its first
+warm start's seed-0 runs of GRPO and its primary arm, so ``make demo`` prints the study's
+premise check M, P1 and P2 for its own run beside the study's estimates.
 
 Why lr 5e-4 and not the demo's 1e-4: on a prototype of this task GRPO adopted the
 shortcut (decoy copies as confident as correct answers) at 5e-4 and not at 1e-4

@@ -1,6 +1,10 @@
-r"""The embedded CPU demo: GRPO vs CAPO on a synthetic arithmetic task with a tiny Qwen2.
+r"""The arithmetic demo: GRPO vs CAPO on a synthetic arithmetic task with a tiny Qwen2.
 
   python -m capo_jax.main --config=configs/demo.py --workdir=/tmp/capo_demo
+
+The demo's earlier task, kept for the studies recorded on it (``studies/grpo_vs_capo``,
+``demo_v3``, ``mask``, ``tau``, ``mismatch``) and the Colab notebook; ``make demo`` runs
+the cued testbed, ``configs/cued.py``, which takes its model, trainer and cadence from here.
 
 Warm start (supervised fine-tuning to a ~40% base policy on solutions of which 90%
 follow a fluent wrong rule, cached in the workdir), then each of ``demo.methods`` (GRPO, CAPO)

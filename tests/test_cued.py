@@ -176,30 +176,3 @@ def test_the_arithmetic_task_reads_as_before_through_tasks():
   ex = tasks.splits(cfg)[1][:2]
   assert not tasks.is_cued(ex) and tasks.is_cued(cued.make_splits(CFG)[1][:1])
   assert tasks.answers(ex, ["x \\boxed{12}", "12"]) == ["12", ""]
-
-
-@pytest.mark.slow  # a warm start and two shrunk runs (minutes on 2 cores)
-def test_shrunk_run_file_end_to_end(tmp_path, capsys):
-  from capo_jax.demo import run as demo_run  # pylint: disable=import-outside-toplevel
-  from capo_jax.eval import traps  # pylint: disable=import-outside-toplevel
-  from configs import cued as run_file  # pylint: disable=import-outside-toplevel
-
-  spec = demo_run.spec_of(run_file.get_config("shrink"))
-  runs = demo_run.run(spec, str(tmp_path))
-  out = capsys.readouterr().out
-  for key in ("auc_questions", "pooled_auc", "confidently_wrong", *traps.TRAP_KEYS):
-    assert re.search(rf"^{key}\s", out, re.M), key
-  assert "Across warm starts" not in out  # the arithmetic task's recorded study
-  heldout = tasks.splits(demo_run.Demo.of(spec).task)[1][: spec.extra["demo"]["eval_questions"]]
-  trap_Q = np.array([ex.meta["trap"] for ex in heldout])
-  cue_Q = np.array([ex.meta["cue"] for ex in heldout])
-  for method, evals in runs.items():
-    last = evals[-1]
-    with np.load(tmp_path / method / "heldout" / f"step_{last['step']:06d}.npz") as z:
-      s_QG, c_QG, a_QG = z["s_QG"], z["correct_QG"], z["answers_QG"]
-    # The saved answers are the checker's: an answer equal to gold is correct.
-    gold_Q = np.array([ex.answer for ex in heldout])
-    np.testing.assert_array_equal(c_QG, a_QG == gold_Q[:, None])
-    want = traps.heldout_metrics(s_QG, c_QG, a_QG == cue_Q[:, None], trap_Q)
-    for k in traps.TRAP_KEYS:
-      np.testing.assert_allclose(last[k], want[k], err_msg=k)

@@ -84,8 +84,8 @@ def test_two_commands_are_the_makefile_targets() -> None:
   makefile = _text(ROOT / "Makefile")
   recipes = dict(re.findall(r"^(\w+):.*\n\t(.+)", makefile, re.M))
   # What the README says each one runs.
-  assert "-m capo_jax.main --config=configs/demo.py --workdir=$(WORKDIR)" in recipes["demo"]
-  assert "python -m capo_jax.main\n--config=configs/demo.py --workdir=$WORKDIR" in block
+  assert "-m capo_jax.main --config=configs/cued.py --workdir=$(WORKDIR)" in recipes["demo"]
+  assert "python -m capo_jax.main\n--config=configs/cued.py --workdir=$WORKDIR" in block
   assert "-m pytest -q -n 2 tests" in recipes["test"]
   assert "`python -m pytest -q -n 2 tests`" in block
   default_workdir = re.search(r"^WORKDIR \?= (\S+)", makefile, re.M).group(1)

@@ -1,10 +1,12 @@
-"""The demo's printed results: the tables, the curves, the recorded study.
+"""The demo's printed results: the tables, the curves, the recorded studies.
 
 ``capo_jax.demo.run`` runs the warm start and the RL runs; this module turns their
 held-out evaluations into what the main command prints: ``side_by_side`` (warm start
 and each method's final step, with ``compare_runs``' difficulty buckets and paired
-ΔAUC), ``plot_curves`` and ``recorded_study`` (what held across warm starts in the
-recorded demo study).
+ΔAUC), ``plot_curves``, and beside the run what its recorded study found: on the cued
+testbed ``cued_checks`` (the premise M, P1 and P2 of this run next to the cued study's
+estimates with their intervals), on the arithmetic task ``recorded_study`` (what held
+across warm starts in the demo study v3).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from capo_jax.demo import compare, study
+from capo_jax.demo import compare, cued_checks, study
 from capo_jax.eval import calibration, traps
 
 # The demo study v3's recorded results, one summary per box (the first box's study and
@@ -23,6 +25,14 @@ from capo_jax.eval import calibration, traps
 # ``python -m studies.demo_v3.run --record`` writes from the study's reports: the main
 # command prints what held across warm starts beside its own run.
 STUDY_RESULTS = os.path.join(os.path.dirname(__file__), "study_v3_recorded.json")
+# The cued study's recorded results (the latest cued entry of docs/results/studies.json and
+# its report), package data that ``python -m studies.cued.report --record`` writes.
+STUDY_CUED = os.path.join(os.path.dirname(__file__), "study_cued_recorded.json")
+# The curves of the cued testbed: the shortcut (trap accuracy and confidence gap), then
+# calibration and accuracy.
+CUED_CURVES = ("trap_accuracy", "trap_gap", "auc_mean", "accuracy")
+DEMO_CURVES = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy")  # the arithmetic task's
+METRIC_NAMES = {"auc_mean": "AUC-mean", "trap_auc": "pooled trap AUC", "trap_gap": "trap gap"}
 REPORT_KEYS = ("accuracy", "auc_mean", "pooled_auc", "auc_mostly_wrong", "entropy", "mean_length")
 
 
@@ -102,9 +112,11 @@ def side_by_side(
 def plot_curves(
   runs: dict[str, list[dict[str, float]]],
   path: str,
-  keys: tuple[str, ...] = ("accuracy", "auc_mean", "auc_mostly_wrong", "entropy"),
+  keys: tuple[str, ...] = DEMO_CURVES,
+  marks: dict[str, float] | None = None,
 ) -> str:
-  """Held-out metrics over RL steps, one line per method, one panel per metric."""
+  """Held-out metrics over RL steps, one line per method, one panel per metric;
+  ``marks``: a dashed level on a metric's panel (the premise's margins)."""
   import matplotlib  # pylint: disable=import-outside-toplevel
 
   matplotlib.use("Agg")
@@ -117,6 +129,10 @@ def plot_curves(
       ax.plot(steps, [np.nan if e.get(k) is None else e[k] for e in evals], "o-", label=name)
       ax.set_title(k)
       ax.set_xlabel("RL step")
+  for ax, k in zip(axes, keys):
+    if k in (marks or {}):
+      ax.axhline((marks or {})[k], color="gray", linestyle="--", linewidth=1, label="M's margin")
+      ax.legend()
   axes[0].legend()
   fig.tight_layout()
   fig.savefig(path, dpi=110)
@@ -129,3 +145,87 @@ def recorded_study() -> str:
   each shows (``STUDY_RESULTS``)."""
   with open(STUDY_RESULTS, encoding="utf-8") as f:
     return "\n\n".join(study.held_across_warm_starts(result) for result in json.load(f))
+
+
+def recorded_cued() -> dict[str, Any]:
+  """The cued study as recorded in the package (``STUDY_CUED``)."""
+  with open(STUDY_CUED, encoding="utf-8") as f:
+    return json.load(f)
+
+
+def cued_estimates(
+  runs: dict[str, list[dict[str, float]]], recorded: dict[str, Any]
+) -> dict[str, Any]:
+  """The study's checks on this run's "grpo" and "capo" (``cued_checks.single_run``) at
+  the recorded design's margins and metrics: ``premise``, ``p1``, ``p2`` and each
+  secondary metric."""
+  cmp = recorded["design"]["compare"]
+  keys = {"p1": cmp["p1"], "p2": cmp["p2"], **{k: k for k in cmp["secondary"]}}
+  return cued_checks.single_run(runs["grpo"], runs["capo"], recorded["design"]["premise"], keys)
+
+
+def premise_marks(evals: list[dict[str, float]], recorded: dict[str, Any]) -> dict[str, float]:
+  """Where GRPO's final trap accuracy and trap gap must reach for M (the recorded
+  margins from the warm start's values): the curves' dashed levels."""
+  m, start = recorded["design"]["premise"], evals[0]
+  return {
+    "trap_accuracy": cued_checks.value(start, "trap_accuracy") - m["trap_accuracy_drop"],
+    "trap_gap": cued_checks.value(start, "trap_gap") + m["trap_gap_rise"],
+  }
+
+
+def _seeds_per_warm_start(c: dict[str, Any]) -> str:
+  counts = sorted({len(p["seeds"]) for p in c["per_warm_start"]})
+  return " or ".join(map(str, counts)) or "0"
+
+
+def cued_checks_text(own: dict[str, Any], recorded: dict[str, Any]) -> str:
+  """``cued_estimates`` of this run, each beside the recorded study's figure."""
+  m, cmp = recorded["premise"], recorded["compare"]
+  margins = recorded["design"]["premise"]
+  sg, f = cued_checks.signed, _fmt
+  r = own["premise"]
+  met = lambda ok: "met" if ok else "missed"  # noqa: E731
+  (a0, a1), (g0, g1) = r["trap_accuracy"], r["trap_gap"]
+  drop_ok = r["trap_accuracy_drop"] >= margins["trap_accuracy_drop"]
+  rise_ok = r["trap_gap_rise"] >= margins["trap_gap_rise"]
+  per = "; ".join(
+    f"ws{p['warm_start']} ({p['seeds']} GRPO seeds) drop {sg(p.get('trap_accuracy_drop'))}, rise "
+    f"{sg(p.get('trap_gap_rise'))}: {'held' if p['holds'] else 'missed'}"
+    for p in m["per_warm_start"]
+  )
+  lines = [
+    f"The cued study's checks (docs/studies/cued/README.md), this run beside the recorded "
+    f"study ({recorded['run']} of {recorded['date']}, {recorded['runs']} runs"
+    + (f"; {recorded['notes'].rstrip('.')}" if recorded.get("notes") else "")
+    + ").",
+    f"\nM, GRPO takes the shortcut: from the warm start to the final step, trap accuracy "
+    f"falls by >= {margins['trap_accuracy_drop']:g} and the trap gap rises by >= "
+    f"{margins['trap_gap_rise']:g} nats (pre-registered margins)",
+    f"  this run:  trap accuracy {f(a0)} -> {f(a1)} (drop {sg(r['trap_accuracy_drop'])}, "
+    f"{met(drop_ok)}), trap gap {sg(g0)} -> {sg(g1)} (rise {sg(r['trap_gap_rise'])}, "
+    f"{met(rise_ok)}): M {'held' if r['holds'] else 'missed'} on this warm start",
+    f"  the study: {'held' if m['holds'] else 'not held'} on {m['held']} of "
+    f"{len(m['per_warm_start'])} premise warm starts ({margins['need']} needed): {per}",
+  ]
+  titles = {"p1": "P1", "p2": "P2"}
+  for name, c in cmp.items():
+    better = 1 if name in titles else -1  # the secondary trap gap: lower is better
+    title = titles.get(name, "Secondary (lower is better)")
+    own_v = own[name]
+    lines += [
+      f"\n{title}: CAPO - GRPO on {METRIC_NAMES.get(c['key'], c['key'])} at matched accuracy",
+      "  this run:  "
+      + (
+        f"{sg(own_v)} (one warm start, one seed: a point estimate, no interval)"
+        if np.isfinite(own_v)
+        else "not measured (no CAPO checkpoint with a value within GRPO's accuracy range)"
+      ),
+      f"  the study: {cued_checks.interval_text(c)}, {_seeds_per_warm_start(c)} seed(s) "
+      f"per warm start; {cued_checks.verdict(c, better)}",
+    ]
+  lines.append(
+    "\nA single run is not evidence: one warm start and one RL seed give a point estimate "
+    "whose spread across warm starts the study's interval measures; read the study's line."
+  )
+  return "\n".join(lines)

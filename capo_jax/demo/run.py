@@ -1,7 +1,8 @@
 """The embedded demo: warm start (cached), then RL, then a before/after report.
 
 ``run(config, workdir)`` is what ``python -m capo_jax.main
---config=configs/demo.py --workdir=DIR`` does; ``run_rl`` is the piece the
+--config=configs/cued.py --workdir=DIR`` (``make demo``) and ``--config=configs/demo.py``
+(the arithmetic task) do; ``run_rl`` is the piece the
 studies (``studies/``) call once per (algorithm, seed) on a shared warm
 start. The printed tables and curves are ``capo_jax.demo.report``'s.
 """
@@ -352,7 +353,9 @@ def warm_start_eval(spec: RunSpec, workdir: str, ws: warm_start.WarmStart) -> di
 def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
   """The README's main command: the warm start (cached), then each of
   ``demo.methods`` from it (GRPO and CAPO by default), then the side-by-side report
-  and ``<workdir>/demo_curves.png``. Returns each method's evaluations."""
+  and ``<workdir>/demo_curves.png``; on the cued testbed (``configs/cued.py``, what
+  ``make demo`` runs) the study's premise M, P1 and P2 of this run beside the recorded
+  study's (``report.cued_checks_text``). Returns each method's evaluations."""
   demo = Demo.of(spec)
   ws = get_warm_start(spec, workdir)
   info = ws.info
@@ -369,7 +372,15 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
       method_spec(spec, method), workdir, ws, run_name=method, initial_eval=initial
     )
   cmp = report.compare_runs(workdir, runs)
-  png = report.plot_curves(runs, os.path.join(workdir, "demo_curves.png"))
+  is_cued = isinstance(demo.task, cued.CuedConfig)
+  checks = is_cued and {"grpo", "capo"} <= set(runs)
+  recorded = report.recorded_cued() if checks else {}
+  png = report.plot_curves(
+    runs,
+    os.path.join(workdir, "demo_curves.png"),
+    report.CUED_CURVES if is_cued else report.DEMO_CURVES,
+    report.premise_marks(runs["grpo"], recorded) if checks else None,
+  )
   print(
     f"\n{', '.join(methods)} from one warm start, {demo.eval_questions} held-out "
     f"questions x {demo.eval_samples} samples (evaluation seed {demo.eval_seed}):"
@@ -380,6 +391,8 @@ def run(spec: RunSpec, workdir: str) -> dict[str, list[dict[str, float]]]:
     "\nThis run is one warm start and one RL seed: an illustration, not evidence "
     "(docs/demo.md says how much warm starts differ)."
   )
-  if not isinstance(demo.task, cued.CuedConfig):  # the recorded study is the arithmetic task's
+  if not is_cued:
     print("\n" + report.recorded_study())
+  elif checks:
+    print("\n" + report.cued_checks_text(report.cued_estimates(runs, recorded), recorded))
   return runs

@@ -4,38 +4,55 @@ every arm.
 
 Reads the ``evals.json`` of every finished run under ``<root>/ws<w>/<arm>_seed<k>/`` (step
 0 is the warm start's evaluation, shared by its runs) and the design the runs recorded
-(``<root>/design.json``); writes ``<out>/cued_study.md`` and ``cued_study.json``.
+(``<root>/design.json``); writes ``<out>/cued_study.md`` and ``cued_study.json``. M, the
+matched-accuracy gaps and P1 / P2 are computed by ``capo_jax.demo.cued_checks``, the
+code the demo's report shares. P1 reads AUC-mean, P2 the pooled trap AUC (it keeps
+all-wrong traps), the trap gap beside them.
 
-- **M** (``premise``): per premise warm start, the mean over its GRPO seeds at the final
-  step against the warm start; trap accuracy falls by at least ``trap_accuracy_drop``
-  and the trap gap rises by at least ``trap_gap_rise``; M holds when both do on at
-  least ``need`` of the premise warm starts.
-- **Matched accuracy** (``matched_gap``): one arm's run against GRPO's run of the same
-  warm start and seed. GRPO's evaluated checkpoints, the warm start (step 0)
-  included, joined in order of accuracy, form its frontier; each of the arm's
-  checkpoints after step 0 whose accuracy lies within the frontier's range gives the
-  arm's metric minus GRPO's interpolated at that accuracy
-  (``capo_jax.demo.study.frontier_gaps``); the run pair's estimate is their mean.
-- **P1 / P2** (``compare``): per warm start, the mean of its seeds' estimates; the mean
-  over warm starts with a Student-t interval, df = W - 1 (``capo_jax.eval.paired``).
-  P1 reads AUC-mean, P2 the pooled trap AUC (it keeps all-wrong traps), the trap gap
-  beside them.
+``record`` writes what ``make demo`` prints of the study (``RECORDED``, package data, so
+the demo reads nothing from docs/) from the latest cued entry of
+``docs/results/studies.json`` and the report it names:
+
+  python -m studies.cued.report --record
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import pathlib
 from typing import Any
 
-import numpy as np
+from capo_jax.demo import cued_checks
+from capo_jax.demo.cued_checks import (  # noqa: F401  the study's names, re-exported
+  Runs,
+  compare,
+  interval_text,
+  matched_gap,
+  premise,
+  verdict,
+)
+from capo_jax.demo.report import STUDY_CUED
+from capo_jax.eval import traps
+from studies.records import REPO, fmt, header, mean_sd, write_report
 
-from capo_jax.demo.study import frontier_gaps
-from capo_jax.eval import paired, traps
-from studies.records import fmt, header, mean_sd, write_report
-
-Runs = dict[tuple[int, str, int], list[dict[str, Any]]]
 TABLE_KEYS = (*traps.SUMMARY_KEYS, *traps.TRAP_KEYS)
+STUDIES_INDEX = REPO / "docs" / "results" / "studies.json"
+RECORDED = pathlib.Path(STUDY_CUED)
+# What the demo reads of the design the runs recorded.
+DESIGN_KEYS = (
+  "warm_starts",
+  "premise_warm_starts",
+  "seeds",
+  "reference",
+  "primary",
+  "steps",
+  "lr",
+  "eval",
+  "premise",
+  "compare",
+)
+_value = cued_checks.value
 
 
 def load_runs(root: pathlib.Path) -> Runs:
@@ -49,91 +66,6 @@ def load_runs(root: pathlib.Path) -> Runs:
       # heldout_metrics names AUC-mean's mixed questions auc_questions
       out[(int(w), arm, int(seed))] = [{"mixed": e.get("auc_questions"), **e} for e in evals]
   return out
-
-
-def _value(e: dict[str, Any], key: str) -> float:
-  v = e.get(key)
-  return float("nan") if v is None else float(v)
-
-
-def premise(runs: Runs, design: dict[str, Any]) -> dict[str, Any]:
-  """M per premise warm start and overall (the module docstring). ``decided``: every
-  premise run has finished."""
-  p, ref = design["premise"], design["reference"]
-  rows, finished = [], True
-  for w in design["premise_warm_starts"]:
-    finals = [runs[(w, ref, k)] for k in design["seeds"] if (w, ref, k) in runs]
-    finished &= len(finals) == len(design["seeds"])
-    if not finals:
-      rows.append({"warm_start": w, "seeds": 0, "holds": False})
-      continue
-    start = finals[0][0]
-    acc = float(np.mean([_value(ev[-1], "trap_accuracy") for ev in finals]))
-    gap = float(np.mean([_value(ev[-1], "trap_gap") for ev in finals]))
-    drop = _value(start, "trap_accuracy") - acc
-    rise = gap - _value(start, "trap_gap")
-    rows.append(
-      {
-        "warm_start": w,
-        "seeds": len(finals),
-        "trap_accuracy": [_value(start, "trap_accuracy"), acc],
-        "trap_gap": [_value(start, "trap_gap"), gap],
-        "trap_accuracy_drop": drop,
-        "trap_gap_rise": rise,
-        # NaN (no decoy copy or no correct trap answer) fails the criterion
-        "holds": bool(drop >= p["trap_accuracy_drop"] and rise >= p["trap_gap_rise"]),
-      }
-    )
-  held = sum(r["holds"] for r in rows)
-  return {"per_warm_start": rows, "held": held, "holds": held >= p["need"], "decided": finished}
-
-
-def matched_gap(
-  evals_arm: list[dict[str, Any]], evals_ref: list[dict[str, Any]], key: str
-) -> float:
-  """The arm's ``key`` minus the reference's at matched accuracy (module docstring); NaN
-  when no checkpoint of the arm lies within the reference's accuracy range."""
-  ref = [(e["accuracy"], _value(e, key)) for e in evals_ref]
-  arm = [(e["accuracy"], _value(e, key)) for e in evals_arm if e["step"] > 0]
-  gaps = frontier_gaps([p for p in arm if np.isfinite(p[1])], [p for p in ref if np.isfinite(p[1])])
-  return float(np.mean(gaps)) if gaps else float("nan")
-
-
-def compare(runs: Runs, design: dict[str, Any], arm: str, key: str) -> dict[str, Any]:
-  """``arm`` minus the reference on ``key`` at matched accuracy: each warm start's
-  estimate (the mean over its seeds) and the t-interval over warm starts."""
-  ref, per = design["reference"], []
-  for w in design["warm_starts"]:
-    seeds = {
-      k: matched_gap(runs[(w, arm, k)], runs[(w, ref, k)], key)
-      for k in design["seeds"]
-      if (w, arm, k) in runs and (w, ref, k) in runs
-    }
-    finite = [v for v in seeds.values() if np.isfinite(v)]
-    if seeds:
-      est = float(np.mean(finite)) if finite else float("nan")
-      per.append({"warm_start": w, "estimate": est, "seeds": seeds})
-  t = paired.t_interval([p["estimate"] for p in per], design["compare"]["level"])
-  return {"arm": arm, "key": key, "per_warm_start": per, **t}
-
-
-def verdict(c: dict[str, Any], better: int = 1) -> str:
-  """The paper's way (CAPO better: the interval wholly above 0 for ``better`` = 1, wholly
-  below for -1), against it (wholly on the other side), or not shown."""
-  if not np.isfinite(c["t_lo"]):
-    return "not measured (fewer than 2 warm starts)"
-  lo, hi = sorted((better * c["t_lo"], better * c["t_hi"]))
-  if lo > 0:
-    return "the paper's way"
-  return "against the paper" if hi < 0 else "not shown (the interval holds 0)"
-
-
-def _interval(c: dict[str, Any]) -> str:
-  per = ", ".join(f"ws{p['warm_start']} {fmt(p['estimate'], True)}" for p in c["per_warm_start"])
-  return (
-    f"{fmt(c['t_mean'], True)} [{fmt(c['t_lo'], True)}, {fmt(c['t_hi'], True)}] "
-    f"over {c['clusters']} warm starts ({per or 'none'})"
-  )
 
 
 def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
@@ -184,11 +116,11 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
   if primary:
     out += [
       f"\n## P1 and P2: {design['primary']} - {design['reference']} at matched accuracy\n",
-      f"- P1, AUC-mean: {_interval(primary['p1'])}; {verdict(primary['p1'])}",
-      f"- P2, pooled trap AUC: {_interval(primary['p2'])}; {verdict(primary['p2'])}",
+      f"- P1, AUC-mean: {interval_text(primary['p1'])}; {verdict(primary['p1'])}",
+      f"- P2, pooled trap AUC: {interval_text(primary['p2'])}; {verdict(primary['p2'])}",
     ]
     out += [
-      f"- {k} (secondary; lower is better): {_interval(c)}; {verdict(c, -1)}"
+      f"- {k} (secondary; lower is better): {interval_text(c)}; {verdict(c, -1)}"
       for k, c in primary.items()
       if k not in ("p1", "p2")
     ]
@@ -238,3 +170,40 @@ def report(root: str, out: str) -> str:
   text = header("Cued study", dirs) + "\n\n" + tables(res, design)
   write_report(out, "cued_study", text, {"design": design, **res})
   return text
+
+
+def recorded_summary(entry: dict[str, Any], result: dict[str, Any]) -> dict[str, Any]:
+  """What the demo prints of one cued entry of the studies' index (``entry``) and its
+  report's ``cued_study.json`` (``result``): the entry's run, date and notes, the
+  report's machine and commit, the design it ran, M, and the primary arm's comparisons."""
+  design = result["design"]
+  return {
+    "report": entry["report"],
+    "run": entry["run"],
+    "date": entry["date"],
+    "notes": entry["notes"],
+    "machine": result["machine"],
+    "commit": result["commit"],
+    "runs": result["runs"],
+    "design": {k: design[k] for k in DESIGN_KEYS},
+    "premise": result["premise"],
+    "compare": result["compare"][design["primary"]],
+  }
+
+
+def record(index: pathlib.Path = STUDIES_INDEX, path: pathlib.Path = RECORDED) -> pathlib.Path:
+  """Writes ``path`` from the last entry of ``index`` whose study is "cued"."""
+  entries = [e for e in json.loads(index.read_text(encoding="utf-8")) if e["study"] == "cued"]
+  if not entries:
+    raise ValueError(f"{index}: no entry with study 'cued'")
+  entry = entries[-1]
+  result = json.loads((REPO / entry["report"]).read_text(encoding="utf-8"))
+  path.write_text(json.dumps(recorded_summary(entry, result), indent=1) + "\n", encoding="utf-8")
+  return path
+
+
+if __name__ == "__main__":
+  p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+  p.add_argument("--record", action="store_true", help=f"write {RECORDED.relative_to(REPO)}")
+  if p.parse_args().record:
+    print(f"wrote {record()}")
