@@ -50,6 +50,12 @@ class Qwen2Config:
   model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
   attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
   attention_block: int = 128  # key / query block of the "flash" attention
+  # Layers per iteration of the layer scan (``nn.scan``'s unroll); num_layers: straight-line
+  # code. Unrolled, the backward keeps each layer's residuals as they are instead of writing
+  # them into stacked [L, ...] buffers (zero-filled, updated in place, copied out): for a
+  # few small layers that bookkeeping was a third of the CPU train step. Compile time grows
+  # with it; the numbers do not change (tests/test_model_unroll.py).
+  layer_unroll: int = 1
 
   def __post_init__(self) -> None:
     if self.model_type not in MODEL_TYPES:
@@ -85,6 +91,10 @@ class Qwen2Config:
       raise ValueError(
         f"Qwen2Config.attention={self.attention!r} / attention_block="
         f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1"
+      )
+    if not 1 <= self.layer_unroll <= self.num_layers:
+      raise ValueError(
+        f"Qwen2Config.layer_unroll={self.layer_unroll}: expected 1 to num_layers={self.num_layers}"
       )
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in _DTYPES:

@@ -259,6 +259,7 @@ class Qwen2(nn.Module):
     self.layers = nn.scan(
       layer,
       length=c.num_layers,
+      unroll=c.layer_unroll,
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(0, nn.broadcast),

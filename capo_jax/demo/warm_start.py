@@ -88,8 +88,12 @@ class WarmStart(NamedTuple):
 
 
 def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Config:
-  """The demo's model: 4 layers, hidden 128, 4 heads (2 kv), MLP 512, float32 (~0.8M params)."""
-  kw = dict(
+  """The demo's model: 4 layers, hidden 128, 4 heads (2 kv), MLP 512, float32 (~0.8M params).
+
+  Its layers run unrolled (``Qwen2Config.layer_unroll``): a third less CPU time a train
+  step, the same numbers up to float rounding, and it stays out of the cache key.
+  """
+  kw: dict[str, Any] = dict(
     vocab_size=tokenizer.vocab_size,
     hidden_size=128,
     intermediate_size=512,
@@ -101,6 +105,7 @@ def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Con
     max_position_embeddings=256,
   )
   kw.update(overrides)
+  kw.setdefault("layer_unroll", kw["num_layers"])
   return Qwen2Config.tiny(**kw)
 
 
@@ -181,11 +186,16 @@ def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation):
 _RECIPE = 2
 
 
+# How the model runs, not what it computes: left out of the cache key.
+_EXECUTION_FIELDS = ("layer_unroll",)
+
+
 def _settings(task_cfg: tasks.AnyTask, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
+  model = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in _EXECUTION_FIELDS}
   return {
     "recipe": _RECIPE,
     "task": dataclasses.asdict(task_cfg),
-    "model": dataclasses.asdict(model_cfg),
+    "model": model,
     "sft": dataclasses.asdict(sft_cfg),
   }
 
