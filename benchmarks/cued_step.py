@@ -90,11 +90,12 @@ def _median_of(fn: Callable[[], Any], repeats: int) -> tuple[float, float]:
 
 
 def _overrides(text: str) -> dict[str, Any]:
-  """``"a=1,b=x"`` -> ``{"a": 1, "b": "x"}`` (ints where they parse)."""
+  """``"a=1,b=false,c=x"`` -> ``{"a": 1, "b": False, "c": "x"}``."""
   out: dict[str, Any] = {}
   for item in filter(None, text.split(",")):
     key, _, value = item.partition("=")
-    out[key] = int(value) if value.lstrip("-").isdigit() else value
+    flags = {"true": True, "false": False}
+    out[key] = int(value) if value.lstrip("-").isdigit() else flags.get(value.lower(), value)
   return out
 
 

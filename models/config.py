@@ -56,6 +56,11 @@ class Qwen2Config:
   # few small layers that bookkeeping was a third of the CPU train step. Compile time grows
   # with it; the numbers do not change (tests/test_model_unroll.py).
   layer_unroll: int = 1
+  # The log-prob paths that unembed a few columns of each row (``qwen2.hidden_states_at``)
+  # run the last layer's queries, output projection and MLP at those columns only (its keys
+  # and values at every column; nothing after it reads the others). Its attention is the
+  # reference one over [rows, columns, row length] scores: for short rows (the CPU demo).
+  trim_last_layer: bool = False
 
   def __post_init__(self) -> None:
     if self.model_type not in MODEL_TYPES:

@@ -110,3 +110,42 @@ def test_layer_unroll_is_checked():
     CFG.replace(layer_unroll=0)
   with pytest.raises(ValueError, match="layer_unroll"):
     CFG.replace(layer_unroll=L + 1)
+
+
+def _cols(seg: jax.Array, Z: int = 5, seed: int = 4) -> jax.Array:
+  """Z target columns a row: some real columns of each row, the rest 0 (padding slots)."""
+  rng = np.random.default_rng(seed)
+  cols = np.zeros((seg.shape[0], Z), np.int32)
+  for y, row in enumerate(np.asarray(seg)):
+    real = np.flatnonzero(row > 0)
+    pick = np.sort(rng.choice(real, min(Z - 1, len(real)), replace=False))
+    cols[y, : len(pick)] = pick
+  return jnp.asarray(cols)
+
+
+@pytest.mark.parametrize("num_layers", [1, L])
+def test_trimmed_last_layer_equals_the_full_forward_at_the_columns(num_layers):
+  cfg = CFG.replace(num_layers=num_layers, layer_unroll=num_layers)
+  params = qwen2.init_params(cfg, jax.random.key(5))
+  tokens, pos, seg = _packed_rows(6)
+  cols = _cols(seg)
+  at = jax.jit(qwen2.hidden_states_at, static_argnums=1)
+  h_full = at(params, cfg, tokens, pos, seg, cols)  # the full forward, gathered
+  h_trim = at(params, cfg.replace(trim_last_layer=True), tokens, pos, seg, cols)
+  h_loop = jax.jit(_loop_hidden, static_argnums=1)(params, cfg, tokens, pos, seg)
+  ref = np.take_along_axis(np.asarray(h_loop), np.asarray(cols)[..., None], axis=1)
+  np.testing.assert_allclose(np.asarray(h_trim), ref, rtol=0, atol=2e-6)
+  np.testing.assert_allclose(np.asarray(h_trim), np.asarray(h_full), rtol=0, atol=2e-6)
+
+  w = jax.random.normal(jax.random.key(7), cols.shape + (cfg.hidden_size,))
+
+  def loss(p, c):
+    return jnp.sum(jnp.tanh(qwen2.hidden_states_at(p, c, tokens, pos, seg, cols)) * w)
+
+  grad = jax.jit(jax.grad(loss), static_argnums=1)
+  g_full, g_trim = grad(params, cfg), grad(params, cfg.replace(trim_last_layer=True))
+  for (path, a), b in zip(
+    jax.tree_util.tree_leaves_with_path(g_full), jax.tree_util.tree_leaves(g_trim)
+  ):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(b, a, rtol=1e-5, atol=1e-6 * np.abs(a).max(), err_msg=str(path))
