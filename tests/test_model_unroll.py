@@ -79,7 +79,10 @@ def test_unrolled_forward_and_gradient_equal_the_scan(unroll):
   np.testing.assert_allclose(np.asarray(h_unroll)[real], np.asarray(h_loop)[real], atol=2e-6)
   np.testing.assert_allclose(np.asarray(h_unroll), np.asarray(h_scan), rtol=0, atol=2e-6)
   grad = jax.jit(jax.grad(_loss), static_argnums=1)
-  g_scan, g_unroll = grad(params, rolled, tokens, pos, seg, w), grad(params, unrolled, tokens, pos, seg, w)
+  g_scan, g_unroll = (
+    grad(params, rolled, tokens, pos, seg, w),
+    grad(params, unrolled, tokens, pos, seg, w),
+  )
   for (path, a), b in zip(
     jax.tree_util.tree_leaves_with_path(g_scan), jax.tree_util.tree_leaves(g_unroll)
   ):

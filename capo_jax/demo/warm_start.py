@@ -200,9 +200,7 @@ def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation, slo
   """
 
   def step(params, opt_state, tokens_BT, mask_BT, loss_mask_BT):
-    loss, grads = jax.value_and_grad(sft_loss)(
-      params, cfg, tokens_BT, mask_BT, loss_mask_BT, slots
-    )
+    loss, grads = jax.value_and_grad(sft_loss)(params, cfg, tokens_BT, mask_BT, loss_mask_BT, slots)
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, loss
 
