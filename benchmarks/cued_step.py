@@ -131,8 +131,10 @@ class Workload:
       "forward": lambda: block(lp_fn(self.state.params, mb0)),
       "optim": lambda: block(opt_fn(grads, self.state.opt_state, self.state.params)),
     }
+    t0 = time.perf_counter()
     for fn in self.phases.values():  # compiles
       fn()
+    self.compile_s = time.perf_counter() - t0  # the four programs' compiles and first runs
 
   def updates(self) -> None:
     import jax  # pylint: disable=g-import-not-at-top
@@ -198,6 +200,9 @@ def main(argv: list[str] | None = None) -> None:
     base = cfg.replace(**_overrides(args.baseline))
     sides["baseline"] = Workload(base, spec, batches, rows)
   print(f"model: {cfg}" + (f"; baseline: {args.baseline}" if args.baseline else ""))
+  print("compile + first call of the phases: " + ", ".join(
+    f"{side} {w.compile_s:.1f} s" for side, w in sides.items()
+  ))  # fmt: skip
   timed = [(side, k) for side in sides for k in sides[side].phases]
   if args.baseline:  # the A/B pair only: "update" of each side
     timed = [(side, "update") for side in sides]
