@@ -50,6 +50,17 @@ class Qwen2Config:
   model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
   attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
   attention_block: int = 128  # key / query block of the "flash" attention
+  # Layers per iteration of the layer scan (``nn.scan``'s unroll); num_layers: straight-line
+  # code. Unrolled, the backward keeps each layer's residuals as they are instead of writing
+  # them into stacked [L, ...] buffers (zero-filled, updated in place, copied out): for a
+  # few small layers that bookkeeping was a third of the CPU train step. Compile time grows
+  # with it; the numbers do not change (tests/test_model_unroll.py).
+  layer_unroll: int = 1
+  # The log-prob paths that unembed a few columns of each row (``qwen2.hidden_states_at``)
+  # run the last layer's queries, output projection and MLP at those columns only (its keys
+  # and values at every column; nothing after it reads the others). Its attention is the
+  # reference one over [rows, columns, row length] scores: for short rows (the CPU demo).
+  trim_last_layer: bool = False
 
   def __post_init__(self) -> None:
     if self.model_type not in MODEL_TYPES:
@@ -85,6 +96,10 @@ class Qwen2Config:
       raise ValueError(
         f"Qwen2Config.attention={self.attention!r} / attention_block="
         f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1"
+      )
+    if not 1 <= self.layer_unroll <= self.num_layers:
+      raise ValueError(
+        f"Qwen2Config.layer_unroll={self.layer_unroll}: expected 1 to num_layers={self.num_layers}"
       )
     for name in ("param_dtype", "compute_dtype"):
       if getattr(self, name) not in _DTYPES:

@@ -259,6 +259,7 @@ class Qwen2(nn.Module):
     self.layers = nn.scan(
       layer,
       length=c.num_layers,
+      unroll=c.layer_unroll,
       variable_axes={"params": 0},
       split_rngs={"params": True},
       in_axes=(0, nn.broadcast),
@@ -282,8 +283,27 @@ class Qwen2(nn.Module):
 
     Without a cache, ``segment_ids_BT`` (instead of ``mask_BTS``) makes attention
     causal within segments, by ``cfg.attention`` (``models.attention``)."""
+    x_BTD, kv = self.residual(tokens_BT, positions_BT, mask_BTS, kv, index, segment_ids_BT)
+    return self.final_norm_of(x_BTD), kv
+
+  def embed_tokens(self, tokens_BT: jax.Array) -> jax.Array:
+    return _c(self.embed.astype(self.cfg.dtype)[tokens_BT], ACT_BTD)
+
+  def final_norm_of(self, x_BTD: jax.Array) -> jax.Array:
+    return _c(rms_norm(x_BTD, self.final_norm, self.cfg.rms_norm_eps), ACT_BTD)
+
+  def residual(
+    self,
+    tokens_BT: jax.Array,
+    positions_BT: jax.Array,
+    mask_BTS: jax.Array | None,
+    kv: tuple[jax.Array, jax.Array] | None = None,
+    index: jax.Array | None = None,
+    segment_ids_BT: jax.Array | None = None,
+  ) -> tuple[jax.Array, tuple[jax.Array, jax.Array] | None]:
+    """``__call__`` without the final norm: the residual stream after the last layer."""
     c = self.cfg
-    x_BTD = _c(self.embed.astype(c.dtype)[tokens_BT], ACT_BTD)
+    x_BTD = self.embed_tokens(tokens_BT)
     # RoPE tables once for all layers: left to each layer, XLA fused the cos /
     # sin into the rotation and evaluated them once per head and element.
     ctx = {
@@ -293,7 +313,7 @@ class Qwen2(nn.Module):
       "segment_ids_BT": segment_ids_BT,
     }
     (x_BTD, kv), _ = self.layers((x_BTD, kv), jnp.arange(c.num_layers), ctx)
-    return _c(rms_norm(x_BTD, self.final_norm, c.rms_norm_eps), ACT_BTD), kv
+    return x_BTD, kv
 
   def unembed_matrix(self) -> jax.Array:
     """The [D, V] output projection (the embedding, transposed, when tied)."""

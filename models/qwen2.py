@@ -21,9 +21,10 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
+from models import attention as attention_lib
 from models import sharding
 from models.config import Qwen2Config
-from models.decoder import DecoderLayer, Qwen2
+from models.decoder import DecoderLayer, Qwen2, rope_tables
 from models.kv_cache import KVCache
 
 Params = dict[str, Any]
@@ -119,6 +120,58 @@ def hidden_states(
     Qwen2(cfg), params, tokens_BT, positions_BT, None, segment_ids_BT=segment_ids_BT
   )
   return h_BTD
+
+
+def hidden_states_at(
+  params: Params,
+  cfg: Qwen2Config,
+  tokens_BT: jax.Array,
+  positions_BT: jax.Array,
+  segment_ids_BT: jax.Array,
+  cols_BZ: jax.Array,
+) -> jax.Array:
+  """``hidden_states`` of rows with segment ids, at columns ``cols_BZ`` only: [B, Z, D].
+
+  With ``cfg.trim_last_layer`` the last layer's queries, output projection and MLP
+  run at those columns alone: its keys and values cover every column, and nothing
+  after it reads the other columns, so the result is the same up to float rounding.
+  """
+  take = lambda x: jnp.take_along_axis(  # noqa: E731
+    x, cols_BZ.reshape(cols_BZ.shape + (1,) * (x.ndim - 2)), axis=1
+  )
+  if not cfg.trim_last_layer:
+    return take(
+      hidden_states(params, cfg, tokens_BT, segment_ids_BT > 0, positions_BT, segment_ids_BT)
+    )
+  L = cfg.num_layers
+  if L > 1:  # the first L - 1 layers as a model of their own (their params sliced)
+    head_cfg = cfg.replace(num_layers=L - 1, layer_unroll=min(cfg.layer_unroll, L - 1))
+    head = {**params, "layers": jax.tree.map(lambda p: p[: L - 1], params["layers"])}
+    x_BTD, _ = _apply(
+      Qwen2(head_cfg), head, tokens_BT, positions_BT, None, None, None, segment_ids_BT,
+      method=Qwen2.residual,
+    )  # fmt: skip
+  else:
+    x_BTD = _apply(Qwen2(cfg), params, tokens_BT, method=Qwen2.embed_tokens)
+  last = jax.tree.map(lambda p: p[L - 1], params["layers"])
+  mod = DecoderLayer(cfg)
+  cos_BTh, sin_BTh = rope_tables(positions_BT, cfg.head_dim, cfg.rope_theta)
+  # Two calls: XLA drops the queries of the first and the keys / values of the second.
+  _, k_BTKH, v_BTKH = _apply(
+    mod, last, x_BTD, (cos_BTh, sin_BTh), method=DecoderLayer.attention_inputs
+  )
+  x_BZD = take(x_BTD)
+  q_BZNH, _, _ = _apply(
+    mod, last, x_BZD, (take(cos_BTh), take(sin_BTh)), method=DecoderLayer.attention_inputs
+  )
+  T = tokens_BT.shape[1]
+  # Causal within the segment, as models.attention.segment_mask's rows at cols_BZ.
+  mask_BZS = (cols_BZ[:, :, None] >= jnp.arange(T)) & (
+    take(segment_ids_BT)[:, :, None] == segment_ids_BT[:, None, :]
+  )
+  attn_BZNH = attention_lib.reference(q_BZNH, k_BTKH, v_BTKH, mask_BZS)
+  x_BZD = _apply(mod, last, x_BZD, attn_BZNH, method=DecoderLayer.attention_output)
+  return _apply(Qwen2(cfg), params, x_BZD, method=Qwen2.final_norm_of)
 
 
 def unembed_matrix(params: Params, cfg: Qwen2Config) -> jax.Array:

@@ -269,3 +269,26 @@ def test_evaluate_policy_scores_match_reference(tiny_run):
       np.testing.assert_allclose(ev["s"][q, g], np.mean(ref), rtol=1e-4, atol=1e-5)
   assert checked >= 8
   assert ev["accuracy"] == pytest.approx(ev["correct"].mean())
+
+
+def test_sft_loss_of_the_trimmed_last_layer_equals_the_full_one():
+  """``trim_last_layer`` with as many slots as the most loss tokens a row: the loss and its
+  gradient of the full forward (``qwen2.forward`` over every column)."""
+  tok = CharTokenizer()
+  cfg = warm_start.default_model_config(
+    tok, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1
+  )
+  assert cfg.trim_last_layer and cfg.layer_unroll == 2  # the demo model's defaults
+  params = qwen2.init_params(cfg, jax.random.key(3))
+  train, _ = task.make_splits(_MIXED)
+  tokens, mask, loss_mask = warm_start.encode_sft(tok, train[:6])
+  slots = int(loss_mask.sum(1).max())
+  assert slots < tokens.shape[1] - 1  # fewer slots than columns
+  full = cfg.replace(trim_last_layer=False, layer_unroll=1)
+  grad = jax.jit(jax.value_and_grad(warm_start.sft_loss), static_argnums=(1, 5))
+  want, g_want = grad(params, full, tokens, mask, loss_mask, 0)
+  got, g_got = grad(params, cfg, tokens, mask, loss_mask, slots)
+  np.testing.assert_allclose(float(got), float(want), rtol=1e-6)
+  for a, b in zip(jax.tree.leaves(g_want), jax.tree.leaves(g_got)):
+    a, b = np.asarray(a), np.asarray(b)
+    np.testing.assert_allclose(b, a, rtol=1e-4, atol=1e-6 * np.abs(a).max())

@@ -156,10 +156,9 @@ def packed_token_logprobs(
   ``topk_ids_BCJ``. Keys end in ``_YZ`` / ``_YZJ``; ``batch.unpack`` puts them back
   in [B, C].
   """
-  h_YTD = qwen2.hidden_states(
-    params, cfg, rows.tokens_YT, rows.segment_ids_YT > 0, rows.positions_YT, rows.segment_ids_YT
+  h_YZD = qwen2.hidden_states_at(
+    params, cfg, rows.tokens_YT, rows.positions_YT, rows.segment_ids_YT, rows.target_col_YZ
   )
-  h_YZD = jnp.take_along_axis(h_YTD, rows.target_col_YZ[..., None], axis=1)
   h_YZD = sharding.constrain(h_YZD, sharding.ACT_BTD)
   out = logprobs_from_hidden(
     params,
