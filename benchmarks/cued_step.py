@@ -1,7 +1,8 @@
 """The cued testbed's RL train updates (``configs/cued.py``), timed phase by phase on the CPU.
 
     python -m benchmarks.cued_step                          # 5 rounds, per-phase medians
-    python -m benchmarks.cued_step --baseline layer_unroll=1  # and A/B against a model variant
+    python -m benchmarks.cued_step --model layer_unroll=4,trim_last_layer=true \
+        --baseline layer_unroll=1,trim_last_layer=false     # and A/B against a model variant
     python -m benchmarks.cued_step --pack_len 34 --pack_rows 64   # another row layout
 
 The workload is one RL step of the testbed as the trainer runs it: the demo's model
@@ -149,6 +150,7 @@ def main(argv: list[str] | None = None) -> None:
   parser.add_argument("--rounds", type=int, default=5)
   parser.add_argument("--repeats", type=int, default=3, help="timed calls per phase and round")
   parser.add_argument("--threads", type=int, default=2)
+  parser.add_argument("--model", default="", help="model config fields of this side")
   parser.add_argument("--baseline", default="", help="model config fields of the B side")
   parser.add_argument("--pack_len", type=int, default=-1, help="train.pack_len (-1: config's)")
   parser.add_argument("--pack_rows", type=int, default=-1, help="train.pack_rows (-1: config's)")
@@ -195,6 +197,8 @@ def main(argv: list[str] | None = None) -> None:
     f"tokens computed {computed}, real {real} ({computed / real:.2f}x)"
   )
   cfg = warm_start.default_model_config(d["tokenizer"])
+  if args.model:
+    cfg = cfg.replace(**_overrides(args.model))
   sides = {"this": Workload(cfg, spec, batches, rows)}
   if args.baseline:
     base = cfg.replace(**_overrides(args.baseline))

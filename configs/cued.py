@@ -69,9 +69,7 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.checkpoint.every_steps = 50
   if common.wants_shrink(arg, __file__):
     c.demo.task.update(num_sft=200, sft_val=16, num_rl=200, num_heldout=16)
-    c.demo.model = ml_collections.ConfigDict(
-      dict(num_layers=1, hidden_size=32, intermediate_size=64)
-    )
+    c.demo.model.update(dict(num_layers=1, hidden_size=32, intermediate_size=64))
     c.demo.sft.update(
       max_steps=20,
       eval_every=10,

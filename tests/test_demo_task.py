@@ -276,9 +276,15 @@ def test_sft_loss_of_the_trimmed_last_layer_equals_the_full_one():
   gradient of the full forward (``qwen2.forward`` over every column)."""
   tok = CharTokenizer()
   cfg = warm_start.default_model_config(
-    tok, hidden_size=32, intermediate_size=64, num_layers=2, num_heads=2, num_kv_heads=1
+    tok,
+    hidden_size=32,
+    intermediate_size=64,
+    num_layers=2,
+    num_heads=2,
+    num_kv_heads=1,
+    layer_unroll=2,
+    trim_last_layer=True,
   )
-  assert cfg.trim_last_layer and cfg.layer_unroll == 2  # the demo model's defaults
   params = qwen2.init_params(cfg, jax.random.key(3))
   train, _ = task.make_splits(_MIXED)
   tokens, mask, loss_mask = warm_start.encode_sft(tok, train[:6])

@@ -90,9 +90,11 @@ class WarmStart(NamedTuple):
 def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Config:
   """The demo's model: 4 layers, hidden 128, 4 heads (2 kv), MLP 512, float32 (~0.8M params).
 
-  It runs its layers unrolled and its last layer at the unembedded columns only
-  (``Qwen2Config.layer_unroll``, ``trim_last_layer``): less CPU time a train step, the
-  same numbers up to float rounding; the two stay out of the warm start's cache key.
+  ``overrides`` (``config.demo.model``) may switch on the faster CPU forms,
+  ``layer_unroll=4, trim_last_layer=True`` (``Qwen2Config``; docs/training.md, "CPU
+  runs: small models"): about 1.3x less time an RL step, the same numbers up to float
+  rounding, which a training run amplifies. They stay off by default so that the demo
+  reproduces the recorded cued study's runs exactly.
   """
   kw: dict[str, Any] = dict(
     vocab_size=tokenizer.vocab_size,
@@ -106,8 +108,6 @@ def default_model_config(tokenizer: CharTokenizer, **overrides: Any) -> Qwen2Con
     max_position_embeddings=256,
   )
   kw.update(overrides)
-  kw.setdefault("layer_unroll", kw["num_layers"])
-  kw.setdefault("trim_last_layer", True)
   return Qwen2Config.tiny(**kw)
 
 
@@ -215,12 +215,17 @@ def make_sft_step(cfg: Qwen2Config, optimizer: optax.GradientTransformation, slo
 _RECIPE = 2
 
 
-# How the model runs, not what it computes: left out of the cache key.
-_EXECUTION_FIELDS = ("layer_unroll", "trim_last_layer")
+# How the model runs, not what it computes, but equal only up to float rounding: in the
+# cache key only when switched on, so the keys of warm starts trained without them stay.
+_EXECUTION_DEFAULTS = {"layer_unroll": 1, "trim_last_layer": False}
 
 
 def _settings(task_cfg: tasks.AnyTask, model_cfg: Qwen2Config, sft_cfg: SFTConfig) -> dict:
-  model = {k: v for k, v in dataclasses.asdict(model_cfg).items() if k not in _EXECUTION_FIELDS}
+  model = {
+    k: v
+    for k, v in dataclasses.asdict(model_cfg).items()
+    if k not in _EXECUTION_DEFAULTS or v != _EXECUTION_DEFAULTS[k]
+  }
   return {
     "recipe": _RECIPE,
     "task": dataclasses.asdict(task_cfg),
