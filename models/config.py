@@ -50,16 +50,13 @@ class Qwen2Config:
   model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
   attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
   attention_block: int = 128  # key / query block of the "flash" attention
-  # Layers per iteration of the layer scan (``nn.scan``'s unroll); num_layers: straight-line
-  # code. Unrolled, the backward keeps each layer's residuals as they are instead of writing
-  # them into stacked [L, ...] buffers (zero-filled, updated in place, copied out): for a
-  # few small layers that bookkeeping was a third of the CPU train step. Compile time grows
-  # with it; the numbers do not change (tests/test_model_unroll.py).
+  # Layers per iteration of the layer scan (``nn.scan``'s unroll). Unrolled, the backward
+  # keeps each layer's residuals instead of stacked [L, ...] buffers: for a few small layers
+  # that bookkeeping was a third of the CPU train step. Equal up to float rounding.
   layer_unroll: int = 1
-  # The log-prob paths that unembed a few columns of each row (``qwen2.hidden_states_at``)
-  # run the last layer's queries, output projection and MLP at those columns only (its keys
-  # and values at every column; nothing after it reads the others). Its attention is the
-  # reference one over [rows, columns, row length] scores: for short rows (the CPU demo).
+  # Where a few columns of each row are unembedded (``qwen2.hidden_states_at``), the last
+  # layer's queries, output projection and MLP run at those columns only (keys and values at
+  # all); reference attention, for short rows. Equal up to float rounding.
   trim_last_layer: bool = False
 
   def __post_init__(self) -> None:
