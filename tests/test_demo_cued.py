@@ -4,8 +4,6 @@ recorded study against the studies' index; the curves."""
 
 from __future__ import annotations
 
-import builtins
-import io
 import json
 import pathlib
 import re
@@ -16,6 +14,7 @@ import numpy as np
 import pytest
 
 from capo_jax.demo import cued_checks, report, tasks
+from tests.docs_guard import refuse_docs
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 
@@ -118,24 +117,8 @@ def test_recorded_cued_study_is_the_latest_indexed_report(tmp_path):
   )
 
 
-def _refuse_docs(monkeypatch: pytest.MonkeyPatch) -> None:
-  """Every open() of a file under docs/ raises from now on (``make demo`` reads none)."""
-  docs = (REPO / "docs").resolve()
-
-  def guarded(open_fn):
-    def refuse_docs(file, *args, **kwargs):
-      if isinstance(file, (str, pathlib.Path)) and docs in pathlib.Path(file).resolve().parents:
-        raise AssertionError(f"read {file} from docs/")
-      return open_fn(file, *args, **kwargs)
-
-    return refuse_docs
-
-  monkeypatch.setattr(builtins, "open", guarded(builtins.open))
-  monkeypatch.setattr(io, "open", guarded(io.open))
-
-
 def test_cued_report_reads_nothing_from_docs(monkeypatch):
-  _refuse_docs(monkeypatch)
+  refuse_docs(monkeypatch)
   recorded = report.recorded_cued()
   runs = {m: [_ev(0, 0.3, trap_accuracy=0.2, trap_gap=0.0)] * 2 for m in ("grpo", "capo")}
   text = report.cued_checks_text(report.cued_estimates(runs, recorded), recorded)
@@ -250,7 +233,7 @@ def test_shrunk_demo_prints_checks_equal_to_its_saved_samples(tmp_path, capsys, 
   c.demo.task.update(max_operand=2, num_sft=150, num_rl=64, num_heldout=32)
   c.demo.sft.max_steps, c.demo.eval_samples = 80, 8
   spec = demo_run.spec_of(c)
-  _refuse_docs(monkeypatch)  # the run and its report read nothing from docs/
+  refuse_docs(monkeypatch)  # the run and its report read nothing from docs/
   runs = demo_run.run(spec, str(tmp_path))
   monkeypatch.undo()
   out = capsys.readouterr().out

@@ -4,8 +4,6 @@ who may import whom among studies/, tools/ and benchmarks/."""
 from __future__ import annotations
 
 import ast
-import builtins
-import io
 import json
 import pathlib
 import tomllib
@@ -14,6 +12,7 @@ import pytest
 
 from capo_jax.demo import report as demo_report
 from capo_jax.demo import study
+from tests.docs_guard import refuse_docs
 
 REPO = pathlib.Path(__file__).resolve().parent.parent
 # Each box's report of the demo study v3, in the order the main command prints them.
@@ -54,18 +53,7 @@ def test_record_writes_the_packaged_file(tmp_path):
 
 
 def test_main_command_reads_nothing_from_docs(monkeypatch):
-  docs = (REPO / "docs").resolve()
-
-  def guarded(open_fn):
-    def refuse_docs(file, *args, **kwargs):
-      if isinstance(file, (str, pathlib.Path)) and docs in pathlib.Path(file).resolve().parents:
-        raise AssertionError(f"read {file} from docs/")
-      return open_fn(file, *args, **kwargs)
-
-    return refuse_docs
-
-  monkeypatch.setattr(builtins, "open", guarded(builtins.open))
-  monkeypatch.setattr(io, "open", guarded(io.open))
+  refuse_docs(monkeypatch)
   text = demo_report.recorded_study()
   assert text.count("capo - grpo at matched accuracy") == len(REPORTS)
 
