@@ -15,6 +15,7 @@ attention kernel standalone, to show TPU kernels compile here too.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import math
 import re
@@ -194,6 +195,54 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
   got = step_estimate.weighted_cost("decode", text, trips)
   assert got["flops"] == 7 * 5 * matmul + 30 * matmul  # 7 outer iterations, 30 inner in all
   assert got["blocks_per_step"] == 30 / 7
+
+
+@pytest.mark.parametrize("axes", [{"fsdp": 8}, {"fsdp": 4, "tensor": 2}])
+def test_unembedding_moves_once_per_call(axes):
+  """The chunked log-probs' gradient, compiled for TPU: the [D, V] unembedding is
+  gathered and its gradient reduced once per call (capo_jax/rl/chunked_unembed.py),
+  where the plain scan under XLA's partitioning did both once per chunk."""
+  from capo_jax.rl import logprobs as lp_lib  # pylint: disable=import-outside-toplevel
+  from capo_jax.run import hlo_ops, hlo_text  # pylint: disable=import-outside-toplevel
+  from models.config import Qwen2Config  # pylint: disable=import-outside-toplevel
+
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  mesh = mesh_lib.make_mesh(axes, devices=tpu_topology.topology_devices(acc))
+  layout = sharding.Layout.of(mesh, mesh_lib.TRAIN_RULES)
+  cfg = dataclasses.replace(Qwen2Config.tiny(), hidden_size=256, vocab_size=4096)
+  B, C, chunks = 16, 1024, 8
+  shapes = qwen2.param_shapes(cfg)
+  p_sh = mesh_lib.param_shardings(cfg, mesh, mesh_lib.TRAIN_RULES)
+  params = jax.tree.map(
+    lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh), shapes, p_sh
+  )
+  h = jax.ShapeDtypeStruct((B, C, cfg.hidden_size), "float32", sharding=layout.sharding(("batch",)))
+  rows = layout.sharding(("batch",))
+  tokens = jax.ShapeDtypeStruct((B, C), "int32", sharding=rows)
+
+  def loss(p, h_, t):
+    with sharding.activations(layout):
+      targets = lp_lib.Targets(h_, t, jnp.ones_like(t))
+      out = lp_lib.logprobs_from_hidden(
+        p, cfg, targets, chunk_size=C // chunks, top_k=0, temperature=1.0
+      )
+    return out["logp_BC"].sum()
+
+  text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(params, h, tokens).compile().as_text()
+  comps, entry = hlo_text.parse(text)
+  walk = hlo_cost._walk(comps, entry, True, enter_unbounded=True)
+  D, V = cfg.hidden_size, cfg.vocab_size
+  dims = [f"{a},{b}]" for v in (V, V // 2) for a, b in ((D, v), (v, D))]
+  moves = sum(
+    w
+    for name, w in walk.weight.items()
+    for ins in comps[name]
+    if ins.op.startswith(hlo_ops.COLLECTIVES) and any(d in ins.shape for d in dims)
+  )
+  # One gather in, one reduction of the gradient out (the forward's gather may be
+  # repeated for the rematerialised backward): per chunk it would be >= 2 x chunks.
+  assert 1 <= moves <= 3, moves
 
 
 def test_splash_attention_kernel_compiles_for_tpu():

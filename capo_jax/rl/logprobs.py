@@ -31,6 +31,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
+from capo_jax.rl import chunked_unembed
 from capo_jax.types import Array
 from models import qwen2, sharding
 from models.config import Qwen2Config
@@ -222,9 +223,22 @@ def logprobs_from_hidden(
       return jnp.moveaxis(x, 1, 0)
 
     xs = (split(h_BCD), split(tokens_BC), None if topk_ids_BCJ is None else split(topk_ids_BCJ))
-    # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
-    body = jax.checkpoint(lambda w, x: stats(x[0], cast(w), x[1], x[2]))
-    _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)
+    layout = sharding.active_layout()
+    if layout is not None and layout.mesh.size > 1:
+      # On a mesh the loop runs per device (chunked_unembed): the weight gathered once
+      # a call, not once a chunk, and its gradient summed over the devices once.
+      def local(w: Array, x: Any, vocab: tuple[str, ...]) -> dict[str, Array]:
+        logits = jnp.einsum(
+          "bcd,dv->bcv", x[0], w.astype(cfg.dtype), preferred_element_type=jnp.float32
+        )
+        logits = logits / temperature if temperature != 1.0 else logits
+        return chunked_unembed.split_vocab_stats(logits, x[1], x[2], top_k, vocab)
+
+      out = chunked_unembed.scan_on_mesh(layout, w_DV, xs, jax.checkpoint(local, static_argnums=2))
+    else:
+      # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
+      body = jax.checkpoint(lambda w, x: stats(x[0], cast(w), x[1], x[2]))
+      _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)
     out = jax.tree.map(
       lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size) + y.shape[3:])[:, :C], out
     )
