@@ -10,13 +10,11 @@ path's per-chunk collectives itself (``tests/test_aot_tpu.py``,
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import fake_devices
+
 TOL = 2e-5
 
 
@@ -88,20 +86,7 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
-    XLA_FLAGS="--xla_force_host_platform_device_count=8",
-  )
-  res = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  res = fake_devices.run_child(__file__)
   lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
   assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
   return json.loads(lines[0][len("RESULTS ") :])

@@ -10,13 +10,11 @@ the largest differences; the test holds them to 1e-6.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 
 import pytest
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+import fake_devices
+
 TOL = 1e-6
 
 
@@ -102,20 +100,7 @@ def _child() -> None:
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: eight small compiles; .ci/run runs it
 def test_sharded_pass_and_step_equal_one_device():
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
-    XLA_FLAGS=("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
-  )
-  res = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=900,
-  )
+  res = fake_devices.run_child(__file__, fast_compile=True, timeout=900)
   lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
   assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
   results = json.loads(lines[0][len("RESULTS ") :])

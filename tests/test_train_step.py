@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import dataclasses
 import math
-import os
-import subprocess
-import sys
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import fake_devices
 from batches import HostBatch, padded_pass, ref_completion_logp, run_pass
 from capo_jax.rl import losses
 from capo_jax.rl import train_state as state_lib
@@ -25,7 +23,6 @@ from capo_jax.runtime import mesh as mesh_lib
 from models import qwen2
 from models.config import Qwen2Config
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 CFG = Qwen2Config.tiny(vocab_size=128)
 B, P, C = 8, 4, 6
 AGGS = ("seq-mean-token-mean", "token-mean", "seq-mean-token-sum-norm")
@@ -337,21 +334,7 @@ def _sharded_check() -> None:
 
 @pytest.mark.slow  # 15-27 s on 2 cores; .ci/run runs it
 def test_eight_devices_match_one_device():
-  # LLVM -O0 halves the compile time of this tiny model; XLA's own passes still run.
-  env = dict(
-    os.environ,
-    JAX_PLATFORMS="cpu",
-    PYTHONPATH=REPO,
-    XLA_FLAGS=("--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"),
-  )
-  res = subprocess.run(
-    [sys.executable, os.path.abspath(__file__)],
-    env=env,
-    cwd=REPO,
-    capture_output=True,
-    text=True,
-    timeout=600,
-  )
+  res = fake_devices.run_child(__file__, fast_compile=True)
   assert res.returncode == 0 and "OK" in res.stdout, res.stdout[-2000:] + res.stderr[-3000:]
 
 

@@ -1,0 +1,39 @@
+"""Run a test file's ``__main__`` in a child process with N fake CPU devices.
+
+JAX fixes its device count when it starts, so a test that needs a mesh runs its body
+in a fresh interpreter (``XLA_FLAGS=--xla_force_host_platform_device_count=N``) and
+checks what the child prints.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def run_child(
+  test_file: str, devices: int = 8, fast_compile: bool = False, timeout: int = 600
+) -> subprocess.CompletedProcess[str]:
+  """``python test_file`` on ``devices`` CPU devices, the repo and tests/ importable.
+  ``fast_compile``: LLVM at -O0, which halves a tiny model's compile time (XLA's own
+  passes still run)."""
+  flags = f"--xla_force_host_platform_device_count={devices}"
+  if fast_compile:
+    flags += " --xla_backend_optimization_level=0"
+  env = dict(
+    os.environ,
+    JAX_PLATFORMS="cpu",
+    PYTHONPATH=os.pathsep.join([REPO, os.path.join(REPO, "tests")]),
+    XLA_FLAGS=flags,
+  )
+  return subprocess.run(
+    [sys.executable, os.path.abspath(test_file)],
+    env=env,
+    cwd=REPO,
+    capture_output=True,
+    text=True,
+    timeout=timeout,
+  )
