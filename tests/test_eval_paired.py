@@ -325,3 +325,33 @@ def test_paired_delta_auc_gives_a_t_interval_over_seeds_below_ten():
   assert got["t_lo"] == pytest.approx(np.mean(seed_means) - half)
   assert got["t_hi"] == pytest.approx(np.mean(seed_means) + half)
   assert "t_lo" not in paired.paired_delta_auc(rng.random((10, 5)), rng.random((10, 5)), n_boot=50)
+
+
+def test_t_pvalue_is_scipys_one_sample_test_and_inverts_the_interval():
+  from scipy import stats  # pylint: disable=import-outside-toplevel
+
+  rng = np.random.default_rng(0)
+  for _ in range(200):
+    m = rng.normal(0.01, 0.02, size=rng.integers(2, 8))
+    p = paired.t_pvalue(m)
+    assert p == pytest.approx(stats.ttest_1samp(m, 0.0).pvalue, rel=1e-9)
+    iv = paired.t_interval(m)
+    assert (p < 0.05) == (iv["t_lo"] > 0 or iv["t_hi"] < 0)
+  assert np.isnan(paired.t_pvalue([0.1, np.nan]))
+
+
+def test_holm_by_hand_and_by_its_definition():
+  # alpha 0.05, m 4: 0.005 < 0.0125 holds, 0.01 < 0.0167 holds, 0.03 >= 0.025 stops.
+  got = paired.holm({"a": 0.01, "b": 0.04, "c": 0.03, "d": 0.005})
+  assert got == {"a": True, "b": False, "c": False, "d": True}
+  assert paired.holm({"x": float("nan"), "y": 0.001}) == {"x": False, "y": True}
+  rng = np.random.default_rng(1)
+  for _ in range(300):
+    p = {str(i): float(v) for i, v in enumerate(rng.uniform(0, 0.06, size=rng.integers(1, 9)))}
+    ranked = sorted(p, key=p.get)
+    m = len(ranked)
+    # Definition: the i-th smallest holds iff every j <= i has p_(j) < alpha / (m - j).
+    want = {
+      n: all(p[ranked[j]] < 0.05 / (m - j) for j in range(i + 1)) for i, n in enumerate(ranked)
+    }
+    assert paired.holm(p) == want

@@ -13,7 +13,9 @@ compared with itself), the interval shows the second.
   bootstrap over them has too few distinct draws to be trusted, so a
   t-interval over the seeds' means (``t_interval``) stands beside it.
 - ``t_interval``: the Student-t interval of a mean over a few clusters
-  (df = clusters - 1, sample sd with ddof = 1).
+  (df = clusters - 1, sample sd with ddof = 1); ``t_pvalue`` its two-sided p-value
+  against 0, and ``holm`` which of several such tests hold together (Holm's step-down,
+  family-wise error at most alpha).
 - ``match_questions`` / ``delta_interval``: the evaluator's form, one run
   against another on a benchmark: questions matched by id, the mean difference
   over the pairs mixed in both, and a bootstrap over questions; pooled over
@@ -78,6 +80,33 @@ def t_interval(means: Any, level: float = LEVEL) -> dict[str, float]:
   return dict(
     t_mean=float(m.mean()), t_lo=float(m.mean() - half), t_hi=float(m.mean() + half), clusters=n
   )
+
+
+def t_pvalue(means: Any) -> float:
+  """Two-sided p-value of the mean of cluster means against 0 (the test ``t_interval``
+  inverts: p < 1 - level exactly when its interval excludes 0); NaN under 2 means."""
+  from scipy import stats  # pylint: disable=import-outside-toplevel  (a jax dependency)
+
+  m = np.asarray(means, np.float64).ravel()
+  m = m[np.isfinite(m)]
+  if m.size < 2:
+    return float("nan")
+  t = m.mean() / (m.std(ddof=1) / np.sqrt(m.size))
+  return float(2 * stats.t.sf(abs(t), m.size - 1))
+
+
+def holm(pvalues: Mapping[str, float], alpha: float = 1 - LEVEL) -> dict[str, bool]:
+  """Holm's step-down over a family of tests: the k-th smallest p-value of m holds
+  while it and every smaller one are below alpha / (m - k + 1). The family-wise error
+  (any true null rejected) stays at most alpha, whatever the tests' dependence.
+  A NaN p-value counts in m and never holds."""
+  order = sorted(pvalues, key=lambda k: (np.isnan(pvalues[k]), pvalues[k]))
+  out = dict.fromkeys(pvalues, False)
+  for k, name in enumerate(order):
+    if not pvalues[name] < alpha / (len(order) - k):
+      break
+    out[name] = True
+  return out
 
 
 def beside_bootstrap(cluster_means: Any, level: float = LEVEL) -> dict[str, float]:

@@ -33,7 +33,7 @@ from capo_jax.demo.cued_checks import (  # noqa: F401  the study's names, re-exp
   verdict,
 )
 from capo_jax.demo.report import STUDY_CUED
-from capo_jax.eval import traps
+from capo_jax.eval import paired, traps
 from studies.records import REPO, fmt, header, mean_sd, write_report
 
 TABLE_KEYS = (*traps.SUMMARY_KEYS, *traps.TRAP_KEYS)
@@ -90,6 +90,20 @@ def analyse(root: pathlib.Path, design: dict[str, Any]) -> dict[str, Any]:
   }
 
 
+def family(res: dict[str, Any], design: dict[str, Any]) -> dict[str, dict[str, Any]]:
+  """Every arm's gaps but the primary's (its P1 / P2 were pre-registered alone): each
+  one's t p-value over warm starts and whether it holds under Holm at 5% across them."""
+  label = {"p1": "AUC-mean", "p2": "pooled trap AUC", "trap_gap": "trap gap"}
+  p = {
+    f"{a} {label.get(k, k)}": paired.t_pvalue([w["estimate"] for w in c["per_warm_start"]])
+    for a, comps in res["compare"].items()
+    if a != design["primary"]
+    for k, c in comps.items()
+  }
+  held = paired.holm(p)
+  return {name: {"p": p[name], "holds": held[name]} for name in p}
+
+
 def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
   m = res["premise"]
   p = design["premise"]
@@ -126,6 +140,20 @@ def tables(res: dict[str, Any], design: dict[str, Any]) -> str:
     ]
     if not m["holds"]:
       out.append("\nM does not hold: P1 and P2 are not read (the pre-registered rule).")
+  fam = res.get("family", {})
+  if fam:
+    held = [n for n, f in fam.items() if f["holds"]]
+    out += [
+      f"\n## The other arms' {len(fam)} gaps as one family (Holm, 5% family-wise)\n",
+      "Each gap's 95% interval below is a test of its own; read together, about one in "
+      "20 would exclude 0 by chance. Those that hold under Holm's step-down: "
+      + (
+        ", ".join(f"{n} (p {fam[n]['p']:.4f})" for n in sorted(held, key=lambda n: fam[n]["p"]))
+        if held
+        else "none"
+      )
+      + ".",
+    ]
   out += [
     "\n## Every arm: the final step (mean ± sd over runs) and the gaps to GRPO at matched "
     "accuracy (t over warm starts)\n",
@@ -166,6 +194,7 @@ def report(root: str, out: str) -> str:
   # The design the runs were made with (run_all writes it), not this file's.
   design = json.loads((root_p / "design.json").read_text(encoding="utf-8"))
   res = analyse(root_p, design)
+  res["family"] = family(res, design)
   dirs = sorted(p.parent for p in root_p.glob("ws*/*_seed*/evals.json"))
   text = header("Cued study", dirs) + "\n\n" + tables(res, design)
   write_report(out, "cued_study", text, {"design": design, **res})
