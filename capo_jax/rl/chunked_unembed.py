@@ -3,9 +3,9 @@
 ``logprobs.logprobs_from_hidden`` unembeds the hidden states a chunk of positions at a
 time in a ``lax.scan``. Under XLA's automatic partitioning, a chunk's logits need the
 [D, V] unembedding whole over the row axes (data x fsdp), and its gradient back in
-the weight's fsdp split, so the compiled loop gathers the weight and all-reduces its
-gradient once per chunk: on a 1.5B model's train program (fsdp 16, 8 chunks a
-micro-batch) 17.5 of the 27.8 GB a chip sends per micro-batch.
+the weight's fsdp split, so the loop the TPU compiler makes gathers the weight and
+all-reduces its gradient once per chunk: most of what a chip sends per micro-batch of
+the train program (docs/packing.md has the figures).
 
 Here the loop runs inside a ``shard_map`` over the mesh: the weight enters it whole
 over the row axes (one gather a call, in its stored dtype), each chip unembeds its own
