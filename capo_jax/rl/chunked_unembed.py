@@ -33,9 +33,10 @@ Axes = tuple[str, ...]
 def split_vocab_stats(
   logits_BCv: Array, tokens_BC: Array, ids_BCJ: Array | None, top_k: int, vocab: Axes
 ) -> dict[str, Array]:
-  """``logprobs._chunk_stats`` of float32 logits whose vocabulary is split over the mesh
-  axes ``vocab`` (this device holds the ``v`` columns at ``axis_index(vocab) * v``);
-  ``vocab`` empty: the whole vocabulary. Call inside a ``shard_map``."""
+  """Log-prob, entropy and (given ``ids_BCJ`` or ``top_k`` > 0) top-k log-probs, ids
+  and argmax flags of float32 logits whose vocabulary is split over the mesh axes
+  ``vocab`` (this device holds the ``v`` columns at ``axis_index(vocab) * v``; inside a
+  ``shard_map``); ``vocab`` empty: the whole vocabulary, on any device."""
   reduce = lambda f, x: f(x, vocab) if vocab else x  # noqa: E731
   v = logits_BCv.shape[-1]
   offset = jax.lax.axis_index(vocab) * v if vocab else 0

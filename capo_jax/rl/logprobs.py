@@ -66,27 +66,23 @@ def _check(
 
 
 def _chunk_stats(
-  h_BCD: Array, w_DV: Array, tokens_BC: Array, ids_BCJ: Array | None, top_k: int, temperature: float
+  h_BCD: Array,
+  w_DV: Array,
+  x: tuple[Array, Array | None],
+  top_k: int,
+  temperature: float,
+  vocab: tuple[str, ...] | None = None,
 ) -> dict[str, Array]:
-  """Log-prob, entropy and top-k of one chunk; logits live only inside."""
-  logits = sharding.constrain(
-    jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32), sharding.ACT_BTV
-  )
+  """Log-prob, entropy and top-k of one chunk (``x``: its tokens and the ids to score);
+  logits live only inside. ``vocab`` None: traced off any ``shard_map`` (the logits
+  constrained to the activation layout); else inside ``chunked_unembed``'s, the mesh
+  axes that split this device's vocabulary columns."""
+  logits = jnp.einsum("bcd,dv->bcv", h_BCD, w_DV, preferred_element_type=jnp.float32)
+  if vocab is None:
+    logits = sharding.constrain(logits, sharding.ACT_BTV)
   if temperature != 1.0:
     logits = logits / temperature
-  lse_BC = jax.nn.logsumexp(logits, axis=-1)
-  logp_BC = jnp.take_along_axis(logits, tokens_BC[..., None], axis=-1)[..., 0] - lse_BC
-  sg = jax.lax.stop_gradient(logits)
-  probs = jnp.exp(sg - jax.lax.stop_gradient(lse_BC)[..., None])
-  out = {"logp": logp_BC, "entropy": jax.lax.stop_gradient(lse_BC) - jnp.sum(probs * sg, axis=-1)}
-  if ids_BCJ is None and top_k > 0:
-    _, ids_BCJ = jax.lax.top_k(sg, top_k)
-  if ids_BCJ is not None:
-    ids_BCJ = ids_BCJ.astype(jnp.int32)
-    out["topk_logp"] = jnp.take_along_axis(logits, ids_BCJ, axis=-1) - lse_BC[..., None]
-    out["topk_ids"] = ids_BCJ
-    out["is_argmax"] = jnp.argmax(sg, axis=-1) == tokens_BC
-  return out
+  return chunked_unembed.split_vocab_stats(logits, x[0], x[1], top_k, vocab or ())
 
 
 def token_logprobs(
@@ -212,7 +208,7 @@ def logprobs_from_hidden(
   cast = lambda w: sharding.constrain(w.astype(cfg.dtype), (None, "act_vocab"))  # noqa: E731
 
   if chunk_size == 0 or chunk_size >= C:
-    out = stats(h_BCD, cast(w_DV), tokens_BC, topk_ids_BCJ)
+    out = stats(h_BCD, cast(w_DV), (tokens_BC, topk_ids_BCJ))
   else:
     n = -(-C // chunk_size)
     pad = n * chunk_size - C
@@ -224,20 +220,16 @@ def logprobs_from_hidden(
 
     xs = (split(h_BCD), split(tokens_BC), None if topk_ids_BCJ is None else split(topk_ids_BCJ))
     layout = sharding.active_layout()
+    # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
     if layout is not None and layout.mesh.size > 1:
       # On a mesh the loop runs per device (chunked_unembed): the weight gathered once
       # a call, not once a chunk, and its gradient summed over the devices once.
       def local(w: Array, x: Any, vocab: tuple[str, ...]) -> dict[str, Array]:
-        logits = jnp.einsum(
-          "bcd,dv->bcv", x[0], w.astype(cfg.dtype), preferred_element_type=jnp.float32
-        )
-        logits = logits / temperature if temperature != 1.0 else logits
-        return chunked_unembed.split_vocab_stats(logits, x[1], x[2], top_k, vocab)
+        return stats(x[0], w.astype(cfg.dtype), x[1:], vocab=vocab)
 
       out = chunked_unembed.scan_on_mesh(layout, w_DV, xs, jax.checkpoint(local, static_argnums=2))
     else:
-      # Remat: the backward recomputes each chunk's [B, chunk, V] logits from h.
-      body = jax.checkpoint(lambda w, x: stats(x[0], cast(w), x[1], x[2]))
+      body = jax.checkpoint(lambda w, x: stats(x[0], cast(w), x[1:]))
       _, out = jax.lax.scan(lambda carry, x: (carry, body(w_DV, x)), None, xs)
     out = jax.tree.map(
       lambda y: jnp.moveaxis(y, 0, 1).reshape((B, n * chunk_size) + y.shape[3:])[:, :C], out
