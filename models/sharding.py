@@ -160,6 +160,12 @@ class Layout:
   ) -> NamedSharding:
     return NamedSharding(self.mesh, self.spec(axes, shape, name))
 
+  def shards(self, name: str) -> int:
+    """Devices the logical axis ``name`` is split over (1 when no rule maps it)."""
+    axes = self.spec((name,))[0]
+    axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
+    return math.prod(self.mesh.shape[a] for a in axes)
+
   def constrain(self, x: jax.Array, axes: Sequence[str | None]) -> jax.Array:
     """``x`` constrained to its logical ``axes`` (inside jit)."""
     return jax.lax.with_sharding_constraint(x, self.sharding(axes, x.shape))

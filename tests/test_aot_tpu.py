@@ -305,3 +305,44 @@ def test_activations_stay_split_by_rows():
     logits = [s for dt, s in arrays if dt == "f32" and s[-1] in (V, V // 2)]
     assert any(s[-1] == V // 2 for s in logits), (name, logits)  # the vocab split over tensor
     assert max(math.prod(s) // s[-1] for s in logits) <= rows // shards * Z, (name, logits)
+
+
+def test_a_group_past_the_kv_heads_splits_the_attention_rows():
+  """A sampling group of 8 chips for 2 kv heads (tensor 2 x tensor_q 4), compiled for TPU:
+  each chip attends for its own slots (the cache's rows over tensor_q), so no collective
+  of the decode loop carries the KV cache's columns. With each kv head kept whole on the
+  tensor_q chips that shared it, XLA gathered every layer's cache across them each step."""
+  from capo_jax.run import hlo_ops, hlo_text  # pylint: disable=import-outside-toplevel
+
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.model.preset_overrides.num_heads = 8  # 2 kv heads (the tiny preset's) x 4
+  c.model.preset_overrides.hidden_size = 128
+  c.mesh.sampling_tensor = 8
+  c.rollout.max_new_tokens = 1024  # cache columns no other array of the loop has
+  spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+  mesh = tpu_topology.topology_mesh(spec, acc)
+  plan = aot_programs.sampler_plan(spec, spec.model_config(), mesh)
+  assert dict(plan.layout.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 2, "tensor_q": 4}
+  progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("decode",))}
+  text = progs["decode"].compiled.as_text()
+  comps, entry = hlo_text.parse(text)
+  walk = hlo_cost._walk(comps, entry, True, enter_unbounded=True)
+  arrays = lambda shape: [  # noqa: E731
+    [int(d) for d in a.split(",") if d] for a in re.findall(r"\w+\[([\d,]*)\]", shape)
+  ]
+  loop_collectives = [
+    ins.shape
+    for name, w in walk.in_loop.items()
+    if w and name not in walk.fused
+    for ins in comps[name]
+    if ins.op.startswith(hlo_ops.COLLECTIVES)
+  ]
+  assert loop_collectives  # the group's partial sums
+  # Keys / values are [slots, columns, kv heads x head dim] (a refill's one-row mask
+  # [1, columns] is no cache).
+  caches = [
+    s for s in loop_collectives if any(len(a) >= 3 and max(a) >= plan.gen_len for a in arrays(s))
+  ]
+  assert not caches, caches

@@ -218,6 +218,49 @@ def test_collectives_are_timed_by_the_bytes_each_chip_sends():
   assert cost["op_honest_s"] == sum(max(hbm[k], sent[k] / RATES.ici) for k in sent)
 
 
+# A reduce-scatter as the TPU compiler fuses it: an all-reduce over groups of 4 inside a
+# kCustom fusion whose root slices out this device's quarter.
+_FUSED_REDUCE_SCATTER = """HloModule m, num_partitions=8
+
+%add (x: bf16[], y: bf16[]) -> bf16[] {
+  %x = bf16[] parameter(0)
+  %y = bf16[] parameter(1)
+  ROOT %s = bf16[] add(%x, %y)
+}
+
+%all-reduce-scatter.clone (input.1: bf16[128,256]) -> bf16[32,256] {
+  %input.1 = bf16[128,256]{1,0:T(8,128)(2,1)S(3)} parameter(0)
+  %all-reduce.1 = bf16[128,256]{1,0:T(8,128)(2,1)} all-reduce(%input.1), channel_id=1, replica_groups={{0,1,2,3},{4,5,6,7}}, use_global_device_ids=true, to_apply=%add
+  %partition-id.1 = u32[] partition-id()
+  %c32 = u32[] constant(32)
+  %off = u32[] multiply(%partition-id.1, %c32)
+  %c0 = u32[] constant(0)
+  ROOT %dynamic-slice.1 = bf16[32,256]{1,0:T(8,128)(2,1)S(3)} dynamic-slice(%all-reduce.1, %off, %c0), dynamic_slice_sizes={32,256}
+}
+
+%fused_neg (p.1: bf16[32,256]) -> bf16[32,256] {
+  %p.1 = bf16[32,256]{1,0:T(8,128)(2,1)} parameter(0)
+  ROOT %n.1 = bf16[32,256]{1,0:T(8,128)(2,1)} negate(%p.1)
+}
+
+ENTRY %main (g: bf16[128,256]) -> bf16[32,256] {
+  %g = bf16[128,256]{1,0:T(8,128)(2,1)} parameter(0)
+  %rs = bf16[32,256]{1,0:T(8,128)(2,1)S(3)} fusion(%g), kind=kCustom, calls=%all-reduce-scatter.clone
+  ROOT %f = bf16[32,256]{1,0:T(8,128)(2,1)} fusion(%rs), kind=kLoop, calls=%fused_neg
+}
+"""  # noqa: E501  (HLO lines as the compiler prints them)
+
+
+def test_a_fused_reduce_scatter_is_a_collective():
+  """Counted as the reduce-scatter it runs: 3 / 4 of its input sent (not an all-reduce's
+  2 x 3 / 4), its shard the result; the fusion beside it sends nothing."""
+  cost = hlo_cost.hlo_cost(_FUSED_REDUCE_SCATTER, rates=RATES)
+  grad, shard = 128 * 256 * 2, 32 * 256 * 2
+  assert cost["ici_bytes"] == grad * 3 / 4
+  assert cost["collective_bytes"] == shard
+  assert hlo_cost.times(cost, RATES)["ici_s"] == grad * 3 / 4 / RATES.ici
+
+
 # The engine's refill, as the TPU compiler fuses it: a slot's old block is read (kept
 # where the row is not copied, by a select), and the result written back in place.
 _SELECT_IN_PLACE = """HloModule m

@@ -16,7 +16,7 @@ from jax.sharding import AbstractMesh
 from jax.sharding import PartitionSpec as P
 
 from capo_jax.runtime import mesh as mesh_lib
-from models import qwen2
+from models import qwen2, sharding
 from models.config import Qwen2Config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -76,11 +76,11 @@ def test_sampling_rule_table_splits_each_weight_over_the_tensor_group():
     "lm_head": P(None, GROUP),  # [D, V]
     "final_norm": P(None),
     "layers": {
-      "q_kernel": P(None, None, GROUP, None),  # [L, D, N, H]: 2 query heads a chip
+      "q_kernel": P(None, None, "tensor", None),  # [L, D, N, H]: a kv head's 4 query heads
       "k_kernel": P(None, None, "tensor", None),  # [L, D, K, H]: one kv head a chip pair
       "v_kernel": P(None, None, "tensor", None),
-      "o_kernel": P(None, GROUP, None, None),  # [L, N, H, D]
-      "q_bias": P(None, GROUP, None),
+      "o_kernel": P(None, "tensor", None, None),  # [L, N, H, D]
+      "q_bias": P(None, "tensor", None),
       "k_bias": P(None, "tensor", None),
       "v_bias": P(None, "tensor", None),
       "gate_kernel": P(None, None, GROUP),  # [L, D, F]
@@ -91,15 +91,24 @@ def test_sampling_rule_table_splits_each_weight_over_the_tensor_group():
     },
   }
   assert specs == want
-  # Per chip: 1 / 4 of every weight but the kv projections (1 / 2) and the norms.
+  # Per chip: 1 / 4 of the MLP and vocabulary, 1 / 2 of the attention's (whole kv heads
+  # with their query heads: tensor_q splits the attention's rows instead), norms whole.
   shapes = qwen2.param_shapes(cfg)
   mesh = {"data": 2, "fsdp": 1, "tensor": 2, "tensor_q": 2}
   split = lambda s: math.prod(  # noqa: E731
     mesh[a] for d in s if d is not None for a in ((d,) if isinstance(d, str) else d)
   )
   per_chip = jax.tree.map(lambda x, s: x.size // split(s), shapes, specs)
-  assert per_chip["layers"]["q_kernel"] == shapes["layers"]["q_kernel"].size // 4
+  assert per_chip["layers"]["gate_kernel"] == shapes["layers"]["gate_kernel"].size // 4
+  assert per_chip["layers"]["q_kernel"] == shapes["layers"]["q_kernel"].size // 2
   assert per_chip["layers"]["k_kernel"] == shapes["layers"]["k_kernel"].size // 2
+  # The KV cache and the attention's activations: rows over data x tensor_q, kv heads
+  # over tensor; the other activations' rows over data only (whole in the group).
+  rules = mesh_lib.SAMPLING_RULES
+  cache = sharding.logical_to_spec(("attn_batch", "kv_heads"), rules, (8, 2), SAMPLING_2122)
+  assert cache == P(("data", "fsdp", "tensor_q"), "tensor"), cache
+  rows = sharding.logical_to_spec(("batch", "act_embed"), rules, (8, 64), SAMPLING_2122)
+  assert rows == P(("data", "fsdp"), None), rows
 
 
 def test_sampling_rules_need_a_sampling_mesh():
@@ -112,10 +121,13 @@ def test_sampling_rules_need_a_sampling_mesh():
   [
     ((12, 2), 1, (1, 1)),
     ((12, 2), 2, (2, 1)),  # Qwen2.5-1.5B: a kv head a chip
-    ((12, 2), 4, (2, 2)),  # ... then 3 of its 6 query heads a chip
-    ((12, 2), 12, (2, 6)),
+    ((12, 2), 4, (2, 2)),  # ... then the attention's rows over 2
+    ((12, 2), 8, (2, 4)),  # 12 query heads need not split over 8
+    ((12, 2), 3, (1, 3)),  # kv heads whole, the attention's rows over 3
     ((28, 4), 4, (4, 1)),  # Qwen2.5-7B
     ((28, 4), 2, (2, 1)),  # two kv heads a chip
+    ((28, 4), 8, (4, 2)),
+    ((28, 4), 6, (2, 3)),
   ],
 )
 def test_tensor_split(heads, tensor, want):
@@ -123,22 +135,21 @@ def test_tensor_split(heads, tensor, want):
   assert mesh_lib.tensor_split(cfg, tensor) == want
 
 
-@pytest.mark.parametrize("heads, tensor", [((12, 2), 8), ((12, 2), 3), ((28, 4), 8), ((28, 4), 6)])
-def test_tensor_split_refuses_groups_the_heads_do_not_fill(heads, tensor):
-  cfg = Qwen2Config.tiny(num_heads=heads[0], num_kv_heads=heads[1], hidden_size=8 * heads[0])
+@pytest.mark.parametrize("tensor", [0, -2])
+def test_tensor_split_refuses_no_chips(tensor):
   with pytest.raises(ValueError, match=f"group of {tensor} chips"):
-    mesh_lib.tensor_split(cfg, tensor)
+    mesh_lib.tensor_split(Qwen2Config.tiny(), tensor)
 
 
-def test_auto_sampling_tensor_takes_a_hosts_chips_that_split_the_kv_heads():
+def test_auto_sampling_tensor_takes_a_hosts_chips():
   host = lambda i: types.SimpleNamespace(process_index=i)  # noqa: E731
   v4_32 = [host(i // 4) for i in range(16)]  # 4 hosts of 4 chips
-  cfg = lambda K: Qwen2Config.tiny(num_heads=4 * K, num_kv_heads=K, hidden_size=32 * K)  # noqa: E731
-  assert mesh_lib.auto_sampling_tensor(cfg(2), v4_32) == 2
-  assert mesh_lib.auto_sampling_tensor(cfg(4), v4_32) == 4
-  assert mesh_lib.auto_sampling_tensor(cfg(8), v4_32) == 4  # never past one host
-  assert mesh_lib.auto_sampling_tensor(cfg(3), v4_32) == 1
-  assert mesh_lib.auto_sampling_tensor(cfg(4), [host(i) for i in range(8)]) == 1
+  assert mesh_lib.auto_sampling_tensor(v4_32) == 4
+  assert mesh_lib.auto_sampling_tensor([host(i // 8) for i in range(64)]) == 8
+  assert mesh_lib.auto_sampling_tensor([host(i) for i in range(8)]) == 1  # a chip a host
+  assert mesh_lib.auto_sampling_tensor([host(0)] * 6 + [host(1)] * 6) == 6
+  # The host's chips must also divide all devices: 6 of 9 do not; 3 do.
+  assert mesh_lib.auto_sampling_tensor([host(0)] * 6 + [host(1)] * 3) == 3
 
 
 def test_strided_groups_keep_a_group_on_one_host():

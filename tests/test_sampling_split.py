@@ -2,7 +2,8 @@
 
 On 8 fake CPU devices, ``capo_jax.runtime.mesh.sampling_mesh`` lays the devices out
 as rows (data) x a tensor group; ``SAMPLING_RULES`` put 1 / group of each weight on
-each chip of the group (kv projections and the KV cache split over the kv heads only).
+each chip of the group's MLP and vocabulary, and of the attention's weights 1 / the kv
+heads (the KV cache's rows split over the rest of the group, its kv heads over them).
 The child process samples the same prompts on one device and on each split, with
 continuous batching (refills and tail phases) at float32, and checks the tokens are
 equal and the log-probs within 1e-5: the split reorders the reductions (the
@@ -66,10 +67,13 @@ _CHILD = textwrap.dedent("""
       layout = Layout.of(mesh_lib.sampling_mesh(train_mesh, cfg, t), mesh_lib.SAMPLING_RULES)
       assert tuple(layout.mesh.shape.values()) == want, layout.mesh.shape
       placed = jax.device_put(params, qwen2.param_shardings(cfg, layout))
-      # Each chip holds 1 / t of the query / MLP / vocab weights, 1 / 2 of the kv ones.
-      q, k, e = (placed["layers"]["q_kernel"], placed["layers"]["k_kernel"], placed["embed"])
-      assert q.addressable_shards[0].data.size * t == q.size
+      # Each chip holds 1 / t of the MLP / vocab weights, 1 / 2 of the attention's (a kv
+      # head and its query heads); past the kv heads the group splits the attention's rows.
+      lay = placed["layers"]
+      q, k, g, e = (lay["q_kernel"], lay["k_kernel"], lay["gate_kernel"], placed["embed"])
+      assert q.addressable_shards[0].data.size * 2 == q.size
       assert k.addressable_shards[0].data.size * 2 == k.size
+      assert g.addressable_shards[0].data.size * t == g.size
       assert e.addressable_shards[0].data.size * t == e.size
       same(one, sampling.generate(placed, cfg, tokens, mask, jax.random.key(1), spec, layout),
            f"tensor group {t}")

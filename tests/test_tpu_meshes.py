@@ -57,9 +57,10 @@ for model, slice_name in json.loads(sys.argv[2]):
   mesh = mesh_lib.make_mesh({"data": c.mesh.data, "fsdp": c.mesh.fsdp, "tensor": c.mesh.tensor})
   shapes = qwen2.param_shapes(run.model)
   leaves = {}
-  # The sampler's own mesh as the run builds it (mesh.sampling_tensor: 0, auto), which
-  # the plan sizes the rollout by.
-  smesh = mesh_lib.sampling_mesh(mesh, run.model, c.mesh.sampling_tensor)
+  # The sampler's own mesh with the group the run picks on the slice (mesh.sampling_tensor
+  # 0: one host's chips; here all fake devices are one process, so the slice's hosts are
+  # the plan's), which the plan sizes the rollout by.
+  smesh = mesh_lib.sampling_mesh(mesh, run.model, p.sampling_tensor)
   for rules_name, m in (("train", mesh), ("sampling", smesh)):
     rules = mesh_lib.RULES[rules_name]
     is_spec = lambda x: isinstance(x, jax.sharding.PartitionSpec)  # noqa: E731
@@ -153,8 +154,10 @@ def test_sharded_params_fit_the_chip(meshes, model, slice_name):
   assert r["params"] / shards <= train_elems <= 1.01 * r["params"] / shards
   # The sampler's weights split over its own tensor group, the one the plan sized them by.
   group = r["smesh"]["tensor"] * r["smesh"]["tensor_q"]
-  assert group == r["plan_group"] == {"1.5B": 2, "7B": 4}[model]  # its kv heads, one host's
-  assert r["params"] / group <= sample_elems <= 1.01 * r["params"] / group
+  hosts = mp.parse_slice(slice_name).hosts
+  assert group == r["plan_group"] == SLICE_CHIPS[slice_name] // hosts  # one host's chips
+  want = memory_terms.sampling_weight_params(mp.load_run(model).model, group)
+  assert want <= sample_elems <= 1.01 * want
   terms = r["terms"]
   planned = sum(
     terms[k]
@@ -243,10 +246,40 @@ def test_lockstep_rollout_seconds_by_hand():
 
 
 def test_rows_per_chip_replicates_axes_that_do_not_divide():
-  assert mp.rows_per_chip(16, 1, 16) == 1
-  assert mp.rows_per_chip(16, 1, 32) == 16
-  assert mp.rows_per_chip(16, 2, 16) == 8
-  assert mp.rows_per_chip(1024, 1, 32) == 32
+  rows_per_chip = memory_terms.rows_per_chip
+  assert rows_per_chip(16, 1, 16) == 1
+  assert rows_per_chip(16, 1, 32) == 16
+  assert rows_per_chip(16, 2, 16) == 8
+  assert rows_per_chip(1024, 1, 32) == 32
+
+
+@pytest.mark.parametrize("name, group", [("1.5B", 2), ("1.5B", 8), ("7B", 4), ("7B", 8)])
+def test_sampling_terms_follow_the_rule_table(name, group):
+  """The plan's per-chip sampling weights and KV rows against the sampling rule table
+  itself, on an abstract sampling mesh of 2 groups."""
+  import jax
+  from jax.sharding import AbstractMesh
+
+  from capo_jax.runtime import mesh as mesh_lib
+  from models import qwen2
+
+  cfg = mp.load_run(name).model
+  t_kv, t_q = mesh_lib.tensor_split(cfg, group)
+  mesh = AbstractMesh((2, 1, t_kv, t_q), ("data", "fsdp", "tensor", "tensor_q"))
+  specs = qwen2.param_specs(cfg, mesh_lib.SAMPLING_RULES, mesh)
+  split = lambda spec: math.prod(  # noqa: E731
+    mesh.shape[a] for d in spec if d is not None for a in ((d,) if isinstance(d, str) else d)
+  )
+  shapes = qwen2.param_shapes(cfg)
+  per_chip = sum(jax.tree.leaves(jax.tree.map(lambda x, s: x.size / split(s), shapes, specs)))
+  norms = sum(x.size for k, x in shapes["layers"].items() if "norm" in k) + cfg.hidden_size
+  # The plan counts the (whole) norms as split: a few thousand params.
+  got = memory_terms.sampling_weight_params(cfg, group)
+  assert got == pytest.approx(per_chip - norms * (1 - 1 / group), rel=1e-12)
+  # KV rows: the rows over the 2 groups, then over tensor_q ("attn_batch").
+  cache = mesh_lib.SAMPLING_RULES
+  rows_spec = qwen2.sharding.logical_to_spec(("attn_batch",), cache, (256,), mesh)
+  assert memory_terms.attention_rows_per_chip(256, 2, cfg, group) == 256 // split(rows_spec)
 
 
 def test_step_time_formula_by_hand():
@@ -310,15 +343,16 @@ def test_main_prints_a_table_per_model(capsys, monkeypatch):
 
 
 def test_the_samplers_group_is_the_runs_choice():
-  """mesh.sampling_tensor 0: the most chips of one host that split the kv heads (1.5B:
-  2 kv heads, 7B: 4), on 4-chip hosts and on one 8-chip host; else the run's own."""
+  """mesh.sampling_tensor 0: one host's chips, on 4-chip hosts and on one 8-chip host,
+  whatever the kv heads (1.5B: 2, 7B: 4); else the run's own."""
   small, big = mp.load_run("1.5B"), mp.load_run("7B")
-  assert mp.sampling_group(small, 16, 4) == 2 and mp.sampling_group(big, 16, 4) == 4
-  assert mp.sampling_group(small, 8, 1) == 2 and mp.sampling_group(big, 8, 1) == 4
+  assert mp.sampling_group(small, 16, 4) == 4 and mp.sampling_group(big, 16, 4) == 4
+  assert mp.sampling_group(small, 8, 1) == 8 and mp.sampling_group(big, 8, 1) == 8
   assert mp.sampling_group(dataclasses.replace(big, sampling_tensor=1), 16, 4) == 1
-  # 7B's 28 query heads are 7 per kv head: a group of 8 would split them in halves.
-  with pytest.raises(ValueError, match="group of 8"):
-    mp.sampling_group(dataclasses.replace(big, sampling_tensor=8), 16, 4)
+  # Past the kv heads the group splits the attention's rows: 8 = 4 kv x 2 row halves.
+  assert mp.sampling_group(dataclasses.replace(big, sampling_tensor=8), 16, 4) == 8
+  with pytest.raises(ValueError, match="group of 3 chips: does not divide 16"):
+    mp.sampling_group(dataclasses.replace(big, sampling_tensor=3), 16, 4)
   assert mp.plan(big, mp.parse_slice("v4-32")).sampling_tensor == 4
 
 
@@ -332,11 +366,14 @@ def test_rollout_terms_follow_the_samplers_mesh_by_hand():
   assert t["prompt cache (Q rows)"] == (128 // 8) * 1024 * 28672 / 2
   assert t["prefill scores"] == (128 // 8) * (12 / 2 * 1024 * 1024 * 6 + 151936 / 2 * 4)
   assert t["params (f32 master)"] == 4 * P / 16  # the train mesh's, unchanged
-  # A group of 4: 2 kv heads x 2 query halves, each kv head kept on 2 chips: the cache
-  # per chip doubles against pure data parallelism over the 16 chips.
+  # A group of 4: 2 kv heads x 2 row halves. The attention's weights split over the 2 kv
+  # heads, the rest over 4; the cache's rows over 4 groups x 2, its kv heads over 2: per
+  # chip what pure data parallelism over the 16 chips holds.
   four = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=512, group=4)
-  assert four["sampling weights (bf16)"] == 2 * P / 4
-  assert four["KV cache (W slots)"] == (512 // 4) * S * 28672 / 2 == 2 * (512 // 16) * S * 28672
+  D, N, K, H = 1536, 12, 2, 128
+  attn = 28 * (2 * D * N * H + 2 * D * K * H + N * H + 2 * K * H)
+  assert four["sampling weights (bf16)"] == pytest.approx(2 * (attn / 2 + (P - attn) / 4))
+  assert four["KV cache (W slots)"] == (512 // 8) * S * 28672 / 2 == (512 // 16) * S * 28672
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling.sampler import bucket_length
 from models import lora
 from models.config import Qwen2Config
@@ -30,13 +31,14 @@ from tools.memory_terms import (
   CONFIGS,
   Run,
   adapter_count,
+  attention_rows_per_chip,
   kv_bytes_per_token,
   kv_slots,
   load_run,
   memory_terms,
   param_counts,
-  rows_per_chip,
   sampling_group,
+  sampling_weight_params,
   tail_phases,
   with_lora,
 )
@@ -99,16 +101,17 @@ def rollout_seconds(
   W, g = min(slots or B, B), group or tensor
   groups = fsdp * tensor // g  # the sampler's row shards
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
-  sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, groups)))
+  t_q = mesh_lib.tensor_split(cfg, g)[1]
+  sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, groups * t_q)))
   shape = rollout_sim.Shape(
     rows=B,
     samples=run.num_samples,
     prompt_len=P_len,
     cap=C,
-    weight_bytes=cfg.dtype.dtype.itemsize * param_counts(cfg)[0] / g,
+    weight_bytes=cfg.dtype.dtype.itemsize * sampling_weight_params(cfg, g),
     kv_bytes=kv_bytes_per_token(cfg)
     / math.gcd(g, cfg.num_kv_heads)
-    * rows_per_chip(W, 1, groups)
+    * attention_rows_per_chip(W, groups, cfg, g)
     / W,
     bandwidth=chip.hbm_gb_s * 1e9,
   )

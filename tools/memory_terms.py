@@ -9,10 +9,11 @@ Assumptions (the code this mirrors, where it exists):
   bfloat16, sharded like the policy.
 * Train rules shard params over fsdp x tensor. The sampler has a mesh of its own over
   the same chips (``capo_jax.runtime.mesh.sampling_mesh``): its bfloat16 weights split
-  over a tensor group of g chips (``config.mesh.sampling_tensor``, 0: the most chips of
-  one host that split the kv heads, ``mesh.auto_sampling_tensor``: 2 for 1.5B, 4 for
-  7B), whole on each of the n / g groups, which split the rollout's rows; the kv heads
-  split over gcd(g, K) chips (``sampling_group``). Batch rows split over data x fsdp
+  over a tensor group of g chips (``config.mesh.sampling_tensor``, 0: one host's chips,
+  ``mesh.auto_sampling_tensor``: 4 on v4), whole on each of the n / g groups, which
+  split the rollout's rows; the attention's weights and the kv heads split over
+  gcd(g, K) chips, the rest of the group splitting the KV cache's rows
+  (``mesh.tensor_split``, ``sampling_group``). Batch rows split over data x fsdp
   (an axis that does not divide the rows is replicated, as models/sharding.py does).
 * Rollout (capo_jax/sampling/engine.py): one prefill of the Q prompts (their
   prompt cache, Q x P, stays while decoding), then W = ``rollout.max_active_rows``
@@ -147,6 +148,24 @@ def param_counts(cfg: Qwen2Config) -> tuple[int, int]:
   return qwen2.num_params(shapes), qwen2.num_params(shapes["layers"]) // cfg.num_layers
 
 
+def sampling_weight_params(cfg: Qwen2Config, group: int) -> float:
+  """Params each chip of a sampling tensor group of ``group`` chips holds
+  (``mesh.SAMPLING_RULES``): the attention's 1 / t_kv (whole kv heads with their query
+  heads), the rest (MLP, vocabulary) 1 / group, the norms whole (counted as split)."""
+  t_kv, _ = mesh_lib.tensor_split(cfg, group)
+  lay = qwen2.param_shapes(cfg)["layers"]
+  names = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias")
+  attn = sum(lay[n].size for n in names if n in lay)
+  return attn / t_kv + (param_counts(cfg)[0] - attn) / group
+
+
+def attention_rows_per_chip(rows: int, groups: int, cfg: Qwen2Config, group: int) -> int:
+  """KV cache rows each chip holds: the rows over the sampler's ``groups`` (its data
+  axis), then over the group's tensor_q chips ("attn_batch")."""
+  _, t_q = mesh_lib.tensor_split(cfg, group)
+  return rows_per_chip(rows, groups, t_q)
+
+
 def rows_per_chip(rows: int, data: int, fsdp: int) -> int:
   """Rows each chip holds: batch axes that do not divide are replicated over."""
   shards = 1
@@ -164,11 +183,11 @@ def kv_slots(run: Run) -> int:
 def sampling_group(run: Run, chips: int, hosts: int) -> int:
   """The sampler's tensor group on a slice of ``chips`` over ``hosts``: the run's
   ``mesh.sampling_tensor``, or with 0 what the run picks on those chips
-  (``mesh.auto_sampling_tensor``). Raises ValueError when the group cannot split the
-  heads or the chips (``mesh.tensor_split``)."""
+  (``mesh.auto_sampling_tensor``). Raises ValueError when the group does not divide
+  the chips."""
   per_host = chips // hosts
   devices = [types.SimpleNamespace(process_index=i // per_host) for i in range(chips)]
-  g = run.sampling_tensor or mesh_lib.auto_sampling_tensor(run.model, devices)
+  g = run.sampling_tensor or mesh_lib.auto_sampling_tensor(devices)
   mesh_lib.tensor_split(run.model, g)
   if chips % g:
     raise ValueError(f"sampling tensor group of {g} chips: does not divide {chips} chips")
@@ -215,7 +234,9 @@ def memory_terms(
   P_len = bucket_length(run.max_prompt_len, 16)
   S_len = kv_slots(run)
   kv_tok = kv_bytes_per_token(cfg) / math.gcd(g, K)
-  q_rows, b_rows = rows_per_chip(Q, 1, groups), rows_per_chip(min(slots or B, B), 1, groups)
+  q_rows = rows_per_chip(Q, 1, groups)
+  W = min(slots or B, B)
+  g_rows, b_rows = rows_per_chip(W, 1, groups), attention_rows_per_chip(W, groups, cfg, g)
   r = rows_per_chip(run.micro_batch_size, data, fsdp)
   T = run.max_prompt_len + run.max_new_tokens
   m: dict[str, float] = {}
@@ -230,20 +251,20 @@ def memory_terms(
   m["reference (bf16)"] = act * P / shard if run.reference else 0.0
   persistent = sum(m.values())
   # Rollout.
-  m["sampling weights (bf16)"] = act * P / g
+  m["sampling weights (bf16)"] = act * sampling_weight_params(cfg, g)
   m["KV cache (W slots)"] = b_rows * S_len * kv_tok
   m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
-  m["prefill scores"] = q_rows * (N / g * P_len * P_len * 6 + V / g * 4)
+  m["prefill scores"] = q_rows * (N / math.gcd(g, K) * P_len * P_len * 6 + V / g * 4)
   m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
   # With W < B the engine gathers the tail's rows into a cache of W/4 slots
   # (plans.Plan.phases). The caches are one buffer per layer and per k / v, so
   # each large one is freed once gathered: one small buffer beside the large
   # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
-  tail = tail_phases(min(slots or B, B), B, groups)
+  tail = tail_phases(W, B, groups * mesh_lib.tensor_split(cfg, g)[1])
   m["tail loop gather (1 layer)"] = (
     m["KV cache (W slots)"] * tail[1] / tail[0] / (2 * L) if len(tail) > 1 else 0.0
   )
-  decode = 3 * b_rows * V / g * 4
+  decode = 3 * g_rows * V / g * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
   m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / g if run.lora else 0.0
   # The prefill's stacked cache and its per-layer copy, then the slots beside it.

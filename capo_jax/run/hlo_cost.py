@@ -29,7 +29,10 @@ What is counted, per device (the SPMD program):
          copies between spaces (copy-start, slice-start) count on both sides;
   collectives  ``collective_bytes``, each collective's result (the older count),
          and ``ici_bytes``, what one device sends over the inter-chip links by the
-         ring algorithms (``hlo_ops.ici_bytes``), like for like across kinds;
+         ring algorithms (``hlo_ops.ici_bytes``), like for like across kinds; a
+         collective the TPU compiler fused (its reduce-scatter: an all-reduce sliced
+         to the device's shard inside a ``kCustom`` fusion) counts as the
+         reduce-scatter it runs (``hlo_ops.fused_collective``);
   kernels  a Pallas TPU kernel (``tpu_custom_call``) by the FLOPs and bytes it
          declares (``pl.CostEstimate``), else by its operands and results once each
          (no FLOPs); the ragged decode attention (``hlo_ops.ragged_kv``) by the
@@ -184,6 +187,10 @@ def _sum(
       if ins.op.startswith(hlo_ops.COLLECTIVES):
         out["collective_bytes"] += w * ht.nbytes(ins.shape)
         ici = hlo_ops.ici_bytes(ins, shapes, devices)
+        out["ici_bytes"] += w * ici
+      elif ins.op == "fusion":  # a collective the compiler fused (a reduce-scatter)
+        ici, result = hlo_ops.fused_collective(ins, comps, devices)
+        out["collective_bytes"] += w * result
         out["ici_bytes"] += w * ici
       if rates is not None:
         own = hlo_ops.matmul_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0

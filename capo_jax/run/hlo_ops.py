@@ -256,6 +256,41 @@ def ici_bytes(ins: _Instr, shapes: dict[str, str], devices: int) -> float:
   return size * (n - 1) / n * (2 if ins.op.startswith("all-reduce") else 1)
 
 
+def fused_collective(
+  ins: _Instr, comps: dict[str, list[_Instr]], devices: int
+) -> tuple[float, float]:
+  """(bytes sent, result bytes) of the collectives inside a fusion (0, 0 when none).
+
+  The TPU compiler fuses a reduce-scatter as an all-reduce whose result the fusion's
+  root slices to this device's shard (``calls=%all-reduce-scatter...``, emitter
+  ``SingleInputAllReduceScatterFusion``): that is counted as the reduce-scatter it
+  runs, (n - 1) / n of the input sent and the shard as its result. Any other fused
+  collective counts as ``ici_bytes`` says and its whole result."""
+  instrs = comps.get(ht.called(ins), [])
+  shapes = {i.name: i.shape for i in instrs}
+  root = instrs[-1] if instrs else None
+  sent = result = 0.0
+  for c in instrs:
+    if not c.op.startswith(COLLECTIVES):
+      continue
+    scattered = (
+      c.op.startswith("all-reduce")
+      and root is not None
+      and root.op == "dynamic-slice"
+      and ht.operands(root.rest)[:1] == [c.name]
+    )
+    if scattered:
+      assert root is not None
+      size = sum(ht.nbytes(shapes.get(o, "")) for o in ht.operands(c.rest))
+      n = ht.group_size(c, devices)
+      sent += size * (n - 1) / n
+      result += ht.nbytes(root.shape)
+    else:
+      sent += ici_bytes(c, shapes, devices)
+      result += ht.nbytes(c.shape)
+  return sent, result
+
+
 def fused_flops(comp: str, comps: dict[str, list[_Instr]], memo: dict[str, float]) -> float:
   """Matmul FLOPs of a fused computation, its nested fusions included."""
   if comp not in memo:

@@ -15,7 +15,7 @@ program's layout (``models.sharding.activations``). ``TRAIN_RULES`` shard params
 over fsdp and tensor. The sampler has a mesh of its own over the same devices
 (``sampling_mesh``: data x a tensor group of tensor x tensor_q chips), on which
 ``SAMPLING_RULES`` split each weight over the tensor group (no all-gather per
-decode step: each chip reads 1 / group of the weights a step) and the rows over data.
+decode step: each chip reads its part of the weights a step) and the rows over data.
 A mesh axis that does not divide a dimension is dropped with a log line
 (``models.sharding``), so a tiny model on a big mesh replicates.
 
@@ -52,6 +52,7 @@ MESH_AXES = ("data", "fsdp", "tensor")
 # row axis of every batch / activation array.
 TRAIN_RULES: Rules = (
   ("batch", ("data", "fsdp")),
+  ("attn_batch", ("data", "fsdp")),
   ("vocab", "tensor"),
   ("embed", "fsdp"),
   ("q_heads", "tensor"),
@@ -73,16 +74,18 @@ TRAIN_RULES: Rules = (
 
 # Where each weight goes in sampling: on a sampling mesh of its own over the same
 # devices (``sampling_mesh``): rows over data, nothing over fsdp (no all-gather of
-# the weights per decode step), heads / MLP columns / vocab over the tensor group
-# tensor x tensor_q. The kv heads (and the KV cache's kv-head axis) go over tensor
-# only: a tensor group larger than the kv heads splits each kv head's query heads
-# over tensor_q and keeps a copy of that kv head on each (Megatron's kv_heads < tp).
+# the weights per decode step), MLP columns / vocab over the tensor group
+# tensor x tensor_q. The attention's weights (query, kv and output heads) go over
+# tensor, at most the kv heads; past them the group splits the attention's rows
+# instead ("attn_batch": each chip attends for 1 / tensor_q of its group's rows, over
+# its own slots of the KV cache), so no kv head and no cache row is held twice.
 TENSOR_GROUP = ("tensor", "tensor_q")
 SAMPLING_RULES: Rules = (
   ("batch", ("data", "fsdp")),
+  ("attn_batch", ("data", "fsdp", "tensor_q")),
   ("vocab", TENSOR_GROUP),
   ("embed", None),
-  ("q_heads", TENSOR_GROUP),
+  ("q_heads", "tensor"),
   ("kv_heads", "tensor"),
   ("mlp", TENSOR_GROUP),
   ("head_dim", None),
@@ -90,7 +93,7 @@ SAMPLING_RULES: Rules = (
   ("norm", None),
   ("length", None),
   ("act_embed", None),
-  ("act_heads", TENSOR_GROUP),
+  ("act_heads", "tensor"),
   ("act_kv_heads", "tensor"),
   ("act_mlp", TENSOR_GROUP),
   ("act_vocab", TENSOR_GROUP),
@@ -167,31 +170,27 @@ def make_mesh(
 def tensor_split(model_cfg: Any, tensor: int) -> tuple[int, int]:
   """(tensor, tensor_q) sizes of a sampling tensor group of ``tensor`` chips.
 
-  The kv heads split over gcd(tensor, K) chips; the rest of the group splits
-  each kv head's R = N / K query heads, which needs every kv head split apart
-  first and R divisible by the rest.
+  The attention's heads split over gcd(tensor, K) chips (whole kv heads, each with
+  its query heads); the rest of the group, tensor_q, splits the attention's rows
+  (``SAMPLING_RULES``' "attn_batch") while every chip of the group splits the MLP
+  columns and the vocabulary.
 
   Raises:
-    ValueError: when the group cannot split the heads that way.
+    ValueError: when ``tensor`` is not a positive number of chips.
   """
-  N, K = model_cfg.num_heads, model_cfg.num_kv_heads
-  t_kv = math.gcd(tensor, K)
-  t_q = tensor // t_kv
-  if tensor < 1 or (t_q > 1 and (t_kv != K or (N // K) % t_q)):
-    raise ValueError(
-      f"sampling tensor group of {tensor} chips: {N} query / {K} kv heads do not split "
-      f"over it (it must divide the kv heads, or be kv heads x a divisor of {N // K})"
-    )
-  return t_kv, t_q
+  if tensor < 1:
+    raise ValueError(f"sampling tensor group of {tensor} chips: it must be at least 1")
+  t_kv = math.gcd(tensor, model_cfg.num_kv_heads)
+  return t_kv, tensor // t_kv
 
 
-def auto_sampling_tensor(model_cfg: Any, devices: Sequence[Any]) -> int:
-  """The sampling tensor group's size: the most chips of one host that split the kv
-  heads, so weights are read 1 / t per chip while the KV cache per chip stays what
-  pure data parallelism gives (no kv head is copied)."""
+def auto_sampling_tensor(devices: Sequence[Any]) -> int:
+  """The sampling tensor group's size: one host's chips (the most that divide both the
+  host and all devices). Past the kv heads the group splits the attention's rows
+  (``tensor_split``), so the KV cache per chip stays what pure data parallelism gives
+  while the weights per chip keep falling."""
   host = sum(d.process_index == devices[0].process_index for d in devices)
-  fits = lambda t: host % t == 0 and len(devices) % t == 0 and model_cfg.num_kv_heads % t == 0
-  return max(t for t in range(1, host + 1) if fits(t))
+  return max(t for t in range(1, host + 1) if host % t == 0 and len(devices) % t == 0)
 
 
 def sampling_mesh(mesh: Mesh, model_cfg: Any, tensor: int = 0) -> Mesh:
@@ -208,7 +207,7 @@ def sampling_mesh(mesh: Mesh, model_cfg: Any, tensor: int = 0) -> Mesh:
   """
   devices = np.asarray(mesh.devices).reshape(-1)
   n = devices.size
-  tensor = tensor or auto_sampling_tensor(model_cfg, list(devices))
+  tensor = tensor or auto_sampling_tensor(list(devices))
   if n % tensor:
     raise ValueError(f"sampling tensor group of {tensor} chips: does not divide {n} devices")
   t_kv, t_q = tensor_split(model_cfg, tensor)

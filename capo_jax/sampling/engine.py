@@ -114,7 +114,7 @@ def _constrain_cache(
     spec = ragged.cache_spec(layout, k[0].shape[0], num_kv_heads)
     put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
     return tuple(map(put, k)), tuple(map(put, v))
-  ax = ("batch", "kv_heads", None, None)
+  ax = ("attn_batch", "kv_heads", None, None)
   return (tuple(_constrain(layout, x, ax) for x in k), tuple(_constrain(layout, x, ax) for x in v))
 
 

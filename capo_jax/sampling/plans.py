@@ -12,7 +12,6 @@ at each ``generate`` call.
 from __future__ import annotations
 
 import dataclasses
-import math
 
 import jax
 
@@ -126,12 +125,9 @@ def tail_phases(num_slots: int, shards: int = 1, min_slots: int = 1) -> tuple[in
 
 
 def batch_shards(layout: Layout | None) -> int:
-  """Devices the slot axis is split over: a phase keeps whole shards."""
-  if layout is None:
-    return 1
-  axes = layout.spec(("batch",))[0]
-  axes = () if axes is None else (axes,) if isinstance(axes, str) else tuple(axes)
-  return math.prod(layout.mesh.shape[a] for a in axes)
+  """Devices the KV cache's slot axis is split over ("attn_batch": the batch axes and,
+  on a sampling mesh, tensor_q): a phase keeps whole shards."""
+  return 1 if layout is None else layout.shards("attn_batch")
 
 
 def num_columns(prompt_len: int, gen_len: int, block: int) -> int:

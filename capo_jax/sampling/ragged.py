@@ -187,10 +187,10 @@ def _local(
 
 
 def cache_spec(layout: Layout, num_slots: int, num_kv_heads: int) -> PartitionSpec:
-  """The [W, S, K*H] cache's split: slots over the batch axes, the last axis over the
-  kv-head axes when they divide K (whole heads per device), as the layout splits
-  [W, K]."""
-  rows, heads = layout.spec(("batch", "kv_heads"), (num_slots, num_kv_heads), "ragged cache")
+  """The [W, S, K*H] cache's split: slots over the attention's row axes ("attn_batch"),
+  the last axis over the kv-head axes when they divide K (whole heads per device), as
+  the layout splits [W, K]."""
+  rows, heads = layout.spec(("attn_batch", "kv_heads"), (num_slots, num_kv_heads), "ragged cache")
   return PartitionSpec(rows, None, heads)
 
 
