@@ -170,7 +170,8 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
   # The sampler's own mesh over the same devices: data x a tensor group of this many chips
-  # that split its weights (heads / MLP / vocab). 0: the chips of a host that split the kv heads.
+  # that split its weights (MLP / vocab; the attention's over the kv heads, the rest of the
+  # group splitting the attention's rows). 0: one host's chips.
   c.mesh.sampling_tensor = 0
 
   c.checkpoint = ml_collections.ConfigDict()

@@ -144,7 +144,7 @@ def _parser() -> argparse.ArgumentParser:
     type=int,
     default=0,
     help="chips that split the sampler's weights when several devices are visible "
-    "(capo_jax.runtime.mesh.sampling_mesh; 0: the chips of a host that split the kv heads)",
+    "(capo_jax.runtime.mesh.sampling_mesh; 0: one host's chips)",
   )
   p.add_argument(
     "--checker",
