@@ -374,6 +374,9 @@ def test_rollout_terms_follow_the_samplers_mesh_by_hand():
   attn = 28 * (2 * D * N * H + 2 * D * K * H + N * H + 2 * K * H)
   assert four["sampling weights (bf16)"] == pytest.approx(2 * (attn / 2 + (P - attn) / 4))
   assert four["KV cache (W slots)"] == (512 // 8) * S * 28672 / 2 == (512 // 16) * S * 28672
+  # The prompt cache the same way: 128 prompts over 4 x 2, a kv head a chip (the TPU
+  # compiler's 1.5B v4-32 decode and prefill hold it as bf16[16, 1024, 128] a layer).
+  assert four["prompt cache (Q rows)"] == (128 // 8) * 1024 * 28672 / 2
 
 
 @pytest.mark.parametrize(

@@ -253,7 +253,10 @@ def memory_terms(
   # Rollout.
   m["sampling weights (bf16)"] = act * sampling_weight_params(cfg, g)
   m["KV cache (W slots)"] = b_rows * S_len * kv_tok
-  m["prompt cache (Q rows)"] = q_rows * P_len * kv_tok
+  # The prompt cache lies like the slots' cache (rows over the groups x tensor_q: the TPU
+  # compiler keeps it so through the prefill too); the prefill's scores are counted at
+  # the group's rows, every chip of a kv head's group holding them (an upper bound).
+  m["prompt cache (Q rows)"] = attention_rows_per_chip(Q, groups, cfg, g) * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / math.gcd(g, K) * P_len * P_len * 6 + V / g * 4)
   m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
   # With W < B the engine gathers the tail's rows into a cache of W/4 slots
