@@ -261,7 +261,7 @@ def test_sampling_terms_follow_the_rule_table(name, group):
   from jax.sharding import AbstractMesh
 
   from capo_jax.runtime import mesh as mesh_lib
-  from models import qwen2
+  from models import qwen2, sharding
 
   cfg = mp.load_run(name).model
   t_kv, t_q = mesh_lib.tensor_split(cfg, group)
@@ -277,8 +277,7 @@ def test_sampling_terms_follow_the_rule_table(name, group):
   got = memory_terms.sampling_weight_params(cfg, group)
   assert got == pytest.approx(per_chip - norms * (1 - 1 / group), rel=1e-12)
   # KV rows: the rows over the 2 groups, then over tensor_q ("attn_batch").
-  cache = mesh_lib.SAMPLING_RULES
-  rows_spec = qwen2.sharding.logical_to_spec(("attn_batch",), cache, (256,), mesh)
+  rows_spec = sharding.logical_to_spec(("attn_batch",), mesh_lib.SAMPLING_RULES, (256,), mesh)
   assert memory_terms.attention_rows_per_chip(256, 2, cfg, group) == 256 // split(rows_spec)
 
 

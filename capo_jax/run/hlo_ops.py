@@ -281,9 +281,7 @@ def fused_collective(
     )
     if scattered:
       assert root is not None
-      size = sum(ht.nbytes(shapes.get(o, "")) for o in ht.operands(c.rest))
-      n = ht.group_size(c, devices)
-      sent += size * (n - 1) / n
+      sent += ici_bytes(c, shapes, devices) / 2  # an all-reduce is a reduce-scatter, twice
       result += ht.nbytes(root.shape)
     else:
       sent += ici_bytes(c, shapes, devices)
