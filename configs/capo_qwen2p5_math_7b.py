@@ -30,6 +30,9 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.data = 1
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
+  # --config.mesh.gather_once=True on 32 chips or more (v4-32 / v4-64 / v5p-64): the
+  # weights gathered once per log-prob pass and per update, a bf16 copy of 15 GB / tensor
+  # per chip, which v6e-8 cannot hold (tools/memory_plan.py; docs/tpu.md).
   # The rollout engine's active rows (KV slots): what tools/memory_plan.py picks
   # for v4-64 / v5p-64 (0: all 1,024 rows; the blocked reads still skip the empty cache).
   c.rollout.max_active_rows = 0

@@ -173,6 +173,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # that split its weights (MLP / vocab; the attention's over the kv heads, the rest of the
   # group splitting the attention's rows). 0: one host's chips.
   c.mesh.sampling_tensor = 0
+  # Gather the fsdp-split weights once per log-prob pass and per update: a compute-dtype
+  # copy of the whole model over fsdp on every chip (params x 2 bytes / tensor), in place
+  # of gathering each layer in every log-prob call and (twice, with remat) in every
+  # micro-batch (with LoRA: the frozen base). docs/tpu.md has what it saves.
+  c.mesh.gather_once = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 50

@@ -346,3 +346,48 @@ def test_a_group_past_the_kv_heads_splits_the_attention_rows():
     s for s in loop_collectives if any(len(a) >= 3 and max(a) >= plan.gen_len for a in arrays(s))
   ]
   assert not caches, caches
+
+
+def _bf16_gathers(text: str, in_loop: bool) -> list[str]:
+  """The bfloat16 all-gathers of a compiled program (the weights: rows, ids and scores are
+  float32 or int32 here), those inside an unbounded loop (the micro-batches) or all."""
+  from capo_jax.run import hlo_text  # pylint: disable=import-outside-toplevel
+
+  comps, entry = hlo_text.parse(text)
+  walk = hlo_cost._walk(comps, entry, True, enter_unbounded=True)
+  return [
+    ins.shape
+    for name, body in comps.items()
+    if walk.weight.get(name) and (walk.in_loop.get(name) or not in_loop)
+    for ins in body
+    if ins.op.startswith("all-gather") and ins.shape.lstrip("(").startswith("bf16")
+  ]
+
+
+def test_gather_once_moves_the_weights_once_a_pass_and_an_update():
+  """``config.mesh.gather_once`` on 4 x 2 chips (fsdp x tensor), compiled for TPU: the
+  log-prob calls take the weights whole and gather none of them, and the train program
+  gathers the stacked weights once, outside its micro-batch loop. Without it, both gather
+  every layer's weights in every call and in every micro-batch."""
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  got = {}
+  for once in (False, True):
+    c = capo_qwen2p5_math_1p5b.get_config("shrink")
+    c.mesh.fsdp, c.mesh.tensor = -1, 2
+    c.train.micro_batch_size = 4  # several micro-batches: the loop the weights stay out of
+    c.mesh.gather_once = once
+    spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+    assert aot_programs.Shapes.from_spec(spec).microbatches > 1
+    mesh = tpu_topology.topology_mesh(spec, acc)
+    progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("logprobs", "train"))}
+    got[once] = {n: p.compiled.as_text() for n, p in progs.items()}
+  assert _bf16_gathers(got[False]["logprobs"], in_loop=False)
+  assert not _bf16_gathers(got[True]["logprobs"], in_loop=False)
+  assert _bf16_gathers(got[False]["train"], in_loop=True)
+  assert not _bf16_gathers(got[True]["train"], in_loop=True)
+  # What it gathers: the layers' stacked weights [L, ...] (and the embedding [V, D]) once.
+  cfg = spec.model_config()
+  whole = (f"bf16[{cfg.num_layers},", f"bf16[{cfg.vocab_size},{cfg.hidden_size}]")
+  stacked = _bf16_gathers(got[True]["train"], in_loop=False)
+  assert stacked and all(s.lstrip("(").startswith(whole) for s in stacked), stacked

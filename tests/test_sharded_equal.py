@@ -1,7 +1,8 @@
 """On 8 fake CPU devices (data 2, fsdp 2, tensor 2) the log-prob pass and the train step,
 with their activations constrained to the train rules (rows over data x fsdp, heads /
 MLP / vocab over tensor, weights gathered per layer), equal one device's: packed and
-one sequence per row, full fine-tuning and LoRA.
+one sequence per row, full fine-tuning and LoRA; and, packed, with the weights gathered
+once per pass and per update (``config.mesh.gather_once``) on the eight devices.
 
 The child process runs each case on both meshes from the same host arrays and prints
 the largest differences; the test holds them to 1e-6.
@@ -18,7 +19,7 @@ import fake_devices
 TOL = 1e-6
 
 
-def _case(pack: bool, use_lora: bool) -> dict[str, float]:
+def _case(pack: bool, use_lora: bool, gather_once: bool = False) -> dict[str, float]:
   import jax
   import numpy as np
 
@@ -38,6 +39,8 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
   tcfg = state_lib.TrainConfig(
     optim=OptimConfig(learning_rate=1e-3, eps=1e-2), lora=lcfg, logprob_chunk_size=4
   )
+  # One device is the reference: it runs without gathering once, the eight with it.
+  tcfg_eight = tcfg.replace(gather_once=gather_once)
   rules = mesh_lib.TRAIN_RULES
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, 256, (B, P)).astype(np.int32)
@@ -64,12 +67,13 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
     state = state_lib.train_state_from_params(trained, cfg, tcfg, mesh, rules)
     p_sh = mesh_lib.param_shardings(cfg, mesh, rules)
     base_dev = jax.device_put(base, p_sh)
-    lp = padded_pass(cfg, mesh, rules, Y, chunk_size=4, lora=lcfg, layout=layout)
+    once = gather_once and name == "eight"
+    lp = padded_pass(cfg, mesh, rules, Y, chunk_size=4, lora=lcfg, layout=layout, gather_once=once)
     args = (base_dev, (prompt, pmask, comp, cmask), ("logp_BC", "entropy_BC"))
     got = run_pass(lp, *args, adapters=state.params if lcfg else None)
     old = got["logp_BC"] - 0.1 * adv[:, None]
     batch = HostBatch(prompt, pmask, comp, cmask, old, adv)
-    step = ts.make_train_step(cfg, tcfg, mesh, rules, Y)
+    step = ts.make_train_step(cfg, tcfg_eight if once else tcfg, mesh, rules, Y)
     extra = (base_dev,) if lcfg else ()
     state, met = step(state, batch.train_batch(Y, pack=pack, row_len=row_len), *extra)
     out[name] = dict(
@@ -95,6 +99,8 @@ def _case(pack: bool, use_lora: bool) -> dict[str, float]:
 
 def _child() -> None:
   results = {f"pack={p} lora={lo}": _case(p, lo) for p in (False, True) for lo in (False, True)}
+  for lo in (False, True):
+    results[f"pack=True lora={lo} gather_once"] = _case(True, lo, gather_once=True)
   print("RESULTS " + json.dumps(results))
 
 
@@ -104,7 +110,7 @@ def test_sharded_pass_and_step_equal_one_device():
   lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
   assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
   results = json.loads(lines[0][len("RESULTS ") :])
-  assert len(results) == 4
+  assert len(results) == 6
   for case, r in results.items():
     assert r["moved"] > 1e-5, (case, r)  # the step did something to compare
     for key in ("pass", "params", "loss", "grad_norm_rel"):

@@ -231,6 +231,27 @@ def test_kv_and_param_terms_by_hand():
   assert half["KV cache (W slots)"] == terms["KV cache (W slots)"] / 2
 
 
+def test_gather_once_holds_the_whole_model_in_place_of_two_layers():
+  """``mesh.gather_once`` (the 1.5B run file's): a bf16 copy of every param per chip (the
+  tied unembedding float32, as the update keeps it), split only over tensor, in place
+  of two layers' gathered weights and the unembedding."""
+  run = mp.load_run("1.5B")
+  assert run.gather_once
+  P, P_layer = mp.param_counts(run.model)
+  V, D = 151936, 1536
+  for tensor in (1, 2):
+    once = mp.memory_terms(run, data=1, fsdp=16 // tensor, tensor=tensor)
+    layered = mp.memory_terms(
+      dataclasses.replace(run, gather_once=False), data=1, fsdp=16 // tensor, tensor=tensor
+    )
+    assert once["gathered weights (once, bf16)"] == (2 * (P - V * D) + 4 * V * D) / tensor
+    assert once["gathered layers + unembed"] == 0
+    assert layered["gathered weights (once, bf16)"] == 0
+    assert layered["gathered layers + unembed"] == 2 * (2 * P_layer + V * D) / tensor
+    extra = once["train phase"] - layered["train phase"]
+    assert extra == pytest.approx((2 * P + 2 * V * D - 2 * (2 * P_layer + V * D)) / tensor)
+
+
 def test_lockstep_rollout_seconds_by_hand():
   # The old sampler: every one of the 1024 rows reads all 1024 + 3072 columns for
   # as many steps as the longest row (3072: the length model truncates some).

@@ -49,7 +49,10 @@ _CONFIG = config_flags.DEFINE_config_file("config", None, "Run config file (conf
 _ACCEL = flags.DEFINE_string("accelerator", None, "TPU slice: v4-32, v5e-16, v5p-64, v6e-16, ...")
 _CHECK = flags.DEFINE_bool("check", False, "Exit 1 when a program does not fit in HBM.")
 _ONLY = flags.DEFINE_list(
-  "only", [], "Compile only these programs (prefill, decode, logprobs, logprobs_ref, train)."
+  "only",
+  [],
+  "Compile only these programs (prefill, decode, gather, logprobs, gather_ref, logprobs_ref, "
+  "train; the gathers with --config.mesh.gather_once).",
 )
 _PROMPT_TOKENS = flags.DEFINE_integer(
   "prompt_tokens", 200, "Prompt tokens per question in the packing estimate."
@@ -177,6 +180,8 @@ def estimate(
     "decode": aot_programs.Shapes.from_spec(spec).num_calls,
     "logprobs": t.logprob_calls,
     "logprobs_ref": t.logprob_calls,
+    "gather": 1,  # once a pass (config.mesh.gather_once)
+    "gather_ref": 1,
     "train": spec.updates_per_step,
   }
   rates = tpu_chips.rates(chip)
@@ -337,7 +342,7 @@ class _Text:
 
 def _dumped(folder: str) -> list[aot.Compiled]:
   """The programs a ``--dump_hlo`` run wrote, in the step's order."""
-  names = ("prefill", "decode", "logprobs", "logprobs_ref", "train")
+  names = ("prefill", "decode", "gather", "logprobs", "gather_ref", "logprobs_ref", "train")
   paths = {n: os.path.join(folder, f"{n}.hlo.txt") for n in names}
   if not any(os.path.exists(p) for p in paths.values()):
     raise app.UsageError(f"--from_hlo: no <program>.hlo.txt in {folder}")

@@ -84,6 +84,7 @@ class Run:
   decode_copies_cache: bool = False  # the engine's loop keeps one cache (module docstring)
   lora: lora.LoraConfig | None = None  # adapters on a frozen base (module docstring)
   sampling_tensor: int = 0  # config.mesh.sampling_tensor: the sampler's group (0: auto)
+  gather_once: bool = False  # config.mesh.gather_once: a whole bf16 copy per pass / update
 
   @classmethod
   def from_config(cls, c: Any, preset: str = "") -> Run:
@@ -102,6 +103,7 @@ class Run:
       reference=_uses_reference(c),
       ppo_epochs=c.train.ppo_epochs,
       sampling_tensor=c.mesh.sampling_tensor,
+      gather_once=c.mesh.gather_once,
     )
 
 
@@ -284,7 +286,12 @@ def memory_terms(
   # Gradients (and their accumulator) of what trains; the bf16 copy of the
   # weights only where they are not stored in bf16 already.
   m["grads (2 x f32) + bf16 copy"] = (2 * 4 * trained + (act * P if master != act else 0)) / shard
-  m["gathered layers + unembed"] = act * (2 * P_layer + V * D) / t
+  # Layer by layer (two layers' weights in flight, and the unembedding), or the whole
+  # model gathered once a log-prob pass and an update (config.mesh.gather_once): the
+  # update's copy keeps the unembedding in its stored dtype (train_step.gathered_weights).
+  m["gathered layers + unembed"] = 0.0 if run.gather_once else act * (2 * P_layer + V * D) / t
+  once = act * (P - V * D) + master * V * D
+  m["gathered weights (once, bf16)"] = once / t if run.gather_once else 0.0
   m["boundary activations"] = L * r * T * D * act
   m["layer working set"] = r * (
     N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4 + T * D * act * 8
@@ -295,6 +302,7 @@ def memory_terms(
     for k in (
       "grads (2 x f32) + bf16 copy",
       "gathered layers + unembed",
+      "gathered weights (once, bf16)",
       "boundary activations",
       "layer working set",
       "log-prob chunk",

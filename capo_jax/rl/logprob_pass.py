@@ -131,6 +131,8 @@ class LogprobPass:
 
   Attributes:
     fn: ``train_step.make_logprob_fn`` over ``layout.rows`` rows a call.
+    gather: ``train_step.make_gather``: the weights gathered once a pass, before its
+      calls (``config.mesh.gather_once``); None: each call gathers its own, layer by layer.
     layout: the calls' rows (``packing.RowLayout``); ``upload`` plans with it.
     rows_sharding: the sharding of one call's rows (and of its outputs).
     index_sharding: the sharding of the [B, C] outputs.
@@ -140,6 +142,7 @@ class LogprobPass:
   layout: packing.RowLayout
   rows_sharding: NamedSharding
   index_sharding: jax.sharding.Sharding
+  gather: Callable[[Any], Any] | None = None
 
   def upload(
     self, prompt_BP: np.ndarray, pmask_BP: np.ndarray, comp_BC: np.ndarray, cmask_BC: np.ndarray
@@ -162,5 +165,7 @@ class LogprobPass:
     """``{key: [B, C(, J)] device array}`` of the pass's outputs (``logp_BC``, ...) over
     the uploaded updates' rows. Every call is dispatched before any output is used."""
     calls = _calls(updates, per_call=self.layout.rows, sharding=self.rows_sharding)
+    if self.gather is not None:  # one copy for every call, freed with the pass
+      params = self.gather(params)
     outs = [self.fn(params, r, adapters=adapters) for r in calls]
     return _unpack_calls(outs, updates, mask_BC, keys=tuple(keys), sharding=self.index_sharding)

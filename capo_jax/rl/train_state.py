@@ -51,6 +51,9 @@ class TrainConfig:
     logprob_chunk_size: completion positions per unembedding chunk (0: all).
     skip_nonfinite: keep the state when the loss or gradients are not finite.
     lora: train low-rank adapters on a frozen base (``models.lora``); None: all params.
+    gather_once: the update gathers the weights whole over fsdp once, in the compute
+      dtype, for all its micro-batches (``train_step.gathered_weights``); with LoRA, the
+      frozen base.
   """
 
   policy_loss: losses.PolicyLoss = losses.Ppo()
@@ -59,6 +62,7 @@ class TrainConfig:
   logprob_chunk_size: int = 0
   skip_nonfinite: bool = True
   lora: lora_lib.LoraConfig | None = None
+  gather_once: bool = False
 
   def __post_init__(self) -> None:
     if not isinstance(self.policy_loss, losses.PolicyLoss):

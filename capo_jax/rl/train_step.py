@@ -43,6 +43,8 @@ advances either way.
 from __future__ import annotations
 
 import dataclasses
+import functools
+from collections.abc import Callable
 from typing import Any
 
 import jax
@@ -78,6 +80,24 @@ from models.sharding import Rules
 
 def compute_params(params: Params, model_cfg: Qwen2Config) -> Params:
   return jax.tree.map(lambda p: p.astype(model_cfg.dtype), params)
+
+
+def gathered_weights(params: Params, model_cfg: Qwen2Config) -> Params:
+  """``params`` in the compute dtype, whole over the mesh axes that split only their
+  storage (``mesh.GATHERED_RULES``), under the layout being traced (as they are when
+  none is). The unembedding keeps its stored dtype: ``logprobs`` casts it chunk by
+  chunk, so its gradient still sums over the chunks in float32.
+
+  Gathered once, they serve every micro-batch of an update: the layers' per-use gathers
+  become no-ops (with remat, the backward's second gather too). The cost is that copy
+  on every chip, about params x 2 bytes / tensor."""
+  unembed = "embed" if model_cfg.tie_word_embeddings else "lm_head"
+  w = {k: v if k == unembed else compute_params(v, model_cfg) for k, v in params.items()}
+  layout = sharding.active_layout()
+  if layout is None:
+    return w
+  whole = mesh_lib.param_shardings(model_cfg, layout.mesh, mesh_lib.GATHERED_RULES)
+  return jax.lax.with_sharding_constraint(w, whole)
 
 
 def policy_weights(
@@ -181,6 +201,24 @@ def loss_and_grads(
   with one micro-batch, weighted means of the per-micro-batch values otherwise.
   """
 
+  # What the micro-batches use: the float32 masters, cast and gathered layer by layer
+  # where they are used, or (gather_once) the update's one gathered copy, whose
+  # compute-dtype gradient goes back to the masters' split and dtype (the cast's
+  # transpose). With LoRA the frozen base is what is gathered once.
+  full = tcfg.gather_once and tcfg.lora is None
+  if tcfg.gather_once and base is not None:
+    base = gathered_weights(base, model_cfg)
+  weights = gathered_weights(params, model_cfg) if full else params
+  layout = sharding.active_layout()
+
+  def to_master(g: Params) -> Params:
+    if not full:
+      return g
+    if layout is not None:
+      stored = mesh_lib.param_shardings(model_cfg, layout.mesh, layout.rules)
+      g = jax.lax.with_sharding_constraint(g, stored)
+    return jax.tree.map(lambda x, p: x.astype(p.dtype), g, params)
+
   def mb_loss(p: Params, mb: tuple[ModelRows, Array, Sequences]) -> tuple[Array, dict[str, Array]]:
     rows, index_BC, seqs = mb
     return microbatch_loss(p, rows, index_BC, seqs, model_cfg, tcfg, base)
@@ -188,8 +226,8 @@ def loss_and_grads(
   grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
   mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
   if batch.index_MBC.shape[0] == 1:  # no accumulator: the gradient is the only copy
-    (loss, aux), grads = grad_fn(params, mb_at(0))
-    return loss, aux, grads
+    (loss, aux), grads = grad_fn(weights, mb_at(0))
+    return loss, aux, to_master(grads)
   den_MB = denominator_B(batch.seqs.completion_mask_BC, tcfg.loss.agg)
   w_M = den_MB.sum(-1) / jnp.maximum(den_MB.sum(), 1.0)
   # Micro-batches fill in order: the ones past the last real row are skipped.
@@ -198,13 +236,13 @@ def loss_and_grads(
   def body(m, carry):
     g_acc, loss_acc, aux_acc = carry
     # The weight scales the loss inside the gradient so grads sum to the full-batch grad.
-    (loss, aux), g = grad_fn(params, mb_at(m))
-    w = w_M[m]
+    (loss, aux), g = grad_fn(weights, mb_at(m))
+    g, w = to_master(g), w_M[m]
     g_acc = jax.tree.map(lambda a, b: (a + w * b).astype(a.dtype), g_acc, g)
     aux_acc = {k: combine_aux(k, aux_acc[k], v, w) for k, v in aux.items()}
     return g_acc, loss_acc + w * loss, aux_acc
 
-  aux_shape = jax.eval_shape(grad_fn, params, mb_at(0))[0][1]
+  aux_shape = jax.eval_shape(grad_fn, weights, mb_at(0))[0][1]
   init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), init_aux(aux_shape))
   grads, loss, aux = jax.lax.fori_loop(0, n, body, init)
   return loss, aux, grads
@@ -280,6 +318,14 @@ def make_train_step(
   return jax.jit(
     step, in_shardings=in_sh, out_shardings=(state_sh, mesh_lib.replicated(mesh)), donate_argnums=0
   )
+
+
+def make_gather(model_cfg: Qwen2Config, mesh: Mesh) -> Callable[[Params], Params]:
+  """Jitted ``gather(params)``: every param in the compute dtype, whole where only its
+  storage is split (``mesh.GATHERED_RULES``), run once a log-prob pass
+  (``config.mesh.gather_once``); the pass's calls then gather nothing."""
+  whole = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.GATHERED_RULES)
+  return jax.jit(functools.partial(compute_params, model_cfg=model_cfg), out_shardings=whole)
 
 
 def make_logprob_fn(

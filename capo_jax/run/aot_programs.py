@@ -198,29 +198,49 @@ def trainer_programs(
       jnp.float32,
     )
   )
+  ref = trained_params if lora_cfg else _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
   # The sampler's bfloat16 params are still referenced while the rollout scores its samples.
-  out = [
-    Lowerable(
-      "logprobs",
-      progs.logprobs.fn,
-      (trained_params, call_rows),
-      {"adapters": adapters},
-      calls,
-      ("optimizer state", "reference", "sampling params"),
-    )
-  ]
-  if spec.needs_reference:
-    ref = trained_params if lora_cfg else _abstract_params(model_cfg, mesh, rules, model_cfg.dtype)
+  out = []
+  if progs.logprobs.gather is None:
     out.append(
       Lowerable(
-        "logprobs_ref",
+        "logprobs",
         progs.logprobs.fn,
-        (ref, call_rows),
-        {},
+        (trained_params, call_rows),
+        {"adapters": adapters},
         calls,
-        ("train state", "sampling params"),
+        ("optimizer state", "reference", "sampling params"),
       )
     )
+    if spec.needs_reference:
+      out.append(
+        Lowerable(
+          "logprobs_ref",
+          progs.logprobs.fn,
+          (ref, call_rows),
+          {},
+          calls,
+          ("train state", "sampling params"),
+        )
+      )
+  else:  # each pass gathers its weights once (config.mesh.gather_once)
+    whole = _abstract_params(model_cfg, mesh, mesh_lib.GATHERED_RULES, model_cfg.dtype)
+    policy_resident: tuple[str, ...] = ("optimizer state", "reference", "sampling params")
+    passes = [("", trained_params, {"adapters": adapters}, policy_resident)]
+    if spec.needs_reference:
+      passes.append(("_ref", ref, {}, ("train state", "sampling params")))
+    for suffix, stored, kwargs, resident in passes:
+      out.append(Lowerable(f"gather{suffix}", progs.logprobs.gather, (stored,), {}, 1, resident))
+      out.append(
+        Lowerable(
+          f"logprobs{suffix}",
+          progs.logprobs.fn,
+          (whole, call_rows),
+          kwargs,
+          calls,
+          ("train state", "reference", "sampling params"),
+        )
+      )
   state = _abstract_tree(
     jax.eval_shape(lambda p: ts.init_train_state(p, tcfg), ts.trainable_shapes(model_cfg, tcfg)),
     progs.state_shardings,

@@ -82,6 +82,7 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
     layout=RowLayout(row_len, rows_per_call, pack),
     rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
     index_sharding=mesh_lib.batch_sharding(mesh, rules, B),
+    gather=ts.make_gather(model_cfg, mesh) if spec.mesh.gather_once else None,
   )
   batch_layout = BatchLayout(
     rows=RowLayout(row_len, rows_per_mb, pack),

@@ -135,6 +135,9 @@ class Mesh:
   tensor: int
   # The sampler's tensor group (capo_jax.runtime.mesh.sampling_mesh); 0: auto.
   sampling_tensor: int
+  # Gather the fsdp-split weights once per log-prob pass and per update (a compute-dtype
+  # copy whole over fsdp), not layer by layer in every call and micro-batch.
+  gather_once: bool
 
   def sizes(self) -> dict[str, int]:
     return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}

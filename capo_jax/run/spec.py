@@ -300,6 +300,7 @@ class RunSpec:
       optim=optim,
       logprob_chunk_size=self.train.logprob_chunk,
       lora=self.lora_config(),
+      gather_once=self.mesh.gather_once,
     )
 
   def advantage_spec(self) -> rollout_lib.AdvantageSpec:

@@ -102,7 +102,12 @@ SAMPLING_RULES: Rules = (
   ("choice_rows", ("data", "fsdp") + TENSOR_GROUP),
 )
 
-RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES}
+# The train rules with each weight whole where only its storage is split ("embed" over
+# fsdp): how the weights lie when gathered once per log-prob pass or update
+# (``config.mesh.gather_once``) rather than layer by layer inside each call.
+GATHERED_RULES: Rules = (("embed", None),) + tuple(r for r in TRAIN_RULES if r[0] != "embed")
+
+RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES, "gathered": GATHERED_RULES}
 
 
 def _axis_items(axes: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
