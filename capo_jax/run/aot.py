@@ -17,6 +17,9 @@ with its shardings:
   logprobs  the old-policy pass over one call of model rows (packed when
             ``train.pack``; LoRA: base + adapters), float32 params
   logprobs_ref  the same program with the reference (when the run keeps one)
+  gather, gather_ref  with ``mesh.gather_once``: the policy's (the reference's) weights
+            gathered whole over fsdp in bfloat16, once a pass; the passes' calls then
+            take that copy
   train     the train step: micro-batch loop + AdamW update
 
 A program whose temporaries exceed the chip's HBM is refused by the compiler
