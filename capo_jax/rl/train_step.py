@@ -16,10 +16,12 @@ Typical use::
   state, metrics = step_fn(state, layout.batch(seqs))   # `state` is donated: use the new one
 
 Precision: params (and Adam moments) are float32 masters; with
-``model_cfg.compute_dtype == "bfloat16"`` they are cast to bfloat16 once per
-micro-batch before the forward (halving FSDP all-gather traffic), while
-logits, log-softmax and the loss stay float32. ``model_cfg.remat`` remats
-each layer; ``TrainConfig.logprob_chunk_size`` bounds the logits memory.
+``model_cfg.compute_dtype == "bfloat16"`` each layer casts its weights to bfloat16
+where it uses them, before their FSDP all-gather (halving its traffic), or, with
+``TrainConfig.gather_once``, the update casts and gathers them all once for its
+micro-batches (``gathered_weights``); logits, log-softmax and the loss stay float32.
+``model_cfg.remat`` remats each layer; ``TrainConfig.logprob_chunk_size`` bounds the
+logits memory.
 
 Gradient accumulation: the batch arrives as M micro-batches
 (``capo_jax.rl.batch.TrainBatch``, rows packed or one sequence per row), and one
