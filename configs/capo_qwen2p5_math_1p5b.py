@@ -31,8 +31,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   c.mesh.fsdp = -1
   c.mesh.tensor = 1
   # The weights gathered once per log-prob pass and per update (a bf16 copy of 3.1 GB per
-  # chip): every slice of tools/memory_plan.py still fits, and the step sends a third of
-  # what it did (docs/tpu.md).
+  # chip): every slice of tools/memory_plan.py still fits, and a step on v4-32 sends 0.28 TB
+  # between chips a chip, not 0.45 (the TPU compiler's count; docs/tpu.md).
   c.mesh.gather_once = True
   # The rollout engine's active rows (KV slots): what tools/memory_plan.py picks
   # for v4-32 / v5e-16.

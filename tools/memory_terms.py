@@ -289,6 +289,8 @@ def memory_terms(
   # Layer by layer (two layers' weights in flight, and the unembedding), or the whole
   # model gathered once a log-prob pass and an update (config.mesh.gather_once): the
   # update's copy keeps the unembedding in its stored dtype (train_step.gathered_weights).
+  # The sharded bf16 copy counted with the grads above is then not made: left in, on the
+  # safe side.
   m["gathered layers + unembed"] = 0.0 if run.gather_once else act * (2 * P_layer + V * D) / t
   once = act * (P - V * D) + master * V * D
   m["gathered weights (once, bf16)"] = once / t if run.gather_once else 0.0

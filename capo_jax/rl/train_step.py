@@ -212,12 +212,16 @@ def loss_and_grads(
     base = gathered_weights(base, model_cfg)
   weights = gathered_weights(params, model_cfg) if full else params
   layout = sharding.active_layout()
+  stored = (
+    mesh_lib.param_shardings(model_cfg, layout.mesh, layout.rules)
+    if full and layout is not None
+    else None
+  )
 
   def to_master(g: Params) -> Params:
     if not full:
       return g
-    if layout is not None:
-      stored = mesh_lib.param_shardings(model_cfg, layout.mesh, layout.rules)
+    if stored is not None:
       g = jax.lax.with_sharding_constraint(g, stored)
     return jax.tree.map(lambda x, p: x.astype(p.dtype), g, params)
 
