@@ -391,3 +391,36 @@ def test_gather_once_moves_the_weights_once_a_pass_and_an_update():
   whole = (f"bf16[{cfg.num_layers},", f"bf16[{cfg.vocab_size},{cfg.hidden_size}]")
   stacked = _bf16_gathers(got[True]["train"], in_loop=False)
   assert stacked and all(s.lstrip("(").startswith(whole) for s in stacked), stacked
+
+
+@pytest.mark.parametrize("top_k, exchanged", [(0, False), (5, True)])
+def test_plain_temperature_is_drawn_inside_the_vocabulary_shards(top_k: int, exchanged: bool):
+  """A sampling group of 4 chips splits the vocabulary (V = 1536: 384 a chip). With the
+  run's plain temperature no collective of the decode loop carries a chip's logits
+  ([..., 384, ...]: only block sums and one block of 128 a row move); top-k needs whole
+  rows, and there the loop exchanges them all-to-all (so the check can fail)."""
+  from capo_jax.run import hlo_ops, hlo_text  # pylint: disable=import-outside-toplevel
+
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.model.preset_overrides.vocab_size = 1536
+  c.mesh.sampling_tensor = 4
+  c.rollout.top_k = top_k
+  spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+  mesh = tpu_topology.topology_mesh(spec, acc)
+  plan = aot_programs.sampler_plan(spec, spec.model_config(), mesh)
+  assert plan.layout.shards("vocab") == 4
+  text = next(iter(aot.compile_step(spec, mesh, only=("decode",)))).compiled.as_text()
+  comps, entry = hlo_text.parse(text)
+  walk = hlo_cost._walk(comps, entry, True, enter_unbounded=True)
+  loop = [
+    ins
+    for name, w in walk.in_loop.items()
+    if w and name not in walk.fused
+    for ins in comps[name]
+    if ins.op.startswith(hlo_ops.COLLECTIVES)
+  ]
+  logits = [i.shape for i in loop if re.search(r"f32\[([\d,]*,)?384(,[\d,]*)?\]", i.shape)]
+  assert bool(logits) == exchanged, logits
+  assert any(i.op.startswith("all-to-all") for i in loop) == exchanged

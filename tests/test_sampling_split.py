@@ -5,8 +5,10 @@ as rows (data) x a tensor group; ``SAMPLING_RULES`` put 1 / group of each weight
 each chip of the group's MLP and vocabulary, and of the attention's weights 1 / the kv
 heads (the KV cache's rows split over the rest of the group, its kv heads over them).
 The child process samples the same prompts on one device and on each split, with
-continuous batching (refills and tail phases) at float32, and checks the tokens are
-equal and the log-probs within 1e-5: the split reorders the reductions (the
+continuous batching (refills and tail phases) at float32, top-k (whole vocabulary rows)
+and, for a group of 4, plain temperature (drawn inside the vocabulary shards,
+``capo_jax.sampling.choice``), and checks the tokens are equal and the log-probs within
+1e-5: the split reorders the reductions (the
 attention output and MLP down projections, and the unembedding, sum per-chip partial
 products across the group), so the two are not bitwise equal.
 
@@ -77,6 +79,11 @@ _CHILD = textwrap.dedent("""
       assert e.addressable_shards[0].data.size * t == e.size
       same(one, sampling.generate(placed, cfg, tokens, mask, jax.random.key(1), spec, layout),
            f"tensor group {t}")
+      if t == 4:  # plain temperature: the draw inside the vocabulary shards (choice.py)
+        spec_t = dataclasses.replace(spec, strategy=strategies.Temperature(0.9))
+        same(sampling.generate(params, cfg, tokens, mask, jax.random.key(1), spec_t),
+             sampling.generate(placed, cfg, tokens, mask, jax.random.key(1), spec_t, layout),
+             "temperature, drawn inside the vocabulary shards")
 
     # 2. The run's path: train params (fsdp) -> to_sampling -> the sampler's own mesh.
     c = common.shrink(common.get_base_config())

@@ -97,8 +97,9 @@ SAMPLING_RULES: Rules = (
   ("act_kv_heads", "tensor"),
   ("act_mlp", TENSOR_GROUP),
   ("act_vocab", TENSOR_GROUP),
-  # The rows a token is chosen for: over every device, so each chip draws from whole
-  # vocabulary rows (the step's vocab-split logits are exchanged, all-to-all, first).
+  # The rows a top-k / top-p token is chosen for: over every device, so each chip draws
+  # from whole vocabulary rows (the vocab-split logits are exchanged, all-to-all,
+  # first); greedy and plain temperature draw inside the vocab shards (choice.py).
   ("choice_rows", ("data", "fsdp") + TENSOR_GROUP),
 )
 

@@ -50,7 +50,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
-from capo_jax.sampling import decode, ragged
+from capo_jax.sampling import choice, decode, ragged
 from capo_jax.sampling.plans import (
   Ends,
   FirstTokens,
@@ -89,20 +89,6 @@ class _Out:
 
 def _constrain(layout: Layout | None, x: jax.Array, axes: tuple[str | None, ...]) -> jax.Array:
   return x if layout is None else layout.constrain(x, axes)
-
-
-def _choice_rows(layout: Layout | None, logits_VB: jax.Array) -> jax.Array:
-  """The logits a token is drawn from: whole vocabulary rows, the rows over every device
-  (the sampling rules' "choice_rows").
-
-  With the weights split over a tensor group the logits come out vocab-split; the
-  strategies' two-level draw reshapes the vocabulary into blocks of 128, which a vocab
-  split need not keep whole, so the rows are exchanged first (all-to-all: each chip
-  gets 1 / group of its rows, whole). Pinned vocab-split first: else XLA moves the
-  exchange into the unembedding and gathers the whole table every step.
-  """
-  logits_VB = _constrain(layout, logits_VB, ("vocab", "batch"))
-  return _constrain(layout, logits_VB, (None, "choice_rows"))
 
 
 def _constrain_cache(
@@ -157,10 +143,10 @@ def prefill(
   h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
-  logits_VB = _choice_rows(layout, jnp.repeat(logits_QV, num_samples, axis=0).T)
+  logits_VB = jnp.repeat(logits_QV, num_samples, axis=0).T
   B = Q * num_samples
   u_B = row_uniforms(rng, jnp.arange(B), jnp.zeros((B,), jnp.int32))
-  token_B, logprob_B = strategy.choose(logits_VB, u_B)
+  token_B, logprob_B = choice.choose(strategy, logits_VB, u_B, layout)
   L = cfg.num_layers
   if plan.attention == "ragged":  # [Q, P, K, H] -> [Q, P, K*H]: a reshape, no copy
     k_L = tuple(cache.k_LBSKH[l].reshape(Q, P, -1) for l in range(L))
@@ -348,8 +334,8 @@ def decode_loop(
     )
     with sharding.activations(layout):  # the step's activation constraints
       logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)
-    logits_VW = _choice_rows(layout, logits_VW)
-    token_W, logprob_W = plan.strategy.choose(logits_VW, row_uniforms(rng, s.row_W, s.t_W))
+    u_W = row_uniforms(rng, s.row_W, s.t_W)
+    token_W, logprob_W = choice.choose(plan.strategy, logits_VW, u_W, layout)
     # Inactive slots write to row B: out of range, dropped.
     row_W = jnp.where(s.active_W, s.row_W, B)
     stop_W = is_stop(token_W, stop_ids)

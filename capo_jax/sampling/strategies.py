@@ -21,7 +21,7 @@ from collections.abc import Callable
 import jax
 import jax.numpy as jnp
 
-_BLOCK = 128  # vocabulary block of the two-level inverse-CDF draw
+BLOCK = 128  # vocabulary block of the two-level inverse-CDF draw
 
 
 def _row_uniforms(rng: jax.Array, batch: int) -> jax.Array:
@@ -43,9 +43,9 @@ def _inverse_cdf_VB(
   chosen block. ``pad`` fills V up to whole blocks and must weigh 0.
   """
   V, B = x_VB.shape
-  nb = -(-V // _BLOCK)
-  x_XVB = jnp.pad(x_VB, ((0, nb * _BLOCK - V), (0, 0)), constant_values=pad)
-  x_XVB = x_XVB.reshape(nb, _BLOCK, B)
+  nb = -(-V // BLOCK)
+  x_XVB = jnp.pad(x_VB, ((0, nb * BLOCK - V), (0, 0)), constant_values=pad)
+  x_XVB = x_XVB.reshape(nb, BLOCK, B)
   cum_XB = jnp.cumsum(jnp.sum(weight(x_XVB), axis=1), axis=0)
   total_B = cum_XB[-1]
   target_B = u_B * total_B
@@ -57,9 +57,9 @@ def _inverse_cdf_VB(
   idx_B = jnp.sum(inner_VB <= (target_B - before_B), axis=0, dtype=jnp.int32)
   # Rounding can push the index one past the block's mass: clamp to its last
   # positive-weight token so excluded (zero-weight) tokens stay excluded.
-  iota_V1 = jnp.arange(_BLOCK, dtype=jnp.int32)[:, None]
+  iota_V1 = jnp.arange(BLOCK, dtype=jnp.int32)[:, None]
   last_B = jnp.max(jnp.where(w_VB > 0, iota_V1, 0), axis=0)
-  return block_B * _BLOCK + jnp.minimum(idx_B, last_B), total_B
+  return block_B * BLOCK + jnp.minimum(idx_B, last_B), total_B
 
 
 def inverse_cdf(weights_BV: jax.Array, u_B: jax.Array) -> jax.Array:
