@@ -34,6 +34,10 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # chip): every slice of tools/memory_plan.py still fits, and a step on v4-32 sends 0.28 TB
   # between chips a chip, not 0.45 (the TPU compiler's count; docs/tpu.md).
   c.mesh.gather_once = True
+  # And each chip's rows' float32 gradient kept over an update (6.2 GB a chip), reduced
+  # once: the train program sends 29 GB a step between chips, not 109 (the TPU
+  # compiler's count; docs/tpu.md). LoRA runs set it False (their gradients are small).
+  c.mesh.reduce_once = True
   # The rollout engine's active rows (KV slots): what tools/memory_plan.py picks
   # for v4-32 / v5e-16.
   c.rollout.max_active_rows = 512

@@ -178,6 +178,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # of gathering each layer in every log-prob call and (twice, with remat) in every
   # micro-batch (with LoRA: the frozen base). docs/tpu.md has what it saves.
   c.mesh.gather_once = False
+  # With gather_once and full fine-tuning: each chip keeps its rows' float32 gradient of
+  # the whole model (params x 4 bytes / tensor) over an update's micro-batches, and the
+  # update reduces them once, in place of a gradient all-reduce per micro-batch
+  # (capo_jax/rl/local_grads.py; docs/tpu.md has what it saves).
+  c.mesh.reduce_once = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 50

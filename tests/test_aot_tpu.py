@@ -376,7 +376,7 @@ def test_gather_once_moves_the_weights_once_a_pass_and_an_update():
     c = capo_qwen2p5_math_1p5b.get_config("shrink")
     c.mesh.fsdp, c.mesh.tensor = -1, 2
     c.train.micro_batch_size = 4  # several micro-batches: the loop the weights stay out of
-    c.mesh.gather_once = once
+    c.mesh.gather_once, c.mesh.reduce_once = once, False
     spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
     assert aot_programs.Shapes.from_spec(spec).microbatches > 1
     mesh = tpu_topology.topology_mesh(spec, acc)
@@ -391,6 +391,51 @@ def test_gather_once_moves_the_weights_once_a_pass_and_an_update():
   whole = (f"bf16[{cfg.num_layers},", f"bf16[{cfg.vocab_size},{cfg.hidden_size}]")
   stacked = _bf16_gathers(got[True]["train"], in_loop=False)
   assert stacked and all(s.lstrip("(").startswith(whole) for s in stacked), stacked
+
+
+def _weight_reduces(text: str, layers: int, in_loop: bool) -> list[str]:
+  """The all-reduces (and reduce-scatters) of the stacked weights' gradients [L, ...],
+  those inside an unbounded loop (the micro-batches) or outside every loop."""
+  from capo_jax.run import hlo_ops, hlo_text  # pylint: disable=import-outside-toplevel
+
+  comps, entry = hlo_text.parse(text)
+  walk = hlo_cost._walk(comps, entry, True, enter_unbounded=True)
+  found = []
+  for name, body in comps.items():
+    if not walk.weight.get(name) or bool(walk.in_loop.get(name)) != in_loop:
+      continue
+    shapes = {i.name: i.shape for i in body}
+    for ins in body:
+      fused = ins.op == "fusion" and hlo_ops.fused_collective(ins, comps, 8)[0]
+      if ins.op.startswith(("all-reduce", "reduce-scatter")) or fused:
+        operands = re.findall(r"%([\w.\-]+)", ins.rest.split("),")[0])
+        seen = " ".join([ins.shape] + [shapes.get(o, "") for o in operands])
+        if re.search(rf"\b(bf16|f32)\[{layers},", seen):
+          found.append(ins.shape)
+  return found
+
+
+def test_reduce_once_sums_the_gradient_once_an_update():
+  """``config.mesh.reduce_once`` on 4 x 2 chips (fsdp x tensor), compiled for TPU: no
+  gradient of the stacked weights is reduced across chips inside the micro-batch loop,
+  and the update reduces it once after the loop. Without it (the weights gathered once
+  still), every micro-batch all-reduces that gradient."""
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  got = {}
+  for once in (False, True):
+    c = capo_qwen2p5_math_1p5b.get_config("shrink")
+    c.mesh.fsdp, c.mesh.tensor = -1, 2
+    c.train.micro_batch_size = 4  # several micro-batches: the loop the reduction leaves
+    c.mesh.gather_once, c.mesh.reduce_once = True, once
+    spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+    assert aot_programs.Shapes.from_spec(spec).microbatches > 1
+    mesh = tpu_topology.topology_mesh(spec, acc)
+    got[once] = next(iter(aot.compile_step(spec, mesh, only=("train",)))).compiled.as_text()
+  L = spec.model_config().num_layers
+  assert _weight_reduces(got[False], L, in_loop=True)
+  assert not _weight_reduces(got[True], L, in_loop=True)
+  assert _weight_reduces(got[True], L, in_loop=False)
 
 
 @pytest.mark.parametrize("top_k, exchanged", [(0, False), (5, True)])

@@ -297,3 +297,24 @@ def test_memory_plan_lora_terms_by_hand():
   for small in ("v4-8", "v5e-16", "v6e-4"):
     assert mp.plan(run, mp.parse_slice(small)).fits
     assert not mp.plan(full, mp.parse_slice(small)).fits
+
+
+def test_reduce_once_needs_gather_once_and_full_fine_tuning():
+  """``mesh.reduce_once`` (the 1.5B run file's) keeps each chip's gradient of the gathered
+  copy: with LoRA or without ``mesh.gather_once`` there is no such copy, and the run stops
+  naming the field rather than running without it."""
+  from configs import capo_qwen2p5_math_1p5b  # pylint: disable=import-outside-toplevel
+
+  for change in ({"model.lora_rank": 4}, {"mesh.gather_once": False}):
+    c = capo_qwen2p5_math_1p5b.get_config("shrink")
+    assert c.mesh.reduce_once and c.mesh.gather_once
+    for dotted, value in change.items():
+      section, field = dotted.split(".")
+      c[section][field] = value
+    with pytest.raises(spec_lib.ConfigError, match=r"config\.mesh\.reduce_once=True"):
+      spec_lib.RunSpec.from_config(c, num_devices=1)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.model.lora_rank, c.mesh.reduce_once = 4, False
+  assert spec_lib.RunSpec.from_config(c, num_devices=1).train_config().lora is not None
+  with pytest.raises(ValueError, match="reduce_once needs gather_once"):
+    state_lib.TrainConfig(reduce_once=True)

@@ -2,7 +2,9 @@
 with their activations constrained to the train rules (rows over data x fsdp, heads /
 MLP / vocab over tensor, weights gathered per layer), equal one device's: packed and
 one sequence per row, full fine-tuning and LoRA; and, packed, with the weights gathered
-once per pass and per update (``config.mesh.gather_once``) on the eight devices.
+once per pass and per update (``config.mesh.gather_once``) on the eight devices; and,
+one sequence per row (two micro-batches), with each shard's gradient summed over the
+micro-batches where it lies and reduced once an update (``config.mesh.reduce_once``).
 
 The child process runs each case on both meshes from the same host arrays and prints
 the largest differences; the test holds them to 1e-6.
@@ -19,7 +21,9 @@ import fake_devices
 TOL = 1e-6
 
 
-def _case(pack: bool, use_lora: bool, gather_once: bool = False) -> dict[str, float]:
+def _case(
+  pack: bool, use_lora: bool, gather_once: bool = False, reduce_once: bool = False
+) -> dict[str, float]:
   import jax
   import numpy as np
 
@@ -40,7 +44,7 @@ def _case(pack: bool, use_lora: bool, gather_once: bool = False) -> dict[str, fl
     optim=OptimConfig(learning_rate=1e-3, eps=1e-2), lora=lcfg, logprob_chunk_size=4
   )
   # One device is the reference: it runs without gathering once, the eight with it.
-  tcfg_eight = tcfg.replace(gather_once=gather_once)
+  tcfg_eight = tcfg.replace(gather_once=gather_once, reduce_once=reduce_once)
   rules = mesh_lib.TRAIN_RULES
   rng = np.random.default_rng(0)
   prompt = rng.integers(0, 256, (B, P)).astype(np.int32)
@@ -75,7 +79,10 @@ def _case(pack: bool, use_lora: bool, gather_once: bool = False) -> dict[str, fl
     batch = HostBatch(prompt, pmask, comp, cmask, old, adv)
     step = ts.make_train_step(cfg, tcfg_eight if once else tcfg, mesh, rules, Y)
     extra = (base_dev,) if lcfg else ()
-    state, met = step(state, batch.train_batch(Y, pack=pack, row_len=row_len), *extra)
+    tb = batch.train_batch(Y, pack=pack, row_len=row_len)
+    # reduce_once accumulates each shard's share over the micro-batches: two or more.
+    assert not reduce_once or tb.index_MBC.shape[0] > 1, tb.index_MBC.shape
+    state, met = step(state, tb, *extra)
     out[name] = dict(
       pass_=got,
       params=jax.tree.map(np.asarray, state.params),
@@ -101,6 +108,9 @@ def _child() -> None:
   results = {f"pack={p} lora={lo}": _case(p, lo) for p in (False, True) for lo in (False, True)}
   for lo in (False, True):
     results[f"pack=True lora={lo} gather_once"] = _case(True, lo, gather_once=True)
+  results["pack=False lora=False gather_once reduce_once"] = _case(
+    False, False, gather_once=True, reduce_once=True
+  )
   print("RESULTS " + json.dumps(results))
 
 
@@ -110,7 +120,7 @@ def test_sharded_pass_and_step_equal_one_device():
   lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
   assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
   results = json.loads(lines[0][len("RESULTS ") :])
-  assert len(results) == 6
+  assert len(results) == 7
   for case, r in results.items():
     assert r["moved"] > 1e-5, (case, r)  # the step did something to compare
     for key in ("pass", "params", "loss", "grad_norm_rel"):

@@ -85,6 +85,7 @@ class Run:
   lora: lora.LoraConfig | None = None  # adapters on a frozen base (module docstring)
   sampling_tensor: int = 0  # config.mesh.sampling_tensor: the sampler's group (0: auto)
   gather_once: bool = False  # config.mesh.gather_once: a whole bf16 copy per pass / update
+  reduce_once: bool = False  # config.mesh.reduce_once: each chip's f32 gradient of it
 
   @classmethod
   def from_config(cls, c: Any, preset: str = "") -> Run:
@@ -104,6 +105,7 @@ class Run:
       ppo_epochs=c.train.ppo_epochs,
       sampling_tensor=c.mesh.sampling_tensor,
       gather_once=c.mesh.gather_once,
+      reduce_once=c.mesh.reduce_once,
     )
 
 
@@ -294,6 +296,10 @@ def memory_terms(
   m["gathered layers + unembed"] = 0.0 if run.gather_once else act * (2 * P_layer + V * D) / t
   once = act * (P - V * D) + master * V * D
   m["gathered weights (once, bf16)"] = once / t if run.gather_once else 0.0
+  # config.mesh.reduce_once: each chip sums its rows' float32 gradient of that copy over
+  # the micro-batches (capo_jax/rl/local_grads.py). The TPU compiler holds the sum and
+  # its update side by side (1.5B on v4-32: +10.5 GiB, docs/tpu.md), so two.
+  m["rows' gradient sums (reduce_once, 2 x f32)"] = 2 * 4 * P / t if run.reduce_once else 0.0
   m["boundary activations"] = L * r * T * D * act
   m["layer working set"] = r * (
     N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4 + T * D * act * 8
@@ -305,6 +311,7 @@ def memory_terms(
       "grads (2 x f32) + bf16 copy",
       "gathered layers + unembed",
       "gathered weights (once, bf16)",
+      "rows' gradient sums (reduce_once, 2 x f32)",
       "boundary activations",
       "layer working set",
       "log-prob chunk",

@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import PartitionSpec
 
+from capo_jax.rl import local_grads
 from capo_jax.types import Array
 from models.sharding import Layout
 
@@ -110,4 +111,5 @@ def scan_on_mesh(
     mesh=layout.mesh,
     in_specs=(PartitionSpec(None, vocab_entry), specs),
     out_specs=per_chunk,
+    check_vma=not local_grads.inside(),
   )(w_DV, xs)

@@ -54,6 +54,9 @@ class TrainConfig:
     gather_once: the update gathers the weights whole over fsdp once, in the compute
       dtype, for all its micro-batches (``train_step.gathered_weights``); with LoRA, the
       frozen base.
+    reduce_once: with ``gather_once`` and full fine-tuning, each row shard's float32
+      gradient is summed over the micro-batches where it lies and the update reduces
+      the shards' sums once (``capo_jax.rl.local_grads``).
   """
 
   policy_loss: losses.PolicyLoss = losses.Ppo()
@@ -63,8 +66,14 @@ class TrainConfig:
   skip_nonfinite: bool = True
   lora: lora_lib.LoraConfig | None = None
   gather_once: bool = False
+  reduce_once: bool = False
 
   def __post_init__(self) -> None:
+    if self.reduce_once and (not self.gather_once or self.lora is not None):
+      raise ValueError(
+        "TrainConfig.reduce_once needs gather_once and full fine-tuning (with LoRA the "
+        "adapters' gradients are small: leave it off)"
+      )
     if not isinstance(self.policy_loss, losses.PolicyLoss):
       raise TypeError(
         f"TrainConfig.policy_loss={self.policy_loss!r} is not a "

@@ -54,7 +54,7 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from capo_jax.rl import losses
+from capo_jax.rl import local_grads, losses
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs
 from capo_jax.rl.optim import current_lr, make_optimizer
@@ -149,16 +149,24 @@ def microbatch_loss(
   model_cfg: Qwen2Config,
   tcfg: TrainConfig,
   base: Params | None = None,
+  shards: sharding.Layout | None = None,
 ) -> tuple[Array, dict[str, Array]]:
-  """The policy loss of one micro-batch under ``params`` (one forward, no accumulation)."""
+  """The policy loss of one micro-batch under ``params`` (one forward, no accumulation).
+
+  ``shards``: ``params`` are each row shard's own copy (``local_grads.split_weights``)
+  and the forward runs shard by shard under this layout."""
   if not tcfg.policy_loss.top_k:
     rows = dataclasses.replace(rows, topk_ids_YZJ=None)
-  lp = packed_token_logprobs(
-    policy_weights(params, model_cfg, tcfg, base),
-    model_cfg,
-    rows,
-    chunk_size=tcfg.logprob_chunk_size,
-  )
+
+  def forward(w: Params, r: ModelRows) -> dict[str, Array]:
+    weights = policy_weights(w, model_cfg, tcfg, base)
+    return packed_token_logprobs(weights, model_cfg, r, chunk_size=tcfg.logprob_chunk_size)
+
+  if shards is None:
+    lp = forward(params, rows)
+  else:
+    split = local_grads.per_shard(forward, shards)(params, local_grads.split_rows(rows, shards))
+    lp = local_grads.merge_rows(split)
   mask_BC = seqs.completion_mask_BC
   lp = {k.replace("_YZ", "_BC"): unpack(v, index_BC, mask_BC) for k, v in lp.items()}
   return losses.policy_loss(tcfg.policy_loss, policy_batch(lp, seqs, tcfg), tcfg.loss)
@@ -218,7 +226,21 @@ def loss_and_grads(
     else None
   )
 
+  # reduce_once: each row shard's own copy of the weights, so its share of the gradient
+  # stays where it is computed until the loop ends (local_grads).
+  Y = batch.rows.tokens_YT.shape[1]
+  shards = local_grads.shards(layout)
+  split = (
+    layout
+    if tcfg.reduce_once and batch.index_MBC.shape[0] > 1 and shards > 1 and Y % shards == 0
+    else None
+  )
+  if split is not None:
+    weights = local_grads.split_weights(weights, model_cfg, split)
+
   def to_master(g: Params) -> Params:
+    if split is not None:  # each shard's share, float32, summed once after the loop
+      return jax.tree.map(lambda x: x.astype(jnp.float32), g)
     if not full:
       return g
     if stored is not None:
@@ -227,7 +249,7 @@ def loss_and_grads(
 
   def mb_loss(p: Params, mb: tuple[ModelRows, Array, Sequences]) -> tuple[Array, dict[str, Array]]:
     rows, index_BC, seqs = mb
-    return microbatch_loss(p, rows, index_BC, seqs, model_cfg, tcfg, base)
+    return microbatch_loss(p, rows, index_BC, seqs, model_cfg, tcfg, base, split)
 
   grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
   mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
@@ -249,8 +271,13 @@ def loss_and_grads(
     return g_acc, loss_acc + w * loss, aux_acc
 
   aux_shape = jax.eval_shape(grad_fn, weights, mb_at(0))[0][1]
-  init = (jax.tree.map(jnp.zeros_like, params), jnp.zeros((), jnp.float32), init_aux(aux_shape))
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  if split is not None:
+    zeros = local_grads.zero_shares(model_cfg, weights, split)
+  init = (zeros, jnp.zeros((), jnp.float32), init_aux(aux_shape))
   grads, loss, aux = jax.lax.fori_loop(0, n, body, init)
+  if split is not None:
+    grads = local_grads.reduce_to(grads, stored, params)
   return loss, aux, grads
 
 

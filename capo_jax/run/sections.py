@@ -138,6 +138,10 @@ class Mesh:
   # Gather the fsdp-split weights once per log-prob pass and per update (a compute-dtype
   # copy whole over fsdp), not layer by layer in every call and micro-batch.
   gather_once: bool
+  # With gather_once and full fine-tuning: each chip sums its rows' float32 gradient over
+  # an update's micro-batches and the update reduces the chips' sums once
+  # (capo_jax.rl.local_grads), not an all-reduce per micro-batch.
+  reduce_once: bool
 
   def sizes(self) -> dict[str, int]:
     return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}

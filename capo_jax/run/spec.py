@@ -142,6 +142,13 @@ class RunSpec:
     self.mismatch_spec()
     checks.model(self.model, self.tokenizer_path, policy_given)
     self.lora_config()
+    if self.mesh.reduce_once and (not self.mesh.gather_once or self.lora_config()):
+      fail(
+        "mesh.reduce_once",
+        True,
+        "needs mesh.gather_once=True and full fine-tuning (with LoRA the adapters' "
+        "gradients are small): set --config.mesh.reduce_once=False",
+      )
     self.prompt_format()
     checks.outputs(self.data, self.eval, self.log, self.checkpoint)
     n = jax.device_count() if num_devices is None else num_devices
@@ -301,6 +308,7 @@ class RunSpec:
       logprob_chunk_size=self.train.logprob_chunk,
       lora=self.lora_config(),
       gather_once=self.mesh.gather_once,
+      reduce_once=self.mesh.reduce_once,
     )
 
   def advantage_spec(self) -> rollout_lib.AdvantageSpec:
