@@ -28,7 +28,7 @@ from capo_jax.rl import train_step as ts
 from capo_jax.run import aot, aot_programs, hlo_cost, programs, tpu_topology
 from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
-from capo_jax.sampling import ragged
+from capo_jax.sampling import ragged, slots
 from configs import capo_qwen2p5_math_1p5b
 from models import qwen2, sharding
 
@@ -321,6 +321,7 @@ def test_a_group_past_the_kv_heads_splits_the_attention_rows():
   c.model.preset_overrides.hidden_size = 128
   c.mesh.sampling_tensor = 8
   c.rollout.max_new_tokens = 1024  # cache columns no other array of the loop has
+  c.rollout.max_prompt_len = 512  # several refill chunks a prompt
   spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
   mesh = tpu_topology.topology_mesh(spec, acc)
   plan = aot_programs.sampler_plan(spec, spec.model_config(), mesh)
@@ -340,12 +341,33 @@ def test_a_group_past_the_kv_heads_splits_the_attention_rows():
     if ins.op.startswith(hlo_ops.COLLECTIVES)
   ]
   assert loop_collectives  # the group's partial sums
-  # Keys / values are [slots, columns, kv heads x head dim] (a refill's one-row mask
-  # [1, columns] is no cache).
+  # Keys / values are [slots, columns, kv heads x head dim].
   caches = [
     s for s in loop_collectives if any(len(a) >= 3 and max(a) >= plan.gen_len for a in arrays(s))
   ]
   assert not caches, caches
+  # The refill (the loop's conditional) sends a prompt's keys / values 128 columns at a
+  # time, not its P = 512: [1, 128, K*H / kv-head shards] (the other arrays it sends,
+  # indices, have at most two axes).
+  branches = [
+    b
+    for body in comps.values()
+    for ins in body
+    if ins.op == "conditional"
+    for b in re.findall(r"%([\w.\-]+)", ins.rest.split("branch_computations=")[-1])
+    if b in comps
+  ]
+  refill = [
+    a
+    for b in branches
+    for name, w in hlo_cost._walk(comps, b, True, enter_unbounded=True).weight.items()
+    if w
+    for ins in comps.get(name, [])
+    if ins.op.startswith(hlo_ops.COLLECTIVES)
+    for a in arrays(ins.shape)
+    if len(a) >= 3
+  ]
+  assert refill and all(a[:2] == [1, slots.REFILL_CHUNK] for a in refill), refill
 
 
 def _bf16_gathers(text: str, in_loop: bool) -> list[str]:

@@ -13,6 +13,8 @@ ragged kernel (capo_jax.sampling.ragged, interpreted) gives the same samples.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import functools
 import os
 import pathlib
 import subprocess
@@ -27,6 +29,7 @@ import pytest
 import hf_utils
 from capo_jax.sampling import decode, engine, plans, strategies
 from capo_jax.sampling import sampler as sampling
+from capo_jax.sampling import slots as slots_lib
 from capo_jax.sampling.ragged import attend
 from models import qwen2
 from models.config import Qwen2Config
@@ -221,6 +224,76 @@ def test_ragged_attention_through_the_tail_loops(rollouts, monkeypatch):
   assert_same(ref, run(cfg, params, tokens, mask, 16, stops, key=6))
 
 
+def uneven_prompts(cfg) -> tuple[np.ndarray, np.ndarray]:
+  """Prompts of 250, 1, 130 and 40 tokens: P = 256, two 128-column chunks at most."""
+  return hf_utils.left_padded_batch(
+    np.random.default_rng(4), [250, 1, 130, 40], cfg.vocab_size, low=3
+  )
+
+
+@pytest.mark.parametrize("attention", ["blocks", "ragged"])
+def test_slots_reused_by_shorter_prompts(rollouts, monkeypatch, attention):
+  """Prompts of 250, 1, 130 and 40 tokens (``uneven_prompts``), the longest first, over
+  3 slots: rows of shorter prompts take the slots its rows held, and a refill copies only
+  their own chunks. The same samples as every row in a fresh slot.
+
+  A slot's mask row comes from its new prompt's length: with the last row's kept where
+  the new prompt has none, the blocked run differs at once (the ragged kernel reads from
+  the prompt's first column, by its length)."""
+  cfg, params, _, _, stops, _ = rollouts
+  tokens, mask = uneven_prompts(cfg)
+  ref = run(cfg, params, tokens, mask, Q * G, stops, max_new=12)
+  lengths = np.asarray(ref.lengths_B)
+  assert lengths.min() < 6 and lengths[:G].min() < 12, lengths  # slots free up early
+  if attention == "ragged":
+    monkeypatch.setattr(plans, "ATTENTION", "ragged")
+    monkeypatch.setattr(plans, "RAGGED_BLOCK", 32)
+  assert_same(ref, run(cfg, params, tokens, mask, 3, stops, max_new=12))
+
+
+def test_refill_writes_only_the_prompts_chunks():
+  """Two rounds of refills into 4 slots (P = 384): a slot's prompt columns hold its row's
+  128-column chunks counted from P and zeros, its last row's longer chunks zeroed; its
+  completion columns are left alone (NaN here: the decode step writes them before they
+  are unmasked); its mask row comes from the prompt's length."""
+  cfg = Qwen2Config.tiny()
+  X, W, P, C = cfg.num_kv_heads * cfg.head_dim, 4, 384, 8
+  lengths = [384, 1, 129, 200, 1, 384, 5, 130]  # the second round's, in the same slots
+  Q, L = len(lengths), cfg.num_layers
+  rng = np.random.default_rng(0)
+  k = tuple(jnp.asarray(rng.normal(size=(Q, P, X)), jnp.float32) for _ in range(L))
+  v = tuple(x + 1 for x in k)
+  prompts = plans.PromptCache(
+    k, v, jnp.asarray(np.arange(P) >= P - np.c_[lengths]), jnp.asarray(lengths)
+  )
+  plan = plans.Plan(cfg=cfg, strategy=None, num_samples=1, num_slots=W, gen_len=C)
+  empty = jnp.concatenate([jnp.zeros((W, P, X)), jnp.full((W, C, X), jnp.nan)], 1)
+  cache = decode.SlotCache((empty,) * L, (empty,) * L, jnp.zeros((W, P + C), bool))
+  slots = slots_lib.Slots(
+    row_W=jnp.full((W,), Q, jnp.int32),
+    t_W=jnp.zeros((W,), jnp.int32),
+    active_W=jnp.zeros((W,), bool),
+    last_W=jnp.zeros((W,), jnp.int32),
+    next=jnp.zeros((), jnp.int32),
+  )
+  first = plans.FirstTokens(jnp.zeros((Q,), jnp.int32), jnp.zeros((Q,), jnp.float32))
+  refill = jax.jit(functools.partial(slots_lib.refill, plan, prompts, first, jnp.arange(Q), Q))
+  cols = np.arange(P + C)
+  for rows in (range(W), range(W, Q)):
+    slots, cache = refill(slots, cache)
+    np.testing.assert_array_equal(np.asarray(slots.row_W), list(rows))
+    for w, q in enumerate(rows):
+      n = lengths[q]
+      start = P - -(-n // 128) * 128  # the first column copied (slots_lib.REFILL_CHUNK)
+      for got, src in zip(cache.k + cache.v, k + v):
+        want = np.zeros((P, X), np.float32)
+        want[start:] = np.asarray(src[q, start:])
+        np.testing.assert_array_equal(np.asarray(got[w, :P]), want, err_msg=f"{q=} {n=}")
+        assert np.isnan(np.asarray(got[w, P:])).all()
+      np.testing.assert_array_equal(np.asarray(cache.mask_WS[w]), (cols >= P - n) & (cols < P))
+    slots = dataclasses.replace(slots, active_W=jnp.zeros((W,), bool))  # the rows stop
+
+
 def test_one_token_and_compile_count(rollouts):
   cfg, params, tokens, mask, stops, outs = rollouts
   before = dict(engine.TRACE_COUNTS)
@@ -290,16 +363,23 @@ _SHARDED = textwrap.dedent("""
       np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref["tokens"])
       np.testing.assert_array_equal(np.asarray(out.mask_BC), ref["mask"])
       np.testing.assert_allclose(np.asarray(out.logprobs_BC), ref["logprobs"], atol=1e-5)
+    # Slots reused by rows of shorter prompts, each chunk taken from the shard holding it.
+    out = te.run(cfg, params, *te.uneven_prompts(cfg), 3, stops, layout, max_new=12)
+    np.testing.assert_array_equal(np.asarray(out.tokens_BC), ref["uneven_tokens"])
+    np.testing.assert_allclose(np.asarray(out.logprobs_BC), ref["uneven_logprobs"], atol=1e-5)
     print("OK")
 """)
 
 
-@pytest.mark.slow  # ~60 s of CPU: a fresh process compiling three sharded programs
+@pytest.mark.slow  # ~60 s of CPU: a fresh process compiling four sharded programs
 def test_sharded_schedules_equal_one_device(rollouts, tmp_path):
-  *_, stops, outs = rollouts
+  cfg, params, *_, stops, outs = rollouts
+  uneven = run(cfg, params, *uneven_prompts(cfg), Q * G, stops, max_new=12)
   ref = tmp_path / "one_device.npz"
   np.savez(
     ref,
+    uneven_tokens=np.asarray(uneven.tokens_BC),
+    uneven_logprobs=np.asarray(uneven.logprobs_BC),
     tokens=np.asarray(outs[Q * G].tokens_BC),
     mask=np.asarray(outs[Q * G].mask_BC),
     logprobs=np.asarray(outs[Q * G].logprobs_BC),

@@ -6,12 +6,20 @@ import dataclasses
 
 import numpy as np
 
-from capo_jax.sampling import plans
+from capo_jax.sampling import plans, slots
 from tools import rollout_sim as rl
 
 
 def test_simulation_mirrors_the_engines_tail_loops():
   assert (rl.Shape.shrink, rl.Shape.max_loops) == (plans.SHRINK, plans.MAX_PHASES)
+
+
+def test_refill_chunks_mirror_the_engine():
+  assert rl.Shape.refill_chunk == slots.REFILL_CHUNK
+  chunks = lambda P, n: rl.refill_chunks(rl.Shape(prompt_len=P, prompt_tokens=n))  # noqa: E731
+  assert chunks(1024, 200) == (2, 128)  # the step estimate's prompts
+  assert chunks(1024, 0) == chunks(1024, 2000) == (8, 128)  # the whole prompt
+  assert chunks(64, 10) == (1, 64) and chunks(200, 10) == (1, 200)  # 128 does not divide P
 
 
 def test_tail_loop_reads_counted_by_hand():

@@ -275,8 +275,9 @@ def estimate(
       f"{out['decode_read_ratio_all_spaces']:.2f}x counted together) where "
       f"the weights ({resident['sampling params'] / 1e9:.2f}) and the filled KV blocks "
       f"({kv / 1e9:.2f}) make {ideal / 1e9:.2f}: {out['decode_read_ratio']:.2f}x; one "
-      f"refill copy moves {dec['refill_bytes'] / 1e9:.2f} GB "
-      f"({dec['refill_collective_bytes'] / 1e9:.2f} GB of it collectives)"
+      f"refill iteration (a chunk of a row's prompt, {t.refill_chunks:.0f} a row) moves "
+      f"{dec['refill_bytes'] / 1e9:.3f} GB ({dec['refill_collective_bytes'] / 1e9:.3f} GB "
+      f"of it collectives)"
     )
   flop_s = sum(v["times"]["flop_s"] for v in out["estimate"].values())
   out["flop_s"] = flop_s

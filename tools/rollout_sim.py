@@ -15,7 +15,8 @@ no row waits, the active rows move to a quarter of the slots as they fit, at mos
 twice, as ``plans.Plan.phases`` does) and, for the lockstep decode, every row over
 the whole cache (the old sampler) or up to the longest row; and the columns the ragged
 kernel copies on TPU, each row its own blocks (``ragged_prefix``); ``seconds`` turns them
-into time: (weight bytes x replicas + KV bytes read + refill copies) / HBM
+into time: (weight bytes x replicas + KV bytes read + refill copies, each row its
+prompt's chunks: ``refill_chunks``) / HBM
 bandwidth, a decode step being bandwidth-bound on accelerators.
 """
 
@@ -44,6 +45,7 @@ class Shape:
   max_loops: int = 3  # plans.MAX_PHASES (1: no tail loops)
   ragged_block: int = 512  # plans.RAGGED_BLOCK: the ragged kernel's columns per copy
   prompt_tokens: int = 0  # a prompt's real tokens, left-padded to prompt_len (0: all of it)
+  refill_chunk: int = 128  # slots.REFILL_CHUNK: prompt columns a refill copies at a time
 
 
 def sample_lengths(
@@ -64,6 +66,15 @@ def sample_lengths(
 
 def _blocks(cols: np.ndarray, block: int) -> np.ndarray:
   return -(-cols // block) * block
+
+
+def refill_chunks(shape: Shape) -> tuple[int, int]:
+  """The chunks a refill copies of one row's prompt and their columns: those of
+  ``refill_chunk`` columns, counted from the prompt's end, that hold its real tokens
+  (``capo_jax.sampling.slots``); one of the whole prompt when the chunk does not divide it."""
+  P = shape.prompt_len
+  width = shape.refill_chunk if P % shape.refill_chunk == 0 else P
+  return -(-(min(shape.prompt_tokens, P) or P) // max(width, 1)), width
 
 
 def ragged_prefix(shape: Shape) -> np.ndarray:
@@ -170,7 +181,8 @@ def seconds(sim: dict[str, float], shape: Shape, read: str = "kv_read") -> float
   """
   kv = sim[read]
   weights = sim["steps"] * shape.weight_bytes * shape.replicas
-  copies = sim["copies"] * shape.prompt_len * 2  # read the prompt cache, write the slot
+  chunks, width = refill_chunks(shape)
+  copies = sim["copies"] * chunks * width * 2  # read the prompt cache, write the slot
   copies += sim.get("gathered", 0) * 2  # the tail loops' caches: read and written
   return (weights + (kv + copies) * shape.kv_bytes) / shape.bandwidth
 

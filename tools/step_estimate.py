@@ -10,8 +10,10 @@ them by what the rollout would do:
 * decode: the scheduler simulation (``tools.rollout_sim.simulate``) of one
   sampler call's rows at the length model (lognormal median 550, sigma 0.7,
   per-prompt sigma 0.4, ``--trunc`` of the samples forced to the cap) gives each phase's
-  steps and KV blocks read (the block loops' trip counts, summed); each row is
-  copied into a slot once (the refill loop). On TPU the ragged kernel reads each
+  steps and KV blocks read (the block loops' trip counts, summed); each row's prompt
+  is copied into a slot once, a loop iteration per chunk of 128 columns that holds its
+  tokens (the refill loop: ``rollout_sim.refill_chunks``, 2 for prompts of 200
+  tokens). On TPU the ragged kernel reads each
   slot's own blocks: the same simulation, every prompt ``prompt_tokens`` long
   left-padded to the compiled P, gives the columns a slot copies per step in each
   loop (idle slots none), by which ``hlo_cost.with_ragged_cols`` counts its keys and
@@ -62,6 +64,8 @@ class Trips:
   # Columns the ragged kernel copies per slot and step in each engine loop (its slots'
   # mean, idle ones included): () when the length model gives none.
   phase_cols: tuple[float, ...] = ()
+  # Refill loop iterations per row copied: the chunks of its prompt that hold tokens.
+  refill_chunks: float = 1.0
 
 
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
@@ -126,6 +130,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     float(np.mean(mbs)),
     float(np.mean(fill)),
     tuple(np.mean(cols, 0)),
+    float(rollout_sim.refill_chunks(shape)[0]),
   )
 
 
@@ -162,7 +167,9 @@ def weighted_cost(
   moves on chip, ``hlo_cost``) and ``blocks_per_step``. ``rates``: also the
   per-operation roofline sums (``hlo_cost.hlo_cost``). Ragged decode attention: each
   loop's calls at ``Trips.phase_cols``; ``step_ragged_bytes`` what they read in that
-  step, ``step_ragged_whole_bytes`` what they would with every slot's whole cache."""
+  step, ``step_ragged_whole_bytes`` what they would with every slot's whole cache;
+  ``refill_bytes`` / ``refill_collective_bytes`` one iteration of the refill loop (one
+  chunk of a row's prompt)."""
   rest, loops = hlo_cost.loop_tree(text, rates)
   out: dict[str, float] = {}
   _add(out, rest, 1.0)
@@ -172,7 +179,8 @@ def weighted_cost(
     for i, loop in enumerate(loops):
       _add(out, _ragged(loop.cost, t, i, rates), t.phase_steps[i])
       for inner in loop.nested:
-        _add(out, inner.cost, t.refills if inner.in_conditional else t.phase_blocks[i])
+        chunks = t.refills * t.refill_chunks  # an iteration a chunk of a row's prompt
+        _add(out, inner.cost, chunks if inner.in_conditional else t.phase_blocks[i])
     blocks = t.phase_blocks[0] / max(t.phase_steps[0], 1.0)
     step = {}
     _add(step, _ragged(loops[0].cost, t, 0, rates), 1.0)

@@ -6,7 +6,7 @@ that copy is still summed over the chips that split the rows (data x fsdp) befor
 is added up: an all-reduce of a whole model's gradient per micro-batch, by the TPU
 compiler most of what a train step sends between chips. ``jit`` cannot hold a sum
 pending across a loop, and the TPU compiler did not move that all-reduce out of the
-micro-batch loop when the accumulator lay whole on every chip (tried, 2026-12-06).
+micro-batch loop when the accumulator lay whole on every chip (tried).
 
 So the shards get their own copy of the weights instead: the copy is broadcast to
 [n, ...] along a leading axis laid over the row axes (n = data x fsdp; each chip holds

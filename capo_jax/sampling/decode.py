@@ -50,6 +50,7 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
 from capo_jax.sampling import ragged
 from models import decoder, sharding
@@ -80,6 +81,15 @@ class SlotCache:
     shapes = [(W, S, K * H)] * 2 if attention == "ragged" else [(W, K, H, S), (W, K, S, H)]
     k, v = (tuple(jnp.zeros(s, cfg.dtype) for _ in range(cfg.num_layers)) for s in shapes)
     return cls(k=k, v=v, mask_WS=jnp.zeros((W, S), jnp.bool_))
+
+
+def cache_spec(layout: Layout, x: jax.Array, num_kv_heads: int) -> PartitionSpec:
+  """The split of one layer of a slot (or prompt) cache: rows first, then for ragged
+  attention's [., S, K*H] whole kv heads per device (``ragged.cache_spec``), for the
+  blocked layouts rows and kv heads."""
+  if x.ndim == 3:
+    return ragged.cache_spec(layout, x.shape[0], num_kv_heads)
+  return layout.spec(("attn_batch", "kv_heads", None, None), x.shape)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -7,8 +7,9 @@ columns. Each iteration
 
 1. refills: a slot whose row stopped (or that never had one) takes the next
    waiting row, whose prompt's keys / values are copied in from the prompt
-   cache (a ``lax.cond``: no copy on steps where no slot frees up, and then
-   one slot-sized copy per refilled slot);
+   cache (a ``lax.cond``: no copy on steps where no slot frees up): only the
+   128-column chunks that hold the prompt's tokens (left-padded: its last
+   columns), the mask row set from its length (capo_jax.sampling.slots);
 2. decodes one token in all W slots (capo_jax.sampling.decode.step), each at
    its own column; attention reads each row's own columns (the ragged kernel,
    on TPU) or the cache blocks up to the longest active row (elsewhere);
@@ -51,31 +52,22 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding
 
 from capo_jax.sampling import choice, decode, ragged
+from capo_jax.sampling import slots as slots_lib
 from capo_jax.sampling.plans import (
   Ends,
   FirstTokens,
   Plan,
   PrefillPlan,
   PromptCache,
-  batch_shards,
   num_columns,
 )
+from capo_jax.sampling.slots import Slots
 from models import kv_cache, qwen2, sharding
 from models.qwen2 import Params
 from models.sharding import Layout
 
 # Traces of each jitted function (one per compilation), for tests and logs.
 TRACE_COUNTS: collections.Counter[str] = collections.Counter()
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass(frozen=True)
-class _Slots:
-  row_W: jax.Array  # int32: the row in the slot; B when it never had one
-  t_W: jax.Array  # int32: tokens the row has so far (the next one's index)
-  active_W: jax.Array  # bool: the row has not stopped
-  last_W: jax.Array  # int32: the token fed to the next step
-  next: jax.Array  # int32 scalar: waiting rows handed out so far
 
 
 @jax.tree_util.register_dataclass
@@ -96,12 +88,10 @@ def _constrain_cache(
 ) -> tuple[tuple[jax.Array, ...], tuple[jax.Array, ...]]:
   if layout is None:
     return k, v
-  if k[0].ndim == 3:  # ragged attention's [W, S, K*H]: whole kv heads per device
-    spec = ragged.cache_spec(layout, k[0].shape[0], num_kv_heads)
-    put = lambda x: jax.lax.with_sharding_constraint(x, NamedSharding(layout.mesh, spec))
-    return tuple(map(put, k)), tuple(map(put, v))
-  ax = ("attn_batch", "kv_heads", None, None)
-  return (tuple(_constrain(layout, x, ax) for x in k), tuple(_constrain(layout, x, ax) for x in v))
+  put = lambda x: jax.lax.with_sharding_constraint(
+    x, NamedSharding(layout.mesh, decode.cache_spec(layout, x, num_kv_heads))
+  )
+  return tuple(map(put, k)), tuple(map(put, v))
 
 
 def _constrain_rows(layout: Layout | None, tree: Any) -> Any:
@@ -159,66 +149,9 @@ def prefill(
   return prompts, _constrain_rows(layout, FirstTokens(token_B, logprob_B))
 
 
-def _refill(
-  plan: Plan,
-  prompts: PromptCache,
-  first: FirstTokens,
-  order_B: jax.Array,
-  num_waiting: jax.Array,
-  slots: _Slots,
-  cache: decode.SlotCache,
-) -> tuple[_Slots, decode.SlotCache]:
-  """Free slots take the next waiting rows (in ``order_B``), prompt cache copied in."""
-  G, B = plan.num_samples, order_B.shape[0]
-  W, S = cache.mask_WS.shape
-  free_W = ~slots.active_W & (jnp.arange(W) < plan.num_slots)
-  idx_W = slots.next + jnp.cumsum(free_W, dtype=jnp.int32) - 1
-  take_W = free_W & (idx_W < num_waiting)
-  n_take = take_W.sum(dtype=jnp.int32)
-  row_W = jnp.where(take_W, order_B[jnp.clip(idx_W, 0, B - 1)], slots.row_W)
-  which_W = jnp.nonzero(take_W, size=W, fill_value=0)[0]
-  P = prompts.mask_QP.shape[1]
-  mask_QS = jnp.pad(prompts.mask_QP, ((0, 0), (0, S - P)))
-
-  sharded = batch_shards(plan.layout) > 1
-
-  def row(src: jax.Array, q: jax.Array) -> jax.Array:
-    """Prompt q of ``src`` [Q, ...] as [1, ...]. With the prompts split over devices, a
-    dynamic slice at a run-time row makes XLA all-gather the whole prompt cache (3.8 GB
-    per copy for 1.5B on v4-32, by the TPU compiler); a masked sum over the prompts
-    reads each device's own share and all-reduces one row (exact: the other terms are 0)."""
-    if not sharded:
-      return jax.lax.dynamic_slice_in_dim(src, q, 1, axis=0)
-    hit_Q = (jnp.arange(src.shape[0]) == q).reshape((-1,) + (1,) * (src.ndim - 1))
-    if src.dtype == jnp.bool_:
-      return jnp.any(hit_Q & src, axis=0, keepdims=True)
-    return jnp.sum(jnp.where(hit_Q, src, jnp.zeros((), src.dtype)), axis=0, keepdims=True)
-
-  def copy(j: jax.Array, c: decode.SlotCache) -> decode.SlotCache:
-    n, q = which_W[j], row_W[which_W[j]] // G
-    put = lambda dst, src: jax.lax.dynamic_update_slice(
-      dst, row(src, q), (n,) + (0,) * (dst.ndim - 1)
-    )
-    return decode.SlotCache(
-      k=tuple(put(d, s) for d, s in zip(c.k, prompts.k)),
-      v=tuple(put(d, s) for d, s in zip(c.v, prompts.v)),
-      mask_WS=put(c.mask_WS, mask_QS),
-    )
-
-  cache = jax.lax.fori_loop(0, n_take, copy, cache)
-  slots = _Slots(
-    row_W=row_W,
-    t_W=jnp.where(take_W, 1, slots.t_W),
-    active_W=slots.active_W | take_W,
-    last_W=jnp.where(take_W, first.token_B[jnp.minimum(row_W, B - 1)], slots.last_W),
-    next=slots.next + n_take,
-  )
-  return slots, cache
-
-
 def _compact(
-  plan: Plan, carry: tuple[_Slots, decode.SlotCache, _Out], n: int, num_rows: int
-) -> tuple[_Slots, decode.SlotCache, _Out]:
+  plan: Plan, carry: tuple[Slots, decode.SlotCache, _Out], n: int, num_rows: int
+) -> tuple[Slots, decode.SlotCache, _Out]:
   """The active slots (at most ``n``) gathered into a cache of ``n`` slots, in slot order.
 
   A row's cache columns, token count and last token move with it, so its
@@ -228,7 +161,7 @@ def _compact(
   s, cache, out = carry
   idx_W = jnp.nonzero(s.active_W, size=n, fill_value=0)[0]
   valid_W = jnp.arange(n) < s.active_W.sum(dtype=jnp.int32)
-  slots = _Slots(
+  slots = Slots(
     row_W=jnp.where(valid_W, s.row_W[idx_W], num_rows),
     t_W=s.t_W[idx_W],
     active_W=valid_W,
@@ -287,7 +220,7 @@ def decode_loop(
       stopped_B=stop0_B,
     ),
   )
-  slots = _Slots(
+  slots = Slots(
     row_W=jnp.full((W,), B, jnp.int32),
     t_W=jnp.zeros((W,), jnp.int32),
     active_W=jnp.zeros((W,), jnp.bool_),
@@ -297,9 +230,9 @@ def decode_loop(
   empty = decode.SlotCache.empty(cfg, W, S, attention)
   k, v = _constrain_cache(layout, empty.k, empty.v, cfg.num_kv_heads)
   cache = decode.SlotCache(k, v, _constrain(layout, empty.mask_WS, ("batch", None)))
-  refill = functools.partial(_refill, plan, prompts, first, order_B, num_waiting)
+  refill = functools.partial(slots_lib.refill, plan, prompts, first, order_B, num_waiting)
 
-  Carry = tuple[_Slots, decode.SlotCache, _Out]
+  Carry = tuple[Slots, decode.SlotCache, _Out]
 
   def cond(smaller: int, carry: Carry) -> jax.Array:
     s = carry[0]
@@ -346,7 +279,7 @@ def decode_loop(
       stopped_B=out.stopped_B.at[row_W].set(stop_W, mode="drop"),
     )
     done_W = stop_W | (s.t_W + 1 >= max_new_tokens)
-    s = _Slots(
+    s = Slots(
       row_W=s.row_W,
       t_W=jnp.where(s.active_W, s.t_W + 1, s.t_W),
       active_W=s.active_W & ~done_W,
