@@ -20,6 +20,7 @@ from capo_jax.run.sections import (
   Data,
   Eval,
   Log,
+  Mesh,
   Model,
   Reward,
   Rollout,
@@ -230,4 +231,16 @@ def row_shards(rows: int, shards: int) -> None:
       rows,
       shards,
       shards,
+    )
+
+
+def reduce_once(m: Mesh, lora: bool) -> None:
+  """``mesh.reduce_once`` keeps each chip's gradient of the once-gathered copy: there is
+  none without ``mesh.gather_once``, and LoRA's adapters' gradients are small."""
+  if m.reduce_once and (not m.gather_once or lora):
+    fail(
+      "mesh.reduce_once",
+      True,
+      "needs mesh.gather_once=True and full fine-tuning (with LoRA the adapters' "
+      "gradients are small): set --config.mesh.reduce_once=False",
     )

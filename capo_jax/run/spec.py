@@ -142,13 +142,7 @@ class RunSpec:
     self.mismatch_spec()
     checks.model(self.model, self.tokenizer_path, policy_given)
     self.lora_config()
-    if self.mesh.reduce_once and (not self.mesh.gather_once or self.lora_config()):
-      fail(
-        "mesh.reduce_once",
-        True,
-        "needs mesh.gather_once=True and full fine-tuning (with LoRA the adapters' "
-        "gradients are small): set --config.mesh.reduce_once=False",
-      )
+    checks.reduce_once(self.mesh, lora=self.lora_config() is not None)
     self.prompt_format()
     checks.outputs(self.data, self.eval, self.log, self.checkpoint)
     n = jax.device_count() if num_devices is None else num_devices
