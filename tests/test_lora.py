@@ -218,6 +218,7 @@ def test_lora_capo_resumed_after_step_one_equals_two_uninterrupted_steps(tmp_pat
   _, base_dir = hf_utils.make_hf_model(tmp_path / "base", seed=2, vocab_size=512)
   c.model.hf_path = str(base_dir)  # a HF base, so a checkpoint alone can be evaluated
   c.model.lora_rank, c.model.lora_alpha, c.model.lora_targets = 4, 8.0, "q,v,o,up,down"
+  c.mesh.reduce_once = False  # the 1.5B run file's, for full fine-tuning only
   c.data.val_size = 0
   assert (
     c.algo.name == "capo"

@@ -80,7 +80,7 @@ def _run_one_step(tmp_path, monkeypatch, **overrides):
   [
     {},  # packed, full fine-tuning, the noise mask's reference pass
     # LoRA adapters through the packed passes (slow: the default suite keeps to 10 min)
-    pytest.param({"model__lora_rank": 2}, marks=pytest.mark.slow),
+    pytest.param({"model__lora_rank": 2, "mesh__reduce_once": False}, marks=pytest.mark.slow),
   ],
   ids=["packed", "lora"],
 )
