@@ -56,7 +56,9 @@ class TrainConfig:
       frozen base.
     reduce_once: with ``gather_once`` and full fine-tuning, each row shard's float32
       gradient is summed over the micro-batches where it lies and the update reduces
-      the shards' sums once (``capo_jax.rl.local_grads``).
+      the shards' sums once (``capo_jax.rl.local_grads``). With one micro-batch, one row
+      shard, or rows the shards do not divide, the step reduces as without it (one
+      micro-batch: that reduction is already the update's only one).
   """
 
   policy_loss: losses.PolicyLoss = losses.Ppo()
