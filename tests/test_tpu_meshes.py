@@ -252,9 +252,10 @@ def test_gather_once_holds_the_whole_model_in_place_of_two_layers():
     assert extra == pytest.approx((2 * P + 2 * V * D - 2 * (2 * P_layer + V * D)) / tensor)
 
 
-def test_reduce_once_holds_two_float32_gradients_of_the_whole_model():
+def test_reduce_once_counts_8_bytes_a_param_in_the_train_phase():
   """``mesh.reduce_once`` (the 1.5B run file's): each chip's float32 sum of its rows'
-  gradient and that sum's update, split only over tensor, in the train phase."""
+  gradient and what the compiled program holds beside it, 8 bytes a param split only
+  over tensor, in the train phase."""
   run = mp.load_run("1.5B")
   assert run.reduce_once and run.gather_once
   P, _ = mp.param_counts(run.model)
@@ -262,8 +263,8 @@ def test_reduce_once_holds_two_float32_gradients_of_the_whole_model():
     kw = dict(data=1, fsdp=16 // tensor, tensor=tensor)
     once = mp.memory_terms(run, **kw)
     per_step = mp.memory_terms(dataclasses.replace(run, reduce_once=False), **kw)
-    assert once["rows' gradient sums (reduce_once, 2 x f32)"] == 8 * P / tensor
-    assert per_step["rows' gradient sums (reduce_once, 2 x f32)"] == 0
+    assert once["reduce_once (f32 sums, 8 B/param as compiled)"] == 8 * P / tensor
+    assert per_step["reduce_once (f32 sums, 8 B/param as compiled)"] == 0
     assert once["train phase"] - per_step["train phase"] == pytest.approx(8 * P / tensor)
 
 

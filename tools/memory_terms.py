@@ -297,9 +297,10 @@ def memory_terms(
   once = act * (P - V * D) + master * V * D
   m["gathered weights (once, bf16)"] = once / t if run.gather_once else 0.0
   # config.mesh.reduce_once: each chip sums its rows' float32 gradient of that copy over
-  # the micro-batches (capo_jax/rl/local_grads.py). The TPU compiler holds the sum and
-  # its update side by side (1.5B on v4-32: +10.5 GiB, docs/tpu.md), so two.
-  m["rows' gradient sums (reduce_once, 2 x f32)"] = 2 * 4 * P / t if run.reduce_once else 0.0
+  # the micro-batches (capo_jax/rl/local_grads.py): 4 bytes a param. The compiled 1.5B
+  # v4-32 train program holds 10.5 GiB more than without it, about 8 bytes a param (its
+  # micro-batch loop also carries the shards' bfloat16 copy), so 8 are counted.
+  m["reduce_once (f32 sums, 8 B/param as compiled)"] = 8 * P / t if run.reduce_once else 0.0
   m["boundary activations"] = L * r * T * D * act
   m["layer working set"] = r * (
     N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4 + T * D * act * 8
@@ -311,7 +312,7 @@ def memory_terms(
       "grads (2 x f32) + bf16 copy",
       "gathered layers + unembed",
       "gathered weights (once, bf16)",
-      "rows' gradient sums (reduce_once, 2 x f32)",
+      "reduce_once (f32 sums, 8 B/param as compiled)",
       "boundary activations",
       "layer working set",
       "log-prob chunk",

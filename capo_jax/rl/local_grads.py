@@ -15,7 +15,8 @@ axis on each shard's rows (``spmd_axis_name``: inside, "batch" maps to nothing, 
 vmapped axis to the row axes), and the gradient of a shard's copy is that shard's rows'
 share, computed and accumulated (float32) where it lies. The update sums the n shares
 once, into the masters' split: one reduce-scatter an update, not an all-reduce a
-micro-batch. The cost: a float32 gradient of the whole model (over tensor) a chip.
+micro-batch. The cost: a float32 gradient of the whole model (over tensor) a chip,
+and in the compiled program about as much again (tools/memory_terms.py).
 """
 
 from __future__ import annotations
