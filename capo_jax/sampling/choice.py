@@ -10,7 +10,7 @@ The greedy and plain-temperature draws need no whole row (``choose``):
 
 * greedy: the maximum and the first index reaching it are reductions whose result
   does not depend on their order, so each shard reduces its own logits and the group
-  combines t numbers a row: the same token as on one device, bit for bit;
+  combines t numbers a row: the token whole rows give, bit for bit;
 * temperature: the two-level inverse-CDF draw of ``strategies`` runs on blocks of 128
   tokens cut inside each shard (the shard's last block padded with weight 0), so each
   chip sums its own blocks' weights, the group all-gathers the [t x blocks, B] block
