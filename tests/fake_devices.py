@@ -7,9 +7,11 @@ checks what the child prints.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+from typing import Any
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -37,3 +39,12 @@ def run_child(
     text=True,
     timeout=timeout,
   )
+
+
+def child_results(test_file: str, **kwargs: Any) -> Any:
+  """``run_child(test_file, **kwargs)`` and the JSON its child printed after ``RESULTS ``
+  (the test fails with the child's output when it printed none)."""
+  res = run_child(test_file, **kwargs)
+  lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
+  assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
+  return json.loads(lines[0][len("RESULTS ") :])

@@ -19,6 +19,7 @@ import dataclasses
 import importlib.util
 import math
 import re
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -386,22 +387,28 @@ def _bf16_gathers(text: str, in_loop: bool) -> list[str]:
   ]
 
 
+def _microbatched(gather_once: bool, reduce_once: bool) -> tuple[spec_lib.RunSpec, Any]:
+  """The 1.5B shrink run on 4 x 2 chips (fsdp x tensor) with several micro-batches an
+  update (the loop the weights and their gradient's reduction should stay out of)."""
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.mesh.fsdp, c.mesh.tensor = -1, 2
+  c.train.micro_batch_size = 4
+  c.mesh.gather_once, c.mesh.reduce_once = gather_once, reduce_once
+  spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+  assert aot_programs.Shapes.from_spec(spec).microbatches > 1
+  return spec, tpu_topology.topology_mesh(spec, acc)
+
+
 def test_gather_once_moves_the_weights_once_a_pass_and_an_update():
   """``config.mesh.gather_once`` on 4 x 2 chips (fsdp x tensor), compiled for TPU: the
   log-prob calls take the weights whole and gather none of them, and the train program
   gathers the stacked weights once, outside its micro-batch loop. Without it, both gather
   every layer's weights in every call and in every micro-batch."""
-  acc = tpu_topology.parse_accelerator(ACCELERATOR)
-  tpu_topology.set_tpu_env(acc)
   got = {}
   for once in (False, True):
-    c = capo_qwen2p5_math_1p5b.get_config("shrink")
-    c.mesh.fsdp, c.mesh.tensor = -1, 2
-    c.train.micro_batch_size = 4  # several micro-batches: the loop the weights stay out of
-    c.mesh.gather_once, c.mesh.reduce_once = once, False
-    spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
-    assert aot_programs.Shapes.from_spec(spec).microbatches > 1
-    mesh = tpu_topology.topology_mesh(spec, acc)
+    spec, mesh = _microbatched(gather_once=once, reduce_once=False)
     progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("logprobs", "train"))}
     got[once] = {n: p.compiled.as_text() for n, p in progs.items()}
   assert _bf16_gathers(got[False]["logprobs"], in_loop=False)
@@ -442,17 +449,9 @@ def test_reduce_once_sums_the_gradient_once_an_update():
   gradient of the stacked weights is reduced across chips inside the micro-batch loop,
   and the update reduces it once after the loop. Without it (the weights gathered once
   still), every micro-batch all-reduces that gradient."""
-  acc = tpu_topology.parse_accelerator(ACCELERATOR)
-  tpu_topology.set_tpu_env(acc)
   got = {}
   for once in (False, True):
-    c = capo_qwen2p5_math_1p5b.get_config("shrink")
-    c.mesh.fsdp, c.mesh.tensor = -1, 2
-    c.train.micro_batch_size = 4  # several micro-batches: the loop the reduction leaves
-    c.mesh.gather_once, c.mesh.reduce_once = True, once
-    spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
-    assert aot_programs.Shapes.from_spec(spec).microbatches > 1
-    mesh = tpu_topology.topology_mesh(spec, acc)
+    spec, mesh = _microbatched(gather_once=True, reduce_once=once)
     got[once] = next(iter(aot.compile_step(spec, mesh, only=("train",)))).compiled.as_text()
   L = spec.model_config().num_layers
   assert _weight_reduces(got[False], L, in_loop=True)

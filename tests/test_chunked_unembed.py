@@ -86,10 +86,7 @@ def _child() -> None:
 
 @pytest.fixture(scope="module")
 def results() -> dict:
-  res = fake_devices.run_child(__file__)
-  lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
-  assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
-  return json.loads(lines[0][len("RESULTS ") :])
+  return fake_devices.child_results(__file__)
 
 
 def test_mesh_equals_one_device(results: dict) -> None:

@@ -116,10 +116,7 @@ def _child() -> None:
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: eight small compiles; .ci/run runs it
 def test_sharded_pass_and_step_equal_one_device():
-  res = fake_devices.run_child(__file__, fast_compile=True, timeout=900)
-  lines = [ln for ln in res.stdout.splitlines() if ln.startswith("RESULTS ")]
-  assert res.returncode == 0 and lines, res.stdout[-2000:] + res.stderr[-3000:]
-  results = json.loads(lines[0][len("RESULTS ") :])
+  results = fake_devices.child_results(__file__, fast_compile=True, timeout=900)
   assert len(results) == 7
   for case, r in results.items():
     assert r["moved"] > 1e-5, (case, r)  # the step did something to compare

@@ -71,27 +71,25 @@ def choose(
   assert layout is not None
   x_TVB = layout.constrain(logits_VB.reshape(t, V // t, B), ("vocab", None, "batch"))
   if isinstance(strategy, Greedy):
-    return _greedy(x_TVB, layout)
+    return _greedy(x_TVB)
   return _temperature(strategy, x_TVB, u_B, layout)
 
 
-def _max_lse(x_TVB: jax.Array) -> tuple[jax.Array, jax.Array]:
-  """Each row's largest logit [1, 1, B] and log-sum-exp [B], reduced shard by shard."""
-  m_11B = jnp.max(x_TVB, axis=(0, 1), keepdims=True)
-  lse_B = m_11B[0, 0] + jnp.log(jnp.sum(jnp.exp(x_TVB - m_11B), axis=(0, 1)))
-  return m_11B, lse_B
+def _lse(x_TVB: jax.Array, m_11B: jax.Array) -> jax.Array:
+  """Each row's log-sum-exp [B] around its largest logit ``m_11B``, shard by shard."""
+  return m_11B[0, 0] + jnp.log(jnp.sum(jnp.exp(x_TVB - m_11B), axis=(0, 1)))
 
 
-def _greedy(x_TVB: jax.Array, layout: Layout) -> tuple[jax.Array, jax.Array]:
+def _greedy(x_TVB: jax.Array) -> tuple[jax.Array, jax.Array]:
   t, Vt, _ = x_TVB.shape
-  m_11B, lse_B = _max_lse(x_TVB)
+  m_11B = jnp.max(x_TVB, axis=(0, 1), keepdims=True)
   token_TV1 = (jnp.arange(t, dtype=jnp.int32)[:, None] * Vt + jnp.arange(Vt, dtype=jnp.int32))[
     ..., None
   ]
   first_B = jnp.min(jnp.where(x_TVB == m_11B, token_TV1, t * Vt), axis=(0, 1))
   token_B = jnp.minimum(first_B, t * Vt - 1)  # t * Vt only if a row is all NaN
   # The logit at the first maximum is the maximum itself (Greedy's _pick).
-  return token_B, m_11B[0, 0] - lse_B
+  return token_B, m_11B[0, 0] - _lse(x_TVB, m_11B)
 
 
 def _temperature(
@@ -101,7 +99,7 @@ def _temperature(
   nb = -(-Vt // _BLOCK)
   x_TXVB = jnp.pad(x_TVB, ((0, 0), (0, nb * _BLOCK - Vt), (0, 0)), constant_values=-jnp.inf)
   x_TXVB = layout.constrain(x_TXVB.reshape(t, nb, _BLOCK, B), ("vocab", None, None, "batch"))
-  m_11B, lse_B = _max_lse(x_TVB)
+  m_11B = jnp.max(x_TVB, axis=(0, 1), keepdims=True)
   weight = strategy._weight_fn(m_11B[0], None)  # pylint: disable=protected-access
   # Each shard's block sums, then the group's: [t * nb, B], blocks in vocabulary order.
   sums_TXB = jnp.sum(weight(x_TXVB), axis=2)
@@ -131,4 +129,6 @@ def _temperature(
   picked_B = jnp.take_along_axis(x_VB, idx_B[None], axis=0)[0]
   if strategy.temperature == 1.0:  # as in strategies: the weights' sum is the normaliser
     lse_B = m_11B[0, 0] + jnp.log(total_B)
+  else:
+    lse_B = _lse(x_TVB, m_11B)
   return token_B, picked_B - lse_B
