@@ -145,13 +145,9 @@ def long_tailed(args: argparse.Namespace) -> None:
     .choice(np.arange(3, cfg.vocab_size), cfg.vocab_size // mean, replace=False)
     .tolist()
   )
+  spec = sampling.SamplingSpec(num_samples=G, max_new_tokens=C, stop_ids=stops, max_active_rows=W)
   gen = lambda seed: sampling.generate(
-    params,
-    cfg,
-    prompts,
-    np.ones_like(prompts),
-    jax.random.key(seed),
-    sampling.SamplingSpec(num_samples=G, max_new_tokens=C, stop_ids=stops, max_active_rows=W),
+    params, cfg, prompts, np.ones_like(prompts), jax.random.key(seed), spec
   )
   t0 = time.perf_counter()
   np.asarray(gen(0).lengths_B)
@@ -164,6 +160,8 @@ def long_tailed(args: argparse.Namespace) -> None:
     weight_bytes=step_bytes(cfg, Q * G, 0)["params"],
     kv_bytes=step_bytes(cfg, 1, 1)["kv"],
     bandwidth=args.bandwidth,
+    # The engine's loops as it runs them here (one with W = B on CPU).
+    max_loops=len(sampling.engine_plan(cfg, spec, None, Q).phases),
   )
   dev = jax.devices()[0]
   result = {

@@ -459,6 +459,25 @@ def test_reduce_once_sums_the_gradient_once_an_update():
   assert _weight_reduces(got[True], L, in_loop=False)
 
 
+def test_every_row_in_a_slot_keeps_the_tail_loops_on_tpu_not_on_cpu():
+  """``rollout.max_active_rows=0`` (W = B, the 7B run file's): on the TPU chips the engine
+  still moves the tail to a quarter of the slots, twice; on CPU it stays one loop."""
+  from capo_jax.run import programs as programs_lib  # pylint: disable=import-outside-toplevel
+  from capo_jax.sampling import sampler  # pylint: disable=import-outside-toplevel
+
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.rollout.num_prompts, c.rollout.max_active_rows = 16, 0
+  spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+  cfg, B = spec.model_config(), 16 * c.rollout.num_samples
+  plan = aot_programs.sampler_plan(spec, cfg, tpu_topology.topology_mesh(spec, acc))
+  assert plan.num_slots == B
+  assert plan.phases == (B, B // 4, B // 16), plan.phases
+  on_cpu = sampler.engine_plan(cfg, programs_lib.sampling_spec(spec), None, 16)
+  assert on_cpu.num_slots == B and on_cpu.phases == (B,)
+
+
 @pytest.mark.parametrize("top_k, exchanged", [(0, False), (5, True)])
 def test_plain_temperature_is_drawn_inside_the_vocabulary_shards(top_k: int, exchanged: bool):
   """A sampling group of 4 chips splits the vocabulary (V = 1536: 384 a chip). With the

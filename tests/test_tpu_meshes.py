@@ -213,19 +213,22 @@ def test_kv_and_param_terms_by_hand():
   # The engine's W slots: 256 of the 1024 rows at once, a quarter of the cache.
   quarter = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=256)
   assert quarter["KV cache (W slots)"] == (256 // 16) * slots * 28672
-  # Its tail loop: 64 slots (4 per chip), then 16 (1 per chip); none for W = B.
-  assert mp.tail_phases(256, 1024, 16) == (256, 64, 16)
-  assert quarter["tail loop gather (1 layer)"] == (64 // 16) * slots * 28672 / (2 * 28)
-  assert terms["tail loop gather (1 layer)"] == 0
-  assert mp.tail_phases(96, 1024, 16) == (96,)  # 24 slots would split the 16 shards unevenly
+  # Its tail loops: 64 slots (4 per chip), then 16 (1 per chip); with W = B too. As the
+  # TPU compiler keeps them, the decode then holds a second cache.
+  assert mp.tail_phases(256, 16) == (256, 64, 16)
+  assert mp.tail_phases(1024, 16) == (1024, 256, 64)
+  assert quarter["decode cache copy"] == quarter["KV cache (W slots)"]
+  assert terms["decode cache copy"] == terms["KV cache (W slots)"]
+  assert mp.tail_phases(96, 16) == (96,)  # 24 slots would split the 16 shards unevenly
+  one_loop = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=96)
+  assert one_loop["decode cache copy"] == 0
   assert terms["params (f32 master)"] == 4 * P / 16
   assert terms["AdamW moments (2 x f32)"] == 8 * P / 16
   assert terms["sampling weights (bf16)"] == 2 * P
   assert terms["boundary activations"] == 28 * 1 * 4096 * 1536 * 2
   assert terms["prefill scores"] == 8 * (12 * 1024 * 1024 * 6 + 151936 * 4)
-  assert terms["decode cache copy"] == 0  # the engine's loop keeps one cache
-  copying = mp.memory_terms(dataclasses.replace(run, decode_copies_cache=True), 1, 16, 1)
-  assert copying["decode cache copy"] == terms["KV cache (W slots)"]
+  copying = mp.memory_terms(dataclasses.replace(run, decode_copies_cache=True), 1, 16, 1, 1, 96)
+  assert copying["decode cache copy"] == one_loop["KV cache (W slots)"]
   # Two rollout calls halve the cache.
   half = mp.memory_terms(run, data=1, fsdp=16, tensor=1, rollout_chunks=2)
   assert half["KV cache (W slots)"] == terms["KV cache (W slots)"] / 2

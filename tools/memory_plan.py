@@ -73,7 +73,7 @@ class Plan:
 
 @functools.lru_cache(maxsize=256)
 def _simulated(
-  rows: int, samples: int, prompt_len: int, cap: int, slots: int, loops: int
+  rows: int, samples: int, prompt_len: int, cap: int, slots: int | None, loops: int
 ) -> dict[str, float]:
   shape = rollout_sim.Shape(
     rows=rows, samples=samples, prompt_len=prompt_len, cap=cap, max_loops=loops
@@ -89,20 +89,24 @@ def rollout_seconds(
   tensor: int,
   chunks: int,
   slots: int,
-  read: str = "kv_read",
+  read: str = "ragged_cols",
   group: int = 0,
 ) -> float:
   """Expected rollout seconds per chip: the scheduler simulation of
   tools/rollout_sim.py (long-tailed lengths) through its bandwidth
   model, with this chip's share of the weights and of the W slots' cache on the
-  sampler's mesh (``group``: its tensor group, 0: ``tensor``).
-  ``read="kv_read_full"`` with W = B: the old lockstep sampler."""
+  sampler's mesh (``group``: its tensor group, 0: ``tensor``). ``read``: the KV
+  columns a step reads (``rollout_sim.seconds``): by default each active row's own
+  blocks, as the ragged kernel copies them on TPU; ``"kv_read_full"``: the old
+  lockstep sampler (all B rows over the whole cache, no tail loops)."""
   cfg, B = run.model, run.num_prompts * run.num_samples // chunks
   W, g = min(slots or B, B), group or tensor
   groups = fsdp * tensor // g  # the sampler's row shards
   P_len, C = bucket_length(run.max_prompt_len, 16), run.max_new_tokens
   t_q = mesh_lib.tensor_split(cfg, g)[1]
-  sim = _simulated(B, run.num_samples, P_len, C, W, len(tail_phases(W, B, groups * t_q)))
+  lockstep = read == "kv_read_full"  # the old sampler: no slots, no tail loops
+  loops = 1 if lockstep else len(tail_phases(W, groups * t_q))
+  sim = _simulated(B, run.num_samples, P_len, C, None if lockstep else W, loops)
   shape = rollout_sim.Shape(
     rows=B,
     samples=run.num_samples,

@@ -198,9 +198,10 @@ def sampling_group(run: Run, chips: int, hosts: int) -> int:
   return g
 
 
-def tail_phases(slots: int, rows: int, shards: int) -> tuple[int, ...]:
-  """The engine's loops on an accelerator: tail loops only with W < B rows."""
-  return plans.tail_phases(slots, shards) if slots < rows else (slots,)
+def tail_phases(slots: int, shards: int) -> tuple[int, ...]:
+  """The engine's loops on an accelerator, tail loops included (also with W = B:
+  ``capo_jax.sampling.sampler.engine_plan``)."""
+  return plans.tail_phases(slots, shards)
 
 
 def memory_terms(
@@ -262,15 +263,14 @@ def memory_terms(
   # the group's rows, every chip of a kv head's group holding them (an upper bound).
   m["prompt cache (Q rows)"] = attention_rows_per_chip(Q, groups, cfg, g) * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / math.gcd(g, K) * P_len * P_len * 6 + V / g * 4)
-  m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
-  # With W < B the engine gathers the tail's rows into a cache of W/4 slots
-  # (plans.Plan.phases). The caches are one buffer per layer and per k / v, so
-  # each large one is freed once gathered: one small buffer beside the large
-  # cache at the peak (see capo_jax/sampling/engine.py for the measurements).
-  tail = tail_phases(W, B, groups * mesh_lib.tensor_split(cfg, g)[1])
-  m["tail loop gather (1 layer)"] = (
-    m["KV cache (W slots)"] * tail[1] / tail[0] / (2 * L) if len(tail) > 1 else 0.0
-  )
+  # The engine gathers the tail's rows into a cache of W/4 slots (plans.Plan.phases).
+  # Off TPU, XLA frees each layer's large buffer once gathered (engine.py); the TPU
+  # compiler's decode programs hold about a second cache with tail loops (1.2-1.3x the
+  # cache more than with one loop: 1.5B on v4-32, 7B on v4-64; docs/tpu.md), so the
+  # plan counts one.
+  tail = tail_phases(W, groups * mesh_lib.tensor_split(cfg, g)[1])
+  copies = run.decode_copies_cache or len(tail) > 1
+  m["decode cache copy"] = m["KV cache (W slots)"] if copies else 0.0
   decode = 3 * g_rows * V / g * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
   m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / g if run.lora else 0.0
@@ -281,7 +281,7 @@ def memory_terms(
     + m["prompt cache (Q rows)"]
     + max(
       m["prompt cache (Q rows)"] + m["prefill scores"],
-      m["KV cache (W slots)"] + m["decode cache copy"] + m["tail loop gather (1 layer)"] + decode,
+      m["KV cache (W slots)"] + m["decode cache copy"] + decode,
     )
   )
   # Train.

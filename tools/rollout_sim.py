@@ -93,17 +93,18 @@ def ragged_prefix(shape: Shape) -> np.ndarray:
 def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, float]:
   """Steps, row-steps, KV positions read and prompt copies of one rollout.
 
-  ``slots`` None (or >= B): the lockstep decode (all rows until the longest
-  stops), with the full-cache read of the old sampler and the blocked read.
-  Otherwise the engine: slots take rows in order, and every step reads all
-  slots up to the longest active row (whole blocks). A row of length l holds
+  ``slots`` None: the lockstep decode (all rows until the longest stops), with
+  the full-cache read of the old sampler and the blocked read. Otherwise the
+  engine with min(slots, B) slots (B: every row in a slot from the start, then
+  the tail loops): slots take rows in order, and every step reads all slots up to
+  the longest active row (whole blocks). A row of length l holds
   its slot for l steps. Event-driven: between two rows' ends the active set
   is fixed, so each interval's reads are one vectorised sum.
   """
   P, blk, B = shape.prompt_len, shape.block, lengths.size
   own_total = int((P * lengths + lengths * (lengths + 1) // 2).sum())  # each row its own
   F = ragged_prefix(shape)
-  if slots is None or slots >= B:
+  if slots is None:
     steps = int(lengths.max())
     t = np.arange(1, steps + 1)
     return {
@@ -116,6 +117,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
       "copies": B,
       "gathered": 0,
     }
+  slots = min(slots, B)
   ends: list[tuple[int, int]] = []  # (step the row ends at, slot)
   start: dict[int, int] = {}  # active slot -> the step its row started after
   free, nxt, k, kv = list(range(slots)), 0, 0, 0

@@ -86,7 +86,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     per_call = [
       rollout_sim.sample_lengths(rng, shape, trunc=lengths.trunc) for _ in range(sh.num_calls)
     ]
-    sims = [rollout_sim.simulate(L, shape, slots if slots < rows_call else None) for L in per_call]
+    sims = [rollout_sim.simulate(L, shape, slots) for L in per_call]
     steps.append(np.sum([_pad(s.get("phase_steps", [s["steps"]]), phases) for s in sims], 0))
     blocks.append(
       np.sum(

@@ -149,8 +149,10 @@ def engine_plan(
   devices = jax.devices() if layout is None else layout.mesh.devices.flat
   # XLA:CPU rounds row reductions by row count below 8 rows (decode.MIN_ROWS_CPU).
   cpu = next(iter(devices)).platform == "cpu"
-  # The tail moves to smaller caches only under continuous batching: None stays
-  # the lockstep decode.
+  # The tail moves to smaller caches once a quarter of the slots hold the active rows,
+  # also with every row in a slot at once (W = B) on an accelerator: by the TPU
+  # compiler, 7B on v4-64 (docs/tpu.md). On CPU, W = B stays one loop: each tail loop
+  # is one more compile of the decode step, in every test and demo run.
   return plans.Plan(
     cfg=cfg,
     strategy=spec.strategy,
@@ -160,7 +162,7 @@ def engine_plan(
     layout=layout,
     block=plans.KV_BLOCK,
     min_slots=decode.MIN_ROWS_CPU if cpu else 1,
-    shrink=W < B,
+    shrink=W < B or not cpu,
     attention=plans.ATTENTION,
     ragged_block=plans.RAGGED_BLOCK,
   )
