@@ -213,15 +213,16 @@ def test_kv_and_param_terms_by_hand():
   # The engine's W slots: 256 of the 1024 rows at once, a quarter of the cache.
   quarter = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=256)
   assert quarter["KV cache (W slots)"] == (256 // 16) * slots * 28672
-  # Its tail loops: 64 slots (4 per chip), then 16 (1 per chip); with W = B too. As the
-  # TPU compiler keeps them, the decode then holds a second cache.
+  # Its tail loops: 64 slots (4 per chip), then 16 (1 per chip); with W = B too. The
+  # plan counts the first tail loop's cache whole beside the large one.
   assert mp.tail_phases(256, 16) == (256, 64, 16)
   assert mp.tail_phases(1024, 16) == (1024, 256, 64)
-  assert quarter["decode cache copy"] == quarter["KV cache (W slots)"]
-  assert terms["decode cache copy"] == terms["KV cache (W slots)"]
+  assert quarter["tail loop cache (W/4 slots)"] == (64 // 16) * slots * 28672
+  assert terms["tail loop cache (W/4 slots)"] == (256 // 16) * slots * 28672
   assert mp.tail_phases(96, 16) == (96,)  # 24 slots would split the 16 shards unevenly
   one_loop = mp.memory_terms(run, data=1, fsdp=16, tensor=1, slots=96)
-  assert one_loop["decode cache copy"] == 0
+  assert one_loop["tail loop cache (W/4 slots)"] == 0
+  assert terms["decode cache copy"] == 0  # the engine's loop keeps one cache
   assert terms["params (f32 master)"] == 4 * P / 16
   assert terms["AdamW moments (2 x f32)"] == 8 * P / 16
   assert terms["sampling weights (bf16)"] == 2 * P

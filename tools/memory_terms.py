@@ -263,14 +263,15 @@ def memory_terms(
   # the group's rows, every chip of a kv head's group holding them (an upper bound).
   m["prompt cache (Q rows)"] = attention_rows_per_chip(Q, groups, cfg, g) * P_len * kv_tok
   m["prefill scores"] = q_rows * (N / math.gcd(g, K) * P_len * P_len * 6 + V / g * 4)
-  # The engine gathers the tail's rows into a cache of W/4 slots (plans.Plan.phases).
-  # Off TPU, XLA frees each layer's large buffer once gathered (engine.py); the TPU
-  # compiler's decode programs hold about a second cache with tail loops (1.2-1.3x the
-  # cache more than with one loop: 1.5B on v4-32, 7B on v4-64; docs/tpu.md), so the
-  # plan counts one.
+  m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
+  # The engine gathers the tail's rows into a cache of W/4 slots (plans.Plan.phases),
+  # one layer's buffer after the other, each large one freed once gathered: the plan
+  # counts the smaller cache whole beside the large one (an upper bound: the TPU
+  # compiler's 1.5B decode on v4-32 holds 0.84 GiB more than one loop, this term 1.75).
   tail = tail_phases(W, groups * mesh_lib.tensor_split(cfg, g)[1])
-  copies = run.decode_copies_cache or len(tail) > 1
-  m["decode cache copy"] = m["KV cache (W slots)"] if copies else 0.0
+  m["tail loop cache (W/4 slots)"] = (
+    m["KV cache (W slots)"] * tail[1] / tail[0] if len(tail) > 1 else 0.0
+  )
   decode = 3 * g_rows * V / g * 4
   # LoRA's merge into the sampling copy: one layer's float32 A @ B (+ W) at a time.
   m["LoRA merge (1 layer f32)"] = 2 * 4 * P_layer / g if run.lora else 0.0
@@ -281,7 +282,7 @@ def memory_terms(
     + m["prompt cache (Q rows)"]
     + max(
       m["prompt cache (Q rows)"] + m["prefill scores"],
-      m["KV cache (W slots)"] + m["decode cache copy"] + decode,
+      m["KV cache (W slots)"] + m["decode cache copy"] + m["tail loop cache (W/4 slots)"] + decode,
     )
   )
   # Train.
