@@ -34,6 +34,8 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # weights gathered once per log-prob pass and per update, a bf16 copy of 15 GB / tensor
   # per chip, which v6e-8 cannot hold (tools/memory_plan.py; docs/tpu.md).
   # The rollout engine's active rows (KV slots): what tools/memory_plan.py picks
-  # for v4-64 / v5p-64 (0: all 1,024 rows; the blocked reads still skip the empty cache).
+  # for v4-64 / v5p-64 (0: all 1,024 rows at once, then the tail loops). On v4-64 the
+  # launch command of docs/tpu.md also splits the sampler's weights over 8 chips
+  # (--config.mesh.sampling_tensor=8; one host's 4 by default).
   c.rollout.max_active_rows = 0
   return common.shrink(c) if common.wants_shrink(arg, __file__) else c
