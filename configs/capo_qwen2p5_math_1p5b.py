@@ -40,6 +40,6 @@ def get_config(arg: str | None = None) -> ml_collections.ConfigDict:
   # compiler's count; docs/tpu.md). LoRA runs set it False (their gradients are small).
   c.mesh.reduce_once = True
   # The rollout engine's active rows (KV slots), 0: every row of a call at once, then
-  # the tail loops. What tools/memory_plan.py picks for v4-32 (v5e-16: 512).
+  # the tail loops. What tools/memory_plan.py picks for v4-32 and v5e-16.
   c.rollout.max_active_rows = 0
   return common.shrink(c) if common.wants_shrink(arg, __file__) else c

@@ -266,8 +266,8 @@ def memory_terms(
   m["decode cache copy"] = m["KV cache (W slots)"] if run.decode_copies_cache else 0.0
   # The engine gathers the tail's rows into a cache of W/4 slots (plans.Plan.phases),
   # one layer's buffer after the other, each large one freed once gathered: the plan
-  # counts the smaller cache whole beside the large one (an upper bound: the TPU
-  # compiler's 1.5B decode on v4-32 holds 0.84 GiB more than one loop, this term 1.75).
+  # counts the smaller cache whole beside the large one, an upper bound against the
+  # TPU compiler's decode programs (docs/tpu.md, "Memory per chip").
   tail = tail_phases(W, groups * mesh_lib.tensor_split(cfg, g)[1])
   m["tail loop cache (W/4 slots)"] = (
     m["KV cache (W slots)"] * tail[1] / tail[0] if len(tail) > 1 else 0.0
