@@ -482,7 +482,8 @@ def test_tail_loops_hold_no_second_cache_at_the_real_shape():
   """The 1.5B run file's decode on v4-32 (every row in a slot, then the tail loops), at
   full size: its temporaries hold the slot cache and the first tail loop's smaller one,
   not a second slot cache. With every layer's move of rows across chips (an all-reduce
-  of the smaller cache) in flight at once, they held 8.7 GiB more than one loop does."""
+  of the smaller cache) in flight at once, they held about a second slot cache (the
+  ``decode_tail_loops`` record of docs/results/tpu.md)."""
   from tools import memory_terms  # pylint: disable=import-outside-toplevel
 
   acc = tpu_topology.parse_accelerator("v4-32")

@@ -14,9 +14,11 @@ one slice, its own whole copy, so nothing moves), the model runs ``vmap``-ed ove
 axis on each shard's rows (``spmd_axis_name``: inside, "batch" maps to nothing, the
 vmapped axis to the row axes), and the gradient of a shard's copy is that shard's rows'
 share, computed and accumulated (float32) where it lies. The update sums the n shares
-once, into the masters' split: one reduce-scatter an update, not an all-reduce a
-micro-batch. The cost: a float32 gradient of the whole model (over tensor) a chip,
-and in the compiled program about as much again (tools/memory_terms.py).
+once, into the masters' split: one reduction an update, not an all-reduce a
+micro-batch (on v4-32 the TPU compiler makes it an all-reduce and a slice, not a
+reduce-scatter, in every form tried: docs/results/tpu.md). The cost: a float32
+gradient of the whole model (over tensor) a chip, and in the compiled program about
+as much again (tools/memory_terms.py).
 """
 
 from __future__ import annotations

@@ -18,7 +18,8 @@ columns. Each iteration
 So a rollout costs about (tokens generated) / W steps of W rows instead of
 (longest row) steps of B rows, and the cache holds W rows, not B. Nothing
 crosses to the host until the loop ends. ``num_slots = B`` (every row at once,
-no refills after the first) is the lockstep decode.
+no refills after the first) is the lockstep decode, with the tail loops below on an
+accelerator (``sampler.engine_plan``) and as one loop on CPU.
 
 The tail: once no row waits, slots free up for good, and the last long rows
 would keep paying for W slots per step (all of them read up to the longest
@@ -26,9 +27,10 @@ active row). With ``Plan.shrink`` the program then moves on to smaller loops
 (``Plan.phases``: W, W/4, W/16, at most three): when the active rows fit in a
 quarter of the slots, they are gathered into a cache of that many slots and
 decoding goes on there. Still one program, no host sync. The cache is one
-buffer per layer and per k / v, each freed once gathered, so the copy adds
-about one layer's small buffer to the peak, not a cache's worth (XLA's memory
-analysis, in ``docs/sampling.md``).
+buffer per layer and per k / v, each gathered after the previous one and freed
+once gathered, so the copy adds about the smaller cache to the peak, not a cache's
+worth (XLA's memory analysis, in ``docs/sampling.md``; gathered all at once, the
+TPU compiler held about a second cache: ``_gather_layers``).
 
 Scheduling independence: token t of row b = q*G + g is drawn with the uniform
 of ``fold_in(fold_in(rng, b), t)``, from logits that depend only on row b's

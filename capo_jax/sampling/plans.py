@@ -87,7 +87,8 @@ class Plan:
   # they are there because on CPU a step of fewer than 8 rows rounds its
   # reductions differently (decode.MIN_ROWS_CPU).
   min_slots: int = 1
-  # Move the tail to smaller caches once no row waits (see the module docstring).
+  # Move the tail to smaller caches once no row waits (engine's module docstring; on
+  # an accelerator also with W = B: sampler.engine_plan).
   shrink: bool = False
   attention: str = "auto"  # decode.resolve: ragged on TPU, blocks elsewhere
   ragged_block: int = ragged.BLOCK
