@@ -31,6 +31,10 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.model.param_dtype = "float32"  # master params
   c.model.compute_dtype = "bfloat16"
   c.model.remat = True
+  # With remat, what each layer keeps for the backward: "full" (nothing: the forward runs
+  # twice) or "projections" (its q / k / v / o / gate / up outputs: about a sixth fewer
+  # train FLOPs, for activation memory that tools/memory_plan.py counts).
+  c.model.remat_policy = "full"
   # LoRA (models/lora.py): rank > 0 trains adapters on the frozen base (which is
   # also the reference); alpha / rank scales the delta; targets from q,k,v,o,gate,up,down.
   c.model.lora_rank = 0

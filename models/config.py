@@ -21,6 +21,8 @@ _DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}
 MODEL_TYPES = ("qwen2", "qwen3")  # HF config.json ``model_type`` values we read and write
 _ARCHITECTURES = {"qwen2": "Qwen2ForCausalLM", "qwen3": "Qwen3ForCausalLM"}
 _ATTENTIONS = ("auto", "reference", "xla", "flash", "splash")  # models.attention
+# What a remat'd layer keeps for the backward (``models.decoder.REMAT_POLICIES``).
+REMAT_POLICIES = ("full", "projections")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +49,11 @@ class Qwen2Config:
   param_dtype: str = "float32"
   compute_dtype: str = "float32"
   remat: bool = False  # rematerialise each layer in the backward pass
+  # With remat, what each layer keeps: "full" nothing (its forward runs again in the
+  # backward: train FLOPs about 8N a token), "projections" its q / k / v / o / gate / up
+  # outputs (the backward recomputes norms, activations and attention only: about 6N a
+  # token, for those outputs held per token and layer; models.decoder.REMAT_POLICIES).
+  remat_policy: str = "full"
   model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
   attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
   attention_block: int = 128  # key / query block of the "flash" attention
@@ -93,6 +100,10 @@ class Qwen2Config:
       raise ValueError(
         f"Qwen2Config.attention={self.attention!r} / attention_block="
         f"{self.attention_block}: expected one of {_ATTENTIONS} and a block >= 1"
+      )
+    if self.remat_policy not in REMAT_POLICIES:
+      raise ValueError(
+        f"Qwen2Config.remat_policy={self.remat_policy!r}; expected one of {list(REMAT_POLICIES)}"
       )
     if not 1 <= self.layer_unroll <= self.num_layers:
       raise ValueError(

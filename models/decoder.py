@@ -32,6 +32,7 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
 from models import lora, sharding
@@ -45,6 +46,17 @@ ACT_BTD, ACT_BTNH, ACT_BTKH, ACT_BTF, ACT_BTV = (
   sharding.ACT_BTV,
 )
 _c = sharding.constrain
+
+# ``Qwen2Config.remat_policy``: what a remat'd layer saves for its backward. The
+# projections are saved by name, not as "dots without batch dims": under
+# ``mesh.reduce_once`` the model runs vmapped over per-shard weight copies, which gives
+# every projection a batch dim.
+_SAVED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up")
+REMAT_POLICIES = {
+  "full": jax.checkpoint_policies.nothing_saveable,
+  "projections": jax.checkpoint_policies.save_only_these_names(*_SAVED_PROJECTIONS),
+}
+_named = checkpoint_name
 
 # Logical axes of a layer's kernels.
 _AXES = {
@@ -166,6 +178,7 @@ class DecoderLayer(nn.Module):
     if c.qkv_bias:  # setup() made the three biases exactly when qkv_bias
       assert self.q_bias is not None and self.k_bias is not None and self.v_bias is not None
       q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt), v + self.v_bias.astype(dt))
+    q, k, v = _named(q, "q_proj"), _named(k, "k_proj"), _named(v, "v_proj")
     if c.qk_norm:  # over the head dim of each head, before RoPE (as transformers' Qwen3)
       q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
     return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
@@ -187,7 +200,7 @@ class DecoderLayer(nn.Module):
     B, T, N, H = attn_BTNH.shape
     # One [N*H, D] matmul: with "btnh,nhd" XLA's CPU backend re-laid out the
     # kernel on every call of the sampler's decode loop.
-    x_BTD = x_BTD + self._lora(
+    o_BTD = self._lora(
       "o_kernel",
       attn_BTNH,
       jax.lax.dot_general(
@@ -197,10 +210,12 @@ class DecoderLayer(nn.Module):
       ),
       n_in=2,
     )
+    x_BTD = x_BTD + _named(o_BTD, "o_proj")
     x_BTD = _c(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
     gate = _c(self._lora("gate_kernel", h, _rows_dot(h, self._w("gate_kernel"))), ACT_BTF)
     up = _c(self._lora("up_kernel", h, _rows_dot(h, self._w("up_kernel"))), ACT_BTF)
+    gate, up = _named(gate, "mlp_gate"), _named(up, "mlp_up")
     act = jax.nn.silu(gate) * up
     return _c(
       x_BTD + self._lora("down_kernel", act, _rows_dot(act, self._w("down_kernel"))), ACT_BTD
@@ -255,7 +270,7 @@ class Qwen2(nn.Module):
     self.embed = _param(self, "embed", _normal, (V, D), ("vocab", "embed"))
     layer = DecoderLayer
     if c.remat:
-      layer = nn.remat(layer, policy=jax.checkpoint_policies.nothing_saveable)
+      layer = nn.remat(layer, policy=REMAT_POLICIES[c.remat_policy])
     self.layers = nn.scan(
       layer,
       length=c.num_layers,

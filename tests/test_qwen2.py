@@ -319,3 +319,34 @@ def test_flax_module_is_pure_and_remat_is_real():
 
   assert "remat" in grad_jaxpr(True) or "checkpoint" in grad_jaxpr(True)
   assert "remat" not in grad_jaxpr(False) and "checkpoint" not in grad_jaxpr(False)
+
+
+@pytest.mark.parametrize("policy, recomputed", [("full", 8), ("projections", 2)])
+def test_remat_policy_recomputes_what_it_does_not_save(policy, recomputed):
+  """Counted by hand, per layer (the scan's body): without remat the gradient has 9
+  forward matmuls (q, k, v, o, gate, up, down, q k^T, p v) and 18 backward ones, plus
+  the unembedding's 3. "full" recomputes every forward matmul whose output the backward
+  reads (all but down's: 8); "projections" keeps the q / k / v / o / gate / up outputs
+  and recomputes only the attention's two batched products."""
+  cfg = Qwen2Config.tiny(num_layers=3)
+  tokens = jnp.arange(10, dtype=jnp.int32).reshape(2, 5)
+  ones = jnp.ones((2, 5), jnp.int32)
+  params = qwen2.init_params(cfg, jax.random.key(0))
+
+  def dots(c: Qwen2Config, per_shard: bool) -> int:
+    loss = lambda p: qwen2.forward(p, c, tokens, ones).sum()
+    grad = jax.grad(loss)
+    if per_shard:  # as mesh.reduce_once runs it: vmapped over copies of the weights,
+      # which gives every projection a batch dim
+      grad, p = jax.vmap(grad), jax.tree.map(lambda x: jnp.stack([x, x]), params)
+    return str(jax.make_jaxpr(grad)(p if per_shard else params)).count("dot_general")
+
+  for per_shard in (False, True):
+    assert dots(cfg.replace(remat=False), per_shard) == 9 + 18 + 3
+    c = cfg.replace(remat=True, remat_policy=policy)
+    assert dots(c, per_shard) - dots(cfg.replace(remat=False), per_shard) == recomputed
+
+
+def test_remat_policy_is_checked():
+  with pytest.raises(ValueError, match="remat_policy='some'"):
+    Qwen2Config.tiny(remat_policy="some")

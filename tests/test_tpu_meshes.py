@@ -272,6 +272,21 @@ def test_reduce_once_counts_8_bytes_a_param_in_the_train_phase():
     assert once["train phase"] - per_step["train phase"] == pytest.approx(8 * P / tensor)
 
 
+def test_remat_projections_count_their_outputs_twice_by_hand():
+  """``model.remat_policy="projections"``: per layer and token the q, k, v, o, gate and up
+  outputs in bfloat16, two copies as the compilers hold them; 1.5B on v4-32 (one 4,096-token
+  row a chip): 28 x 4,096 x (1,536 + 2 x 256 + 1,536 + 2 x 8,960) x 2 B x 2."""
+  run = mp.load_run("1.5B")
+  model = dataclasses.replace(run.model, remat_policy="projections")
+  kw = dict(data=1, fsdp=16, tensor=1)
+  full = mp.memory_terms(run, **kw)
+  saved = mp.memory_terms(dataclasses.replace(run, model=model), **kw)
+  want = 28 * 4096 * (1536 + 2 * 256 + 1536 + 2 * 8960) * 2 * 2
+  assert saved[memory_terms.SAVED] == want and full[memory_terms.SAVED] == 0
+  assert saved["train phase"] - full["train phase"] == pytest.approx(want)
+  assert saved["rollout phase"] == full["rollout phase"]
+
+
 def test_lockstep_rollout_seconds_by_hand():
   # The old sampler: every one of the 1024 rows reads all 1024 + 3072 columns for
   # as many steps as the longest row (3072: the length model truncates some).

@@ -107,14 +107,14 @@ def _assert_tree_close(got, want, atol=1e-4):
     ("seq-mean-token-mean", 1, False, 0),
     ("seq-mean-token-mean", 2, True, 4),
     ("token-mean", 4, False, 0),
+    ("token-mean", 2, "projections", 4),
   ],
 )
 def test_accumulated_gradient_equals_full_batch(data, agg, micro, remat, chunk):
   params, batch, _ = data
   tcfg = state_lib.TrainConfig(loss=LossConfig(agg=agg), logprob_chunk_size=chunk)
-  loss, aux, grads = _loss_and_grads(
-    params, batch.train_batch(B // micro), CFG.replace(remat=remat), tcfg
-  )
+  cfg = CFG.replace(remat=bool(remat), remat_policy=remat if remat == "projections" else "full")
+  loss, aux, grads = _loss_and_grads(params, batch.train_batch(B // micro), cfg, tcfg)
   i = AGGS.index(agg)
   np.testing.assert_allclose(float(loss), float(_ref_losses(params, batch)[i]), rtol=1e-5)
   _assert_tree_close(grads, jax.tree.map(lambda g: g[i], _ref_grads(params, batch)))

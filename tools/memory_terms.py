@@ -26,7 +26,9 @@ Assumptions (the code this mirrors, where it exists):
   the engine's loop does not on CPU (temp 1.06-1.14 x its slot cache at W = 64
   / 16, the rest outputs and logits; not checked on TPU), so one copy is counted.
 * Train activations with remat: the bfloat16 residual at every layer boundary
-  is saved; one layer is recomputed at a time. Attention never holds the T x T
+  is saved; one layer is recomputed at a time. ``model.remat_policy="projections"`` also keeps
+  each layer's q / k / v / o / gate / up outputs (the backward then recomputes norms,
+  activations and attention, not the projections). Attention never holds the T x T
   scores (``models.attention``: splash on TPU, the blocked "flash" elsewhere):
   its working set is one ``ATTN_BLOCK`` x ``ATTN_BLOCK`` block of float32 scores +
   probabilities + gradient (10 bytes per score) per head and row, plus the
@@ -91,7 +93,10 @@ class Run:
   def from_config(cls, c: Any, preset: str = "") -> Run:
     """``preset`` names the architecture when the config has none (only hf_path)."""
     model = getattr(Qwen2Config, c.model.preset or preset)(
-      param_dtype=c.model.param_dtype, compute_dtype=c.model.compute_dtype, remat=c.model.remat
+      param_dtype=c.model.param_dtype,
+      compute_dtype=c.model.compute_dtype,
+      remat=c.model.remat,
+      remat_policy=c.model.remat_policy,
     )
     return cls(
       model=model,
@@ -204,6 +209,9 @@ def tail_phases(slots: int, shards: int) -> tuple[int, ...]:
   return plans.tail_phases(slots, shards)
 
 
+SAVED = "saved projections (remat, 2 copies as compiled)"
+
+
 def memory_terms(
   run: Run,
   data: int,
@@ -303,6 +311,15 @@ def memory_terms(
   # micro-batch loop also carries the shards' bfloat16 copy), so 8 are counted.
   m["reduce_once (f32 sums, 8 B/param as compiled)"] = 8 * P / t if run.reduce_once else 0.0
   m["boundary activations"] = L * r * T * D * act
+  # remat_policy "projections": every layer also keeps its projections' outputs that the
+  # backward reads (q, k, v for the attention it recomputes; o for the MLP's norm; gate,
+  # up for the MLP's product), stacked over the layers. The CPU and TPU compilers both
+  # hold twice those bytes (1.5B, a 4,096-token row: 333-336 MiB more a layer, not 168;
+  # docs/tpu.md), so two copies are counted.
+  H = cfg.head_dim
+  saved = N * H / t + 2 * K * H / math.gcd(t, K) + D + 2 * F / t
+  dots = cfg.remat and cfg.remat_policy == "projections"
+  m[SAVED] = 2 * L * r * T * saved * act if dots else 0.0
   m["layer working set"] = r * (
     N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4 + T * D * act * 8
   )
@@ -315,6 +332,7 @@ def memory_terms(
       "gathered weights (once, bf16)",
       "reduce_once (f32 sums, 8 B/param as compiled)",
       "boundary activations",
+      SAVED,
       "layer working set",
       "log-prob chunk",
     )

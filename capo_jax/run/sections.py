@@ -30,6 +30,7 @@ class Model:
   param_dtype: str
   compute_dtype: str
   remat: bool
+  remat_policy: str
   lora_rank: int
   lora_alpha: float
   lora_targets: str

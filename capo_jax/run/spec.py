@@ -376,7 +376,11 @@ class RunSpec:
     ``model.preset``, which the run configs set for shape checks), else the preset."""
     m = self.model
     kw = dict(
-      param_dtype=m.param_dtype, compute_dtype=m.compute_dtype, remat=m.remat, attention=m.attention
+      param_dtype=m.param_dtype,
+      compute_dtype=m.compute_dtype,
+      remat=m.remat,
+      remat_policy=m.remat_policy,
+      attention=m.attention,
     )
     try:
       if m.hf_path:  # config.json alone: the AOT compile needs no weights
