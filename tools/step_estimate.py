@@ -66,6 +66,7 @@ class Trips:
   phase_cols: tuple[float, ...] = ()
   # Refill loop iterations per row copied: the chunks of its prompt that hold tokens.
   refill_chunks: float = 1.0
+  prompt_tokens: int = 200  # each prompt's tokens in the length model (``Lengths``)
 
 
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
@@ -131,6 +132,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     float(np.mean(fill)),
     tuple(np.mean(cols, 0)),
     float(rollout_sim.refill_chunks(shape)[0]),
+    lengths.prompt_tokens,
   )
 
 

@@ -47,7 +47,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -141,11 +141,18 @@ def policy_batch(lp: dict[str, Array], seqs: Sequences, tcfg: TrainConfig) -> lo
   )
 
 
+class MicroBatch(NamedTuple):
+  """One micro-batch of a ``TrainBatch``: its packed rows, where each sequence's
+  completion tokens lie in them, and the sequences' own arrays."""
+
+  rows: ModelRows
+  index_BC: Array
+  seqs: Sequences
+
+
 def microbatch_loss(
   params: Params,
-  rows: ModelRows,
-  index_BC: Array,
-  seqs: Sequences,
+  mb: MicroBatch,
   model_cfg: Qwen2Config,
   tcfg: TrainConfig,
   base: Params | None = None,
@@ -155,6 +162,7 @@ def microbatch_loss(
 
   ``shards``: ``params`` are each row shard's own copy (``local_grads.split_weights``)
   and the forward runs shard by shard under this layout."""
+  rows, index_BC, seqs = mb
   if not tcfg.policy_loss.top_k:
     rows = dataclasses.replace(rows, topk_ids_YZJ=None)
 
@@ -247,12 +255,13 @@ def loss_and_grads(
       g = jax.lax.with_sharding_constraint(g, stored)
     return jax.tree.map(lambda x, p: x.astype(p.dtype), g, params)
 
-  def mb_loss(p: Params, mb: tuple[ModelRows, Array, Sequences]) -> tuple[Array, dict[str, Array]]:
-    rows, index_BC, seqs = mb
-    return microbatch_loss(p, rows, index_BC, seqs, model_cfg, tcfg, base, split)
+  def mb_loss(p: Params, mb: MicroBatch) -> tuple[Array, dict[str, Array]]:
+    return microbatch_loss(p, mb, model_cfg, tcfg, base, split)
 
   grad_fn = jax.value_and_grad(mb_loss, has_aux=True)
-  mb_at = lambda m: jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
+  mb_at = lambda m: MicroBatch(
+    *jax.tree.map(lambda x: x[m], (batch.rows, batch.index_MBC, batch.seqs))
+  )
   if batch.index_MBC.shape[0] == 1:  # no accumulator: the gradient is the only copy
     (loss, aux), grads = grad_fn(weights, mb_at(0))
     return loss, aux, to_master(grads)
