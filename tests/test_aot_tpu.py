@@ -371,6 +371,37 @@ def test_a_group_past_the_kv_heads_splits_the_attention_rows():
   assert refill and all(a[:2] == [1, slots.REFILL_CHUNK] for a in refill), refill
 
 
+def test_the_prefill_keeps_the_rows_of_its_hidden_states():
+  """The same group past the kv heads (tensor 2 x tensor_q 4): the prefill runs under the
+  model's activation constraints, so no all-gather moves the prompts' hidden states
+  [prompts, P, D] (the group's partial sums are all-reduced). Without them the TPU
+  compiler took the prompt cache's rows over tensor_q into the layers and gathered every
+  prompt's hidden states each layer (7B on v4-64, a group of 8: 119 GB a prefill)."""
+  from capo_jax.run import hlo_text  # pylint: disable=import-outside-toplevel
+
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  c = capo_qwen2p5_math_1p5b.get_config("shrink")
+  c.model.preset_overrides.num_heads = 8  # 2 kv heads (the tiny preset's) x 4
+  D = c.model.preset_overrides.hidden_size = 160  # a size no other array has
+  c.mesh.sampling_tensor = 8
+  P = c.rollout.max_prompt_len = 512
+  spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+  mesh = tpu_topology.topology_mesh(spec, acc)
+  plan = aot_programs.sampler_plan(spec, spec.model_config(), mesh)
+  assert dict(plan.layout.mesh.shape) == {"data": 1, "fsdp": 1, "tensor": 2, "tensor_q": 4}
+  progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("prefill",))}
+  comps, _ = hlo_text.parse(progs["prefill"].compiled.as_text())
+  moved = [
+    ins.shape
+    for body in comps.values()
+    for ins in body
+    if ins.op.startswith("all-gather")
+    and any(a[-2:] == (P, D) for _, a in hlo_text.arrays(ins.shape))
+  ]
+  assert not moved, moved
+
+
 def _bf16_gathers(text: str, in_loop: bool) -> list[str]:
   """The bfloat16 all-gathers of a compiled program (the weights: rows, ids and scores are
   float32 or int32 here), those inside an unbounded loop (the micro-batches) or all."""

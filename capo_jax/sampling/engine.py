@@ -132,7 +132,12 @@ def prefill(
       k_LBSKH=layout.constrain(cache.k_LBSKH, (None, "batch", None, "kv_heads", None)),
       v_LBSKH=layout.constrain(cache.v_LBSKH, (None, "batch", None, "kv_heads", None)),
     )
-  h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
+  # The model's activation constraints, as in the decode step: without them the TPU
+  # compiler took the prompt cache's split (rows over tensor_q too) into the layers and
+  # gathered every prompt's hidden states on every chip of a group past the kv heads
+  # (7B prefill on v4-64, a group of 8: 119 GB sent).
+  with sharding.activations(layout):
+    h_QPD, cache = qwen2.hidden_states_with_cache(params, cfg, tokens_QP, mask_QP, cache)
   # Left padding puts every row's last prompt token at P - 1: unembed only it.
   logits_QV = qwen2.logits_from_hidden(params, cfg, h_QPD[:, -1:])[:, 0]
   logits_VB = jnp.repeat(logits_QV, num_samples, axis=0).T
