@@ -313,9 +313,11 @@ def memory_terms(
   m["boundary activations"] = L * r * T * D * act
   # remat_policy "projections": every layer also keeps its projections' outputs that the
   # backward reads (q, k, v for the attention it recomputes; o for the MLP's norm; gate,
-  # up for the MLP's product), stacked over the layers. The CPU and TPU compilers both
-  # hold twice those bytes (1.5B, a 4,096-token row: 333-336 MiB more a layer, not 168;
-  # docs/tpu.md), so two copies are counted.
+  # up for the MLP's product), stacked over the layers. The 1.5B train program holds
+  # twice those bytes (v4-32 by the TPU compiler and one row on CPU: 333-336 MiB more a
+  # layer for a 4,096-token row, not 168), 7B on v4-64 and a LoRA run about once: two
+  # copies are counted, an upper bound there (docs/results/tpu.md,
+  # train_remat_projections).
   H = cfg.head_dim
   saved = N * H / t + 2 * K * H / math.gcd(t, K) + D + 2 * F / t
   dots = cfg.remat and cfg.remat_policy == "projections"
