@@ -25,7 +25,7 @@ import numpy as np
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling.sampler import bucket_length
 from models import lora
-from models.config import Qwen2Config
+from models.config import REMAT_POLICIES, Qwen2Config
 from tools import rollout_sim
 from tools.memory_terms import (
   CONFIGS,
@@ -357,6 +357,12 @@ def main() -> None:
   )
   ap.add_argument("--lora-targets", default=lora.ALL_TARGETS)
   ap.add_argument(
+    "--remat-policy",
+    choices=REMAT_POLICIES,
+    default=None,
+    help="plan with this model.remat_policy (default: the run file's)",
+  )
+  ap.add_argument(
     "--compare",
     action="store_true",
     help="only list the slices that fit, full training vs --lora-rank",
@@ -370,6 +376,9 @@ def main() -> None:
     if model not in CONFIGS:
       raise SystemExit(f"--models: unknown model {model!r}; known: {', '.join(CONFIGS)}")
     run = dataclasses.replace(load_run(model), decode_copies_cache=args.decode_copy)
+    if args.remat_policy:
+      policy = args.remat_policy
+      run = dataclasses.replace(run, model=dataclasses.replace(run.model, remat_policy=policy))
     if args.compare:
       print(fit_summary(model, run, slices, args.headroom, args.lora_rank, args.lora_targets))
       continue
