@@ -105,6 +105,11 @@ class Qwen2Config:
       raise ValueError(
         f"Qwen2Config.remat_policy={self.remat_policy!r}; expected one of {list(REMAT_POLICIES)}"
       )
+    if self.remat_policy != "full" and not self.remat:
+      raise ValueError(
+        f"Qwen2Config.remat_policy={self.remat_policy!r} says what a remat'd layer keeps: "
+        "it needs remat=True"
+      )
     if not 1 <= self.layer_unroll <= self.num_layers:
       raise ValueError(
         f"Qwen2Config.layer_unroll={self.layer_unroll}: expected 1 to num_layers={self.num_layers}"

@@ -56,7 +56,6 @@ REMAT_POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
   "projections": jax.checkpoint_policies.save_only_these_names(*_SAVED_PROJECTIONS),
 }
-_named = checkpoint_name
 
 # Logical axes of a layer's kernels.
 _AXES = {
@@ -178,7 +177,11 @@ class DecoderLayer(nn.Module):
     if c.qkv_bias:  # setup() made the three biases exactly when qkv_bias
       assert self.q_bias is not None and self.k_bias is not None and self.v_bias is not None
       q, k, v = (q + self.q_bias.astype(dt), k + self.k_bias.astype(dt), v + self.v_bias.astype(dt))
-    q, k, v = _named(q, "q_proj"), _named(k, "k_proj"), _named(v, "v_proj")
+    q, k, v = (
+      checkpoint_name(q, "q_proj"),
+      checkpoint_name(k, "k_proj"),
+      checkpoint_name(v, "v_proj"),
+    )
     if c.qk_norm:  # over the head dim of each head, before RoPE (as transformers' Qwen3)
       q, k = rms_norm(q, self.q_norm, c.rms_norm_eps), rms_norm(k, self.k_norm, c.rms_norm_eps)
     return apply_rope(q, *rope_BT), apply_rope(k, *rope_BT), v
@@ -210,12 +213,12 @@ class DecoderLayer(nn.Module):
       ),
       n_in=2,
     )
-    x_BTD = x_BTD + _named(o_BTD, "o_proj")
+    x_BTD = x_BTD + checkpoint_name(o_BTD, "o_proj")
     x_BTD = _c(x_BTD, ACT_BTD)
     h = rms_norm(x_BTD, self.mlp_norm, self.cfg.rms_norm_eps)
     gate = _c(self._lora("gate_kernel", h, _rows_dot(h, self._w("gate_kernel"))), ACT_BTF)
     up = _c(self._lora("up_kernel", h, _rows_dot(h, self._w("up_kernel"))), ACT_BTF)
-    gate, up = _named(gate, "mlp_gate"), _named(up, "mlp_up")
+    gate, up = checkpoint_name(gate, "mlp_gate"), checkpoint_name(up, "mlp_up")
     act = jax.nn.silu(gate) * up
     return _c(
       x_BTD + self._lora("down_kernel", act, _rows_dot(act, self._w("down_kernel"))), ACT_BTD

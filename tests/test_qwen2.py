@@ -349,4 +349,6 @@ def test_remat_policy_recomputes_what_it_does_not_save(policy, recomputed):
 
 def test_remat_policy_is_checked():
   with pytest.raises(ValueError, match="remat_policy='some'"):
-    Qwen2Config.tiny(remat_policy="some")
+    Qwen2Config.tiny(remat=True, remat_policy="some")
+  with pytest.raises(ValueError, match="needs remat=True"):
+    Qwen2Config.tiny(remat=False, remat_policy="projections")
