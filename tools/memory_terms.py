@@ -320,8 +320,8 @@ def memory_terms(
   # train_remat_projections).
   H = cfg.head_dim
   saved = N * H / t + 2 * K * H / math.gcd(t, K) + D + 2 * F / t
-  dots = cfg.remat and cfg.remat_policy == "projections"
-  m[SAVED] = 2 * L * r * T * saved * act if dots else 0.0
+  keeps = cfg.remat and cfg.remat_policy == "projections"
+  m[SAVED] = 2 * L * r * T * saved * act if keeps else 0.0
   m["layer working set"] = r * (
     N / t * (ATTN_BLOCK**2 * 10 + T * 4) + T * F / t * act * 4 + T * D * act * 8
   )

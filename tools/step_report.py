@@ -14,8 +14,6 @@ from capo_jax.run.spec import RunSpec
 from capo_jax.sampling import plans
 from tools import step_estimate, tpu_chips
 
-GiB = 1024**3
-
 
 def row(cells: list[str], widths: list[int]) -> str:
   return "  ".join(f"{c:>{w}}" if i else f"{c:<{w}}" for i, (c, w) in enumerate(zip(cells, widths)))
