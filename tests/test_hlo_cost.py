@@ -100,6 +100,13 @@ def test_an_async_prefetch_reads_hbm_once_and_writes_on_chip():
   assert cost["onchip_bytes"] == WEIGHT + WEIGHT
 
 
+def test_a_copy_is_one_stream_and_a_computation_times_its_memory_in_turn():
+  cost = hlo_cost.hlo_cost(_PREFETCH, rates=RATES)
+  # copy-start moves: its slower side, 2,048 from HBM (its on-chip write, 2,048 / 2,
+  # streams beside it). negate computes: its on-chip read then its HBM write.
+  assert cost["op_honest_s"] == WEIGHT + (WEIGHT / RATES.onchip + WEIGHT)
+
+
 # Rates of 1 FLOP / byte a second make a time equal to its count: on chip 2 bytes/s
 # (the estimate's 2x HBM), host 0.5, ICI 0.25.
 RATES = hlo_cost.Rates(flops=1.0, hbm=1.0, onchip=2.0, host=0.5, ici=0.25)
@@ -136,9 +143,10 @@ def test_on_chip_traffic_is_a_range_from_free_to_its_assumed_bandwidth():
   flops = 2 * 4 * 8 * 128
   # Optimistic, op by op: the slice's HBM read, then the dot's FLOPs.
   assert cost["op_s"] == BLOCK + flops
-  # Honest: the slice also writes the block on chip (1,024 / 2); the dot stays
-  # compute-bound (2,176 HBM + 1,024 / 2 on chip < 8,192).
-  assert cost["op_honest_s"] == BLOCK + BLOCK / 2 + flops
+  # Honest: the slice is one stream, HBM read into on-chip write, timed by its slower
+  # side (1,024 from HBM, not + 1,024 / 2 on chip); the dot stays compute-bound (2,176
+  # HBM + 1,024 / 2 on chip < 8,192).
+  assert cost["op_honest_s"] == BLOCK + flops
 
 
 # A weight offloaded to the host's memory (space 5) and brought back.
@@ -161,8 +169,9 @@ def test_host_memory_space_is_host_traffic_not_on_chip():
   assert cost["host_bytes"] == 2 * WEIGHT
   assert cost["onchip_bytes"] == 0
   assert hlo_cost.times(cost, RATES)["host_s"] == 2 * WEIGHT / RATES.host
-  # Each copy: its HBM side, then its host side over PCIe.
-  assert cost["op_honest_s"] == 2 * (WEIGHT + WEIGHT / RATES.host)
+  # Each copy: one stream, as slow as its host side over PCIe (2,048 / 0.5 against
+  # 2,048 from HBM).
+  assert cost["op_honest_s"] == 2 * (WEIGHT / RATES.host)
   assert cost["op_s"] == 2 * WEIGHT  # the optimistic end leaves the host link out
 
 

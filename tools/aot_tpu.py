@@ -21,7 +21,8 @@ lengths plus ``--prompt_tokens`` a prompt. Per program and device (``hlo_cost``'
 model, the chip's rates from ``tools/tpu_chips.py``): FLOP time, HBM time, on-chip time as
 a range (free .. at the assumed on-chip bandwidth), host and inter-chip (ICI) time, the
 per-program roofline max(FLOP, HBM time) beside the per-operation one summed, and the
-honest per-operation sum (every traffic timed, nothing overlapped); the step as
+honest per-operation sum (every traffic timed, nothing overlapped, a copy one DMA
+stream: ``hlo_cost._op_seconds``); the step as
 optimistic .. honest; collectives per update at the length model and at full lengths;
 how much a decode step reads against the weights plus the filled KV blocks. Host work
 (grading) is left out: an estimate, not a measurement.

@@ -91,7 +91,8 @@ def estimate(
   print(
     f"  step {sums['program_s']:.1f} .. {sums['op_honest_s']:.1f} s: optimistic (each program "
     "one roofline of FLOPs and HBM) .. honest (each operation its own, on-chip traffic at "
-    "the assumed bandwidth, host and inter-chip traffic timed, nothing overlapped)"
+    "the assumed bandwidth, host and inter-chip traffic timed, nothing overlapped; "
+    "a copy one stream)"
   )
   full = _full_length_collectives(progs, t, calls, aot_programs.Shapes.from_spec(spec))
   out["collective_gb_per_update_full_lengths"] = full / 1e9 / spec.updates_per_step

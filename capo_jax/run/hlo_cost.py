@@ -25,8 +25,8 @@ What is counted, per device (the SPMD program):
          places on chip (``S(n)`` in their layout: VMEM, and on v4 the 128 MiB CMEM,
          which holds e.g. a KV block it cut out of the cache for two dots, or a
          layer's weights across the decode loop); ``host_bytes`` in the host's
-         memory (``S(5)``, offloaded buffers, moved over PCIe). The asynchronous
-         copies between spaces (copy-start, slice-start) count on both sides;
+         memory (``S(5)``, offloaded buffers, moved over PCIe). A copy between
+         spaces (copy-start, slice-start, a dynamic-slice) counts on both sides;
   collectives  ``collective_bytes``, each collective's result (the older count),
          and ``ici_bytes``, what one device sends over the inter-chip links by the
          ring algorithms (``hlo_ops.ici_bytes``), like for like across kinds; a
@@ -46,7 +46,10 @@ max(FLOP time, HBM time) beside the per-operation one, each instruction outside 
 ``op_s`` = sum of max(FLOP time, HBM time), on-chip traffic free and collectives hidden
 (the optimistic end); ``op_honest_s`` = sum of max(FLOP time, HBM + on-chip + host time,
 inter-chip time), on-chip traffic at the assumed bandwidth and nothing overlapped (the
-honest end). On-chip time alone is the range [0, ``onchip_bytes`` / on-chip rate].
+honest end), except that an operation that only moves an array (``hlo_ops.is_move``: a
+copy, the ragged kernel's staging) is one DMA stream, timed by its slower side rather
+than by both sides in turn. On-chip time alone is the range [0, ``onchip_bytes`` /
+on-chip rate].
 With ``trip_counts=False`` each body counts once, XLA's usual convention: the
 matmul FLOPs then come within ~10% under ``cost_analysis()`` (which adds the
 elementwise work). XLA's own figures are not used for totals because, for the
@@ -138,13 +141,18 @@ COL_KEYS = tuple(f"ragged_col_{sp}" for sp in ht.SPACES)
 
 
 def _op_seconds(
-  flops: float, moved: dict[str, float], ici: float, rates: Rates
+  flops: float, moved: dict[str, float], ici: float, rates: Rates, move: bool = False
 ) -> tuple[float, float]:
   """One operation's roofline: optimistic, max(FLOP time, HBM time) (on-chip traffic
   free, collectives hidden behind it); honest, the slowest of its FLOP time, its memory
-  time (HBM + on-chip + host, one after another) and its inter-chip time."""
+  time and its inter-chip time. The memory time of an operation that computes is its
+  HBM, on-chip and host times one after another. A ``move`` (``hlo_ops.is_move``) is one
+  DMA stream, which writes its destination as it reads its source: its memory time is
+  its slowest side's (summing them would time each byte twice; an XLA fusion's operands
+  go through VMEM the same way, uncounted)."""
   t_flop, t_hbm = flops / rates.flops, moved["hbm"] / rates.hbm
-  t_mem = t_hbm + moved["onchip"] / rates.onchip + moved["host"] / rates.host
+  sides = (t_hbm, moved["onchip"] / rates.onchip, moved["host"] / rates.host)
+  t_mem = max(sides) if move else sum(sides)
   return max(t_flop, t_hbm), max(t_flop, t_mem, ici / rates.ici)
 
 
@@ -196,7 +204,7 @@ def _sum(
         own = hlo_ops.matmul_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
         own = declared[0] if declared else own
         f = hlo_ops.fused_flops(ht.called(ins), comps, memo) if ins.op == "fusion" else own
-        op_s, honest_s = _op_seconds(f, moved, ici, rates)
+        op_s, honest_s = _op_seconds(f, moved, ici, rates, hlo_ops.is_move(ins, shapes))
         out["op_s"] += w * op_s
         out["op_honest_s"] += w * honest_s
   return out
@@ -233,7 +241,7 @@ def with_ragged_cols(
     out[key] = out.get(key, 0.0) + moved[sp]
   out["ragged_bytes"] = out.get("ragged_bytes", 0.0) + moved["hbm"]
   if rates is not None:
-    op_s, honest_s = _op_seconds(0.0, moved, 0.0, rates)
+    op_s, honest_s = _op_seconds(0.0, moved, 0.0, rates, move=True)  # staging: a move
     out["op_s"] = out.get("op_s", 0.0) + op_s
     out["op_honest_s"] = out.get("op_honest_s", 0.0) + honest_s
   return out

@@ -201,6 +201,18 @@ def ragged_col_bytes(
   return one
 
 
+# Operations that only move one array from one place to another: the DMA engine writes
+# the destination as it reads the source, one stream (``hlo_cost._op_seconds``).
+MOVES = ("copy", "copy-start", "slice-start", "dynamic-slice")
+
+
+def is_move(ins: _Instr, shapes: dict[str, str]) -> bool:
+  """Whether ``ins`` only moves bytes between memory spaces (or within one): a copy, an
+  asynchronous copy or slice, a dynamic-slice outside a fusion, or the ragged decode
+  attention's staging of its keys and values into VMEM (``ragged_kv``)."""
+  return ins.op in MOVES or ragged_kv(ins, shapes) is not None
+
+
 def moved_bytes(
   ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]], where: str = "all"
 ) -> float:
