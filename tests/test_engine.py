@@ -199,16 +199,18 @@ def test_ragged_attention_gives_the_same_samples(rollouts, monkeypatch, n):
   """The ragged kernel (decode.resolve's TPU choice, interpreted here) in place of the
   blocked XLA attention: the same tokens at float32 with one, a few and all rows active.
 
-  Its 32-column copies differ from the 16-column blocks of the reference run (and
-  do not divide the 48-column cache), so the sums are not the same ones.
+  Its 32-column copies, laid from each row's first column rounded down to 8, differ
+  from the 16-column blocks of the reference run (and do not divide the 48-column
+  cache), so the sums are not the same ones.
   """
   cfg, params, tokens, mask, stops, outs = rollouts
   monkeypatch.setattr(plans, "ATTENTION", "ragged")
   monkeypatch.setattr(plans, "RAGGED_BLOCK", 32)
+  monkeypatch.setattr(plans, "RAGGED_ALIGN", 8)
   calls = []
   monkeypatch.setattr(decode.ragged, "attend", lambda *a, **k: calls.append(k) or attend(*a, **k))
   assert_same(outs[Q * G], run(cfg, params, tokens, mask, n, stops))
-  assert len(calls) == cfg.num_layers and calls[0]["block"] == 32  # the kernel ran
+  assert len(calls) == cfg.num_layers and (calls[0]["block"], calls[0]["align"]) == (32, 8)
 
 
 @pytest.mark.slow  # ~40 s: two more decode programs

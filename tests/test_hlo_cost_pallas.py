@@ -160,31 +160,43 @@ def test_the_step_estimate_counts_each_loop_at_its_columns_per_slot():
     step_estimate.weighted_cost("decode", _LOOP, step_estimate.Trips((10,), (0,), 0, 1, 1, 1))
 
 
-def _copied_by_hand(P: int, p: int, steps: int, block: int) -> int:
+def _copied_by_hand(P: int, p: int, steps: int, block: int, unit: int) -> int:
   """Columns the kernel copies for one row over ``steps`` decode steps: at step t the
-  row attends to [P - p, P + max(t, 1)); every block holding one of those columns is
-  copied whole. Counted column by column."""
-  total = 0
+  row attends to [P - p, P + max(t, 1)); blocks are laid from P - p rounded down to
+  ``unit``, and every block holding one of those columns is copied whole. Counted
+  column by column."""
+  total, base = 0, (P - p) // unit * unit
   for t in range(steps):
-    touched = {col // block for col in range(P - p, P + max(t, 1))}
+    touched = {(col - base) // block for col in range(P - p, P + max(t, 1))}
     total += len(touched) * block
   return total
 
 
-def test_the_length_model_copies_each_rows_own_blocks():
+# ragged_align 128 with blocks of 32: blocks from the block edges (gcd 32); 8: from the
+# prompt's first column (56) rounded down to 8, 56 itself, where the block edge is 32.
+@pytest.mark.parametrize("align, unit", [(128, 32), (8, 8)])
+def test_the_length_model_copies_each_rows_own_blocks(align, unit):
   shape = rollout_sim.Shape(
-    rows=64, samples=4, prompt_len=96, cap=200, ragged_block=32, prompt_tokens=40
+    rows=64,
+    samples=4,
+    prompt_len=96,
+    cap=200,
+    ragged_block=32,
+    ragged_align=align,
+    prompt_tokens=40,
   )
   F = rollout_sim.ragged_prefix(shape)
   for steps in (0, 1, 2, 57, 200):
-    assert F[steps] == _copied_by_hand(96, 40, steps, 32), steps
+    assert F[steps] == _copied_by_hand(96, 40, steps, 32, unit), steps
   lengths = rollout_sim.sample_lengths(np.random.default_rng(3), shape)
-  want = sum(_copied_by_hand(96, 40, int(n), 32) for n in lengths)
+  want = sum(_copied_by_hand(96, 40, int(n), 32, unit) for n in lengths)
+  own = sum(sum(40 + max(t, 1) for t in range(int(n))) for n in lengths)  # [56, 96 + t)
   lockstep = rollout_sim.simulate(lengths, shape, None)
   engine = rollout_sim.simulate(lengths, shape, 16)  # 16 slots, then tail loops of 4, 1
   # However the rows are scheduled, each copies its own blocks over its own steps.
   assert lockstep["ragged_cols"] == engine["ragged_cols"] == want
   assert sum(engine["phase_ragged_cols"]) == want
+  assert sum(engine["phase_own_cols"]) == own < want
   assert engine["phase_slots"] == [16, 4, 1][: len(engine["phase_steps"])]
 
 
@@ -201,9 +213,11 @@ def test_trips_give_the_mean_columns_a_slot_copies_per_step():
   t = step_estimate.trips(Sh, 1, 8, 1, lengths)
   shape = rollout_sim.Shape(rows=8, samples=8, prompt_len=1024, cap=3072, max_loops=1)
   L = rollout_sim.sample_lengths(np.random.default_rng(0), shape)
-  copied = sum(_copied_by_hand(1024, 200, int(n), 512) for n in L)
+  copied = sum(_copied_by_hand(1024, 200, int(n), 512, 128) for n in L)
+  held = sum(sum(200 + max(s, 1) for s in range(int(n))) for n in L)
   assert t.phase_steps == (L.max(),)
   assert t.phase_cols[0] == pytest.approx(copied / (8 * L.max()))
+  assert t.phase_own_cols[0] == pytest.approx(held / (8 * L.max()))
 
 
 @pytest.mark.tpu_aot

@@ -55,33 +55,58 @@ def reference(q, k, v, start_W, end_W) -> np.ndarray:
 RANGES_40 = [(0, 1), (39, 40), (20, 21), (0, 40), (13, 35), (17, 30), (25, 25)]
 
 
-@pytest.mark.parametrize("S, block", [(40, 16), (48, 16), (40, 64)])
-def test_ragged_equals_reference_attention(S, block):
+# (S, block, align): blocks from the block edges (align a multiple of the block, or
+# 128 > block: gcd = block), and blocks laid from a slot's first column rounded down
+# to 4 or 8, the last one moved back at the cache's end.
+@pytest.mark.parametrize(
+  "S, block, align", [(40, 16, 128), (48, 16, 16), (40, 64, 128), (40, 16, 4), (48, 32, 8)]
+)
+def test_ragged_equals_reference_attention(S, block, align):
   q, k, v = qkv(S)
   ranges = [(min(a, S - 1), min(b, S)) if b > a else (a, b) for a, b in RANGES_40]
   ranges[3] = (0, S)  # the whole cache
   start_W, end_W = (jnp.asarray(x, jnp.int32) for x in zip(*ranges))
-  got = np.asarray(ragged_attend(q, k, v, start_W, end_W, block=block))
+  got = np.asarray(ragged_attend(q, k, v, start_W, end_W, block=block, align=align))
   want = reference(q, k, v, start_W, end_W)
   live = np.asarray(end_W > start_W)
   np.testing.assert_allclose(got[live], want[live], atol=2e-6, rtol=2e-6)
   np.testing.assert_array_equal(got[~live], 0.0)  # an idle slot reads nothing
 
 
-def test_ragged_never_reads_other_blocks():
-  """Blocks outside a slot's own (whole blocks of 16 columns) are NaN: results unchanged."""
-  S, block = 64, 16
+def own_blocks(start: int, end: int, block: int, unit: int, S: int) -> set[int]:
+  """The columns of the blocks a slot copies, by hand: blocks of ``block`` columns laid
+  from ``start`` rounded down to ``unit``, as many as reach ``end``; one past the cache's
+  end moved back to end at S."""
+  if end <= start:
+    return set()
+  cols, b0 = set(), start - start % unit
+  while b0 < end:
+    s0 = min(b0, S - block)
+    cols |= set(range(s0, s0 + block))
+    b0 += block
+  return cols
+
+
+# (block, align): blocks from the block edges (gcd(128, 16) = 16), and laid from a
+# slot's first column rounded down to 8.
+@pytest.mark.parametrize("block, align", [(16, 128), (16, 8)])
+def test_ragged_never_reads_other_blocks(block, align):
+  """Columns outside the blocks a slot copies are NaN: results unchanged. With blocks
+  laid from 8-column edges, the padding before a slot's first 8-column edge (its block
+  edge when laid from 0) is NaN too."""
+  S = 64
   q, k, v = qkv(S, seed=1)
-  start_W = jnp.asarray([0, 16, 5, 40, 63, 0, 30], jnp.int32)
+  start_W = jnp.asarray([0, 16, 5, 40, 63, 29, 30], jnp.int32)
   end_W = jnp.asarray([3, 32, 40, 64, 64, 64, 30], jnp.int32)
-  col_S = np.arange(S)
-  own_WS = (col_S // block >= np.asarray(start_W)[:, None] // block) & (
-    col_S // block <= (np.asarray(end_W)[:, None] - 1) // block
-  )
-  own_WS &= np.asarray(end_W > start_W)[:, None]
+  unit = np.gcd(block, align)
+  own_WS = np.zeros((W, S), bool)
+  for w, (a, b) in enumerate(zip(np.asarray(start_W), np.asarray(end_W))):
+    own_WS[w, sorted(own_blocks(int(a), int(b), block, int(unit), S))] = True
+  if unit < block:  # slot 5 (29 .. 64) from column 24: 16 .. 23, its block edge's, unread
+    assert not own_WS[5, 16:24].any() and own_WS[5, 24:].all()
   k_bad = jnp.where(jnp.asarray(own_WS)[:, None, None, :], k, jnp.nan)
   v_bad = jnp.where(jnp.asarray(own_WS)[:, None, :, None], v, jnp.nan)
-  got = np.asarray(ragged_attend(q, k_bad, v_bad, start_W, end_W, block=block))
+  got = np.asarray(ragged_attend(q, k_bad, v_bad, start_W, end_W, block=block, align=align))
   assert np.isfinite(got).all()
   live = np.asarray(end_W > start_W)
   want = reference(q, k, v, start_W, end_W)
@@ -127,7 +152,7 @@ def test_ragged_decode_loop_compiles_for_tpu_without_cache_copies():
   acc = tpu_topology.parse_accelerator("v5e-8")
   tpu_topology.set_tpu_env(acc)
   mesh = mesh_lib.make_mesh(
-    {"data": 1, "fsdp": 4, "tensor": 2}, devices=tpu_topology.topology_devices(acc)
+    {"data": 1, "fsdp": 4, "tensor": 2, "tensor_q": 1}, devices=tpu_topology.topology_devices(acc)
   )
   layout = Layout.of(mesh, mesh_lib.SAMPLING_RULES)
   Wn, Kn, Rn, Hn, S = 32, 2, 6, 128, 3328  # 1.5B's heads, a 3,072-token completion

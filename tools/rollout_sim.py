@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import heapq
+import math
 
 import numpy as np
 
@@ -44,6 +45,7 @@ class Shape:
   shrink: int = 4  # plans.SHRINK: each tail loop has a quarter of the slots
   max_loops: int = 3  # plans.MAX_PHASES (1: no tail loops)
   ragged_block: int = 512  # plans.RAGGED_BLOCK: the ragged kernel's columns per copy
+  ragged_align: int = 128  # plans.RAGGED_ALIGN: its first copy's column rounded down to
   prompt_tokens: int = 0  # a prompt's real tokens, left-padded to prompt_len (0: all of it)
   refill_chunk: int = 128  # slots.REFILL_CHUNK: prompt columns a refill copies at a time
 
@@ -77,16 +79,19 @@ def refill_chunks(shape: Shape) -> tuple[int, int]:
   return -(-(min(shape.prompt_tokens, P) or P) // max(width, 1)), width
 
 
-def ragged_prefix(shape: Shape) -> np.ndarray:
+def ragged_prefix(shape: Shape, own: bool = False) -> np.ndarray:
   """[cap + 1]: the columns the ragged kernel copies for one row over its first t decode
   steps, t = 0 .. cap. At step t (0-based) the engine's slot attends to columns
   [P - p, P + max(t, 1)) (``capo_jax.sampling.engine``: prompt of p real tokens
-  left-padded to P, then the completion); the kernel copies every ``ragged_block`` of
-  columns that range touches, whole (``capo_jax.sampling.ragged``)."""
+  left-padded to P, then the completion); the kernel copies whole ``ragged_block``s of
+  columns laid from P - p rounded down to gcd(``ragged_align``, ``ragged_block``), as
+  many as reach the range's end (``capo_jax.sampling.ragged``). ``own``: the range's
+  columns alone, each row's own length (the floor a step's KV read is held to)."""
   P, blk = shape.prompt_len, shape.ragged_block
   start = P - (min(shape.prompt_tokens, P) or P)
   end_T = P + np.maximum(np.arange(shape.cap), 1)
-  cols_T = ((end_T - 1) // blk - start // blk + 1) * blk
+  base = start - start % math.gcd(shape.ragged_align, blk)
+  cols_T = end_T - start if own else -(-(end_T - base) // blk) * blk
   return np.concatenate([[0], np.cumsum(cols_T)])
 
 
@@ -103,7 +108,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   """
   P, blk, B = shape.prompt_len, shape.block, lengths.size
   own_total = int((P * lengths + lengths * (lengths + 1) // 2).sum())  # each row its own
-  F = ragged_prefix(shape)
+  F, F_own = ragged_prefix(shape), ragged_prefix(shape, own=True)
   if slots is None:
     steps = int(lengths.max())
     t = np.arange(1, steps + 1)
@@ -125,8 +130,10 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
   # Per loop of the engine: its decode steps, and the KV blocks its steps read per layer
   # (the trip counts of the step's per-layer block loops, summed over its steps).
   phase_steps, phase_blocks = [0] * shape.max_loops, [0] * shape.max_loops
-  # And the columns the ragged kernel copies in each loop, over its slots and steps.
+  # And the columns the ragged kernel copies in each loop, over its slots and steps, and
+  # the rows' own columns it holds.
   phase_ragged, phase_slots = [0] * shape.max_loops, [slots] * shape.max_loops
+  phase_own = [0] * shape.max_loops
   while True:
     while free and nxt < B:
       n = free.pop()
@@ -153,6 +160,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
     phase_blocks[loops - 1] += cols // blk
     began = np.fromiter(start.values(), np.int64)  # a row's step t = step - began - 1
     phase_ragged[loops - 1] += int((F[k1 - began] - F[k - began]).sum())
+    phase_own[loops - 1] += int((F_own[k1 - began] - F_own[k - began]).sum())
     k = k1
     while ends and ends[0][0] == k:
       n = heapq.heappop(ends)[1]
@@ -170,6 +178,7 @@ def simulate(lengths: np.ndarray, shape: Shape, slots: int | None) -> dict[str, 
     "phase_steps": phase_steps[:loops],
     "phase_blocks": phase_blocks[:loops],
     "phase_ragged_cols": phase_ragged[:loops],
+    "phase_own_cols": phase_own[:loops],
     "phase_slots": phase_slots[:loops],
   }
 

@@ -67,6 +67,9 @@ class Trips:
   # Refill loop iterations per row copied: the chunks of its prompt that hold tokens.
   refill_chunks: float = 1.0
   prompt_tokens: int = 200  # each prompt's tokens in the length model (``Lengths``)
+  # The rows' own columns per slot and step in each loop (prompt tokens + completion so
+  # far, idle slots none): what the decode's KV floor holds a step to.
+  phase_own_cols: tuple[float, ...] = ()
 
 
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
@@ -79,9 +82,10 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     cap=sh.max_new_tokens,
     max_loops=phases,
     ragged_block=plans.RAGGED_BLOCK,
+    ragged_align=plans.RAGGED_ALIGN,
     prompt_tokens=lengths.prompt_tokens,
   )
-  steps, blocks, cols, calls, mbs, fill = [], [], [], [], [], []
+  steps, blocks, cols, own, calls, mbs, fill = [], [], [], [], [], [], []
   for seed in range(lengths.seeds):
     rng = np.random.default_rng(seed)
     per_call = [
@@ -109,6 +113,8 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     )
     copied = np.sum([_pad(s.get("phase_ragged_cols", [s["ragged_cols"]]), phases) for s in sims], 0)
     cols.append(copied / np.maximum(slot_steps, 1))
+    held = np.sum([_pad(s.get("phase_own_cols", [0]), phases) for s in sims], 0)
+    own.append(held / np.maximum(slot_steps, 1))
     steps[-1] = steps[-1] / sh.num_calls
     seq = min(lengths.prompt_tokens, sh.max_prompt_len) + np.concatenate(per_call)
     row_B, _ = packing.first_fit(seq, sh.row_len)
@@ -133,6 +139,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     tuple(np.mean(cols, 0)),
     float(rollout_sim.refill_chunks(shape)[0]),
     lengths.prompt_tokens,
+    tuple(np.mean(own, 0)),
   )
 
 
@@ -195,6 +202,9 @@ def weighted_cost(
     whole = loops[0].cost.get("ragged_cache_cols", 0.0)  # every slot its whole cache
     out["step_ragged_whole_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * whole
     out["ragged_cols_per_step"] = t.phase_cols[0] if step["ragged_bytes"] else 0.0
+    # Each row's own columns at the same bytes per column: the KV floor of a step.
+    own_cols = t.phase_own_cols[0] if t.phase_own_cols else 0.0
+    out["step_own_kv_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * own_cols
     refill = {}
     for inner in loops[0].nested:
       if inner.in_conditional:

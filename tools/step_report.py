@@ -117,8 +117,9 @@ def estimate(
       / shards
     )
     kv = slots * dec["blocks_per_step"] * plans.KV_BLOCK * kv_pos
-    if dec["step_ragged_bytes"]:  # the ragged kernel: each slot its own blocks
-      kv = dec["step_ragged_bytes"]
+    kv_name = "the filled KV blocks"
+    if dec["step_ragged_bytes"]:  # the ragged kernel: the floor is each row's own columns
+      kv, kv_name = dec["step_own_kv_bytes"], "each row's own-length KV"
       _print_ragged(dec, t, spec)
     ideal = resident["sampling params"] + kv
     out["decode_read_ratio"] = dec["step_bytes"] / ideal
@@ -128,7 +129,7 @@ def estimate(
       f"  decode step (first loop): reads {dec['step_bytes'] / 1e9:.2f} GB of HBM per chip "
       f"(and moves {dec['step_onchip_bytes'] / 1e9:.2f} GB on chip: "
       f"{out['decode_read_ratio_all_spaces']:.2f}x counted together) where "
-      f"the weights ({resident['sampling params'] / 1e9:.2f}) and the filled KV blocks "
+      f"the weights ({resident['sampling params'] / 1e9:.2f}) and {kv_name} "
       f"({kv / 1e9:.2f}) make {ideal / 1e9:.2f}: {out['decode_read_ratio']:.2f}x; one "
       f"refill iteration (a chunk of a row's prompt, {t.refill_chunks:.0f} a row) moves "
       f"{dec['refill_bytes'] / 1e9:.3f} GB ({dec['refill_collective_bytes'] / 1e9:.3f} GB "
@@ -148,9 +149,12 @@ def _print_ragged(dec: dict, t: step_estimate.Trips, spec: RunSpec) -> None:
     "columns a slot copies a step at the length model, "
     + " / ".join(f"{c:.0f}" for c in t.phase_cols)
     + f" in the engine's loops (prompts of {t.prompt_tokens} tokens left-padded to "
-    f"{sh.prompt_len}, blocks of {plans.RAGGED_BLOCK} columns, idle slots none): "
-    f"{dec['step_ragged_bytes'] / 1e9:.2f} GB of keys and values a step of the first loop "
-    f"where every slot's whole cache would be {dec['step_ragged_whole_bytes'] / 1e9:.2f}"
+    f"{sh.prompt_len}, blocks of {plans.RAGGED_BLOCK} columns from a row's first column "
+    f"rounded down to {plans.RAGGED_ALIGN}, idle slots none): "
+    f"{dec['step_ragged_bytes'] / 1e9:.2f} GB of keys and values a step of the first loop, "
+    f"{dec['step_ragged_bytes'] / max(dec['step_own_kv_bytes'], 1.0):.2f}x the rows' own "
+    f"{dec['step_own_kv_bytes'] / 1e9:.2f}, where every slot's whole cache would be "
+    f"{dec['step_ragged_whole_bytes'] / 1e9:.2f}"
   )
 
 

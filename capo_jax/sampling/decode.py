@@ -245,7 +245,8 @@ class Where:
   (blocks only; ignored when the cache is one block or less: then attention reads it
   all). ``start_W``: the slot's first real column (ragged only, which reads through
   the kernel whatever the cache's size; an idle slot gives col_W + 1, nothing to
-  read). ``attention``: "blocks" or "ragged" (``resolve``); ``layout``: the
+  read). ``attention``: "blocks" or "ragged" (``resolve``); ``align``: where the
+  ragged kernel lays a slot's first block (``ragged.attend``); ``layout``: the
   cache's, which the ragged kernel's ``shard_map`` follows."""
 
   col_W: jax.Array
@@ -255,6 +256,7 @@ class Where:
   start_W: jax.Array | None = None
   attention: str = "blocks"
   layout: Layout | None = None
+  align: int = ragged.ALIGN
 
 
 def step(
@@ -303,6 +305,7 @@ def step(
         where.start_W,
         where.col_W + 1,
         block=where.block,
+        align=where.align,
         layout=where.layout,
       )
     elif blocked:

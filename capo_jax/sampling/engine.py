@@ -281,6 +281,7 @@ def decode_loop(
       start_W=start_W,
       attention=attention,
       layout=layout,
+      align=plan.ragged_align,
     )
     with sharding.activations(layout):  # the step's activation constraints
       logits_VW, cache = decode.step(w, cfg, s.last_W, cache, where)

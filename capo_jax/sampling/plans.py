@@ -26,9 +26,11 @@ from models.sharding import Layout
 KV_BLOCK = 128
 # The decode attention (decode.ATTENTION: "auto" is the ragged kernel on TPU, the
 # blocks above elsewhere) and the ragged kernel's columns per copy (a row reads its
-# own length rounded up to it). Read at each ``generate`` call.
+# own length rounded up to it, from its first column rounded down to RAGGED_ALIGN).
+# Read at each ``generate`` call.
 ATTENTION = "auto"
 RAGGED_BLOCK = ragged.BLOCK
+RAGGED_ALIGN = ragged.ALIGN
 
 
 @jax.tree_util.register_dataclass
@@ -92,6 +94,7 @@ class Plan:
   shrink: bool = False
   attention: str = "auto"  # decode.resolve: ragged on TPU, blocks elsewhere
   ragged_block: int = ragged.BLOCK
+  ragged_align: int = ragged.ALIGN
 
   @property
   def prefill_plan(self) -> PrefillPlan:

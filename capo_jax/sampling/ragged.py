@@ -22,10 +22,14 @@ reads each row's KV up to its own length (rounded up to a block), not every slot
 up to the longest row, in ``W`` programs per layer whose loops run the rows' own
 block counts.
 
-A block that would run past the cache's end is moved back to end at column S
-(the copy keeps its static size); its columns before the nominal block start,
-already read by the previous block, are masked. So S need not be a multiple of
-``block``.
+A slot's blocks are laid from its first column rounded down to ``align`` (128, a
+lane tile), not from column 0: a prompt of p tokens left-padded to P is copied
+from about column P - p on, where blocks laid from column 0 began at the block
+edge below it (for 200 tokens in 1,024 columns and blocks of 512: 312 padding
+columns more, every step). A block that would run past the cache's end is moved
+back to end at column S (the copy keeps its static size); its columns before the
+nominal block start, already read by the previous block, are masked. So S need
+not be a multiple of ``block``.
 
 ``interpret=True`` (the default off TPU) runs the same kernel through Pallas'
 interpreter: the CPU tests check it against ``decode.attend_full``. Under a
@@ -36,6 +40,7 @@ the layout splits the cache (``cache_spec``): XLA cannot partition a Pallas call
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -46,6 +51,7 @@ from jax.sharding import PartitionSpec
 from models.sharding import Layout
 
 BLOCK = 512  # columns per copy: 256 KiB of bfloat16 keys per kv-head pair at H = 128
+ALIGN = 128  # a slot's first block starts at its first column rounded down to this
 _SUBLANES = 8  # the query heads of a group are padded to whole sublane tiles
 LANES = 128  # a TPU vector's lanes: the kernel's column offsets are multiples
 
@@ -69,17 +75,20 @@ def _kernel(
   *,
   block: int,
   num_cols: int,
+  align: int,
 ):
   w = pl.program_id(0)
   start, end = start_ref[w], end_ref[w]
   # lax.div / rem: the columns are >= 0, and jnp's floor division lowers through
-  # sign(), which Mosaic only lowers when it can query a TPU.
-  first = jax.lax.div(start, block)
-  n = jnp.where(end > start, jax.lax.div(end - 1, block) - first + 1, 0)
+  # sign(), which Mosaic only lowers when it can query a TPU. ``align`` divides
+  # ``block`` (``_local``), so the first block holds ``start``.
+  base = jax.lax.div(start, align) * align
+  n = jnp.where(end > start, jax.lax.div(end - base - 1, block) + 1, 0)
   K, R, H = q_ref.shape
 
   def copies(i, buf):
-    s0 = jnp.minimum((first + i) * block, num_cols - block)
+    # A copy's first column must be a whole number of tiles: tell Mosaic it is.
+    s0 = pl.multiple_of(jnp.minimum(base + i * block, num_cols - block), align)
     return (
       pltpu.make_async_copy(k_hbm.at[w, pl.ds(s0, block)], k_buf.at[buf], sem.at[0, buf]),
       pltpu.make_async_copy(v_hbm.at[w, pl.ds(s0, block)], v_buf.at[buf], sem.at[1, buf]),
@@ -102,7 +111,7 @@ def _kernel(
 
     for c in copies(i, buf):
       c.wait()
-    b0 = (first + i) * block
+    b0 = base + i * block
     s0 = jnp.minimum(b0, num_cols - block)
     col_1S = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
     valid_1S = (col_1S >= jnp.maximum(start, b0)) & (col_1S < end)
@@ -148,6 +157,7 @@ def _local(
   start_W: jax.Array,
   end_W: jax.Array,
   block: int,
+  align: int,
   interpret: bool,
 ) -> jax.Array:
   W, K, R, H = q_WKRH.shape
@@ -157,17 +167,19 @@ def _local(
       f"ragged.attend: k {k_WSX.shape} and v {v_WSX.shape} must be [W, S, K*H] for q {q_WKRH.shape}"
     )
   block = min(block, S)
-  if not interpret and (S % LANES or block % LANES):
+  align = math.gcd(align, block)  # at most a block: the first block holds the first column
+  if not interpret and (S % LANES or block % LANES or align % LANES):
     # Mosaic copies whole lane tiles: a column offset must be a multiple of 128.
     raise ValueError(
-      f"ragged.attend on TPU: cache columns ({S}) and block ({block}) must be multiples of {LANES}"
+      f"ragged.attend on TPU: cache columns ({S}), block ({block}) and align ({align}) "
+      f"must be multiples of {LANES}"
     )
   R_pad = -(-R // _SUBLANES) * _SUBLANES
   q = jnp.pad(q_WKRH, ((0, 0), (0, 0), (0, R_pad - R), (0, 0)))
   dt = v_WSX.dtype
   heads = pl.BlockSpec((None, K, R_pad, H), lambda w, *_: (w, 0, 0, 0))
   out = pl.pallas_call(
-    functools.partial(_kernel, block=block, num_cols=S),
+    functools.partial(_kernel, block=block, num_cols=S, align=align),
     grid_spec=pltpu.PrefetchScalarGridSpec(
       num_scalar_prefetch=2,
       grid=(W,),
@@ -202,18 +214,20 @@ def attend(
   end_W: jax.Array,
   *,
   block: int = BLOCK,
+  align: int = ALIGN,
   layout: Layout | None = None,
   interpret: bool | None = None,
 ) -> jax.Array:
   """Attention [W, K, R, H] of each slot's query over its columns ``[start_W, end_W)``.
 
   ``decode.attend_full`` under the mask ``start_W <= s < end_W``, reading only
-  those columns (whole blocks), from keys and values laid out [W, S, K*H].
+  those columns (whole blocks laid from ``start_W`` rounded down to a multiple of
+  gcd(``align``, ``block``)), from keys and values laid out [W, S, K*H].
   ``interpret`` None: on any platform but TPU (``platform``).
   """
   if interpret is None:
     interpret = platform(layout) != "tpu"
-  local = functools.partial(_local, block=block, interpret=interpret)
+  local = functools.partial(_local, block=block, align=align, interpret=interpret)
   if layout is None:
     return local(q_WKRH, k_WSX, v_WSX, start_W, end_W)
   cache = cache_spec(layout, q_WKRH.shape[0], q_WKRH.shape[1])

@@ -165,6 +165,7 @@ def engine_plan(
     shrink=W < B or not cpu,
     attention=plans.ATTENTION,
     ragged_block=plans.RAGGED_BLOCK,
+    ragged_align=plans.RAGGED_ALIGN,
   )
 
 
