@@ -162,10 +162,17 @@ def sampling_weight_params(cfg: Qwen2Config, group: int) -> float:
   (``mesh.SAMPLING_RULES``): the attention's 1 / t_kv (whole kv heads with their query
   heads), the rest (MLP, vocabulary) 1 / group, the norms whole (counted as split)."""
   t_kv, _ = mesh_lib.tensor_split(cfg, group)
+  attn = _attention_params(cfg)
+  return attn / t_kv + (param_counts(cfg)[0] - attn) / group
+
+
+@functools.lru_cache(maxsize=64)
+def _attention_params(cfg: Qwen2Config) -> int:
+  """The attention's params over all layers (cached like ``param_counts``: tracing the
+  model's init takes ~0.1 s, and the plan asks for every candidate mesh)."""
   lay = qwen2.param_shapes(cfg)["layers"]
   names = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias")
-  attn = sum(lay[n].size for n in names if n in lay)
-  return attn / t_kv + (param_counts(cfg)[0] - attn) / group
+  return sum(lay[n].size for n in names if n in lay)
 
 
 def attention_rows_per_chip(rows: int, groups: int, cfg: Qwen2Config, group: int) -> int:
