@@ -150,12 +150,14 @@ def test_the_step_estimate_counts_each_loop_at_its_columns_per_slot():
     microbatches=1,
     real_token_fraction=1,
     phase_cols=(640.0,),
+    phase_own_cols=(410.0,),
   )
   got = step_estimate.weighted_cost("decode", _LOOP, trips)
   step = 3 * 4 + Q + Q + 2 * LENS + 640 * COL  # the add's scalars, then the kernel
   assert got["bytes"] == 10 * step and got["step_bytes"] == step
   assert got["ragged_bytes"] == 10 * 640 * COL and got["step_ragged_bytes"] == 640 * COL
   assert got["step_ragged_whole_bytes"] == S * COL
+  assert got["step_own_kv_bytes"] == 410 * COL  # the floor: the rows' own columns
   with pytest.raises(ValueError, match="phase_cols"):
     step_estimate.weighted_cost("decode", _LOOP, step_estimate.Trips((10,), (0,), 0, 1, 1, 1))
 

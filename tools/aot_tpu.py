@@ -24,7 +24,8 @@ per-program roofline max(FLOP, HBM time) beside the per-operation one summed, an
 honest per-operation sum (every traffic timed, nothing overlapped, a copy one DMA
 stream: ``hlo_cost._op_seconds``); the step as
 optimistic .. honest; collectives per update at the length model and at full lengths;
-how much a decode step reads against the weights plus the filled KV blocks. Host work
+how much a decode step reads against the weights plus each row's own-length KV (the
+filled KV blocks without the ragged kernel). Host work
 (grading) is left out: an estimate, not a measurement.
 
 Peer: ``memory_terms.py``'s terms for the same mesh, printed alongside.

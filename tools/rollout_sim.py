@@ -45,7 +45,8 @@ class Shape:
   shrink: int = 4  # plans.SHRINK: each tail loop has a quarter of the slots
   max_loops: int = 3  # plans.MAX_PHASES (1: no tail loops)
   ragged_block: int = 512  # plans.RAGGED_BLOCK: the ragged kernel's columns per copy
-  ragged_align: int = 128  # plans.RAGGED_ALIGN: its first copy's column rounded down to
+  ragged_align: int = 128  # plans.RAGGED_ALIGN: a row's copies start at its first column
+  # rounded down to a multiple of this (and of the block's gcd with it)
   prompt_tokens: int = 0  # a prompt's real tokens, left-padded to prompt_len (0: all of it)
   refill_chunk: int = 128  # slots.REFILL_CHUNK: prompt columns a refill copies at a time
 
