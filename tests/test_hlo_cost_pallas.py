@@ -165,17 +165,21 @@ def test_the_step_estimate_counts_each_loop_at_its_columns_per_slot():
 def _copied_by_hand(P: int, p: int, steps: int, block: int, unit: int) -> int:
   """Columns the kernel copies for one row over ``steps`` decode steps: at step t the
   row attends to [P - p, P + max(t, 1)); blocks are laid from P - p rounded down to
-  ``unit``, and every block holding one of those columns is copied whole. Counted
-  column by column."""
+  ``unit``, every block holding one of those columns is copied, and the last one only
+  up to the ``unit``-column tiles that hold one. Counted column by column."""
   total, base = 0, (P - p) // unit * unit
   for t in range(steps):
-    touched = {(col - base) // block for col in range(P - p, P + max(t, 1))}
-    total += len(touched) * block
+    cols = range(P - p, P + max(t, 1))
+    blocks = {(c - base) // block for c in cols}
+    edge = base + max(blocks) * block  # the last block's first column
+    total += (len(blocks) - 1) * block
+    total += len({(c - edge) // unit for c in cols if c >= edge}) * unit
   return total
 
 
-# ragged_align 128 with blocks of 32: blocks from the block edges (gcd 32); 8: from the
-# prompt's first column (56) rounded down to 8, 56 itself, where the block edge is 32.
+# ragged_align 128 with blocks of 32: whole blocks from the block edges (gcd 32); 8: from
+# the prompt's first column (56) rounded down to 8, 56 itself, where the block edge is
+# 32, and the last block cut to 8-column tiles.
 @pytest.mark.parametrize("align, unit", [(128, 32), (8, 8)])
 def test_the_length_model_copies_each_rows_own_blocks(align, unit):
   shape = rollout_sim.Shape(

@@ -18,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
 
 from capo_jax.sampling import decode, ragged
 
@@ -74,26 +75,31 @@ def test_ragged_equals_reference_attention(S, block, align):
 
 
 def own_blocks(start: int, end: int, block: int, unit: int, S: int) -> set[int]:
-  """The columns of the blocks a slot copies, by hand: blocks of ``block`` columns laid
-  from ``start`` rounded down to ``unit``, as many as reach ``end``; one past the cache's
-  end moved back to end at S."""
+  """The columns a slot copies, by hand: blocks of ``block`` columns laid from ``start``
+  rounded down to ``unit``, as many as reach ``end``, the last cut to the ``unit``s that
+  reach it; one past the cache's end moved back to end at S."""
   if end <= start:
     return set()
   cols, b0 = set(), start - start % unit
   while b0 < end:
-    s0 = min(b0, S - block)
-    cols |= set(range(s0, s0 + block))
+    size = min(block, -(-(end - b0) // unit) * unit)
+    s0 = min(b0, S - size)
+    cols |= set(range(s0, s0 + size))
     b0 += block
   return cols
 
 
-# (block, align): blocks from the block edges (gcd(128, 16) = 16), and laid from a
-# slot's first column rounded down to 8.
-@pytest.mark.parametrize("block, align", [(16, 128), (16, 8)])
-def test_ragged_never_reads_other_blocks(block, align):
-  """Columns outside the blocks a slot copies are NaN: results unchanged. With blocks
-  laid from 8-column edges, the padding before a slot's first 8-column edge (its block
-  edge when laid from 0) is NaN too."""
+# (block, align, interpret): blocks from the block edges (gcd(128, 16) = 16); laid from
+# a slot's first column rounded down to 8, the last cut to 8-column tiles; and that on
+# the TPU interpreter (DMAs as on the chip, scratch NaN until written).
+@pytest.mark.parametrize(
+  "block, align, tpu", [(16, 128, False), (16, 8, False), (16, 8, True)], ids=str
+)
+def test_ragged_never_reads_other_blocks(block, align, tpu):
+  """Columns outside what a slot copies are NaN: results unchanged. With blocks laid
+  from 8-column edges, the padding before a slot's first 8-column edge (its block edge
+  when laid from 0) is NaN too, and the columns past a cut last block's end; the rows
+  of the buffer a cut copy leaves are stale (NaN on the TPU interpreter)."""
   S = 64
   q, k, v = qkv(S, seed=1)
   start_W = jnp.asarray([0, 16, 5, 40, 63, 29, 30], jnp.int32)
@@ -104,9 +110,13 @@ def test_ragged_never_reads_other_blocks(block, align):
     own_WS[w, sorted(own_blocks(int(a), int(b), block, int(unit), S))] = True
   if unit < block:  # slot 5 (29 .. 64) from column 24: 16 .. 23, its block edge's, unread
     assert not own_WS[5, 16:24].any() and own_WS[5, 24:].all()
+    assert not own_WS[0, 8:].any()  # slot 0 (0 .. 3): one 8-column tile, not 16 columns
   k_bad = jnp.where(jnp.asarray(own_WS)[:, None, None, :], k, jnp.nan)
   v_bad = jnp.where(jnp.asarray(own_WS)[:, None, :, None], v, jnp.nan)
-  got = np.asarray(ragged_attend(q, k_bad, v_bad, start_W, end_W, block=block, align=align))
+  interpret = pltpu.InterpretParams() if tpu else True
+  got = np.asarray(
+    ragged_attend(q, k_bad, v_bad, start_W, end_W, block=block, align=align, interpret=interpret)
+  )
   assert np.isfinite(got).all()
   live = np.asarray(end_W > start_W)
   want = reference(q, k, v, start_W, end_W)

@@ -84,15 +84,16 @@ def ragged_prefix(shape: Shape, own: bool = False) -> np.ndarray:
   """[cap + 1]: the columns the ragged kernel copies for one row over its first t decode
   steps, t = 0 .. cap. At step t (0-based) the engine's slot attends to columns
   [P - p, P + max(t, 1)) (``capo_jax.sampling.engine``: prompt of p real tokens
-  left-padded to P, then the completion); the kernel copies whole ``ragged_block``s of
-  columns laid from P - p rounded down to gcd(``ragged_align``, ``ragged_block``), as
-  many as reach the range's end (``capo_jax.sampling.ragged``). ``own``: the range's
-  columns alone, each row's own length (the floor a step's KV read is held to)."""
-  P, blk = shape.prompt_len, shape.ragged_block
+  left-padded to P, then the completion); the kernel copies ``ragged_block``s of
+  columns laid from P - p rounded down to u = gcd(``ragged_align``, ``ragged_block``),
+  the last cut to the u-column tiles that reach the range's end: the range from that
+  edge rounded up to u (``capo_jax.sampling.ragged``). ``own``: the range's columns
+  alone, each row's own length (the floor a step's KV read is held to)."""
+  P, unit = shape.prompt_len, math.gcd(shape.ragged_align, shape.ragged_block)
   start = P - (min(shape.prompt_tokens, P) or P)
   end_T = P + np.maximum(np.arange(shape.cap), 1)
-  base = start - start % math.gcd(shape.ragged_align, blk)
-  cols_T = end_T - start if own else -(-(end_T - base) // blk) * blk
+  base = start - start % unit
+  cols_T = end_T - start if own else -(-(end_T - base) // unit) * unit
   return np.concatenate([[0], np.cumsum(cols_T)])
 
 

@@ -150,7 +150,8 @@ def _print_ragged(dec: dict, t: step_estimate.Trips, spec: RunSpec) -> None:
     + " / ".join(f"{c:.0f}" for c in t.phase_cols)
     + f" in the engine's loops (prompts of {t.prompt_tokens} tokens left-padded to "
     f"{sh.prompt_len}, blocks of {plans.RAGGED_BLOCK} columns from a row's first column "
-    f"rounded down to {plans.RAGGED_ALIGN}, idle slots none): "
+    f"rounded down to {plans.RAGGED_ALIGN}, the last cut to {plans.RAGGED_ALIGN}-column "
+    f"tiles, idle slots none): "
     f"{dec['step_ragged_bytes'] / 1e9:.2f} GB of keys and values a step of the first loop, "
     f"{dec['step_ragged_bytes'] / max(dec['step_own_kv_bytes'], 1.0):.2f}x the rows' own "
     f"{dec['step_own_kv_bytes'] / 1e9:.2f}, where every slot's whole cache would be "

@@ -18,21 +18,25 @@ inside, a loop over the slot's own blocks of ``block`` columns copies each
 block's keys / values ([block, X], contiguous) from HBM into a double buffer
 (the next block's copy runs while this one is computed) and folds it into an
 online softmax (float32 running max, normaliser and weighted sum). So a step
-reads each row's KV up to its own length (rounded up to a block), not every slot
-up to the longest row, in ``W`` programs per layer whose loops run the rows' own
-block counts.
+reads each row's KV up to its own length (rounded up to ``align`` columns), not
+every slot up to the longest row, in ``W`` programs per layer whose loops run the
+rows' own block counts.
 
 A slot's blocks are laid from its first column rounded down to ``align`` (128, a
-lane tile), not from column 0: a prompt of p tokens left-padded to P is copied
-from about column P - p on, where blocks laid from column 0 began at the block
-edge below it (for 200 tokens in 1,024 columns and blocks of 512: 312 padding
-columns more, every step). A block that would run past the cache's end is moved
-back to end at column S (the copy keeps its static size); its columns before the
-nominal block start, already read by the previous block, are masked. So S need
-not be a multiple of ``block``.
+lane tile), not from column 0, and its last block is cut to the ``align``-column
+tiles that reach its end (one of ``block / align`` static copy sizes, chosen with
+``pl.when``; the buffer rows past the cut are stale and zeroed in the values). For
+a prompt of 200 tokens left-padded to 1,024 columns and blocks of 512, blocks laid
+from column 0 copied 312 padding columns more every step, and whole last blocks
+256 more on average. A block that would run past the cache's end is moved back to
+end at column S (the copy keeps its size); its columns before the nominal block
+start, already read by the previous block, are masked. So S need not be a
+multiple of ``block``.
 
 ``interpret=True`` (the default off TPU) runs the same kernel through Pallas'
-interpreter: the CPU tests check it against ``decode.attend_full``. Under a
+interpreter, ``pltpu.InterpretParams()`` through its TPU interpreter (DMAs and
+semaphores as on the chip, scratch memory NaN until written): the CPU tests check
+both against ``decode.attend_full``. Under a
 ``Layout`` the kernel runs in a ``shard_map`` over the slots and kv heads as
 the layout splits the cache (``cache_spec``): XLA cannot partition a Pallas call.
 """
@@ -86,18 +90,32 @@ def _kernel(
   n = jnp.where(end > start, jax.lax.div(end - base - 1, block) + 1, 0)
   K, R, H = q_ref.shape
 
-  def copies(i, buf):
+  def size(i):
+    """Columns block i copies: a whole block, the last one cut to the ``align``-column
+    tiles that reach ``end`` (one of block / align static sizes)."""
+    need = end - (base + i * block)
+    return jnp.minimum(block, (jax.lax.div(need - 1, align) + 1) * align)
+
+  def copies(i, buf, cols: int):
     # A copy's first column must be a whole number of tiles: tell Mosaic it is.
-    s0 = pl.multiple_of(jnp.minimum(base + i * block, num_cols - block), align)
-    return (
-      pltpu.make_async_copy(k_hbm.at[w, pl.ds(s0, block)], k_buf.at[buf], sem.at[0, buf]),
-      pltpu.make_async_copy(v_hbm.at[w, pl.ds(s0, block)], v_buf.at[buf], sem.at[1, buf]),
+    s0 = pl.multiple_of(jnp.minimum(base + i * block, num_cols - cols), align)
+    return tuple(
+      pltpu.make_async_copy(x.at[w, pl.ds(s0, cols)], b.at[buf, pl.ds(0, cols)], sem.at[j, buf])
+      for j, (x, b) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))
     )
+
+  def each_size(i, buf, act):  # ``act`` on the copies of block i's size
+    cols_i = size(i)
+    for cols in range(align, block + 1, align):
+
+      @pl.when(cols_i == cols)
+      def _():
+        for c in copies(i, buf, cols):
+          act(c)
 
   @pl.when(n > 0)
   def _():
-    for c in copies(0, 0):
-      c.start()
+    each_size(0, 0, lambda c: c.start())
 
   q_KRH = q_ref[...]
 
@@ -106,15 +124,16 @@ def _kernel(
 
     @pl.when(i + 1 < n)
     def _():
-      for c in copies(i + 1, 1 - buf):
-        c.start()
+      each_size(i + 1, 1 - buf, lambda c: c.start())
 
-    for c in copies(i, buf):
-      c.wait()
+    each_size(i, buf, lambda c: c.wait())
     b0 = base + i * block
-    s0 = jnp.minimum(b0, num_cols - block)
+    s0 = jnp.minimum(b0, num_cols - size(i))
     col_1S = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
     valid_1S = (col_1S >= jnp.maximum(start, b0)) & (col_1S < end)
+    # A cut block leaves the buffer's last rows stale (or never written): out of the
+    # scores by the columns' mask, and zeroed in the values, where 0 x NaN is still NaN.
+    copied_S1 = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < size(i)
     out = []
     for k, (m_R1, l_R1, acc_RH) in enumerate(carry):
       head = pl.ds(k * H, H)
@@ -127,7 +146,7 @@ def _kernel(
       rescale = jnp.exp(m_R1 - m_new)
       pv_RH = jax.lax.dot_general(
         p_RS.astype(v_buf.dtype),
-        v_buf[buf, :, head],
+        jnp.where(copied_S1, v_buf[buf, :, head], 0),
         (((1,), (0,)), ((), ())),
         preferred_element_type=jnp.float32,
       )
@@ -158,7 +177,7 @@ def _local(
   end_W: jax.Array,
   block: int,
   align: int,
-  interpret: bool,
+  interpret: bool | pltpu.InterpretParams,
 ) -> jax.Array:
   W, K, R, H = q_WKRH.shape
   S, X = k_WSX.shape[1:]
@@ -216,13 +235,14 @@ def attend(
   block: int = BLOCK,
   align: int = ALIGN,
   layout: Layout | None = None,
-  interpret: bool | None = None,
+  interpret: bool | pltpu.InterpretParams | None = None,
 ) -> jax.Array:
   """Attention [W, K, R, H] of each slot's query over its columns ``[start_W, end_W)``.
 
   ``decode.attend_full`` under the mask ``start_W <= s < end_W``, reading only
-  those columns (whole blocks laid from ``start_W`` rounded down to a multiple of
-  gcd(``align``, ``block``)), from keys and values laid out [W, S, K*H].
+  those columns (blocks laid from ``start_W`` rounded down to a multiple of
+  gcd(``align``, ``block``), the last cut to such a multiple past ``end_W``), from keys
+  and values laid out [W, S, K*H].
   ``interpret`` None: on any platform but TPU (``platform``).
   """
   if interpret is None:
