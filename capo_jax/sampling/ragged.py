@@ -18,9 +18,9 @@ inside, a loop over the slot's own blocks of ``block`` columns copies each
 block's keys / values ([block, X], contiguous) from HBM into a double buffer
 (the next block's copy runs while this one is computed) and folds it into an
 online softmax (float32 running max, normaliser and weighted sum). So a step
-reads each row's KV up to its own length (rounded up to ``align`` columns), not
-every slot up to the longest row, in ``W`` programs per layer whose loops run the
-rows' own block counts.
+reads each row's own KV (the ``align``-column tiles its range touches), not every
+slot up to the longest row, in ``W`` programs per layer whose loops run the rows'
+own block counts.
 
 A slot's blocks are laid from its first column rounded down to ``align`` (128, a
 lane tile), not from column 0, and its last block is cut to the ``align``-column
