@@ -146,14 +146,19 @@ def with_lora(run: Run, rank: int, targets: str = lora.ALL_TARGETS) -> Run:
 def adapter_count(run: Run) -> int:
   if run.lora is None:
     return 0
-  return qwen2.num_params(lora.adapter_shapes(qwen2.param_shapes(run.model), run.lora))
+  return qwen2.num_params(lora.adapter_shapes(_param_shapes(run.model), run.lora))
 
 
 @functools.lru_cache(maxsize=64)
+def _param_shapes(cfg: Qwen2Config) -> Any:
+  """``models.qwen2.param_shapes``, once per config: tracing the model's init takes ~0.1 s,
+  and the plan asks for every candidate mesh and W (read only)."""
+  return qwen2.param_shapes(cfg)
+
+
 def param_counts(cfg: Qwen2Config) -> tuple[int, int]:
-  """(all params, params of one layer) from ``models.qwen2.param_shapes`` (cached: the
-  plan asks for every candidate mesh and W)."""
-  shapes = qwen2.param_shapes(cfg)
+  """(all params, params of one layer)."""
+  shapes = _param_shapes(cfg)
   return qwen2.num_params(shapes), qwen2.num_params(shapes["layers"]) // cfg.num_layers
 
 
@@ -162,17 +167,10 @@ def sampling_weight_params(cfg: Qwen2Config, group: int) -> float:
   (``mesh.SAMPLING_RULES``): the attention's 1 / t_kv (whole kv heads with their query
   heads), the rest (MLP, vocabulary) 1 / group, the norms whole (counted as split)."""
   t_kv, _ = mesh_lib.tensor_split(cfg, group)
-  attn = _attention_params(cfg)
-  return attn / t_kv + (param_counts(cfg)[0] - attn) / group
-
-
-@functools.lru_cache(maxsize=64)
-def _attention_params(cfg: Qwen2Config) -> int:
-  """The attention's params over all layers (cached like ``param_counts``: tracing the
-  model's init takes ~0.1 s, and the plan asks for every candidate mesh)."""
-  lay = qwen2.param_shapes(cfg)["layers"]
+  lay = _param_shapes(cfg)["layers"]
   names = ("q_kernel", "k_kernel", "v_kernel", "o_kernel", "q_bias", "k_bias", "v_bias")
-  return sum(lay[n].size for n in names if n in lay)
+  attn = sum(lay[n].size for n in names if n in lay)
+  return attn / t_kv + (param_counts(cfg)[0] - attn) / group
 
 
 def attention_rows_per_chip(rows: int, groups: int, cfg: Qwen2Config, group: int) -> int:
