@@ -104,8 +104,7 @@ def _kernel(
       for j, (x, b) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))
     )
 
-  def each_size(i, buf, act):  # ``act`` on the copies of block i's size
-    cols_i = size(i)
+  def each_size(i, buf, cols_i, act):  # ``act`` on the copies of block i, cols_i wide
     for cols in range(align, block + 1, align):
 
       @pl.when(cols_i == cols)
@@ -115,7 +114,7 @@ def _kernel(
 
   @pl.when(n > 0)
   def _():
-    each_size(0, 0, lambda c: c.start())
+    each_size(0, 0, size(0), lambda c: c.start())
 
   q_KRH = q_ref[...]
 
@@ -124,16 +123,17 @@ def _kernel(
 
     @pl.when(i + 1 < n)
     def _():
-      each_size(i + 1, 1 - buf, lambda c: c.start())
+      each_size(i + 1, 1 - buf, size(i + 1), lambda c: c.start())
 
-    each_size(i, buf, lambda c: c.wait())
+    cols_i = size(i)
+    each_size(i, buf, cols_i, lambda c: c.wait())
     b0 = base + i * block
-    s0 = jnp.minimum(b0, num_cols - size(i))
+    s0 = jnp.minimum(b0, num_cols - cols_i)
     col_1S = s0 + jax.lax.broadcasted_iota(jnp.int32, (1, block), 1)
     valid_1S = (col_1S >= jnp.maximum(start, b0)) & (col_1S < end)
     # A cut block leaves the buffer's last rows stale (or never written): out of the
     # scores by the columns' mask, and zeroed in the values, where 0 x NaN is still NaN.
-    copied_S1 = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < size(i)
+    copied_S1 = jax.lax.broadcasted_iota(jnp.int32, (block, 1), 0) < cols_i
     out = []
     for k, (m_R1, l_R1, acc_RH) in enumerate(carry):
       head = pl.ds(k * H, H)
