@@ -181,7 +181,8 @@ def test_loop_tree_counts_each_loop_by_its_own_trips():
 
   text = jax.jit(f).lower(w, x, n).compile().as_text()
   matmul = 2 * 128 * 256 * 256
-  rest, loops = hlo_cost.loop_tree(text)
+  root = hlo_cost.loop_tree(text)
+  rest, loops = root.cost, root.nested
   assert rest["flops"] == 0 and len(loops) == 1, (rest, loops)
   assert loops[0].cost["flops"] == 5 * matmul
   assert len(loops[0].nested) == 1 and loops[0].nested[0].cost["flops"] == matmul

@@ -136,6 +136,30 @@ def test_per_operation_roofline_sums_each_operations_bound():
   assert t["op_s"] == t["op_honest_s"] == flops + 2 * WEIGHT
 
 
+def test_the_operations_table_names_each_operation_and_sums_to_the_honest_end():
+  text = _DOT_THEN_NEGATE.replace(
+    "rhs_contracting_dims={0}\n",
+    'rhs_contracting_dims={0}, metadata={op_name="jit(step)/while/body/layers/mlp/dot_general"}\n',
+  )
+  ops: hlo_cost.Ops = {}
+  cost = hlo_cost.hlo_cost(text, rates=RATES, ops=ops)
+  flops = 2 * 4 * 8 * 128
+  # Labelled by kind and the op name's last three parts (the jit scope dropped).
+  assert set(ops) == {"dot layers/mlp/dot_general", "negate"}
+  dot = dict(zip(hlo_cost.OP_PARTS, ops["dot layers/mlp/dot_general"]))
+  assert dot == {
+    "honest_s": flops,  # FLOP-bound
+    "flop_s": flops,
+    "hbm_s": BLOCK + WEIGHT + OUT,
+    "onchip_s": 0.0,
+    "host_s": 0.0,
+    "ici_s": 0.0,
+  }
+  assert ops["negate"][:3] == [2 * WEIGHT, 0.0, 2 * WEIGHT]  # reads and writes its weight
+  assert sum(row[0] for row in ops.values()) == cost["op_honest_s"]
+  assert [r["op"] for r in hlo_cost.top_ops(ops, 1)] == ["dot layers/mlp/dot_general"]
+
+
 def test_on_chip_traffic_is_a_range_from_free_to_its_assumed_bandwidth():
   cost = hlo_cost.hlo_cost(_SLICE_THEN_DOT, rates=RATES)
   t = hlo_cost.times(cost, RATES)

@@ -14,7 +14,7 @@ import importlib.util
 import numpy as np
 import pytest
 
-from capo_jax.run import hlo_cost
+from capo_jax.run import hlo_cost, hlo_ops
 from tools import rollout_sim, step_estimate
 
 W, K, R, H, S = 4, 2, 8, 128, 1024  # slots, kv heads, query heads (padded), head dim, columns
@@ -160,6 +160,17 @@ def test_the_step_estimate_counts_each_loop_at_its_columns_per_slot():
   assert got["step_own_kv_bytes"] == 410 * COL  # the floor: the rows' own columns
   with pytest.raises(ValueError, match="phase_cols"):
     step_estimate.weighted_cost("decode", _LOOP, step_estimate.Trips((10,), (0,), 0, 1, 1, 1))
+
+
+def test_the_operations_table_weights_each_loop_as_the_cost_does():
+  trips = step_estimate.Trips((10,), (0,), 0, 1, 1, 1, phase_cols=(640.0,))
+  got, ops = step_estimate.weighted("decode", _LOOP, trips, RATES)
+  kernel = Q + Q + 2 * LENS + 640 * COL  # HBM bytes of one call, at 1 byte a second
+  # The kernel's staging into VMEM streams beside its HBM reads: honest is the HBM side.
+  assert ops[hlo_ops.RAGGED_LABEL] == [10 * kernel, 0.0, 10 * kernel, 10 * 640 * COL / 2, 0, 0]
+  assert ops["add"][0] == 10 * 3 * 4  # the loop counter's add: two s32 read, one written
+  assert set(ops) == {hlo_ops.RAGGED_LABEL, "add"}
+  assert sum(row[0] for row in ops.values()) == got["op_honest_s"] == 10 * (kernel + 12)
 
 
 def _copied_by_hand(P: int, p: int, steps: int, block: int, unit: int) -> int:

@@ -65,7 +65,8 @@ def _loss(params, cfg, tokens, positions, seg, w):
   return jnp.sum(jnp.tanh(h) * w)
 
 
-@pytest.mark.parametrize("unroll", [2, L])
+# Unrolled in part and whole: the whole unroll is the slower compile, run with the slow checks.
+@pytest.mark.parametrize("unroll", [2, pytest.param(L, marks=pytest.mark.slow)])
 def test_unrolled_forward_and_gradient_equal_the_scan(unroll):
   params = qwen2.init_params(CFG, jax.random.key(0))
   tokens, pos, seg = _packed_rows()
@@ -126,7 +127,8 @@ def _cols(seg: jax.Array, Z: int = 5, seed: int = 4) -> jax.Array:
   return jnp.asarray(cols)
 
 
-@pytest.mark.parametrize("num_layers", [1, L])
+# The only layer trimmed is the edge case; the real model trims the last of several.
+@pytest.mark.parametrize("num_layers", [pytest.param(1, marks=pytest.mark.slow), L])
 def test_trimmed_last_layer_equals_the_full_forward_at_the_columns(num_layers):
   cfg = CFG.replace(num_layers=num_layers, layer_unroll=num_layers)
   params = qwen2.init_params(cfg, jax.random.key(5))

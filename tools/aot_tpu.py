@@ -25,7 +25,8 @@ honest per-operation sum (every traffic timed, nothing overlapped, a copy one DM
 stream: ``hlo_cost._op_seconds``); the step as
 optimistic .. honest; collectives per update at the length model and at full lengths;
 how much a decode step reads against the weights plus each row's own-length KV (the
-filled KV blocks without the ragged kernel). Host work
+filled KV blocks without the ragged kernel); and where the honest seconds go, each
+program's ``--top_ops`` largest operations by their JAX op names. Host work
 (grading) is left out: an estimate, not a measurement.
 
 Peer: ``memory_terms.py``'s terms for the same mesh, printed alongside.
@@ -65,6 +66,12 @@ _TRUNC = flags.DEFINE_float(
   "tail clips more there: 6.1% at the cap in all at 0.045).",
 )
 _JSON = flags.DEFINE_string("json", "", "Also write the numbers to this JSON file.")
+_TOP_OPS = flags.DEFINE_integer(
+  "top_ops",
+  5,
+  "Print each program's this many largest operations by honest seconds a step (their "
+  "kind, JAX op name and what bounds them; 0: none).",
+)
 _DUMP = flags.DEFINE_string(
   "dump_hlo", "", "Write each compiled program's HLO text to this directory (<program>.hlo.txt)."
 )
@@ -158,7 +165,7 @@ def report(
       print(
         f"  {p.name} +resident: " + ", ".join(f"{k} {resident[k] / GiB:.2f}" for k in p.resident)
       )
-  result.update(step_report.estimate(spec, mesh, chip, progs, resident, trips))
+  result.update(step_report.estimate(spec, mesh, chip, progs, resident, trips, _TOP_OPS.value))
   return result
 
 
@@ -239,7 +246,9 @@ def main(argv: list[str]) -> None:
   if _FROM_HLO.value:
     result = {"accelerator": acc.name, "from_hlo": _FROM_HLO.value}
     result.update(
-      step_report.estimate(spec, mesh, tpu_chips.CHIPS[acc.gen], progs, resident, trips)
+      step_report.estimate(
+        spec, mesh, tpu_chips.CHIPS[acc.gen], progs, resident, trips, _TOP_OPS.value
+      )
     )
   else:
     result = report(spec, mesh, acc, progs, resident, trips)

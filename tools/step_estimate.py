@@ -153,71 +153,95 @@ def _add(acc: dict[str, float], cost: dict[str, float], w: float) -> None:
 
 
 def _ragged(
-  cost: dict[str, float], t: Trips, loop: int, rates: hlo_cost.Rates | None
-) -> dict[str, float]:
-  """One iteration of decode loop ``loop`` with its ragged calls' keys and values at the
-  length model's columns per slot (``Trips.phase_cols``)."""
-  if not any(cost.get(k) for k in hlo_cost.COL_KEYS):
-    return cost
-  if loop >= len(t.phase_cols):
+  loop: hlo_cost.Loop, t: Trips, i: int, rates: hlo_cost.Rates | None
+) -> tuple[dict[str, float], hlo_cost.Ops]:
+  """One iteration of decode loop ``i`` with its ragged calls' keys and values at the
+  length model's columns per slot (``Trips.phase_cols``), and its operations' table."""
+  if not any(loop.cost.get(k) for k in hlo_cost.COL_KEYS):
+    return loop.cost, loop.ops
+  if i >= len(t.phase_cols):
     raise ValueError(
-      f"decode loop {loop}: ragged attention calls, but Trips.phase_cols has no columns "
+      f"decode loop {i}: ragged attention calls, but Trips.phase_cols has no columns "
       "per slot for it (step_estimate.trips gives them)"
     )
-  return hlo_cost.with_ragged_cols(cost, t.phase_cols[loop], rates)
+  ops = {label: list(row) for label, row in loop.ops.items()}
+  return hlo_cost.with_ragged_cols(loop.cost, t.phase_cols[i], rates, ops), ops
 
 
-def weighted_cost(
+def _parts(
+  name: str, root: hlo_cost.Loop, t: Trips, rates: hlo_cost.Rates | None
+) -> list[tuple[dict[str, float], hlo_cost.Ops, float]]:
+  """The pieces of one call of program ``name`` (``hlo_cost.loop_tree``'s), each with its
+  operations' table and the times it runs a call: the decode loops by their steps,
+  their block loops by the blocks read, the refill loop by the prompt chunks copied;
+  the train step's micro-batch loop by the micro-batches."""
+  parts = [(root.cost, root.ops, 1.0)]
+  loops = root.nested
+  if name == "decode":
+    if len(loops) > len(t.phase_steps):
+      raise ValueError(f"decode: {len(loops)} unbounded loops, {len(t.phase_steps)} phases")
+    for i, loop in enumerate(loops):
+      parts.append((*_ragged(loop, t, i, rates), t.phase_steps[i]))
+      for inner in loop.nested:
+        chunks = t.refills * t.refill_chunks  # an iteration a chunk of a row's prompt
+        parts.append((inner.cost, inner.ops, chunks if inner.in_conditional else t.phase_blocks[i]))
+  elif name == "train":
+    if len(loops) > 1 or any(loop.nested for loop in loops):
+      raise ValueError(f"train: expected one micro-batch loop, got {len(loops)}")
+    parts += [(loop.cost, loop.ops, t.microbatches) for loop in loops]
+  elif loops:
+    raise ValueError(f"{name}: {len(loops)} loops without a constant trip count")
+  return parts
+
+
+def weighted(
   name: str, text: str, t: Trips, rates: hlo_cost.Rates | None = None
-) -> dict[str, float]:
+) -> tuple[dict[str, float], hlo_cost.Ops]:
   """Per-device FLOPs, bytes and collective bytes of one call of program ``name`` with its
-  unbounded loops at their expected trips; for decode also ``step_bytes`` (HBM bytes of
-  one step of the first loop, its blocks included), ``step_onchip_bytes`` (what that step
-  moves on chip, ``hlo_cost``) and ``blocks_per_step``. ``rates``: also the
+  unbounded loops at their expected trips, and with ``rates`` its per-operation table
+  (``hlo_cost.OP_PARTS`` by label, weighted alike); for decode also ``step_bytes`` (HBM
+  bytes of one step of the first loop, its blocks included), ``step_onchip_bytes`` (what
+  that step moves on chip, ``hlo_cost``) and ``blocks_per_step``. ``rates``: also the
   per-operation roofline sums (``hlo_cost.hlo_cost``). Ragged decode attention: each
   loop's calls at ``Trips.phase_cols``; ``step_ragged_bytes`` what they read in that
   step, ``step_ragged_whole_bytes`` what they would with every slot's whole cache;
   ``refill_bytes`` / ``refill_collective_bytes`` one iteration of the refill loop (one
   chunk of a row's prompt)."""
-  rest, loops = hlo_cost.loop_tree(text, rates)
+  root = hlo_cost.loop_tree(text, rates)
   out: dict[str, float] = {}
-  _add(out, rest, 1.0)
-  if name == "decode":
-    if len(loops) > len(t.phase_steps):
-      raise ValueError(f"decode: {len(loops)} unbounded loops, {len(t.phase_steps)} phases")
-    for i, loop in enumerate(loops):
-      _add(out, _ragged(loop.cost, t, i, rates), t.phase_steps[i])
-      for inner in loop.nested:
-        chunks = t.refills * t.refill_chunks  # an iteration a chunk of a row's prompt
-        _add(out, inner.cost, chunks if inner.in_conditional else t.phase_blocks[i])
-    blocks = t.phase_blocks[0] / max(t.phase_steps[0], 1.0)
-    step = {}
-    _add(step, _ragged(loops[0].cost, t, 0, rates), 1.0)
-    for inner in loops[0].nested:
-      if not inner.in_conditional:
-        _add(step, inner.cost, blocks)
-    out["step_bytes"], out["blocks_per_step"] = step["bytes"], blocks
-    out["step_onchip_bytes"] = step["onchip_bytes"]
-    out["step_ragged_bytes"] = step["ragged_bytes"]
-    whole = loops[0].cost.get("ragged_cache_cols", 0.0)  # every slot its whole cache
-    out["step_ragged_whole_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * whole
-    out["ragged_cols_per_step"] = t.phase_cols[0] if step["ragged_bytes"] else 0.0
-    # Each row's own columns at the same bytes per column: the KV floor of a step.
-    own_cols = t.phase_own_cols[0] if t.phase_own_cols else 0.0
-    out["step_own_kv_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * own_cols
-    refill = {}
-    for inner in loops[0].nested:
-      if inner.in_conditional:
-        _add(refill, inner.cost, 1.0)
-    out["refill_bytes"] = refill.get("bytes", 0.0)
-    out["refill_collective_bytes"] = refill.get("collective_bytes", 0.0)
-    return out
-  if name == "train":
-    if len(loops) > 1 or any(loop.nested for loop in loops):
-      raise ValueError(f"train: expected one micro-batch loop, got {len(loops)}")
-    for loop in loops:
-      _add(out, loop.cost, t.microbatches)
-    return out
-  if loops:
-    raise ValueError(f"{name}: {len(loops)} loops without a constant trip count")
-  return out
+  ops: hlo_cost.Ops = {}
+  for cost, part_ops, w in _parts(name, root, t, rates):
+    _add(out, cost, w)
+    hlo_cost.add_ops(ops, part_ops, w)
+  if name != "decode":
+    return out, ops
+  loops = root.nested
+  blocks = t.phase_blocks[0] / max(t.phase_steps[0], 1.0)
+  step = {}
+  _add(step, _ragged(loops[0], t, 0, rates)[0], 1.0)
+  for inner in loops[0].nested:
+    if not inner.in_conditional:
+      _add(step, inner.cost, blocks)
+  out["step_bytes"], out["blocks_per_step"] = step["bytes"], blocks
+  out["step_onchip_bytes"] = step["onchip_bytes"]
+  out["step_ragged_bytes"] = step["ragged_bytes"]
+  whole = loops[0].cost.get("ragged_cache_cols", 0.0)  # every slot its whole cache
+  out["step_ragged_whole_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * whole
+  out["ragged_cols_per_step"] = t.phase_cols[0] if step["ragged_bytes"] else 0.0
+  # Each row's own columns at the same bytes per column: the KV floor of a step.
+  own_cols = t.phase_own_cols[0] if t.phase_own_cols else 0.0
+  out["step_own_kv_bytes"] = loops[0].cost.get("ragged_col_hbm", 0.0) * own_cols
+  refill = {}
+  for inner in loops[0].nested:
+    if inner.in_conditional:
+      _add(refill, inner.cost, 1.0)
+  out["refill_bytes"] = refill.get("bytes", 0.0)
+  out["refill_collective_bytes"] = refill.get("collective_bytes", 0.0)
+  return out, ops
+
+
+def weighted_cost(
+  name: str, text: str, t: Trips, rates: hlo_cost.Rates | None = None
+) -> dict[str, float]:
+  """``weighted``'s cost alone."""
+  return weighted(name, text, t, rates)[0]

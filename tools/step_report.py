@@ -26,8 +26,10 @@ def estimate(
   progs: list[aot.Compiled],
   resident: dict[str, int],
   t: step_estimate.Trips,
+  top: int = 0,
 ) -> dict:
-  """The step-time roofline from the programs' loops at their expected trip counts."""
+  """The step-time roofline from the programs' loops at their expected trip counts;
+  ``top``: also each program's ``top`` operations by honest seconds (``_print_ops``)."""
   r = spec.rollout
   calls = {
     "prefill": aot_programs.Shapes.from_spec(spec).num_calls,
@@ -57,7 +59,7 @@ def estimate(
     if p.compiled is None:
       print(f"  {p.name}: not compiled")
       continue
-    c = step_estimate.weighted_cost(p.name, p.compiled.as_text(), t, rates)
+    c, ops = step_estimate.weighted(p.name, p.compiled.as_text(), t, rates)
     n = calls[p.name]
     secs = {k: v * n for k, v in hlo_cost.times(c, rates).items()}
     for k in ("program_s", "op_s", "op_honest_s"):
@@ -70,6 +72,10 @@ def estimate(
       seconds=secs["program_s"],
       times=secs,
       hbm_over_flop_time=secs["hbm_s"] / secs["flop_s"] if secs["flop_s"] else None,
+      top_ops=[
+        {k: v * n if isinstance(v, float) else v for k, v in r.items()}
+        for r in hlo_cost.top_ops(ops, top)
+      ],
     )
     gb = [c[k] * n / 1e9 for k in ("bytes", "onchip_bytes", "host_bytes", "ici_bytes")]
     rows.append(
@@ -103,6 +109,8 @@ def estimate(
     f"counted): {out['collective_gb_per_update_full_lengths'] / 1e3:.2f} TB; sent over ICI "
     f"per step: {out['ici_gb_per_step'] / 1e3:.2f} TB"
   )
+  if top:
+    _print_ops(out["estimate"], top)
   dec = out["estimate"].get("decode")
   if dec:
     cfg = spec.model_config()
@@ -139,6 +147,25 @@ def estimate(
   out["flop_s"] = flop_s
   print(f"  FLOP time alone: {flop_s:.1f} s. An estimate, not a measurement.")
   return out
+
+
+def _print_ops(estimate: dict[str, dict], top: int) -> None:
+  """Each program's ``top`` operations by honest seconds a step: what bounds each."""
+  print(
+    f"  where the honest seconds go: each program's {top} largest operations (a kind and "
+    "the JAX op name it came from; seconds a step: honest, then its FLOP, HBM, on-chip, "
+    "host and inter-chip times)"
+  )
+  for name, est in estimate.items():
+    total = est["times"]["op_honest_s"]
+    for r in est["top_ops"]:
+      parts = ", ".join(
+        f"{label} {r[k]:.2f}"
+        for k, label in zip(hlo_cost.OP_PARTS[1:], ("FLOP", "HBM", "on chip", "host", "ICI"))
+        if r[k] >= 0.005
+      )
+      share = r["honest_s"] / total if total else 0.0
+      print(f"    {name:<12} {r['honest_s']:6.2f} ({share:4.0%})  {r['op']}  [{parts}]")
 
 
 def _print_ragged(dec: dict, t: step_estimate.Trips, spec: RunSpec) -> None:

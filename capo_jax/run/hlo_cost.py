@@ -139,6 +139,43 @@ KEYS = (
 # the bytes by memory space its calls would add: ``with_ragged_cols`` adds them.
 COL_KEYS = tuple(f"ragged_col_{sp}" for sp in ht.SPACES)
 
+# The per-operation table: per label (``hlo_ops.op_label``, an operation's kind and JAX op
+# name) the seconds of its honest bound and of its FLOPs and traffic, summed over its
+# runs; the honest seconds of all labels sum to ``op_honest_s``.
+OP_PARTS = ("honest_s", "flop_s", "hbm_s", "onchip_s", "host_s", "ici_s")
+Ops = dict[str, list[float]]
+
+
+def _tally(
+  ops: Ops,
+  label: str,
+  w: float,
+  honest_s: float,
+  flops: float,
+  moved: dict[str, float],
+  ici: float,
+  rates: Rates,
+) -> None:
+  row = ops.setdefault(label, [0.0] * len(OP_PARTS))
+  parts = [honest_s, flops / rates.flops, moved["hbm"] / rates.hbm]
+  parts += [moved["onchip"] / rates.onchip, moved["host"] / rates.host, ici / rates.ici]
+  for i, x in enumerate(parts):
+    row[i] += w * x
+
+
+def add_ops(acc: Ops, ops: Ops, w: float) -> None:
+  """``acc`` += ``w`` x ``ops``, label by label."""
+  for label, row in ops.items():
+    got = acc.setdefault(label, [0.0] * len(OP_PARTS))
+    for i, x in enumerate(row):
+      got[i] += w * x
+
+
+def top_ops(ops: Ops, n: int) -> list[dict[str, float | str]]:
+  """The ``n`` labels of the most honest seconds, each as {"op": label, part: seconds}."""
+  rows = sorted(ops.items(), key=lambda kv: -kv[1][0])[:n]
+  return [{"op": label, **dict(zip(OP_PARTS, row))} for label, row in rows]
+
 
 def _op_seconds(
   flops: float, moved: dict[str, float], ici: float, rates: Rates, move: bool = False
@@ -162,8 +199,10 @@ def _sum(
   devices: int,
   rates: Rates | None,
   cols: float | None,
+  ops: Ops | None = None,
 ) -> dict[str, float]:
-  """``cols``: the columns each slot of a ragged call copies (None: its whole cache)."""
+  """``cols``: the columns each slot of a ragged call copies (None: its whole cache).
+  ``ops``: with ``rates``, also tallies each operation's seconds by its label."""
   out = dict.fromkeys(KEYS + COL_KEYS + ("ragged_cache_cols",), 0.0)
   memo: dict[str, float] = {}
   for name, w in walk.weight.items():
@@ -207,6 +246,8 @@ def _sum(
         op_s, honest_s = _op_seconds(f, moved, ici, rates, hlo_ops.is_move(ins, shapes))
         out["op_s"] += w * op_s
         out["op_honest_s"] += w * honest_s
+        if ops is not None:
+          _tally(ops, hlo_ops.op_label(ins, shapes), w, honest_s, f, moved, ici, rates)
   return out
 
 
@@ -229,12 +270,13 @@ def times(cost: dict[str, float], rates: Rates) -> dict[str, float]:
 
 
 def with_ragged_cols(
-  cost: dict[str, float], cols: float, rates: Rates | None = None
+  cost: dict[str, float], cols: float, rates: Rates | None = None, ops: Ops | None = None
 ) -> dict[str, float]:
   """``cost`` with each slot of its ragged calls copying ``cols`` more columns: their
   bytes per column (``COL_KEYS``) times ``cols`` added to the bytes of each memory
   space, to ``ragged_bytes`` and, with ``rates``, to the per-operation sums (a kernel's
-  FLOPs are not counted, so its time is its memory time, which grows by as much)."""
+  FLOPs are not counted, so its time is its memory time, which grows by as much) and
+  to ``ops``' ragged label (in place)."""
   out = dict(cost)
   moved = {sp: cols * cost.get(f"ragged_col_{sp}", 0.0) for sp in ht.SPACES}
   for sp, key in zip(ht.SPACES, ("bytes", "onchip_bytes", "host_bytes")):
@@ -244,11 +286,17 @@ def with_ragged_cols(
     op_s, honest_s = _op_seconds(0.0, moved, 0.0, rates, move=True)  # staging: a move
     out["op_s"] = out.get("op_s", 0.0) + op_s
     out["op_honest_s"] = out.get("op_honest_s", 0.0) + honest_s
+    if ops is not None:
+      _tally(ops, hlo_ops.RAGGED_LABEL, 1.0, honest_s, 0.0, moved, 0.0, rates)
   return out
 
 
 def hlo_cost(
-  text: str, trip_counts: bool = True, rates: Rates | None = None, cols: float | None = None
+  text: str,
+  trip_counts: bool = True,
+  rates: Rates | None = None,
+  cols: float | None = None,
+  ops: Ops | None = None,
 ) -> dict[str, float]:
   """Per-device ``flops``, HBM ``bytes``, ``onchip_bytes``, ``host_bytes``,
   ``collective_bytes`` (results), ``ici_bytes`` (sent over the links) of one HLO module;
@@ -258,10 +306,11 @@ def hlo_cost(
   are the part inside them (one iteration), ``unbounded_loops`` their number.
   Ragged decode-attention calls copy ``cols`` columns per slot (None: the whole cache,
   ``ragged_cache_cols``, the most they can read); ``ragged_bytes`` is what that reads.
+  ``ops``: with ``rates``, filled with the per-operation table (``OP_PARTS``).
   """
   comps, entry = ht.parse(text)
   walk = _walk(comps, entry, trip_counts, enter_unbounded=True)
-  out = _sum(comps, walk, ht.num_partitions(text), rates, cols)
+  out = _sum(comps, walk, ht.num_partitions(text), rates, cols, ops)
   out["unbounded_loops"] = float(
     sum(
       1
@@ -276,28 +325,30 @@ def hlo_cost(
 @dataclasses.dataclass
 class Loop:
   """An unbounded loop: one iteration of its body without the unbounded loops nested in
-  it (``cost``), those loops, and whether it sits inside a conditional."""
+  it (``cost``, and with rates its per-operation table ``ops``), those loops, and whether
+  it sits inside a conditional. The program itself is the root, run once."""
 
   cost: dict[str, float]
   nested: list[Loop]
   in_conditional: bool
+  ops: Ops = dataclasses.field(default_factory=dict)
 
 
-def loop_tree(text: str, rates: Rates | None = None) -> tuple[dict[str, float], list[Loop]]:
-  """The cost outside every unbounded loop, and the unbounded loops of the program in
-  order, each with the unbounded loops nested in it: for the caller to weight each by
-  its own expected trip count (bounded loops are counted by theirs, as in ``hlo_cost``).
-  Ragged calls are counted without their keys and values, for the caller to add its
-  columns per slot (``with_ragged_cols``)."""
+def loop_tree(text: str, rates: Rates | None = None) -> Loop:
+  """The program as a tree of its unbounded loops: the root's cost is what runs outside
+  every unbounded loop, its ``nested`` the loops in order, each with the unbounded loops
+  nested in it: for the caller to weight each by its own expected trip count (bounded
+  loops are counted by theirs, as in ``hlo_cost``). Ragged calls are counted without
+  their keys and values, for the caller to add its columns per slot
+  (``with_ragged_cols``)."""
   comps, entry = ht.parse(text)
   devices = ht.num_partitions(text)
 
-  def loops(root: str) -> tuple[dict[str, float], list[Loop]]:
+  def tree(root: str, in_cond: bool) -> Loop:
     walk = _walk(comps, root, True, enter_unbounded=False)
-    inner = []
-    for body, in_cond in walk.unbounded:
-      cost, nested = loops(body)
-      inner.append(Loop(cost, nested, in_cond))
-    return _sum(comps, walk, devices, rates, 0.0), inner
+    nested = [tree(body, inside) for body, inside in walk.unbounded]
+    ops: Ops = {}
+    cost = _sum(comps, walk, devices, rates, 0.0, ops if rates is not None else None)
+    return Loop(cost, nested, in_cond, ops)
 
-  return loops(entry)
+  return tree(entry, False)

@@ -213,6 +213,22 @@ def is_move(ins: _Instr, shapes: dict[str, str]) -> bool:
   return ins.op in MOVES or ragged_kv(ins, shapes) is not None
 
 
+RAGGED_LABEL = "ragged decode attention"
+
+
+def op_label(ins: _Instr, shapes: dict[str, str]) -> str:
+  """Where an operation comes from, for the per-operation table of ``hlo_cost``: its
+  kind and the last three parts of the JAX op name it was lowered from (``jit(...)``
+  scopes dropped), e.g. ``fusion layers.attention_output/dot_general``; the ragged decode
+  attention by name. Operations of one source line share a label."""
+  if ragged_kv(ins, shapes) is not None:
+    return RAGGED_LABEL
+  m = re.search(r'op_name="([^"]*)"', ins.rest)
+  name = re.sub(r"jit\([^)]*\)/?", "", m.group(1)).replace("\\'", "'") if m else ""
+  tail = "/".join(name.split("/")[-3:])
+  return f"{ins.op} {tail}" if tail else ins.op
+
+
 def moved_bytes(
   ins: _Instr, shapes: dict[str, str], comps: dict[str, list[_Instr]], where: str = "all"
 ) -> float:
