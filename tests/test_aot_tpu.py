@@ -31,7 +31,7 @@ from capo_jax.run import spec as spec_lib
 from capo_jax.runtime import mesh as mesh_lib
 from capo_jax.sampling import ragged, slots
 from configs import capo_qwen2p5_math_1p5b
-from models import qwen2, sharding
+from models import attention, qwen2, sharding
 
 pytestmark = [
   pytest.mark.tpu_aot,
@@ -272,6 +272,30 @@ def test_splash_attention_kernel_compiles_for_tpu():
   assert fwd.as_text().count("tpu_custom_call") == 1
   assert bwd.as_text().count("tpu_custom_call") >= 2  # dq and dkv kernels
   assert fwd.memory_analysis() is not None
+
+
+def test_hlo_cost_counts_the_models_splash_attention_by_its_causal_blocks():
+  """The model's splash attention (a causal mask, segment ids, 256-column blocks) forward
+  and backward for TPU: its FLOPs are the kernels' matmuls over the block pairs a causal
+  mask computes (counted by hand), 2 forward, 4 + 3 backward, whatever the segments."""
+  acc = tpu_topology.parse_accelerator(ACCELERATOR)
+  tpu_topology.set_tpu_env(acc)
+  mesh = jax.sharding.Mesh(tpu_topology.topology_devices(acc)[:1], ("x",))
+  B, T, N, K, H, width = 2, 1024, 4, 2, 128, 256
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  q = jax.ShapeDtypeStruct((B, T, N, H), "bfloat16", sharding=rep)
+  kv = jax.ShapeDtypeStruct((B, T, K, H), "bfloat16", sharding=rep)
+  seg = jax.ShapeDtypeStruct((B, T), "int32", sharding=rep)
+  attend = lambda q, k, v, s: attention.splash(q, k, v, s, block=width, interpret=False)
+  loss = lambda q, k, v, s: attend(q, k, v, s).astype("float32").sum()
+  fwd = jax.jit(attend).lower(q, kv, kv, seg).compile().as_text()
+  bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2))).lower(q, kv, kv, seg).compile().as_text()
+  blocks = T // width
+  pairs = sum(range(1, blocks + 1))  # causal: query block i computes key blocks 0..i
+  per_matmul = B * N * pairs * 2 * width * width * H
+  assert hlo_cost.hlo_cost(fwd)["flops"] == 2 * per_matmul
+  # The backward recomputes the forward's residuals (2) and runs dkv (4) and dq (3).
+  assert hlo_cost.hlo_cost(bwd)["flops"] == (2 + 4 + 3) * per_matmul
 
 
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -106,6 +106,39 @@ def test_a_kernel_that_declares_its_cost_counts_what_it_declares():
   assert undeclared["flops"] == 0 and undeclared["bytes"] == 2 * 8 * 128 * 4
 
 
+# A splash-attention forward call as the TPU compiler prints it (body elided): the mask's
+# block maps [1, 4, 4] (query blocks x key blocks), q [2, 1024, 128] (2 heads), k and v
+# [1, 1024, 128], the segment ids; results: scratch, the output, the log-sum-exp.
+_SPLASH = """HloModule m
+
+ENTRY %main (a: s8[1,4,4], b: s8[1,4,4], q: bf16[2,1024,128], k: bf16[1,1024,128], v: bf16[1,1024,128], s: s32[1024,128], t: s32[8,1024]) -> (f32[256,128], bf16[2,1024,128], f32[2,1024,128]) {
+  %a = s8[1,4,4]{2,1,0} parameter(0)
+  %b = s8[1,4,4]{2,1,0} parameter(1)
+  %q = bf16[2,1024,128]{2,1,0:T(8,128)(2,1)} parameter(2)
+  %k = bf16[1,1024,128]{2,1,0:T(8,128)(2,1)} parameter(3)
+  %v = bf16[1,1024,128]{2,1,0:T(8,128)(2,1)} parameter(4)
+  %s = s32[1024,128]{1,0:T(8,128)} parameter(5)
+  %t = s32[8,1024]{1,0:T(8,128)} parameter(6)
+  ROOT %splash_mha_fwd_segmented_residuals.2 = (f32[256,128]{1,0:T(8,128)}, bf16[2,1024,128]{2,1,0:T(8,128)(2,1)}, f32[2,1024,128]{2,1,0:T(8,128)}) custom-call(%a, %b, %q, %k, %v, %s, %t), custom_call_target="tpu_custom_call", metadata={op_name="jit(f)/layers/shard_map/pallas_call"}, backend_config={"custom_call_config":{"body":"TUxJUgA=","needs_layout_passes":true}}
+}
+"""  # noqa: E501  (HLO lines as the compiler prints them)
+
+
+def test_splash_attention_counts_the_matmuls_of_its_causal_blocks():
+  # 4 x 4 blocks of 256: a causal mask computes 1 + 2 + 3 + 4 = 10 of them whole; per
+  # block and query head two [256, 128] x [128, 256]-sized matmuls (scores, output).
+  flops = 10 * 2 * 2 * (2 * 256 * 256 * 128)
+  assert hlo_cost.hlo_cost(_SPLASH)["flops"] == flops
+  for kind, matmuls in (("dkv", 4), ("dq", 3)):  # the backward's two kernels
+    text = _SPLASH.replace("splash_mha_fwd_", f"splash_mha_{kind}_")
+    assert hlo_cost.hlo_cost(text)["flops"] == flops // 2 * matmuls
+  other = _SPLASH.replace("splash_mha_fwd_", "some_kernel_")  # unknown: its operands only
+  assert hlo_cost.hlo_cost(other)["flops"] == 0
+  ops: hlo_cost.Ops = {}
+  hlo_cost.hlo_cost(_SPLASH, rates=RATES, ops=ops)
+  assert ops["splash attention (fwd)"][:2] == [flops, flops]  # FLOP-bound, and named
+
+
 # The kernel inside a decode loop whose bound is known only at run time.
 _T = "(s32[], s32[], bf16[4,2,8,128], bf16[4,1024,256], bf16[4,1024,256], s32[4], s32[4])"
 _LOOP = f"""HloModule m

@@ -209,9 +209,9 @@ def _sum(
     instrs = comps[name]
     shapes = {i.name: i.shape for i in instrs}
     for ins in instrs:
-      declared = hlo_ops.declared_cost(ins)
-      if ins.op in ("dot", "convolution") or declared:
-        f = declared[0] if declared else hlo_ops.matmul_flops(ins, shapes)
+      kernel = hlo_ops.kernel_flops(ins, shapes)  # a Pallas kernel's, else None
+      if ins.op in ("dot", "convolution") or kernel is not None:
+        f = hlo_ops.matmul_flops(ins, shapes) if kernel is None else kernel
         out["flops"] += w * f
         out["loop_flops"] += walk.in_loop[name] * f
       if name in walk.fused or ins.op in hlo_ops.FREE or ins.op.endswith("-done"):
@@ -241,7 +241,7 @@ def _sum(
         out["ici_bytes"] += w * ici
       if rates is not None:
         own = hlo_ops.matmul_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
-        own = declared[0] if declared else own
+        own = own if kernel is None else kernel
         f = hlo_ops.fused_flops(ht.called(ins), comps, memo) if ins.op == "fusion" else own
         op_s, honest_s = _op_seconds(f, moved, ici, rates, hlo_ops.is_move(ins, shapes))
         out["op_s"] += w * op_s

@@ -6,9 +6,10 @@ dilated, padded convolutions counted by the window positions that land on real i
 ``moved_bytes`` of an instruction outside fusions in one memory space (a fusion's
 operands read only through slices cost the slices, an in-place update its update),
 ``ici_bytes`` of a collective by the ring algorithms, and ``fused_flops`` of a fused
-computation. Pallas TPU kernels: ``declared_cost`` (what a kernel declares), and the
-ragged decode attention's keys and values (``ragged_kv``, ``ragged_col_bytes``), which
-it reads per slot up to that slot's length.
+computation. Pallas TPU kernels: ``declared_cost`` (what a kernel declares), the FLOPs of
+jax's splash attention by its causal blocks (``splash_flops``), and the ragged decode
+attention's keys and values (``ragged_kv``, ``ragged_col_bytes``), which it reads per
+slot up to that slot's length.
 """
 
 from __future__ import annotations
@@ -163,6 +164,46 @@ def declared_cost(ins: _Instr) -> tuple[float, float] | None:
   return float(got.get("flops", 0)), float(got.get("bytes_accessed", 0))
 
 
+# Matmuls a splash-attention kernel runs per (query block, key block) pair and query head:
+# the forward's scores and output; the backward's key / value kernel recomputes the scores
+# and forms dV, dP and dK; its query kernel recomputes the scores, dP and dQ.
+SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
+
+
+def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
+  """FLOPs of a splash-attention kernel call (jax's Pallas TPU kernel, which declares no
+  cost), None for any other instruction.
+
+  Known by its name (``SPLASH_MATMULS``, the kernel's own: ``%splash_mha_fwd_...``); its
+  first operand is the mask's block map [1, query blocks, key blocks], its first two
+  float operands q [..., N, T, H] and k [..., K, S, H]. The model's splash mask is causal
+  (``models.attention.splash``), and the kernel skips only the blocks the mask leaves
+  empty, not those that the segment ids mask (it applies them inside a block): every
+  block pair holding some key column at or before some query row is computed whole, so a
+  packed row costs its whole causal triangle, whatever its sequences.
+  """
+  kind = next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
+  if kind is None or 'custom_call_target="tpu_custom_call"' not in ins.rest:
+    return None
+  arrs = [ht.arrays(shapes.get(o, "")) for o in ht.operands(ins.rest)]
+  flat = [a[0] for a in arrs if len(a) == 1]
+  floats = [dims for dt, dims in flat if dt in ("bf16", "f32", "f16") and len(dims) >= 3]
+  if not flat or len(flat[0][1]) != 3 or len(floats) < 2:
+    return None
+  (_, (_, nq, nk)), q, k = flat[0], floats[0], floats[1]
+  T, S, H = q[-2], k[-2], q[-1]
+  bq, bk = T // nq, S // nk
+  pairs = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq))
+  return float(SPLASH_MATMULS[kind] * 2 * math.prod(q[:-2]) * bq * bk * H * pairs)
+
+
+def kernel_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
+  """A Pallas kernel's FLOPs: what it declares, else a splash kernel's
+  (``splash_flops``); None for anything else."""
+  declared = declared_cost(ins)
+  return declared[0] if declared else splash_flops(ins, shapes)
+
+
 def ragged_kv(ins: _Instr, shapes: dict[str, str]) -> tuple[list[str], int] | None:
   """The keys and values a ragged decode-attention call reads by the rows' lengths, and
   their columns S; None for any other instruction.
@@ -220,9 +261,12 @@ def op_label(ins: _Instr, shapes: dict[str, str]) -> str:
   """Where an operation comes from, for the per-operation table of ``hlo_cost``: its
   kind and the last three parts of the JAX op name it was lowered from (``jit(...)``
   scopes dropped), e.g. ``fusion layers.attention_output/dot_general``; the ragged decode
-  attention by name. Operations of one source line share a label."""
+  attention and the splash kernels by name. Operations of one source line share a label."""
   if ragged_kv(ins, shapes) is not None:
     return RAGGED_LABEL
+  splash = next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
+  if splash is not None:
+    return f"splash attention ({splash.removeprefix('splash_mha_')})"
   m = re.search(r'op_name="([^"]*)"', ins.rest)
   name = re.sub(r"jit\([^)]*\)/?", "", m.group(1)).replace("\\'", "'") if m else ""
   tail = "/".join(name.split("/")[-3:])
