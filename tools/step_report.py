@@ -72,9 +72,9 @@ def estimate(
       seconds=secs["program_s"],
       times=secs,
       hbm_over_flop_time=secs["hbm_s"] / secs["flop_s"] if secs["flop_s"] else None,
-      top_ops=[
-        {k: v * n if isinstance(v, float) else v for k, v in r.items()}
-        for r in hlo_cost.top_ops(ops, top)
+      top_ops=[  # seconds a step, like ``times``
+        {k: v * n if isinstance(v, float) else v for k, v in row.items()}
+        for row in hlo_cost.top_ops(ops, top)
       ],
     )
     gb = [c[k] * n / 1e9 for k in ("bytes", "onchip_bytes", "host_bytes", "ici_bytes")]

@@ -34,8 +34,10 @@ What is counted, per device (the SPMD program):
          to the device's shard inside a ``kCustom`` fusion) counts as the
          reduce-scatter it runs (``hlo_ops.fused_collective``);
   kernels  a Pallas TPU kernel (``tpu_custom_call``) by the FLOPs and bytes it
-         declares (``pl.CostEstimate``), else by its operands and results once each
-         (no FLOPs); the ragged decode attention (``hlo_ops.ragged_kv``) by the
+         declares (``pl.CostEstimate``), else by its operands and results once each,
+         with no FLOPs but jax's splash attention's (``hlo_ops.splash_flops``: the
+         matmuls of the block pairs its causal mask computes); the ragged decode
+         attention (``hlo_ops.ragged_kv``) by the
          columns each slot copies, which only the rows' lengths decide: ``cols``
          given by the caller's length model (``tools/step_estimate.py``), else every
          slot's whole cache, the most it can read. ``ragged_bytes`` is that read.
@@ -49,7 +51,9 @@ inter-chip time), on-chip traffic at the assumed bandwidth and nothing overlappe
 honest end), except that an operation that only moves an array (``hlo_ops.is_move``: a
 copy, the ragged kernel's staging) is one DMA stream, timed by its slower side rather
 than by both sides in turn. On-chip time alone is the range [0, ``onchip_bytes`` /
-on-chip rate].
+on-chip rate]. Given an ``ops`` table, each operation's seconds are also tallied by its
+label (``hlo_ops.op_label``: its kind and JAX op name; ``OP_PARTS``): where the honest
+seconds go.
 With ``trip_counts=False`` each body counts once, XLA's usual convention: the
 matmul FLOPs then come within ~10% under ``cost_analysis()`` (which adds the
 elementwise work). XLA's own figures are not used for totals because, for the

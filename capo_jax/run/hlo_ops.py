@@ -170,6 +170,13 @@ def declared_cost(ins: _Instr) -> tuple[float, float] | None:
 SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
 
 
+def _splash_kind(ins: _Instr) -> str | None:
+  """Which splash-attention kernel ``ins`` calls (a ``SPLASH_MATMULS`` key), or None."""
+  if 'custom_call_target="tpu_custom_call"' not in ins.rest:
+    return None
+  return next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
+
+
 def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
   """FLOPs of a splash-attention kernel call (jax's Pallas TPU kernel, which declares no
   cost), None for any other instruction.
@@ -182,8 +189,8 @@ def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
   block pair holding some key column at or before some query row is computed whole, so a
   packed row costs its whole causal triangle, whatever its sequences.
   """
-  kind = next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
-  if kind is None or 'custom_call_target="tpu_custom_call"' not in ins.rest:
+  kind = _splash_kind(ins)
+  if kind is None:
     return None
   arrs = [ht.arrays(shapes.get(o, "")) for o in ht.operands(ins.rest)]
   flat = [a[0] for a in arrs if len(a) == 1]
@@ -264,7 +271,7 @@ def op_label(ins: _Instr, shapes: dict[str, str]) -> str:
   attention and the splash kernels by name. Operations of one source line share a label."""
   if ragged_kv(ins, shapes) is not None:
     return RAGGED_LABEL
-  splash = next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
+  splash = _splash_kind(ins)
   if splash is not None:
     return f"splash attention ({splash.removeprefix('splash_mha_')})"
   m = re.search(r'op_name="([^"]*)"', ins.rest)
