@@ -158,7 +158,8 @@ def _print_ops(estimate: dict[str, dict], top: int) -> None:
   )
   for name, est in estimate.items():
     total = est["times"]["op_honest_s"]
-    for r in est["top_ops"]:
+    shown = [r for r in est["top_ops"] if r["honest_s"] >= 0.005]  # not what prints 0.00
+    for r in shown:
       parts = ", ".join(
         f"{label} {r[k]:.2f}"
         for k, label in zip(hlo_cost.OP_PARTS[1:], ("FLOP", "HBM", "on chip", "host", "ICI"))
