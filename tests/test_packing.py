@@ -72,8 +72,11 @@ def test_plan_places_every_token_once(setup):
     np.testing.assert_array_equal(rows.positions_YT[r, s : s + p + c], np.arange(p + c))
     assert len(set(rows.segment_ids_YT[r, s : s + p + c])) == 1 > 0
     flat = pl.index_BC[i, :c]
-    np.testing.assert_array_equal(rows.targets_YT.reshape(-1)[flat], b.completion_tokens_BC[i, :c])
-  assert rows.target_mask_YT.sum() == sum(COMP_LEN)
+    np.testing.assert_array_equal(rows.target_tok_N[flat], b.completion_tokens_BC[i, :c])
+    # Completion token j is predicted at the column before it.
+    np.testing.assert_array_equal(rows.target_col_N[flat], s + p - 1 + np.arange(c))
+    assert (rows.target_row_N[flat] == r).all()
+  assert len(rows.target_tok_N) == sum(COMP_LEN)
   # Segments are distinct within a row and no sequence overlaps another.
   assert (rows.segment_ids_YT > 0).sum() == sum(PROMPT_LEN) + sum(COMP_LEN)
   assert [packing.bucket(n) for n in (1, 8, 9, 33, 57, 100)] == [8, 8, 10, 40, 64, 112]
@@ -388,3 +391,45 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   before = step[: metric_gets[0]]
   assert ("scalar",) not in before
   assert all(e[2] == 0 for e in before if e[0] == "get")
+
+
+def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone():
+  """Four sequences of two prompts (group_B): each chunk holds its prompt once and then
+  its completions (branches 1, 2, ...); every completion token is predicted where it
+  would be alone (token 0 at the prompt's last column), at its own position."""
+  rng = np.random.default_rng(1)
+  P, C, row = 6, 5, 24
+  prompts = rng.integers(1, 50, (2, P)).astype(np.int32)
+  group_B = np.array([0, 1, 0, 0])
+  p_B, c_B = np.array([4, 6, 4, 4]), np.array([5, 3, 2, 4])
+  prompt_BP = prompts[group_B]
+  pmask = (np.arange(P)[None] >= P - p_B[:, None]).astype(np.int32)
+  comp = rng.integers(1, 50, (4, C)).astype(np.int32)
+  cmask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
+  pl = packing.plan(prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B)
+  f = pl.rows
+  # Group 0: prompt 4 + completions 5, 4, 2 = 15 tokens, one chunk; group 1: 6 + 3.
+  assert (f.segment_ids_YT > 0).sum() == 15 + 9
+  for b in range(4):
+    r, s, p, c = pl.row_B[b], pl.start_B[b], p_B[b], c_B[b]
+    np.testing.assert_array_equal(f.tokens_YT[r, s : s + p], prompt_BP[b, P - p :])
+    assert (f.branch_ids_YT[r, s : s + p] == 0).all()
+    flat = pl.index_BC[b, :c]
+    cols = f.target_col_N[flat]
+    assert cols[0] == s + p - 1  # token 0 from the prompt's last column
+    own = cols[1:] + 1  # the columns of tokens 1.. of the completion
+    np.testing.assert_array_equal(f.tokens_YT[r, own], comp[b, 1:c])
+    np.testing.assert_array_equal(f.tokens_YT[r, cols[1:]], comp[b, : c - 1])
+    np.testing.assert_array_equal(f.positions_YT[r, cols[1:]], p + np.arange(c - 1))
+    np.testing.assert_array_equal(f.target_tok_N[flat], comp[b, :c])
+    assert len(set(f.branch_ids_YT[r, own])) == 1 and f.branch_ids_YT[r, own[0]] > 0  # one branch
+  mr, index = pl.group(0, f.tokens_YT.shape[0])
+  assert mr.branch_ids_YT is not None
+  for b in range(4):  # the model's target slots hold each completion's tokens
+    np.testing.assert_array_equal(
+      np.asarray(mr.targets_YZ).reshape(-1)[index[b, : c_B[b]]], comp[b, : c_B[b]]
+    )
+  other = prompt_BP.copy()
+  other[3, -1] += 1
+  with pytest.raises(ValueError, match="sequences 0 and 3 share group 0"):
+    packing.plan(other * pmask, pmask, comp * cmask, cmask, row, group_B=group_B)
