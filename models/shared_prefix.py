@@ -37,6 +37,22 @@ from models import attention
 
 # Key segment of a gathered column that holds no prompt token: no query's segment.
 _NO_KEY = -2
+# A packed row's segment ids carry the tree (``tree_ids``): the group above these bits,
+# the branch in them. Without branches they compare as the groups do.
+BRANCH_BITS = 12
+
+
+def tree_ids(segment_ids: Any, branch_ids: Any) -> Any:
+  """One id a token for the model's ``segment_ids``: group << BRANCH_BITS | branch
+  (NumPy or jax arrays). Positive exactly where the group is (padding stays 0)."""
+  if (branch_ids >= 1 << BRANCH_BITS).any():
+    raise ValueError(f"shared_prefix.tree_ids: a branch id >= {1 << BRANCH_BITS}")
+  return (segment_ids << BRANCH_BITS) | branch_ids
+
+
+def split_ids(ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """``tree_ids``' (group, branch)."""
+  return ids >> BRANCH_BITS, ids & ((1 << BRANCH_BITS) - 1)
 
 
 def tree_mask(segment_ids_BT: jax.Array, branch_ids_BT: jax.Array) -> jax.Array:
@@ -57,6 +73,33 @@ def reference(
 ) -> jax.Array:
   """The tree attention with the full [T, T] score matrix (``attention.reference``)."""
   return attention.reference(q_BTNH, k_BSKH, v_BSKH, tree_mask(segment_ids_BT, branch_ids_BT))
+
+
+def attend(
+  implementation: str,
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  ids_BT: jax.Array,
+  prompt_cols: int,
+) -> jax.Array:
+  """The tree attention of rows whose segment ids are ``tree_ids``: splash where
+  ``implementation`` resolves to it (TPU), else the full score matrix under
+  ``tree_mask`` (the blocked "flash" path has no tree yet)."""
+  seg, branch = split_ids(ids_BT)
+  if attention.resolve(implementation, q_BTNH.shape[1]) == "splash":
+    return splash(q_BTNH, k_BSKH, v_BSKH, seg, branch, prompt_cols)
+  return reference(q_BTNH, k_BSKH, v_BSKH, seg, branch)
+
+
+def mask_at(ids_BT: jax.Array, cols_BZ: jax.Array) -> jax.Array:
+  """``tree_mask``'s rows at query columns ``cols_BZ``: [B, Z, T] (the trimmed last layer)."""
+  seg, branch = split_ids(ids_BT)
+  T = ids_BT.shape[1]
+  take = lambda x: jnp.take_along_axis(x, cols_BZ, axis=1)[:, :, None]  # noqa: E731
+  br_k = branch[:, None, :]
+  same = take(seg) == seg[:, None, :]
+  return (cols_BZ[:, :, None] >= jnp.arange(T)) & same & ((br_k == 0) | (br_k == take(branch)))
 
 
 def own_segments(segment_ids_BT: jax.Array, branch_ids_BT: jax.Array) -> jax.Array:

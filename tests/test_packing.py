@@ -18,7 +18,7 @@ from capo_jax.rl.batch import ModelRows, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs, token_logprobs
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
-from models import lora, qwen2
+from models import lora, qwen2, shared_prefix
 from models.config import Qwen2Config
 
 # The packed side runs the blocked attention over several blocks; the unpacked
@@ -424,7 +424,9 @@ def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone
     np.testing.assert_array_equal(f.target_tok_N[flat], comp[b, :c])
     assert len(set(f.branch_ids_YT[r, own])) == 1 and f.branch_ids_YT[r, own[0]] > 0  # one branch
   mr, index = pl.group(0, f.tokens_YT.shape[0])
-  assert mr.branch_ids_YT is not None
+  np.testing.assert_array_equal(
+    mr.segment_ids_YT, shared_prefix.tree_ids(f.segment_ids_YT, f.branch_ids_YT)
+  )
   for b in range(4):  # the model's target slots hold each completion's tokens
     np.testing.assert_array_equal(
       np.asarray(mr.targets_YZ).reshape(-1)[index[b, : c_B[b]]], comp[b, : c_B[b]]
@@ -433,3 +435,33 @@ def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone
   other[3, -1] += 1
   with pytest.raises(ValueError, match="sequences 0 and 3 share group 0"):
     packing.plan(other * pmask, pmask, comp * cmask, cmask, row, group_B=group_B)
+
+
+@pytest.mark.parametrize("trim", [False, True])
+def test_shared_prompts_give_each_sequences_logprobs_and_gradients(setup, trim):
+  """The batch's sequences in groups of two sharing a prompt (group_B): the model on the
+  shared layout (each prompt forwarded once a chunk, models.shared_prefix's tree) gives
+  the per-token log-probs of every sequence run alone, and their gradient."""
+  params, b = setup
+  group_B = np.arange(B) // 2
+  share = lambda x: x[group_B * 2]  # each pair takes its first member's prompt  # noqa: E731
+  prompt, pmask = share(b.prompt_tokens_BP), share(b.prompt_mask_BP)
+  comp, cmask = b.completion_tokens_BC, b.completion_mask_BC
+  cfg = CFG.replace(shared_prompts=True, trim_last_layer=trim)
+  w = np.random.default_rng(5).normal(size=comp.shape).astype(np.float32) * cmask
+
+  def shared(p):
+    pl = packing.plan(prompt, pmask, comp, cmask, ROW, group_B=group_B)
+    rows, slot_BC = pl.group(0, pl.rows.tokens_YT.shape[0])
+    out = packed_token_logprobs(p, cfg, rows, chunk_size=5)
+    return unpack(out["logp_YZ"], slot_BC, cmask)
+
+  def alone(p):
+    return token_logprobs(p, CFG, prompt, pmask, comp, cmask, chunk_size=4)["logp_BC"]
+
+  got, want = jax.jit(shared)(params), jax.jit(alone)(params)
+  np.testing.assert_allclose(got * cmask, want * cmask, atol=2e-5)
+  g_got = jax.jit(jax.grad(lambda p: jnp.sum(shared(p) * w)))(params)
+  g_want = jax.jit(jax.grad(lambda p: jnp.sum(alone(p) * w)))(params)
+  for (path, a), c in zip(jax.tree_util.tree_leaves_with_path(g_want), jax.tree.leaves(g_got)):
+    np.testing.assert_allclose(c, a, atol=2e-5 * float(np.abs(a).max()) + 1e-8, err_msg=str(path))

@@ -51,9 +51,6 @@ class ModelRows:
   targets_YZ: HostOrDeviceArray
   target_mask_YZ: HostOrDeviceArray
   topk_ids_YZJ: HostOrDeviceArray | None = None
-  # With shared prompts (``capo_jax.rl.packing``): 0 on a prompt, 1, 2, ... on the
-  # completions that share it (``models.shared_prefix``); None when nothing is shared.
-  branch_ids_YT: HostOrDeviceArray | None = None
 
 
 @jax.tree_util.register_dataclass

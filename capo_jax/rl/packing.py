@@ -31,6 +31,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
+from models import shared_prefix
 
 
 @dataclasses.dataclass(frozen=True)
@@ -104,8 +105,10 @@ class Plan:
       slots(f.target_tok_N[n_N]),
       slots(np.ones(len(n_N), np.int32)),
       topk,
-      f.branch_ids_YT[rows] if self.shared else None,
     )
+    if self.shared:  # the model reads the tree from the segment ids (models.shared_prefix)
+      ids = shared_prefix.tree_ids(f.segment_ids_YT[rows], f.branch_ids_YT[rows])
+      packed = dataclasses.replace(packed, segment_ids_YT=np.asarray(ids))
     flat_N = np.zeros(len(f.target_row_N), np.int64)
     flat_N[n_N] = row_N * Z + slot_N
     return packed, flat_N[self.index_BC].astype(np.int32)
@@ -224,7 +227,10 @@ def plan(
   tokens, seg, pos, branch = (np.zeros((Y, T), np.int32) for _ in range(4))
   row_B, start_B = np.zeros(len(p_B), np.int64), np.zeros(len(p_B), np.int64)
   index_BC = np.zeros((len(p_B), C), np.int64)
-  t_row, t_col, t_tok, t_topk = [], [], [], []
+  t_row: list[int] = []
+  t_col: list[int] = []
+  t_tok: list[int] = []
+  t_topk: list[np.ndarray] = []
   seg_count = np.zeros(Y, np.int32)
   for k in np.lexsort((start_K, row_K)):  # row by row, left to right: segments 1, 2, ...
     r, s, ch = int(row_K[k]), int(start_K[k]), chunks[k]
