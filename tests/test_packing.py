@@ -431,6 +431,17 @@ def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone
     np.testing.assert_array_equal(
       np.asarray(mr.targets_YZ).reshape(-1)[index[b, : c_B[b]]], comp[b, : c_B[b]]
     )
+  # At most prompt_cap prompt tokens a row: group 1's 6-token prompt alone is too many at
+  # 5; at 6 the two chunks (prompts 4 and 6) take a row each, at 10 they share one.
+  for cap, rows_needed in ((6, 2), (10, 1)):
+    capped = packing.plan(
+      prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B, prompt_cap=cap
+    )
+    assert capped.rows.tokens_YT.shape[0] == rows_needed
+      rows_needed, f.tokens_YT.shape[0] if cap == 10 else 2
+    )
+  with pytest.raises(ValueError, match="config.model.shared_prompt_cols"):
+    packing.plan(prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B, prompt_cap=5)
   other = prompt_BP.copy()
   other[3, -1] += 1
   with pytest.raises(ValueError, match="sequences 0 and 3 share group 0"):

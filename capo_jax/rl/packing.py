@@ -134,11 +134,16 @@ def _lengths(
 
 
 def first_fit(
-  lengths_B: np.ndarray, row_len: int, alone: bool = False
+  lengths_B: np.ndarray,
+  row_len: int,
+  alone: bool = False,
+  prompts_B: np.ndarray | None = None,
+  prompt_cap: int = 0,
 ) -> tuple[np.ndarray, np.ndarray]:
   """First-fit decreasing: (row, start column) of each sequence; rows in order of opening.
 
-  ``alone``: no packing, sequence b at the start of row b (the same length checks)."""
+  ``alone``: no packing, sequence b at the start of row b (the same length checks).
+  ``prompts_B``: also at most ``prompt_cap`` of these (shared prompts' tokens) a row."""
   lengths_B = np.asarray(lengths_B)
   too_long = np.flatnonzero(lengths_B > row_len)
   if too_long.size:
@@ -152,14 +157,26 @@ def first_fit(
   start_B = np.zeros(len(lengths_B), np.int64)
   if alone:
     return np.arange(len(lengths_B)), start_B
+  cap = prompt_cap if prompts_B is not None else 0
+  held_B = np.zeros(len(lengths_B), np.int64) if prompts_B is None else np.asarray(prompts_B)
+  if cap and (held_B > cap).any():
+    b = int(np.flatnonzero(held_B > cap)[0])
+    raise ValueError(
+      f"packing: prompt {b} has {int(held_B[b])} tokens, more than the "
+      f"{cap} a row's shared prompts may hold (config.model.shared_prompt_cols)"
+    )
   used: list[int] = []
+  held: list[int] = []  # shared prompt tokens a row
   for b in np.argsort(-lengths_B, kind="stable"):
-    n = int(lengths_B[b])
-    r = next((i for i, u in enumerate(used) if u + n <= row_len), len(used))
+    n, m = int(lengths_B[b]), int(held_B[b])
+    fits = lambda i: used[i] + n <= row_len and (not cap or held[i] + m <= cap)  # noqa: E731
+    r = next((i for i in range(len(used)) if fits(i)), len(used))
     if r == len(used):
       used.append(0)
+      held.append(0)
     row_B[b], start_B[b] = r, used[r]
     used[r] += n
+    held[r] += m
   return row_B, start_B
 
 
@@ -210,10 +227,12 @@ def plan(
   topk_ids_BCJ: np.ndarray | None = None,
   pack: bool = True,
   group_B: np.ndarray | None = None,
+  prompt_cap: int = 0,
 ) -> Plan:
   """Lays the B sequences into rows of ``row_len`` tokens (host NumPy): packed first-fit
   decreasing, or (``pack=False``) sequence b alone in row b. ``group_B``: the sequences
-  of a group share their prompt, laid once a chunk (``_chunks``; packed only)."""
+  of a group share their prompt, laid once a chunk (``_chunks``; packed only), at most
+  ``prompt_cap`` prompt tokens a row (0: any)."""
   p_B, c_B = _lengths(prompt_mask_BP, completion_mask_BC)
   if group_B is not None:
     if not pack:
@@ -221,7 +240,9 @@ def plan(
     _check_shared_prompts(prompt_tokens_BP, p_B, group_B)
   chunks = _chunks(p_B, c_B, row_len, group_B)
   len_K = np.array([p_B[ch[0]] + c_B[ch].sum() for ch in chunks], np.int64)
-  row_K, start_K = first_fit(len_K, row_len, alone=not pack)
+  prompt_K = np.array([p_B[ch[0]] for ch in chunks], np.int64)
+  cap = prompt_cap if group_B is not None else 0
+  row_K, start_K = first_fit(len_K, row_len, alone=not pack, prompts_B=prompt_K, prompt_cap=cap)
   Y, T = int(row_K.max()) + 1 if len(row_K) else 0, row_len
   P, C = prompt_mask_BP.shape[1], completion_mask_BC.shape[1]
   tokens, seg, pos, branch = (np.zeros((Y, T), np.int32) for _ in range(4))
@@ -354,6 +375,8 @@ class RowLayout:
   row_len: int
   rows: int
   pack: bool = True
+  share: int = 0  # G: sequences b = q * G + g share prompt q (``plan``'s group_B); 0: none
+  prompt_cap: int = 0  # shared prompts' tokens a row at most (the model's prompt keys)
 
   def width(self, prompt_BP: np.ndarray, completion_BC: np.ndarray) -> int:
     return self.row_len or prompt_BP.shape[1] + completion_BC.shape[1]
@@ -376,6 +399,8 @@ def plan_update(
     layout.width(prompt_tokens_BP, completion_tokens_BC),
     topk_ids_BCJ,
     pack=layout.pack,
+    group_B=np.arange(len(prompt_tokens_BP)) // layout.share if layout.share else None,
+    prompt_cap=layout.prompt_cap,
   )
   Y = layout.rows
   filled = -(-pl.rows.tokens_YT.shape[0] // Y)
