@@ -438,8 +438,6 @@ def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone
       prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B, prompt_cap=cap
     )
     assert capped.rows.tokens_YT.shape[0] == rows_needed
-      rows_needed, f.tokens_YT.shape[0] if cap == 10 else 2
-    )
   with pytest.raises(ValueError, match="config.model.shared_prompt_cols"):
     packing.plan(prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B, prompt_cap=5)
   other = prompt_BP.copy()
