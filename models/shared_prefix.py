@@ -32,8 +32,9 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec
 
-from models import attention
+from models import attention, sharding
 
 # Key segment of a gathered column that holds no prompt token: no query's segment.
 _NO_KEY = -2
@@ -122,12 +123,43 @@ def splash(
 
   ``prompt_cols``: a multiple of 128 at least the prompt tokens of any row (a row's
   prompt columns are gathered into that many keys). T is padded as ``attention.splash``
-  pads it.
+  pads it. Under an activation layout the calls run in a ``shard_map`` over the rows and
+  heads as the layout splits them, as ``attention.splash``'s do.
   """
   if prompt_cols % 128:
     raise ValueError(f"shared_prefix.splash: prompt_cols={prompt_cols} is not a multiple of 128")
   if interpret is None:
-    interpret = jax.default_backend() != "tpu"
+    interpret = sharding.platform() != "tpu"
+  local = functools.partial(_local, prompt_cols=prompt_cols, block=block, interpret=interpret)
+  layout = sharding.active_layout()
+  if layout is None:
+    return local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, branch_ids_BT)
+  q_spec = layout.spec(sharding.ACT_BTNH, q_BTNH.shape, "splash q")
+  kv_spec = layout.spec(sharding.ACT_BTKH, k_BSKH.shape, "splash k/v")
+  if q_spec[2] != kv_spec[2]:  # each shard must hold whole GQA groups: heads whole
+    q_spec = PartitionSpec(*q_spec[:2], None, None)
+    kv_spec = PartitionSpec(*kv_spec[:2], None, None)
+  ids_spec = PartitionSpec(*q_spec[:2])
+  return jax.shard_map(
+    local,
+    mesh=layout.mesh,
+    in_specs=(q_spec, kv_spec, kv_spec, ids_spec, ids_spec),
+    out_specs=q_spec,
+    check_vma=False,
+  )(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, branch_ids_BT)
+
+
+def _local(
+  q_BTNH: jax.Array,
+  k_BSKH: jax.Array,
+  v_BSKH: jax.Array,
+  segment_ids_BT: jax.Array,
+  branch_ids_BT: jax.Array,
+  prompt_cols: int,
+  block: int,
+  interpret: bool,
+) -> jax.Array:
+  """``splash`` on the rows and heads one device holds."""
   B, T, N, H = q_BTNH.shape
   width = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
   T_pad = -(-T // width) * width

@@ -134,16 +134,11 @@ def _lengths(
 
 
 def first_fit(
-  lengths_B: np.ndarray,
-  row_len: int,
-  alone: bool = False,
-  prompts_B: np.ndarray | None = None,
-  prompt_cap: int = 0,
+  lengths_B: np.ndarray, row_len: int, alone: bool = False
 ) -> tuple[np.ndarray, np.ndarray]:
   """First-fit decreasing: (row, start column) of each sequence; rows in order of opening.
 
-  ``alone``: no packing, sequence b at the start of row b (the same length checks).
-  ``prompts_B``: also at most ``prompt_cap`` of these (shared prompts' tokens) a row."""
+  ``alone``: no packing, sequence b at the start of row b (the same length checks)."""
   lengths_B = np.asarray(lengths_B)
   too_long = np.flatnonzero(lengths_B > row_len)
   if too_long.size:
@@ -157,48 +152,73 @@ def first_fit(
   start_B = np.zeros(len(lengths_B), np.int64)
   if alone:
     return np.arange(len(lengths_B)), start_B
-  cap = prompt_cap if prompts_B is not None else 0
-  held_B = np.zeros(len(lengths_B), np.int64) if prompts_B is None else np.asarray(prompts_B)
-  if cap and (held_B > cap).any():
-    b = int(np.flatnonzero(held_B > cap)[0])
-    raise ValueError(
-      f"packing: prompt {b} has {int(held_B[b])} tokens, more than the "
-      f"{cap} a row's shared prompts may hold (config.model.shared_prompt_cols)"
-    )
   used: list[int] = []
-  held: list[int] = []  # shared prompt tokens a row
   for b in np.argsort(-lengths_B, kind="stable"):
-    n, m = int(lengths_B[b]), int(held_B[b])
-    fits = lambda i: used[i] + n <= row_len and (not cap or held[i] + m <= cap)  # noqa: E731
-    r = next((i for i in range(len(used)) if fits(i)), len(used))
+    n = int(lengths_B[b])
+    r = next((i for i, u in enumerate(used) if u + n <= row_len), len(used))
     if r == len(used):
       used.append(0)
-      held.append(0)
     row_B[b], start_B[b] = r, used[r]
     used[r] += n
-    held[r] += m
   return row_B, start_B
 
 
 def _chunks(
-  p_B: np.ndarray, c_B: np.ndarray, row_len: int, group_B: np.ndarray | None
-) -> list[list[int]]:
-  """The sequences of each chunk a row holds whole: each sequence alone, or (``group_B``)
-  a group's prompt once and as many of its completions, longest first, as fit a row."""
-  if group_B is None:
-    return [[b] for b in range(len(p_B))]
-  out: list[list[int]] = []
+  p_B: np.ndarray, c_B: np.ndarray, row_len: int, group_B: np.ndarray, prompt_cap: int = 0
+) -> tuple[list[list[int]], np.ndarray, np.ndarray]:
+  """Shared prompts: the chunks (a group's prompt once, then some of its completions)
+  and each chunk's row and first column. Completions are placed group by group, longest
+  first: into a row that already holds their group's prompt, else the first row with
+  room for the prompt too (and at most ``prompt_cap`` prompt tokens, 0: any), else a new
+  row. A row's chunks are laid in the order they opened."""
+  too_long = np.flatnonzero(p_B + c_B > row_len)
+  if too_long.size:
+    b = int(too_long[0])
+    raise ValueError(
+      f"packing: sequence {b} has {int(p_B[b] + c_B[b])} tokens (prompt + completion), "
+      f"longer than a packed row of {row_len} tokens (config.train.pack_len)"
+    )
+  big = np.flatnonzero(p_B > prompt_cap) if prompt_cap else np.array([], np.int64)
+  if big.size:
+    b = int(big[0])
+    raise ValueError(
+      f"packing: prompt {b} has {int(p_B[b])} tokens, more than the {prompt_cap} a row's "
+      "shared prompts may hold (config.model.shared_prompt_cols)"
+    )
+  used: list[int] = []  # tokens a row
+  held: list[int] = []  # prompt tokens a row
+  where: list[dict[int, int]] = []  # a row's chunks: group -> index into chunks
+  chunks: list[list[int]] = []
+  row_K: list[int] = []
   for g in dict.fromkeys(np.asarray(group_B).tolist()):  # groups in order of appearance
     members = np.flatnonzero(group_B == g)
-    members = members[np.argsort(-c_B[members], kind="stable")]
-    chunk: list[int] = []
-    for b in members:
-      if chunk and p_B[b] + c_B[chunk].sum() + c_B[b] > row_len:
-        out.append(chunk)
-        chunk = []
-      chunk.append(int(b))
-    out.append(chunk)
-  return out
+    for b in members[np.argsort(-c_B[members], kind="stable")]:
+      c, p = int(c_B[b]), int(p_B[b])
+      r = next((i for i in range(len(used)) if g in where[i] and used[i] + c <= row_len), -1)
+      if r < 0:
+        fits = lambda i: (
+          used[i] + p + c <= row_len and (not prompt_cap or held[i] + p <= prompt_cap)
+        )  # noqa: E731,B023
+        r = next((i for i in range(len(used)) if fits(i)), len(used))
+        if r == len(used):
+          used.append(0)
+          held.append(0)
+          where.append({})
+        where[r][g] = len(chunks)
+        chunks.append([])
+        row_K.append(r)
+        used[r] += p
+        held[r] += p
+      chunks[where[r][g]].append(int(b))
+      used[r] += c
+  # Each row's chunks from column 0, in the order they opened.
+  start_K = np.zeros(len(chunks), np.int64)
+  fill = [0] * len(used)
+  for k, ch in enumerate(chunks):
+    r = row_K[k]
+    start_K[k] = fill[r]
+    fill[r] += int(p_B[ch[0]] + c_B[ch].sum())
+  return chunks, np.asarray(row_K, np.int64), start_K
 
 
 def _check_shared_prompts(
@@ -238,11 +258,12 @@ def plan(
     if not pack:
       raise ValueError("packing: shared prompts (group_B) need packed rows (pack=True)")
     _check_shared_prompts(prompt_tokens_BP, p_B, group_B)
-  chunks = _chunks(p_B, c_B, row_len, group_B)
+  if group_B is None:
+    chunks = [[b] for b in range(len(p_B))]
+    row_K, start_K = first_fit(p_B + c_B, row_len, alone=not pack)
+  else:
+    chunks, row_K, start_K = _chunks(p_B, c_B, row_len, np.asarray(group_B), prompt_cap)
   len_K = np.array([p_B[ch[0]] + c_B[ch].sum() for ch in chunks], np.int64)
-  prompt_K = np.array([p_B[ch[0]] for ch in chunks], np.int64)
-  cap = prompt_cap if group_B is not None else 0
-  row_K, start_K = first_fit(len_K, row_len, alone=not pack, prompts_B=prompt_K, prompt_cap=cap)
   Y, T = int(row_K.max()) + 1 if len(row_K) else 0, row_len
   P, C = prompt_mask_BP.shape[1], completion_mask_BC.shape[1]
   tokens, seg, pos, branch = (np.zeros((Y, T), np.int32) for _ in range(4))
