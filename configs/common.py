@@ -43,6 +43,11 @@ def get_base_config() -> ml_collections.ConfigDict:
   # The train / log-prob passes' attention: "auto" (splash on TPU, blocked flash
   # elsewhere), "reference" (full T x T scores), "xla", "flash", "splash" (models.attention).
   c.model.attention = "auto"
+  # The G completions of a prompt share its forward in the log-prob passes and updates
+  # (models.shared_prefix; packed rows only): a prompt laid once a chunk of completions.
+  # shared_prompt_cols: the prompt keys splash reads a row (a multiple of 128).
+  c.model.shared_prompts = False
+  c.model.shared_prompt_cols = 512
   # Random weights (issue 31): without model.hf_path a run needs random_init=True and a
   # model.preset (tests, benchmarks, :shrink); anything else without weights is an error
   # naming model.hf_path. Ignored when hf_path is set (the weights are loaded).

@@ -55,6 +55,10 @@ class Qwen2Config:
   model_type: str = "qwen2"  # "qwen3": no q/k/v bias, per-head q/k RMSNorm
   attention: str = "auto"  # the full forward's attention: models.attention.IMPLEMENTATIONS
   attention_block: int = 128  # key / query block of the "flash" attention
+  # Packed rows whose completions share their prompt (models.shared_prefix): segment ids
+  # carry the tree; splash reads each row's prompts gathered into this many keys.
+  shared_prompts: bool = False
+  shared_prompt_cols: int = 512
   # Layers per iteration of the layer scan (``nn.scan``'s unroll). Unrolled, the backward
   # keeps each layer's residuals instead of stacked [L, ...] buffers: for a few small layers
   # that bookkeeping was a third of the CPU train step. Equal up to float rounding.

@@ -35,7 +35,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 
 from models import attention as attention_lib
-from models import lora, sharding
+from models import lora, sharding, shared_prefix
 from models.config import Qwen2Config
 
 ACT_BTD, ACT_BTNH, ACT_BTKH, ACT_BTF, ACT_BTV = (
@@ -249,6 +249,10 @@ class DecoderLayer(nn.Module):
       )
     if ctx["segment_ids_BT"] is None:
       attn = attention(q, k, v, ctx["mask_BTS"])
+    elif self.cfg.shared_prompts:  # packed trees: each completion sees its prompt
+      attn = shared_prefix.attend(
+        self.cfg.attention, q, k, v, ctx["segment_ids_BT"], self.cfg.shared_prompt_cols
+      )
     else:  # the full forward: causal within segments, by model.attention
       attn = attention_lib.attend(
         self.cfg.attention, q, k, v, ctx["segment_ids_BT"], self.cfg.attention_block

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from models import attention as attention_lib
-from models import sharding
+from models import sharding, shared_prefix
 from models.config import Qwen2Config
 from models.decoder import DecoderLayer, Qwen2, rope_tables
 from models.kv_cache import KVCache
@@ -165,10 +165,13 @@ def hidden_states_at(
     mod, last, x_BZD, (take(cos_BTh), take(sin_BTh)), method=DecoderLayer.attention_inputs
   )
   T = tokens_BT.shape[1]
-  # Causal within the segment, as models.attention.segment_mask's rows at cols_BZ.
+  # Causal within the segment, as models.attention.segment_mask's rows at cols_BZ (or
+  # the tree's, models.shared_prefix).
   mask_BZS = (cols_BZ[:, :, None] >= jnp.arange(T)) & (
     take(segment_ids_BT)[:, :, None] == segment_ids_BT[:, None, :]
   )
+  if cfg.shared_prompts:
+    mask_BZS = shared_prefix.mask_at(segment_ids_BT, cols_BZ)
   attn_BZNH = attention_lib.reference(q_BZNH, k_BTKH, v_BTKH, mask_BZS)
   x_BZD = _apply(mod, last, x_BZD, attn_BZNH, method=DecoderLayer.attention_output)
   return _apply(Qwen2(cfg), params, x_BZD, method=Qwen2.final_norm_of)

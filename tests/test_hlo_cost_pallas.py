@@ -134,6 +134,10 @@ def test_splash_attention_counts_the_matmuls_of_its_causal_blocks():
     assert hlo_cost.hlo_cost(text)["flops"] == flops // 2 * matmuls
   other = _SPLASH.replace("splash_mha_fwd_", "some_kernel_")  # unknown: its operands only
   assert hlo_cost.hlo_cost(other)["flops"] == 0
+  # Keys fewer than the queries (a row's gathered prompts, a full mask): every block pair.
+  # 4 query blocks of 256 x 2 key blocks of 256 (k and v [1, 512, 128]) = 8 pairs.
+  short = _SPLASH.replace("s8[1,4,4]", "s8[1,4,2]").replace("bf16[1,1024,128]", "bf16[1,512,128]")
+  assert hlo_cost.hlo_cost(short)["flops"] == flops // 10 * 8
   ops: hlo_cost.Ops = {}
   hlo_cost.hlo_cost(_SPLASH, rates=RATES, ops=ops)
   assert ops["splash attention (fwd)"][:2] == [flops, flops]  # FLOP-bound, and named

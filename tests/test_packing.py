@@ -18,7 +18,7 @@ from capo_jax.rl.batch import ModelRows, unpack
 from capo_jax.rl.logprobs import packed_token_logprobs, token_logprobs
 from capo_jax.rl.optim import OptimConfig
 from capo_jax.runtime import mesh as mesh_lib
-from models import lora, qwen2
+from models import lora, qwen2, shared_prefix
 from models.config import Qwen2Config
 
 # The packed side runs the blocked attention over several blocks; the unpacked
@@ -72,8 +72,11 @@ def test_plan_places_every_token_once(setup):
     np.testing.assert_array_equal(rows.positions_YT[r, s : s + p + c], np.arange(p + c))
     assert len(set(rows.segment_ids_YT[r, s : s + p + c])) == 1 > 0
     flat = pl.index_BC[i, :c]
-    np.testing.assert_array_equal(rows.targets_YT.reshape(-1)[flat], b.completion_tokens_BC[i, :c])
-  assert rows.target_mask_YT.sum() == sum(COMP_LEN)
+    np.testing.assert_array_equal(rows.target_tok_N[flat], b.completion_tokens_BC[i, :c])
+    # Completion token j is predicted at the column before it.
+    np.testing.assert_array_equal(rows.target_col_N[flat], s + p - 1 + np.arange(c))
+    assert (rows.target_row_N[flat] == r).all()
+  assert len(rows.target_tok_N) == sum(COMP_LEN)
   # Segments are distinct within a row and no sequence overlaps another.
   assert (rows.segment_ids_YT > 0).sum() == sum(PROMPT_LEN) + sum(COMP_LEN)
   assert [packing.bucket(n) for n in (1, 8, 9, 33, 57, 100)] == [8, 8, 10, 40, 64, 112]
@@ -388,3 +391,86 @@ def test_a_step_uploads_its_rows_once_and_reads_its_metrics_once(tmp_path, monke
   before = step[: metric_gets[0]]
   assert ("scalar",) not in before
   assert all(e[2] == 0 for e in before if e[0] == "get")
+
+
+def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone():
+  """Four sequences of two prompts (group_B): each chunk holds its prompt once and then
+  its completions (branches 1, 2, ...); every completion token is predicted where it
+  would be alone (token 0 at the prompt's last column), at its own position."""
+  rng = np.random.default_rng(1)
+  P, C, row = 6, 5, 24
+  prompts = rng.integers(1, 50, (2, P)).astype(np.int32)
+  group_B = np.array([0, 1, 0, 0])
+  p_B, c_B = np.array([4, 6, 4, 4]), np.array([5, 3, 2, 4])
+  prompt_BP = prompts[group_B]
+  pmask = (np.arange(P)[None] >= P - p_B[:, None]).astype(np.int32)
+  comp = rng.integers(1, 50, (4, C)).astype(np.int32)
+  cmask = (np.arange(C)[None] < c_B[:, None]).astype(np.int32)
+  pl = packing.plan(prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B)
+  f = pl.rows
+  # Group 0: prompt 4 + completions 5, 4, 2 = 15 tokens, one chunk; group 1: 6 + 3.
+  assert (f.segment_ids_YT > 0).sum() == 15 + 9
+  for b in range(4):
+    r, s, p, c = pl.row_B[b], pl.start_B[b], p_B[b], c_B[b]
+    np.testing.assert_array_equal(f.tokens_YT[r, s : s + p], prompt_BP[b, P - p :])
+    assert (f.branch_ids_YT[r, s : s + p] == 0).all()
+    flat = pl.index_BC[b, :c]
+    cols = f.target_col_N[flat]
+    assert cols[0] == s + p - 1  # token 0 from the prompt's last column
+    own = cols[1:] + 1  # the columns of tokens 1.. of the completion
+    np.testing.assert_array_equal(f.tokens_YT[r, own], comp[b, 1:c])
+    np.testing.assert_array_equal(f.tokens_YT[r, cols[1:]], comp[b, : c - 1])
+    np.testing.assert_array_equal(f.positions_YT[r, cols[1:]], p + np.arange(c - 1))
+    np.testing.assert_array_equal(f.target_tok_N[flat], comp[b, :c])
+    assert len(set(f.branch_ids_YT[r, own])) == 1 and f.branch_ids_YT[r, own[0]] > 0  # one branch
+  mr, index = pl.group(0, f.tokens_YT.shape[0])
+  np.testing.assert_array_equal(
+    mr.segment_ids_YT, shared_prefix.tree_ids(f.segment_ids_YT, f.branch_ids_YT)
+  )
+  for b in range(4):  # the model's target slots hold each completion's tokens
+    np.testing.assert_array_equal(
+      np.asarray(mr.targets_YZ).reshape(-1)[index[b, : c_B[b]]], comp[b, : c_B[b]]
+    )
+  # At most prompt_cap prompt tokens a row: group 1's 6-token prompt alone is too many at
+  # 5; at 6 the two chunks (prompts 4 and 6) take a row each, at 10 they share one.
+  for cap, rows_needed in ((6, 2), (10, 1)):
+    capped = packing.plan(
+      prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B, prompt_cap=cap
+    )
+    assert capped.rows.tokens_YT.shape[0] == rows_needed
+  with pytest.raises(ValueError, match="config.model.shared_prompt_cols"):
+    packing.plan(prompt_BP * pmask, pmask, comp * cmask, cmask, row, group_B=group_B, prompt_cap=5)
+  other = prompt_BP.copy()
+  other[3, -1] += 1
+  with pytest.raises(ValueError, match="sequences 0 and 3 share group 0"):
+    packing.plan(other * pmask, pmask, comp * cmask, cmask, row, group_B=group_B)
+
+
+@pytest.mark.parametrize("trim", [False, True])
+def test_shared_prompts_give_each_sequences_logprobs_and_gradients(setup, trim):
+  """The batch's sequences in groups of two sharing a prompt (group_B): the model on the
+  shared layout (each prompt forwarded once a chunk, models.shared_prefix's tree) gives
+  the per-token log-probs of every sequence run alone, and their gradient."""
+  params, b = setup
+  group_B = np.arange(B) // 2
+  share = lambda x: x[group_B * 2]  # each pair takes its first member's prompt  # noqa: E731
+  prompt, pmask = share(b.prompt_tokens_BP), share(b.prompt_mask_BP)
+  comp, cmask = b.completion_tokens_BC, b.completion_mask_BC
+  cfg = CFG.replace(shared_prompts=True, trim_last_layer=trim)
+  w = np.random.default_rng(5).normal(size=comp.shape).astype(np.float32) * cmask
+
+  def shared(p):
+    pl = packing.plan(prompt, pmask, comp, cmask, ROW, group_B=group_B)
+    rows, slot_BC = pl.group(0, pl.rows.tokens_YT.shape[0])
+    out = packed_token_logprobs(p, cfg, rows, chunk_size=5)
+    return unpack(out["logp_YZ"], slot_BC, cmask)
+
+  def alone(p):
+    return token_logprobs(p, CFG, prompt, pmask, comp, cmask, chunk_size=4)["logp_BC"]
+
+  got, want = jax.jit(shared)(params), jax.jit(alone)(params)
+  np.testing.assert_allclose(got * cmask, want * cmask, atol=2e-5)
+  g_got = jax.jit(jax.grad(lambda p: jnp.sum(shared(p) * w)))(params)
+  g_want = jax.jit(jax.grad(lambda p: jnp.sum(alone(p) * w)))(params)
+  for (path, a), c in zip(jax.tree_util.tree_leaves_with_path(g_want), jax.tree.leaves(g_got)):
+    np.testing.assert_allclose(c, a, atol=2e-5 * float(np.abs(a).max()) + 1e-8, err_msg=str(path))

@@ -278,3 +278,33 @@ def test_every_algorithm_trains_end_to_end(algo, assets, tmp_path):
   assert np.isfinite(row["loss"]) and row["grad_norm"] > 0 and row["skipped_updates"] == 0
   if algo == "simko":
     assert "forked_frac" in row
+
+
+def test_shared_prompts_train_as_the_unshared_layout(assets, tmp_path, monkeypatch):
+  """One CAPO step with the G completions of a prompt sharing its forward in the passes
+  and updates (model.shared_prompts) against the same step without: the same samples,
+  so the same loss and gradient norm up to float rounding."""
+  from capo_jax.rl import packing  # pylint: disable=import-outside-toplevel
+
+  grouped, plan = [], packing.plan
+
+  def spy(*args, **kwargs):
+    grouped.append(kwargs.get("group_B") is not None)
+    return plan(*args, **kwargs)
+
+  monkeypatch.setattr(packing, "plan", spy)
+  rows = []
+  for shared in (False, True):
+    c = common.shrink(common.get_base_config())
+    c.tokenizer_path, c.data.train = assets["tok"], assets["data"]
+    c.rollout.max_prompt_len, c.rollout.max_new_tokens = 256, 8
+    c.train.num_steps, c.checkpoint.export_hf = 1, False
+    c.model.attention = "reference"  # both layouts on the full score matrix
+    c.model.shared_prompts, c.model.shared_prompt_cols = shared, 512
+    rl_driver.train(c, str(tmp_path / str(shared)), grader=rl_driver.HashGrader())
+    rows.append(json.loads(open(tmp_path / str(shared) / "metrics.jsonl").readline()))
+  # The shared run planned its passes and updates with the groups, the other without.
+  first = grouped.index(True)
+  assert first > 0 and not any(grouped[:first]) and all(grouped[first:])
+  for key in ("loss", "grad_norm"):
+    np.testing.assert_allclose(rows[1][key], rows[0][key], rtol=1e-4, err_msg=key)

@@ -240,7 +240,12 @@ def main(argv: list[str]) -> None:
     len(plan.phases),
     plan.num_slots,
     spec.updates_per_step,
-    step_estimate.Lengths(_PROMPT_TOKENS.value, _TRUNC.value),
+    step_estimate.Lengths(
+      _PROMPT_TOKENS.value,
+      _TRUNC.value,
+      shared=spec.model.shared_prompts,
+      prompt_cap=spec.model.shared_prompt_cols,
+    ),
   )
   resident = aot_programs.resident_bytes(spec, mesh)
   if _FROM_HLO.value:

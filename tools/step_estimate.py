@@ -49,6 +49,10 @@ class Lengths:
   prompt_tokens: int = 200
   trunc: float = 0.045
   seeds: int = 4
+  # Shared prompts (``model.shared_prompts``): a group's prompt laid once a chunk, at most
+  # ``prompt_cap`` prompt tokens a row (``packing.plan``); False: each sequence whole.
+  shared: bool = False
+  prompt_cap: int = 0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,19 +120,14 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     held = np.sum([_pad(s.get("phase_own_cols", [0]), phases) for s in sims], 0)
     own.append(held / np.maximum(slot_steps, 1))
     steps[-1] = steps[-1] / sh.num_calls
-    seq = min(lengths.prompt_tokens, sh.max_prompt_len) + np.concatenate(per_call)
-    row_B, _ = packing.first_fit(seq, sh.row_len)
-    calls.append(-(-(int(row_B.max()) + 1) // sh.rows_per_call))
-    per_update = np.array_split(seq, updates)
-    mbs.append(
-      np.mean(
-        [
-          -(-(int(packing.first_fit(u, sh.row_len)[0].max()) + 1) // sh.rows_per_microbatch)
-          for u in per_update
-        ]
-      )
-    )
-    fill.append(seq.sum() / ((int(row_B.max()) + 1) * sh.row_len))
+    p = min(lengths.prompt_tokens, sh.max_prompt_len)
+    comp = np.concatenate(per_call)
+    rows = lambda c: _rows(p, c, sh.row_len, sh.num_samples, lengths)  # noqa: E731
+    n_rows, laid = rows(comp)
+    calls.append(-(-n_rows // sh.rows_per_call))
+    per_update = np.array_split(comp, updates)
+    mbs.append(np.mean([-(-rows(u)[0] // sh.rows_per_microbatch) for u in per_update]))
+    fill.append(laid / (n_rows * sh.row_len))
   return Trips(
     tuple(np.mean(steps, 0)),
     tuple(np.mean(blocks, 0)),
@@ -141,6 +140,18 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     lengths.prompt_tokens,
     tuple(np.mean(own, 0)),
   )
+
+
+def _rows(p: int, comp: np.ndarray, row_len: int, G: int, lengths: Lengths) -> tuple[int, int]:
+  """Packed rows of completions ``comp`` (each after a ``p``-token prompt), G a prompt,
+  and the tokens laid in them: each sequence whole, or with shared prompts a group's
+  prompt once a chunk."""
+  B = len(comp)
+  if not lengths.shared:
+    return int(packing.first_fit(p + comp, row_len)[0].max()) + 1, int(p * B + comp.sum())
+  p_B, group_B = np.full(B, p), np.arange(B) // G
+  chunks, row_K, _ = packing._chunks(p_B, comp, row_len, group_B, lengths.prompt_cap)  # noqa: SLF001
+  return int(row_K.max()) + 1, int(p * len(chunks) + comp.sum())
 
 
 def _pad(xs: list[float], n: int) -> np.ndarray:

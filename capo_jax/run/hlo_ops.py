@@ -183,11 +183,13 @@ def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
 
   Known by its name (``SPLASH_MATMULS``, the kernel's own: ``%splash_mha_fwd_...``); its
   first operand is the mask's block map [1, query blocks, key blocks], its first two
-  float operands q [..., N, T, H] and k [..., K, S, H]. The model's splash mask is causal
-  (``models.attention.splash``), and the kernel skips only the blocks the mask leaves
-  empty, not those that the segment ids mask (it applies them inside a block): every
-  block pair holding some key column at or before some query row is computed whole, so a
-  packed row costs its whole causal triangle, whatever its sequences.
+  float operands q [..., N, T, H] and k [..., K, S, H]. The model's splash masks are
+  causal over a row's own keys (S = T: ``models.attention.splash``, the own call of
+  ``models.shared_prefix``) and full over a row's gathered prompt keys (S < T, the
+  prompt call). The kernel skips only the blocks the mask leaves empty, not those that
+  the segment ids mask (it applies them inside a block): with S = T every block pair
+  holding some key column at or before some query row is computed whole, so a packed
+  row costs its whole causal triangle, whatever its sequences; with S < T every pair.
   """
   kind = _splash_kind(ins)
   if kind is None:
@@ -200,7 +202,7 @@ def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
   (_, (_, nq, nk)), q, k = flat[0], floats[0], floats[1]
   T, S, H = q[-2], k[-2], q[-1]
   bq, bk = T // nq, S // nk
-  pairs = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq))
+  pairs = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq)) if S == T else nq * nk
   return float(SPLASH_MATMULS[kind] * 2 * math.prod(q[:-2]) * bq * bk * H * pairs)
 
 

@@ -67,6 +67,8 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
   rows_per_call = spec.logprob_rows_per_call
   B = r.num_prompts * r.num_samples
   pack = spec.train.pack
+  # Shared prompts: the G completions of a prompt are consecutive rows of the step.
+  share = r.num_samples if spec.model.shared_prompts else 0
   # Unpacked rows are as wide as the step's sequences (0: the batch's own width).
   row_len = row_len if pack else 0
   logprobs = LogprobPass(
@@ -79,13 +81,13 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
       top_k=spec.simko_k,
       lora=tcfg.lora,
     ),
-    layout=RowLayout(row_len, rows_per_call, pack),
+    layout=RowLayout(row_len, rows_per_call, pack, share, model_cfg.shared_prompt_cols),
     rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
     index_sharding=mesh_lib.batch_sharding(mesh, rules, B),
     gather=ts.make_gather(model_cfg, mesh) if spec.mesh.gather_once else None,
   )
   batch_layout = BatchLayout(
-    rows=RowLayout(row_len, rows_per_mb, pack),
+    rows=RowLayout(row_len, rows_per_mb, pack, share, model_cfg.shared_prompt_cols),
     sharding=ts.batch_sharding(mesh, rules, rows_per_mb),
     prompts=spec.train.mini_batch_prompts,
   )

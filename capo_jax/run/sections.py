@@ -36,6 +36,8 @@ class Model:
   lora_targets: str
   attention: str
   random_init: bool  # issue 31: random weights only when asked for
+  shared_prompts: bool  # the passes and updates forward each prompt once a chunk
+  shared_prompt_cols: int
 
 
 @dataclasses.dataclass(frozen=True)

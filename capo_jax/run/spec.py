@@ -141,6 +141,10 @@ class RunSpec:
     checks.reward(self.reward, self.checker, self.algo.name, self.rollout.max_new_tokens)
     self.mismatch_spec()
     checks.model(self.model, self.tokenizer_path, policy_given)
+    if self.model.shared_prompts and not self.train.pack:
+      fail("model.shared_prompts", True, "needs packed rows (config.train.pack=True)")
+    if self.model.shared_prompt_cols < 128 or self.model.shared_prompt_cols % 128:
+      fail("model.shared_prompt_cols", self.model.shared_prompt_cols, "expected a multiple of 128")
     self.lora_config()
     checks.reduce_once(self.mesh, lora=self.lora_config() is not None)
     self.prompt_format()
@@ -381,6 +385,8 @@ class RunSpec:
       remat=m.remat,
       remat_policy=m.remat_policy,
       attention=m.attention,
+      shared_prompts=m.shared_prompts,
+      shared_prompt_cols=m.shared_prompt_cols,
     )
     try:
       if m.hf_path:  # config.json alone: the AOT compile needs no weights
