@@ -446,7 +446,7 @@ def test_shared_prompts_are_laid_once_a_chunk_and_each_completion_reads_as_alone
     packing.plan(other * pmask, pmask, comp * cmask, cmask, row, group_B=group_B)
 
 
-@pytest.mark.parametrize("trim", [False, True])
+@pytest.mark.parametrize("trim", [False, pytest.param(True, marks=pytest.mark.slow)])
 def test_shared_prompts_give_each_sequences_logprobs_and_gradients(setup, trim):
   """The batch's sequences in groups of two sharing a prompt (group_B): the model on the
   shared layout (each prompt forwarded once a chunk, models.shared_prefix's tree) gives

@@ -280,6 +280,7 @@ def test_every_algorithm_trains_end_to_end(algo, assets, tmp_path):
     assert "forked_frac" in row
 
 
+@pytest.mark.slow  # two whole runs; tests/test_packing.py checks the log-probs and gradients
 def test_shared_prompts_train_as_the_unshared_layout(assets, tmp_path, monkeypatch):
   """One CAPO step with the G completions of a prompt sharing its forward in the passes
   and updates (model.shared_prompts) against the same step without: the same samples,
