@@ -31,6 +31,7 @@ the blocked implementation: a query block keeps the letter T and a key block S
 from __future__ import annotations
 
 import functools
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -290,22 +291,31 @@ def splash(
   if interpret is None:
     interpret = sharding.platform() != "tpu"
   local = functools.partial(_splash_local, block=block, interpret=interpret)
+  return in_row_shards(local, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+
+
+def in_row_shards(
+  local: Any, q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, *ids_BT: jax.Array
+) -> jax.Array:
+  """``local(q, k, v, *ids)`` (a Pallas call per row) on the rows and heads each device
+  holds under the active layout, in a ``shard_map``; called whole without one. Each
+  shard holds whole GQA groups (heads whole when q and k would split differently)."""
   layout = sharding.active_layout()
   if layout is None:
-    return local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+    return local(q_BTNH, k_BSKH, v_BSKH, *ids_BT)
   q_spec = layout.spec(sharding.ACT_BTNH, q_BTNH.shape, "splash q")
   kv_spec = layout.spec(sharding.ACT_BTKH, k_BSKH.shape, "splash k/v")
   if q_spec[2] != kv_spec[2]:  # each shard must hold whole GQA groups: heads whole
     q_spec = PartitionSpec(*q_spec[:2], None, None)
     kv_spec = PartitionSpec(*kv_spec[:2], None, None)
-  seg_spec = PartitionSpec(*q_spec[:2])
+  ids_spec = PartitionSpec(*q_spec[:2])
   return jax.shard_map(
     local,
     mesh=layout.mesh,
-    in_specs=(q_spec, kv_spec, kv_spec, seg_spec),
+    in_specs=(q_spec, kv_spec, kv_spec) + (ids_spec,) * len(ids_BT),
     out_specs=q_spec,
     check_vma=False,
-  )(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT)
+  )(q_BTNH, k_BSKH, v_BSKH, *ids_BT)
 
 
 def _splash_local(

@@ -32,7 +32,6 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from jax.sharding import PartitionSpec
 
 from models import attention, sharding
 
@@ -131,22 +130,7 @@ def splash(
   if interpret is None:
     interpret = sharding.platform() != "tpu"
   local = functools.partial(_local, prompt_cols=prompt_cols, block=block, interpret=interpret)
-  layout = sharding.active_layout()
-  if layout is None:
-    return local(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, branch_ids_BT)
-  q_spec = layout.spec(sharding.ACT_BTNH, q_BTNH.shape, "splash q")
-  kv_spec = layout.spec(sharding.ACT_BTKH, k_BSKH.shape, "splash k/v")
-  if q_spec[2] != kv_spec[2]:  # each shard must hold whole GQA groups: heads whole
-    q_spec = PartitionSpec(*q_spec[:2], None, None)
-    kv_spec = PartitionSpec(*kv_spec[:2], None, None)
-  ids_spec = PartitionSpec(*q_spec[:2])
-  return jax.shard_map(
-    local,
-    mesh=layout.mesh,
-    in_specs=(q_spec, kv_spec, kv_spec, ids_spec, ids_spec),
-    out_specs=q_spec,
-    check_vma=False,
-  )(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, branch_ids_BT)
+  return attention.in_row_shards(local, q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, branch_ids_BT)
 
 
 def _local(
