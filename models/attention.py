@@ -38,7 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import PartitionSpec
 
-from models import sharding
+from models import sharding, splash_blocks
 
 IMPLEMENTATIONS = ("auto", "reference", "xla", "flash", "splash")
 DEFAULT_BLOCK = 128  # flash: small blocks skip more of a packed row's masked pairs
@@ -336,10 +336,12 @@ def _splash_local(
   k = jnp.swapaxes(_pad_rows(k_BSKH, T_pad), 1, 2)
   v = jnp.swapaxes(_pad_rows(v_BSKH, T_pad), 1, 2)
   seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
-  one = lambda q_NTH, k_KSH, v_KSH, seg_T: kernel(
+  # Each row's own block tables: the blocks two of its sequences meet in are skipped.
+  one = lambda q_NTH, k_KSH, v_KSH, seg_T: splash_blocks.per_row(kernel, seg_T, seg_T)(
     q_NTH, k_KSH, v_KSH, segment_ids=sa.SegmentIds(q=seg_T, kv=seg_T)
   )
-  out_BNTH = jax.vmap(one)(q, k, v, seg)
+  with jax.named_scope(splash_blocks.SCOPE):
+    out_BNTH = jax.vmap(one)(q, k, v, seg)
   return jnp.swapaxes(out_BNTH, 1, 2)[:, :T]
 
 

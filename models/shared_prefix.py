@@ -33,7 +33,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from models import attention, sharding
+from models import attention, sharding, splash_blocks
 
 # Key segment of a gathered column that holds no prompt token: no query's segment.
 _NO_KEY = -2
@@ -153,7 +153,8 @@ def _local(
   seg = pad(segment_ids_BT.astype(jnp.int32), -1)
   branch = pad(branch_ids_BT.astype(jnp.int32))
   kernels = _Kernels(N, T_pad, prompt_cols, min(width, prompt_cols), width, interpret)
-  out_BNTH = jax.vmap(functools.partial(_row, kernels, prompt_cols))(q, k, v, seg, branch)
+  with jax.named_scope(splash_blocks.SCOPE):
+    out_BNTH = jax.vmap(functools.partial(_row, kernels, prompt_cols))(q, k, v, seg, branch)
   return jnp.swapaxes(out_BNTH, 1, 2)[:, :T]
 
 
@@ -188,6 +189,8 @@ def _row(
     sa.SegmentIds(q=own, kv=own),
     sa.SegmentIds(q=q_seg_T, kv=kv_seg_P),
     use_T,
+    # The own call's tables skip the blocks two branches or groups meet in.
+    splash_blocks.tables(kernels.own, own, own),
   )
 
 
@@ -264,8 +267,9 @@ def _merged(
   seg_own: Any,
   seg_prompt: Any,
   use_T: jax.Array,
+  own_tables: tuple,
 ) -> jax.Array:
-  return _merged_fwd(kernels, q, k, v, k_p, v_p, seg_own, seg_prompt, use_T)[0]
+  return _merged_fwd(kernels, q, k, v, k_p, v_p, seg_own, seg_prompt, use_T, own_tables)[0]
 
 
 def _merged_fwd(
@@ -278,28 +282,30 @@ def _merged_fwd(
   seg_own: Any,
   seg_prompt: Any,
   use_T: jax.Array,
+  own_tables: tuple,
 ) -> tuple[jax.Array, tuple]:
-  o_a, res_a = _call_fwd(kernels.own, q, k, v, seg_own)
+  own = splash_blocks.with_tables(kernels.own, own_tables)
+  o_a, res_a = _call_fwd(own, q, k, v, seg_own)
   o_b, res_b = _call_fwd(kernels.prompt, q, k_p, v_p, seg_prompt)
   lse_a, lse_b = res_a[6], jnp.where(use_T[None], res_b[6], -jnp.inf)  # [N, T]
   lse = jnp.logaddexp(lse_a, lse_b)
   a, b = jnp.exp(lse_a - lse), jnp.exp(lse_b - lse)
   o = a[..., None] * o_a.astype(jnp.float32) + b[..., None] * o_b.astype(jnp.float32)
   o = jnp.where(use_T[None, :, None], o, o_a.astype(jnp.float32)).astype(q.dtype)
-  return o, (res_a, res_b, o, a, b, use_T)
+  return o, (res_a, res_b, o, a, b, use_T, own_tables)
 
 
 def _merged_bwd(kernels: _Kernels, saved: tuple, do: jax.Array) -> tuple:
-  res_a, res_b, o, a, b, use_T = saved
+  res_a, res_b, o, a, b, use_T, own_tables = saved
   # Each call's backward with the merged output as its residual and its share of dO.
   res_a = res_a[:5] + (o,) + res_a[6:]
   res_b = res_b[:5] + (o,) + res_b[6:]
   do32 = do.astype(jnp.float32)
   do_a = (a[..., None] * do32).astype(do.dtype)
   do_b = jnp.where(use_T[None, :, None], b[..., None] * do32, 0.0).astype(do.dtype)
-  dq_a, dk, dv = _call_bwd(kernels.own, res_a, do_a)
+  dq_a, dk, dv = _call_bwd(splash_blocks.with_tables(kernels.own, own_tables), res_a, do_a)
   dq_b, dk_p, dv_p = _call_bwd(kernels.prompt, res_b, do_b)
-  return dq_a + dq_b, dk, dv, dk_p, dv_p, None, None, None  # ids and flags: none
+  return dq_a + dq_b, dk, dv, dk_p, dv_p, None, None, None, None  # ids, flags, tables: none
 
 
 _merged.defvjp(_merged_fwd, _merged_bwd)

@@ -277,7 +277,8 @@ def test_splash_attention_kernel_compiles_for_tpu():
 def test_hlo_cost_counts_the_models_splash_attention_by_its_causal_blocks():
   """The model's splash attention (a causal mask, segment ids, 256-column blocks) forward
   and backward for TPU: its FLOPs are the kernels' matmuls over the block pairs a causal
-  mask computes (counted by hand), 2 forward, 4 + 3 backward, whatever the segments."""
+  mask computes (counted by hand), 2 forward, 4 + 3 backward, at most; the rows' tables
+  skip some of them, which the cost model takes from a length model (``splash_share``)."""
   acc = tpu_topology.parse_accelerator(ACCELERATOR)
   tpu_topology.set_tpu_env(acc)
   mesh = jax.sharding.Mesh(tpu_topology.topology_devices(acc)[:1], ("x",))
@@ -296,6 +297,10 @@ def test_hlo_cost_counts_the_models_splash_attention_by_its_causal_blocks():
   assert hlo_cost.hlo_cost(fwd)["flops"] == 2 * per_matmul
   # The backward recomputes the forward's residuals (2) and runs dkv (4) and dq (3).
   assert hlo_cost.hlo_cost(bwd)["flops"] == (2 + 4 + 3) * per_matmul
+  # Every kernel, forward and backward, runs with per-row block tables (in their scope):
+  # the cost model counts the pairs a length model leaves of them.
+  assert hlo_cost.hlo_cost(fwd, splash_share=0.5)["flops"] == per_matmul
+  assert hlo_cost.hlo_cost(bwd, splash_share=0.5)["flops"] == (2 + 4 + 3) * per_matmul / 2
 
 
 def _arrays(text: str) -> list[tuple[str, tuple[int, ...]]]:

@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 
 from capo_jax.run import hlo_cost, hlo_ops
+from models import splash_blocks
 from tools import rollout_sim, step_estimate
 
 W, K, R, H, S = 4, 2, 8, 128, 1024  # slots, kv heads, query heads (padded), head dim, columns
@@ -138,6 +139,15 @@ def test_splash_attention_counts_the_matmuls_of_its_causal_blocks():
   # 4 query blocks of 256 x 2 key blocks of 256 (k and v [1, 512, 128]) = 8 pairs.
   short = _SPLASH.replace("s8[1,4,4]", "s8[1,4,2]").replace("bf16[1,1024,128]", "bf16[1,512,128]")
   assert hlo_cost.hlo_cost(short)["flops"] == flops // 10 * 8
+  # Calls with per-row block tables (in their scope) skip the blocks two sequences meet
+  # in: the causal pairs at the share the length model gives. A call compiled without
+  # them, and the prompt call (a full mask over fewer keys), skip none.
+  scoped = lambda t: t.replace("jit(f)/layers/", f"jit(f)/layers/{hlo_ops.ROW_BLOCKS_SCOPE}/")
+  assert hlo_ops.ROW_BLOCKS_SCOPE == splash_blocks.SCOPE
+  got = hlo_cost.hlo_cost(scoped(_SPLASH), splash_share=0.7)["flops"]
+  assert got == pytest.approx(0.7 * flops)
+  assert hlo_cost.hlo_cost(_SPLASH, splash_share=0.7)["flops"] == flops
+  assert hlo_cost.hlo_cost(scoped(short), splash_share=0.7)["flops"] == flops // 10 * 8
   ops: hlo_cost.Ops = {}
   hlo_cost.hlo_cost(_SPLASH, rates=RATES, ops=ops)
   assert ops["splash attention (fwd)"][:2] == [flops, flops]  # FLOP-bound, and named

@@ -20,7 +20,9 @@ them by what the rollout would do:
   values.
 * log-prob passes and train step: the same lengths plus ``prompt_tokens`` a prompt,
   packed first-fit into the run's rows (``packing.first_fit``), give the calls of a
-  pass and the micro-batches of each update.
+  pass and the micro-batches of each update, and the share of splash attention's causal
+  block pairs the rows compute (``splash_pair_share``: the blocks two sequences meet in
+  are skipped, ``models.splash_blocks``).
 
 Per program, the time is a range (``tools/aot_tpu.py`` prints both ends): optimistic,
 max(FLOPs / peak, HBM bytes / HBM bandwidth) per device, summed over its calls (the
@@ -39,6 +41,7 @@ import numpy as np
 from capo_jax.rl import packing
 from capo_jax.run import hlo_cost
 from capo_jax.sampling import plans
+from models.attention import SPLASH_BLOCK
 from tools import rollout_sim
 
 
@@ -74,6 +77,8 @@ class Trips:
   # The rows' own columns per slot and step in each loop (prompt tokens + completion so
   # far, idle slots none): what the decode's KV floor holds a step to.
   phase_own_cols: tuple[float, ...] = ()
+  # The share of splash attention's causal block pairs the packed rows compute.
+  splash_pairs: float = 1.0
 
 
 def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> Trips:
@@ -89,7 +94,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     ragged_align=plans.RAGGED_ALIGN,
     prompt_tokens=lengths.prompt_tokens,
   )
-  steps, blocks, cols, own, calls, mbs, fill = [], [], [], [], [], [], []
+  steps, blocks, cols, own, calls, mbs, fill, pairs = [], [], [], [], [], [], [], []
   for seed in range(lengths.seeds):
     rng = np.random.default_rng(seed)
     per_call = [
@@ -122,12 +127,16 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     steps[-1] = steps[-1] / sh.num_calls
     p = min(lengths.prompt_tokens, sh.max_prompt_len)
     comp = np.concatenate(per_call)
-    rows = lambda c: _rows(p, c, sh.row_len, sh.num_samples, lengths)  # noqa: E731
-    n_rows, laid = rows(comp)
+    rows = lambda c: layout(p, c, sh.row_len, sh.num_samples, lengths)  # noqa: E731
+    laid_R = rows(comp)
+    n_rows, laid = len(laid_R), sum(map(sum, laid_R))
     calls.append(-(-n_rows // sh.rows_per_call))
     per_update = np.array_split(comp, updates)
-    mbs.append(np.mean([-(-rows(u)[0] // sh.rows_per_microbatch) for u in per_update]))
+    mbs.append(np.mean([-(-len(rows(u)) // sh.rows_per_microbatch) for u in per_update]))
     fill.append(laid / (n_rows * sh.row_len))
+    pairs.append(
+      splash_pair_share(laid_R, sh.row_len, min(SPLASH_BLOCK, -(-sh.row_len // 128) * 128))
+    )
   return Trips(
     tuple(np.mean(steps, 0)),
     tuple(np.mean(blocks, 0)),
@@ -139,19 +148,51 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     float(rollout_sim.refill_chunks(shape)[0]),
     lengths.prompt_tokens,
     tuple(np.mean(own, 0)),
+    float(np.mean(pairs)),
   )
 
 
-def _rows(p: int, comp: np.ndarray, row_len: int, G: int, lengths: Lengths) -> tuple[int, int]:
-  """Packed rows of completions ``comp`` (each after a ``p``-token prompt), G a prompt,
-  and the tokens laid in them: each sequence whole, or with shared prompts a group's
-  prompt once a chunk."""
+def layout(p: int, comp: np.ndarray, row_len: int, G: int, lengths: Lengths) -> list[list[int]]:
+  """The packed rows of completions ``comp`` (each after a ``p``-token prompt, G a
+  prompt), each as its segments' lengths in column order: each sequence whole, or with
+  shared prompts a group's prompt once a chunk, then its completions (each of them a
+  segment of the own splash call: ``models.shared_prefix``)."""
   B = len(comp)
   if not lengths.shared:
-    return int(packing.first_fit(p + comp, row_len)[0].max()) + 1, int(p * B + comp.sum())
+    row_B, start_B = packing.first_fit(p + comp, row_len)
+    return [
+      list(p + comp[np.flatnonzero(row_B == r)][np.argsort(start_B[row_B == r])])
+      for r in range(int(row_B.max()) + 1)
+    ]
   p_B, group_B = np.full(B, p), np.arange(B) // G
-  chunks, row_K, _ = packing._chunks(p_B, comp, row_len, group_B, lengths.prompt_cap)  # noqa: SLF001
-  return int(row_K.max()) + 1, int(p * len(chunks) + comp.sum())
+  chunks, row_K, start_K = packing._chunks(p_B, comp, row_len, group_B, lengths.prompt_cap)  # noqa: SLF001
+  rows: list[list[int]] = [[] for _ in range(int(row_K.max()) + 1)]
+  for k in np.argsort(start_K, kind="stable"):
+    rows[row_K[k]] += [p] + [int(comp[b]) for b in chunks[k]]
+  return rows
+
+
+def splash_pair_share(rows: list[list[int]], row_len: int, block: int) -> float:
+  """The share of the causal (query block, key block) pairs of ``row_len``-token rows that
+  splash computes once each row skips the pairs two of its segments meet in
+  (``models.splash_blocks``' rule: blocks meet when the ranges of their segments
+  intersect, or both hold tail padding). ``rows``: each row's segment lengths in order."""
+  X = -(-row_len // block)
+  causal = np.tril(np.ones((X, X), bool))
+  met = 0
+  for lengths in rows:
+    ids = np.zeros(X * block, np.int64)
+    ids[: sum(lengths)] = np.repeat(np.arange(1, len(lengths) + 1), lengths)
+    ids_XB = ids.reshape(X, block)
+    real = ids_XB > 0
+    lo = np.where(real, ids_XB, np.iinfo(np.int64).max).min(1)
+    hi = np.where(real, ids_XB, 0).max(1)
+    pad = (~real).any(1)
+    meet = (lo[:, None] <= hi[None, :]) & (lo[None, :] <= hi[:, None]) | (
+      pad[:, None] & pad[None, :]
+    )
+    met += int((meet & causal).sum())
+  return met / max(len(rows) * int(causal.sum()), 1)
 
 
 def _pad(xs: list[float], n: int) -> np.ndarray:
@@ -218,7 +259,7 @@ def weighted(
   step, ``step_ragged_whole_bytes`` what they would with every slot's whole cache;
   ``refill_bytes`` / ``refill_collective_bytes`` one iteration of the refill loop (one
   chunk of a row's prompt)."""
-  root = hlo_cost.loop_tree(text, rates)
+  root = hlo_cost.loop_tree(text, rates, t.splash_pairs)
   out: dict[str, float] = {}
   ops: hlo_cost.Ops = {}
   for cost, part_ops, w in _parts(name, root, t, rates):

@@ -204,16 +204,18 @@ def _sum(
   rates: Rates | None,
   cols: float | None,
   ops: Ops | None = None,
+  splash_share: float = 1.0,
 ) -> dict[str, float]:
   """``cols``: the columns each slot of a ragged call copies (None: its whole cache).
-  ``ops``: with ``rates``, also tallies each operation's seconds by its label."""
+  ``ops``: with ``rates``, also tallies each operation's seconds by its label.
+  ``splash_share``: the share of a causal splash call's block pairs computed."""
   out = dict.fromkeys(KEYS + COL_KEYS + ("ragged_cache_cols",), 0.0)
   memo: dict[str, float] = {}
   for name, w in walk.weight.items():
     instrs = comps[name]
     shapes = {i.name: i.shape for i in instrs}
     for ins in instrs:
-      kernel = hlo_ops.kernel_flops(ins, shapes)  # a Pallas kernel's, else None
+      kernel = hlo_ops.kernel_flops(ins, shapes, splash_share)  # a Pallas kernel's, else None
       if ins.op in ("dot", "convolution") or kernel is not None:
         f = hlo_ops.matmul_flops(ins, shapes) if kernel is None else kernel
         out["flops"] += w * f
@@ -301,6 +303,7 @@ def hlo_cost(
   rates: Rates | None = None,
   cols: float | None = None,
   ops: Ops | None = None,
+  splash_share: float = 1.0,
 ) -> dict[str, float]:
   """Per-device ``flops``, HBM ``bytes``, ``onchip_bytes``, ``host_bytes``,
   ``collective_bytes`` (results), ``ici_bytes`` (sent over the links) of one HLO module;
@@ -311,10 +314,12 @@ def hlo_cost(
   Ragged decode-attention calls copy ``cols`` columns per slot (None: the whole cache,
   ``ragged_cache_cols``, the most they can read); ``ragged_bytes`` is what that reads.
   ``ops``: with ``rates``, filled with the per-operation table (``OP_PARTS``).
+  ``splash_share``: the share of each causal splash call's block pairs its rows compute
+  (``hlo_ops.splash_flops``; 1: the whole causal triangle).
   """
   comps, entry = ht.parse(text)
   walk = _walk(comps, entry, trip_counts, enter_unbounded=True)
-  out = _sum(comps, walk, ht.num_partitions(text), rates, cols, ops)
+  out = _sum(comps, walk, ht.num_partitions(text), rates, cols, ops, splash_share)
   out["unbounded_loops"] = float(
     sum(
       1
@@ -338,13 +343,13 @@ class Loop:
   ops: Ops = dataclasses.field(default_factory=dict)
 
 
-def loop_tree(text: str, rates: Rates | None = None) -> Loop:
+def loop_tree(text: str, rates: Rates | None = None, splash_share: float = 1.0) -> Loop:
   """The program as a tree of its unbounded loops: the root's cost is what runs outside
   every unbounded loop, its ``nested`` the loops in order, each with the unbounded loops
   nested in it: for the caller to weight each by its own expected trip count (bounded
   loops are counted by theirs, as in ``hlo_cost``). Ragged calls are counted without
   their keys and values, for the caller to add its columns per slot
-  (``with_ragged_cols``)."""
+  (``with_ragged_cols``); causal splash calls at ``splash_share`` of their block pairs."""
   comps, entry = ht.parse(text)
   devices = ht.num_partitions(text)
 
@@ -352,7 +357,7 @@ def loop_tree(text: str, rates: Rates | None = None) -> Loop:
     walk = _walk(comps, root, True, enter_unbounded=False)
     nested = [tree(body, inside) for body, inside in walk.unbounded]
     ops: Ops = {}
-    cost = _sum(comps, walk, devices, rates, 0.0, ops if rates is not None else None)
+    cost = _sum(comps, walk, devices, rates, 0.0, ops if rates is not None else None, splash_share)
     return Loop(cost, nested, in_cond, ops)
 
   return tree(entry, False)

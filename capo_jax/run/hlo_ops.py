@@ -168,16 +168,30 @@ def declared_cost(ins: _Instr) -> tuple[float, float] | None:
 # the forward's scores and output; the backward's key / value kernel recomputes the scores
 # and forms dV, dP and dK; its query kernel recomputes the scores, dP and dQ.
 SPLASH_MATMULS = {"splash_mha_fwd": 2, "splash_mha_dkv": 4, "splash_mha_dq": 3}
+# The JAX scope of splash calls with per-row block tables (``models.splash_blocks.SCOPE``;
+# this module reads HLO text and imports no model code).
+ROW_BLOCKS_SCOPE = "splash_row_blocks"
+
+
+def _op_name(ins: _Instr) -> str:
+  m = re.search(r'op_name="([^"]*)"', ins.rest)
+  return m.group(1) if m else ""
 
 
 def _splash_kind(ins: _Instr) -> str | None:
-  """Which splash-attention kernel ``ins`` calls (a ``SPLASH_MATMULS`` key), or None."""
+  """Which splash-attention kernel ``ins`` calls (a ``SPLASH_MATMULS`` key), or None: by
+  its name, or where vmap runs it in a loop (per-row block tables: an anonymous
+  ``closed_call``) by the innermost kernel scope of its JAX op name."""
   if 'custom_call_target="tpu_custom_call"' not in ins.rest:
     return None
-  return next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
+  kind = next((k for k in SPLASH_MATMULS if ins.name.startswith(k)), None)
+  if kind is None:
+    scopes = re.findall(r"(splash_mha_(?:fwd|dkv|dq))_", _op_name(ins))
+    kind = scopes[-1] if scopes else None
+  return kind
 
 
-def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
+def splash_flops(ins: _Instr, shapes: dict[str, str], causal_share: float = 1.0) -> float | None:
   """FLOPs of a splash-attention kernel call (jax's Pallas TPU kernel, which declares no
   cost), None for any other instruction.
 
@@ -190,6 +204,10 @@ def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
   the segment ids mask (it applies them inside a block): with S = T every block pair
   holding some key column at or before some query row is computed whole, so a packed
   row costs its whole causal triangle, whatever its sequences; with S < T every pair.
+  The model's own calls also skip, row by row, the blocks two of its sequences meet in
+  (``models.splash_blocks``), which only the rows' layout decides: a causal call in that
+  scope (``ROW_BLOCKS_SCOPE`` in its op name) counts ``causal_share`` of its pairs, the
+  share the caller's length model leaves; any other (compiled before) all of them.
   """
   kind = _splash_kind(ins)
   if kind is None:
@@ -202,15 +220,17 @@ def splash_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
   (_, (_, nq, nk)), q, k = flat[0], floats[0], floats[1]
   T, S, H = q[-2], k[-2], q[-1]
   bq, bk = T // nq, S // nk
-  pairs = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq)) if S == T else nq * nk
+  causal = sum(min(nk, ((i + 1) * bq - 1) // bk + 1) for i in range(nq))
+  share = causal_share if ROW_BLOCKS_SCOPE in _op_name(ins) else 1.0
+  pairs = causal * share if S == T else nq * nk
   return float(SPLASH_MATMULS[kind] * 2 * math.prod(q[:-2]) * bq * bk * H * pairs)
 
 
-def kernel_flops(ins: _Instr, shapes: dict[str, str]) -> float | None:
+def kernel_flops(ins: _Instr, shapes: dict[str, str], splash_share: float = 1.0) -> float | None:
   """A Pallas kernel's FLOPs: what it declares, else a splash kernel's
-  (``splash_flops``); None for anything else."""
+  (``splash_flops``, its causal pairs times ``splash_share``); None for anything else."""
   declared = declared_cost(ins)
-  return declared[0] if declared else splash_flops(ins, shapes)
+  return declared[0] if declared else splash_flops(ins, shapes, splash_share)
 
 
 def ragged_kv(ins: _Instr, shapes: dict[str, str]) -> tuple[list[str], int] | None:
@@ -276,8 +296,7 @@ def op_label(ins: _Instr, shapes: dict[str, str]) -> str:
   splash = _splash_kind(ins)
   if splash is not None:
     return f"splash attention ({splash.removeprefix('splash_mha_')})"
-  m = re.search(r'op_name="([^"]*)"', ins.rest)
-  name = re.sub(r"jit\([^)]*\)/?", "", m.group(1)).replace("\\'", "'") if m else ""
+  name = re.sub(r"jit\([^)]*\)/?", "", _op_name(ins)).replace("\\'", "'")
   tail = "/".join(name.split("/")[-3:])
   return f"{ins.op} {tail}" if tail else ins.op
 

@@ -113,6 +113,10 @@ def parse(text: str) -> tuple[dict[str, list[Instr]], str]:
     m = _INSTR.match(line)
     if m and current is not None:
       current.append(Instr(m[1], m[2], m[3], m[4]))
+    elif current and line.strip() not in ("", "}"):
+      # An instruction printed over several lines (a Pallas call whose config holds a
+      # newline): the rest, its JAX op name with it, belongs to the last instruction.
+      current[-1].rest += "\n" + line
   return comps, entry
 
 
