@@ -16,8 +16,9 @@ own, so every query sees at least itself and no row is ever fully masked
              backward (``jax.custom_vjp``): it holds one [B, K, R, T, S] float32
              score block (a block of each) at a time, forward and backward, and skips the key
              blocks above the diagonal and those of other segments.
-  splash     the Pallas TPU splash-attention kernel with ``SegmentIds``
-             (``interpret=True`` off TPU, for tests).
+  splash     the Pallas TPU splash-attention kernel with ``SegmentIds``, each row with
+             its own block tables that skip the blocks two of its sequences meet in
+             (``models/splash_blocks.py``; ``interpret=True`` off TPU, for tests).
   auto       splash on TPU (the platform of the program's layout, so a TPU program
              compiled ahead of time from a CPU host gets it too); elsewhere flash
              when the row is longer than one block, else reference (a single

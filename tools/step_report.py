@@ -46,7 +46,9 @@ def estimate(
     "step estimate per chip, loops at the length model: decode steps per loop "
     + "/".join(f"{x:.0f}" for x in t.phase_steps)
     + f" per call, {t.microbatches:.1f} micro-batches an update, {t.logprob_calls:.1f} "
-    f"log-prob calls a pass, packed rows {t.real_token_fraction:.0%} real tokens. Rates: "
+    f"log-prob calls a pass, packed rows {t.real_token_fraction:.0%} real tokens, splash "
+    f"attention's causal block pairs {t.splash_pairs:.0%} computed (the rest two sequences "
+    "meet in; a program compiled before per-row tables: all). Rates: "
     f"{chip.bf16_tflops:g} bf16 TFLOP/s, HBM {chip.hbm_gb_s:g} GB/s, on chip "
     f"{tpu_chips.ONCHIP_OVER_HBM:g}x HBM (assumed), host {chip.host_gb_s:g} GB/s, ICI "
     f"{tpu_chips.ICI_LINKS_USED} x {chip.ici_link_gb_s:g} GB/s (a ring on one axis of "
