@@ -235,6 +235,7 @@ def test_collectives_are_timed_by_the_bytes_each_chip_sends():
   }
   assert cost["ici_bytes"] == sum(sent.values())
   assert hlo_cost.times(cost, RATES)["ici_s"] == sum(sent.values()) / RATES.ici
+  assert cost["collectives"] == len(sent)  # each one's fixed cost is not in the bytes
   # The older count, each collective's result: the all-gather whole, the
   # reduce-scatter by its shard.
   assert cost["collective_bytes"] == 4 * WEIGHT + GRAD / 4 + GRAD + GRAD + 2 * GRAD
@@ -291,6 +292,7 @@ def test_a_fused_reduce_scatter_is_a_collective():
   grad, shard = 128 * 256 * 2, 32 * 256 * 2
   assert cost["ici_bytes"] == grad * 3 / 4
   assert cost["collective_bytes"] == shard
+  assert cost["collectives"] == 1
   assert hlo_cost.times(cost, RATES)["ici_s"] == grad * 3 / 4 / RATES.ici
 
 

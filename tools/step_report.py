@@ -57,6 +57,7 @@ def estimate(
   head = ["program", "calls", "TFLOP", "HBM GB", "chip GB", "host GB", "ICI GB"]
   head += ["FLOP s", "HBM s", "on-chip s", "host s", "ICI s", "program", "per-op", "honest"]
   rows, sums = [head], dict.fromkeys(("program_s", "op_s", "op_honest_s", "coll", "ici"), 0.0)
+  count: dict[str, float] = {}  # collectives that send, a step, by program
   for p in progs:
     if p.compiled is None:
       print(f"  {p.name}: not compiled")
@@ -68,6 +69,7 @@ def estimate(
       sums[k] += secs[k]
     sums["coll"] += c["collective_bytes"] * n
     sums["ici"] += c["ici_bytes"] * n
+    count[p.name] = c["collectives"] * n
     out["estimate"][p.name] = dict(
       c,
       calls=n,
@@ -110,6 +112,13 @@ def estimate(
     f"and train at full lengths (every sequence at its longest, as the 1452f23 comparison "
     f"counted): {out['collective_gb_per_update_full_lengths'] / 1e3:.2f} TB; sent over ICI "
     f"per step: {out['ici_gb_per_step'] / 1e3:.2f} TB"
+  )
+  out["collectives_per_step"] = total = sum(count.values())
+  by = ", ".join(f"{k} {v:,.0f}" for k, v in sorted(count.items(), key=lambda x: -x[1]) if v)
+  print(
+    f"  collectives that send, a step: {total:,.0f} ({by}). What each costs besides its bytes "
+    f"(latency, synchronisation) is in no sum above: each microsecond of it would add "
+    f"{total * 1e-6:.2f} s a step"
   )
   if top:
     _print_ops(out["estimate"], top)

@@ -133,6 +133,7 @@ KEYS = (
   "host_bytes",
   "collective_bytes",
   "ici_bytes",
+  "collectives",
   "loop_flops",
   "loop_bytes",
   "op_s",
@@ -245,6 +246,8 @@ def _sum(
         ici, result = hlo_ops.fused_collective(ins, comps, devices)
         out["collective_bytes"] += w * result
         out["ici_bytes"] += w * ici
+      if ici > 0:  # each collective that sends: the fixed costs no byte count holds
+        out["collectives"] += w
       if rates is not None:
         own = hlo_ops.matmul_flops(ins, shapes) if ins.op in ("dot", "convolution") else 0.0
         own = own if kernel is None else kernel
@@ -306,8 +309,9 @@ def hlo_cost(
   splash_share: float = 1.0,
 ) -> dict[str, float]:
   """Per-device ``flops``, HBM ``bytes``, ``onchip_bytes``, ``host_bytes``,
-  ``collective_bytes`` (results), ``ici_bytes`` (sent over the links) of one HLO module;
-  with ``rates`` also the per-operation roofline sums ``op_s`` and ``op_honest_s``.
+  ``collective_bytes`` (results), ``ici_bytes`` (sent over the links) and
+  ``collectives`` (how many collectives that send run) of one HLO module; with ``rates``
+  also the per-operation roofline sums ``op_s`` and ``op_honest_s``.
 
   Loops without a constant bound count once; ``loop_flops`` / ``loop_bytes``
   are the part inside them (one iteration), ``unbounded_loops`` their number.
