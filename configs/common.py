@@ -172,6 +172,9 @@ def get_base_config() -> ml_collections.ConfigDict:
   c.train.pack = True
   c.train.pack_len = 0
   c.train.pack_rows = 0
+  # Packed rows per log-prob call (0: pack_rows, as the micro-batches): with
+  # mesh.logprob_data_parallel a multiple of the chips.
+  c.train.logprob_pack_rows = 0
 
   # Mesh axes; -1 takes the remaining devices. Rules live in capo_jax/runtime/mesh.py.
   c.mesh = ml_collections.ConfigDict()
@@ -192,6 +195,12 @@ def get_base_config() -> ml_collections.ConfigDict:
   # update reduces them once, in place of a gradient all-reduce per micro-batch
   # (capo_jax/rl/local_grads.py; docs/tpu.md has what it saves).
   c.mesh.reduce_once = False
+  # With gather_once and a tensor axis: the log-prob passes run data parallel over every
+  # chip (tensor included) on a whole bf16 copy (params x 2 bytes a chip), so their calls
+  # send nothing; the updates keep the mesh's split. A log-prob call's rows
+  # (train.logprob_pack_rows, packed) must then be a multiple of the chips. docs/tpu.md
+  # has what it saves.
+  c.mesh.logprob_data_parallel = False
 
   c.checkpoint = ml_collections.ConfigDict()
   c.checkpoint.every_steps = 50

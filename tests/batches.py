@@ -75,17 +75,20 @@ def padded_pass(
   lora: Any = None,
   layout: Any = None,
   gather_once: bool = False,
+  gathered: Any = None,
 ) -> LogprobPass:
   """The old / reference log-prob pass, by default one sequence per row, ``rows`` rows per
   call: ``lp.run(params, lp.upload(prompt, pmask, comp, cmask), cmask, keys)`` -> [B, C].
-  ``gather_once``: the weights gathered once, before the calls (``config.mesh.gather_once``)."""
+  ``gather_once``: the weights gathered once, before the calls (``config.mesh.gather_once``),
+  laid out by ``gathered`` (default ``mesh.GATHERED_RULES``)."""
   sh = mesh_lib.batch_sharding(mesh, rules, rows)
+  gathered = gathered or mesh_lib.GATHERED_RULES
   return LogprobPass(
     ts.make_logprob_fn(cfg, mesh, rules, rows, chunk_size=chunk_size, top_k=top_k, lora=lora),
     layout=layout or packing.RowLayout(0, rows, pack=False),
     rows_sharding=sh,
     index_sharding=sh,
-    gather=ts.make_gather(cfg, mesh) if gather_once else None,
+    gather=ts.make_gather(cfg, mesh, gathered) if gather_once else None,
   )
 
 

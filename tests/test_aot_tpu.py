@@ -483,6 +483,32 @@ def test_gather_once_moves_the_weights_once_a_pass_and_an_update():
   assert stacked and all(s.lstrip("(").startswith(whole) for s in stacked), stacked
 
 
+def test_data_parallel_passes_send_nothing_in_a_call():
+  """``config.mesh.logprob_data_parallel`` on 4 x 2 chips (fsdp x tensor), compiled for
+  TPU: a log-prob call takes its rows over all 8 chips and the weights whole, so it runs
+  no collective that sends (the tensor-split call sums its heads' and MLP columns'
+  partial products every layer), and the gather makes the copy whole over both axes."""
+  sent = {}
+  for dp in (False, True):
+    acc = tpu_topology.parse_accelerator(ACCELERATOR)
+    tpu_topology.set_tpu_env(acc)
+    c = capo_qwen2p5_math_1p5b.get_config("shrink")
+    c.mesh.fsdp, c.mesh.tensor = -1, 2
+    c.mesh.gather_once, c.mesh.reduce_once = True, False
+    c.mesh.logprob_data_parallel, c.train.logprob_pack_rows = dp, 8 if dp else 0
+    spec = spec_lib.RunSpec.from_config(c, num_devices=8, policy_given=True)
+    mesh = tpu_topology.topology_mesh(spec, acc)
+    progs = {p.name: p for p in aot.compile_step(spec, mesh, only=("gather", "logprobs"))}
+    call = hlo_cost.hlo_cost(progs["logprobs"].compiled.as_text())
+    sent[dp] = call["collectives"]
+    if dp:
+      whole = jax.tree.leaves(progs["gather"].compiled.output_shardings)
+      assert all(s.is_fully_replicated for s in whole), whole
+      rows = progs["logprobs"].compiled.input_shardings[0][1].tokens_YT.spec
+      assert rows[0] == ("data", "fsdp", "tensor"), rows
+  assert sent[False] > 0 and sent[True] == 0, sent
+
+
 def _weight_reduces(text: str, layers: int, in_loop: bool) -> list[str]:
   """The all-reduces (and reduce-scatters) of the stacked weights' gradients [L, ...],
   those inside an unbounded loop (the micro-batches) or outside every loop."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import pathlib
 import shutil
+from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -319,3 +320,33 @@ def test_reduce_once_needs_gather_once_and_full_fine_tuning():
   assert spec_lib.RunSpec.from_config(c, num_devices=1).train_config().lora is not None
   with pytest.raises(ValueError, match="reduce_once needs gather_once"):
     state_lib.TrainConfig(reduce_once=True)
+
+
+def test_data_parallel_passes_need_the_gathered_copy_and_rows_for_every_chip():
+  """``mesh.logprob_data_parallel`` runs the passes on a whole copy gathered once: without
+  ``mesh.gather_once``, or with LoRA, the run stops naming the field; a call's packed rows
+  must split over every chip, and the error names the field that sets them."""
+  from configs import capo_qwen2p5_math_1p5b  # pylint: disable=import-outside-toplevel
+
+  def config(**changes: Any) -> Any:
+    c = capo_qwen2p5_math_1p5b.get_config("shrink")
+    c.mesh.logprob_data_parallel = True
+    for dotted, value in changes.items():
+      section, field = dotted.split("__")
+      c[section][field] = value
+    return c
+
+  for change in (
+    {"model__lora_rank": 4, "mesh__reduce_once": False},
+    {"mesh__gather_once": False, "mesh__reduce_once": False},
+  ):
+    with pytest.raises(spec_lib.ConfigError, match=r"config\.mesh\.logprob_data_parallel=True"):
+      spec_lib.RunSpec.from_config(config(**change), num_devices=1)
+  rows = spec_lib.RunSpec.from_config(config(), num_devices=1).logprob_rows_per_call
+  with pytest.raises(spec_lib.ConfigError, match=r"config\.train\.logprob_pack_rows"):
+    spec_lib.RunSpec.from_config(config(), num_devices=rows * 2)
+  spec = spec_lib.RunSpec.from_config(
+    config(train__logprob_pack_rows=rows * 2), num_devices=rows * 2
+  )
+  assert spec.logprob_rows_per_call == rows * 2  # its own rows, the micro-batches' kept
+  assert spec.packing_shape()[1] == rows

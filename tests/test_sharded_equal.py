@@ -4,7 +4,9 @@ MLP / vocab over tensor, weights gathered per layer), equal one device's: packed
 one sequence per row, full fine-tuning and LoRA; and, packed, with the weights gathered
 once per pass and per update (``config.mesh.gather_once``) on the eight devices; and,
 one sequence per row (two micro-batches), with each shard's gradient summed over the
-micro-batches where it lies and reduced once an update (``config.mesh.reduce_once``).
+micro-batches where it lies and reduced once an update (``config.mesh.reduce_once``);
+and, packed, the pass with each call's rows over all eight devices on a whole copy
+(``config.mesh.logprob_data_parallel``).
 
 The child process runs each case on both meshes from the same host arrays and prints
 the largest differences; the test holds them to 1e-6.
@@ -22,7 +24,11 @@ TOL = 1e-6
 
 
 def _case(
-  pack: bool, use_lora: bool, gather_once: bool = False, reduce_once: bool = False
+  pack: bool,
+  use_lora: bool,
+  gather_once: bool = False,
+  reduce_once: bool = False,
+  dp_pass: bool = False,
 ) -> dict[str, float]:
   import jax
   import numpy as np
@@ -72,7 +78,21 @@ def _case(
     p_sh = mesh_lib.param_shardings(cfg, mesh, rules)
     base_dev = jax.device_put(base, p_sh)
     once = gather_once and name == "eight"
-    lp = padded_pass(cfg, mesh, rules, Y, chunk_size=4, lora=lcfg, layout=layout, gather_once=once)
+    if dp_pass and once:  # config.mesh.logprob_data_parallel: a call's rows over all 8 chips
+      lp = padded_pass(
+        cfg,
+        mesh,
+        mesh_lib.PASS_RULES,
+        8,
+        chunk_size=4,
+        layout=packing.RowLayout(row_len, 8, pack),
+        gather_once=True,
+        gathered=mesh_lib.PASS_RULES,
+      )
+    else:
+      lp = padded_pass(
+        cfg, mesh, rules, Y, chunk_size=4, lora=lcfg, layout=layout, gather_once=once
+      )
     args = (base_dev, (prompt, pmask, comp, cmask), ("logp_BC", "entropy_BC"))
     got = run_pass(lp, *args, adapters=state.params if lcfg else None)
     old = got["logp_BC"] - 0.1 * adv[:, None]
@@ -111,13 +131,16 @@ def _child() -> None:
   results["pack=False lora=False gather_once reduce_once"] = _case(
     False, False, gather_once=True, reduce_once=True
   )
+  results["pack=True lora=False gather_once logprob_data_parallel"] = _case(
+    True, False, gather_once=True, dp_pass=True
+  )
   print("RESULTS " + json.dumps(results))
 
 
 @pytest.mark.slow  # ~1-2 min on 2 cores: eight small compiles; .ci/run runs it
 def test_sharded_pass_and_step_equal_one_device():
   results = fake_devices.child_results(__file__, fast_compile=True, timeout=900)
-  assert len(results) == 7
+  assert len(results) == 8
   for case, r in results.items():
     assert r["moved"] > 1e-5, (case, r)  # the step did something to compare
     for key in ("pass", "params", "loss", "grad_norm_rel"):

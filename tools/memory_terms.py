@@ -88,6 +88,8 @@ class Run:
   sampling_tensor: int = 0  # config.mesh.sampling_tensor: the sampler's group (0: auto)
   gather_once: bool = False  # config.mesh.gather_once: a whole bf16 copy per pass / update
   reduce_once: bool = False  # config.mesh.reduce_once: each chip's f32 gradient of it
+  # config.mesh.logprob_data_parallel: the passes' copy whole on every chip
+  logprob_data_parallel: bool = False
 
   @classmethod
   def from_config(cls, c: Any, preset: str = "") -> Run:
@@ -111,6 +113,7 @@ class Run:
       sampling_tensor=c.mesh.sampling_tensor,
       gather_once=c.mesh.gather_once,
       reduce_once=c.mesh.reduce_once,
+      logprob_data_parallel=c.mesh.logprob_data_parallel,
     )
 
 
@@ -347,4 +350,16 @@ def memory_terms(
   m["rollout phase"] = persistent + rollout
   m["train phase"] = persistent + train
   m["peak"] = max(m["rollout phase"], m["train phase"])
+  if run.logprob_data_parallel:
+    # The passes' whole compute-dtype copy on every chip beside the train state and the
+    # sampling weights (a pass call's own buffers: one row's layer and chunk, small).
+    m["log-prob pass copy (whole, bf16)"] = act * P
+    m["log-prob pass phase"] = (
+      persistent
+      + m["sampling weights (bf16)"]
+      + m["log-prob pass copy (whole, bf16)"]
+      + m["layer working set"]
+      + m["log-prob chunk"]
+    )
+    m["peak"] = max(m["peak"], m["log-prob pass phase"])
   return m

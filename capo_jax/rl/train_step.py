@@ -362,11 +362,14 @@ def make_train_step(
   )
 
 
-def make_gather(model_cfg: Qwen2Config, mesh: Mesh) -> Callable[[Params], Params]:
-  """Jitted ``gather(params)``: every param in the compute dtype, whole where only its
-  storage is split (``mesh.GATHERED_RULES``), run once a log-prob pass
-  (``config.mesh.gather_once``); the pass's calls then gather nothing."""
-  whole = mesh_lib.param_shardings(model_cfg, mesh, mesh_lib.GATHERED_RULES)
+def make_gather(
+  model_cfg: Qwen2Config, mesh: Mesh, rules: Rules = mesh_lib.GATHERED_RULES
+) -> Callable[[Params], Params]:
+  """Jitted ``gather(params)``: every param in the compute dtype, laid out by ``rules``
+  (``mesh.GATHERED_RULES``: whole where only its storage is split; ``mesh.PASS_RULES``:
+  whole on every chip), run once a log-prob pass (``config.mesh.gather_once``); the
+  pass's calls then gather nothing."""
+  whole = mesh_lib.param_shardings(model_cfg, mesh, rules)
   return jax.jit(functools.partial(compute_params, model_cfg=model_cfg), out_shardings=whole)
 
 

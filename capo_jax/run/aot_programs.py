@@ -177,7 +177,9 @@ def trainer_programs(
   sh = Shapes.from_spec(spec)
   model_cfg, tcfg = progs.model_cfg, progs.tcfg
   T, Y, Z, calls = sh.row_len, sh.rows_per_call, sh.targets_per_row, sh.logprob_calls
-  rows = lambda shape, dtype=jnp.int32: _rows(mesh, rules, shape, dtype)  # noqa: E731
+  dp = spec.mesh.logprob_data_parallel  # the passes' rows over every chip, weights whole
+  pass_rules = mesh_lib.PASS_RULES if dp else rules
+  rows = lambda shape, dtype=jnp.int32: _rows(mesh, pass_rules, shape, dtype)  # noqa: E731
   J = spec.simko_k
   call_rows = ModelRows(
     tokens_YT=rows((Y, T)),
@@ -224,7 +226,8 @@ def trainer_programs(
         )
       )
   else:  # each pass gathers its weights once (config.mesh.gather_once)
-    whole = _abstract_params(model_cfg, mesh, mesh_lib.GATHERED_RULES, model_cfg.dtype)
+    gathered = mesh_lib.PASS_RULES if dp else mesh_lib.GATHERED_RULES
+    whole = _abstract_params(model_cfg, mesh, gathered, model_cfg.dtype)
     policy_resident: tuple[str, ...] = ("optimizer state", "reference", "sampling params")
     passes = [("", trained_params, {"adapters": adapters}, policy_resident)]
     if spec.needs_reference:

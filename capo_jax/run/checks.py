@@ -62,6 +62,8 @@ def batch(r: Rollout, t: Train) -> None:
       t.logprob_rows,
       f"must be 0 (all rows at once) or divide num_prompts * num_samples = {B}",
     )
+  if t.logprob_pack_rows < 0:
+    fail("train.logprob_pack_rows", t.logprob_pack_rows, "must be 0 (pack_rows) or positive")
   if r.prompts_per_call < 0 or (r.prompts_per_call and r.num_prompts % r.prompts_per_call):
     fail(
       "rollout.prompts_per_call",
@@ -243,4 +245,29 @@ def reduce_once(m: Mesh, lora: bool) -> None:
       True,
       "needs mesh.gather_once=True and full fine-tuning (with LoRA the adapters' "
       "gradients are small): set --config.mesh.reduce_once=False",
+    )
+
+
+def logprob_data_parallel(
+  m: Mesh, lora: bool, rows_per_call: int, devices: int, packed: bool
+) -> None:
+  """``mesh.logprob_data_parallel`` runs the passes on the once-gathered copy made whole
+  (``mesh.gather_once``; a LoRA run's passes use the base's split copy), each call's
+  rows split over every chip: a multiple of them."""
+  if not m.logprob_data_parallel:
+    return
+  if not m.gather_once or lora:
+    fail(
+      "mesh.logprob_data_parallel",
+      True,
+      "needs mesh.gather_once=True and full fine-tuning: set "
+      "--config.mesh.logprob_data_parallel=False",
+    )
+  if rows_per_call % devices:
+    field = "train.logprob_pack_rows" if packed else "train.logprob_rows"
+    fail(
+      field,
+      rows_per_call,
+      f"with mesh.logprob_data_parallel each log-prob call's rows split over all {devices} "
+      f"chips: set --config.{field} to a multiple of {devices}",
     )

@@ -71,20 +71,23 @@ def build(spec: RunSpec, model_cfg: Qwen2Config, mesh: jax.sharding.Mesh) -> Ste
   share = r.num_samples if spec.model.shared_prompts else 0
   # Unpacked rows are as wide as the step's sequences (0: the batch's own width).
   row_len = row_len if pack else 0
+  # The passes' own split: the train mesh's, or every chip's rows on a whole copy.
+  pass_rules = mesh_lib.PASS_RULES if spec.mesh.logprob_data_parallel else rules
+  whole = mesh_lib.PASS_RULES if spec.mesh.logprob_data_parallel else mesh_lib.GATHERED_RULES
   logprobs = LogprobPass(
     fn=ts.make_logprob_fn(
       model_cfg,
       mesh,
-      rules,
+      pass_rules,
       rows_per_call,
       chunk_size=spec.train.logprob_chunk,
       top_k=spec.simko_k,
       lora=tcfg.lora,
     ),
     layout=RowLayout(row_len, rows_per_call, pack, share, model_cfg.shared_prompt_cols),
-    rows_sharding=mesh_lib.batch_sharding(mesh, rules, rows_per_call, name="model rows"),
+    rows_sharding=mesh_lib.batch_sharding(mesh, pass_rules, rows_per_call, name="model rows"),
     index_sharding=mesh_lib.batch_sharding(mesh, rules, B),
-    gather=ts.make_gather(model_cfg, mesh) if spec.mesh.gather_once else None,
+    gather=ts.make_gather(model_cfg, mesh, whole) if spec.mesh.gather_once else None,
   )
   batch_layout = BatchLayout(
     rows=RowLayout(row_len, rows_per_mb, pack, share, model_cfg.shared_prompt_cols),

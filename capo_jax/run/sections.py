@@ -129,6 +129,7 @@ class Train:
   pack: bool
   pack_len: int
   pack_rows: int
+  logprob_pack_rows: int  # packed rows per log-prob call (0: pack_rows)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -145,6 +146,9 @@ class Mesh:
   # an update's micro-batches and the update reduces the chips' sums once
   # (capo_jax.rl.local_grads), not an all-reduce per micro-batch.
   reduce_once: bool
+  # With gather_once: the log-prob passes split their rows over every chip, tensor
+  # included, on a whole copy (mesh.PASS_RULES); the updates keep the train mesh's split.
+  logprob_data_parallel: bool
 
   def sizes(self) -> dict[str, int]:
     return {ax: getattr(self, ax) for ax in mesh_lib.MESH_AXES}

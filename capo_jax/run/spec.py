@@ -151,6 +151,9 @@ class RunSpec:
     checks.outputs(self.data, self.eval, self.log, self.checkpoint)
     n = jax.device_count() if num_devices is None else num_devices
     shards = checks.mesh(self.mesh.sizes(), n)
+    checks.logprob_data_parallel(
+      self.mesh, self.lora_config() is not None, self.logprob_rows_per_call, n, self.train.pack
+    )
     checks.row_shards(self.packing_shape()[1], shards)
     # The typed algorithms check their fields: every one the config sets, used or not.
     for part, fields in (
@@ -272,7 +275,7 @@ class RunSpec:
   def logprob_rows_per_call(self) -> int:
     """Model rows per call of the old / reference log-prob pass."""
     if self.train.pack:
-      return self.packing_shape()[1]
+      return self.train.logprob_pack_rows or self.packing_shape()[1]
     return self.train.logprob_rows or self.rollout.num_prompts * self.rollout.num_samples
 
   def train_config(self) -> TrainConfig:

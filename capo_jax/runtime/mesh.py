@@ -108,7 +108,20 @@ SAMPLING_RULES: Rules = (
 # (``config.mesh.gather_once``) rather than layer by layer inside each call.
 GATHERED_RULES: Rules = (("embed", None),) + tuple(r for r in TRAIN_RULES if r[0] != "embed")
 
-RULES = {"train": TRAIN_RULES, "sampling": SAMPLING_RULES, "gathered": GATHERED_RULES}
+# The log-prob passes as pure data parallelism (``config.mesh.logprob_data_parallel``):
+# the rows over every chip of the train mesh, tensor included, each chip running whole
+# rows on the whole compute-dtype copy gathered once a pass, so a call sends nothing.
+ALL_ROWS = ("batch", "attn_batch", "choice_rows")
+PASS_RULES: Rules = tuple(
+  (name, ("data", "fsdp", "tensor") if name in ALL_ROWS else None) for name, _ in TRAIN_RULES
+)
+
+RULES = {
+  "train": TRAIN_RULES,
+  "sampling": SAMPLING_RULES,
+  "gathered": GATHERED_RULES,
+  "pass": PASS_RULES,
+}
 
 
 def _axis_items(axes: Mapping[str, int] | Sequence[tuple[str, int]]) -> list[tuple[str, int]]:
