@@ -44,6 +44,9 @@ from models import sharding, splash_blocks
 IMPLEMENTATIONS = ("auto", "reference", "xla", "flash", "splash")
 DEFAULT_BLOCK = 128  # flash: small blocks skip more of a packed row's masked pairs
 SPLASH_BLOCK = 512  # the kernel's own default block
+# The name of splash's residuals (its output and log-sum-exp): the "projections" remat
+# policy keeps them, so a layer's backward does not run the forward kernel again.
+SPLASH_RESIDUALS = "splash_residuals"
 # Finite, so exp(masked - running max) is 0 without inf - inf = NaN.
 _NEG = -1e30
 
@@ -267,7 +270,12 @@ def _splash_kernel(N: int, T: int, block: int, interpret: bool):
     block_kv_dq=block,
   )
   return sa.make_splash_mha(
-    mask, block_sizes=sizes, head_shards=1, q_seq_shards=1, interpret=interpret
+    mask,
+    block_sizes=sizes,
+    head_shards=1,
+    q_seq_shards=1,
+    residual_checkpoint_name=SPLASH_RESIDUALS,
+    interpret=interpret,
   )
 
 

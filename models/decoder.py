@@ -51,10 +51,14 @@ _c = sharding.constrain
 # projections are saved by name, not as "dots without batch dims": under
 # ``mesh.reduce_once`` the model runs vmapped over per-shard weight copies, which gives
 # every projection a batch dim.
+# With them, the attention's output and log-sum-exp where splash computes them (on TPU),
+# so the backward does not run the forward kernel again.
 _SAVED_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "mlp_gate", "mlp_up")
 REMAT_POLICIES = {
   "full": jax.checkpoint_policies.nothing_saveable,
-  "projections": jax.checkpoint_policies.save_only_these_names(*_SAVED_PROJECTIONS),
+  "projections": jax.checkpoint_policies.save_only_these_names(
+    *_SAVED_PROJECTIONS, attention_lib.SPLASH_RESIDUALS
+  ),
 }
 
 # Logical axes of a layer's kernels.

@@ -32,6 +32,7 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 
 from models import attention, sharding, splash_blocks
 
@@ -287,19 +288,25 @@ def _merged_fwd(
   own = splash_blocks.with_tables(kernels.own, own_tables)
   o_a, res_a = _call_fwd(own, q, k, v, seg_own)
   o_b, res_b = _call_fwd(kernels.prompt, q, k_p, v_p, seg_prompt)
-  lse_a, lse_b = res_a[6], jnp.where(use_T[None], res_b[6], -jnp.inf)  # [N, T]
+  # What the backward reads of the calls, the two log-sum-exps and the merged output, is
+  # named: the "projections" remat policy keeps it, so the backward runs neither kernel
+  # again (nothing it reads may come from a kernel's unnamed outputs).
+  name = lambda x: checkpoint_name(x, attention.SPLASH_RESIDUALS)  # noqa: E731
+  lse_a, lse_b_all = name(res_a[6]), name(res_b[6])  # [N, T]
+  lse_b = jnp.where(use_T[None], lse_b_all, -jnp.inf)
   lse = jnp.logaddexp(lse_a, lse_b)
   a, b = jnp.exp(lse_a - lse), jnp.exp(lse_b - lse)
   o = a[..., None] * o_a.astype(jnp.float32) + b[..., None] * o_b.astype(jnp.float32)
-  o = jnp.where(use_T[None, :, None], o, o_a.astype(jnp.float32)).astype(q.dtype)
-  return o, (res_a, res_b, o, a, b, use_T, own_tables)
+  o = name(jnp.where(use_T[None, :, None], o, o_a.astype(jnp.float32)).astype(q.dtype))
+  # Each call's backward runs with the merged output as its residual (module doc).
+  res_a = res_a[:5] + (o, lse_a) + res_a[7:]
+  res_b = res_b[:5] + (o, lse_b_all) + res_b[7:]
+  return o, (res_a, res_b, a, b, use_T, own_tables)
 
 
 def _merged_bwd(kernels: _Kernels, saved: tuple, do: jax.Array) -> tuple:
-  res_a, res_b, o, a, b, use_T, own_tables = saved
-  # Each call's backward with the merged output as its residual and its share of dO.
-  res_a = res_a[:5] + (o,) + res_a[6:]
-  res_b = res_b[:5] + (o,) + res_b[6:]
+  res_a, res_b, a, b, use_T, own_tables = saved
+  # Each call's backward with its share of dO.
   do32 = do.astype(jnp.float32)
   do_a = (a[..., None] * do32).astype(do.dtype)
   do_b = jnp.where(use_T[None, :, None], b[..., None] * do32, 0.0).astype(do.dtype)

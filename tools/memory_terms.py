@@ -320,14 +320,16 @@ def memory_terms(
   m["reduce_once (f32 sums, 8 B/param as compiled)"] = 8 * P / t if run.reduce_once else 0.0
   m["boundary activations"] = L * r * T * D * act
   # remat_policy "projections": every layer also keeps its projections' outputs that the
-  # backward reads (q, k, v for the attention it recomputes; o for the MLP's norm; gate,
-  # up for the MLP's product), stacked over the layers. The 1.5B train program holds
-  # twice those bytes (v4-32 by the TPU compiler and one row on CPU: 333-336 MiB more a
-  # layer for a 4,096-token row, not 168), 7B on v4-64 and a LoRA run about once: two
-  # copies are counted, an upper bound there (docs/results/tpu.md,
-  # train_remat_projections).
+  # backward reads (q, k, v for the attention's backward; o for the MLP's norm; gate,
+  # up for the MLP's product) and splash attention's output and float32 log-sum-exp (on
+  # TPU: its backward then runs no forward kernel again), stacked over the layers. The
+  # 1.5B train program holds twice those bytes (v4-32 by the TPU compiler and one row on
+  # CPU: 333-336 MiB more a layer for a 4,096-token row, not 168, before the attention's
+  # were kept), 7B on v4-64 and a LoRA run about once: two copies are counted, an upper
+  # bound there (docs/results/tpu.md, train_remat_projections).
   H = cfg.head_dim
-  saved = N * H / t + 2 * K * H / math.gcd(t, K) + D + 2 * F / t
+  attn = N * H / t + N / t * 4 / act  # output and log-sum-exp
+  saved = N * H / t + 2 * K * H / math.gcd(t, K) + D + 2 * F / t + attn
   keeps = cfg.remat and cfg.remat_policy == "projections"
   m[SAVED] = 2 * L * r * T * saved * act if keeps else 0.0
   m["layer working set"] = r * (
