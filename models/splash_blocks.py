@@ -4,8 +4,8 @@ Splash's block tables (``MaskInfo``) come from its mask, which is static: a caus
 over a 4,096-token row computes every block on or below the diagonal. Its segment ids
 are applied inside each block, so a packed row's blocks where the queries of one
 sequence meet the keys of an earlier one are computed and then masked whole: at the
-length model of ``tools/step_estimate.py`` about two fifths of the causal block pairs
-(``tools/step_estimate.py``'s ``splash_pair_share``). The kernel's own dynamic-mask path
+length model about two fifths of the causal block pairs (``tools/step_estimate.py``'s
+``splash_pair_share``). The kernel's own dynamic-mask path
 cannot be built inside ``jit`` from traced segment ids (jax 0.10: its ``MaskInfo``
 flag becomes a tracer the kernel branches on in Python).
 
@@ -25,8 +25,8 @@ The tables differ per row, so ``vmap`` over rows runs the kernel once per row in
 loop (Pallas batches scalar-prefetched operands with an explicit loop), where a static
 table let it add a grid axis: the same blocks, in one call per row.
 
-Shape letters: T query columns, S key columns, X query blocks, Y key blocks, A a
-table's leading head axis, J its grid steps.
+Shape letters: T query columns, S key columns, X query blocks, Y key blocks (a
+table's leading head axis and its grid steps go unnamed: splash lays them out).
 """
 
 from __future__ import annotations
@@ -58,26 +58,26 @@ def _meet(q: tuple[jax.Array, ...], k: tuple[jax.Array, ...]) -> jax.Array:
 def _skip(info: Any, q_ids_T: jax.Array, kv_ids_S: jax.Array, bq: int, bkv: int, dkv: bool) -> Any:
   """``info``'s ``block_mask`` with the blocks whose queries and keys share no id set to 0.
 
-  Forward and dq tables are [A, X, J], step j of query block x reading key block
-  ``data_next[a, x, j]``; the dkv table is [A, J, Y], step j of key block y reading
-  query block ``data_next[a, j, y]`` (splash's ``_next_nonzero``). Without
-  ``data_next`` the steps are the blocks themselves.
+  Forward and dq tables are [A, X, J] (A heads or one, J grid steps), step j of query
+  block x reading key block ``data_next[a, x, j]``; the dkv table is [A, J, Y], step j
+  of key block y reading query block ``data_next[a, j, y]`` (splash's
+  ``_next_nonzero``). Without ``data_next`` the steps are the blocks themselves.
   """
   if info is None or info.block_mask is None:
     return None
   q_X = block_ranges(q_ids_T, bq)
   k_Y = block_ranges(kv_ids_S, bkv)
-  mask_AXJ = info.block_mask
-  _, P, Q = mask_AXJ.shape
+  mask = info.block_mask
+  _, n1, n2 = mask.shape
   step = None if info.data_next is None else info.data_next.astype(jnp.int32)
   if dkv:  # [A, J, Y]: the steps index query blocks
-    x = jnp.arange(P)[None, :, None] if step is None else step
-    y = jnp.arange(Q)[None, None, :]
+    x = jnp.arange(n1)[None, :, None] if step is None else step
+    y = jnp.arange(n2)[None, None, :]
   else:  # [A, X, J]: the steps index key blocks
-    x = jnp.arange(P)[None, :, None]
-    y = jnp.arange(Q)[None, None, :] if step is None else step
+    x = jnp.arange(n1)[None, :, None]
+    y = jnp.arange(n2)[None, None, :] if step is None else step
   meet = _meet(tuple(r[x] for r in q_X), tuple(r[y] for r in k_Y))
-  return jnp.where(meet, mask_AXJ, 0).astype(mask_AXJ.dtype)
+  return jnp.where(meet, mask, 0).astype(mask.dtype)
 
 
 def tables(kernel: Any, q_ids_T: jax.Array, kv_ids_S: jax.Array) -> tuple[Any, Any, Any]:
