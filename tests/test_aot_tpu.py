@@ -85,10 +85,12 @@ def test_memory_and_cost_analysis(compiled):
     cost = p.cost
     assert cost["xla_flops"] > 0 and cost["xla_bytes"] > 0, cost
   # The tiny model's 2 layers run under lax.scan: counted per iteration they
-  # cost about twice one body (less: the unembedding and update run once).
+  # cost about twice one body (less: the unembedding and update run once; a little
+  # more for the attention, whose kernel runs once per row of a chip in a loop of its
+  # own: per-row block tables, models/splash_blocks.py).
   text = progs["train"].compiled.as_text()
   once, full = hlo_cost.hlo_cost(text, trip_counts=False), hlo_cost.hlo_cost(text)
-  assert 1.3 < full["flops"] / once["flops"] < 2.01, (once, full)
+  assert 1.3 < full["flops"] / once["flops"] < 2.5, (once, full)
   assert full["flops"] == progs["train"].cost["flops"]
   # The decode loop has no constant bound (nor its refill copy and, past one
   # attention block, the blocks read per layer): counted once, and reported.
