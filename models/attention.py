@@ -327,6 +327,26 @@ def in_row_shards(
   )(q_BTNH, k_BSKH, v_BSKH, *ids_BT)
 
 
+def splash_width(T: int, block: int) -> int:
+  """The splash blocks' width for rows of T columns: ``block`` in whole 128-column tiles,
+  or T rounded up to a tile, whichever is smaller."""
+  return min(max(block // 128, 1) * 128, -(-T // 128) * 128)
+
+
+def splash_inputs(
+  q_BTNH: jax.Array, k_BSKH: jax.Array, v_BSKH: jax.Array, segment_ids_BT: jax.Array, width: int
+) -> tuple[jax.Array, jax.Array, jax.Array, jax.Array]:
+  """The kernel's operands: q scaled (the kernel does not scale the scores), q, k, v as
+  [B, heads, T_pad, H], and the segment ids, T padded to a multiple of ``width`` (the
+  padding its own segment, -1)."""
+  T_pad = -(-q_BTNH.shape[1] // width) * width
+  H = q_BTNH.shape[-1]
+  q = jnp.swapaxes(_pad_rows(q_BTNH * jnp.asarray(H**-0.5, q_BTNH.dtype), T_pad), 1, 2)
+  k = jnp.swapaxes(_pad_rows(k_BSKH, T_pad), 1, 2)
+  v = jnp.swapaxes(_pad_rows(v_BSKH, T_pad), 1, 2)
+  return q, k, v, _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
+
+
 def _splash_local(
   q_BTNH: jax.Array,
   k_BSKH: jax.Array,
@@ -338,13 +358,9 @@ def _splash_local(
   from jax.experimental.pallas.ops.tpu import splash_attention as sa
 
   B, T, N, H = q_BTNH.shape
-  width = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
-  T_pad = -(-T // width) * width
-  kernel = _splash_kernel(N, T_pad, width, interpret)
-  q = jnp.swapaxes(_pad_rows(q_BTNH * jnp.asarray(H**-0.5, q_BTNH.dtype), T_pad), 1, 2)
-  k = jnp.swapaxes(_pad_rows(k_BSKH, T_pad), 1, 2)
-  v = jnp.swapaxes(_pad_rows(v_BSKH, T_pad), 1, 2)
-  seg = _pad_rows(segment_ids_BT.astype(jnp.int32), T_pad, -1)
+  width = splash_width(T, block)
+  q, k, v, seg = splash_inputs(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, width)
+  kernel = _splash_kernel(N, seg.shape[1], width, interpret)
   # Each row's own block tables: the blocks two of its sequences meet in are skipped.
   one = lambda q_NTH, k_KSH, v_KSH, seg_T: splash_blocks.per_row(kernel, seg_T, seg_T)(
     q_NTH, k_KSH, v_KSH, segment_ids=sa.SegmentIds(q=seg_T, kv=seg_T)

@@ -146,13 +146,10 @@ def _local(
 ) -> jax.Array:
   """``splash`` on the rows and heads one device holds."""
   B, T, N, H = q_BTNH.shape
-  width = min(max(block // 128, 1) * 128, -(-T // 128) * 128)
-  T_pad = -(-T // width) * width
-  pad = lambda x, fill=0: attention._pad_rows(x, T_pad, fill)  # noqa: SLF001
-  q = jnp.swapaxes(pad(q_BTNH * jnp.asarray(H**-0.5, q_BTNH.dtype)), 1, 2)
-  k, v = jnp.swapaxes(pad(k_BSKH), 1, 2), jnp.swapaxes(pad(v_BSKH), 1, 2)
-  seg = pad(segment_ids_BT.astype(jnp.int32), -1)
-  branch = pad(branch_ids_BT.astype(jnp.int32))
+  width = attention.splash_width(T, block)
+  q, k, v, seg = attention.splash_inputs(q_BTNH, k_BSKH, v_BSKH, segment_ids_BT, width)
+  T_pad = seg.shape[1]
+  branch = attention._pad_rows(branch_ids_BT.astype(jnp.int32), T_pad)  # noqa: SLF001
   kernels = _Kernels(N, T_pad, prompt_cols, min(width, prompt_cols), width, interpret)
   with jax.named_scope(splash_blocks.SCOPE):
     out_BNTH = jax.vmap(functools.partial(_row, kernels, prompt_cols))(q, k, v, seg, branch)
@@ -258,19 +255,9 @@ def _call_bwd(kernel: Any, res: tuple, do: jax.Array) -> tuple[jax.Array, ...]:
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _merged(
-  kernels: _Kernels,
-  q: jax.Array,
-  k: jax.Array,
-  v: jax.Array,
-  k_p: jax.Array,
-  v_p: jax.Array,
-  seg_own: Any,
-  seg_prompt: Any,
-  use_T: jax.Array,
-  own_tables: tuple,
-) -> jax.Array:
-  return _merged_fwd(kernels, q, k, v, k_p, v_p, seg_own, seg_prompt, use_T, own_tables)[0]
+def _merged(kernels: _Kernels, *args: Any) -> jax.Array:
+  """The merged output; ``args`` as ``_merged_fwd`` names them."""
+  return _merged_fwd(kernels, *args)[0]
 
 
 def _merged_fwd(

@@ -41,7 +41,7 @@ import numpy as np
 from capo_jax.rl import packing
 from capo_jax.run import hlo_cost
 from capo_jax.sampling import plans
-from models.attention import SPLASH_BLOCK
+from models.attention import SPLASH_BLOCK, splash_width
 from tools import rollout_sim
 
 
@@ -134,9 +134,7 @@ def trips(sh: Any, phases: int, slots: int, updates: int, lengths: Lengths) -> T
     per_update = np.array_split(comp, updates)
     mbs.append(np.mean([-(-len(rows(u)) // sh.rows_per_microbatch) for u in per_update]))
     fill.append(laid / (n_rows * sh.row_len))
-    pairs.append(
-      splash_pair_share(laid_R, sh.row_len, min(SPLASH_BLOCK, -(-sh.row_len // 128) * 128))
-    )
+    pairs.append(splash_pair_share(laid_R, sh.row_len, splash_width(sh.row_len, SPLASH_BLOCK)))
   return Trips(
     tuple(np.mean(steps, 0)),
     tuple(np.mean(blocks, 0)),
