@@ -9,7 +9,7 @@ The workload is one RL step of the testbed as the trainer runs it: the demo's mo
 (``warm_start.default_model_config``: 4 layers, hidden 128, float32, char vocabulary)
 with random weights, 32 of the task's RL prompts x 8 completions of 1-3 digits and
 ``<eos>`` (the answers' lengths), planned into the two updates' packed micro-batches
-by ``packing.plan_step`` with the config's row layout, the config's loss (CAPO) and
+by ``microbatches.plan_step`` with the config's row layout, the config's loss (CAPO) and
 AdamW. Each round times, after a warm-up that compiles everything:
 
   update   the step's two jitted train updates (``train_step.make_train_step``);
@@ -162,7 +162,7 @@ def main(argv: list[str] | None = None) -> None:
   import jax
 
   from capo_jax.demo import warm_start
-  from capo_jax.rl import packing
+  from capo_jax.rl import microbatches
   from capo_jax.rl import train_step as ts
   from capo_jax.rl.batch import Sequences
   from capo_jax.run.spec import RunSpec
@@ -176,8 +176,8 @@ def main(argv: list[str] | None = None) -> None:
     c.train.pack_rows = args.pack_rows
   spec = RunSpec.from_config(c, policy_given=True, num_devices=1)
   row_len, rows = spec.packing_shape()
-  layout = packing.RowLayout(row_len, rows, spec.train.pack)
-  plans = packing.plan_step(
+  layout = microbatches.RowLayout(row_len, rows, spec.train.pack)
+  plans = microbatches.plan_step(
     d["prompt"], d["pmask"], d["comp"], d["cmask"], layout, spec.rows_per_update
   )
   seqs = Sequences(

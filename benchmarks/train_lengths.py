@@ -8,11 +8,11 @@ lengths geometric with mean 128, capped at 1,024 (a long tail). Both steps get
 the same model, weights, loss (PPO clip, seq-mean-token-mean), optimizer and
 batch:
 
-  padded   one sequence per row (``packing.plan_update(pack=False)``): rows of
+  padded   one sequence per row (``microbatches.plan_update(pack=False)``): rows of
            P + C tokens with C the longest completion (bucketed to 16, as
            ``rollout.collect`` does), ``--microbatches`` micro-batches of B / M
            rows, the reference (T x T) attention;
-  packed   ``packing.plan_update(pack=True)`` into rows of P + 1,024 tokens (the
+  packed   ``microbatches.plan_update(pack=True)`` into rows of P + 1,024 tokens (the
            longest possible sequence), ``--pack-rows`` rows per micro-batch,
            ``model.attention = "auto"`` (the blocked attention here).
 

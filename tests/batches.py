@@ -11,7 +11,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from capo_jax.rl import packing
+from capo_jax.rl import microbatches
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences, TrainBatch
 from capo_jax.rl.logprob_pass import LogprobPass
@@ -53,12 +53,12 @@ class HostBatch:
     sequence per row; micro-batches of ``rows_per_microbatch`` rows."""
     host = lambda x: None if x is None else np.asarray(x)  # noqa: E731
     width = self.prompt_tokens_BP.shape[1] + self.completion_tokens_BC.shape[1]
-    mbs = packing.plan_update(
+    mbs = microbatches.plan_update(
       host(self.prompt_tokens_BP),
       host(self.prompt_mask_BP),
       host(self.completion_tokens_BC),
       host(self.completion_mask_BC),
-      packing.RowLayout(row_len or width, rows_per_microbatch, pack),
+      microbatches.RowLayout(row_len or width, rows_per_microbatch, pack),
       topk_ids_BCJ=host(self.old_topk_ids_BCJ),
     )
     return mbs.batch(jax.tree.map(host, self.seqs()))
@@ -85,7 +85,7 @@ def padded_pass(
   gathered = gathered or mesh_lib.GATHERED_RULES
   return LogprobPass(
     ts.make_logprob_fn(cfg, mesh, rules, rows, chunk_size=chunk_size, top_k=top_k, lora=lora),
-    layout=layout or packing.RowLayout(0, rows, pack=False),
+    layout=layout or microbatches.RowLayout(0, rows, pack=False),
     rows_sharding=sh,
     index_sharding=sh,
     gather=ts.make_gather(cfg, mesh, gathered) if gather_once else None,

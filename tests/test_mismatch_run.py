@@ -13,7 +13,7 @@ import pytest
 
 import rl_driver
 from batches import ref_completion_logp
-from capo_jax.rl import mismatch, packing
+from capo_jax.rl import microbatches, mismatch
 from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import Sequences
@@ -75,8 +75,8 @@ def test_train_step_with_icepop_and_truncation_equals_a_full_batch_reference(agg
     rows = keep.any(1)
     return -(obj.sum(1) / np.maximum(keep.sum(1), 1)).sum() / rows.sum()
 
-  mbs = packing.plan_update(
-    prompt, pmask, comp, cmask, packing.RowLayout(P + C, B // 4, pack=False)
+  mbs = microbatches.plan_update(
+    prompt, pmask, comp, cmask, microbatches.RowLayout(P + C, B // 4, pack=False)
   )
   assert mbs.rows.tokens_YT.shape[0] == 4  # four micro-batches to accumulate
   batch = mbs.batch(jax.tree.map(np.asarray, seqs))

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 from batches import HostBatch, padded_pass, run_pass
-from capo_jax.rl import logprob_pass, losses, packing
+from capo_jax.rl import logprob_pass, losses, microbatches, packing
 from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, unpack
@@ -235,7 +235,7 @@ def test_packed_logprob_pass_applies_the_adapters(setup):
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   rules, Y = mesh_lib.TRAIN_RULES, 2
   pas = padded_pass(
-    PACKED_CFG, mesh, rules, Y, lora=lcfg, layout=packing.RowLayout(ROW, Y, pack=True)
+    PACKED_CFG, mesh, rules, Y, lora=lcfg, layout=microbatches.RowLayout(ROW, Y, pack=True)
   )
   xs = (b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC)
   got = run_pass(pas, params, xs, adapters=adapters)["logp_BC"]
@@ -274,14 +274,18 @@ def test_step_pass_over_the_updates_rows_equals_unpacked(setup, pack, per_call):
   mesh = mesh_lib.make_mesh({"data": 1, "fsdp": -1, "tensor": 1})
   rules, Y = mesh_lib.TRAIN_RULES, 2
   xs = (b.prompt_tokens_BP, b.prompt_mask_BP, b.completion_tokens_BC, b.completion_mask_BC)
-  plans = packing.plan_step(*xs, packing.RowLayout(ROW if pack else 0, Y, pack), B // 2)
+  plans = microbatches.plan_step(*xs, microbatches.RowLayout(ROW if pack else 0, Y, pack), B // 2)
   # Each update holds its own sequences, in slots of the step's [B] arrays.
   for u, p in enumerate(plans):
     assert sorted(p.take_MB[p.take_MB >= 0].tolist()) == list(range(u * B // 2, (u + 1) * B // 2))
   if pack:  # the updates' target slots differ: the calls pad them to the widest
     assert plans[0].rows.targets_YZ.shape[-1] != plans[1].rows.targets_YZ.shape[-1]
   lp = padded_pass(
-    PACKED_CFG, mesh, rules, per_call, layout=packing.RowLayout(ROW if pack else 0, per_call, pack)
+    PACKED_CFG,
+    mesh,
+    rules,
+    per_call,
+    layout=microbatches.RowLayout(ROW if pack else 0, per_call, pack),
   )
   updates = logprob_pass.upload(plans, ts.batch_sharding(mesh, rules, Y))
   got = lp.run(params, updates, jnp.asarray(b.completion_mask_BC), ("logp_BC",))["logp_BC"]

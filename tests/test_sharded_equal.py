@@ -34,7 +34,7 @@ def _case(
   import numpy as np
 
   from batches import HostBatch, padded_pass, run_pass
-  from capo_jax.rl import packing
+  from capo_jax.rl import microbatches
   from capo_jax.rl import train_state as state_lib
   from capo_jax.rl import train_step as ts
   from capo_jax.rl.optim import OptimConfig
@@ -66,7 +66,7 @@ def _case(
       lambda x: np.asarray(x) + 0.05 * rng.normal(size=x.shape).astype(np.float32), adapters
     )
   row_len = 2 * (P + C) if pack else 0
-  layout = packing.RowLayout(row_len, Y, pack)
+  layout = microbatches.RowLayout(row_len, Y, pack)
   out = {}
   for name, axes, devs in (
     ("one", {"data": 1}, jax.devices()[:1]),
@@ -85,7 +85,7 @@ def _case(
         mesh_lib.PASS_RULES,
         8,
         chunk_size=4,
-        layout=packing.RowLayout(row_len, 8, pack),
+        layout=microbatches.RowLayout(row_len, 8, pack),
         gather_once=True,
         gathered=mesh_lib.PASS_RULES,
       )

@@ -2,7 +2,7 @@
 
 A pass runs the trainer's forward (``train_step.make_logprob_fn``) over a step's
 sequences as the updates will see them: the host plans each update's
-micro-batches once (``packing.plan_step``) and uploads them once (``upload``);
+micro-batches once (``microbatches.plan_step``) and uploads them once (``upload``);
 the passes regroup the micro-batches that hold tokens into calls of
 ``layout.rows`` rows on the devices, and each output comes back to the [B, C]
 layout with one gather (``run``): nothing of it returns to the host, and the
@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from capo_jax.rl import packing
+from capo_jax.rl import microbatches
 from capo_jax.rl.batch import ModelRows
 from capo_jax.runtime.host import put_global
 from capo_jax.types import Array
@@ -30,7 +30,7 @@ from capo_jax.types import Array
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class UpdateRows:
-  """One update's micro-batches on the devices (``packing.MicroBatches`` uploaded).
+  """One update's micro-batches on the devices (``microbatches.MicroBatches`` uploaded).
 
   ``filled`` (static): how many of the M micro-batches hold tokens.
   """
@@ -42,7 +42,7 @@ class UpdateRows:
 
 
 def upload(
-  plans: Sequence[packing.MicroBatches], sharding: jax.sharding.Sharding
+  plans: Sequence[microbatches.MicroBatches], sharding: jax.sharding.Sharding
 ) -> list[UpdateRows]:
   """The step's planned updates placed on the devices in one transfer; ``sharding``:
   the train batches' ([M, rows or slots, ...] on axis 1)."""
@@ -133,13 +133,13 @@ class LogprobPass:
     fn: ``train_step.make_logprob_fn`` over ``layout.rows`` rows a call.
     gather: ``train_step.make_gather``: the weights gathered once a pass, before its
       calls (``config.mesh.gather_once``); None: each call gathers its own, layer by layer.
-    layout: the calls' rows (``packing.RowLayout``); ``upload`` plans with it.
+    layout: the calls' rows (``microbatches.RowLayout``); ``upload`` plans with it.
     rows_sharding: the sharding of one call's rows (and of its outputs).
     index_sharding: the sharding of the [B, C] outputs.
   """
 
   fn: Callable[..., dict[str, Array]]
-  layout: packing.RowLayout
+  layout: microbatches.RowLayout
   rows_sharding: NamedSharding
   index_sharding: jax.sharding.Sharding
   gather: Callable[[Any], Any] | None = None
@@ -151,7 +151,7 @@ class LogprobPass:
     devices (a pass on its own; the rollout uploads its updates' rows instead)."""
     sh = self.rows_sharding
     batch_sh = NamedSharding(sh.mesh, PartitionSpec(None, *sh.spec))
-    plan = packing.plan_update(prompt_BP, pmask_BP, comp_BC, cmask_BC, self.layout)
+    plan = microbatches.plan_update(prompt_BP, pmask_BP, comp_BC, cmask_BC, self.layout)
     return upload([plan], batch_sh)
 
   def run(

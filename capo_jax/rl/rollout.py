@@ -14,7 +14,7 @@ question), ``collect`` calls what the run's setup built (``RolloutContext``):
 What crosses between host and device: the completion tokens, their lengths
 and truncation flags come to the host (to decode, grade and plan the rows);
 the rewards and the updates' model rows, planned once per step
-(``packing.plan_step``) with their index arrays, go to the devices in one
+(``microbatches.plan_step``) with their index arrays, go to the devices in one
 upload; the log-prob passes and the train batches both read those rows. The
 log-probs, masks, scores, advantages, every mini-batch's per-sequence arrays and
 the logged metrics stay on the devices: ``Rollout.metrics`` holds device scalars
@@ -38,7 +38,7 @@ import jax
 import numpy as np
 
 from capo_jax.data.datasets import Example
-from capo_jax.rl import mismatch, packing
+from capo_jax.rl import microbatches, mismatch
 from capo_jax.rl.batch import Sequences, TrainBatch
 from capo_jax.rl.drawing import Drawer
 from capo_jax.rl.logprob_pass import LogprobPass, UpdateRows
@@ -104,9 +104,9 @@ def _device_batch(
 ) -> TrainBatch:
   """An update's ``TrainBatch`` from its uploaded rows and the step's sequences, gathered
   into the micro-batches' slots on the devices."""
-  seqs_MB = packing.regroup(seqs, take_MB)
+  seqs_MB = microbatches.regroup(seqs, take_MB)
   if seqs.old_topk_ids_BCJ is not None:  # SimKO: each target's old top-K ids
-    rows = packing.scatter_topk(rows, index_MBC, seqs_MB)
+    rows = microbatches.scatter_topk(rows, index_MBC, seqs_MB)
   return jax.lax.with_sharding_constraint(TrainBatch(rows, index_MBC, seqs_MB), sharding)
 
 

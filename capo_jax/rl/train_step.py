@@ -11,7 +11,7 @@ Typical use::
   rules = capo_jax.runtime.mesh.TRAIN_RULES
   tcfg = TrainConfig(policy_loss=losses.Ppo(), optim=OptimConfig(learning_rate=1e-6))
   state = create_train_state(model_cfg, tcfg, rng, mesh, rules)   # or from params
-  layout = packing.plan_update(prompt, pmask, comp, cmask, packing.RowLayout(T, Y))
+  layout = microbatches.plan_update(prompt, pmask, comp, cmask, microbatches.RowLayout(T, Y))
   step_fn = make_train_step(model_cfg, tcfg, mesh, rules, rows_per_microbatch=Y)
   state, metrics = step_fn(state, layout.batch(seqs))   # `state` is donated: use the new one
 

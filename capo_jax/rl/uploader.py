@@ -3,7 +3,7 @@
 The rollout's arrays live on the host until its groups are chosen (the tokens,
 to decode and grade them; the rewards, from the graders). ``Uploader.to_devices``
 then places, once a step, everything the device programs read of them: the
-updates' model rows, planned once (``packing.plan_step``) and sent in one
+updates' model rows, planned once (``microbatches.plan_step``) and sent in one
 transfer (``logprob_pass.upload``), which the log-prob passes and the train
 batches both read; the groups' rewards and labels, replicated on every device;
 the per-row labels (SimKO) and kept rows (``mismatch.MismatchSpec.mask_truncated``)
@@ -17,7 +17,7 @@ import dataclasses
 import jax
 import numpy as np
 
-from capo_jax.rl import packing
+from capo_jax.rl import microbatches
 from capo_jax.rl.drawing import Graded
 from capo_jax.rl.logprob_pass import UpdateRows, upload
 from capo_jax.runtime.host import put_global
@@ -29,12 +29,12 @@ class BatchLayout:
   """How an update's sequences become a ``TrainBatch`` (the run's packing settings).
 
   Attributes:
-    rows: the micro-batches' rows (``packing.RowLayout``).
+    rows: the micro-batches' rows (``microbatches.RowLayout``).
     sharding: the train batch's sharding ([M, rows or slots, ...] on axis 1).
     prompts: questions per update (the PPO mini-batch).
   """
 
-  rows: packing.RowLayout
+  rows: microbatches.RowLayout
   sharding: jax.sharding.Sharding
   prompts: int
 
@@ -83,7 +83,7 @@ class Uploader:
     labels and row flags, on the devices."""
     G = sel.rewards_QG.shape[1]
     prompt_BP, pmask_BP = sel.prompts_BP()
-    plans = packing.plan_step(
+    plans = microbatches.plan_step(
       prompt_BP, pmask_BP, sel.comp_BC, sel.cmask_BC, self.batches.rows, self.batches.prompts * G
     )
     # The updates' rows first, in one transfer: the passes and the updates read them.

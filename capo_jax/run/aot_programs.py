@@ -17,7 +17,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import Mesh, NamedSharding
 
-from capo_jax.rl import packing
+from capo_jax.rl import microbatches, packing
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
 from capo_jax.run import programs as programs_lib
@@ -101,9 +101,9 @@ class Shapes:
       rows_per_call=L,
       logprob_calls=-(-rows_needed(B) // L),
       targets_per_row=packing.bucket(row_len - 1),
-      microbatches=packing.pow2(-(-rows_needed(R) // Y)),
+      microbatches=microbatches.pow2(-(-rows_needed(R) // Y)),
       rows_per_microbatch=Y,
-      slots_per_microbatch=Y * packing.pow2(-(-R // Y)),
+      slots_per_microbatch=Y * microbatches.pow2(-(-R // Y)),
     )
 
 

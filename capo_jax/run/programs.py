@@ -22,7 +22,7 @@ from capo_jax.rl import train_state as state_lib
 from capo_jax.rl import train_step as ts
 from capo_jax.rl.drawing import Drawer
 from capo_jax.rl.logprob_pass import LogprobPass
-from capo_jax.rl.packing import RowLayout
+from capo_jax.rl.microbatches import RowLayout
 from capo_jax.rl.rollout import RolloutContext
 from capo_jax.rl.uploader import BatchLayout, Uploader
 from capo_jax.run.spec import ConfigError, RunSpec
