@@ -20,8 +20,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from capo_jax.rl import packing
 from capo_jax.rl.batch import ModelRows, Sequences, TrainBatch
-from capo_jax.rl.packing import bucket, pad_rows, plan
 
 
 def pow2(n: int) -> int:
@@ -112,7 +112,7 @@ def plan_update(
   topk_ids_BCJ: np.ndarray | None = None,
 ) -> MicroBatches:
   """Lays one update's sequences into micro-batches of ``layout.rows`` rows."""
-  pl = plan(
+  pl = packing.plan(
     prompt_tokens_BP,
     prompt_mask_BP,
     completion_tokens_BC,
@@ -126,9 +126,9 @@ def plan_update(
   Y = layout.rows
   filled = -(-pl.rows.tokens_YT.shape[0] // Y)
   M = pow2(filled)
-  pl = dataclasses.replace(pl, rows=pad_rows(pl.rows, M * Y))
+  pl = dataclasses.replace(pl, rows=packing.pad_rows(pl.rows, M * Y))
   # One Z for the update (the micro-batches stack), from its fullest row.
-  Z = bucket(np.bincount(pl.rows.target_row_N, minlength=1).max(initial=0))
+  Z = packing.bucket(np.bincount(pl.rows.target_row_N, minlength=1).max(initial=0))
   groups = [pl.group(m * Y, (m + 1) * Y, Z) for m in range(M)]
   rows = jax.tree.map(lambda *xs: np.stack(xs), *[g[0] for g in groups])
   mb_B = pl.row_B // Y
